@@ -1,0 +1,38 @@
+# The two set-up commands of the README. Each creates the environment if it is missing.
+PY ?= python3.11
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PRESET ?= tiny-cpu
+ARGS ?=
+
+export MLFLOW_DISABLE_TELEMETRY = true
+export DO_NOT_TRACK = true
+export HF_HUB_OFFLINE = 1
+export TRANSFORMERS_OFFLINE = 1
+export PREFECT_SERVER_ANALYTICS_ENABLED = false
+
+.PHONY: demo test env clean mlflow-ui
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (Python 3.11)"; exit 1; }
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first, pinned: the CPU wheel (any other torch would pull a CUDA build)
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+env: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/difflm run --preset $(PRESET) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+mlflow-ui: $(STAMP)
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///.difflm/mlflow.db --host 127.0.0.1 --port 5000
+
+clean:
+	rm -rf .difflm

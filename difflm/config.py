@@ -1,0 +1,265 @@
+"""The one typed configuration of the pipeline.
+
+The same tree is the CLI's input (a YAML preset plus ``key.sub=value`` overrides), the Prefect flow's
+parameter, the file handed to ``torchrun`` and the MLflow params. Every stage reads only its own
+sections, and each stage's output directory is named by a hash of the sections it depends on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+class _Section(BaseModel):
+    # extra="forbid": a misspelt key is an error, not a silently ignored setting.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    inputs: list[str] = Field(
+        default_factory=lambda: ["demo:enwiki"],
+        description="Sources: 'demo:enwiki' (embedded Wikipedia sample) or paths to .jsonl[.gz] files/folders.",
+    )
+    text_key: str = Field("text", description="Field holding the document text in JSONL records.")
+    max_documents: int | None = Field(None, ge=1, description="Keep at most this many documents (None: all).")
+    min_chars: int = Field(200, ge=0, description="Drop documents shorter than this many characters.")
+    valid_fraction: float = Field(0.05, ge=0.0, lt=0.5, description="Share of documents held out for validation.")
+    split_seed: int = Field(0, description="Salt of the document hash that assigns splits.")
+    workers: int = Field(1, ge=1, description="datatrove local executor worker processes.")
+
+
+class TokenizerConfig(_Section):
+    path: str | None = Field(
+        None, description="Local HF tokenizer folder or tokenizer.json; None trains a byte-level BPE on the corpus."
+    )
+    vocab_size: int = Field(4096, ge=300, description="Vocabulary size when training the BPE tokenizer.")
+    mask_token: str = Field("<|mask|>", description="Token that masked diffusion corrupts to; must exist.")
+    eos_token: str = Field("<|endoftext|>", description="Appended to every document.")
+    pad_token: str = Field("<|pad|>")
+
+
+class ModelConfig(_Section):
+    num_layers: int = Field(2, ge=1)
+    hidden_size: int = Field(64, ge=8)
+    num_attention_heads: int = Field(4, ge=1)
+    num_query_groups: int | None = Field(None, ge=1, description="GQA groups (None: as many as heads).")
+    ffn_hidden_size: int | None = Field(None, ge=1, description="None: 4*hidden (or 8/3*hidden with SwiGLU).")
+    swiglu: bool = True
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    rotary_base: int = Field(10000, ge=1)
+    qk_layernorm: bool = False
+    tie_embeddings: bool = True
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    init_method_std: float = Field(0.02, gt=0.0)
+    norm_epsilon: float = Field(1e-5, gt=0.0)
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({self.num_attention_heads})"
+            )
+        groups = self.num_query_groups or self.num_attention_heads
+        if self.num_attention_heads % groups:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups ({groups})")
+        return self
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size:
+            return self.ffn_hidden_size
+        if self.swiglu:  # keeps the parameter count of a 4h GELU MLP, rounded to a multiple of 8
+            return int(8 * self.hidden_size / 3 + 7) // 8 * 8
+        return 4 * self.hidden_size
+
+
+class DiffusionConfig(_Section):
+    model_running_mode: Literal["difflm-noshift", "ar"] = Field(
+        "difflm-noshift", description="difflm-noshift: masked diffusion, bidirectional; ar: causal baseline."
+    )
+    eps: float = Field(1e-3, gt=0.0, lt=1.0, description="t ~ U(eps, 1): lower bound of the noise level.")
+    loss_weighting: Literal["inverse_t", "none"] = Field("inverse_t", description="Weight of masked-token CE.")
+    normalize_by: Literal["all_tokens", "masked_tokens"] = Field(
+        "all_tokens", description="all_tokens: LLaDA/MegaDLMs convention (an ELBO); masked_tokens: mean over masked."
+    )
+    antithetic_t: bool = Field(False, description="Stratify t across the batch (lower-variance loss).")
+
+
+class TrainConfig(_Section):
+    seq_length: int = Field(128, ge=8)
+    micro_batch_size: int = Field(8, ge=1)
+    global_batch_size: int = Field(8, ge=1)
+    train_iters: int = Field(200, ge=1)
+    lr: float = Field(3e-3, gt=0.0)
+    min_lr: float = Field(3e-4, ge=0.0)
+    warmup_iters: int = Field(20, ge=0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.98, ge=0.0, lt=1.0)
+    clip_grad: float = Field(1.0, ge=0.0)
+    seed: int = 1234
+    log_interval: int = Field(10, ge=1)
+    eval_interval: int = Field(50, ge=1)
+    eval_iters: int = Field(4, ge=1)
+    nproc_per_node: int = Field(1, ge=1, description="torchrun processes (CPU: gloo ranks).")
+    torch_threads: int | None = Field(None, ge=1, description="Intra-op threads per rank (None: cores / ranks).")
+
+
+class ParallelConfig(_Section):
+    tensor_model_parallel_size: int = Field(1, ge=1)
+    pipeline_model_parallel_size: int = Field(1, ge=1)
+
+
+class CheckpointConfig(_Section):
+    save_interval: int = Field(100, ge=1, description="Save a megatron distributed checkpoint every N iters.")
+    keep_last: int = Field(2, ge=1, description="Keep the newest N intermediate checkpoints.")
+
+
+class EvalConfig(_Section):
+    max_documents: int = Field(32, ge=1, description="Held-out documents scored by the likelihood bound.")
+    t_samples: int = Field(8, ge=1, description="Monte-Carlo noise levels per document for the ELBO.")
+    num_samples: int = Field(3, ge=0, description="Texts generated by the diffusion sampler.")
+    sample_length: int = Field(48, ge=1)
+    sampler_steps: int = Field(24, ge=1)
+    temperature: float = Field(0.0, ge=0.0, description="0: greedy; >0: sample from softmax(logits/T).")
+    seed: int = 0
+
+
+class TrackingConfig(_Section):
+    enabled: bool = True
+    tracking_uri: str | None = Field(None, description="MLflow URI (None: sqlite store in the workdir).")
+    experiment: str = "difflm"
+    registered_model: str | None = Field("difflm-demo", description="Register the HF export under this name.")
+
+
+class PipelineConfig(_Section):
+    name: str = "tiny-cpu"
+    workdir: str = Field(".difflm", description="Where every stage writes (data, runs, MLflow, Prefect state).")
+    data: DataConfig = Field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    diffusion: DiffusionConfig = Field(default_factory=DiffusionConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _parallel_layout(self) -> "PipelineConfig":
+        p, t, m = self.parallel, self.train, self.model
+        model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
+        if t.nproc_per_node % model_parallel:
+            raise ValueError(
+                f"train.nproc_per_node ({t.nproc_per_node}) must be a multiple of tensor x pipeline parallel size ({model_parallel})"
+            )
+        dp = t.nproc_per_node // model_parallel
+        if t.global_batch_size % (t.micro_batch_size * dp):
+            raise ValueError(
+                f"train.global_batch_size ({t.global_batch_size}) must be a multiple of micro_batch_size x data-parallel size ({t.micro_batch_size * dp})"
+            )
+        if m.num_attention_heads % p.tensor_model_parallel_size:
+            raise ValueError("model.num_attention_heads must be divisible by parallel.tensor_model_parallel_size")
+        if m.num_layers % p.pipeline_model_parallel_size:
+            raise ValueError("model.num_layers must be divisible by parallel.pipeline_model_parallel_size")
+        return self
+
+    # ---- identity of stage outputs -------------------------------------------------------------
+    def stage_hash(self, *sections: str) -> str:
+        """A short content hash of the named sections: a stage's output directory name."""
+        payload = {s: getattr(self, s).model_dump(mode="json") for s in sections}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+    def flat(self) -> dict[str, Any]:
+        """`section.field -> value`, the form MLflow params take."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, obj: Any) -> None:
+            if isinstance(obj, dict):
+                for k, v in obj.items():
+                    walk(f"{prefix}.{k}" if prefix else k, v)
+            else:
+                out[prefix] = obj
+
+        walk("", self.model_dump(mode="json"))
+        return out
+
+
+class ConfigError(ValueError):
+    """An invalid configuration, with a message that names the field and what it accepts."""
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = ["invalid configuration:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; `difflm config show` lists every field)"
+        lines.append(f"  {loc}: {msg} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (['a','b'], parsed value); values parse as YAML scalars (3, 1e-3, true, null, [a, b])."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
+    key, _, raw = text.partition("=")
+    keys = [k for k in key.strip().split(".") if k]
+    if not keys:
+        raise ConfigError(f"override {text!r} has an empty key")
+    return keys, yaml.safe_load(raw) if raw.strip() else ""
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for text in overrides:
+        keys, value = parse_override(text)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {text!r}: {k!r} is not a section")
+        node[keys[-1]] = value
+    return data
+
+
+def resolve_preset(preset: str) -> Path:
+    """A preset name in configs/ or a path to a YAML file."""
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    candidate = CONFIG_DIR / f"{preset}.yaml"
+    if candidate.exists():
+        return candidate
+    known = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"no preset or YAML file {preset!r}; presets: {', '.join(known)}")
+
+
+def load_config(preset: str | None = "tiny-cpu", overrides: list[str] | None = None) -> PipelineConfig:
+    """Load a preset (name or YAML path), apply overrides, validate. Raises ConfigError before any work."""
+    data: dict[str, Any] = {}
+    if preset:
+        data = yaml.safe_load(resolve_preset(preset).read_text()) or {}
+    data = apply_overrides(data, overrides or [])
+    return validate(data)
+
+
+def validate(data: dict[str, Any]) -> PipelineConfig:
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def save_config(cfg: PipelineConfig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
+    return path

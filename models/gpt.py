@@ -1,0 +1,96 @@
+"""The diffusion LM on megatron-core: GPTModel composed from layer specs, never forked.
+
+Bidirectional attention (masked diffusion) is one spec parameter, `attn_mask_type=no_mask`; the
+autoregressive baseline keeps megatron's causal mask. The rest is megatron's own GPTModel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from difflm.config import ModelConfig, PipelineConfig
+from models.backend import resolve_backend
+
+
+def is_bidirectional(mode: str) -> bool:
+    return mode != "ar"
+
+
+def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 64) -> int:
+    """Megatron shards the embedding by TP rank: pad the vocabulary to a multiple of multiple*TP."""
+    step = multiple * tensor_parallel
+    return (vocab_size + step - 1) // step * step
+
+
+def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local"):
+    """Megatron's own layer spec with the attention mask kind chosen by the objective."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.transformer.enums import AttnMaskType
+
+    if backend == "te":
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization=model.normalization)
+    mask = AttnMaskType.no_mask if bidirectional else AttnMaskType.causal
+    spec.submodules.self_attention.params["attn_mask_type"] = mask
+    return spec
+
+
+def transformer_config(cfg: PipelineConfig, backend: str = "local"):
+    """Our small ModelConfig mapped onto megatron's TransformerConfig, in this one function."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    m, p = cfg.model, cfg.parallel
+    on_cpu = not torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups or m.num_attention_heads,
+        ffn_hidden_size=m.ffn_size,
+        gated_linear_unit=m.swiglu,
+        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
+        normalization=m.normalization,
+        layernorm_epsilon=m.norm_epsilon,
+        qk_layernorm=m.qk_layernorm,
+        add_bias_linear=False,
+        hidden_dropout=m.dropout,
+        attention_dropout=m.dropout,
+        init_method_std=m.init_method_std,
+        tensor_model_parallel_size=p.tensor_model_parallel_size,
+        pipeline_model_parallel_size=p.pipeline_model_parallel_size,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        bf16=False,
+        # Fusions need CUDA kernels; on the CPU they must be off (see models/megatron_compat.py).
+        use_cpu_initialization=on_cpu,
+        masked_softmax_fusion=not on_cpu and backend == "te",
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True):
+    """One pipeline stage of the megatron GPTModel for `cfg` (the whole model when PP=1)."""
+    from megatron.core.models.gpt import GPTModel
+
+    backend = resolve_backend("auto")
+    tcfg = transformer_config(cfg, backend)
+    return GPTModel(
+        config=tcfg,
+        transformer_layer_spec=layer_spec(cfg.model, is_bidirectional(cfg.diffusion.model_running_mode), backend),
+        vocab_size=padded_vocab_size(vocab_size, cfg.parallel.tensor_model_parallel_size),
+        max_sequence_length=cfg.train.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=cfg.model.tie_embeddings,
+        position_embedding_type="rope",
+        rotary_base=cfg.model.rotary_base,
+    )
