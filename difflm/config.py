@@ -112,6 +112,14 @@ class TrainConfig(_Section):
     nproc_per_node: int = Field(1, ge=1, description="torchrun processes (CPU: gloo ranks).")
     torch_threads: int | None = Field(None, ge=1, description="Intra-op threads per rank (None: cores / ranks).")
 
+    @model_validator(mode="after")
+    def _schedule(self) -> "TrainConfig":
+        if self.warmup_iters >= self.train_iters:
+            raise ValueError(f"warmup_iters ({self.warmup_iters}) must be below train_iters ({self.train_iters})")
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        return self
+
 
 class ParallelConfig(_Section):
     tensor_model_parallel_size: int = Field(1, ge=1)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from models.diffusion import LogitsFn
+from .diffusion import LogitsFn
 
 
 def unmask_schedule(length: int, steps: int) -> list[int]:

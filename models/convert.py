@@ -1,0 +1,141 @@
+"""Megatron distributed checkpoint -> Hugging Face folder (safetensors, config, tokenizer, model code).
+
+megatron stores a backend-neutral layout: layer tensors stacked on a leading [num_layers] axis,
+layer norms under the linear they precede (TE naming), QKV grouped per query group, GLU rows as
+[gate; up], full (unsharded) shapes whatever the TP/PP of the run. We map that onto
+`models/modeling_difflm.py`, which computes the same function.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from difflm.config import PipelineConfig
+from models.gpt import is_bidirectional, padded_vocab_size
+
+CODE_FILES = ("configuration_difflm.py", "modeling_difflm.py", "diffusion.py", "sampling.py")
+_HERE = Path(__file__).resolve().parent
+
+# megatron per-layer key (after "decoder.layers.") -> our per-layer key
+_LAYER_KEYS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
+    "self_attention.linear_qkv.weight": "self_attention.linear_qkv.weight",
+    "self_attention.linear_proj.weight": "self_attention.linear_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attention.q_norm.weight",
+    "self_attention.q_layernorm.bias": "self_attention.q_norm.bias",
+    "self_attention.k_layernorm.weight": "self_attention.k_norm.weight",
+    "self_attention.k_layernorm.bias": "self_attention.k_norm.bias",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "pre_mlp_layernorm.bias",
+    "mlp.linear_fc1.weight": "mlp.linear_fc1.weight",
+    "mlp.linear_fc2.weight": "mlp.linear_fc2.weight",
+}
+_TOP_KEYS = {
+    "embedding.word_embeddings.weight": "embed_tokens.weight",
+    "decoder.final_layernorm.weight": "final_layernorm.weight",
+    "decoder.final_layernorm.bias": "final_layernorm.bias",
+    "output_layer.weight": "output_layer.weight",
+}
+
+
+class ConversionError(RuntimeError):
+    pass
+
+
+def load_megatron_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """Full (unsharded) model tensors of a megatron dist checkpoint, optimizer state left on disk."""
+    from megatron.core import dist_checkpointing
+
+    from models.distributed import single_process_group
+
+    if not (Path(ckpt_dir) / "metadata.json").exists():
+        raise ConversionError(f"{ckpt_dir} is not a megatron distributed checkpoint (no metadata.json)")
+    with single_process_group():
+        meta = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+        wanted = {k: v for k, v in meta.items() if not k.startswith("optimizer.")}
+        return dist_checkpointing.load(wanted, str(ckpt_dir))
+
+
+def to_hf_state_dict(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for key, tensor in mg.items():
+        if key in _TOP_KEYS:
+            out[_TOP_KEYS[key]] = tensor
+        elif key.startswith("decoder.layers."):
+            sub = key[len("decoder.layers."):]
+            if sub not in _LAYER_KEYS:
+                raise ConversionError(f"no mapping for megatron tensor {key!r}")
+            for i in range(tensor.shape[0]):
+                out[f"layers.{i}.{_LAYER_KEYS[sub]}"] = tensor[i].clone()
+        elif not isinstance(tensor, torch.Tensor) or key.endswith("_extra_state"):
+            continue  # common (non-tensor) state: iteration, scheduler, optimizer param groups
+        else:
+            raise ConversionError(f"no mapping for megatron tensor {key!r}")
+    return out
+
+
+def hf_config(cfg: PipelineConfig, tokenizer: dict):
+    from models.configuration_difflm import DiffLMConfig
+
+    m = cfg.model
+    return DiffLMConfig(
+        vocab_size=padded_vocab_size(tokenizer["vocab_size"], cfg.parallel.tensor_model_parallel_size),
+        real_vocab_size=tokenizer["vocab_size"],
+        hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups or m.num_attention_heads,
+        intermediate_size=m.ffn_size,
+        hidden_act="silu" if m.swiglu else "gelu",
+        gated_mlp=m.swiglu,
+        normalization=m.normalization,
+        norm_eps=m.norm_epsilon,
+        qk_layernorm=m.qk_layernorm,
+        rope_theta=float(m.rotary_base),
+        max_position_embeddings=cfg.train.seq_length,
+        bidirectional=is_bidirectional(cfg.diffusion.model_running_mode),
+        model_running_mode=cfg.diffusion.model_running_mode,
+        mask_token_id=tokenizer["mask_id"],
+        eos_token_id=tokenizer["eos_id"],
+        pad_token_id=tokenizer["pad_id"],
+        tie_word_embeddings=m.tie_embeddings,
+        initializer_range=m.init_method_std,
+        auto_map={
+            "AutoConfig": "configuration_difflm.DiffLMConfig",
+            "AutoModelForMaskedLM": "modeling_difflm.DiffLMForMaskedLM",
+        },
+    )
+
+
+def export_hf(cfg: PipelineConfig, tokenizer: dict, ckpt_dir: Path, out_dir: Path, provenance: dict | None = None) -> Path:
+    """Write the HF folder for `ckpt_dir` into `out_dir` (replaced atomically); returns out_dir."""
+    from models.modeling_difflm import DiffLMForMaskedLM
+
+    hf_sd = to_hf_state_dict(load_megatron_weights(ckpt_dir))
+    model = DiffLMForMaskedLM(hf_config(cfg, tokenizer))
+    missing, unexpected = model.load_state_dict(hf_sd, strict=False)
+    if missing or unexpected:
+        raise ConversionError(f"checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
+    tmp = out_dir.with_name(out_dir.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    for name in CODE_FILES:
+        shutil.copy2(_HERE / name, tmp / name)
+    for f in Path(tokenizer["path"]).iterdir():
+        shutil.copy2(f, tmp / f.name)
+    (tmp / "difflm_export.json").write_text(json.dumps({"checkpoint": str(ckpt_dir), **(provenance or {})}, indent=2))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.replace(out_dir)
+    return out_dir
+
+
+def load_hf(folder: Path):
+    """Load an export offline through transformers' remote-code path, as users will."""
+    from transformers import AutoModelForMaskedLM
+
+    return AutoModelForMaskedLM.from_pretrained(str(folder), trust_remote_code=True, local_files_only=True).eval()

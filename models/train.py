@@ -1,0 +1,212 @@
+"""Training entry point, run under torchrun: `python -m torch.distributed.run ... -m models.train`.
+
+One process per rank (gloo on CPU, NCCL on GPU); megatron-core's parallel state, DDP, optimizer and
+forward-backward schedules do the parallel work. Writes megatron distributed checkpoints and
+metrics.jsonl; resumes from the latest complete checkpoint of its run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from difflm.config import PipelineConfig, load_config
+from models import checkpointing
+from models.data import build_datasets, micro_batch
+from models.gpt import build_model
+from models.objective import make_forward_step
+
+
+def _init_distributed(cfg: PipelineConfig) -> None:
+    from megatron.core import parallel_state, tensor_parallel
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    from models import megatron_compat
+
+    megatron_compat.activate()  # no-op with CUDA
+    threads = cfg.train.torch_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    torch.set_num_threads(threads)
+    parallel_state.initialize_model_parallel(
+        cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
+
+
+def build_training(cfg: PipelineConfig, vocab_size: int):
+    """(ddp_model, optimizer, scheduler) for this rank's pipeline stage."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    model = build_model(
+        cfg,
+        vocab_size,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    if torch.cuda.is_available():
+        model.cuda()
+    ddp = DistributedDataParallel(
+        model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model
+    )
+    model.config.no_sync_func = ddp.no_sync
+    model.config.finalize_model_grads_func = finalize_model_grads
+    t = cfg.train
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, bf16=False, fp16=False,
+        ),
+        [ddp],
+    )
+    sched = OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_iters,
+        lr_decay_steps=t.train_iters, lr_decay_style="cosine", start_wd=t.weight_decay, end_wd=t.weight_decay,
+        wd_incr_steps=t.train_iters, wd_incr_style="constant",
+    )
+    return ddp, opt, sched
+
+
+class MetricsWriter:
+    """metrics.jsonl on the reporting rank, and live MLflow metrics when a run id is handed over."""
+
+    def __init__(self, path: Path, active: bool):
+        self.active = active
+        self.path = path
+        self.mlflow_run = os.environ.get("DIFFLM_MLFLOW_RUN_ID") if active else None
+        self.client = None
+        if self.mlflow_run:
+            from mlflow.tracking import MlflowClient
+
+            self.client = MlflowClient()
+
+    def log(self, step: int, **metrics: float) -> None:
+        if not self.active:
+            return
+        with self.path.open("a") as fh:
+            fh.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        if self.client:
+            ts = int(time.time() * 1000)
+            for k, v in metrics.items():
+                self.client.log_metric(self.mlflow_run, k, float(v), timestamp=ts, step=step)
+
+
+def _run_schedule(cfg, ddp, dataset, step: int, forward_only: bool, micro_seed_step: int) -> float | None:
+    """One global batch through megatron's forward-backward schedule; the mean loss on the last stage."""
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    n_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
+    batches = iter([micro_batch(dataset, step, m, dp_rank, cfg, dp_size) for m in range(n_micro)])
+    mask_id = cfg_mask_id(cfg)
+    losses = get_forward_backward_func()(
+        forward_step_func=make_forward_step(cfg, mask_id, micro_seed_step, dp_rank),
+        data_iterator=batches,
+        model=[ddp],
+        num_microbatches=n_micro,
+        seq_length=cfg.train.seq_length,
+        micro_batch_size=cfg.train.micro_batch_size,
+        forward_only=forward_only,
+    )
+    if not parallel_state.is_pipeline_last_stage():
+        return None
+    loss = torch.stack([x["loss"] for x in losses]).mean()
+    dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+    return float(loss) / dp_size
+
+
+_MASK_ID: dict[str, int] = {}
+
+
+def cfg_mask_id(cfg: PipelineConfig) -> int:
+    return _MASK_ID["id"]
+
+
+def evaluate(cfg, ddp, valid) -> float | None:
+    ddp.eval()
+    with torch.no_grad():
+        # Fixed eval noise (step index -1 - i) so successive evaluations are comparable.
+        vals = [_run_schedule(cfg, ddp, valid, i, True, -1 - i) for i in range(cfg.train.eval_iters)]
+    ddp.train()
+    return None if vals[0] is None else sum(vals) / len(vals)
+
+
+def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
+    from megatron.core import parallel_state
+
+    _init_distributed(cfg)
+    tok = manifest["tokenizer"]
+    _MASK_ID["id"] = tok["mask_id"]
+    t = cfg.train
+    train_ds, valid_ds = build_datasets(
+        cfg, manifest, t.train_iters * t.global_batch_size, (t.eval_iters + 1) * t.global_batch_size
+    )
+    ddp, opt, sched = build_training(cfg, tok["vocab_size"])
+    ckpt_root = run_dir / "checkpoints"
+    start = 0
+    latest = checkpointing.latest_iteration(ckpt_root)
+    if latest is not None:
+        start = checkpointing.load_checkpoint(ckpt_root, latest, ddp.module, opt, sched)
+    reporting = (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
+    metrics = MetricsWriter(run_dir / "metrics.jsonl", reporting)
+    log = (lambda msg: print(msg, flush=True)) if reporting else (lambda msg: None)
+    log(f"[train] mode={cfg.diffusion.model_running_mode} start_iter={start} train_iters={t.train_iters} "
+        f"params/rank={sum(p.numel() for p in ddp.module.parameters()):,}")
+    if start == 0:
+        metrics.log(0, val_loss=evaluate(cfg, ddp, valid_ds))
+    tic, tokens_per_iter = time.time(), t.global_batch_size * t.seq_length
+    for step in range(start, t.train_iters):
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        loss = _run_schedule(cfg, ddp, train_ds, step, False, step)
+        ok, grad_norm, _ = opt.step()
+        sched.step(increment=1)
+        it = step + 1
+        if it % t.log_interval == 0 or it == t.train_iters:
+            dt = (time.time() - tic) / (it - start if it - start else 1)
+            lr = opt.param_groups[0]["lr"]
+            metrics.log(it, loss=loss, lr=lr, grad_norm=float(grad_norm or 0.0), tokens_per_s=tokens_per_iter / dt)
+            log(f"[train] iter {it:>6}/{t.train_iters} loss {loss:.4f} lr {lr:.2e} "
+                f"grad_norm {float(grad_norm or 0):.3f} {tokens_per_iter / dt:,.0f} tok/s")
+        if it % t.eval_interval == 0 or it == t.train_iters:
+            val = evaluate(cfg, ddp, valid_ds)
+            metrics.log(it, val_loss=val)
+            log(f"[train] iter {it:>6} val_loss {val:.4f}" if val is not None else "")
+        if it % cfg.checkpoint.save_interval == 0 or it == t.train_iters:
+            checkpointing.save_checkpoint(ckpt_root, it, ddp.module, opt, sched, cfg.checkpoint.keep_last)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Train a diffusion LM (run under torchrun).")
+    p.add_argument("--config", required=True, help="resolved pipeline config YAML")
+    p.add_argument("--manifest", required=True, help="data-prep manifest.json")
+    p.add_argument("--run-dir", required=True, help="output directory (checkpoints, metrics.jsonl)")
+    args = p.parse_args(argv)
+    cfg = load_config(args.config)
+    manifest = json.loads(Path(args.manifest).read_text())
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    train(cfg, manifest, run_dir)
+
+
+if __name__ == "__main__":  # dist_checkpointing spawns helpers: the guard is required
+    sys.exit(main())
