@@ -1,0 +1,120 @@
+"""MLflow tracking: one run per pipeline execution, a local sqlite store unless a URI is configured."""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from difflm.config import PipelineConfig
+
+
+def tracking_uri(cfg: PipelineConfig) -> str:
+    if cfg.tracking.tracking_uri:
+        return cfg.tracking.tracking_uri
+    return f"sqlite:///{(Path(cfg.workdir) / 'mlflow.db').resolve()}"
+
+
+def _experiment_id(cfg: PipelineConfig) -> str:
+    import mlflow
+
+    exp = mlflow.get_experiment_by_name(cfg.tracking.experiment)
+    if exp is not None:
+        return exp.experiment_id
+    artifacts = None
+    if not cfg.tracking.tracking_uri:  # keep artifacts beside the store, not in ./mlruns of the cwd
+        artifacts = (Path(cfg.workdir) / "mlartifacts").resolve().as_uri()
+    return mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
+
+
+@contextmanager
+def pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]) -> Iterator[str | None]:
+    """Start the MLflow run of one pipeline execution (or nothing when tracking is off); yields its id."""
+    if not cfg.tracking.enabled:
+        yield None
+        return
+    import mlflow
+
+    Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    with mlflow.start_run(experiment_id=_experiment_id(cfg), run_name=run_name, tags=tags) as run:
+        mlflow.log_params(cfg.flat())
+        mlflow.log_dict(cfg.model_dump(mode="json"), "config/resolved.yaml")
+        yield run.info.run_id
+
+
+def child_env(cfg: PipelineConfig, run_id: str | None) -> dict[str, str]:
+    """Environment for the training subprocess so it logs live metrics to the same run."""
+    if not run_id:
+        return {}
+    return {"MLFLOW_TRACKING_URI": tracking_uri(cfg), "DIFFLM_MLFLOW_RUN_ID": run_id}
+
+
+def log_data_stats(manifest: dict) -> None:
+    import mlflow
+
+    for split, s in manifest["splits"].items():
+        mlflow.log_metrics({f"data.{split}.documents": s["documents"], f"data.{split}.tokens": s["tokens"]})
+    mlflow.log_metric("data.vocab_size", manifest["tokenizer"]["vocab_size"])
+    mlflow.log_dict(manifest, "data/manifest.json")
+    mlflow.set_tag("data.hash", manifest["hash"])
+
+
+def backfill_metrics(records: list[dict]) -> None:
+    """Log training curves from metrics.jsonl (used when the training run itself was reused)."""
+    import mlflow
+
+    for rec in records:
+        values = {k: v for k, v in rec.items() if k not in ("step", "time") and v is not None}
+        if values:
+            mlflow.log_metrics(values, step=int(rec["step"]))
+
+
+def log_training(train_info: dict, records: list[dict]) -> None:
+    import mlflow
+
+    if train_info["reused"]:
+        backfill_metrics(records)
+    mlflow.set_tag("train.run_dir", train_info["run_dir"])
+    mlflow.set_tag("train.checkpoint", train_info["checkpoint"])
+    for name in ("metrics.jsonl", "train.log", "config.yaml"):
+        path = Path(train_info["run_dir"]) / name
+        if path.exists():
+            mlflow.log_artifact(str(path), "train")
+
+
+def log_evaluation(results: dict) -> None:
+    import mlflow
+
+    for name, res in results["bounds"].items():
+        mlflow.log_metrics({f"eval.{name}.nll_per_token": res["nll_per_token"], f"eval.{name}.ppl": res["ppl"]})
+    mlflow.log_dict(results, "eval/results.json")
+    text = "\n\n".join(f"PROMPT: {s['prompt']}\nCOMPLETION: {s['completion']}" for s in results["samples"])
+    mlflow.log_text(text or "(no samples)", "eval/samples.txt")
+
+
+def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str) -> dict:
+    """Upload the HF folder as an artifact and register it as a new model version."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    mlflow.log_artifacts(str(hf_dir), "hf_model")
+    out = {"artifact_uri": mlflow.get_artifact_uri("hf_model")}
+    name = cfg.tracking.registered_model
+    if name:
+        client = MlflowClient()
+        try:
+            client.get_registered_model(name)
+        except Exception:  # MlflowException RESOURCE_DOES_NOT_EXIST
+            client.create_registered_model(name, description="Diffusion LMs trained by difflm-pipeline (HF folders)")
+        mv = client.create_model_version(name, source=out["artifact_uri"], run_id=run_id,
+                                         description=json.dumps({"mode": cfg.diffusion.model_running_mode}))
+        out.update(registered_model=name, version=mv.version)
+    return out
+
+
+def disable_telemetry() -> None:
+    for key, val in {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}.items():
+        os.environ.setdefault(key, val)

@@ -1,0 +1,91 @@
+"""Launch training as a `torchrun` subprocess: the same entry point runs by hand, under Prefect or Slurm.
+
+The run directory is named by a hash of everything that determines the trained weights (data, model,
+objective, training, parallel layout), so a finished run is reused, an interrupted one resumes from
+its latest complete checkpoint, and a changed config trains into a new directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+from typing import Callable
+
+from difflm.config import PipelineConfig, save_config
+from models import checkpointing
+
+TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")
+
+
+class TrainingError(RuntimeError):
+    pass
+
+
+def run_dir(cfg: PipelineConfig, manifest: dict) -> Path:
+    return Path(cfg.workdir) / "runs" / f"{cfg.diffusion.model_running_mode}-{manifest['hash']}-{cfg.stage_hash(*TRAIN_SECTIONS)}"
+
+
+def is_finished(cfg: PipelineConfig, rdir: Path) -> bool:
+    return checkpointing.latest_iteration(rdir / "checkpoints") == cfg.train.train_iters
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(cfg: PipelineConfig, config_path: Path, manifest_path: Path, rdir: Path) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc_per_node", str(cfg.train.nproc_per_node),
+        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        "-m", "models.train",
+        "--config", str(config_path), "--manifest", str(manifest_path), "--run-dir", str(rdir),
+    ]
+
+
+def launch_training(
+    cfg: PipelineConfig, manifest: dict, env: dict[str, str] | None = None, echo: Callable[[str], None] = print
+) -> dict:
+    """Train (or reuse/resume) the run of `cfg`; returns {'run_dir', 'checkpoint', 'reused'}."""
+    rdir = run_dir(cfg, manifest)
+    ckpts = rdir / "checkpoints"
+    if is_finished(cfg, rdir):
+        echo(f"[train] reusing finished run {rdir}")
+        return {"run_dir": str(rdir), "checkpoint": str(checkpointing.iter_dir(ckpts, cfg.train.train_iters)), "reused": True}
+    rdir.mkdir(parents=True, exist_ok=True)
+    resumed = checkpointing.latest_iteration(ckpts)
+    if resumed is None and (rdir / "metrics.jsonl").exists():
+        (rdir / "metrics.jsonl").unlink()  # metrics of an attempt that never checkpointed
+    config_path = save_config(cfg, rdir / "config.yaml")
+    manifest_path = Path(manifest["dir"]) / "manifest.json"
+    cmd = torchrun_command(cfg, config_path, manifest_path, rdir)
+    echo(f"[train] {'resuming from iteration ' + str(resumed) if resumed else 'starting'}: {' '.join(cmd)}")
+    tail: deque[str] = deque(maxlen=40)
+    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    with (rdir / "train.log").open("a") as log, subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
+    ) as proc:
+        for line in proc.stdout:
+            log.write(line)
+            tail.append(line.rstrip())
+            if line.startswith("[train]"):
+                echo(line.rstrip())
+        code = proc.wait()
+    if code != 0:
+        raise TrainingError(
+            f"training failed (exit {code}); full log: {rdir / 'train.log'}. Rerunning resumes from the "
+            f"latest checkpoint. Last lines:\n" + "\n".join(tail)
+        )
+    return {"run_dir": str(rdir), "checkpoint": str(checkpointing.iter_dir(ckpts, cfg.train.train_iters)), "reused": False}
+
+
+def read_metrics(rdir: Path) -> list[dict]:
+    path = Path(rdir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

@@ -1,0 +1,52 @@
+"""Prefect tasks: thin wrappers over the plain stage functions (each testable without Prefect).
+
+Caching is off on purpose: every stage already reuses its content-addressed output directory,
+which also survives Prefect's state being wiped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from difflm.config import PipelineConfig
+from data_prep.pipeline import prepare_data
+from models.launch import launch_training
+from models.stages import convert_checkpoint, evaluate_export
+
+
+@task(name="data-prep", cache_policy=NO_CACHE)
+def data_prep_task(cfg: PipelineConfig) -> dict:
+    manifest = prepare_data(cfg)
+    s = manifest["splits"]
+    get_run_logger().info(
+        f"data: {s['train']['documents']} train docs / {s['train']['tokens']:,} tokens, "
+        f"{s['valid']['documents']} valid docs / {s['valid']['tokens']:,} tokens -> {manifest['dir']}"
+    )
+    return manifest
+
+
+@task(name="train", cache_policy=NO_CACHE)
+def train_task(cfg: PipelineConfig, manifest: dict, env: dict[str, str]) -> dict:
+    logger = get_run_logger()
+    return launch_training(cfg, manifest, env=env, echo=logger.info)
+
+
+@task(name="convert-to-hf", cache_policy=NO_CACHE)
+def convert_task(cfg: PipelineConfig, manifest: dict, train_info: dict) -> str:
+    out = convert_checkpoint(cfg, manifest, train_info)
+    get_run_logger().info(f"Hugging Face export: {out}")
+    return str(out)
+
+
+@task(name="evaluate", cache_policy=NO_CACHE)
+def evaluate_task(cfg: PipelineConfig, manifest: dict, hf_dir: str) -> dict:
+    results = evaluate_export(cfg, manifest, Path(hf_dir))
+    b = results["bounds"]
+    kind = "perplexity upper bound" if b["trained"]["bound"] else "perplexity"
+    get_run_logger().info(
+        f"validation {kind}: trained {b['trained']['ppl']:.1f} vs untrained {b['untrained']['ppl']:.1f}"
+    )
+    return results
