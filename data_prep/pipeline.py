@@ -108,7 +108,7 @@ def blend_string(prefixes: list[str]) -> str:
 
 
 def data_dir(cfg: PipelineConfig) -> Path:
-    return Path(cfg.workdir) / "data" / cfg.stage_hash("data", "tokenizer")
+    return Path(cfg.workdir).resolve() / "data" / cfg.stage_hash("data", "tokenizer")
 
 
 def prepare_data(cfg: PipelineConfig) -> dict:

@@ -28,6 +28,7 @@ EPILOG = """examples:
 def _offline_env(cfg: PipelineConfig) -> None:
     """Local state and no phoning home; set before Prefect/MLflow/transformers are imported."""
     workdir = Path(cfg.workdir).resolve()
+    (workdir / ".prefect").mkdir(parents=True, exist_ok=True)  # Prefect does not create parents
     os.environ.setdefault("PREFECT_HOME", str(workdir / ".prefect"))
     for key, val in {
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",

@@ -27,7 +27,7 @@ class TrainingError(RuntimeError):
 
 
 def run_dir(cfg: PipelineConfig, manifest: dict) -> Path:
-    return Path(cfg.workdir) / "runs" / f"{cfg.diffusion.model_running_mode}-{manifest['hash']}-{cfg.stage_hash(*TRAIN_SECTIONS)}"
+    return Path(cfg.workdir).resolve() / "runs" / f"{cfg.diffusion.model_running_mode}-{manifest['hash']}-{cfg.stage_hash(*TRAIN_SECTIONS)}"
 
 
 def is_finished(cfg: PipelineConfig, rdir: Path) -> bool:
