@@ -64,7 +64,8 @@ def launch_training(
     if resumed is None and (rdir / "metrics.jsonl").exists():
         (rdir / "metrics.jsonl").unlink()  # metrics of an attempt that never checkpointed
     config_path = save_config(cfg, rdir / "config.yaml")
-    manifest_path = Path(manifest["dir"]) / "manifest.json"
+    manifest_path = rdir / "data_manifest.json"  # the run records exactly the data it was given
+    manifest_path.write_text(json.dumps(manifest, indent=2))
     cmd = torchrun_command(cfg, config_path, manifest_path, rdir)
     echo(f"[train] {'resuming from iteration ' + str(resumed) if resumed else 'starting'}: {' '.join(cmd)}")
     tail: deque[str] = deque(maxlen=40)

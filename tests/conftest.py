@@ -1,0 +1,62 @@
+"""Shared fixtures. Everything runs offline on the CPU; servers the tests need are started here."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DO_NOT_TRACK", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from difflm.config import PipelineConfig, load_config  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("difflm")
+
+
+def tiny_config(workdir: Path, *overrides: str) -> PipelineConfig:
+    return load_config("test-tiny", [f"workdir={workdir}", *overrides])
+
+
+@pytest.fixture(scope="session")
+def tiny_manifest(session_dir) -> dict:
+    """Data prep of the test-tiny preset, shared by the tests that need real tokenized data."""
+    from data_prep.pipeline import prepare_data
+
+    return prepare_data(tiny_config(session_dir / "shared"))
+
+
+@pytest.fixture(scope="session")
+def megatron_single_process():
+    """A one-process gloo group with megatron's parallel state (TP=PP=1) and the CPU compat layer."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    from models import megatron_compat
+    from models.distributed import single_process_group
+
+    with single_process_group():
+        megatron_compat.activate()
+        parallel_state.initialize_model_parallel(1, 1)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        yield dist.get_world_size()
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.fixture(scope="session")
+def prefect_harness(session_dir):
+    """A real (temporary) Prefect server and database for flow tests."""
+    os.environ["PREFECT_HOME"] = str(session_dir / "prefect-home")
+    Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=60):
+        yield

@@ -1,0 +1,70 @@
+import subprocess
+import sys
+
+import pytest
+
+from difflm.config import CONFIG_DIR, ConfigError, PipelineConfig, load_config, save_config
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+def test_every_preset_validates(preset):
+    cfg = load_config(preset)
+    assert cfg.name == preset
+
+
+def test_overrides_are_typed():
+    cfg = load_config("tiny-cpu", ["train.lr=1e-3", "model.num_layers=6", "model.qk_layernorm=true",
+                                   "data.inputs=[a.jsonl, b.jsonl]", "data.max_documents=null"])
+    assert cfg.train.lr == 1e-3 and cfg.model.num_layers == 6 and cfg.model.qk_layernorm is True
+    assert cfg.data.inputs == ["a.jsonl", "b.jsonl"] and cfg.data.max_documents is None
+
+
+def test_invalid_value_names_field_and_allowed_values():
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny-cpu", ["diffusion.model_running_mode=difflm-typo"])
+    msg = str(err.value)
+    assert "diffusion.model_running_mode" in msg and "'difflm-noshift'" in msg and "'ar'" in msg
+
+
+def test_unknown_field_is_an_error():
+    with pytest.raises(ConfigError, match=r"train.lrr: unknown field"):
+        load_config("tiny-cpu", ["train.lrr=0.1"])
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["model.hidden_size=100", "model.num_attention_heads=3"], "divisible by num_attention_heads"),
+        (["train.nproc_per_node=3", "parallel.tensor_model_parallel_size=2"], "multiple of tensor x pipeline"),
+        (["train.global_batch_size=12", "train.micro_batch_size=8"], "multiple of micro_batch_size"),
+        (["train.warmup_iters=500", "train.train_iters=100"], "warmup_iters"),
+        (["data.valid_fraction=0.9"], "data.valid_fraction"),
+    ],
+)
+def test_incompatible_settings_fail_before_work(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load_config("tiny-cpu", overrides)
+
+
+def test_unknown_preset_lists_presets():
+    with pytest.raises(ConfigError, match="tiny-cpu"):
+        load_config("no-such-preset")
+
+
+def test_stage_hash_tracks_only_its_sections():
+    a = load_config("tiny-cpu")
+    b = load_config("tiny-cpu", ["train.lr=1e-3"])
+    assert a.stage_hash("data", "tokenizer") == b.stage_hash("data", "tokenizer")
+    assert a.stage_hash("train") != b.stage_hash("train")
+
+
+def test_roundtrip_through_yaml(tmp_path):
+    cfg = load_config("tiny-cpu", ["train.lr=1e-3"])
+    assert load_config(str(save_config(cfg, tmp_path / "c.yaml"))) == cfg
+    assert "train.lr" in cfg.flat() and isinstance(PipelineConfig().flat()["model.num_layers"], int)
+
+
+def test_cli_rejects_bad_override_with_exit_code_2():
+    proc = subprocess.run([sys.executable, "-m", "difflm.cli", "config", "show", "model.num_layers=zero"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "model.num_layers" in proc.stderr

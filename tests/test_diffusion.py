@@ -1,0 +1,91 @@
+"""Exact tests of the pure diffusion maths and the sampler."""
+
+import math
+
+import torch
+
+from models import diffusion
+from models.sampling import sample_masked_diffusion, unmask_schedule
+
+
+def test_sample_t_range_and_antithetic_bins():
+    g = torch.Generator().manual_seed(0)
+    t = diffusion.sample_t(10_000, 0.01, g)
+    assert t.min() >= 0.01 and t.max() <= 1.0
+    assert abs(t.mean().item() - (0.01 + 0.99 / 2)) < 0.01
+    ta = diffusion.sample_t(8, 0.0, torch.Generator().manual_seed(1), antithetic=True)
+    bins = (ta * 8).floor().long()
+    assert bins.tolist() == list(range(8))  # one draw in each stratum
+
+
+def test_mask_rate_matches_t():
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randint(3, 100, (4, 20_000))
+    t = torch.tensor([0.1, 0.3, 0.6, 0.9])
+    xt, masked = diffusion.mask_tokens(x0, t, mask_id=1, generator=g)
+    rates = masked.float().mean(1)
+    assert torch.allclose(rates, t, atol=0.01)
+    assert torch.equal(xt[masked], torch.ones_like(xt[masked]))
+    assert torch.equal(xt[~masked], x0[~masked])
+
+
+def test_loss_weighting_and_normalisation_exact():
+    ce = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    masked = torch.tensor([[True, False, True, False], [False, False, False, True]])
+    t = torch.tensor([0.5, 0.25])
+    # all tokens: (1/0.5*(1+3) + 1/0.25*8) / 8 = (8 + 32) / 8
+    assert math.isclose(diffusion.masked_diffusion_loss(ce, masked, t).item(), 5.0)
+    # masked tokens: 40 / 3
+    assert math.isclose(diffusion.masked_diffusion_loss(ce, masked, t, normalize_by="masked_tokens").item(), 40 / 3,
+                        rel_tol=1e-6)
+    # no weighting: (1+3+8)/8
+    assert math.isclose(diffusion.masked_diffusion_loss(ce, masked, t, weighting="none").item(), 1.5)
+
+
+def test_elbo_of_uniform_model_is_log_vocab():
+    vocab = 50
+    uniform = lambda x: torch.zeros(*x.shape, vocab)  # noqa: E731
+    x0 = torch.randint(2, vocab, (64, 32))
+    nll = diffusion.elbo_nll_per_token(uniform, x0, mask_id=1, t_samples=16,
+                                       generator=torch.Generator().manual_seed(0))
+    assert abs(nll.mean().item() - math.log(vocab)) < 0.05 * math.log(vocab)
+
+
+def test_elbo_is_zero_for_a_perfect_model():
+    vocab = 20
+    x0 = torch.randint(2, vocab, (4, 16))
+    perfect = lambda x: torch.nn.functional.one_hot(x0, vocab).float() * 100  # noqa: E731
+    nll = diffusion.elbo_nll_per_token(perfect, x0, mask_id=1, t_samples=4)
+    assert nll.max().item() < 1e-6
+
+
+def test_unmask_schedule_covers_length():
+    assert unmask_schedule(10, 4) == [3, 3, 2, 2]
+    assert sum(unmask_schedule(7, 100)) == 7
+
+
+def test_sampler_keeps_prompt_and_fills_every_mask():
+    vocab, mask_id = 30, 1
+    prompt = torch.tensor([[5, 6, 7]])
+    logits_fn = lambda x: torch.randn(*x.shape, vocab, generator=torch.Generator().manual_seed(x.sum().item()))  # noqa
+    out = sample_masked_diffusion(logits_fn, prompt, length=9, mask_id=mask_id, steps=3, vocab_limit=vocab,
+                                  forbidden_ids=(0,))
+    assert out.shape == (1, 12)
+    assert torch.equal(out[:, :3], prompt)
+    assert not (out == mask_id).any() and not (out[:, 3:] == 0).any()
+
+
+def test_sampler_commits_most_confident_first():
+    vocab, mask_id = 10, 1
+    # position 2 of the continuation is very confident about token 7; others are unsure
+    def logits_fn(x):
+        logits = torch.zeros(*x.shape, vocab)
+        logits[:, 3, 7] = 10.0
+        return logits
+    prompt = torch.tensor([[4]])
+    seen = []
+    def recording(x):
+        seen.append(x.clone())
+        return logits_fn(x)
+    sample_masked_diffusion(recording, prompt, length=4, mask_id=mask_id, steps=4)
+    assert seen[1][0, 3].item() == 7  # committed at the first step

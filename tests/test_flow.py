@@ -1,0 +1,55 @@
+"""The flagship flow end to end on the test-tiny preset, on a real Prefect server and MLflow store."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_config
+
+
+@pytest.mark.slow
+def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from difflm.tracking import tracking_uri
+    from flows.pretrain import pretrain_difflm
+    from models.convert import load_hf
+
+    cfg = tiny_config(session_dir / "flow", "train.train_iters=30", "train.lr=5e-3")
+    summary = pretrain_difflm(config=cfg)
+
+    # data, checkpoint, HF export that transformers loads offline
+    assert (Path(summary["data_dir"]) / "manifest.json").exists()
+    assert (Path(summary["run_dir"]) / "checkpoints" / "iter_0000030" / "metadata.json").exists()
+    model = load_hf(Path(summary["hf_dir"]))
+    assert model.config.mask_token_id == json.loads((Path(summary["data_dir"]) / "manifest.json").read_text())["tokenizer"]["mask_id"]
+
+    # training helped: the bound of the trained model is below the untrained one
+    v = summary["validation"]
+    assert v["trained"]["bound"] and v["trained"]["nll_per_token"] < v["untrained"]["nll_per_token"]
+    assert summary["samples"] and summary["samples"][0]["completion"]
+
+    # one MLflow run with params, curves, data stats, samples, the model, a registered version
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    client = MlflowClient()
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.data.params["train.train_iters"] == "30"
+    assert run.data.params["diffusion.model_running_mode"] == "difflm-noshift"
+    assert len(client.get_metric_history(run.info.run_id, "loss")) >= 3
+    assert len(client.get_metric_history(run.info.run_id, "val_loss")) >= 2
+    assert run.data.metrics["data.train.documents"] > 0
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
+    assert {"config", "data", "eval", "hf_model", "train"} <= artifacts
+    hf_files = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "hf_model")}
+    assert {"model.safetensors", "config.json", "modeling_difflm.py", "tokenizer.json"} <= hf_files
+    version = client.get_model_version(cfg.tracking.registered_model, summary["version"])
+    assert version.run_id == run.info.run_id
+
+    # running it again reuses what is done: same checkpoint, a new MLflow run with backfilled curves
+    again = pretrain_difflm(config=cfg)
+    assert again["run_dir"] == summary["run_dir"] and again["mlflow_run_id"] != summary["mlflow_run_id"]
+    assert again["validation"]["trained"]["nll_per_token"] == pytest.approx(v["trained"]["nll_per_token"])
+    assert len(client.get_metric_history(again["mlflow_run_id"], "loss")) >= 3
+    assert int(again["version"]) == int(summary["version"]) + 1

@@ -1,0 +1,77 @@
+"""The megatron-core model on CPU (gloo, one process): attention modes and the HF export's logits."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from difflm.config import load_config
+
+
+def _model(mode: str, tmp_path, **over):
+    from models.gpt import build_model
+
+    extra = [f"{k}={v}" for k, v in over.items()]
+    cfg = tiny_config(tmp_path, f"diffusion.model_running_mode={mode}", *extra)
+    torch.manual_seed(0)
+    return cfg, build_model(cfg, vocab_size=512).eval()
+
+
+def _logits(model, x):
+    pos = torch.arange(x.shape[1]).unsqueeze(0).expand_as(x)
+    with torch.no_grad():
+        return model(x, pos, None)  # [b, s, v]
+
+
+@pytest.mark.parametrize("mode, sees_future", [("difflm-noshift", True), ("ar", False)])
+def test_attention_direction(megatron_single_process, tmp_path, mode, sees_future):
+    _, model = _model(mode, tmp_path)
+    x = torch.randint(3, 500, (2, 16))
+    y = x.clone()
+    y[:, -1] = (y[:, -1] + 7) % 500  # perturb only the last token
+    moved = (_logits(model, x)[:, 0] - _logits(model, y)[:, 0]).abs().max().item()
+    assert (moved > 1e-4) == sees_future
+
+
+def _save_model_only(model, path: Path):
+    from megatron.core import dist_checkpointing
+
+    path.mkdir(parents=True)
+    dist_checkpointing.save({"model": model.sharded_state_dict(prefix="")}, str(path))
+
+
+@pytest.mark.parametrize(
+    "mode, over",
+    [
+        ("difflm-noshift", {}),
+        ("ar", {}),
+        ("difflm-noshift", {"model.num_query_groups": 1, "model.qk_layernorm": "true", "model.swiglu": "false",
+                            "model.normalization": "LayerNorm", "model.tie_embeddings": "false"}),
+    ],
+)
+def test_hf_export_gives_megatron_logits(megatron_single_process, tmp_path, tiny_manifest, mode, over):
+    from models.convert import export_hf, load_hf
+
+    cfg, model = _model(mode, tmp_path, **over)
+    with torch.no_grad():  # move weights off their init so norms/biases are not all ones/zeros
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    ckpt = tmp_path / "ckpt"
+    _save_model_only(model, ckpt)
+    tok = {**tiny_manifest["tokenizer"]}
+    out = export_hf(cfg, tok, ckpt, tmp_path / "hf")
+    hf = load_hf(out)
+    x = torch.randint(3, 500, (2, 24))
+    ref = _logits(model, x)
+    got = hf(x).logits
+    assert got.shape == ref.shape
+    assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
+    assert hf.config.bidirectional == (mode != "ar")
+
+
+def test_conversion_rejects_a_non_checkpoint(tmp_path, tiny_manifest):
+    from models.convert import ConversionError, export_hf
+
+    with pytest.raises(ConversionError, match="not a megatron distributed checkpoint"):
+        export_hf(load_config("test-tiny"), tiny_manifest["tokenizer"], tmp_path, tmp_path / "hf")
