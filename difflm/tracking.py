@@ -12,8 +12,11 @@ from difflm.config import PipelineConfig
 
 
 def tracking_uri(cfg: PipelineConfig) -> str:
+    """The configured URI, else $MLFLOW_TRACKING_URI (a server, e.g. in docker compose), else local sqlite."""
     if cfg.tracking.tracking_uri:
         return cfg.tracking.tracking_uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
     return f"sqlite:///{(Path(cfg.workdir) / 'mlflow.db').resolve()}"
 
 
@@ -24,7 +27,7 @@ def _experiment_id(cfg: PipelineConfig) -> str:
     if exp is not None:
         return exp.experiment_id
     artifacts = None
-    if not cfg.tracking.tracking_uri:  # keep artifacts beside the store, not in ./mlruns of the cwd
+    if tracking_uri(cfg).startswith("sqlite:///"):  # keep artifacts beside the store, not in ./mlruns
         artifacts = (Path(cfg.workdir) / "mlartifacts").resolve().as_uri()
     return mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
 
