@@ -1,7 +1,8 @@
 """The flagship flow `pretrain-difflm`: data prep -> torchrun training -> HF export -> evaluation,
 all tracked in one MLflow run with the model registered."""
 
-from __future__ import annotations
+
+from typing import Optional
 
 from prefect import flow, get_run_logger
 
@@ -20,8 +21,8 @@ def resolve(config: PipelineConfig | dict | None, preset: str, overrides: list[s
 @flow(name="pretrain-difflm", log_prints=True)
 def pretrain_difflm(
     preset: str = "tiny-cpu",
-    overrides: list[str] | None = None,
-    config: PipelineConfig | None = None,
+    overrides: Optional[list[str]] = None,
+    config: Optional[PipelineConfig] = None,
 ) -> dict:
     """Pretrain a diffusion LM end to end.
 
