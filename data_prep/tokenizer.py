@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
@@ -30,6 +30,7 @@ class TokenizerInfo:
     mask_id: int
     pad_id: int
     sha256: str  # of tokenizer.json: the tokenizer's identity
+    special_ids: list[int] = field(default_factory=list)  # never drawn as uniform noise
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,6 +79,7 @@ def _info(folder: Path, cfg: TokenizerConfig) -> TokenizerInfo:
         mask_id=mask,
         pad_id=pad,
         sha256=hashlib.sha256(tok_file.read_bytes()).hexdigest(),
+        special_ids=sorted({i for i, t in tok.get_added_tokens_decoder().items() if t.special} | {eos, mask, pad}),
     )
 
 

@@ -82,15 +82,24 @@ class ModelConfig(_Section):
 
 
 class DiffusionConfig(_Section):
-    model_running_mode: Literal["difflm-noshift", "ar"] = Field(
-        "difflm-noshift", description="difflm-noshift: masked diffusion, bidirectional; ar: causal baseline."
+    model_running_mode: Literal["difflm-noshift", "difflm-noshift-uniform", "difflm-shift", "ar"] = Field(
+        "difflm-noshift",
+        description="difflm-noshift: masked diffusion, bidirectional; difflm-noshift-uniform: uniform-noise "
+        "diffusion; difflm-shift: masked diffusion with shifted prediction (to adapt AR checkpoints); "
+        "ar: the causal autoregressive baseline.",
     )
     eps: float = Field(1e-3, gt=0.0, lt=1.0, description="t ~ U(eps, 1): lower bound of the noise level.")
-    loss_weighting: Literal["inverse_t", "none"] = Field("inverse_t", description="Weight of masked-token CE.")
+    loss_weighting: Literal["inverse_t", "masked_fraction", "none"] = Field(
+        "inverse_t", description="Weight of masked-token CE: 1/t, 1/(empirical masked fraction), or none."
+    )
     normalize_by: Literal["all_tokens", "masked_tokens"] = Field(
         "all_tokens", description="all_tokens: LLaDA/MegaDLMs convention (an ELBO); masked_tokens: mean over masked."
     )
-    antithetic_t: bool = Field(False, description="Stratify t across the batch (lower-variance loss).")
+    antithetic_t: bool = Field(False, description="Stratify t across the global batch (lower-variance loss).")
+    varilen_prob: float = Field(
+        0.0, ge=0.0, le=1.0, description="difflm_varilen_prob: chance that a step trains on a random shorter length."
+    )
+    time_embedding: bool = Field(False, description="difflm_time_embedding: condition the network on t.")
 
 
 class TrainConfig(_Section):
@@ -208,11 +217,12 @@ class ConfigError(ValueError):
 def _format_validation_error(err: ValidationError) -> str:
     lines = ["invalid configuration:"]
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        loc = ".".join(str(p) for p in e["loc"]) or "config"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
             msg = "unknown field (check the spelling; `difflm config show` lists every field)"
-        lines.append(f"  {loc}: {msg} (got {e.get('input')!r})")
+        got = e.get("input")
+        lines.append(f"  {loc}: {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})"))
     return "\n".join(lines)
 
 

@@ -56,13 +56,20 @@ def build_datasets(cfg: PipelineConfig, manifest: dict, train_samples: int, vali
     return train, valid
 
 
-def micro_batch(dataset, iteration: int, micro: int, dp_rank: int, cfg: PipelineConfig, dp_size: int) -> dict:
-    """The micro-batch `micro` of `iteration` for data-parallel rank `dp_rank`: tokens/labels [b, s]."""
+def micro_batch(
+    dataset, iteration: int, micro: int, dp_rank: int, cfg: PipelineConfig, dp_size: int, length: int | None = None
+) -> dict:
+    """The micro-batch `micro` of `iteration` for data-parallel rank `dp_rank`: tokens/labels [b, s].
+
+    `positions` [b] are the sequences' places in the global batch (they key the noise); `length`
+    truncates the sequences (variable-length training)."""
     t = cfg.train
-    per_iter = t.global_batch_size
-    start = iteration * per_iter + micro * t.micro_batch_size * dp_size + dp_rank * t.micro_batch_size
+    first = micro * t.micro_batch_size * dp_size + dp_rank * t.micro_batch_size
+    start = iteration * t.global_batch_size + first
     samples = [dataset[(start + j) % len(dataset)] for j in range(t.micro_batch_size)]
+    length = length or t.seq_length
     return {
-        "tokens": torch.stack([s["tokens"] for s in samples]),  # [b, s] the clean sequence x0
-        "labels": torch.stack([s["labels"] for s in samples]),  # [b, s] next tokens (ar mode)
+        "tokens": torch.stack([s["tokens"][:length] for s in samples]),  # [b, s] the clean sequence x0
+        "labels": torch.stack([s["labels"][:length] for s in samples]),  # [b, s] next tokens (ar mode)
+        "positions": torch.arange(first, first + t.micro_batch_size),
     }

@@ -18,18 +18,22 @@ import torch.nn.functional as F
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # tokens [b, s] -> logits [b, s, v]
 
 
+def stratified_t(u: torch.Tensor, index: torch.Tensor, n: int, eps: float, antithetic: bool) -> torch.Tensor:
+    """Noise levels in [eps, 1] from uniforms u [b]; antithetic: sequence `index` of n uses bin index/n.
+
+    Stratifying covers the range evenly and lowers the variance of the batch loss without biasing it;
+    taking the bin from the sequence's position in the *global* batch keeps t independent of how the
+    batch is split across micro-batches and data-parallel ranks.
+    """
+    v = (index.to(u.dtype) + u) / n if antithetic else u
+    return eps + (1.0 - eps) * v
+
+
 def sample_t(
     batch: int, eps: float, generator: torch.Generator | None = None, antithetic: bool = False
 ) -> torch.Tensor:
-    """Noise levels t in [eps, 1], one per sequence. [b]
-
-    antithetic=True stratifies: sequence i draws from the i-th of b equal bins, which covers the
-    range evenly and lowers the variance of the batch loss without biasing it.
-    """
-    u = torch.rand(batch, generator=generator)
-    if antithetic:
-        u = (torch.arange(batch, dtype=u.dtype) + u) / batch
-    return eps + (1.0 - eps) * u
+    """Noise levels t in [eps, 1], one per sequence. [b]"""
+    return stratified_t(torch.rand(batch, generator=generator), torch.arange(batch), batch, eps, antithetic)
 
 
 def mask_tokens(
@@ -41,19 +45,53 @@ def mask_tokens(
     return torch.where(masked, torch.full_like(x0, mask_id), x0), masked
 
 
+def uniform_corrupt(
+    x0: torch.Tensor, t: torch.Tensor, allowed_ids: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniform-noise corruption: with probability t a token is replaced by one drawn uniformly from
+    `allowed_ids` (the non-special vocabulary; it may redraw the same token). (x_t, corrupted) [b, s]."""
+    u = torch.rand(x0.shape, generator=generator)
+    corrupted = u < t[:, None].to(u.dtype)
+    draws = allowed_ids[torch.randint(len(allowed_ids), x0.shape, generator=generator)]
+    return torch.where(corrupted, draws.to(x0.dtype), x0), corrupted
+
+
+def shift_targets(x0: torch.Tensor, masked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shifted prediction (difflm-shift): position i predicts x0[i+1], scored when x0[i+1] was masked."""
+    targets = torch.roll(x0, -1, dims=1)
+    scored = torch.roll(masked, -1, dims=1)
+    scored[:, -1] = False  # the last position has no next token in the sequence
+    return targets, scored
+
+
+def loss_weights(t: torch.Tensor, masked: torch.Tensor, weighting: str) -> torch.Tensor:
+    """Per-sequence weight [b]: 1/t, 1/(empirical masked fraction), or 1."""
+    if weighting == "inverse_t":
+        return 1.0 / t
+    if weighting == "masked_fraction":
+        return masked.shape[1] / masked.sum(-1).clamp(min=1).to(t.dtype)
+    return torch.ones_like(t)
+
+
 def masked_diffusion_loss(
     token_ce: torch.Tensor,
     masked: torch.Tensor,
     t: torch.Tensor,
-    weighting: Literal["inverse_t", "none"] = "inverse_t",
+    weighting: Literal["inverse_t", "masked_fraction", "none"] = "inverse_t",
     normalize_by: Literal["all_tokens", "masked_tokens"] = "all_tokens",
 ) -> torch.Tensor:
-    """Scalar loss from per-token cross-entropy [b, s] (any value at unmasked positions)."""
-    w = (1.0 / t)[:, None] if weighting == "inverse_t" else torch.ones_like(t)[:, None]
+    """Scalar loss from per-token cross-entropy [b, s] (any value at unscored positions)."""
+    w = loss_weights(t, masked, weighting)[:, None]
     contrib = token_ce * masked.to(token_ce.dtype) * w.to(token_ce.dtype)  # [b, s]
     if normalize_by == "all_tokens":
         return contrib.sum() / masked.numel()
     return contrib.sum() / masked.sum().clamp(min=1)
+
+
+def uniform_diffusion_loss(token_ce: torch.Tensor) -> torch.Tensor:
+    """difflm-noshift-uniform: the model cannot tell which tokens were replaced, so every position is
+    scored (x0-prediction cross-entropy averaged over all tokens)."""
+    return token_ce.mean()
 
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

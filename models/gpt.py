@@ -13,7 +13,7 @@ from models.backend import resolve_backend
 
 
 def is_bidirectional(mode: str) -> bool:
-    return mode != "ar"
+    return mode != "ar"  # every diffusion mode attends both ways
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 64) -> int:

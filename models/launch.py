@@ -34,7 +34,7 @@ def is_finished(cfg: PipelineConfig, rdir: Path) -> bool:
     return checkpointing.latest_iteration(rdir / "checkpoints") == cfg.train.train_iters
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -44,7 +44,7 @@ def torchrun_command(cfg: PipelineConfig, config_path: Path, manifest_path: Path
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(cfg.train.nproc_per_node),
-        "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
         "-m", "models.train",
         "--config", str(config_path), "--manifest", str(manifest_path), "--run-dir", str(rdir),
     ]

@@ -1,13 +1,15 @@
 """The per-micro-batch forward step and loss of every training mode, on a megatron model.
 
-The corruption and the loss formulas are in `models.diffusion` (pure torch); this module only wires
-them to megatron: the noise generator seeded by (seed, step, micro-batch, data-parallel rank) so that
-tensor- and pipeline-parallel peers draw the same noise and a resumed run redraws it, and the
-per-token cross-entropy computed by megatron's (vocab-parallel) loss.
+The corruption and loss formulas are in `models.diffusion` (pure torch); this module wires them to
+megatron. Noise is drawn per sequence from a generator seeded by (seed, step, position of the sequence
+in the global batch): tensor- and pipeline-parallel peers draw the same noise, a resumed run redraws
+it, and the noise of a sequence does not depend on the micro-batch / data-parallel split, so every
+parallel layout computes the same loss on the same batch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -16,31 +18,79 @@ from difflm.config import PipelineConfig
 from models import diffusion
 
 
-def noise_generator(seed: int, step: int, micro: int, dp_rank: int) -> torch.Generator:
-    g = torch.Generator()
-    # Distinct streams per (seed, step, micro, dp_rank); a large odd multiplier avoids collisions.
-    g.manual_seed((seed * 1_000_003 + step * 10_007 + micro * 101 + dp_rank) % (2**63 - 1))
-    return g
+@dataclass(frozen=True)
+class SpecialTokens:
+    mask_id: int
+    vocab_size: int
+    special_ids: tuple[int, ...]
+
+    @classmethod
+    def from_manifest(cls, tok: dict) -> "SpecialTokens":
+        special = tok.get("special_ids") or [tok["eos_id"], tok["mask_id"], tok["pad_id"]]
+        return cls(tok["mask_id"], tok["vocab_size"], tuple(sorted(set(special))))
+
+    def allowed_ids(self) -> torch.Tensor:
+        """Ids uniform noise may draw: the vocabulary without special tokens."""
+        keep = torch.ones(self.vocab_size, dtype=torch.bool)
+        keep[list(self.special_ids)] = False
+        return keep.nonzero().squeeze(-1)
 
 
-def corrupt(batch: dict, cfg: PipelineConfig, mask_id: int, gen: torch.Generator) -> dict:
-    """Model inputs and loss targets for one micro-batch of `cfg`'s objective."""
-    x0 = batch["tokens"]
-    d = cfg.diffusion
-    if d.model_running_mode == "ar":
-        return {"inputs": x0, "targets": batch["labels"], "masked": torch.ones_like(x0, dtype=torch.bool), "t": None}
-    t = diffusion.sample_t(x0.shape[0], d.eps, gen, antithetic=d.antithetic_t)
-    xt, masked = diffusion.mask_tokens(x0, t, mask_id, gen)
-    return {"inputs": xt, "targets": x0, "masked": masked, "t": t}
+def _seed(*parts: int) -> int:
+    h = 1469598103934665603
+    for p in parts:  # FNV-1a style mixing of signed ints: distinct streams per tuple
+        h = ((h ^ (p & 0xFFFFFFFFFFFF)) * 1099511628211) % (2**61 - 1)
+    return h
+
+
+def noise_generator(seed: int, step: int, sample: int) -> torch.Generator:
+    return torch.Generator().manual_seed(_seed(seed, step, sample))
+
+
+def varilen_length(seed: int, step: int, seq_length: int, prob: float, multiple: int = 1) -> int:
+    """The sequence length of training step `step`: seq_length, or with probability `prob` a length
+    drawn uniformly from [multiple, seq_length] rounded up to `multiple` (TP/SP need divisibility).
+    Depends only on (seed, step): identical on every rank and on resume."""
+    if prob <= 0:
+        return seq_length
+    g = torch.Generator().manual_seed(_seed(seed, step, -7))
+    if torch.rand((), generator=g).item() >= prob:
+        return seq_length
+    length = int(torch.randint(1, seq_length + 1, (), generator=g))
+    return min(seq_length, -(-length // multiple) * multiple)
+
+
+def corrupt(batch: dict, cfg: PipelineConfig, special: SpecialTokens, step: int) -> dict:
+    """Model inputs, targets, scored positions and t for one micro-batch of `cfg`'s objective."""
+    x0, mode, d = batch["tokens"], cfg.diffusion.model_running_mode, cfg.diffusion
+    if mode == "ar":
+        return {"inputs": x0, "targets": batch["labels"], "scored": torch.ones_like(x0, dtype=torch.bool), "t": None}
+    rows, ts, flags = [], [], []
+    allowed = special.allowed_ids() if mode == "difflm-noshift-uniform" else None
+    for row, pos in zip(x0, batch["positions"].tolist()):
+        g = noise_generator(cfg.train.seed, step, pos)
+        t = diffusion.stratified_t(torch.rand(1, generator=g), torch.tensor([pos]), cfg.train.global_batch_size,
+                                   d.eps, d.antithetic_t)
+        if allowed is not None:
+            xt, flag = diffusion.uniform_corrupt(row[None], t, allowed, g)
+        else:
+            xt, flag = diffusion.mask_tokens(row[None], t, special.mask_id, g)
+        rows.append(xt), ts.append(t), flags.append(flag)
+    xt, t, masked = torch.cat(rows), torch.cat(ts), torch.cat(flags)
+    if mode == "difflm-shift":
+        targets, scored = diffusion.shift_targets(x0, masked)
+        return {"inputs": xt, "targets": targets, "scored": scored, "t": t}
+    return {"inputs": xt, "targets": x0, "scored": masked, "t": t}
 
 
 def loss_from_token_ce(token_ce: torch.Tensor, prepared: dict, cfg: PipelineConfig) -> torch.Tensor:
     d = cfg.diffusion
     if d.model_running_mode == "ar":
         return token_ce.float().mean()
-    return diffusion.masked_diffusion_loss(
-        token_ce.float(), prepared["masked"], prepared["t"], d.loss_weighting, d.normalize_by
-    )
+    if d.model_running_mode == "difflm-noshift-uniform":
+        return diffusion.uniform_diffusion_loss(token_ce.float())
+    return diffusion.masked_diffusion_loss(token_ce.float(), prepared["scored"], prepared["t"], d.loss_weighting,
+                                           d.normalize_by)
 
 
 def _loss_func(prepared: dict, cfg: PipelineConfig, output_tensor: torch.Tensor):
@@ -48,18 +98,16 @@ def _loss_func(prepared: dict, cfg: PipelineConfig, output_tensor: torch.Tensor)
     return loss, {"loss": loss.detach().clone()}
 
 
-def make_forward_step(cfg: PipelineConfig, mask_id: int, step: int, dp_rank: int):
+def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int):
     """A megatron `forward_step_func(data_iterator, model)` for training step `step`."""
-    micro_counter = iter(range(10**9))
 
     def forward_step(data_iterator, model):
-        micro = next(micro_counter)
-        batch = next(data_iterator)
-        prepared = corrupt(batch, cfg, mask_id, noise_generator(cfg.train.seed, step, micro, dp_rank))
+        prepared = corrupt(next(data_iterator), cfg, special, step)
         inputs = prepared["inputs"]
         position_ids = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
         # With labels, megatron returns the per-token (vocab-parallel) cross-entropy [b, s].
-        token_ce = model(inputs, position_ids, None, labels=prepared["targets"])
+        extra = {"t": prepared["t"]} if cfg.diffusion.time_embedding and prepared["t"] is not None else {}
+        token_ce = model(inputs, position_ids, None, labels=prepared["targets"], **extra)
         return token_ce, partial(_loss_func, prepared, cfg)
 
     return forward_step

@@ -21,7 +21,7 @@ from difflm.config import PipelineConfig, load_config
 from models import checkpointing
 from models.data import build_datasets, micro_batch
 from models.gpt import build_model
-from models.objective import make_forward_step
+from models.objective import SpecialTokens, make_forward_step, varilen_length
 
 
 def _init_distributed(cfg: PipelineConfig) -> None:
@@ -102,22 +102,27 @@ class MetricsWriter:
                 self.client.log_metric(self.mlflow_run, k, float(v), timestamp=ts, step=step)
 
 
-def _run_schedule(cfg, ddp, dataset, step: int, forward_only: bool, micro_seed_step: int) -> float | None:
-    """One global batch through megatron's forward-backward schedule; the mean loss on the last stage."""
+def run_global_batch(cfg, ddp, dataset, special: SpecialTokens, step: int, noise_step: int,
+                     forward_only: bool, length: int | None = None) -> float | None:
+    """One global batch through megatron's forward-backward schedule; the mean loss on the last stage.
+
+    `step` picks the data, `noise_step` keys the noise (evaluation uses fixed negative keys so that
+    successive evaluations are comparable), `length` truncates sequences (variable-length training).
+    """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     n_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
-    batches = iter([micro_batch(dataset, step, m, dp_rank, cfg, dp_size) for m in range(n_micro)])
-    mask_id = cfg_mask_id(cfg)
+    length = length or cfg.train.seq_length
+    batches = iter([micro_batch(dataset, step, m, dp_rank, cfg, dp_size, length) for m in range(n_micro)])
     losses = get_forward_backward_func()(
-        forward_step_func=make_forward_step(cfg, mask_id, micro_seed_step, dp_rank),
+        forward_step_func=make_forward_step(cfg, special, noise_step),
         data_iterator=batches,
         model=[ddp],
         num_microbatches=n_micro,
-        seq_length=cfg.train.seq_length,
+        seq_length=length,
         micro_batch_size=cfg.train.micro_batch_size,
         forward_only=forward_only,
     )
@@ -128,18 +133,10 @@ def _run_schedule(cfg, ddp, dataset, step: int, forward_only: bool, micro_seed_s
     return float(loss) / dp_size
 
 
-_MASK_ID: dict[str, int] = {}
-
-
-def cfg_mask_id(cfg: PipelineConfig) -> int:
-    return _MASK_ID["id"]
-
-
-def evaluate(cfg, ddp, valid) -> float | None:
+def evaluate(cfg, ddp, valid, special: SpecialTokens) -> float | None:
     ddp.eval()
     with torch.no_grad():
-        # Fixed eval noise (step index -1 - i) so successive evaluations are comparable.
-        vals = [_run_schedule(cfg, ddp, valid, i, True, -1 - i) for i in range(cfg.train.eval_iters)]
+        vals = [run_global_batch(cfg, ddp, valid, special, i, -1 - i, True) for i in range(cfg.train.eval_iters)]
     ddp.train()
     return None if vals[0] is None else sum(vals) / len(vals)
 
@@ -149,7 +146,7 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
 
     _init_distributed(cfg)
     tok = manifest["tokenizer"]
-    _MASK_ID["id"] = tok["mask_id"]
+    special = SpecialTokens.from_manifest(tok)
     t = cfg.train
     train_ds, valid_ds = build_datasets(
         cfg, manifest, t.train_iters * t.global_batch_size, (t.eval_iters + 1) * t.global_batch_size
@@ -170,12 +167,14 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
     log(f"[train] mode={cfg.diffusion.model_running_mode} start_iter={start} train_iters={t.train_iters} "
         f"params/rank={sum(p.numel() for p in ddp.module.parameters()):,}")
     if start == 0:
-        metrics.log(0, val_loss=evaluate(cfg, ddp, valid_ds))
+        metrics.log(0, val_loss=evaluate(cfg, ddp, valid_ds, special))
     tic, tokens_per_iter = time.time(), t.global_batch_size * t.seq_length
     for step in range(start, t.train_iters):
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        loss = _run_schedule(cfg, ddp, train_ds, step, False, step)
+        length = varilen_length(t.seed, step, t.seq_length, cfg.diffusion.varilen_prob,
+                                cfg.parallel.tensor_model_parallel_size)
+        loss = run_global_batch(cfg, ddp, train_ds, special, step, step, False, length)
         ok, grad_norm, _ = opt.step()
         sched.step(increment=1)
         it = step + 1
@@ -186,7 +185,7 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
             log(f"[train] iter {it:>6}/{t.train_iters} loss {loss:.4f} lr {lr:.2e} "
                 f"grad_norm {float(grad_norm or 0):.3f} {tokens_per_iter / dt:,.0f} tok/s")
         if it % t.eval_interval == 0 or it == t.train_iters:
-            val = evaluate(cfg, ddp, valid_ds)
+            val = evaluate(cfg, ddp, valid_ds, special)
             metrics.log(it, val_loss=val)
             log(f"[train] iter {it:>6} val_loss {val:.4f}" if val is not None else "")
         if it % cfg.checkpoint.save_interval == 0 or it == t.train_iters:
