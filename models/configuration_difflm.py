@@ -25,6 +25,8 @@ class DiffLMConfig(PretrainedConfig):
         bidirectional: bool = True,
         model_running_mode: str = "difflm-noshift",
         mask_token_id: int | None = None,
+        time_embedding: bool = False,
+        special_ids: list[int] | None = None,
         tie_word_embeddings: bool = True,
         initializer_range: float = 0.02,
         **kwargs,
@@ -46,5 +48,7 @@ class DiffLMConfig(PretrainedConfig):
         self.bidirectional = bidirectional
         self.model_running_mode = model_running_mode
         self.mask_token_id = mask_token_id
+        self.time_embedding = time_embedding
+        self.special_ids = list(special_ids or [])
         self.initializer_range = initializer_range
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

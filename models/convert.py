@@ -17,7 +17,7 @@ import torch
 from difflm.config import PipelineConfig
 from models.gpt import is_bidirectional, padded_vocab_size
 
-CODE_FILES = ("configuration_difflm.py", "modeling_difflm.py", "diffusion.py", "sampling.py")
+CODE_FILES = ("configuration_difflm.py", "modeling_difflm.py", "diffusion.py", "sampling.py", "time_embedding.py")
 _HERE = Path(__file__).resolve().parent
 
 # megatron per-layer key (after "decoder.layers.") -> our per-layer key
@@ -66,6 +66,8 @@ def to_hf_state_dict(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     for key, tensor in mg.items():
         if key in _TOP_KEYS:
             out[_TOP_KEYS[key]] = tensor
+        elif key.startswith("time_embedding."):  # same module, same names on both sides
+            out[key] = tensor
         elif key.startswith("decoder.layers."):
             sub = key[len("decoder.layers."):]
             if sub not in _LAYER_KEYS:
@@ -101,6 +103,8 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
         bidirectional=is_bidirectional(cfg.diffusion.model_running_mode),
         model_running_mode=cfg.diffusion.model_running_mode,
         mask_token_id=tokenizer["mask_id"],
+        time_embedding=cfg.diffusion.time_embedding and cfg.diffusion.model_running_mode != "ar",
+        special_ids=tokenizer.get("special_ids") or [tokenizer["eos_id"], tokenizer["mask_id"], tokenizer["pad_id"]],
         eos_token_id=tokenizer["eos_id"],
         pad_token_id=tokenizer["pad_id"],
         tie_word_embeddings=m.tie_embeddings,

@@ -23,7 +23,8 @@ class EvalResult:
     bits_per_token: float
     sequences: int
     tokens: int
-    bound: bool  # True: ELBO bound (diffusion); False: exact likelihood (ar)
+    bound: bool  # True: ELBO bound (masked diffusion); False: exact likelihood (ar) or not a likelihood
+    kind: str  # "elbo", "exact" (ar) or "denoising_ce" (uniform noise: x0-prediction CE, not a bound)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,15 +48,18 @@ def validation_windows(manifest: dict, seq_length: int, max_sequences: int) -> t
 @torch.no_grad()
 def likelihood_bound(model, windows: torch.Tensor, cfg: PipelineConfig, batch_size: int = 8) -> EvalResult:
     gen = torch.Generator().manual_seed(cfg.eval.seed)
-    is_ar = cfg.diffusion.model_running_mode == "ar"
-    logits_fn = lambda x: model(x).logits  # noqa: E731
+    mode = cfg.diffusion.model_running_mode
+    kind = {"ar": "exact", "difflm-noshift-uniform": "denoising_ce"}.get(mode, "elbo")
     nlls = []
     for i in range(0, len(windows), batch_size):
         x0 = windows[i : i + batch_size]
-        if is_ar:
-            nlls.append(diffusion.ar_nll_per_token(logits_fn, x0))
+        if kind == "exact":
+            nlls.append(diffusion.ar_nll_per_token(lambda x: model(x).logits, x0))
+        elif kind == "denoising_ce":
+            nlls.append(_denoising_ce(model, x0, cfg.eval.t_samples, gen))
         else:
-            nlls.append(diffusion.elbo_nll_per_token(logits_fn, x0, model.config.mask_token_id, cfg.eval.t_samples, gen))
+            nlls.append(diffusion.elbo_nll_per_token(model._logits, x0, model.config.mask_token_id,
+                                                     cfg.eval.t_samples, gen))
     nll = float(torch.cat(nlls).mean())
     return EvalResult(
         nll_per_token=nll,
@@ -63,8 +67,20 @@ def likelihood_bound(model, windows: torch.Tensor, cfg: PipelineConfig, batch_si
         bits_per_token=nll / math.log(2),
         sequences=len(windows),
         tokens=int(windows.numel()),
-        bound=not is_ar,
+        bound=kind == "elbo",
+        kind=kind,
     )
+
+
+def _denoising_ce(model, x0: torch.Tensor, t_samples: int, gen: torch.Generator) -> torch.Tensor:
+    """Uniform-noise models: x0-prediction cross-entropy at stratified noise levels. [b]"""
+    allowed = model._allowed_ids()
+    total = torch.zeros(x0.shape[0])
+    for k in range(t_samples):
+        t = (k + torch.rand(x0.shape[0], generator=gen)) / t_samples
+        xt, _ = diffusion.uniform_corrupt(x0, t, allowed, gen)
+        total += diffusion.token_cross_entropy(model(xt).logits, x0).mean(-1)
+    return total / t_samples
 
 
 @torch.no_grad()

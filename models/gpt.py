@@ -76,13 +76,34 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
     )
 
 
-def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True):
-    """One pipeline stage of the megatron GPTModel for `cfg` (the whole model when PP=1)."""
+def _diffusion_gpt_class():
+    """megatron's GPTModel with optional time conditioning: everything else is GPTModel's own code."""
     from megatron.core.models.gpt import GPTModel
 
+    from models.time_embedding import TimeEmbedding
+
+    class DiffusionGPTModel(GPTModel):
+        def __init__(self, *args, time_embedding: bool = False, **kwargs):
+            super().__init__(*args, **kwargs)
+            # Only the first pipeline stage embeds tokens, so only it owns the time embedding.
+            self.time_embedding = TimeEmbedding(self.config.hidden_size) if time_embedding and self.pre_process else None
+
+        def forward(self, input_ids, position_ids, attention_mask, labels=None, t=None, **kwargs):
+            if self.time_embedding is not None:
+                if t is None:
+                    raise ValueError("this model was built with diffusion.time_embedding=true: pass t")
+                emb = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
+                kwargs["decoder_input"] = emb + self.time_embedding(t).unsqueeze(0).to(emb.dtype)
+            return super().forward(input_ids, position_ids, attention_mask, labels=labels, **kwargs)
+
+    return DiffusionGPTModel
+
+
+def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True):
+    """One pipeline stage of the megatron GPTModel for `cfg` (the whole model when PP=1)."""
     backend = resolve_backend("auto")
     tcfg = transformer_config(cfg, backend)
-    return GPTModel(
+    return _diffusion_gpt_class()(
         config=tcfg,
         transformer_layer_spec=layer_spec(cfg.model, is_bidirectional(cfg.diffusion.model_running_mode), backend),
         vocab_size=padded_vocab_size(vocab_size, cfg.parallel.tensor_model_parallel_size),
@@ -93,4 +114,5 @@ def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, 
         share_embeddings_and_output_weights=cfg.model.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=cfg.model.rotary_base,
+        time_embedding=cfg.diffusion.time_embedding and cfg.diffusion.model_running_mode != "ar",
     )

@@ -16,7 +16,8 @@ from transformers.modeling_outputs import MaskedLMOutput
 
 from .configuration_difflm import DiffLMConfig
 from .diffusion import elbo_nll_per_token
-from .sampling import sample_masked_diffusion
+from .sampling import sample_masked_diffusion, sample_uniform_diffusion
+from .time_embedding import TimeEmbedding
 
 
 def _norm(config: DiffLMConfig, dim: int) -> nn.Module:
@@ -108,6 +109,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
     def __init__(self, config: DiffLMConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.time_embedding = TimeEmbedding(config.hidden_size) if config.time_embedding else None
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
         self.final_layernorm = _norm(config, config.hidden_size)
         # Tied: logits reuse the embedding matrix, so there is no lm_head parameter to keep in sync.
@@ -121,9 +123,16 @@ class DiffLMForMaskedLM(PreTrainedModel):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **_) -> MaskedLMOutput:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                t: torch.Tensor | None = None, **_) -> MaskedLMOutput:
+        """Logits [b, s, v]. `t` [b] is the noise level for time-conditioned models (default: the
+        fraction of mask tokens in each row, the quantity t is the expectation of in training)."""
         b, s = input_ids.shape
         x = self.embed_tokens(input_ids)
+        if self.time_embedding is not None:
+            if t is None:
+                t = (input_ids == self.config.mask_token_id).float().mean(-1)
+            x = x + self.time_embedding(t.to(x.device))[:, None].to(x.dtype)
         cos, sin = _rope(s, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta, x.device)
         mask = None
         if attention_mask is not None:  # [b, s] 1 = real token: keys that are padding get no attention
@@ -138,12 +147,25 @@ class DiffLMForMaskedLM(PreTrainedModel):
 
     # ---- diffusion helpers: the same pure functions training and evaluation use -----------------
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self(tokens).logits
+        """Logits aligned with the positions they predict (difflm-shift predicts the next position)."""
+        logits = self(tokens).logits
+        if self.config.model_running_mode == "difflm-shift":
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        return logits
+
+    def _allowed_ids(self) -> torch.Tensor:
+        keep = torch.ones(self.config.real_vocab_size, dtype=torch.bool)
+        keep[[i for i in self.config.special_ids if i < self.config.real_vocab_size]] = False
+        return keep.nonzero().squeeze(-1)
 
     @torch.no_grad()
     def diffusion_generate(self, prompt_ids: torch.Tensor, length: int, steps: int, temperature: float = 0.0,
                            generator: torch.Generator | None = None, forbidden_ids: tuple[int, ...] = ()):
-        """Iterative-unmasking generation of `length` tokens after `prompt_ids` [b, p]."""
+        """Diffusion generation of `length` tokens after `prompt_ids` [b, p]: iterative unmasking for
+        masked modes, iterative denoising from uniform noise for difflm-noshift-uniform."""
+        if self.config.model_running_mode == "difflm-noshift-uniform":
+            return sample_uniform_diffusion(self._logits, prompt_ids, length, steps, self._allowed_ids(),
+                                            temperature=temperature, generator=generator)
         if self.config.mask_token_id is None:
             raise ValueError("config.mask_token_id is not set: this export cannot run the diffusion sampler")
         return sample_masked_diffusion(

@@ -54,3 +54,35 @@ def sample_masked_diffusion(
                 idx = conf[i].topk(k).indices
                 x[i, idx] = pred[i, idx]
     return x
+
+
+@torch.no_grad()
+def sample_uniform_diffusion(
+    logits_fn: LogitsFn,
+    prompt: torch.Tensor,
+    length: int,
+    steps: int,
+    allowed_ids: torch.Tensor,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Generate `length` tokens after `prompt` [b, p] for a uniform-noise model: start from uniform
+    tokens; at each step predict x0 and re-noise it to the next, lower noise level (t = 1 - k/steps),
+    ending with the clean prediction. Returns [b, p + length]."""
+    b, p = prompt.shape
+    draw = lambda: allowed_ids[torch.randint(len(allowed_ids), (b, length), generator=generator)]  # noqa: E731
+    x = torch.cat([prompt, draw().to(prompt.dtype)], dim=1)
+    steps = max(1, steps)
+    for k in range(1, steps + 1):
+        logits = logits_fn(x)[:, p:].float()  # [b, length, v]
+        restricted = torch.full_like(logits, float("-inf"))
+        restricted[..., allowed_ids] = logits[..., allowed_ids]
+        if temperature > 0:
+            probs = torch.softmax(restricted / temperature, -1)
+            pred = torch.multinomial(probs.view(-1, probs.shape[-1]), 1, generator=generator).view(b, length)
+        else:
+            pred = restricted.argmax(-1)
+        t_next = 1.0 - k / steps
+        renoise = torch.rand((b, length), generator=generator) < t_next
+        x[:, p:] = torch.where(renoise, draw().to(x.dtype), pred.to(x.dtype))
+    return x

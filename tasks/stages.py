@@ -45,7 +45,8 @@ def convert_task(cfg: PipelineConfig, manifest: dict, train_info: dict) -> str:
 def evaluate_task(cfg: PipelineConfig, manifest: dict, hf_dir: str) -> dict:
     results = evaluate_export(cfg, manifest, Path(hf_dir))
     b = results["bounds"]
-    kind = "perplexity upper bound" if b["trained"]["bound"] else "perplexity"
+    kind = {"elbo": "perplexity upper bound", "exact": "perplexity", "denoising_ce": "exp(denoising CE)"}[
+        b["trained"]["kind"]]
     get_run_logger().info(
         f"validation {kind}: trained {b['trained']['ppl']:.1f} vs untrained {b['untrained']['ppl']:.1f}"
     )

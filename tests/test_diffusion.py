@@ -108,3 +108,59 @@ def test_sampler_commits_most_confident_first():
         return logits_fn(x)
     sample_masked_diffusion(recording, prompt, length=4, mask_id=mask_id, steps=4)
     assert seen[1][0, 3].item() == 7  # committed at the first step
+
+
+def test_uniform_noise_stays_in_the_non_special_vocabulary():
+    allowed = torch.arange(3, 40)  # ids 0..2 are special
+    x0 = torch.randint(3, 40, (8, 500))
+    t = torch.full((8,), 0.7)
+    xt, corrupted = diffusion.uniform_corrupt(x0, t, allowed, torch.Generator().manual_seed(0))
+    assert xt.min() >= 3 and xt.max() < 40
+    assert abs(corrupted.float().mean().item() - 0.7) < 0.02
+    assert torch.equal(xt[~corrupted], x0[~corrupted])
+    assert (xt[corrupted] != x0[corrupted]).float().mean() > 0.9  # replaced by (mostly) other tokens
+
+
+def test_shift_targets_score_the_next_masked_token():
+    x0 = torch.tensor([[10, 11, 12, 13]])
+    masked = torch.tensor([[True, True, False, True]])
+    targets, scored = diffusion.shift_targets(x0, masked)
+    assert targets[0, :3].tolist() == [11, 12, 13]
+    assert scored.tolist() == [[True, False, True, False]]  # position 3 has no next token
+
+
+def test_masked_fraction_weighting():
+    ce = torch.ones(2, 4)
+    masked = torch.tensor([[True, False, False, False], [True, True, True, True]])
+    t = torch.tensor([0.9, 0.9])  # ignored by this weighting
+    # weights 4/1 and 4/4: (4*1 + 1*4) / 8
+    assert math.isclose(diffusion.masked_diffusion_loss(ce, masked, t, weighting="masked_fraction").item(), 1.0)
+
+
+def test_noise_does_not_depend_on_the_micro_batch_split():
+    from conftest import tiny_config
+    from models.objective import SpecialTokens, corrupt
+
+    cfg = tiny_config("/tmp/unused", "train.global_batch_size=4", "train.micro_batch_size=2",
+                      "diffusion.antithetic_t=true")
+    special = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2))
+    x0 = torch.randint(3, 50, (4, 16))
+    whole = corrupt({"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=5)
+    halves = [corrupt({"tokens": x0[i:i + 2], "labels": x0[i:i + 2], "positions": torch.arange(i, i + 2)},
+                      cfg, special, step=5) for i in (0, 2)]
+    assert torch.equal(whole["inputs"], torch.cat([h["inputs"] for h in halves]))
+    assert torch.equal(whole["t"], torch.cat([h["t"] for h in halves]))
+    assert sorted((whole["t"] * 4).floor().long().tolist()) == [0, 1, 2, 3]  # antithetic over the global batch
+    other_step = corrupt({"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=6)
+    assert not torch.equal(whole["inputs"], other_step["inputs"])
+
+
+def test_varilen_length_is_reproducible_and_divisible():
+    from models.objective import varilen_length
+
+    lengths = [varilen_length(7, step, 128, 0.5, multiple=4) for step in range(400)]
+    assert lengths == [varilen_length(7, step, 128, 0.5, multiple=4) for step in range(400)]
+    short = [n for n in lengths if n < 128]
+    assert 0.4 < len(short) / len(lengths) < 0.6
+    assert all(n % 4 == 0 and 4 <= n <= 128 for n in lengths)
+    assert varilen_length(7, 3, 128, 0.0) == 128

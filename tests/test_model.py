@@ -18,10 +18,10 @@ def _model(mode: str, tmp_path, **over):
     return cfg, build_model(cfg, vocab_size=512).eval()
 
 
-def _logits(model, x):
+def _logits(model, x, t=None):
     pos = torch.arange(x.shape[1]).unsqueeze(0).expand_as(x)
     with torch.no_grad():
-        return model(x, pos, None)  # [b, s, v]
+        return model(x, pos, None, t=t) if t is not None else model(x, pos, None)  # [b, s, v]
 
 
 @pytest.mark.parametrize("mode, sees_future", [("difflm-noshift", True), ("ar", False)])
@@ -46,6 +46,9 @@ def _save_model_only(model, path: Path):
     [
         ("difflm-noshift", {}),
         ("ar", {}),
+        ("difflm-shift", {}),
+        ("difflm-noshift-uniform", {}),
+        ("difflm-noshift", {"diffusion.time_embedding": "true"}),
         ("difflm-noshift", {"model.num_query_groups": 1, "model.qk_layernorm": "true", "model.swiglu": "false",
                             "model.normalization": "LayerNorm", "model.tie_embeddings": "false"}),
     ],
@@ -63,11 +66,25 @@ def test_hf_export_gives_megatron_logits(megatron_single_process, tmp_path, tiny
     out = export_hf(cfg, tok, ckpt, tmp_path / "hf")
     hf = load_hf(out)
     x = torch.randint(3, 500, (2, 24))
-    ref = _logits(model, x)
-    got = hf(x).logits
+    t = torch.tensor([0.3, 0.8]) if cfg.diffusion.time_embedding else None
+    ref = _logits(model, x, t)
+    got = hf(x, t=t).logits
     assert got.shape == ref.shape
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
     assert hf.config.bidirectional == (mode != "ar")
+    assert hf.config.time_embedding == cfg.diffusion.time_embedding
+
+
+def test_time_embedding_conditions_the_output(megatron_single_process, tmp_path):
+    cfg, model = _model("difflm-noshift", tmp_path, **{"diffusion.time_embedding": "true"})
+    x = torch.randint(3, 500, (1, 16))
+    same = _logits(model, x, torch.tensor([0.2]))
+    assert torch.allclose(same, _logits(model, x, torch.tensor([0.9])))  # zero-initialised: no effect yet
+    with torch.no_grad():
+        model.time_embedding.linear_2.weight.normal_(0, 0.5)
+    assert not torch.allclose(_logits(model, x, torch.tensor([0.2])), _logits(model, x, torch.tensor([0.9])))
+    with pytest.raises(ValueError, match="pass t"):
+        _logits(model, x)
 
 
 def test_conversion_rejects_a_non_checkpoint(tmp_path, tiny_manifest):

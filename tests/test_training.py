@@ -41,3 +41,29 @@ def test_failed_training_reports_the_log(session_dir, tiny_manifest):
     cfg = tiny_config(session_dir / "broken", "train.train_iters=3", "train.warmup_iters=1")
     with pytest.raises(TrainingError, match="training failed .* full log"):
         launch_training(cfg, broken, echo=lambda _: None)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode, extra",
+    [
+        ("difflm-noshift", ["diffusion.varilen_prob=0.5", "diffusion.time_embedding=true"]),
+        ("difflm-noshift-uniform", []),
+        ("difflm-shift", []),
+        ("ar", []),
+    ],
+)
+def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, extra):
+    from models.stages import convert_checkpoint, evaluate_export
+
+    cfg = tiny_config(session_dir / "modes", f"diffusion.model_running_mode={mode}", "train.train_iters=30",
+                      "train.lr=5e-3", "train.eval_interval=30", "checkpoint.save_interval=30", *extra)
+    info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
+    vals = [r["val_loss"] for r in read_metrics(info["run_dir"]) if "val_loss" in r]
+    assert len(vals) == 2 and vals[-1] < vals[0], vals
+    hf_dir = convert_checkpoint(cfg, tiny_manifest, info)
+    results = evaluate_export(cfg, tiny_manifest, hf_dir)
+    b = results["bounds"]
+    assert b["trained"]["nll_per_token"] < b["untrained"]["nll_per_token"]
+    assert b["trained"]["kind"] == {"ar": "exact", "difflm-noshift-uniform": "denoising_ce"}.get(mode, "elbo")
+    assert results["samples"][0]["completion"]
