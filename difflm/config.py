@@ -60,6 +60,9 @@ class ModelConfig(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     init_method_std: float = Field(0.02, gt=0.0)
     norm_epsilon: float = Field(1e-5, gt=0.0)
+    document_attention: bool = Field(
+        False, description="Packed documents attend only within themselves (explicit mask on the local spec)."
+    )
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":

@@ -34,7 +34,10 @@ def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local"):
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization=model.normalization)
-    mask = AttnMaskType.no_mask if bidirectional else AttnMaskType.causal
+    if model.document_attention:  # the mask is built per batch from document boundaries
+        mask = AttnMaskType.arbitrary
+    else:
+        mask = AttnMaskType.no_mask if bidirectional else AttnMaskType.causal
     spec.submodules.self_attention.params["attn_mask_type"] = mask
     return spec
 

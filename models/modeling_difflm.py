@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
 from .configuration_difflm import DiffLMConfig
-from .diffusion import elbo_nll_per_token
+from .diffusion import document_attention_mask, elbo_nll_per_token
 from .sampling import sample_masked_diffusion, sample_uniform_diffusion
 from .time_embedding import TimeEmbedding
 
@@ -124,9 +124,10 @@ class DiffLMForMaskedLM(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                t: torch.Tensor | None = None, **_) -> MaskedLMOutput:
+                t: torch.Tensor | None = None, document_ids: torch.Tensor | None = None, **_) -> MaskedLMOutput:
         """Logits [b, s, v]. `t` [b] is the noise level for time-conditioned models (default: the
-        fraction of mask tokens in each row, the quantity t is the expectation of in training)."""
+        fraction of mask tokens in each row, the quantity t is the expectation of in training).
+        `document_ids` [b, s] restricts attention to each packed document, as in training."""
         b, s = input_ids.shape
         x = self.embed_tokens(input_ids)
         if self.time_embedding is not None:
@@ -139,6 +140,9 @@ class DiffLMForMaskedLM(PreTrainedModel):
             mask = attention_mask[:, None, None, :].bool()
             if not self.config.bidirectional:
                 mask = mask & torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+        if document_ids is not None:  # True = may attend (SDPA's convention)
+            allowed = ~document_attention_mask(document_ids, causal=not self.config.bidirectional)
+            mask = allowed if mask is None else mask & allowed
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         x = self.final_layernorm(x)

@@ -23,11 +23,12 @@ class SpecialTokens:
     mask_id: int
     vocab_size: int
     special_ids: tuple[int, ...]
+    eos_id: int = 0
 
     @classmethod
     def from_manifest(cls, tok: dict) -> "SpecialTokens":
         special = tok.get("special_ids") or [tok["eos_id"], tok["mask_id"], tok["pad_id"]]
-        return cls(tok["mask_id"], tok["vocab_size"], tuple(sorted(set(special))))
+        return cls(tok["mask_id"], tok["vocab_size"], tuple(sorted(set(special))), tok["eos_id"])
 
     def allowed_ids(self) -> torch.Tensor:
         """Ids uniform noise may draw: the vocabulary without special tokens."""
@@ -102,12 +103,17 @@ def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int):
     """A megatron `forward_step_func(data_iterator, model)` for training step `step`."""
 
     def forward_step(data_iterator, model):
-        prepared = corrupt(next(data_iterator), cfg, special, step)
+        batch = next(data_iterator)
+        prepared = corrupt(batch, cfg, special, step)
         inputs = prepared["inputs"]
         position_ids = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
+        attention_mask = None
+        if cfg.model.document_attention:
+            doc = diffusion.document_ids(batch["tokens"], special.eos_id)
+            attention_mask = diffusion.document_attention_mask(doc, causal=cfg.diffusion.model_running_mode == "ar")
         # With labels, megatron returns the per-token (vocab-parallel) cross-entropy [b, s].
         extra = {"t": prepared["t"]} if cfg.diffusion.time_embedding and prepared["t"] is not None else {}
-        token_ce = model(inputs, position_ids, None, labels=prepared["targets"], **extra)
+        token_ce = model(inputs, position_ids, attention_mask, labels=prepared["targets"], **extra)
         return token_ce, partial(_loss_func, prepared, cfg)
 
     return forward_step

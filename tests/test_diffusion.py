@@ -164,3 +164,13 @@ def test_varilen_length_is_reproducible_and_divisible():
     assert 0.4 < len(short) / len(lengths) < 0.6
     assert all(n % 4 == 0 and 4 <= n <= 128 for n in lengths)
     assert varilen_length(7, 3, 128, 0.0) == 128
+
+
+def test_document_ids_and_mask():
+    x0 = torch.tensor([[5, 6, 0, 7, 0, 8]])  # eos = 0 ends documents 0 and 1
+    doc = diffusion.document_ids(x0, eos_id=0)
+    assert doc.tolist() == [[0, 0, 0, 1, 1, 2]]
+    blocked = diffusion.document_attention_mask(doc, causal=False)[0, 0]
+    assert not blocked[0, 2] and blocked[0, 3] and blocked[5, 4] and not blocked[4, 3]
+    causal = diffusion.document_attention_mask(doc, causal=True)[0, 0]
+    assert causal[0, 1] and not causal[1, 0]

@@ -92,3 +92,30 @@ def test_conversion_rejects_a_non_checkpoint(tmp_path, tiny_manifest):
 
     with pytest.raises(ConversionError, match="not a megatron distributed checkpoint"):
         export_hf(load_config("test-tiny"), tiny_manifest["tokenizer"], tmp_path, tmp_path / "hf")
+
+
+@pytest.mark.parametrize("mode", ["difflm-noshift", "ar"])
+def test_packed_documents_do_not_see_each_other(megatron_single_process, tmp_path, tiny_manifest, mode):
+    from models import diffusion
+    from models.convert import export_hf, load_hf
+
+    cfg, model = _model(mode, tmp_path, **{"model.document_attention": "true"})
+    eos = tiny_manifest["tokenizer"]["eos_id"]
+    x = torch.randint(3, 500, (1, 20))
+    x[0, 7] = eos  # document 0 = positions 0..7, document 1 = 8..19
+    mask = diffusion.document_attention_mask(diffusion.document_ids(x, eos), causal=mode == "ar")
+    pos = torch.arange(20)[None]
+    with torch.no_grad():
+        base = model(x, pos, mask)
+        y = x.clone()
+        y[0, 15] = (y[0, 15] + 5) % 500  # change a token of document 1 only
+        other = model(y, pos, mask)
+    assert torch.allclose(base[0, :8], other[0, :8], atol=1e-6)  # document 0 cannot see it
+    if mode != "ar":
+        assert not torch.allclose(base[0, 8:15], other[0, 8:15], atol=1e-4)  # document 1 (bidirectional) does
+
+    ckpt = tmp_path / "ckpt"
+    _save_model_only(model, ckpt)
+    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / "hf"))
+    got = hf(x, document_ids=diffusion.document_ids(x, eos)).logits
+    assert torch.allclose(got, base, atol=1e-4)
