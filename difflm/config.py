@@ -136,6 +136,7 @@ class TrainConfig(_Section):
 class ParallelConfig(_Section):
     tensor_model_parallel_size: int = Field(1, ge=1)
     pipeline_model_parallel_size: int = Field(1, ge=1)
+    use_distributed_optimizer: bool = Field(False, description="Shard optimizer state across data-parallel ranks.")
 
 
 class CheckpointConfig(_Section):

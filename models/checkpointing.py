@@ -25,6 +25,11 @@ def latest_iteration(root: Path) -> int | None:
     return it if iter_dir(root, it).exists() else None
 
 
+# The distributed optimizer's default sharding type cannot be saved on this stack
+# ("flattened_range is not supported"); dp_reshardable can, and reloads at another DP size.
+_OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
 def _model_sharded(model) -> dict:
     return model.sharded_state_dict(prefix="")
 
@@ -42,7 +47,7 @@ def save_checkpoint(root: Path, iteration: int, model, optimizer, scheduler, kee
     model_sd = _model_sharded(model)
     state = {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd),
+        "optimizer": optimizer.sharded_state_dict(model_sd, metadata=_OPT_METADATA),
         "scheduler": scheduler.state_dict(),
         "iteration": iteration,
     }
@@ -72,11 +77,43 @@ def load_checkpoint(root: Path, iteration: int, model, optimizer=None, scheduler
     model_sd = _model_sharded(model)
     sharded = {"model": model_sd}
     if optimizer is not None:
-        sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True)
+        _init_adam_state(optimizer)  # the distributed optimizer cannot describe its state before it exists
+        sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=_OPT_METADATA)
     state = dist_checkpointing.load(sharded, str(path))
     model.load_state_dict(state["model"])
+    iteration = int(state.get("iteration", iteration))
     if optimizer is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # fp32 main params are leaves: loading into them needs no_grad
+            optimizer.load_state_dict(state["optimizer"])
+        _restore_adam_steps(optimizer, iteration)
     if scheduler is not None and "scheduler" in state:
         scheduler.load_state_dict(state["scheduler"])
-    return int(state.get("iteration", iteration))
+    return iteration
+
+
+def _torch_optimizers(optimizer) -> list:
+    inner = optimizer.chained_optimizers if hasattr(optimizer, "chained_optimizers") else [optimizer]
+    return [getattr(opt, "optimizer", opt) for opt in inner]
+
+
+def _init_adam_state(optimizer) -> None:
+    """Zero Adam state for parameters that have none yet (overwritten by the load that follows)."""
+    for torch_opt in _torch_optimizers(optimizer):
+        for group in torch_opt.param_groups:
+            for p in group["params"]:
+                if p not in torch_opt.state or not torch_opt.state[p]:
+                    torch_opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                          "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _restore_adam_steps(optimizer, iteration: int) -> None:
+    """Give every parameter its own Adam step count equal to the iteration.
+
+    After a reload, megatron's torch-Adam fallback can leave all parameters sharing ONE `step` tensor
+    (holding a placeholder), which silently corrupts Adam's bias correction; in fp32 no step is ever
+    skipped, so the true count is the iteration.
+    """
+    for torch_opt in _torch_optimizers(optimizer):
+        for state in torch_opt.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(float(iteration))

@@ -68,7 +68,8 @@ def launch_training(
     manifest_path.write_text(json.dumps(manifest, indent=2))
     cmd = torchrun_command(cfg, config_path, manifest_path, rdir)
     echo(f"[train] {'resuming from iteration ' + str(resumed) if resumed else 'starting'}: {' '.join(cmd)}")
-    tail: deque[str] = deque(maxlen=40)
+    tail: deque[str] = deque(maxlen=25)
+    errors: deque[str] = deque(maxlen=15)  # the ranks' own error lines, which torchrun's epilogue buries
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     with (rdir / "train.log").open("a") as log, subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
@@ -76,13 +77,15 @@ def launch_training(
         for line in proc.stdout:
             log.write(line)
             tail.append(line.rstrip())
+            if line.startswith("[rank") and ("Error" in line or "error:" in line or "File \"" in line):
+                errors.append(line.rstrip())
             if line.startswith("[train]"):
                 echo(line.rstrip())
         code = proc.wait()
     if code != 0:
         raise TrainingError(
             f"training failed (exit {code}); full log: {rdir / 'train.log'}. Rerunning resumes from the "
-            f"latest checkpoint. Last lines:\n" + "\n".join(tail)
+            f"latest checkpoint. Errors from the ranks:\n" + "\n".join(errors or tail)
         )
     return {"run_dir": str(rdir), "checkpoint": str(checkpointing.iter_dir(ckpts, cfg.train.train_iters)), "reused": False}
 

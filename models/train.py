@@ -57,8 +57,11 @@ def build_training(cfg: PipelineConfig, vocab_size: int):
     )
     if torch.cuda.is_available():
         model.cuda()
+    dist_opt = cfg.parallel.use_distributed_optimizer
     ddp = DistributedDataParallel(
-        model.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model
+        model.config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=dist_opt),
+        module=model,
     )
     model.config.no_sync_func = ddp.no_sync
     model.config.finalize_model_grads_func = finalize_model_grads
@@ -67,6 +70,7 @@ def build_training(cfg: PipelineConfig, vocab_size: int):
         OptimizerConfig(
             optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
             adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, bf16=False, fp16=False,
+            use_distributed_optimizer=dist_opt,
         ),
         [ddp],
     )

@@ -15,6 +15,8 @@ LAYOUTS = {
     "tp2": ["parallel.tensor_model_parallel_size=2"],
     "pp2": ["parallel.pipeline_model_parallel_size=2"],
     "dp2": [],
+    "dp2-distopt": ["parallel.use_distributed_optimizer=true"],
+    "tp2-distopt": ["parallel.tensor_model_parallel_size=2", "parallel.use_distributed_optimizer=true"],
 }
 
 

@@ -10,9 +10,12 @@ from models.launch import TrainingError, launch_training, read_metrics, run_dir
 
 
 @pytest.mark.slow
-def test_resume_reproduces_uninterrupted_run(session_dir, tiny_manifest):
-    cfg = tiny_config(session_dir / "resume", "train.train_iters=12", "checkpoint.save_interval=6",
-                      "train.log_interval=3", "train.eval_interval=6", "checkpoint.keep_last=5")
+@pytest.mark.parametrize("layout", [[], ["train.nproc_per_node=2", "train.micro_batch_size=2",
+                                     "parallel.use_distributed_optimizer=true"]],
+                         ids=["single", "dp2-distopt"])
+def test_resume_reproduces_uninterrupted_run(session_dir, tiny_manifest, layout):
+    cfg = tiny_config(session_dir / f"resume{len(layout)}", "train.train_iters=12", "checkpoint.save_interval=6",
+                      "train.log_interval=3", "train.eval_interval=6", "checkpoint.keep_last=5", *layout)
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
     rdir = run_dir(cfg, tiny_manifest)
     full = {r["step"]: r for r in read_metrics(rdir) if "loss" in r}
