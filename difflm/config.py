@@ -46,7 +46,26 @@ class TokenizerConfig(_Section):
     pad_token: str = Field("<|pad|>")
 
 
+# Architecture presets (`model.preset=125m`); fields set next to the preset override it.
+MODEL_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4},  # ~1M (+ embeddings)
+    "small": {"num_layers": 6, "hidden_size": 256, "num_attention_heads": 4},  # ~5M
+    "125m": {"num_layers": 12, "hidden_size": 768, "num_attention_heads": 12},
+    "350m": {"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16},
+    "1b": {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "num_query_groups": 8},
+    "3b": {"num_layers": 32, "hidden_size": 2560, "num_attention_heads": 32, "num_query_groups": 8},
+    "7b": {"num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_query_groups": 8,
+           "ffn_hidden_size": 11008},
+}
+
+
 class ModelConfig(_Section):
+    preset: Literal["tiny", "small", "125m", "350m", "1b", "3b", "7b"] | None = Field(
+        None, description="Architecture preset; fields given alongside override it."
+    )
+    backend: Literal["auto", "local", "te"] = Field(
+        "auto", description="auto: Transformer Engine on CUDA when installed, else megatron-core's local spec."
+    )
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=8)
     num_attention_heads: int = Field(4, ge=1)
@@ -63,6 +82,13 @@ class ModelConfig(_Section):
     document_attention: bool = Field(
         False, description="Packed documents attend only within themselves (explicit mask on the local spec)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") in MODEL_PRESETS:
+            return {**MODEL_PRESETS[data["preset"]], **data}
+        return data
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -122,6 +148,8 @@ class TrainConfig(_Section):
     eval_interval: int = Field(50, ge=1)
     eval_iters: int = Field(4, ge=1)
     nproc_per_node: int = Field(1, ge=1, description="torchrun processes (CPU: gloo ranks).")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: bf16 params/compute, fp32 main weights.")
+    fp8: Literal["hybrid", "e4m3"] | None = Field(None, description="FP8 recipe (Transformer Engine on GPU only).")
     torch_threads: int | None = Field(None, ge=1, description="Intra-op threads per rank (None: cores / ranks).")
 
     @model_validator(mode="after")
@@ -137,6 +165,7 @@ class ParallelConfig(_Section):
     tensor_model_parallel_size: int = Field(1, ge=1)
     pipeline_model_parallel_size: int = Field(1, ge=1)
     use_distributed_optimizer: bool = Field(False, description="Shard optimizer state across data-parallel ranks.")
+    sequence_parallel: bool = Field(False, description="Split activations along the sequence across TP ranks.")
 
 
 class CheckpointConfig(_Section):
@@ -189,6 +218,10 @@ class PipelineConfig(_Section):
             )
         if m.num_attention_heads % p.tensor_model_parallel_size:
             raise ValueError("model.num_attention_heads must be divisible by parallel.tensor_model_parallel_size")
+        if p.sequence_parallel and p.tensor_model_parallel_size == 1:
+            raise ValueError("parallel.sequence_parallel needs parallel.tensor_model_parallel_size > 1")
+        if p.sequence_parallel and t.seq_length % p.tensor_model_parallel_size:
+            raise ValueError("train.seq_length must be divisible by tensor_model_parallel_size with sequence_parallel")
         if m.num_layers % p.pipeline_model_parallel_size:
             raise ValueError("model.num_layers must be divisible by parallel.pipeline_model_parallel_size")
         return self

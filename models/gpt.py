@@ -48,6 +48,8 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
 
     m, p = cfg.model, cfg.parallel
     on_cpu = not torch.cuda.is_available()
+    bf16 = cfg.train.precision == "bf16"
+    dtype = torch.bfloat16 if bf16 else torch.float32
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -65,9 +67,11 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
         init_method_std=m.init_method_std,
         tensor_model_parallel_size=p.tensor_model_parallel_size,
         pipeline_model_parallel_size=p.pipeline_model_parallel_size,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
-        bf16=False,
+        sequence_parallel=p.sequence_parallel,
+        pipeline_dtype=dtype,
+        params_dtype=dtype,
+        bf16=bf16,
+        fp8=cfg.train.fp8,
         # Fusions need CUDA kernels; on the CPU they must be off (see models/megatron_compat.py).
         use_cpu_initialization=on_cpu,
         masked_softmax_fusion=not on_cpu and backend == "te",
@@ -104,7 +108,16 @@ def _diffusion_gpt_class():
 
 def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True):
     """One pipeline stage of the megatron GPTModel for `cfg` (the whole model when PP=1)."""
-    backend = resolve_backend("auto")
+    backend = resolve_backend(cfg.model.backend)
+    if cfg.train.fp8 and backend != "te":
+        raise RuntimeError("train.fp8 needs the Transformer Engine backend on a GPU (pip install "
+                           "'difflm-pipeline[gpu]'); set train.fp8=null here.")
+    if cfg.parallel.sequence_parallel and backend != "te":
+        raise RuntimeError(
+            "parallel.sequence_parallel needs the Transformer Engine backend (CUDA + pip install "
+            "'difflm-pipeline[gpu]'): megatron-core's local spec uses torch norms, which do not support it. "
+            "Set parallel.sequence_parallel=false here."
+        )
     tcfg = transformer_config(cfg, backend)
     return _diffusion_gpt_class()(
         config=tcfg,

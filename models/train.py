@@ -69,7 +69,8 @@ def build_training(cfg: PipelineConfig, vocab_size: int):
     opt = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.clip_grad, bf16=False, fp16=False,
+            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.clip_grad,
+            bf16=t.precision == "bf16", fp16=False,
             use_distributed_optimizer=dist_opt,
         ),
         [ddp],

@@ -68,3 +68,13 @@ def test_cli_rejects_bad_override_with_exit_code_2():
     proc = subprocess.run([sys.executable, "-m", "difflm.cli", "config", "show", "model.num_layers=zero"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "model.num_layers" in proc.stderr
+
+
+def test_model_presets_fill_fields_and_explicit_fields_win():
+    cfg = load_config("tiny-cpu", ["model.preset=7b"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_query_groups) == (32, 4096, 8)
+    assert cfg.model.ffn_size == 11008
+    cfg = load_config("tiny-cpu", ["model.preset=125m", "model.num_layers=4"])
+    assert (cfg.model.num_layers, cfg.model.hidden_size) == (4, 768)
+    with pytest.raises(ConfigError, match="model.preset"):
+        load_config("tiny-cpu", ["model.preset=13b"])

@@ -119,3 +119,12 @@ def test_packed_documents_do_not_see_each_other(megatron_single_process, tmp_pat
     hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / "hf"))
     got = hf(x, document_ids=diffusion.document_ids(x, eos)).logits
     assert torch.allclose(got, base, atol=1e-4)
+
+
+def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_process, tmp_path):
+    from models.gpt import build_model
+
+    cfg = load_config("test-tiny", [f"workdir={tmp_path}", "parallel.tensor_model_parallel_size=2",
+                                    "train.nproc_per_node=2", "parallel.sequence_parallel=true"])
+    with pytest.raises(RuntimeError, match="Transformer Engine backend"):
+        build_model(cfg, 512)

@@ -46,3 +46,17 @@ def test_parallel_layouts_match_single_process(session_dir, tiny_manifest, tmp_p
         _torchrun(2, [*common, "--out", str(out), *overrides], tmp_path)
         got = json.loads(out.read_text())["losses"]
         assert got == pytest.approx(ref, rel=1e-5, abs=1e-6), (name, got, ref)
+
+
+@pytest.mark.slow
+def test_bf16_training_tracks_fp32(session_dir, tiny_manifest, tmp_path):
+    cfg = tiny_config(session_dir / "parallel", "train.micro_batch_size=2", "train.global_batch_size=4")
+    config = save_config(cfg, tmp_path / "config.yaml")
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps(tiny_manifest))
+    common = ["--config", str(config), "--manifest", str(manifest), "--weights", str(tmp_path / "weights")]
+    _torchrun(1, [*common, "--save", "--out", str(tmp_path / "fp32.json")], tmp_path)
+    _torchrun(1, [*common, "--out", str(tmp_path / "bf16.json"), "train.precision=bf16"], tmp_path)
+    fp32 = json.loads((tmp_path / "fp32.json").read_text())["losses"]
+    bf16 = json.loads((tmp_path / "bf16.json").read_text())["losses"]
+    assert bf16 == pytest.approx(fp32, rel=2e-2) and bf16 != fp32
