@@ -1,20 +1,22 @@
-"""Raw text -> tokenized, packed Megatron .bin/.idx per split, with a manifest.
+"""Raw text -> tokenized, packed Megatron .bin/.idx per (split, source), verified, with a manifest.
 
-Each split is one datatrove pipeline (readers -> filters -> split selector -> MegatronDocumentTokenizer)
-on datatrove's local executor. The output folder is named by a hash of the data and tokenizer config;
-`manifest.json` is written last and marks the folder complete, so a rerun of a finished prep is a no-op
-and a folder without a manifest is leftovers, removed and redone.
+One datatrove pipeline: per source a reader, then hash sharding over tasks, optional cleaning
+(unicode normalisation, length filter, exact dedup), and a writer that tokenizes and routes each
+document to its split (hash of the text) and source. Executors: datatrove local (workers), Slurm, Ray.
+
+The output folder is named by a hash of the data and tokenizer config. datatrove's completion
+markers make an interrupted run finish only its missing tasks (the result is byte-identical to an
+uninterrupted run); `manifest.json` is written last, after verification, and marks the folder done.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from pathlib import Path
 from typing import Iterator
 
-from difflm.config import PipelineConfig
+from difflm.config import PipelineConfig, SourceConfig
 from difflm.corpus import demo_corpus
 from data_prep.split import SPLITS, split_of
 from data_prep.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
@@ -26,85 +28,161 @@ class DataPrepError(ValueError):
     pass
 
 
-def resolve_inputs(inputs: list[str]) -> list[Path]:
-    """'demo:NAME' -> the cached embedded corpus; paths must exist (files or folders of .jsonl[.gz])."""
-    out = []
-    for item in inputs:
-        if item.startswith("demo:"):
-            out.append(demo_corpus(item.split(":", 1)[1]))
-            continue
-        path = Path(item).expanduser()
-        if not path.exists():
-            raise DataPrepError(f"data.inputs: {item!r} does not exist; give a JSONL file or a folder of them")
-        if path.is_dir() and not any(path.rglob("*.jsonl*")):
-            raise DataPrepError(f"data.inputs: folder {item!r} holds no .jsonl or .jsonl.gz files")
-        out.append(path.resolve())
-    return out
+class SubmittedToCluster(RuntimeError):
+    """Raised after submitting to Slurm: rerun the same command once the job has finished."""
 
 
-def readers(paths: list[Path], text_key: str, limit: int | None):
-    from datatrove.pipeline.readers import JsonlReader
+def resolve_source(src: SourceConfig) -> tuple[Path, str]:
+    """(path, format) of a source; clear errors for paths that do not exist or hold no data."""
+    from data_prep.readers import detect_format
+
+    if src.path.startswith("demo:"):
+        return demo_corpus(src.path.split(":", 1)[1]), "jsonl"
+    path = Path(src.path).expanduser()
+    if not path.exists():
+        raise DataPrepError(f"data.sources: {src.path!r} does not exist; give a file or a folder of data files")
+    try:
+        fmt = detect_format(path) if src.format == "auto" else src.format
+    except ValueError as err:
+        raise DataPrepError(f"data.sources: {err}") from None
+    return path.resolve(), fmt
+
+
+def reader_steps(cfg: PipelineConfig, resolved: list[tuple[SourceConfig, Path, str]], progress: bool = False):
+    from data_prep.readers import make_reader
 
     steps = []
-    for p in paths:
-        folder, glob = (p, "**/*.jsonl*") if p.is_dir() else (p.parent, p.name)
-        steps.append(JsonlReader(str(folder), glob_pattern=glob, text_key=text_key, limit=limit or -1))
+    for src, path, fmt in resolved:
+        reader = make_reader(path, fmt, src.text_key or cfg.data.text_key, src.label, progress)
+        reader.limit = cfg.data.max_documents or -1
+        steps.append(reader)
     return steps
 
 
-def iter_texts(cfg: PipelineConfig, paths: list[Path]) -> Iterator[str]:
-    """Texts of the kept documents, in input order (runs the same readers and filters in-process)."""
-    from data_prep.steps import MinCharsFilter
+def cleaning_steps(cfg: PipelineConfig) -> list:
+    from data_prep.steps import ExactDedup, LengthFilter, UnicodeNormalizer
 
+    d = cfg.data
+    steps: list = []
+    if d.unicode_normalization:
+        steps.append(UnicodeNormalizer(d.unicode_normalization))
+    steps.append(LengthFilter(d.min_chars, d.max_chars))
+    if d.dedup:
+        steps.append(ExactDedup())
+    return steps
+
+
+def iter_texts(cfg: PipelineConfig, resolved) -> Iterator[str]:
+    """Texts of the kept documents, in input order (the same readers and filters, in-process)."""
     data = None
-    for step in [*readers(paths, cfg.data.text_key, cfg.data.max_documents), MinCharsFilter(cfg.data.min_chars)]:
+    for step in [*reader_steps(cfg, resolved), *cleaning_steps(cfg)]:
         data = step.run(data, rank=0, world_size=1)
     for doc in data:
         yield doc.text
 
 
-def prepare_tokenizer(cfg: PipelineConfig, paths: list[Path], folder: Path) -> TokenizerInfo:
+def prepare_tokenizer(cfg: PipelineConfig, resolved, folder: Path) -> TokenizerInfo:
+    """Load the configured tokenizer, or train a BPE on the training split (reused when present)."""
+    from data_prep.tokenizer import describe
+
+    if (folder / "tokenizer.json").exists():
+        return describe(folder, cfg.tokenizer)
     if cfg.tokenizer.path:
         return load_tokenizer(cfg.tokenizer, folder)
     d = cfg.data
-    texts = (t for t in iter_texts(cfg, paths) if split_of(t, d.valid_fraction, d.split_seed) == "train")
+    texts = (t for t in iter_texts(cfg, resolved)
+             if split_of(t, d.valid_fraction, d.split_seed, d.test_fraction) == "train")
     return train_bpe(texts, cfg.tokenizer, folder)
 
 
-def _tokenize_split(cfg: PipelineConfig, paths: list[Path], tok: TokenizerInfo, out: Path, split: str) -> None:
-    from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.tokens import MegatronDocumentTokenizer
+def build_executor(cfg: PipelineConfig, pipeline: list, logging_dir: Path):
+    d = cfg.data
+    if d.executor == "slurm":
+        from datatrove.executor import SlurmPipelineExecutor
 
-    from data_prep.steps import MinCharsFilter, SplitSelector
+        return SlurmPipelineExecutor(
+            pipeline=pipeline, tasks=d.num_tasks, time=d.slurm.time, partition=d.slurm.partition,
+            cpus_per_task=d.slurm.cpus_per_task, mem_per_cpu_gb=d.slurm.mem_per_cpu_gb,
+            logging_dir=str(logging_dir), job_name="difflm-prep", sbatch_args=d.slurm.sbatch_args,
+        )
+    if d.executor == "ray":
+        try:
+            from datatrove.executor.ray import RayPipelineExecutor
+        except ImportError as err:
+            raise DataPrepError("data.executor=ray needs ray: pip install 'ray[default]'") from err
+        return RayPipelineExecutor(pipeline=pipeline, tasks=d.num_tasks, workers=d.workers, logging_dir=str(logging_dir))
+    from datatrove.executor import LocalPipelineExecutor
+
+    return LocalPipelineExecutor(pipeline=pipeline, tasks=d.num_tasks, workers=d.workers,
+                                 logging_dir=str(logging_dir))
+
+
+def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -> None:
+    from data_prep.steps import HashShard, SplitSourceWriter
 
     d = cfg.data
     pipeline = [
-        *readers(paths, d.text_key, d.max_documents),
-        MinCharsFilter(d.min_chars),
-        SplitSelector(split, d.valid_fraction, d.split_seed),
-        MegatronDocumentTokenizer(
-            output_folder=str(out / split), tokenizer_name_or_path=tok.json_file, eos_token=cfg.tokenizer.eos_token
-        ),
+        *reader_steps(cfg, resolved, progress=d.workers == 1),
+        HashShard(),
+        *cleaning_steps(cfg),
+        SplitSourceWriter(str(out), tok.json_file, cfg.tokenizer.eos_token, d.valid_fraction, d.test_fraction,
+                          d.split_seed),
     ]
-    LocalPipelineExecutor(pipeline=pipeline, tasks=1, workers=1, logging_dir=str(out / "logs" / split)).run()
+    executor = build_executor(cfg, pipeline, out / "logs")
+    executor.run()
+    if d.executor == "slurm":
+        incomplete = executor.get_incomplete_ranks()
+        if incomplete:
+            raise SubmittedToCluster(
+                f"submitted {len(incomplete)} data-prep tasks to Slurm (logs: {out / 'logs'}); rerun the same "
+                f"command when the job has finished to verify and write the manifest"
+            )
 
 
-def _split_stats(folder: Path) -> dict:
+def skip_counts(logs: Path) -> dict[str, int]:
+    """Skipped (bad records), dropped (filters) and normalised document counts, summed over every
+    task's stats file, so they add up across resumed runs too."""
+    totals: dict[str, int] = {}
+    for path in sorted((logs / "stats").glob("*.json")):
+        for step in json.loads(path.read_text()):
+            for key, val in step.get("stats", {}).items():
+                if key.startswith(("skipped_", "dropped_")) or key == "normalized":
+                    n = val.get("total", 0) if isinstance(val, dict) else val
+                    totals[key] = totals.get(key, 0) + int(n)
+    return totals
+
+
+def shard_stats(out: Path, sources: list[SourceConfig]) -> dict:
+    """Per split: prefixes, per-source documents/tokens, blend weights and Megatron data-path string."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    prefixes, docs, tokens = [], 0, 0
-    for idx in sorted(folder.glob("*.idx")):
-        prefix = str(idx.with_suffix(""))
-        ds = IndexedDataset(prefix)
-        prefixes.append(prefix)
-        docs += len(ds)
-        tokens += int(ds.sequence_lengths.sum())
-    return {"prefixes": prefixes, "documents": docs, "tokens": tokens}
-
-
-def blend_string(prefixes: list[str]) -> str:
-    """Megatron's --data-path form ('1.0 prefix ...'); equal weights, megatron weights by size itself."""
-    return " ".join(f"1.0 {p}" for p in prefixes)
+    weight = {s.label: s.weight for s in sources}
+    splits = {}
+    for split in SPLITS:
+        per_source, prefixes, tokens_of = {}, [], {}
+        for src in sorted(weight):
+            docs = toks = 0
+            for idx in sorted((out / split / src).glob("*.idx")):
+                prefix = str(idx.with_suffix(""))
+                ds = IndexedDataset(prefix)
+                n_tok = int(ds.sequence_lengths.sum())
+                prefixes.append(prefix)
+                tokens_of[prefix] = (src, n_tok)
+                docs, toks = docs + len(ds), toks + n_tok
+            per_source[src] = {"documents": docs, "tokens": toks}
+        # a source's weight is spread over its shards by their token counts
+        weights = [weight[src] * n / max(per_source[src]["tokens"], 1) for src, n in (tokens_of[p] for p in prefixes)]
+        total = sum(weights) or 1.0
+        weights = [w / total for w in weights]
+        splits[split] = {
+            "documents": sum(v["documents"] for v in per_source.values()),
+            "tokens": sum(v["tokens"] for v in per_source.values()),
+            "sources": per_source,
+            "prefixes": prefixes,
+            "weights": weights,
+            "data_path": " ".join(f"{w:.6g} {p}" for w, p in zip(weights, prefixes)),
+        }
+    return splits
 
 
 def data_dir(cfg: PipelineConfig) -> Path:
@@ -112,37 +190,38 @@ def data_dir(cfg: PipelineConfig) -> Path:
 
 
 def prepare_data(cfg: PipelineConfig) -> dict:
-    """Run data prep for `cfg` (or reuse a finished run) and return its manifest."""
+    """Run data prep for `cfg` (finishing an interrupted run, or reusing a finished one); the manifest."""
+    from data_prep.verify import verify
+
     out = data_dir(cfg)
     manifest_path = out / MANIFEST
     if manifest_path.exists():
         return json.loads(manifest_path.read_text())
-    if out.exists():  # an interrupted earlier run: start this stage over, cleanly
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    paths = resolve_inputs(cfg.data.inputs)
-    tok = prepare_tokenizer(cfg, paths, out / "tokenizer")
-    splits = {}
-    for split in SPLITS:
-        _tokenize_split(cfg, paths, tok, out, split)
-        splits[split] = _split_stats(out / split)
-        splits[split]["data_path"] = blend_string(splits[split]["prefixes"])
-    for split in SPLITS:
+    resolved = [(src, *resolve_source(src)) for src in cfg.data.sources]
+    tok = prepare_tokenizer(cfg, resolved, out / "tokenizer")
+    run_pipeline(cfg, resolved, tok, out)
+    splits = shard_stats(out, cfg.data.sources)
+    for split in ("train", "valid"):
         if splits[split]["documents"] == 0:
             raise DataPrepError(
                 f"the {split} split is empty ({splits['train']['documents']} train / "
-                f"{splits['valid']['documents']} valid documents): add data or change data.valid_fraction"
+                f"{splits['valid']['documents']} valid documents kept; skips: {skip_counts(out / 'logs')}): "
+                f"add data or change data.valid_fraction"
             )
     manifest = {
-        "dir": str(out.resolve()),
+        "dir": str(out),
         "hash": out.name,
-        "inputs": [str(p) for p in paths],
+        "sources": [{"name": s.label, "path": str(p), "format": f, "weight": s.weight} for s, p, f in resolved],
         "tokenizer": tok.to_dict(),
+        "token_bytes": 4 if tok.vocab_size > 65536 else 2,
         "splits": splits,
+        "skipped": skip_counts(out / "logs"),
         "config": {"data": cfg.data.model_dump(mode="json"), "tokenizer": cfg.tokenizer.model_dump(mode="json")},
         "seconds": round(time.time() - start, 2),
     }
+    verify(manifest)
     tmp = manifest_path.with_suffix(".part")
     tmp.write_text(json.dumps(manifest, indent=2))
     tmp.replace(manifest_path)

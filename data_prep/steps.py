@@ -1,37 +1,136 @@
-"""datatrove pipeline steps of our own: cleaning filters and the split selector."""
+"""datatrove pipeline steps of our own: hash sharding, cleaning filters, and the split/source writer."""
 
 from __future__ import annotations
 
-from datatrove.data import Document
+import hashlib
+import unicodedata
+
+from datatrove.data import Document, DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.filters.base_filter import BaseFilter
 
 from data_prep.split import split_of
 
 
-class MinCharsFilter(BaseFilter):
-    """Drop empty, whitespace-only and too-short documents (counted in datatrove's stats)."""
+def text_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "big")
 
-    name = "📏 min chars"
 
-    def __init__(self, min_chars: int):
+class HashShard(PipelineStep):
+    """Keep the documents of this task: text hash modulo the number of tasks (content-defined)."""
+
+    name = "🧮 hash shard"
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        for doc in data:
+            if text_hash(doc.text) % world_size == rank:
+                yield doc
+
+
+class UnicodeNormalizer(PipelineStep):
+    """Unicode normalisation (NFC/NFKC); counts the documents it changed."""
+
+    name = "🔤 unicode"
+
+    def __init__(self, form: str):
         super().__init__()
-        self.min_chars = min_chars
+        self.form = form
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        for doc in data:
+            normalized = unicodedata.normalize(self.form, doc.text)
+            if normalized != doc.text:
+                self.stat_update("normalized")
+                doc.text = normalized
+            yield doc
+
+
+class LengthFilter(BaseFilter):
+    """Drop empty/whitespace-only documents always; too short/long ones when bounds are set."""
+
+    name = "📏 length"
+
+    def __init__(self, min_chars: int = 0, max_chars: int | None = None):
+        super().__init__()
+        self.min_chars, self.max_chars = min_chars, max_chars
 
     def filter(self, doc: Document) -> bool | tuple[bool, str]:
-        n = len(doc.text.strip()) if isinstance(doc.text, str) else 0
+        n = len(doc.text.strip())
         if n == 0:
             return False, "empty"
-        return (True if n >= self.min_chars else (False, "too_short"))
+        if n < self.min_chars:
+            return False, "too_short"
+        if self.max_chars is not None and n > self.max_chars:
+            return False, "too_long"
+        return True
 
 
-class SplitSelector(BaseFilter):
-    """Keep the documents of one split (train/valid), chosen by a hash of the text."""
+class ExactDedup(BaseFilter):
+    """Drop exact duplicates of an earlier document. Global because HashShard sends identical texts to
+    the same task; the first copy in input order is kept, so the result is deterministic."""
 
-    name = "🔀 split"
+    name = "🫂 exact dedup"
 
-    def __init__(self, split: str, valid_fraction: float, salt: int):
+    def __init__(self):
         super().__init__()
-        self.split, self.valid_fraction, self.salt = split, valid_fraction, salt
+        self._seen: set[bytes] = set()
 
-    def filter(self, doc: Document) -> bool:
-        return split_of(doc.text, self.valid_fraction, self.salt) == self.split
+    def filter(self, doc: Document) -> bool | tuple[bool, str]:
+        key = hashlib.blake2b(doc.text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+        if key in self._seen:
+            return False, "duplicate"
+        self._seen.add(key)
+        return True
+
+
+class SplitSourceWriter(PipelineStep):
+    """Tokenize (EOS appended) and write one Megatron .bin/.idx per (split, source) for this task.
+
+    Uses datatrove's MegatronTokenizedFile, whose output is byte-identical to megatron-core's builder.
+    Token width (2 or 4 bytes) follows the vocabulary size.
+    """
+
+    name = "✍️ split/source writer"
+    type = "🔢 - TOKENIZER"
+
+    def __init__(self, output_folder: str, tokenizer_file: str, eos_token: str, valid_fraction: float,
+                 test_fraction: float, salt: int, batch_size: int = 512):
+        super().__init__()
+        self.output_folder, self.tokenizer_file, self.eos_token = output_folder, tokenizer_file, eos_token
+        self.valid_fraction, self.test_fraction, self.salt = valid_fraction, test_fraction, salt
+        self.batch_size = batch_size
+
+    def _tokenizer(self):
+        from tokenizers import Tokenizer
+        from tokenizers.processors import TemplateProcessing
+
+        tok = Tokenizer.from_file(self.tokenizer_file)
+        eos_id = tok.token_to_id(self.eos_token)
+        tok.post_processor = TemplateProcessing(single=f"$A {self.eos_token}", special_tokens=[(self.eos_token, eos_id)])
+        return tok
+
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from datatrove.io import get_datafolder
+        from datatrove.pipeline.tokens.megatron_tokenizer import MegatronTokenizedFile
+        from datatrove.utils.batching import batched
+
+        tok = self._tokenizer()
+        token_size = 4 if tok.get_vocab_size() > 65536 else 2
+        folder = get_datafolder(self.output_folder)
+        writers: dict[tuple[str, str], MegatronTokenizedFile] = {}
+        for batch in batched(data, self.batch_size):
+            with self.track_time(unit="batch"):
+                encoded = tok.encode_batch([d.text for d in batch])
+            for doc, enc in zip(batch, encoded):
+                split = split_of(doc.text, self.valid_fraction, self.salt, self.test_fraction)
+                key = (split, doc.metadata.get("source", "data"))
+                if key not in writers:
+                    writers[key] = MegatronTokenizedFile(folder, f"{split}/{key[1]}/{rank:05d}_tokens",
+                                                         token_size=token_size)
+                writers[key].write(enc.ids)
+                self.stat_update(f"{split}.documents")
+                self.stat_update(f"{split}.tokens", value=len(enc.ids))
+        for w in writers.values():
+            w.close()
+        return
+        yield  # a generator step that ends the pipeline

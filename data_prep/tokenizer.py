@@ -57,16 +57,23 @@ def _special_ids(tok, cfg: TokenizerConfig, where: str) -> tuple[int, int, int]:
 
 
 def _save_hf_folder(tok, cfg: TokenizerConfig, folder: Path) -> None:
+    """Save as an HF tokenizer folder, atomically: an interrupted save never looks like a tokenizer."""
+    import shutil
+
     from transformers import PreTrainedTokenizerFast
 
-    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(folder.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=cfg.eos_token, mask_token=cfg.mask_token, pad_token=cfg.pad_token
     )
-    hf.save_pretrained(str(folder))
+    hf.save_pretrained(str(tmp))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.replace(folder)
 
 
-def _info(folder: Path, cfg: TokenizerConfig) -> TokenizerInfo:
+def describe(folder: Path, cfg: TokenizerConfig) -> TokenizerInfo:
+    """The TokenizerInfo of a saved tokenizer folder (checks the special tokens again)."""
     from tokenizers import Tokenizer
 
     tok_file = folder / "tokenizer.json"
@@ -98,7 +105,7 @@ def train_bpe(texts: Iterable[str], cfg: TokenizerConfig, folder: Path) -> Token
     )
     tok.train_from_iterator(texts, trainer=trainer)
     _save_hf_folder(tok, cfg, folder)
-    return _info(folder, cfg)
+    return describe(folder, cfg)
 
 
 def load_tokenizer(cfg: TokenizerConfig, folder: Path) -> TokenizerInfo:
@@ -119,7 +126,7 @@ def load_tokenizer(cfg: TokenizerConfig, folder: Path) -> TokenizerInfo:
         raise TokenizerError(f"could not load tokenizer {tok_file}: {err}") from err
     _special_ids(tok, cfg, str(tok_file))
     _save_hf_folder(tok, cfg, folder)
-    return _info(folder, cfg)
+    return describe(folder, cfg)
 
 
 def read_info(manifest_tokenizer: dict) -> TokenizerInfo:

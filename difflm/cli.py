@@ -80,10 +80,51 @@ def cmd_config(cfg: PipelineConfig, args) -> int:
 
 
 def cmd_prep(cfg: PipelineConfig, args) -> int:
-    from data_prep.pipeline import prepare_data
+    from data_prep.pipeline import DataPrepError, SubmittedToCluster
+    from data_prep.tokenizer import TokenizerError
+    from data_prep.verify import DataVerificationError
 
-    m = prepare_data(cfg)
-    print(json.dumps({k: m[k] for k in ("dir", "splits", "tokenizer")}, indent=2))
+    try:
+        if args.flow:
+            from flows.data_prep import data_prep
+
+            m = data_prep(config=cfg)
+        else:
+            from data_prep.pipeline import prepare_data
+
+            m = prepare_data(cfg)
+    except SubmittedToCluster as note:
+        print(f"difflm: {note}")
+        return 0
+    except (DataPrepError, TokenizerError, DataVerificationError) as err:
+        print(f"difflm: {err}", file=sys.stderr)
+        return 1
+    print(f"data: {m['dir']}")
+    for split, s in m["splits"].items():
+        per = ", ".join(f"{k} {v['documents']} docs/{v['tokens']:,} tok" for k, v in s["sources"].items())
+        print(f"  {split:>5}: {s['documents']:>7} documents {s['tokens']:>12,} tokens  ({per})")
+    if m.get("skipped"):
+        print("  skipped/dropped: " + ", ".join(f"{k}={v}" for k, v in m["skipped"].items()))
+    print(f"  tokenizer: vocab {m['tokenizer']['vocab_size']}, sha256 {m['tokenizer']['sha256'][:12]}")
+    print(f"  train data path: {m['splits']['train']['data_path'][:200]}")
+    return 0
+
+
+def cmd_verify(cfg: PipelineConfig, args) -> int:
+    from data_prep.pipeline import MANIFEST, data_dir
+    from data_prep.verify import DataVerificationError, verify
+
+    path = data_dir(cfg) / MANIFEST
+    if not path.exists():
+        print(f"difflm: no finished data prep for this config at {path.parent}; run `difflm prep` first",
+              file=sys.stderr)
+        return 1
+    try:
+        report = verify(json.loads(path.read_text()))
+    except DataVerificationError as err:
+        print(f"difflm: {err}", file=sys.stderr)
+        return 1
+    print(f"ok: {report['shards']} shards, {report['documents']} documents, {report['tokens']:,} tokens verified")
     return 0
 
 
@@ -115,9 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["show", "presets", "schema"])
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
-    p = sub.add_parser("prep", help="data prep only: datatrove -> tokenized Megatron .bin/.idx + manifest")
+    p = sub.add_parser("prep", help="data prep only: datatrove -> tokenized Megatron .bin/.idx + manifest",
+                       description="Read the configured sources (data.sources), clean, split, tokenize and write "
+                       "verified Megatron datasets. Reruns finish interrupted work; a changed config writes to a "
+                       "new folder.")
     _add_config_args(p)
+    p.add_argument("--flow", action="store_true", help="run as the Prefect flow `data-prep`, logging to MLflow")
     p.set_defaults(func=cmd_prep)
+    p = sub.add_parser("verify", help="re-read and check every shard of the config's finished data prep")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_verify)
     p = sub.add_parser("train", help="data prep (reused) + torchrun training only, no Prefect/MLflow")
     _add_config_args(p)
     p.set_defaults(func=cmd_train)

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -23,17 +23,68 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class SourceConfig(_Section):
+    path: str = Field(description="'demo:enwiki', a file, or a folder (JSONL[.gz|.zst], Parquet, .txt, saved HF dataset).")
+    format: Literal["auto", "jsonl", "parquet", "text", "hf_disk"] = "auto"
+    text_key: str | None = Field(None, description="Field with the text (None: data.text_key).")
+    weight: float = Field(1.0, gt=0.0, description="Blending weight of this source in training.")
+    name: str | None = Field(None, description="Name in outputs and the manifest (None: from the path).")
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        if self.path.startswith("demo:"):
+            return self.path.split(":", 1)[1]
+        return Path(self.path.rstrip("/")).name.split(".")[0] or "data"
+
+
+class SlurmConfig(_Section):
+    partition: str | None = None
+    time: str = "04:00:00"
+    cpus_per_task: int = Field(1, ge=1)
+    mem_per_cpu_gb: int = Field(2, ge=1)
+    sbatch_args: dict[str, str] = Field(default_factory=dict)
+
+
 class DataConfig(_Section):
-    inputs: list[str] = Field(
-        default_factory=lambda: ["demo:enwiki"],
-        description="Sources: 'demo:enwiki' (embedded Wikipedia sample) or paths to .jsonl[.gz] files/folders.",
+    sources: list[SourceConfig] = Field(
+        default_factory=lambda: [SourceConfig(path="demo:enwiki")],
+        description="Inputs; a plain string is a path with defaults.",
     )
-    text_key: str = Field("text", description="Field holding the document text in JSONL records.")
-    max_documents: int | None = Field(None, ge=1, description="Keep at most this many documents (None: all).")
-    min_chars: int = Field(200, ge=0, description="Drop documents shorter than this many characters.")
+    text_key: str = Field("text", description="Default field holding the document text.")
+    max_documents: int | None = Field(None, ge=1, description="Read at most this many documents per source.")
+    min_chars: int = Field(0, ge=0, description="Drop documents shorter than this (0: off; empty ones always go).")
+    max_chars: int | None = Field(None, ge=1, description="Drop documents longer than this (None: off).")
+    dedup: bool = Field(False, description="Remove exact-duplicate documents.")
+    unicode_normalization: Literal["NFC", "NFKC"] | None = Field(None, description="Normalise text (None: off).")
     valid_fraction: float = Field(0.05, ge=0.0, lt=0.5, description="Share of documents held out for validation.")
+    test_fraction: float = Field(0.0, ge=0.0, lt=0.5, description="Share of documents held out for test.")
     split_seed: int = Field(0, description="Salt of the document hash that assigns splits.")
-    workers: int = Field(1, ge=1, description="datatrove local executor worker processes.")
+    tasks: int | None = Field(None, ge=1, description="Output shards per (split, source) (None: = workers).")
+    workers: int = Field(1, ge=1, description="Parallel processes of the local executor.")
+    executor: Literal["local", "slurm", "ray"] = "local"
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _strings_are_paths(cls, v: Any) -> Any:
+        if isinstance(v, (str, dict)):
+            v = [v]
+        return [{"path": x} if isinstance(x, str) else x for x in v]
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "DataConfig":
+        labels = [s.label for s in self.sources]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"data.sources: two sources share a name ({labels}); give each a distinct `name`")
+        if not self.sources:
+            raise ValueError("data.sources is empty: give at least one input")
+        return self
+
+    @property
+    def num_tasks(self) -> int:
+        return self.tasks or self.workers
 
 
 class TokenizerConfig(_Section):

@@ -60,6 +60,10 @@ def log_data_stats(manifest: dict) -> None:
 
     for split, s in manifest["splits"].items():
         mlflow.log_metrics({f"data.{split}.documents": s["documents"], f"data.{split}.tokens": s["tokens"]})
+        for src, c in s.get("sources", {}).items():
+            mlflow.log_metrics({f"data.{split}.{src}.documents": c["documents"], f"data.{split}.{src}.tokens": c["tokens"]})
+    for key, n in manifest.get("skipped", {}).items():
+        mlflow.log_metric(f"data.{key}", n)
     mlflow.log_metric("data.vocab_size", manifest["tokenizer"]["vocab_size"])
     mlflow.log_dict(manifest, "data/manifest.json")
     mlflow.set_tag("data.hash", manifest["hash"])

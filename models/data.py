@@ -37,7 +37,7 @@ def build_datasets(cfg: PipelineConfig, manifest: dict, train_samples: int, vali
 
     tok = manifest["tokenizer"]
     splits = manifest["splits"]
-    blend = lambda s: (splits[s]["prefixes"], None)  # noqa: E731 - weights: megatron uses sizes
+    blend = lambda s: (splits[s]["prefixes"], splits[s].get("weights"))  # noqa: E731 - manifest blend weights
     ds_cfg = GPTDatasetConfig(
         random_seed=cfg.train.seed,
         sequence_length=cfg.train.seq_length,

@@ -14,9 +14,9 @@ def test_every_preset_validates(preset):
 
 def test_overrides_are_typed():
     cfg = load_config("tiny-cpu", ["train.lr=1e-3", "model.num_layers=6", "model.qk_layernorm=true",
-                                   "data.inputs=[a.jsonl, b.jsonl]", "data.max_documents=null"])
+                                   "data.sources=[a.jsonl, b.jsonl]", "data.max_documents=null"])
     assert cfg.train.lr == 1e-3 and cfg.model.num_layers == 6 and cfg.model.qk_layernorm is True
-    assert cfg.data.inputs == ["a.jsonl", "b.jsonl"] and cfg.data.max_documents is None
+    assert [s.path for s in cfg.data.sources] == ["a.jsonl", "b.jsonl"] and cfg.data.max_documents is None
 
 
 def test_invalid_value_names_field_and_allowed_values():

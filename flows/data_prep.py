@@ -1,0 +1,27 @@
+"""The `data-prep` flow: raw text -> verified Megatron datasets, statistics in MLflow."""
+
+from typing import Optional
+
+from prefect import flow
+
+from difflm import tracking
+from difflm.config import PipelineConfig, load_config
+from tasks.stages import data_prep_task
+
+
+@flow(name="data-prep", log_prints=True)
+def data_prep(preset: str = "tiny-cpu", overrides: Optional[list[str]] = None,
+              config: Optional[PipelineConfig] = None) -> dict:
+    """Tokenize and pack the configured sources into Megatron .bin/.idx with a manifest.
+
+    Args:
+        preset: a preset in configs/ or a YAML path (ignored when `config` is given).
+        overrides: `section.field=value` overrides applied on top of the preset.
+        config: a complete configuration.
+    """
+    cfg = config or load_config(preset, overrides or [])
+    with tracking.pipeline_run(cfg, f"{cfg.name}-data-prep", {"flow": "data-prep", "preset": cfg.name}) as run_id:
+        manifest = data_prep_task(cfg)
+        if run_id:
+            tracking.log_data_stats(manifest)
+    return manifest
