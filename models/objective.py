@@ -61,8 +61,11 @@ def varilen_length(seed: int, step: int, seq_length: int, prob: float, multiple:
     return min(seq_length, -(-length // multiple) * multiple)
 
 
-def corrupt(batch: dict, cfg: PipelineConfig, special: SpecialTokens, step: int) -> dict:
-    """Model inputs, targets, scored positions and t for one micro-batch of `cfg`'s objective."""
+def corrupt(batch: dict, cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False) -> dict:
+    """Model inputs, targets, scored positions and t for one micro-batch of `cfg`'s objective.
+
+    evaluation=True uses the low-variance discrete form of the masked-diffusion ELBO: t stratified over
+    the batch, exactly ceil(t*L) tokens masked, weight L/#masked (see diffusion.elbo_nll_per_token)."""
     x0, mode, d = batch["tokens"], cfg.diffusion.model_running_mode, cfg.diffusion
     if mode == "ar":
         return {"inputs": x0, "targets": batch["labels"], "scored": torch.ones_like(x0, dtype=torch.bool), "t": None}
@@ -71,9 +74,12 @@ def corrupt(batch: dict, cfg: PipelineConfig, special: SpecialTokens, step: int)
     for row, pos in zip(x0, batch["positions"].tolist()):
         g = noise_generator(cfg.train.seed, step, pos)
         t = diffusion.stratified_t(torch.rand(1, generator=g), torch.tensor([pos]), cfg.train.global_batch_size,
-                                   d.eps, d.antithetic_t)
+                                   d.eps, d.antithetic_t or evaluation)
         if allowed is not None:
             xt, flag = diffusion.uniform_corrupt(row[None], t, allowed, g)
+        elif evaluation:
+            count = (t * row.numel()).ceil().clamp(1, row.numel()).long()
+            xt, flag = diffusion.mask_exactly(row[None], count, special.mask_id, g)
         else:
             xt, flag = diffusion.mask_tokens(row[None], t, special.mask_id, g)
         rows.append(xt), ts.append(t), flags.append(flag)
@@ -84,27 +90,31 @@ def corrupt(batch: dict, cfg: PipelineConfig, special: SpecialTokens, step: int)
     return {"inputs": xt, "targets": x0, "scored": masked, "t": t}
 
 
-def loss_from_token_ce(token_ce: torch.Tensor, prepared: dict, cfg: PipelineConfig) -> torch.Tensor:
+def loss_from_token_ce(token_ce: torch.Tensor, prepared: dict, cfg: PipelineConfig,
+                       evaluation: bool = False) -> torch.Tensor:
     d = cfg.diffusion
     if d.model_running_mode == "ar":
         return token_ce.float().mean()
     if d.model_running_mode == "difflm-noshift-uniform":
         return diffusion.uniform_diffusion_loss(token_ce.float())
+    if evaluation:  # the ELBO in nats/token, whatever the training weighting
+        return diffusion.masked_diffusion_loss(token_ce.float(), prepared["scored"], prepared["t"],
+                                               "masked_fraction", "all_tokens")
     return diffusion.masked_diffusion_loss(token_ce.float(), prepared["scored"], prepared["t"], d.loss_weighting,
                                            d.normalize_by)
 
 
-def _loss_func(prepared: dict, cfg: PipelineConfig, output_tensor: torch.Tensor):
-    loss = loss_from_token_ce(output_tensor, prepared, cfg)
+def _loss_func(prepared: dict, cfg: PipelineConfig, evaluation: bool, output_tensor: torch.Tensor):
+    loss = loss_from_token_ce(output_tensor, prepared, cfg, evaluation)
     return loss, {"loss": loss.detach().clone()}
 
 
-def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int):
+def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False):
     """A megatron `forward_step_func(data_iterator, model)` for training step `step`."""
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        prepared = corrupt(batch, cfg, special, step)
+        prepared = corrupt(batch, cfg, special, step, evaluation)
         inputs = prepared["inputs"]
         position_ids = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
         attention_mask = None
@@ -114,6 +124,6 @@ def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int):
         # With labels, megatron returns the per-token (vocab-parallel) cross-entropy [b, s].
         extra = {"t": prepared["t"]} if cfg.diffusion.time_embedding and prepared["t"] is not None else {}
         token_ce = model(inputs, position_ids, attention_mask, labels=prepared["targets"], **extra)
-        return token_ce, partial(_loss_func, prepared, cfg)
+        return token_ce, partial(_loss_func, prepared, cfg, evaluation)
 
     return forward_step

@@ -123,7 +123,7 @@ def run_global_batch(cfg, ddp, dataset, special: SpecialTokens, step: int, noise
     length = length or cfg.train.seq_length
     batches = iter([micro_batch(dataset, step, m, dp_rank, cfg, dp_size, length) for m in range(n_micro)])
     losses = get_forward_backward_func()(
-        forward_step_func=make_forward_step(cfg, special, noise_step),
+        forward_step_func=make_forward_step(cfg, special, noise_step, evaluation=forward_only),
         data_iterator=batches,
         model=[ddp],
         num_microbatches=n_micro,

@@ -174,3 +174,18 @@ def test_document_ids_and_mask():
     assert not blocked[0, 2] and blocked[0, 3] and blocked[5, 4] and not blocked[4, 3]
     causal = diffusion.document_attention_mask(doc, causal=True)[0, 0]
     assert causal[0, 1] and not causal[1, 0]
+
+
+def test_evaluation_noise_masks_exact_counts_and_scores_the_elbo():
+    from conftest import tiny_config
+    from models.objective import SpecialTokens, corrupt, loss_from_token_ce
+
+    cfg = tiny_config("/tmp/unused", "train.global_batch_size=4", "train.micro_batch_size=4")
+    special = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2))
+    x0 = torch.randint(3, 50, (4, 32))
+    prep = corrupt({"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=-1, evaluation=True)
+    counts = prep["scored"].sum(-1)
+    assert torch.equal(counts, (prep["t"] * 32).ceil().long())
+    assert sorted((prep["t"] * 4).floor().long().tolist()) == [0, 1, 2, 3]  # always stratified in evaluation
+    ce = torch.full((4, 32), 2.0)  # a context-free model with CE 2 everywhere: the ELBO is exactly 2
+    assert math.isclose(loss_from_token_ce(ce, prep, cfg, evaluation=True).item(), 2.0, rel_tol=1e-6)

@@ -53,3 +53,19 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness):
     assert again["validation"]["trained"]["nll_per_token"] == pytest.approx(v["trained"]["nll_per_token"])
     assert len(client.get_metric_history(again["mlflow_run_id"], "loss")) >= 3
     assert int(again["version"]) == int(summary["version"]) + 1
+
+
+def test_data_prep_flow_logs_statistics(session_dir, prefect_harness, tiny_manifest):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from difflm.tracking import tracking_uri
+    from flows.data_prep import data_prep
+
+    cfg = tiny_config(session_dir / "shared")  # the same config as tiny_manifest: the prep is reused
+    manifest = data_prep(config=cfg)
+    assert manifest["hash"] == tiny_manifest["hash"]
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    runs = MlflowClient().search_runs([mlflow.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
+                                      filter_string="tags.flow = 'data-prep'")
+    assert runs and runs[0].data.metrics["data.train.enwiki.documents"] == manifest["splits"]["train"]["documents"]
