@@ -86,7 +86,7 @@ def log_training(train_info: dict, records: list[dict]) -> None:
         backfill_metrics(records)
     mlflow.set_tag("train.run_dir", train_info["run_dir"])
     mlflow.set_tag("train.checkpoint", train_info["checkpoint"])
-    for name in ("metrics.jsonl", "train.log", "config.yaml"):
+    for name in ("metrics.jsonl", "train.log", "config.yaml", "curves.png"):
         path = Path(train_info["run_dir"]) / name
         if path.exists():
             mlflow.log_artifact(str(path), "train")

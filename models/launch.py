@@ -82,6 +82,10 @@ def launch_training(
             if line.startswith("[train]"):
                 echo(line.rstrip())
         code = proc.wait()
+    if code == 0:
+        from difflm.plots import plot_curves
+
+        plot_curves(read_metrics(rdir), rdir / "curves.png", rdir.name)
     if code != 0:
         raise TrainingError(
             f"training failed (exit {code}); full log: {rdir / 'train.log'}. Rerunning resumes from the "

@@ -20,6 +20,7 @@ def test_resume_reproduces_uninterrupted_run(session_dir, tiny_manifest, layout)
     rdir = run_dir(cfg, tiny_manifest)
     full = {r["step"]: r for r in read_metrics(rdir) if "loss" in r}
     assert sorted(p.name for p in (rdir / "checkpoints").glob("iter_*")) == ["iter_0000006", "iter_0000012"]
+    assert (rdir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not info["reused"]
 
     # a finished run is reused, not retrained

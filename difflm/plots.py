@@ -1,0 +1,32 @@
+"""Training-curve plot (PNG) for the run directory and MLflow: a picture of loss and validation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_curves(records: list[dict], path: Path, title: str = "") -> Path | None:
+    """Plot `loss` and `val_loss` against the step from metrics.jsonl records; None if nothing to plot."""
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if not train and not val:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write files only
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1, alpha=0.7)
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation (ELBO for diffusion, NLL for ar)", lw=2)
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("nats / token")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
