@@ -177,6 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors whose message already says what to do: printed plainly, without a traceback."""
+    from data_prep.pipeline import DataPrepError
+    from data_prep.tokenizer import TokenizerError
+    from data_prep.verify import DataVerificationError
+    from difflm.corpus import CorpusError
+    from models.convert import ConversionError
+    from models.launch import TrainingError
+
+    return (DataPrepError, TokenizerError, DataVerificationError, CorpusError, ConversionError, TrainingError)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -185,7 +197,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"difflm: {err}", file=sys.stderr)
         return 2
     _offline_env(cfg)
-    return args.func(cfg, args)
+    try:
+        return args.func(cfg, args)
+    except _user_errors() as err:
+        print(f"difflm: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("difflm: interrupted; rerun the same command to resume (finished stages and checkpoints are kept)",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -78,3 +78,10 @@ def test_model_presets_fill_fields_and_explicit_fields_win():
     assert (cfg.model.num_layers, cfg.model.hidden_size) == (4, 768)
     with pytest.raises(ConfigError, match="model.preset"):
         load_config("tiny-cpu", ["model.preset=13b"])
+
+
+def test_cli_reports_bad_input_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "difflm.cli", "train", "--preset", "test-tiny", f"workdir={tmp_path}",
+                           f"data.sources=[{tmp_path / 'missing.jsonl'}]"], capture_output=True, text=True)
+    assert proc.returncode == 1
+    assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
