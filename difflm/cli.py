@@ -136,6 +136,16 @@ def cmd_train(cfg: PipelineConfig, args) -> int:
     return 0
 
 
+def cmd_import_hf(cfg: PipelineConfig, args) -> int:
+    from data_prep.tokenizer import describe
+    from models.convert import import_hf
+
+    tok = describe(Path(args.hf_dir), cfg.tokenizer).to_dict()
+    out = import_hf(cfg, Path(args.hf_dir), Path(args.out), tok)
+    print(f"megatron checkpoint: {out}\nstart training from it with: train.init_from={out}")
+    return 0
+
+
 def cmd_serve(cfg: PipelineConfig, args) -> int:
     from flows.pretrain import pretrain_difflm
 
@@ -169,6 +179,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="data prep (reused) + torchrun training only, no Prefect/MLflow")
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("import-hf", help="HF folder (this project's format) -> megatron checkpoint for train.init_from",
+                       description="Convert an exported Hugging Face folder back into a megatron distributed "
+                       "checkpoint (model weights). The model.* config must describe the same architecture.")
+    p.add_argument("hf_dir", help="folder with config.json, model.safetensors and tokenizer.json")
+    p.add_argument("--out", required=True, help="output checkpoint folder")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_import_hf)
     p = sub.add_parser("serve", help="serve pretrain-difflm as a Prefect deployment (optionally on a cron)")
     _add_config_args(p)
     p.add_argument("--name", default="demo", help="deployment name (run it: prefect deployment run 'pretrain-difflm/NAME')")

@@ -199,6 +199,9 @@ class TrainConfig(_Section):
     eval_interval: int = Field(50, ge=1)
     eval_iters: int = Field(4, ge=1)
     nproc_per_node: int = Field(1, ge=1, description="torchrun processes (CPU: gloo ranks).")
+    init_from: str | None = Field(
+        None, description="Megatron checkpoint (model weights, any TP/PP) to start from, e.g. from `difflm import-hf`."
+    )
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: bf16 params/compute, fp32 main weights.")
     fp8: Literal["hybrid", "e4m3"] | None = Field(None, description="FP8 recipe (Transformer Engine on GPU only).")
     torch_threads: int | None = Field(None, ge=1, description="Intra-op threads per rank (None: cores / ranks).")

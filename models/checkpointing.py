@@ -91,6 +91,20 @@ def load_checkpoint(root: Path, iteration: int, model, optimizer=None, scheduler
     return iteration
 
 
+def load_model_weights(path: Path, model) -> None:
+    """Initialise `model` from a model-only (or full) dist checkpoint; resharded to this TP/PP layout."""
+    from megatron.core import dist_checkpointing
+
+    if not (Path(path) / "metadata.json").exists():
+        raise FileNotFoundError(f"train.init_from={path}: not a megatron distributed checkpoint")
+    sharded = model.sharded_state_dict(prefix="")
+    full = dist_checkpointing.load_tensors_metadata(str(path))
+    if not any(k.startswith("optimizer.") for k in full):  # a model-only checkpoint: keys at the top level
+        model.load_state_dict(dist_checkpointing.load(sharded, str(path)))
+        return
+    model.load_state_dict(dist_checkpointing.load({"model": sharded}, str(path))["model"])
+
+
 def _torch_optimizers(optimizer) -> list:
     inner = optimizer.chained_optimizers if hasattr(optimizer, "chained_optimizers") else [optimizer]
     return [getattr(opt, "optimizer", opt) for opt in inner]

@@ -143,3 +143,78 @@ def load_hf(folder: Path):
     from transformers import AutoModelForMaskedLM
 
     return AutoModelForMaskedLM.from_pretrained(str(folder), trust_remote_code=True, local_files_only=True).eval()
+
+
+# ---- Hugging Face -> megatron ----------------------------------------------------------------------
+# our per-layer HF key -> megatron local-spec module key (the inverse of the export, before stacking)
+_HF_TO_LOCAL = {
+    "input_layernorm": "input_layernorm",
+    "self_attention.q_norm": "self_attention.q_layernorm",
+    "self_attention.k_norm": "self_attention.k_layernorm",
+    "pre_mlp_layernorm": "pre_mlp_layernorm",
+}
+
+
+def _local_key(hf_key: str) -> str:
+    if hf_key.startswith("embed_tokens."):
+        return "embedding.word_embeddings." + hf_key.split(".", 1)[1]
+    if hf_key.startswith("final_layernorm.") or hf_key.startswith("layers."):
+        if hf_key.startswith("final_layernorm."):
+            return "decoder." + hf_key
+        _, idx, rest = hf_key.split(".", 2)
+        for ours, theirs in _HF_TO_LOCAL.items():
+            if rest.startswith(ours + "."):
+                rest = theirs + rest[len(ours):]
+        return f"decoder.layers.{idx}.{rest}"
+    return hf_key  # output_layer.*, time_embedding.*
+
+
+def _check_compatible(cfg: PipelineConfig, hf_cfg: dict, tokenizer: dict) -> None:
+    want = hf_config(cfg, tokenizer).to_dict()
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "gated_mlp", "normalization", "qk_layernorm", "tie_word_embeddings", "time_embedding", "vocab_size")
+    diff = {k: (hf_cfg.get(k), want.get(k)) for k in keys if hf_cfg.get(k) != want.get(k)}
+    if diff:
+        detail = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
+        raise ConversionError(f"the HF checkpoint does not match the model config ({detail}); set the model.* "
+                              f"fields to the checkpoint's values")
+
+
+def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict) -> Path:
+    """Write a megatron dist checkpoint (model weights only, TP=PP=1 layout, reshardable on load) from an
+    HF folder of this project's format; `train.init_from` can start training from it."""
+    from safetensors.torch import load_file
+
+    from models.distributed import single_process_group
+
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "model.safetensors").exists() or not (hf_dir / "config.json").exists():
+        raise ConversionError(f"{hf_dir}: expected a Hugging Face folder with config.json and model.safetensors")
+    _check_compatible(cfg, json.loads((hf_dir / "config.json").read_text()), tokenizer)
+    weights = {_local_key(k): v for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    with single_process_group():
+        from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+
+        from models import megatron_compat
+        from models.gpt import build_model
+
+        megatron_compat.activate()
+        if not parallel_state.model_parallel_is_initialized():
+            parallel_state.initialize_model_parallel(1, 1)
+            tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
+        single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
+            update={"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})})
+        model = build_model(single, tokenizer["vocab_size"])
+        expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+        missing, unexpected = expected - weights.keys(), weights.keys() - expected
+        if missing or unexpected:
+            raise ConversionError(f"HF weights do not fit the megatron model: missing {sorted(missing)}, "
+                                  f"unexpected {sorted(unexpected)}")
+        model.load_state_dict(weights, strict=False)
+        tmp = out_dir.with_name(out_dir.name + ".part")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        dist_checkpointing.save(model.sharded_state_dict(prefix=""), str(tmp))
+        shutil.rmtree(out_dir, ignore_errors=True)
+        tmp.replace(out_dir)
+    return out_dir

@@ -162,6 +162,8 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
     latest = checkpointing.latest_iteration(ckpt_root)
     if latest is not None:
         start = checkpointing.load_checkpoint(ckpt_root, latest, ddp.module, opt, sched)
+    elif t.init_from:
+        checkpointing.load_model_weights(Path(t.init_from), ddp.module)
     reporting = (
         parallel_state.is_pipeline_last_stage()
         and parallel_state.get_tensor_model_parallel_rank() == 0
