@@ -31,8 +31,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
-mlflow-ui: $(STAMP)
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///.difflm/mlflow.db --host 127.0.0.1 --port 5000
+WORKDIR ?= .difflm
+mlflow-ui: $(STAMP)  # make mlflow-ui [WORKDIR=.difflm]
+	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath $(WORKDIR))/mlflow.db --host 127.0.0.1 --port 5000
 
 clean:
 	rm -rf .difflm

@@ -48,6 +48,20 @@ def resolve_source(src: SourceConfig) -> tuple[Path, str]:
     return path.resolve(), fmt
 
 
+def preflight(cfg: PipelineConfig) -> None:
+    """Cheap checks of the inputs before any work: sources exist and have a known format, the tokenizer
+    path exists. Raises DataPrepError / TokenizerError with what to do."""
+    from data_prep.tokenizer import TokenizerError
+
+    for src in cfg.data.sources:
+        resolve_source(src)
+    if cfg.tokenizer.path:
+        path = Path(cfg.tokenizer.path).expanduser()
+        if not (path / "tokenizer.json" if path.is_dir() else path).exists():
+            raise TokenizerError(f"tokenizer.path {cfg.tokenizer.path!r}: no tokenizer.json found there; give a local "
+                                 f"Hugging Face tokenizer folder or the tokenizer.json file")
+
+
 def reader_steps(cfg: PipelineConfig, resolved: list[tuple[SourceConfig, Path, str]], progress: bool = False):
     from data_prep.readers import make_reader
 
@@ -156,7 +170,8 @@ def shard_stats(out: Path, sources: list[SourceConfig]) -> dict:
     """Per split: prefixes, per-source documents/tokens, blend weights and Megatron data-path string."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    weight = {s.label: s.weight for s in sources}
+    by_size = all(s.weight is None for s in sources)  # megatron's own default: mix as the data comes
+    weight = {s.label: 1.0 if s.weight is None else s.weight for s in sources}
     splits = {}
     for split in SPLITS:
         per_source, prefixes, tokens_of = {}, [], {}
@@ -170,8 +185,11 @@ def shard_stats(out: Path, sources: list[SourceConfig]) -> dict:
                 tokens_of[prefix] = (src, n_tok)
                 docs, toks = docs + len(ds), toks + n_tok
             per_source[src] = {"documents": docs, "tokens": toks}
-        # a source's weight is spread over its shards by their token counts
-        weights = [weight[src] * n / max(per_source[src]["tokens"], 1) for src, n in (tokens_of[p] for p in prefixes)]
+        # a source's share is spread over its shards by their token counts
+        if by_size:
+            weights = [float(tokens_of[p][1]) for p in prefixes]
+        else:
+            weights = [weight[src] * n / max(per_source[src]["tokens"], 1) for src, n in (tokens_of[p] for p in prefixes)]
         total = sum(weights) or 1.0
         weights = [w / total for w in weights]
         splits[split] = {
@@ -213,7 +231,8 @@ def prepare_data(cfg: PipelineConfig) -> dict:
     manifest = {
         "dir": str(out),
         "hash": out.name,
-        "sources": [{"name": s.label, "path": str(p), "format": f, "weight": s.weight} for s, p, f in resolved],
+        "sources": [{"name": s.label, "path": str(p), "format": f, "weight": s.weight or "by tokens"}
+                    for s, p, f in resolved],
         "tokenizer": tok.to_dict(),
         "token_bytes": 4 if tok.vocab_size > 65536 else 2,
         "splits": splits,

@@ -91,7 +91,8 @@ class JsonlSource(_AllFilesMixin, BaseDiskReader):
                     continue
                 text = record.get(self.text_key)
                 if not isinstance(text, str):
-                    self._skip("missing_text", where, f"(no string field {self.text_key!r})")
+                    self._skip("missing_text", where, f"(no string field {self.text_key!r}; fields: "
+                               f"{sorted(record)[:8]}; set the source's text_key)")
                     continue
                 yield Document(text=text, id=f"{self.source}:{filepath}:{li}",
                                metadata={"source": self.source})
@@ -124,7 +125,8 @@ def _tabular(reader_cls, source: str, text_key: str):
         def get_document_from_dict(self, data: dict, source_file: str, id_in_file):
             text = data.get(self.text_key)
             if not isinstance(text, str):
-                self._skip("missing_text", f"{source_file}:{id_in_file}", f"(no string field {self.text_key!r})")
+                self._skip("missing_text", f"{source_file} row {id_in_file}", f"(no string field "
+                           f"{self.text_key!r}; fields: {sorted(data)[:8]}; set the source's text_key)")
                 return None
             return Document(text=text, id=f"{source}:{source_file}:{id_in_file}", metadata={"source": source})
 

@@ -47,6 +47,9 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_run(cfg: PipelineConfig, args) -> int:
+    from data_prep.pipeline import preflight
+
+    preflight(cfg)  # bad paths fail here, before a Prefect server starts
     from flows.pretrain import pretrain_difflm
 
     summary = pretrain_difflm(config=cfg)
@@ -62,7 +65,8 @@ def cmd_run(cfg: PipelineConfig, args) -> int:
         if summary.get(key) is not None:
             print(f"{key:>16}: {summary[key]}")
     if summary.get("mlflow_uri"):
-        print(f"MLflow UI: mlflow ui --backend-store-uri {summary['mlflow_uri']} --host 127.0.0.1 --port 5000")
+        print(f"MLflow UI: {Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {summary['mlflow_uri']} "
+              f"--host 127.0.0.1 --port 5000")
     Path(cfg.workdir, "last_run.json").write_text(json.dumps(summary, indent=2))
     return 0
 
@@ -70,7 +74,8 @@ def cmd_run(cfg: PipelineConfig, args) -> int:
 def cmd_config(cfg: PipelineConfig, args) -> int:
     if args.action == "presets":
         for p in sorted(CONFIG_DIR.glob("*.yaml")):
-            print(p.stem)
+            first = next((ln.lstrip("# ").strip() for ln in p.read_text().splitlines() if ln.startswith("#")), "")
+            print(f"{p.stem:<12} {first}")
         return 0
     if args.action == "schema":
         print(json.dumps(PipelineConfig.model_json_schema(), indent=2))
@@ -159,11 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="run the pretrain-difflm flow end to end (data, train, export, eval, MLflow)")
+    p = sub.add_parser("run", help="run the pretrain-difflm flow end to end (data, train, export, eval, MLflow)",
+                       description="Run the Prefect flow pretrain-difflm: data prep, torchrun training, HF export, "
+                       "evaluation, MLflow tracking and model registration. Finished stages are reused; an "
+                       "interrupted run resumes. With no Prefect API configured a temporary local server is used.")
     _add_config_args(p)
     p.set_defaults(func=cmd_run)
     p = sub.add_parser("config", help="show the resolved configuration, list presets, or print the JSON schema")
-    p.add_argument("action", choices=["show", "presets", "schema"])
+    p.add_argument("action", nargs="?", default="show", choices=["show", "presets", "schema"],
+                   help="show (default): the resolved config; presets: the preset files; schema: JSON schema")
     _add_config_args(p)
     p.set_defaults(func=cmd_config)
     p = sub.add_parser("prep", help="data prep only: datatrove -> tokenized Megatron .bin/.idx + manifest",
@@ -206,8 +215,24 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (DataPrepError, TokenizerError, DataVerificationError, CorpusError, ConversionError, TrainingError)
 
 
+def _parse(argv: list[str] | None):
+    """Overrides may come before or after options (`config show --preset x a.b=1`): argparse leaves
+    positionals that follow an option unparsed, so collect those `key=value` leftovers here."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if "=" not in x or x.startswith("-")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = [*getattr(args, "overrides", []), *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    import warnings
+
+    # megatron warns at import that Apex/TE are absent; on a CPU that is expected, not news
+    warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
+    args = _parse(argv)
     try:
         cfg = load_config(args.preset, args.overrides)
     except ConfigError as err:

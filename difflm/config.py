@@ -27,7 +27,9 @@ class SourceConfig(_Section):
     path: str = Field(description="'demo:enwiki', a file, or a folder (JSONL[.gz|.zst], Parquet, .txt, saved HF dataset).")
     format: Literal["auto", "jsonl", "parquet", "text", "hf_disk"] = "auto"
     text_key: str | None = Field(None, description="Field with the text (None: data.text_key).")
-    weight: float = Field(1.0, gt=0.0, description="Blending weight of this source in training.")
+    weight: float | None = Field(
+        None, gt=0.0, description="Share of this source in training (None: in proportion to its tokens, "
+        "if every source leaves it unset; otherwise 1).")
     name: str | None = Field(None, description="Name in outputs and the manifest (None: from the path).")
 
     @property
@@ -325,7 +327,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     keys = [k for k in key.strip().split(".") if k]
     if not keys:
         raise ConfigError(f"override {text!r} has an empty key")
-    return keys, yaml.safe_load(raw) if raw.strip() else ""
+    try:
+        return keys, yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as err:
+        problem = str(err).splitlines()[0]
+        raise ConfigError(
+            f"override {text!r}: the value is not valid YAML ({problem}). Quote the whole override for the shell, "
+            f"e.g. \"data.sources=[{{path: a.jsonl}}, b/]\""
+        ) from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:

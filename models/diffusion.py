@@ -100,9 +100,14 @@ def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Te
     return F.cross_entropy(logits.float().reshape(b * s, v), targets.reshape(b * s), reduction="none").view(b, s)
 
 
-def mask_exactly(x0: torch.Tensor, counts: torch.Tensor, mask_id: int, generator: torch.Generator | None = None):
-    """Mask exactly counts[i] uniformly chosen positions of row i of x0 [b, s]: (x_t, masked)."""
-    ranks = torch.rand(x0.shape, generator=generator).argsort(dim=-1).argsort(dim=-1)  # a random permutation
+def mask_exactly(x0: torch.Tensor, counts: torch.Tensor, mask_id: int, generator: torch.Generator | None = None,
+                 valid: torch.Tensor | None = None):
+    """Mask exactly counts[i] uniformly chosen positions of row i of x0 [b, s] (only among `valid`
+    positions when given): (x_t, masked)."""
+    u = torch.rand(x0.shape, generator=generator)
+    if valid is not None:
+        u = torch.where(valid, u, torch.full_like(u, 2.0))  # invalid positions sort last: never chosen
+    ranks = u.argsort(dim=-1).argsort(dim=-1)  # a random permutation
     masked = ranks < counts[:, None]
     return torch.where(masked, torch.full_like(x0, mask_id), x0), masked
 
@@ -114,8 +119,12 @@ def elbo_nll_per_token(
     mask_id: int,
     t_samples: int,
     generator: torch.Generator | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Upper bound on the NLL per token (nats) of each sequence x0 [b, s]. [b]
+
+    A Monte-Carlo estimate: pass a seeded `generator` for reproducible values. `valid` [b, s] (bool)
+    restricts scoring to real tokens of padded rows; the bound is then per valid token.
 
     The masked-diffusion ELBO in its discrete form (LLaDA, eq. 6): with l ~ U{1..L} tokens masked at
     random, -log p(x0) <= E_l [ (L/l) * sum_{masked i} -log p(x0_i | x_t) ]. It equals the
@@ -123,14 +132,15 @@ def elbo_nll_per_token(
     suffice. l is stratified over `t_samples` equal bins of {1..L} per sequence.
     """
     b, s = x0.shape
+    lengths = valid.sum(-1).clamp(min=1) if valid is not None else torch.full((b,), s)  # [b] L per row
     total = torch.zeros(b, dtype=torch.float64)
     for k in range(t_samples):
         u = torch.rand(b, generator=generator)
-        counts = (((k + u) / t_samples) * s).ceil().clamp(1, s).long()  # [b] in stratum k of 1..L
-        xt, masked = mask_exactly(x0, counts, mask_id, generator)
+        counts = torch.minimum((((k + u) / t_samples) * lengths).ceil().clamp(min=1), lengths).long()
+        xt, masked = mask_exactly(x0, counts, mask_id, generator, valid)
         ce = token_cross_entropy(logits_fn(xt), x0)
-        total += ((ce * masked).sum(-1) * s / counts).double()
-    return (total / t_samples / s).float()
+        total += ((ce * masked).sum(-1) * lengths / counts).double()
+    return (total / t_samples / lengths).float()
 
 
 def ar_nll_per_token(logits_fn: LogitsFn, x0: torch.Tensor) -> torch.Tensor:

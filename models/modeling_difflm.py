@@ -179,6 +179,18 @@ class DiffLMForMaskedLM(PreTrainedModel):
         )
 
     @torch.no_grad()
-    def elbo_nll(self, input_ids: torch.Tensor, t_samples: int = 8, generator: torch.Generator | None = None):
-        """Upper bound of the NLL per token (nats) of each sequence [b]."""
-        return elbo_nll_per_token(self._logits, input_ids, self.config.mask_token_id, t_samples, generator)
+    def elbo_nll(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, t_samples: int = 8,
+                 generator: torch.Generator | None = None):
+        """Upper bound of the NLL per token (nats) of each sequence [b]; padding (attention_mask 0) is neither
+        scored nor attended to. A Monte-Carlo estimate: pass a seeded `generator` to make it reproducible."""
+        if attention_mask is None:
+            return elbo_nll_per_token(self._logits, input_ids, self.config.mask_token_id, t_samples, generator)
+        valid = attention_mask.bool()
+        logits_fn = lambda x: self._logits_masked(x, attention_mask)  # noqa: E731
+        return elbo_nll_per_token(logits_fn, input_ids, self.config.mask_token_id, t_samples, generator, valid)
+
+    def _logits_masked(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        logits = self(tokens, attention_mask=attention_mask).logits
+        if self.config.model_running_mode == "difflm-shift":
+            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        return logits

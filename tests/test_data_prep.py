@@ -105,6 +105,11 @@ def test_splits_do_not_depend_on_worker_count(tmp_path, tiny_manifest):
     one = prepare_data(_cfg(tmp_path / "one", tiny_manifest, f"data.sources=[{src}]"))
     two = prepare_data(_cfg(tmp_path / "two", tiny_manifest, f"data.sources=[{src}]", "data.workers=2"))
     assert len(two["splits"]["train"]["prefixes"]) == 2  # one shard per task
+    tr = two["splits"]["train"]
+    tokens = [tr["sources"]["docs"]["tokens"] * w for w in tr["weights"]]  # no weights set: mix by size
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    shards = [IndexedDataset(p) for p in tr["prefixes"]]  # keep them alive: their arrays are views of an mmap
+    assert tokens == pytest.approx([int(d.sequence_lengths.sum()) for d in shards])
     assert _split_texts(one, one["tokenizer"]["path"]) == _split_texts(two, two["tokenizer"]["path"])
 
 

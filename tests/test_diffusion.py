@@ -189,3 +189,15 @@ def test_evaluation_noise_masks_exact_counts_and_scores_the_elbo():
     assert sorted((prep["t"] * 4).floor().long().tolist()) == [0, 1, 2, 3]  # always stratified in evaluation
     ce = torch.full((4, 32), 2.0)  # a context-free model with CE 2 everywhere: the ELBO is exactly 2
     assert math.isclose(loss_from_token_ce(ce, prep, cfg, evaluation=True).item(), 2.0, rel_tol=1e-6)
+
+
+def test_elbo_ignores_padding():
+    vocab = 20
+    table = torch.randn(vocab, generator=torch.Generator().manual_seed(5))
+    logits_fn = lambda x: table.expand(*x.shape, vocab)  # noqa: E731 - context-free: bound = mean CE
+    x0 = torch.randint(3, vocab, (1, 6))
+    padded = torch.cat([x0, torch.zeros(1, 10, dtype=torch.long)], dim=1)
+    valid = torch.cat([torch.ones(1, 6), torch.zeros(1, 10)], dim=1).bool()
+    exact = diffusion.token_cross_entropy(logits_fn(x0), x0).mean()
+    got = diffusion.elbo_nll_per_token(logits_fn, padded, 1, 64, torch.Generator().manual_seed(0), valid)
+    assert abs(got.item() - exact.item()) < 0.05 * exact.item()

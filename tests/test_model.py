@@ -73,6 +73,10 @@ def test_hf_export_gives_megatron_logits(megatron_single_process, tmp_path, tiny
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
     assert hf.config.bidirectional == (mode != "ar")
     assert hf.config.time_embedding == cfg.diffusion.time_embedding
+    if mode == "difflm-noshift" and not over:  # padding-aware ELBO: all-ones mask = no mask
+        seeded = lambda: torch.Generator().manual_seed(0)  # noqa: E731
+        full = hf.elbo_nll(x, generator=seeded())
+        assert torch.allclose(full, hf.elbo_nll(x, attention_mask=torch.ones_like(x), generator=seeded()), atol=1e-5)
 
 
 def test_time_embedding_conditions_the_output(megatron_single_process, tmp_path):
