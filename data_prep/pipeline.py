@@ -88,8 +88,11 @@ def cleaning_steps(cfg: PipelineConfig) -> list:
 
 def iter_texts(cfg: PipelineConfig, resolved) -> Iterator[str]:
     """Texts of the kept documents, in input order (the same readers and filters, in-process)."""
+    readers = reader_steps(cfg, resolved)
+    for r in readers:
+        r.quiet = True  # the tokenized pass reports the skipped records
     data = None
-    for step in [*reader_steps(cfg, resolved), *cleaning_steps(cfg)]:
+    for step in [*readers, *cleaning_steps(cfg)]:
         data = step.run(data, rank=0, world_size=1)
     for doc in data:
         yield doc.text

@@ -46,13 +46,15 @@ def detect_format(path: Path) -> str:
 class _AllFilesMixin:
     """Read every file in every task; HashShard does the partition."""
 
+    quiet = False  # set for extra passes over the input (tokenizer training): skips are logged once
+
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         self._logged = 0
         yield from super().run(data, 0, 1)  # type: ignore[misc]
 
     def _skip(self, reason: str, where: str, detail: str = "") -> None:
         self.stat_update(f"skipped_{reason}")
-        if self._logged < _MAX_LOGGED:
+        if not self.quiet and self._logged < _MAX_LOGGED:
             self._logged += 1
             logger.warning(f"skipping record at {where}: {reason.replace('_', ' ')} {detail}".rstrip())
 

@@ -102,8 +102,9 @@ def log_evaluation(results: dict) -> None:
     mlflow.log_text(text or "(no samples)", "eval/samples.txt")
 
 
-def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str) -> dict:
-    """Upload the HF folder as an artifact and register it as a new model version."""
+def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str, checkpoint: str) -> dict:
+    """Upload the HF folder as an artifact and register it: one model version per trained checkpoint
+    (a rerun that reuses the checkpoint points at the existing version instead of adding a copy)."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -116,8 +117,15 @@ def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str) -> di
             client.get_registered_model(name)
         except Exception:  # MlflowException RESOURCE_DOES_NOT_EXIST
             client.create_registered_model(name, description="Diffusion LMs trained by difflm-pipeline (HF folders)")
-        mv = client.create_model_version(name, source=out["artifact_uri"], run_id=run_id,
-                                         description=json.dumps({"mode": cfg.diffusion.model_running_mode}))
+        existing = [v for v in client.search_model_versions(f"name='{name}'")
+                    if v.tags.get("difflm.checkpoint") == checkpoint]
+        if existing:
+            mv = max(existing, key=lambda v: int(v.version))
+        else:
+            mv = client.create_model_version(name, source=out["artifact_uri"], run_id=run_id,
+                                             tags={"difflm.checkpoint": checkpoint},
+                                             description=json.dumps({"mode": cfg.diffusion.model_running_mode}))
+        mlflow.set_tag("registered_model_version", f"{name}/{mv.version}")
         out.update(registered_model=name, version=mv.version)
     return out
 

@@ -46,7 +46,7 @@ def pretrain_difflm(
         registered = {}
         if run_id:
             tracking.log_evaluation(results)
-            registered = tracking.log_and_register_model(cfg, hf_dir, run_id)
+            registered = tracking.log_and_register_model(cfg, hf_dir, run_id, train_info["checkpoint"])
     summary = {
         "workdir": cfg.workdir,
         "data_dir": manifest["dir"],
