@@ -206,6 +206,16 @@ def shard_stats(out: Path, sources: list[SourceConfig]) -> dict:
     return splits
 
 
+def _provenance(src: SourceConfig) -> dict:
+    """Origin, license and checksum of an embedded corpus (user data: nothing to add)."""
+    from difflm.corpus import SOURCES
+
+    if not src.path.startswith("demo:"):
+        return {}
+    e = SOURCES[src.path.split(":", 1)[1]]
+    return {"origin": e.origin, "license": e.license, "carrier": e.package, "sha256": e.sha256}
+
+
 def data_dir(cfg: PipelineConfig) -> Path:
     return Path(cfg.workdir).resolve() / "data" / cfg.stage_hash("data", "tokenizer")
 
@@ -234,8 +244,8 @@ def prepare_data(cfg: PipelineConfig) -> dict:
     manifest = {
         "dir": str(out),
         "hash": out.name,
-        "sources": [{"name": s.label, "path": str(p), "format": f, "weight": s.weight or "by tokens"}
-                    for s, p, f in resolved],
+        "sources": [{"name": s.label, "path": str(p), "format": f, "weight": s.weight or "by tokens",
+                     **_provenance(s)} for s, p, f in resolved],
         "tokenizer": tok.to_dict(),
         "token_bytes": 4 if tok.vocab_size > 65536 else 2,
         "splits": splits,

@@ -17,7 +17,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from difflm.config import load_config

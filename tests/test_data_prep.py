@@ -2,7 +2,6 @@
 
 import gzip
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +43,7 @@ def test_manifest_matches_written_shards(tiny_manifest):
         assert doc.max() < tok["vocab_size"] and tok["mask_id"] not in doc
     assert tiny_manifest["splits"]["train"]["documents"] + tiny_manifest["splits"]["valid"]["documents"] == 40
     assert verify(tiny_manifest)["documents"] == 40
+    assert tiny_manifest["sources"][0]["license"].startswith("CC BY-SA") and "gensim" in tiny_manifest["sources"][0]["carrier"]
 
 
 def test_split_is_a_stable_function_of_text():
