@@ -141,6 +141,30 @@ def cmd_train(cfg: PipelineConfig, args) -> int:
     return 0
 
 
+def cmd_launch(cfg: PipelineConfig, args) -> int:
+    from data_prep.pipeline import prepare_data
+    from difflm.config import save_config
+    from models.launch import run_dir
+    from models.launchers import k8s_pytorchjob, slurm_script
+
+    manifest = prepare_data(cfg)
+    rdir = run_dir(cfg, manifest)
+    rdir.mkdir(parents=True, exist_ok=True)
+    config = save_config(cfg, rdir / "config.yaml")
+    manifest_path = rdir / "data_manifest.json"
+    manifest_path.write_text(json.dumps(manifest, indent=2))
+    if args.target == "slurm":
+        out = rdir / "launch.sbatch"
+        out.write_text(slurm_script(cfg, config, manifest_path, rdir, args.partition, args.time, args.python))
+        hint = f"sbatch {out}"
+    else:
+        out = rdir / "pytorchjob.yaml"
+        out.write_text(k8s_pytorchjob(cfg, config, manifest_path, rdir, args.image, args.pvc))
+        hint = f"kubectl apply -f {out}"
+    print(f"{args.target} launch file: {out}\nsubmit: {hint}\nrun directory (checkpoints, metrics): {rdir}")
+    return 0
+
+
 def cmd_import_hf(cfg: PipelineConfig, args) -> int:
     from data_prep.tokenizer import describe
     from models.convert import import_hf
@@ -188,6 +212,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="data prep (reused) + torchrun training only, no Prefect/MLflow")
     _add_config_args(p)
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser("launch", help="write a Slurm script or Kubernetes PyTorchJob that trains this config",
+                       description="Prepare the data (reused when done), then write a cluster launch file for "
+                       "torchrun on train.nnodes nodes x train.nproc_per_node GPUs into the run directory. The "
+                       "workdir must be on storage every node sees.")
+    p.add_argument("--target", choices=["slurm", "k8s"], default="slurm")
+    p.add_argument("--partition", default=None, help="Slurm partition")
+    p.add_argument("--time", default="24:00:00", help="Slurm time limit")
+    p.add_argument("--python", default=sys.executable, help="python on the nodes (default: this one)")
+    p.add_argument("--image", default="difflm-pipeline:latest", help="container image (k8s)")
+    p.add_argument("--pvc", default="difflm-data", help="PersistentVolumeClaim holding the workdir (k8s)")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_launch)
     p = sub.add_parser("import-hf", help="HF folder (this project's format) -> megatron checkpoint for train.init_from",
                        description="Convert an exported Hugging Face folder back into a megatron distributed "
                        "checkpoint (model weights). The model.* config must describe the same architecture.")

@@ -200,7 +200,8 @@ class TrainConfig(_Section):
     log_interval: int = Field(10, ge=1)
     eval_interval: int = Field(50, ge=1)
     eval_iters: int = Field(4, ge=1)
-    nproc_per_node: int = Field(1, ge=1, description="torchrun processes (CPU: gloo ranks).")
+    nproc_per_node: int = Field(1, ge=1, description="torchrun processes per node (GPUs per node; CPU: gloo ranks).")
+    nnodes: int = Field(1, ge=1, description="Nodes (cluster launches: `difflm launch`).")
     init_from: str | None = Field(
         None, description="Megatron checkpoint (model weights, any TP/PP) to start from, e.g. from `difflm import-hf`."
     )
@@ -263,11 +264,12 @@ class PipelineConfig(_Section):
     def _parallel_layout(self) -> "PipelineConfig":
         p, t, m = self.parallel, self.train, self.model
         model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-        if t.nproc_per_node % model_parallel:
+        world = t.nproc_per_node * t.nnodes
+        if world % model_parallel:
             raise ValueError(
-                f"train.nproc_per_node ({t.nproc_per_node}) must be a multiple of tensor x pipeline parallel size ({model_parallel})"
+                f"train.nproc_per_node x nnodes ({world}) must be a multiple of tensor x pipeline parallel size ({model_parallel})"
             )
-        dp = t.nproc_per_node // model_parallel
+        dp = world // model_parallel
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ValueError(
                 f"train.global_batch_size ({t.global_batch_size}) must be a multiple of micro_batch_size x data-parallel size ({t.micro_batch_size * dp})"

@@ -56,6 +56,9 @@ def launch_training(
     """Train (or reuse/resume) the run of `cfg`; returns {'run_dir', 'checkpoint', 'reused'}."""
     rdir = run_dir(cfg, manifest)
     ckpts = rdir / "checkpoints"
+    if cfg.train.nnodes > 1:
+        raise TrainingError(f"train.nnodes={cfg.train.nnodes}: multi-node runs are launched on the cluster; write "
+                            f"the launch file with `difflm launch --target slurm|k8s` (same overrides)")
     if is_finished(cfg, rdir):
         echo(f"[train] reusing finished run {rdir}")
         return {"run_dir": str(rdir), "checkpoint": str(checkpointing.iter_dir(ckpts, cfg.train.train_iters)), "reused": True}

@@ -85,3 +85,25 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
                            f"data.sources=[{tmp_path / 'missing.jsonl'}]"], capture_output=True, text=True)
     assert proc.returncode == 1
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_cluster_launch_files(tmp_path):
+    import yaml as _yaml
+
+    from models.launchers import k8s_pytorchjob, slurm_script
+
+    cfg = load_config("tiny-cpu", ["train.nnodes=4", "train.nproc_per_node=8", "train.global_batch_size=512",
+                                   "parallel.tensor_model_parallel_size=2"])
+    paths = (tmp_path / "config.yaml", tmp_path / "manifest.json", tmp_path / "run dir")
+    script = slurm_script(cfg, *paths, partition="gpu")
+    assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "--rdzv_endpoint $MASTER_ADDR:29500" in script and "'" + str(paths[2]) + "'" in script
+    (tmp_path / "s.sh").write_text(script)
+    assert subprocess.run(["bash", "-n", str(tmp_path / "s.sh")]).returncode == 0  # valid shell
+    job = _yaml.safe_load(k8s_pytorchjob(cfg, *paths, image="img:1"))
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 3
+    container = specs["Worker"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8 and "models.train" in container["command"]
+    with pytest.raises(ConfigError, match="nproc_per_node x nnodes"):
+        load_config("tiny-cpu", ["train.nnodes=3", "parallel.tensor_model_parallel_size=2"])
