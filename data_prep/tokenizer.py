@@ -8,7 +8,6 @@ says how to add them.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -127,11 +126,3 @@ def load_tokenizer(cfg: TokenizerConfig, folder: Path) -> TokenizerInfo:
     _special_ids(tok, cfg, str(tok_file))
     _save_hf_folder(tok, cfg, folder)
     return describe(folder, cfg)
-
-
-def read_info(manifest_tokenizer: dict) -> TokenizerInfo:
-    return TokenizerInfo(**manifest_tokenizer)
-
-
-def info_from_json(path: Path) -> TokenizerInfo:
-    return read_info(json.loads(Path(path).read_text())["tokenizer"])

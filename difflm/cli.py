@@ -54,8 +54,9 @@ def cmd_run(cfg: PipelineConfig, args) -> int:
 
     summary = pretrain_difflm(config=cfg)
     b = summary["validation"]
-    kind = {"elbo": "perplexity upper bound (diffusion ELBO)", "exact": "perplexity",
-            "denoising_ce": "exp(denoising cross-entropy), not a likelihood"}[b["trained"]["kind"]]
+    from models.evaluation import KIND_LABELS
+
+    kind = KIND_LABELS[b["trained"]["kind"]]
     print("\n=== pretrain-difflm done ===")
     print(f"validation {kind}: trained {b['trained']['ppl']:.1f}  untrained {b['untrained']['ppl']:.1f}"
           f"  ({b['trained']['nll_per_token']:.3f} vs {b['untrained']['nll_per_token']:.3f} nats/token)")

@@ -16,6 +16,14 @@ from difflm.config import PipelineConfig
 from models import diffusion
 
 
+# What the validation number of each kind is, for logs and the CLI summary.
+KIND_LABELS = {
+    "elbo": "perplexity upper bound (diffusion ELBO)",
+    "exact": "perplexity",
+    "denoising_ce": "exp(denoising cross-entropy), not a likelihood",
+}
+
+
 @dataclass
 class EvalResult:
     nll_per_token: float  # nats; an upper bound for diffusion models, exact for ar

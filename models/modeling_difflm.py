@@ -150,9 +150,9 @@ class DiffLMForMaskedLM(PreTrainedModel):
         return MaskedLMOutput(logits=F.linear(x, weight))
 
     # ---- diffusion helpers: the same pure functions training and evaluation use -----------------
-    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits aligned with the positions they predict (difflm-shift predicts the next position)."""
-        logits = self(tokens).logits
+        logits = self(tokens, attention_mask=attention_mask).logits
         if self.config.model_running_mode == "difflm-shift":
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
         return logits
@@ -183,14 +183,6 @@ class DiffLMForMaskedLM(PreTrainedModel):
                  generator: torch.Generator | None = None):
         """Upper bound of the NLL per token (nats) of each sequence [b]; padding (attention_mask 0) is neither
         scored nor attended to. A Monte-Carlo estimate: pass a seeded `generator` to make it reproducible."""
-        if attention_mask is None:
-            return elbo_nll_per_token(self._logits, input_ids, self.config.mask_token_id, t_samples, generator)
-        valid = attention_mask.bool()
-        logits_fn = lambda x: self._logits_masked(x, attention_mask)  # noqa: E731
-        return elbo_nll_per_token(logits_fn, input_ids, self.config.mask_token_id, t_samples, generator, valid)
-
-    def _logits_masked(self, tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        logits = self(tokens, attention_mask=attention_mask).logits
-        if self.config.model_running_mode == "difflm-shift":
-            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-        return logits
+        valid = attention_mask.bool() if attention_mask is not None else None
+        return elbo_nll_per_token(lambda x: self._logits(x, attention_mask), input_ids, self.config.mask_token_id,
+                                  t_samples, generator, valid)

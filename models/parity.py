@@ -37,12 +37,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from models.data import build_datasets
     from models.objective import SpecialTokens
-    from models.train import _init_distributed, build_training, run_global_batch
+    from models.train import init_distributed, build_training, run_global_batch
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(args.config, [*args.overrides, f"train.nproc_per_node={world}"])
     manifest = json.loads(Path(args.manifest).read_text())
-    _init_distributed(cfg)
+    init_distributed(cfg)
     special = SpecialTokens.from_manifest(manifest["tokenizer"])
     train_ds, _ = build_datasets(cfg, manifest, args.steps * cfg.train.global_batch_size, cfg.train.global_batch_size)
     ddp, opt, _ = build_training(cfg, manifest["tokenizer"]["vocab_size"])

@@ -24,7 +24,7 @@ from models.gpt import build_model
 from models.objective import SpecialTokens, make_forward_step, varilen_length
 
 
-def _init_distributed(cfg: PipelineConfig) -> None:
+def init_distributed(cfg: PipelineConfig) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -149,7 +149,7 @@ def evaluate(cfg, ddp, valid, special: SpecialTokens) -> float | None:
 def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
     from megatron.core import parallel_state
 
-    _init_distributed(cfg)
+    init_distributed(cfg)
     tok = manifest["tokenizer"]
     special = SpecialTokens.from_manifest(tok)
     t = cfg.train

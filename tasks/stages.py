@@ -14,6 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from difflm.config import PipelineConfig
 from data_prep.pipeline import prepare_data
 from models.launch import launch_training
+from models.evaluation import KIND_LABELS
 from models.stages import convert_checkpoint, evaluate_export
 
 
@@ -45,8 +46,7 @@ def convert_task(cfg: PipelineConfig, manifest: dict, train_info: dict) -> str:
 def evaluate_task(cfg: PipelineConfig, manifest: dict, hf_dir: str) -> dict:
     results = evaluate_export(cfg, manifest, Path(hf_dir))
     b = results["bounds"]
-    kind = {"elbo": "perplexity upper bound", "exact": "perplexity", "denoising_ce": "exp(denoising CE)"}[
-        b["trained"]["kind"]]
+    kind = KIND_LABELS[b["trained"]["kind"]]
     get_run_logger().info(
         f"validation {kind}: trained {b['trained']['ppl']:.1f} vs untrained {b['untrained']['ppl']:.1f}"
     )
