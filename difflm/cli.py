@@ -144,16 +144,12 @@ def cmd_train(cfg: PipelineConfig, args) -> int:
 
 def cmd_launch(cfg: PipelineConfig, args) -> int:
     from data_prep.pipeline import prepare_data
-    from difflm.config import save_config
-    from models.launch import run_dir
+    from models.launch import run_dir, write_run_inputs
     from models.launchers import k8s_pytorchjob, slurm_script
 
     manifest = prepare_data(cfg)
     rdir = run_dir(cfg, manifest)
-    rdir.mkdir(parents=True, exist_ok=True)
-    config = save_config(cfg, rdir / "config.yaml")
-    manifest_path = rdir / "data_manifest.json"
-    manifest_path.write_text(json.dumps(manifest, indent=2))
+    config, manifest_path = write_run_inputs(cfg, manifest, rdir)
     if args.target == "slurm":
         out = rdir / "launch.sbatch"
         out.write_text(slurm_script(cfg, config, manifest_path, rdir, args.partition, args.time, args.python))

@@ -34,6 +34,15 @@ def is_finished(cfg: PipelineConfig, rdir: Path) -> bool:
     return checkpointing.latest_iteration(rdir / "checkpoints") == cfg.train.train_iters
 
 
+def write_run_inputs(cfg: PipelineConfig, manifest: dict, rdir: Path) -> tuple[Path, Path]:
+    """Write the files a trainer reads into its run directory: (config.yaml, data_manifest.json).
+    The run records exactly the config and data it was given, whoever launches it."""
+    rdir.mkdir(parents=True, exist_ok=True)
+    manifest_path = rdir / "data_manifest.json"
+    manifest_path.write_text(json.dumps(manifest, indent=2))
+    return save_config(cfg, rdir / "config.yaml"), manifest_path
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -66,9 +75,7 @@ def launch_training(
     resumed = checkpointing.latest_iteration(ckpts)
     if resumed is None and (rdir / "metrics.jsonl").exists():
         (rdir / "metrics.jsonl").unlink()  # metrics of an attempt that never checkpointed
-    config_path = save_config(cfg, rdir / "config.yaml")
-    manifest_path = rdir / "data_manifest.json"  # the run records exactly the data it was given
-    manifest_path.write_text(json.dumps(manifest, indent=2))
+    config_path, manifest_path = write_run_inputs(cfg, manifest, rdir)
     cmd = torchrun_command(cfg, config_path, manifest_path, rdir)
     echo(f"[train] {'resuming from iteration ' + str(resumed) if resumed else 'starting'}: {' '.join(cmd)}")
     tail: deque[str] = deque(maxlen=25)
