@@ -38,8 +38,8 @@ def run_one(preset: str, mode: str, steps: int, seq: int, batch: int, vocab: int
     import torch
 
     from difflm.config import load_config
-    from models.distributed import single_process_group
-    from models.objective import SpecialTokens
+    from models.megatron.distributed import single_process_group
+    from models.megatron.forward_step import SpecialTokens
 
     cfg = load_config(
         None, [f"model.preset={preset}", f"diffusion.model_running_mode={mode}", f"train.seq_length={seq}",
@@ -48,10 +48,10 @@ def run_one(preset: str, mode: str, steps: int, seq: int, batch: int, vocab: int
     with single_process_group():
         from megatron.core import parallel_state, tensor_parallel
 
-        from models import megatron_compat
-        from models.train import build_training, run_global_batch
+        from models.megatron import compat
+        from models.megatron.train import build_training, run_global_batch
 
-        megatron_compat.activate()
+        compat.activate()
         parallel_state.initialize_model_parallel(1, 1)
         tensor_parallel.model_parallel_cuda_manual_seed(0)
         ddp, opt, _ = build_training(cfg, vocab)

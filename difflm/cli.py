@@ -2,6 +2,12 @@
 
 Every command takes a preset (`--preset tiny-cpu` or a YAML path) and `section.field=value` overrides;
 the configuration is validated before any work starts.
+
+Why the CLI lives in `difflm`, the ground floor, although it calls every stage: `difflm` is the console
+script and the name users know (`python -m difflm.cli`). It is the one module of the package that reaches
+up, and only inside each command (lazy imports), so importing `difflm.config` never pulls in flows,
+models or data_prep, and `difflm --help` starts in well under a second. `tests/test_layout.py` checks
+that no other `difflm` module imports them.
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ def cmd_run(cfg: PipelineConfig, args) -> int:
 
     summary = pretrain_difflm(config=cfg)
     b = summary["validation"]
-    from models.evaluation import KIND_LABELS
+    from models.evaluation.likelihood import KIND_LABELS
 
     kind = KIND_LABELS[b["trained"]["kind"]]
     print("\n=== pretrain-difflm done ===")
@@ -136,7 +142,7 @@ def cmd_verify(cfg: PipelineConfig, args) -> int:
 
 def cmd_train(cfg: PipelineConfig, args) -> int:
     from data_prep.pipeline import prepare_data
-    from models.launch import launch_training
+    from models.launch.torchrun import launch_training
 
     print(json.dumps(launch_training(cfg, prepare_data(cfg)), indent=2))
     return 0
@@ -144,8 +150,8 @@ def cmd_train(cfg: PipelineConfig, args) -> int:
 
 def cmd_launch(cfg: PipelineConfig, args) -> int:
     from data_prep.pipeline import prepare_data
-    from models.launch import run_dir, write_run_inputs
-    from models.launchers import k8s_pytorchjob, slurm_script
+    from models.launch.torchrun import run_dir, write_run_inputs
+    from models.launch.cluster import k8s_pytorchjob, slurm_script
 
     manifest = prepare_data(cfg)
     rdir = run_dir(cfg, manifest)
@@ -164,7 +170,7 @@ def cmd_launch(cfg: PipelineConfig, args) -> int:
 
 def cmd_import_hf(cfg: PipelineConfig, args) -> int:
     from data_prep.tokenizer import describe
-    from models.convert import import_hf
+    from models.hf.convert import import_hf
 
     tok = describe(Path(args.hf_dir), cfg.tokenizer).to_dict()
     out = import_hf(cfg, Path(args.hf_dir), Path(args.out), tok)
@@ -242,8 +248,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from data_prep.tokenizer import TokenizerError
     from data_prep.verify import DataVerificationError
     from difflm.corpus import CorpusError
-    from models.convert import ConversionError
-    from models.launch import TrainingError
+    from models.hf.convert import ConversionError
+    from models.launch.torchrun import TrainingError
 
     return (DataPrepError, TokenizerError, DataVerificationError, CorpusError, ConversionError, TrainingError)
 

@@ -8,7 +8,7 @@ from prefect import flow, get_run_logger
 
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
-from models.launch import read_metrics
+from models.launch.torchrun import read_metrics
 from tasks.stages import convert_task, data_prep_task, evaluate_task, train_task
 
 

@@ -13,9 +13,9 @@ from prefect.cache_policies import NO_CACHE
 
 from difflm.config import PipelineConfig
 from data_prep.pipeline import prepare_data
-from models.launch import launch_training
-from models.evaluation import KIND_LABELS
-from models.stages import convert_checkpoint, evaluate_export
+from models.launch.torchrun import launch_training
+from models.evaluation.likelihood import KIND_LABELS
+from models.evaluation.stages import convert_checkpoint, evaluate_export
 
 
 @task(name="data-prep", cache_policy=NO_CACHE)

@@ -40,11 +40,11 @@ def megatron_single_process():
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from models import megatron_compat
-    from models.distributed import single_process_group
+    from models.megatron import compat
+    from models.megatron.distributed import single_process_group
 
     with single_process_group():
-        megatron_compat.activate()
+        compat.activate()
         parallel_state.initialize_model_parallel(1, 1)
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
         yield dist.get_world_size()

@@ -90,7 +90,7 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
 def test_cluster_launch_files(tmp_path):
     import yaml as _yaml
 
-    from models.launchers import k8s_pytorchjob, slurm_script
+    from models.launch.cluster import k8s_pytorchjob, slurm_script
 
     cfg = load_config("tiny-cpu", ["train.nnodes=4", "train.nproc_per_node=8", "train.global_batch_size=512",
                                    "parallel.tensor_model_parallel_size=2"])
@@ -104,6 +104,6 @@ def test_cluster_launch_files(tmp_path):
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 3
     container = specs["Worker"]["template"]["spec"]["containers"][0]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8 and "models.train" in container["command"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8 and "models.megatron.train" in container["command"]
     with pytest.raises(ConfigError, match="nproc_per_node x nnodes"):
         load_config("tiny-cpu", ["train.nnodes=3", "parallel.tensor_model_parallel_size=2"])

@@ -15,7 +15,7 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness):
 
     from difflm.tracking import tracking_uri
     from flows.pretrain import pretrain_difflm
-    from models.convert import load_hf
+    from models.hf.convert import load_hf
 
     cfg = tiny_config(session_dir / "flow", "train.train_iters=30", "train.lr=5e-3")
     summary = pretrain_difflm(config=cfg)

@@ -10,7 +10,7 @@ from difflm.config import load_config
 
 
 def _model(mode: str, tmp_path, **over):
-    from models.gpt import build_model
+    from models.megatron.gpt import build_model
 
     extra = [f"{k}={v}" for k, v in over.items()]
     cfg = tiny_config(tmp_path, f"diffusion.model_running_mode={mode}", *extra)
@@ -54,7 +54,7 @@ def _save_model_only(model, path: Path):
     ],
 )
 def test_hf_export_gives_megatron_logits(megatron_single_process, tmp_path, tiny_manifest, mode, over):
-    from models.convert import export_hf, load_hf
+    from models.hf.convert import export_hf, load_hf
 
     cfg, model = _model(mode, tmp_path, **over)
     with torch.no_grad():  # move weights off their init so norms/biases are not all ones/zeros
@@ -92,7 +92,7 @@ def test_time_embedding_conditions_the_output(megatron_single_process, tmp_path)
 
 
 def test_conversion_rejects_a_non_checkpoint(tmp_path, tiny_manifest):
-    from models.convert import ConversionError, export_hf
+    from models.hf.convert import ConversionError, export_hf
 
     with pytest.raises(ConversionError, match="not a megatron distributed checkpoint"):
         export_hf(load_config("test-tiny"), tiny_manifest["tokenizer"], tmp_path, tmp_path / "hf")
@@ -101,7 +101,7 @@ def test_conversion_rejects_a_non_checkpoint(tmp_path, tiny_manifest):
 @pytest.mark.parametrize("mode", ["difflm-noshift", "ar"])
 def test_packed_documents_do_not_see_each_other(megatron_single_process, tmp_path, tiny_manifest, mode):
     from models import diffusion
-    from models.convert import export_hf, load_hf
+    from models.hf.convert import export_hf, load_hf
 
     cfg, model = _model(mode, tmp_path, **{"model.document_attention": "true"})
     eos = tiny_manifest["tokenizer"]["eos_id"]
@@ -126,7 +126,7 @@ def test_packed_documents_do_not_see_each_other(megatron_single_process, tmp_pat
 
 
 def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_process, tmp_path):
-    from models.gpt import build_model
+    from models.megatron.gpt import build_model
 
     cfg = load_config("test-tiny", [f"workdir={tmp_path}", "parallel.tensor_model_parallel_size=2",
                                     "train.nproc_per_node=2", "parallel.sequence_parallel=true"])

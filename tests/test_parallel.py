@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import tiny_config
-from models.launch import free_port
+from models.launch.torchrun import free_port
 from difflm.config import save_config
 
 LAYOUTS = {
@@ -22,7 +22,7 @@ LAYOUTS = {
 
 def _torchrun(nproc: int, args: list[str], tmp_path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), "-m", "models.parity", *args]
+           "127.0.0.1", "--master_port", str(free_port()), "-m", "models.megatron.parity", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 

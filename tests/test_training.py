@@ -5,8 +5,8 @@ import shutil
 import pytest
 
 from conftest import tiny_config
-from models import checkpointing
-from models.launch import TrainingError, launch_training, read_metrics, run_dir
+from models.megatron import checkpointing
+from models.launch.torchrun import TrainingError, launch_training, read_metrics, run_dir
 
 
 @pytest.mark.slow
@@ -58,7 +58,7 @@ def test_failed_training_reports_the_log(session_dir, tiny_manifest):
     ],
 )
 def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, extra):
-    from models.stages import convert_checkpoint, evaluate_export
+    from models.evaluation.stages import convert_checkpoint, evaluate_export
 
     cfg = tiny_config(session_dir / "modes", f"diffusion.model_running_mode={mode}", "train.train_iters=30",
                       "train.lr=5e-3", "train.eval_interval=30", "checkpoint.save_interval=30", *extra)
@@ -77,8 +77,8 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, 
 def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, tmp_path):
     """megatron -> HF -> megatron gives the same model: a run initialised from the imported weights
     starts at exactly the validation loss the source run ended with."""
-    from models.convert import ConversionError, import_hf
-    from models.stages import convert_checkpoint
+    from models.hf.convert import ConversionError, import_hf
+    from models.evaluation.stages import convert_checkpoint
 
     cfg = tiny_config(session_dir / "import", "train.train_iters=6", "train.warmup_iters=1",
                       "checkpoint.save_interval=6", "train.eval_interval=6")

@@ -1,4 +1,4 @@
-"""Evaluation of an exported model: validation likelihood bound and diffusion samples.
+"""Likelihood of an exported model on held-out data: the ELBO bound (diffusion), the exact NLL (ar).
 
 Runs on the Hugging Face export (pure torch), so it needs no process group and scores exactly what
 users download. Validation sequences are consecutive seq_length windows of the held-out documents.
@@ -89,31 +89,3 @@ def _denoising_ce(model, x0: torch.Tensor, t_samples: int, gen: torch.Generator)
         xt, _ = diffusion.uniform_corrupt(x0, t, allowed, gen)
         total += diffusion.token_cross_entropy(model(xt).logits, x0).mean(-1)
     return total / t_samples
-
-
-@torch.no_grad()
-def generate_samples(model, tokenizer, cfg: PipelineConfig, prompts: list[str]) -> list[dict]:
-    """Diffusion samples (iterative unmasking) continuing each prompt; ar models decode greedily."""
-    gen = torch.Generator().manual_seed(cfg.eval.seed)
-    e = cfg.eval
-    out = []
-    for prompt in prompts[: e.num_samples]:
-        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)], dtype=torch.long)
-        if cfg.diffusion.model_running_mode == "ar":
-            seq = _greedy_ar(model, ids, e.sample_length)
-        else:
-            seq = model.diffusion_generate(ids, e.sample_length, e.sampler_steps, e.temperature, gen,
-                                           forbidden_ids=(model.config.pad_token_id,))
-        text = tokenizer.decode(seq[0, ids.shape[1]:].tolist(), skip_special_tokens=False)
-        out.append({"prompt": prompt, "completion": text, "steps": e.sampler_steps})
-    return out
-
-
-def _greedy_ar(model, ids: torch.Tensor, length: int) -> torch.Tensor:
-    for _ in range(length):
-        nxt = model(ids).logits[:, -1, : model.config.real_vocab_size].argmax(-1, keepdim=True)
-        ids = torch.cat([ids, nxt], dim=1)
-    return ids
-
-
-DEFAULT_PROMPTS = ["The history of", "In mathematics, a", "The city is located", "During the war,"]

@@ -1,7 +1,7 @@
 """Plain-torch transformer equal to megatron-core's GPTModel (local spec), for exported checkpoints.
 
-Copied into every Hugging Face export folder with `configuration_difflm.py`, `diffusion.py` and
-`sampling.py`, so `AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)` works offline
+Copied into every Hugging Face export folder with `configuration_difflm.py` and the modules of
+`models/diffusion/`, so `AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)` works offline
 and gives the megatron model's logits. Layout follows megatron: pre-norm blocks, fused QKV grouped
 per query group ([q_1..q_n, k, v] per group), RoPE with rotate-half, gated MLP with [gate; up] rows.
 """
@@ -15,9 +15,12 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
 from .configuration_difflm import DiffLMConfig
-from .diffusion import document_attention_mask, elbo_nll_per_token
-from .sampling import sample_masked_diffusion, sample_uniform_diffusion
-from .time_embedding import TimeEmbedding
+# In an export folder these read `from .bounds import ...` and so on: `convert.export_code` rewrites the
+# `..diffusion.` prefix when it copies this file next to the diffusion modules.
+from ..diffusion.bounds import elbo_nll_per_token
+from ..diffusion.documents import document_attention_mask
+from ..diffusion.samplers import sample_masked_diffusion, sample_uniform_diffusion
+from ..diffusion.time_embedding import TimeEmbedding
 
 
 def _norm(config: DiffLMConfig, dim: int) -> nn.Module:

@@ -1,7 +1,7 @@
 """Optional heavy dependencies of the model stack, guarded in one place.
 
 Transformer Engine is a GPU-only extra (`pip install 'difflm-pipeline[gpu]'`). Without it, or without
-CUDA, models use megatron-core's local spec (and, on the CPU, `models.megatron_compat`).
+CUDA, models use megatron-core's local spec (and, on the CPU, `models.megatron.compat`).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 
 from difflm.config import PipelineConfig
-from models.convert import export_hf, load_hf
-from models.evaluation import DEFAULT_PROMPTS, generate_samples, likelihood_bound, validation_windows
+from models.evaluation.generation import DEFAULT_PROMPTS, generate_samples
+from models.evaluation.likelihood import likelihood_bound, validation_windows
+from models.hf.convert import export_hf, load_hf
 
 
 def convert_checkpoint(cfg: PipelineConfig, manifest: dict, train_info: dict) -> Path:
@@ -30,7 +31,7 @@ def load_tokenizer(folder: Path):
 
 def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path) -> dict:
     """Likelihood bound of the trained and of an untrained (freshly initialised) model, and samples."""
-    from models.modeling_difflm import DiffLMForMaskedLM
+    from models.hf.modeling_difflm import DiffLMForMaskedLM
 
     model = load_hf(hf_dir)
     windows = validation_windows(manifest, cfg.train.seq_length, cfg.eval.max_documents)

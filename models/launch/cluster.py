@@ -1,5 +1,5 @@
 """Cluster launch files for the same trainer entry point: a Slurm batch script and a Kubernetes
-PyTorchJob (Kubeflow training operator). Both run `torchrun ... -m models.train` on every node with
+PyTorchJob (Kubeflow training operator). Both run `torchrun ... -m models.megatron.train` on every node with
 c10d rendezvous; the config and data manifest travel as files in the run directory (shared storage).
 """
 
@@ -16,7 +16,7 @@ RDZV_PORT = 29500
 
 
 def _train_args(config: Path, manifest: Path, run_dir: Path) -> list[str]:
-    return ["-m", "models.train", "--config", str(config), "--manifest", str(manifest), "--run-dir", str(run_dir)]
+    return ["-m", "models.megatron.train", "--config", str(config), "--manifest", str(manifest), "--run-dir", str(run_dir)]
 
 
 def slurm_script(cfg: PipelineConfig, config: Path, manifest: Path, run_dir: Path, partition: str | None = None,

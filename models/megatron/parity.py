@@ -2,8 +2,8 @@
 loss whatever the tensor/pipeline/data-parallel layout.
 
     # reference (one process) saves its initial weights, then any layout loads and compares:
-    python -m torch.distributed.run --nproc_per_node 1 -m models.parity --config C --manifest M --weights W --save --out ref.json
-    python -m torch.distributed.run --nproc_per_node 2 -m models.parity --config C --manifest M --weights W --out tp2.json \\
+    python -m torch.distributed.run --nproc_per_node 1 -m models.megatron.parity --config C --manifest M --weights W --save --out ref.json
+    python -m torch.distributed.run --nproc_per_node 2 -m models.megatron.parity --config C --manifest M --weights W --out tp2.json \\
         parallel.tensor_model_parallel_size=2
 
 Two optimizer steps are taken, so the check covers gradients and the optimizer as well as the forward.
@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron.core import dist_checkpointing, parallel_state
 
-    from models.data import build_datasets
-    from models.objective import SpecialTokens
-    from models.train import init_distributed, build_training, run_global_batch
+    from models.megatron.data import build_datasets
+    from models.megatron.forward_step import SpecialTokens
+    from models.megatron.train import init_distributed, build_training, run_global_batch
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(args.config, [*args.overrides, f"train.nproc_per_node={world}"])

@@ -1,4 +1,4 @@
-"""Training entry point, run under torchrun: `python -m torch.distributed.run ... -m models.train`.
+"""Training entry point, run under torchrun: `python -m torch.distributed.run ... -m models.megatron.train`.
 
 One process per rank (gloo on CPU, NCCL on GPU); megatron-core's parallel state, DDP, optimizer and
 forward-backward schedules do the parallel work. Writes megatron distributed checkpoints and
@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from difflm.config import PipelineConfig, load_config
-from models import checkpointing
-from models.data import build_datasets, micro_batch
-from models.gpt import build_model
-from models.objective import SpecialTokens, make_forward_step, varilen_length
+from models.megatron import checkpointing
+from models.megatron.data import build_datasets, micro_batch
+from models.megatron.gpt import build_model
+from models.megatron.forward_step import SpecialTokens, make_forward_step, varilen_length
 
 
 def init_distributed(cfg: PipelineConfig) -> None:
@@ -31,9 +31,9 @@ def init_distributed(cfg: PipelineConfig) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend)
-    from models import megatron_compat
+    from models.megatron import compat
 
-    megatron_compat.activate()  # no-op with CUDA
+    compat.activate()  # no-op with CUDA
     threads = cfg.train.torch_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     torch.set_num_threads(threads)
     parallel_state.initialize_model_parallel(

@@ -1,10 +1,10 @@
-"""Diffusion samplers in pure torch: iterative unmasking of a fully masked continuation."""
+"""Diffusion samplers in pure torch: iterative unmasking (masked) and iterative denoising (uniform noise)."""
 
 from __future__ import annotations
 
 import torch
 
-from .diffusion import LogitsFn
+from .bounds import LogitsFn
 
 
 def unmask_schedule(length: int, steps: int) -> list[int]:

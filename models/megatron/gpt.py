@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from difflm.config import ModelConfig, PipelineConfig
-from models.backend import resolve_backend
+from models.megatron.backend import resolve_backend
 
 
 def is_bidirectional(mode: str) -> bool:
@@ -72,7 +72,7 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
         params_dtype=dtype,
         bf16=bf16,
         fp8=cfg.train.fp8,
-        # Fusions need CUDA kernels; on the CPU they must be off (see models/megatron_compat.py).
+        # Fusions need CUDA kernels; on the CPU they must be off (see models/megatron/compat.py).
         use_cpu_initialization=on_cpu,
         masked_softmax_fusion=not on_cpu and backend == "te",
         bias_activation_fusion=False,
@@ -87,7 +87,7 @@ def _diffusion_gpt_class():
     """megatron's GPTModel with optional time conditioning: everything else is GPTModel's own code."""
     from megatron.core.models.gpt import GPTModel
 
-    from models.time_embedding import TimeEmbedding
+    from models.diffusion.time_embedding import TimeEmbedding
 
     class DiffusionGPTModel(GPTModel):
         def __init__(self, *args, time_embedding: bool = False, **kwargs):

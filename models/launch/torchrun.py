@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from difflm.config import PipelineConfig, save_config
-from models import checkpointing
+from models.megatron import checkpointing
 
 TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")
 
@@ -54,7 +54,7 @@ def torchrun_command(cfg: PipelineConfig, config_path: Path, manifest_path: Path
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(cfg.train.nproc_per_node),
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        "-m", "models.train",
+        "-m", "models.megatron.train",
         "--config", str(config_path), "--manifest", str(manifest_path), "--run-dir", str(rdir),
     ]
 

@@ -3,22 +3,46 @@
 megatron stores a backend-neutral layout: layer tensors stacked on a leading [num_layers] axis,
 layer norms under the linear they precede (TE naming), QKV grouped per query group, GLU rows as
 [gate; up], full (unsharded) shapes whatever the TP/PP of the run. We map that onto
-`models/modeling_difflm.py`, which computes the same function.
+`models/hf/modeling_difflm.py`, which computes the same function. Reading and writing megatron checkpoints
+goes through megatron-core (and, for HF -> megatron, our model build), so this bridge is the one module of
+`models.hf` that imports `models.megatron`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
 import torch
 
 from difflm.config import PipelineConfig
-from models.gpt import is_bidirectional, padded_vocab_size
+from models.megatron.gpt import is_bidirectional, padded_vocab_size
 
-CODE_FILES = ("configuration_difflm.py", "modeling_difflm.py", "diffusion.py", "sampling.py", "time_embedding.py")
-_HERE = Path(__file__).resolve().parent
+
+
+class ConversionError(RuntimeError):
+    pass
+
+
+_HF_DIR = Path(__file__).resolve().parent
+_DIFFUSION_DIR = _HF_DIR.parent / "diffusion"
+HF_CODE_FILES = ("configuration_difflm.py", "modeling_difflm.py")
+_PACKAGE_IMPORT = re.compile(r"^from \.\.diffusion\.(\w+) import", re.MULTILINE)
+
+
+def export_code() -> dict[str, str]:
+    """{file name: source} of the model code an export folder ships: our HF modules and every module of
+    `models/diffusion/` (not its `__init__`), flat, with package-relative imports made folder-relative."""
+    files = {p.name: p.read_text() for p in sorted(_DIFFUSION_DIR.glob("*.py")) if p.name != "__init__.py"}
+    for name in HF_CODE_FILES:
+        files[name] = _PACKAGE_IMPORT.sub(r"from .\1 import", (_HF_DIR / name).read_text())
+    for name, src in files.items():  # anything else would not resolve inside the export folder
+        if re.search(r"^from \.\.", src, re.MULTILINE) or re.search(r"^\s*(from|import) models\b", src, re.MULTILINE):
+            raise ConversionError(f"{name}: an import that cannot resolve inside an export folder")
+    return files
+
 
 # megatron per-layer key (after "decoder.layers.") -> our per-layer key
 _LAYER_KEYS = {
@@ -43,15 +67,11 @@ _TOP_KEYS = {
 }
 
 
-class ConversionError(RuntimeError):
-    pass
-
-
 def load_megatron_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """Full (unsharded) model tensors of a megatron dist checkpoint, optimizer state left on disk."""
     from megatron.core import dist_checkpointing
 
-    from models.distributed import single_process_group
+    from models.megatron.distributed import single_process_group
 
     if not (Path(ckpt_dir) / "metadata.json").exists():
         raise ConversionError(f"{ckpt_dir} is not a megatron distributed checkpoint (no metadata.json)")
@@ -82,7 +102,7 @@ def to_hf_state_dict(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def hf_config(cfg: PipelineConfig, tokenizer: dict):
-    from models.configuration_difflm import DiffLMConfig
+    from models.hf.configuration_difflm import DiffLMConfig
 
     m = cfg.model
     return DiffLMConfig(
@@ -118,7 +138,7 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
 
 def export_hf(cfg: PipelineConfig, tokenizer: dict, ckpt_dir: Path, out_dir: Path, provenance: dict | None = None) -> Path:
     """Write the HF folder for `ckpt_dir` into `out_dir` (replaced atomically); returns out_dir."""
-    from models.modeling_difflm import DiffLMForMaskedLM
+    from models.hf.modeling_difflm import DiffLMForMaskedLM
 
     hf_sd = to_hf_state_dict(load_megatron_weights(ckpt_dir))
     model = DiffLMForMaskedLM(hf_config(cfg, tokenizer))
@@ -128,8 +148,8 @@ def export_hf(cfg: PipelineConfig, tokenizer: dict, ckpt_dir: Path, out_dir: Pat
     tmp = out_dir.with_name(out_dir.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
-    for name in CODE_FILES:
-        shutil.copy2(_HERE / name, tmp / name)
+    for name, src in export_code().items():
+        (tmp / name).write_text(src)
     for f in Path(tokenizer["path"]).iterdir():
         shutil.copy2(f, tmp / f.name)
     (tmp / "difflm_export.json").write_text(json.dumps({"checkpoint": str(ckpt_dir), **(provenance or {})}, indent=2))
@@ -185,7 +205,7 @@ def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict)
     HF folder of this project's format; `train.init_from` can start training from it."""
     from safetensors.torch import load_file
 
-    from models.distributed import single_process_group
+    from models.megatron.distributed import single_process_group
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "model.safetensors").exists() or not (hf_dir / "config.json").exists():
@@ -195,10 +215,10 @@ def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict)
     with single_process_group():
         from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
-        from models import megatron_compat
-        from models.gpt import build_model
+        from models.megatron import compat
+        from models.megatron.gpt import build_model
 
-        megatron_compat.activate()
+        compat.activate()
         if not parallel_state.model_parallel_is_initialized():
             parallel_state.initialize_model_parallel(1, 1)
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)

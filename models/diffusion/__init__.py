@@ -1,0 +1,25 @@
+"""The diffusion mathematics in pure torch: it may import torch only (no megatron, transformers, prefect, mlflow).
+
+Shared by megatron training, evaluation and the exported Hugging Face model: every module here is copied
+into each export folder, so modules import each other only relatively (``from .noise import ...``).
+"""
+
+from .bounds import LogitsFn, ar_nll_per_token, elbo_nll_per_token, perplexity
+from .documents import document_attention_mask, document_ids
+from .noise import mask_exactly, mask_tokens, sample_t, stratified_t, uniform_corrupt
+from .objectives import (
+    loss_weights,
+    masked_diffusion_loss,
+    shift_targets,
+    token_cross_entropy,
+    uniform_diffusion_loss,
+)
+from .samplers import sample_masked_diffusion, sample_uniform_diffusion, unmask_schedule
+from .time_embedding import TimeEmbedding, timestep_features
+
+__all__ = [
+    "LogitsFn", "TimeEmbedding", "ar_nll_per_token", "document_attention_mask", "document_ids", "elbo_nll_per_token",
+    "loss_weights", "mask_exactly", "mask_tokens", "masked_diffusion_loss", "perplexity", "sample_masked_diffusion",
+    "sample_t", "sample_uniform_diffusion", "shift_targets", "stratified_t", "timestep_features",
+    "token_cross_entropy", "uniform_corrupt", "uniform_diffusion_loss", "unmask_schedule",
+]
