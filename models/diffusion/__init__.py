@@ -10,9 +10,10 @@ from .noise import mask_exactly, mask_tokens, sample_t, stratified_t, uniform_co
 from .objectives import (
     loss_weights,
     masked_diffusion_loss,
+    masked_diffusion_loss_terms,
     shift_targets,
     token_cross_entropy,
-    uniform_diffusion_loss,
+    x0_cross_entropy_terms,
 )
 from .samplers import sample_masked_diffusion, sample_uniform_diffusion, unmask_schedule
 from .time_embedding import TimeEmbedding, timestep_features
@@ -21,5 +22,5 @@ __all__ = [
     "LogitsFn", "TimeEmbedding", "ar_nll_per_token", "document_attention_mask", "document_ids", "elbo_nll_per_token",
     "loss_weights", "mask_exactly", "mask_tokens", "masked_diffusion_loss", "perplexity", "sample_masked_diffusion",
     "sample_t", "sample_uniform_diffusion", "shift_targets", "stratified_t", "timestep_features",
-    "token_cross_entropy", "uniform_corrupt", "uniform_diffusion_loss", "unmask_schedule",
+    "token_cross_entropy", "uniform_corrupt", "unmask_schedule", "masked_diffusion_loss_terms", "x0_cross_entropy_terms",
 ]

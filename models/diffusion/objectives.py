@@ -27,13 +27,43 @@ def shift_targets(x0: torch.Tensor, masked: torch.Tensor) -> tuple[torch.Tensor,
     return targets, scored
 
 
-def loss_weights(t: torch.Tensor, masked: torch.Tensor, weighting: str) -> torch.Tensor:
-    """Per-sequence weight [b]: 1/t, 1/(empirical masked fraction), or 1."""
+def loss_weights(t: torch.Tensor, masked: torch.Tensor, weighting: str, lengths: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """Per-sequence weight [b]: 1/t, L/#masked (L: `lengths`, the valid tokens per row, default s), or 1.
+
+    `masked_fraction` is unbiased only with exact mask counts l ~ U{1..L} (LLaDA's discrete ELBO, Eq. 6 of its
+    likelihood evaluation); the trainer masks exactly ceil(t L) tokens for it. Under Bernoulli(t) masking the
+    count is uniform on {0..L} and the rows with none contribute 0: the loss would be L/(L+1) of the ELBO."""
     if weighting == "inverse_t":
         return 1.0 / t
     if weighting == "masked_fraction":
-        return masked.shape[1] / masked.sum(-1).clamp(min=1).to(t.dtype)
+        length = lengths.to(t.dtype) if lengths is not None else masked.shape[1]
+        return length / masked.sum(-1).clamp(min=1).to(t.dtype)
     return torch.ones_like(t)
+
+
+def masked_diffusion_loss_terms(
+    token_ce: torch.Tensor,
+    masked: torch.Tensor,
+    t: torch.Tensor,
+    weighting: Literal["inverse_t", "masked_fraction", "none"] = "inverse_t",
+    normalize_by: Literal["all_tokens", "masked_tokens"] = "all_tokens",
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, count) of the loss over a micro-batch: the loss is sum / count over the GLOBAL batch.
+
+    Returning the pair (as MegaDLMs' loss_func does) lets megatron divide by the global count, so every
+    micro-batch / data-parallel split gives the same loss and gradient. `valid` [b, s] drops positions
+    (the dataset's loss_mask) from both. token_ce [b, s] may hold anything at unscored positions."""
+    if valid is not None:
+        masked = masked & valid
+    w = loss_weights(t, masked, weighting, None if valid is None else valid.sum(-1))[:, None]
+    total = (token_ce * masked.to(token_ce.dtype) * w.to(token_ce.dtype)).sum()
+    if normalize_by == "all_tokens":
+        count = valid.sum() if valid is not None else torch.tensor(masked.numel(), device=masked.device)
+    else:
+        count = masked.sum()
+    return total, count.to(torch.int)
 
 
 def masked_diffusion_loss(
@@ -43,15 +73,14 @@ def masked_diffusion_loss(
     weighting: Literal["inverse_t", "masked_fraction", "none"] = "inverse_t",
     normalize_by: Literal["all_tokens", "masked_tokens"] = "all_tokens",
 ) -> torch.Tensor:
-    """Scalar loss from per-token cross-entropy [b, s] (any value at unscored positions)."""
-    w = loss_weights(t, masked, weighting)[:, None]
-    contrib = token_ce * masked.to(token_ce.dtype) * w.to(token_ce.dtype)  # [b, s]
-    if normalize_by == "all_tokens":
-        return contrib.sum() / masked.numel()
-    return contrib.sum() / masked.sum().clamp(min=1)
+    """Scalar loss of one batch from per-token cross-entropy [b, s] (any value at unscored positions)."""
+    total, count = masked_diffusion_loss_terms(token_ce, masked, t, weighting, normalize_by)
+    return total / count.clamp(min=1)
 
 
-def uniform_diffusion_loss(token_ce: torch.Tensor) -> torch.Tensor:
-    """difflm-noshift-uniform: the model cannot tell which tokens were replaced, so every position is
-    scored (x0-prediction cross-entropy averaged over all tokens)."""
-    return token_ce.mean()
+def x0_cross_entropy_terms(token_ce: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, count) of plain cross-entropy over every (valid) position: the AR loss, and the uniform mode's
+    `loss=x0_ce` option (UDLM's simple-CE ablation: a denoiser surrogate, not a bound)."""
+    if valid is None:
+        return token_ce.sum(), torch.tensor(token_ce.numel(), dtype=torch.int, device=token_ce.device)
+    return (token_ce * valid.to(token_ce.dtype)).sum(), valid.sum().to(torch.int)

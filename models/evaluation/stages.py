@@ -34,7 +34,7 @@ def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path) -> dict:
     from models.hf.modeling_difflm import DiffLMForMaskedLM
 
     model = load_hf(hf_dir)
-    windows = validation_windows(manifest, cfg.train.seq_length, cfg.eval.max_documents)
+    windows = validation_windows(manifest, cfg.train.seq_length, cfg.eval.max_sequences)
     trained = likelihood_bound(model, windows, cfg)
     torch.manual_seed(cfg.train.seed)  # the same init distribution as training, weights never updated
     untrained = likelihood_bound(DiffLMForMaskedLM(model.config).eval(), windows, cfg)

@@ -71,5 +71,7 @@ def micro_batch(
     return {
         "tokens": torch.stack([s["tokens"][:length] for s in samples]),  # [b, s] the clean sequence x0
         "labels": torch.stack([s["labels"][:length] for s in samples]),  # [b, s] next tokens (ar mode)
+        # [b, s] 0 where megatron padded a sample: never scored (its token id there is not data)
+        "loss_mask": torch.stack([s["loss_mask"][:length] for s in samples]).bool(),
         "positions": torch.arange(first, first + t.micro_batch_size),
     }

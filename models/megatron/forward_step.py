@@ -3,8 +3,9 @@
 The corruption and loss formulas are in `models.diffusion` (pure torch); this module wires them to
 megatron. Noise is drawn per sequence from a generator seeded by (seed, step, position of the sequence
 in the global batch): tensor- and pipeline-parallel peers draw the same noise, a resumed run redraws
-it, and the noise of a sequence does not depend on the micro-batch / data-parallel split, so every
-parallel layout computes the same loss on the same batch.
+it, and the noise of a sequence does not depend on the micro-batch / data-parallel split. The loss
+function returns (sum, count) and megatron divides by the global count (`calculate_per_token_loss`), so
+every normalisation gives the same loss on the same batch whatever the parallel layout.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from difflm.config import PipelineConfig
 from models import diffusion
+from models.diffusion import uniform
 
 
 @dataclass(frozen=True)
@@ -24,16 +26,18 @@ class SpecialTokens:
     vocab_size: int
     special_ids: tuple[int, ...]
     eos_id: int = 0
+    pad_id: int | None = None
 
     @classmethod
     def from_manifest(cls, tok: dict) -> "SpecialTokens":
         special = tok.get("special_ids") or [tok["eos_id"], tok["mask_id"], tok["pad_id"]]
-        return cls(tok["mask_id"], tok["vocab_size"], tuple(sorted(set(special))), tok["eos_id"])
+        return cls(tok["mask_id"], tok["vocab_size"], tuple(sorted(set(special))), tok["eos_id"], tok.get("pad_id"))
 
-    def allowed_ids(self) -> torch.Tensor:
-        """Ids uniform noise may draw: the vocabulary without special tokens."""
+    def uniform_states(self) -> torch.Tensor:
+        """The N states of uniform-noise diffusion: every token the data holds (EOS included, as a training
+        target must be reachable), without the mask and pad tokens."""
         keep = torch.ones(self.vocab_size, dtype=torch.bool)
-        keep[list(self.special_ids)] = False
+        keep[[i for i in (self.mask_id, self.pad_id) if i is not None and i < self.vocab_size]] = False
         return keep.nonzero().squeeze(-1)
 
 
@@ -48,69 +52,110 @@ def noise_generator(seed: int, step: int, sample: int) -> torch.Generator:
     return torch.Generator().manual_seed(_seed(seed, step, sample))
 
 
-def varilen_length(seed: int, step: int, seq_length: int, prob: float, multiple: int = 1) -> int:
-    """The sequence length of training step `step`: seq_length, or with probability `prob` a length
-    drawn uniformly from [multiple, seq_length] rounded up to `multiple` (TP/SP need divisibility).
-    Depends only on (seed, step): identical on every rank and on resume."""
+def varilen_length(seed: int, step: int, seq_length: int, prob: float, multiple: int = 1, micro: int = 0) -> int:
+    """The sequence length of micro-batch `micro` of training step `step`: seq_length, or with probability
+    `prob` a length drawn uniformly from [2, seq_length] rounded up to `multiple` (TP/SP need divisibility).
+    Depends only on (seed, step, micro): identical on every TP/PP peer and on resume."""
     if prob <= 0:
         return seq_length
-    g = torch.Generator().manual_seed(_seed(seed, step, -7))
+    g = torch.Generator().manual_seed(_seed(seed, step, -7, micro))
     if torch.rand((), generator=g).item() >= prob:
         return seq_length
-    length = int(torch.randint(1, seq_length + 1, (), generator=g))
+    length = int(torch.randint(2, seq_length + 1, (), generator=g))
     return min(seq_length, -(-length // multiple) * multiple)
+
+
+def _exact_counts(cfg: PipelineConfig, evaluation: bool) -> bool:
+    """Exactly ceil(t L) masks (LLaDA's discrete ELBO) in evaluation, and in training with masked_fraction
+    weighting, whose L/#masked weight is unbiased only for counts uniform on {1..L}."""
+    return evaluation or cfg.diffusion.loss_weighting == "masked_fraction"
 
 
 def corrupt(batch: dict, cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False) -> dict:
     """Model inputs, targets, scored positions and t for one micro-batch of `cfg`'s objective.
 
-    evaluation=True uses the low-variance discrete form of the masked-diffusion ELBO: t stratified over
-    the batch, exactly ceil(t*L) tokens masked, weight L/#masked (see diffusion.elbo_nll_per_token)."""
+    `valid` [b, s] is the dataset's loss_mask (False at padding megatron may add): never scored, never
+    counted. Evaluation uses the low-variance discrete form of the masked ELBO: t stratified over the
+    batch, exactly ceil(t*L) tokens masked, weight L/#masked (see diffusion.elbo_nll_per_token)."""
     x0, mode, d = batch["tokens"], cfg.diffusion.model_running_mode, cfg.diffusion
+    valid = batch.get("loss_mask", torch.ones_like(x0)).bool()
     if mode == "ar":
-        return {"inputs": x0, "targets": batch["labels"], "scored": torch.ones_like(x0, dtype=torch.bool), "t": None}
+        return {"inputs": x0, "targets": batch["labels"], "scored": valid, "valid": valid, "t": None}
     rows, ts, flags = [], [], []
-    allowed = special.allowed_ids() if mode == "difflm-noshift-uniform" else None
-    for row, pos in zip(x0, batch["positions"].tolist()):
+    states = special.uniform_states() if mode == "difflm-noshift-uniform" else None
+    for row, ok, pos in zip(x0, valid, batch["positions"].tolist()):
         g = noise_generator(cfg.train.seed, step, pos)
         t = diffusion.stratified_t(torch.rand(1, generator=g), torch.tensor([pos]), cfg.train.global_batch_size,
                                    d.eps, d.antithetic_t or evaluation)
-        if allowed is not None:
-            xt, flag = diffusion.uniform_corrupt(row[None], t, allowed, g)
-        elif evaluation:
-            count = (t * row.numel()).ceil().clamp(1, row.numel()).long()
-            xt, flag = diffusion.mask_exactly(row[None], count, special.mask_id, g)
+        if states is not None:
+            xt, flag = diffusion.uniform_corrupt(row[None], t, states, g)
+        elif _exact_counts(cfg, evaluation):
+            n_valid = int(ok.sum())
+            count = (t * n_valid).ceil().clamp(1, max(n_valid, 1)).long()
+            xt, flag = diffusion.mask_exactly(row[None], count, special.mask_id, g, ok[None])
         else:
             xt, flag = diffusion.mask_tokens(row[None], t, special.mask_id, g)
         rows.append(xt), ts.append(t), flags.append(flag)
     xt, t, masked = torch.cat(rows), torch.cat(ts), torch.cat(flags)
     if mode == "difflm-shift":
         targets, scored = diffusion.shift_targets(x0, masked)
-        return {"inputs": xt, "targets": targets, "scored": scored, "t": t}
-    return {"inputs": xt, "targets": x0, "scored": masked, "t": t}
+        return {"inputs": xt, "targets": targets, "scored": scored & valid, "valid": valid, "t": t}
+    return {"inputs": xt, "targets": x0, "scored": masked & valid, "valid": valid, "t": t}
 
 
-def loss_from_token_ce(token_ce: torch.Tensor, prepared: dict, cfg: PipelineConfig,
-                       evaluation: bool = False) -> torch.Tensor:
+def loss_terms(token_ce: torch.Tensor, prepared: dict, cfg: PipelineConfig,
+               evaluation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, count) of the masked / AR loss from per-token cross-entropy [b, s]: loss = sum / count globally."""
     d = cfg.diffusion
     if d.model_running_mode == "ar":
-        return token_ce.float().mean()
-    if d.model_running_mode == "difflm-noshift-uniform":
-        return diffusion.uniform_diffusion_loss(token_ce.float())
-    if evaluation:  # the ELBO in nats/token, whatever the training weighting
-        return diffusion.masked_diffusion_loss(token_ce.float(), prepared["scored"], prepared["t"],
-                                               "masked_fraction", "all_tokens")
-    return diffusion.masked_diffusion_loss(token_ce.float(), prepared["scored"], prepared["t"], d.loss_weighting,
-                                           d.normalize_by)
+        return diffusion.x0_cross_entropy_terms(token_ce.float(), prepared["valid"])
+    weighting, normalize_by = (("masked_fraction", "all_tokens") if evaluation  # the ELBO, whatever the training
+                               else (d.loss_weighting, d.normalize_by))
+    return diffusion.masked_diffusion_loss_terms(token_ce.float(), prepared["scored"], prepared["t"], weighting,
+                                                 normalize_by, prepared["valid"])
 
 
-def _loss_func(prepared: dict, cfg: PipelineConfig, evaluation: bool, output_tensor: torch.Tensor):
-    loss = loss_from_token_ce(output_tensor, prepared, cfg, evaluation)
-    return loss, {"loss": loss.detach().clone()}
+def uniform_loss_terms(logits: torch.Tensor, prepared: dict, cfg: PipelineConfig,
+                       states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum, count) of difflm-noshift-uniform from full logits [b, s, V]: the continuous-time NELBO (UDLM)
+    per token, or plain x0 cross-entropy with `diffusion.uniform_loss=x0_ce`."""
+    x0, xt = prepared["targets"], prepared["inputs"]
+    x0_idx = uniform.state_index(x0, states, logits.shape[-1])
+    valid = prepared["valid"] & (x0_idx >= 0)  # a target outside the states (pad) cannot be scored
+    log_p = uniform.state_log_probs(logits, states.to(logits.device))  # [b, s, N]
+    x0_idx = x0_idx.clamp(min=0)
+    if cfg.diffusion.uniform_loss == "x0_ce":
+        ce = -log_p.gather(-1, x0_idx[..., None]).squeeze(-1)
+        return diffusion.x0_cross_entropy_terms(ce, valid)
+    xt_idx = uniform.state_index(xt, states, logits.shape[-1]).clamp(min=0)
+    integrand = uniform.nelbo_integrand(log_p, x0_idx, xt_idx, prepared["t"].to(logits.device))  # [b, s]
+    # t ~ U(eps, 1): the integral over [eps, 1] is (1 - eps) times the mean integrand
+    total = (integrand * valid).sum() * (1.0 - cfg.diffusion.eps)
+    return total.to(torch.float32), valid.sum().to(torch.int)
+
+
+def _loss_func(prepared: dict, cfg: PipelineConfig, evaluation: bool, states, output_tensor: torch.Tensor):
+    if states is not None:
+        total, count = uniform_loss_terms(_full_vocab(output_tensor), prepared, cfg, states)
+    else:
+        total, count = loss_terms(output_tensor, prepared, cfg, evaluation)
+    # megatron divides by the global count; the report carries the pair, summed over micro-batches and DP
+    return total, count, {"loss": torch.stack([total.detach().float(), count.detach().float()])}
+
+
+def _full_vocab(logits: torch.Tensor) -> torch.Tensor:
+    """Logits [b, s, V/TP] gathered to the full vocabulary (the uniform ELBO sums over every state)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return logits
+    return gather_from_tensor_model_parallel_region(logits)
 
 
 def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False):
     """A megatron `forward_step_func(data_iterator, model)` for training step `step`."""
+    states = special.uniform_states() if cfg.diffusion.model_running_mode == "difflm-noshift-uniform" else None
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -121,9 +166,10 @@ def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int, ev
         if cfg.model.document_attention:
             doc = diffusion.document_ids(batch["tokens"], special.eos_id)
             attention_mask = diffusion.document_attention_mask(doc, causal=cfg.diffusion.model_running_mode == "ar")
-        # With labels, megatron returns the per-token (vocab-parallel) cross-entropy [b, s].
         extra = {"t": prepared["t"]} if cfg.diffusion.time_embedding and prepared["t"] is not None else {}
-        token_ce = model(inputs, position_ids, attention_mask, labels=prepared["targets"], **extra)
-        return token_ce, partial(_loss_func, prepared, cfg, evaluation)
+        # With labels, megatron returns the per-token (vocab-parallel) cross-entropy [b, s]; without, logits.
+        labels = None if states is not None else prepared["targets"]
+        output = model(inputs, position_ids, attention_mask, labels=labels, **extra)
+        return output, partial(_loss_func, prepared, cfg, evaluation, states)
 
     return forward_step

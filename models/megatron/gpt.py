@@ -72,6 +72,9 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
         params_dtype=dtype,
         bf16=bf16,
         fp8=cfg.train.fp8,
+        # the loss function returns (sum, count); megatron divides by the global count, so the loss and its
+        # gradient do not depend on the micro-batch / data-parallel split (MegaDLMs' loss_func does the same)
+        calculate_per_token_loss=True,
         # Fusions need CUDA kernels; on the CPU they must be off (see models/megatron/compat.py).
         use_cpu_initialization=on_cpu,
         masked_softmax_fusion=not on_cpu and backend == "te",
@@ -106,8 +109,12 @@ def _diffusion_gpt_class():
     return DiffusionGPTModel
 
 
-def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True):
-    """One pipeline stage of the megatron GPTModel for `cfg` (the whole model when PP=1)."""
+def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True,
+                padded_vocab: int | None = None):
+    """One pipeline stage of the megatron GPTModel for `cfg` (the whole model when PP=1).
+
+    `padded_vocab` overrides the embedding rows (conversion builds a TP=1 model with the padding of the
+    layout it writes for)."""
     backend = resolve_backend(cfg.model.backend)
     if cfg.train.fp8 and backend != "te":
         raise RuntimeError("train.fp8 needs the Transformer Engine backend on a GPU (pip install "
@@ -122,7 +129,7 @@ def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, 
     return _diffusion_gpt_class()(
         config=tcfg,
         transformer_layer_spec=layer_spec(cfg.model, is_bidirectional(cfg.diffusion.model_running_mode), backend),
-        vocab_size=padded_vocab_size(vocab_size, cfg.parallel.tensor_model_parallel_size),
+        vocab_size=padded_vocab or padded_vocab_size(vocab_size, cfg.parallel.tensor_model_parallel_size),
         max_sequence_length=cfg.train.seq_length,
         pre_process=pre_process,
         post_process=post_process,

@@ -107,12 +107,27 @@ class MetricsWriter:
                 self.client.log_metric(self.mlflow_run, k, float(v), timestamp=ts, step=step)
 
 
+def micro_lengths(cfg: PipelineConfig, step: int, n_micro: int) -> list[int]:
+    """Sequence length of each micro-batch of training step `step` (variable-length training).
+
+    One draw per micro-batch, as MegaDLMs, for diffusion modes only (the AR baseline always sees full
+    windows). Pipeline stages exchange fixed-shape activations, so with PP > 1 the step's micro-batches
+    share one length. Keyed by (seed, step, micro): the same on every rank and on resume."""
+    t, d = cfg.train, cfg.diffusion
+    if d.varilen_prob <= 0 or d.model_running_mode == "ar":
+        return [t.seq_length] * n_micro
+    one = cfg.parallel.pipeline_model_parallel_size > 1
+    return [varilen_length(t.seed, step, t.seq_length, d.varilen_prob, cfg.parallel.tensor_model_parallel_size,
+                           0 if one else m) for m in range(n_micro)]
+
+
 def run_global_batch(cfg, ddp, dataset, special: SpecialTokens, step: int, noise_step: int,
-                     forward_only: bool, length: int | None = None) -> float | None:
-    """One global batch through megatron's forward-backward schedule; the mean loss on the last stage.
+                     forward_only: bool, lengths: list[int] | None = None) -> float | None:
+    """One global batch through megatron's forward-backward schedule; its loss on the last stage.
 
     `step` picks the data, `noise_step` keys the noise (evaluation uses fixed negative keys so that
-    successive evaluations are comparable), `length` truncates sequences (variable-length training).
+    successive evaluations are comparable), `lengths` truncates each micro-batch (variable-length
+    training). The loss is sum / count over the whole global batch (every micro-batch and DP rank).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -120,22 +135,22 @@ def run_global_batch(cfg, ddp, dataset, special: SpecialTokens, step: int, noise
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
     n_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
-    length = length or cfg.train.seq_length
-    batches = iter([micro_batch(dataset, step, m, dp_rank, cfg, dp_size, length) for m in range(n_micro)])
+    lengths = lengths or [cfg.train.seq_length] * n_micro
+    batches = iter([micro_batch(dataset, step, m, dp_rank, cfg, dp_size, lengths[m]) for m in range(n_micro)])
     losses = get_forward_backward_func()(
         forward_step_func=make_forward_step(cfg, special, noise_step, evaluation=forward_only),
         data_iterator=batches,
         model=[ddp],
         num_microbatches=n_micro,
-        seq_length=length,
+        seq_length=max(lengths),
         micro_batch_size=cfg.train.micro_batch_size,
         forward_only=forward_only,
     )
     if not parallel_state.is_pipeline_last_stage():
         return None
-    loss = torch.stack([x["loss"] for x in losses]).mean()
-    dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-    return float(loss) / dp_size
+    total = torch.stack([x["loss"] for x in losses]).sum(0)  # [sum, count] of this rank
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return float(total[0] / total[1].clamp(min=1))
 
 
 def evaluate(cfg, ddp, valid, special: SpecialTokens) -> float | None:
@@ -175,28 +190,34 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
         f"params/rank={sum(p.numel() for p in ddp.module.parameters()):,}")
     if start == 0:
         metrics.log(0, val_loss=evaluate(cfg, ddp, valid_ds, special))
-    tic, tokens_per_iter = time.time(), t.global_batch_size * t.seq_length
+    n_micro = t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size())
+    interval = {"tic": time.time(), "tokens": 0, "losses": []}  # what the next log line averages over
     for step in range(start, t.train_iters):
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        length = varilen_length(t.seed, step, t.seq_length, cfg.diffusion.varilen_prob,
-                                cfg.parallel.tensor_model_parallel_size)
-        loss = run_global_batch(cfg, ddp, train_ds, special, step, step, False, length)
+        lengths = micro_lengths(cfg, step, n_micro)
+        loss = run_global_batch(cfg, ddp, train_ds, special, step, step, False, lengths)
         ok, grad_norm, _ = opt.step()
         sched.step(increment=1)
+        interval["tokens"] += sum(lengths) * t.global_batch_size // n_micro  # tokens really processed
+        interval["losses"].append(loss)
         it = step + 1
         if it % t.log_interval == 0 or it == t.train_iters:
-            dt = (time.time() - tic) / (it - start if it - start else 1)
+            tok_s = interval["tokens"] / max(time.time() - interval["tic"], 1e-9)
+            mean_loss = None if loss is None else sum(interval["losses"]) / len(interval["losses"])
             lr = opt.param_groups[0]["lr"]
-            metrics.log(it, loss=loss, lr=lr, grad_norm=float(grad_norm or 0.0), tokens_per_s=tokens_per_iter / dt)
-            log(f"[train] iter {it:>6}/{t.train_iters} loss {loss:.4f} lr {lr:.2e} "
-                f"grad_norm {float(grad_norm or 0):.3f} {tokens_per_iter / dt:,.0f} tok/s")
+            metrics.log(it, loss=mean_loss, lr=lr, grad_norm=float(grad_norm or 0.0), tokens_per_s=tok_s)
+            log(f"[train] iter {it:>6}/{t.train_iters} loss {mean_loss or 0:.4f} lr {lr:.2e} "
+                f"grad_norm {float(grad_norm or 0):.3f} {tok_s:,.0f} tok/s")
+            interval["losses"], interval["tokens"] = [], 0
         if it % t.eval_interval == 0 or it == t.train_iters:
             val = evaluate(cfg, ddp, valid_ds, special)
             metrics.log(it, val_loss=val)
             log(f"[train] iter {it:>6} val_loss {val:.4f}" if val is not None else "")
         if it % cfg.checkpoint.save_interval == 0 or it == t.train_iters:
             checkpointing.save_checkpoint(ckpt_root, it, ddp.module, opt, sched, cfg.checkpoint.keep_last)
+        if not interval["losses"]:  # just logged: time the next interval from here (eval and saves excluded)
+            interval["tic"] = time.time()
     dist.barrier()
     dist.destroy_process_group()
 
