@@ -1,6 +1,8 @@
-"""Likelihood bounds: the masked-diffusion ELBO (discrete form), the exact AR NLL, perplexity.
+"""Likelihood bounds: the masked-diffusion ELBO (discrete form), the uniform-diffusion ELBO, the exact AR NLL.
 
 Pure torch; the functions take a `LogitsFn`, so training, evaluation and the exported HF model share them.
+Every function scores the positions where `valid` is True and conditions on the others that are attended
+(a clean prefix, e.g. the first token, so that AR and diffusion numbers cover the same tokens).
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import torch
 
 from .noise import mask_exactly
 from .objectives import token_cross_entropy
+from .uniform import nelbo_integrand, reconstruction_nll, state_index, state_log_probs
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # tokens [b, s] -> logits [b, s, v]
+TimedLogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens [b, s], t [b]) -> logits
 
 
 @torch.no_grad()
@@ -36,21 +40,67 @@ def elbo_nll_per_token(
     suffice. l is stratified over `t_samples` equal bins of {1..L} per sequence.
     """
     b, s = x0.shape
-    lengths = valid.sum(-1).clamp(min=1) if valid is not None else torch.full((b,), s)  # [b] L per row
+    lengths = valid.sum(-1).clamp(min=1).cpu() if valid is not None else torch.full((b,), s)  # [b] L per row
     total = torch.zeros(b, dtype=torch.float64)
     for k in range(t_samples):
         u = torch.rand(b, generator=generator)
         counts = torch.minimum((((k + u) / t_samples) * lengths).ceil().clamp(min=1), lengths).long()
-        xt, masked = mask_exactly(x0, counts, mask_id, generator, valid)
+        xt, masked = mask_exactly(x0.cpu(), counts, mask_id, generator, None if valid is None else valid.cpu())
+        xt, masked = xt.to(x0.device), masked.to(x0.device)
         ce = token_cross_entropy(logits_fn(xt), x0)
-        total += ((ce * masked).sum(-1) * lengths / counts).double()
+        total += ((ce * masked).sum(-1).cpu() * lengths / counts).double()
     return (total / t_samples / lengths).float()
 
 
-def ar_nll_per_token(logits_fn: LogitsFn, x0: torch.Tensor) -> torch.Tensor:
-    """Exact NLL per predicted token of a causal model on x0 [b, s]. [b]"""
+@torch.no_grad()
+def uniform_elbo_nll_per_token(
+    logits_fn: TimedLogitsFn,
+    x0: torch.Tensor,
+    states: torch.Tensor,
+    t_samples: int,
+    eps: float = 1e-3,
+    generator: torch.Generator | None = None,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Upper bound on the NLL per token (nats) of each x0 [b, s] under a uniform-noise model. [b]
+
+    UDLM's continuous-time ELBO (see `uniform.py`), t stratified over `t_samples` bins of [eps, 1] per
+    sequence, plus the exact last step eps -> 0 (so the truncation at eps keeps it a bound). `states` are
+    the token ids the noise draws from; positions outside `valid` stay clean and are not scored."""
+    b, s = x0.shape
+    valid = torch.ones_like(x0, dtype=torch.bool) if valid is None else valid.bool()
+    vocab = int(states.max()) + 1
+    x0_idx = state_index(x0, states, max(vocab, int(x0.max()) + 1))
+    valid = valid & (x0_idx >= 0)
+    x0_idx = x0_idx.clamp(min=0)
+
+    def noised(t: torch.Tensor) -> torch.Tensor:  # uniform draws at rate t on valid positions only
+        u = torch.rand(x0.shape, generator=generator).to(x0.device)
+        draws = states[torch.randint(len(states), x0.shape, generator=generator)].to(x0.device)
+        return torch.where((u < t[:, None].to(u.device)) & valid, draws.to(x0.dtype), x0)
+
+    total = torch.zeros(b, dtype=torch.float64, device=x0.device)
+    for k in range(t_samples):
+        t = eps + (1 - eps) * (k + torch.rand(b, generator=generator)) / t_samples  # [b]
+        xt = noised(t)
+        log_p = state_log_probs(logits_fn(xt, t.to(x0.device)), states.to(x0.device))
+        xt_idx = state_index(xt, states, max(vocab, int(xt.max()) + 1)).clamp(min=0)
+        f = nelbo_integrand(log_p, x0_idx, xt_idx, t.to(x0.device))
+        total += (f * valid).sum(-1) * (1 - eps) / t_samples
+    t = torch.full((b,), eps)
+    xt = noised(t)
+    log_p = state_log_probs(logits_fn(xt, t.to(x0.device)), states.to(x0.device))
+    xt_idx = state_index(xt, states, max(vocab, int(xt.max()) + 1)).clamp(min=0)
+    total += (reconstruction_nll(log_p, x0_idx, xt_idx, t.to(x0.device)) * valid).sum(-1)
+    return (total / valid.sum(-1).clamp(min=1)).float().cpu()
+
+
+def ar_nll_per_token(logits_fn: LogitsFn, x0: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact NLL per scored token of a causal model on x0 [b, s]: tokens 1.. (token 0 has no context),
+    only where `valid` when given. [b]"""
     ce = token_cross_entropy(logits_fn(x0)[:, :-1], x0[:, 1:])
-    return ce.mean(-1)
+    scored = torch.ones_like(ce, dtype=torch.bool) if valid is None else valid[:, 1:].bool()
+    return ((ce * scored).sum(-1) / scored.sum(-1).clamp(min=1)).cpu()
 
 
 def perplexity(nll_per_token: float) -> float:

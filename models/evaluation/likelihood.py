@@ -2,6 +2,11 @@
 
 Runs on the Hugging Face export (pure torch), so it needs no process group and scores exactly what
 users download. Validation sequences are consecutive seq_length windows of the held-out documents.
+
+Like for like: every mode scores tokens 1..L-1 of each window given token 0 (an AR model cannot predict
+token 0; the diffusion bounds keep it clean), so AR and diffusion numbers cover the same tokens. A model
+trained with document attention is scored with the same attention, taken from the clean window's EOS
+positions as in training: its bound is on p(tokens | where the documents end), not on the raw stream.
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from models import diffusion
 KIND_LABELS = {
     "elbo": "perplexity upper bound (diffusion ELBO)",
     "exact": "perplexity",
-    "denoising_ce": "exp(denoising cross-entropy), not a likelihood",
 }
 
 
@@ -31,8 +35,9 @@ class EvalResult:
     bits_per_token: float
     sequences: int
     tokens: int
-    bound: bool  # True: ELBO bound (masked diffusion); False: exact likelihood (ar) or not a likelihood
-    kind: str  # "elbo", "exact" (ar) or "denoising_ce" (uniform noise: x0-prediction CE, not a bound)
+    bound: bool  # True: an ELBO (every diffusion mode); False: the exact likelihood (ar)
+    kind: str  # "elbo" (masked: LLaDA's discrete form; uniform: UDLM's continuous-time ELBO) or "exact" (ar)
+    scored: str = "tokens 1..L-1 of each window, given token 0"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -55,37 +60,24 @@ def validation_windows(manifest: dict, seq_length: int, max_sequences: int) -> t
 
 @torch.no_grad()
 def likelihood_bound(model, windows: torch.Tensor, cfg: PipelineConfig, batch_size: int = 8) -> EvalResult:
+    """NLL per token of the held-out windows: an upper bound (ELBO) for diffusion modes, exact for ar."""
     gen = torch.Generator().manual_seed(cfg.eval.seed)
-    mode = cfg.diffusion.model_running_mode
-    kind = {"ar": "exact", "difflm-noshift-uniform": "denoising_ce"}.get(mode, "elbo")
+    kind = "exact" if cfg.diffusion.model_running_mode == "ar" else "elbo"
     nlls = []
     for i in range(0, len(windows), batch_size):
         x0 = windows[i : i + batch_size]
         if kind == "exact":
-            nlls.append(diffusion.ar_nll_per_token(lambda x: model(x).logits, x0))
-        elif kind == "denoising_ce":
-            nlls.append(_denoising_ce(model, x0, cfg.eval.t_samples, gen))
+            nlls.append(model.ar_nll(x0))
         else:
-            nlls.append(diffusion.elbo_nll_per_token(model._logits, x0, model.config.mask_token_id,
-                                                     cfg.eval.t_samples, gen))
+            nlls.append(model.elbo_nll(x0, t_samples=cfg.eval.t_samples, generator=gen, prefix_len=1,
+                                       eps=cfg.diffusion.eps))
     nll = float(torch.cat(nlls).mean())
     return EvalResult(
         nll_per_token=nll,
         ppl=diffusion.perplexity(nll),
         bits_per_token=nll / math.log(2),
         sequences=len(windows),
-        tokens=int(windows.numel()),
+        tokens=int(windows.shape[0] * (windows.shape[1] - 1)),
         bound=kind == "elbo",
         kind=kind,
     )
-
-
-def _denoising_ce(model, x0: torch.Tensor, t_samples: int, gen: torch.Generator) -> torch.Tensor:
-    """Uniform-noise models: x0-prediction cross-entropy at stratified noise levels. [b]"""
-    allowed = model._allowed_ids()
-    total = torch.zeros(x0.shape[0])
-    for k in range(t_samples):
-        t = (k + torch.rand(x0.shape[0], generator=gen)) / t_samples
-        xt, _ = diffusion.uniform_corrupt(x0, t, allowed, gen)
-        total += diffusion.token_cross_entropy(model(xt).logits, x0).mean(-1)
-    return total / t_samples

@@ -26,6 +26,7 @@ class DiffLMConfig(PretrainedConfig):
         model_running_mode: str = "difflm-noshift",
         mask_token_id: int | None = None,
         time_embedding: bool = False,
+        document_attention: bool = False,
         special_ids: list[int] | None = None,
         tie_word_embeddings: bool = True,
         initializer_range: float = 0.02,
@@ -49,6 +50,7 @@ class DiffLMConfig(PretrainedConfig):
         self.model_running_mode = model_running_mode
         self.mask_token_id = mask_token_id
         self.time_embedding = time_embedding
+        self.document_attention = document_attention  # attention kept within EOS-separated documents
         self.special_ids = list(special_ids or [])
         self.initializer_range = initializer_range
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

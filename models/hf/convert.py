@@ -124,6 +124,7 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
         model_running_mode=cfg.diffusion.model_running_mode,
         mask_token_id=tokenizer["mask_id"],
         time_embedding=cfg.diffusion.time_embedding and cfg.diffusion.model_running_mode != "ar",
+        document_attention=cfg.model.document_attention,
         special_ids=tokenizer.get("special_ids") or [tokenizer["eos_id"], tokenizer["mask_id"], tokenizer["pad_id"]],
         eos_token_id=tokenizer["eos_id"],
         pad_token_id=tokenizer["pad_id"],

@@ -17,8 +17,8 @@ from transformers.modeling_outputs import MaskedLMOutput
 from .configuration_difflm import DiffLMConfig
 # In an export folder these read `from .bounds import ...` and so on: `convert.export_code` rewrites the
 # `..diffusion.` prefix when it copies this file next to the diffusion modules.
-from ..diffusion.bounds import elbo_nll_per_token
-from ..diffusion.documents import document_attention_mask
+from ..diffusion.bounds import ar_nll_per_token, elbo_nll_per_token, uniform_elbo_nll_per_token
+from ..diffusion.documents import document_attention_mask, document_ids as eos_document_ids
 from ..diffusion.samplers import sample_masked_diffusion, sample_uniform_diffusion
 from ..diffusion.time_embedding import TimeEmbedding
 
@@ -128,14 +128,14 @@ class DiffLMForMaskedLM(PreTrainedModel):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 t: torch.Tensor | None = None, document_ids: torch.Tensor | None = None, **_) -> MaskedLMOutput:
-        """Logits [b, s, v]. `t` [b] is the noise level for time-conditioned models (default: the
-        fraction of mask tokens in each row, the quantity t is the expectation of in training).
-        `document_ids` [b, s] restricts attention to each packed document, as in training."""
+        """Logits [b, s, v]. `t` [b] is the noise level for time-conditioned models: required in uniform
+        mode (its inputs do not reveal t); masked modes default to the fraction of mask tokens among the
+        non-padding positions (the quantity t is the expectation of in training). `document_ids` [b, s]
+        restricts attention to each packed document, as in training."""
         b, s = input_ids.shape
         x = self.embed_tokens(input_ids)
         if self.time_embedding is not None:
-            if t is None:
-                t = (input_ids == self.config.mask_token_id).float().mean(-1)
+            t = self._default_t(input_ids, attention_mask) if t is None else t
             x = x + self.time_embedding(t.to(x.device))[:, None].to(x.dtype)
         cos, sin = _rope(s, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta, x.device)
         mask = None
@@ -153,39 +153,113 @@ class DiffLMForMaskedLM(PreTrainedModel):
         return MaskedLMOutput(logits=F.linear(x, weight))
 
     # ---- diffusion helpers: the same pure functions training and evaluation use -----------------
-    def _logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits aligned with the positions they predict (difflm-shift predicts the next position)."""
-        logits = self(tokens, attention_mask=attention_mask).logits
-        if self.config.model_running_mode == "difflm-shift":
+    @property
+    def mode(self) -> str:
+        return self.config.model_running_mode
+
+    def _default_t(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        if self.mode == "difflm-noshift-uniform":
+            raise ValueError("a time-conditioned uniform-noise model needs the noise level: pass t=[b] "
+                             "(elbo_nll and diffusion_generate do)")
+        masks = (input_ids == self.config.mask_token_id).float()
+        if attention_mask is None:
+            return masks.mean(-1)
+        real = attention_mask.float()
+        return (masks * real).sum(-1) / real.sum(-1).clamp(min=1)
+
+    def _documents(self, tokens: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """Training's document segmentation (from EOS in the clean tokens) when the model was trained with it."""
+        if document_ids is None and getattr(self.config, "document_attention", False):
+            return eos_document_ids(tokens, self.config.eos_token_id)
+        return document_ids
+
+    def _logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None, t: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits aligned with the positions they predict. difflm-shift predicts the next position, so
+        position 0 has no logit of its own: callers never mask or score it."""
+        logits = self(tokens, attention_mask=attention_mask, t=t, document_ids=document_ids).logits
+        if self.mode == "difflm-shift":
             logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
         return logits
 
-    def _allowed_ids(self) -> torch.Tensor:
+    def uniform_states(self) -> torch.Tensor:
+        """Token ids uniform noise draws from: the real vocabulary without the mask and pad tokens."""
         keep = torch.ones(self.config.real_vocab_size, dtype=torch.bool)
-        keep[[i for i in self.config.special_ids if i < self.config.real_vocab_size]] = False
+        drop = [i for i in (self.config.mask_token_id, self.config.pad_token_id)
+                if i is not None and i < self.config.real_vocab_size]
+        keep[drop] = False
         return keep.nonzero().squeeze(-1)
+
+    def _require(self, what: str, modes: tuple[str, ...], instead: str) -> None:
+        if self.mode not in modes:
+            raise ValueError(f"{what} does not apply to a {self.mode!r} model: {instead}")
+
+    def _scored(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, prefix_len: int) -> torch.Tensor:
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        valid = valid.clone()
+        first = max(prefix_len, 1 if self.mode == "difflm-shift" else 0)  # shift: no logit predicts token 0
+        if first:
+            valid[:, :first] = False
+        return valid
 
     @torch.no_grad()
     def diffusion_generate(self, prompt_ids: torch.Tensor, length: int, steps: int, temperature: float = 0.0,
-                           generator: torch.Generator | None = None, forbidden_ids: tuple[int, ...] = ()):
+                           generator: torch.Generator | None = None, forbidden_ids: tuple[int, ...] = (),
+                           attention_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
         """Diffusion generation of `length` tokens after `prompt_ids` [b, p]: iterative unmasking for
-        masked modes, iterative denoising from uniform noise for difflm-noshift-uniform."""
-        if self.config.model_running_mode == "difflm-noshift-uniform":
-            return sample_uniform_diffusion(self._logits, prompt_ids, length, steps, self._allowed_ids(),
-                                            temperature=temperature, generator=generator)
+        masked modes, the posterior (ancestral) sampler for difflm-noshift-uniform. Prompts of different
+        lengths go LEFT-padded with their `attention_mask` (padding is never attended to; RoPE is relative,
+        so the shift changes nothing). Returns [b, p + length]."""
+        self._require("diffusion_generate", ("difflm-noshift", "difflm-shift", "difflm-noshift-uniform"),
+                      "sample an autoregressive model token by token (evaluation.generation does)")
+        b, p = prompt_ids.shape
+        if self.mode == "difflm-shift" and p == 0:
+            raise ValueError("a difflm-shift model needs at least one prompt token (each position predicts the next)")
+        mask = None
+        if attention_mask is not None:
+            if p and not attention_mask[:, -1].bool().all():
+                raise ValueError("prompts must be LEFT-padded for generation: set tokenizer.padding_side = 'left'")
+            mask = torch.cat([attention_mask.bool(), torch.ones(b, length, dtype=torch.bool,
+                                                                 device=attention_mask.device)], dim=1)
+        docs = self._documents(prompt_ids, document_ids) if p else None
+        if docs is not None:  # the continuation belongs to the prompt's last document
+            docs = torch.cat([docs, docs[:, -1:].expand(b, length)], dim=1)
+        if self.mode == "difflm-noshift-uniform":
+            return sample_uniform_diffusion(lambda x, t: self._logits(x, mask, t, docs), prompt_ids, length, steps,
+                                            self.uniform_states(), temperature=temperature, generator=generator)
         if self.config.mask_token_id is None:
             raise ValueError("config.mask_token_id is not set: this export cannot run the diffusion sampler")
         return sample_masked_diffusion(
-            self._logits, prompt_ids, length, self.config.mask_token_id, steps,
+            lambda x: self._logits(x, mask, None, docs), prompt_ids, length, self.config.mask_token_id, steps,
             vocab_limit=self.config.real_vocab_size, temperature=temperature, generator=generator,
             forbidden_ids=forbidden_ids,
         )
 
     @torch.no_grad()
     def elbo_nll(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, t_samples: int = 8,
-                 generator: torch.Generator | None = None):
-        """Upper bound of the NLL per token (nats) of each sequence [b]; padding (attention_mask 0) is neither
-        scored nor attended to. A Monte-Carlo estimate: pass a seeded `generator` to make it reproducible."""
-        valid = attention_mask.bool() if attention_mask is not None else None
-        return elbo_nll_per_token(lambda x: self._logits(x, attention_mask), input_ids, self.config.mask_token_id,
-                                  t_samples, generator, valid)
+                 generator: torch.Generator | None = None, prefix_len: int = 0,
+                 document_ids: torch.Tensor | None = None, eps: float = 1e-3):
+        """Upper bound of the NLL per scored token (nats) of each sequence [b], for any diffusion mode.
+
+        Padding (attention_mask 0) is neither scored nor attended to; the first `prefix_len` tokens are
+        conditioned on (kept clean, not scored): prefix_len=1 scores the same tokens as `ar_nll`. difflm-shift
+        always conditions on token 0. A Monte-Carlo estimate: pass a seeded `generator` to make it reproducible."""
+        self._require("elbo_nll", ("difflm-noshift", "difflm-shift", "difflm-noshift-uniform"),
+                      "its exact likelihood is model.ar_nll(input_ids, attention_mask)")
+        scored = self._scored(input_ids, attention_mask, prefix_len)
+        docs = self._documents(input_ids, document_ids)
+        if self.mode == "difflm-noshift-uniform":
+            return uniform_elbo_nll_per_token(lambda x, t: self._logits(x, attention_mask, t, docs), input_ids,
+                                              self.uniform_states(), t_samples, eps, generator, scored)
+        return elbo_nll_per_token(lambda x: self._logits(x, attention_mask, None, docs), input_ids,
+                                  self.config.mask_token_id, t_samples, generator, scored)
+
+    @torch.no_grad()
+    def ar_nll(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               document_ids: torch.Tensor | None = None):
+        """Exact NLL per scored token (nats) of each sequence [b] for an `ar` model: tokens 1.. given their
+        prefix (right padding, attention_mask 0, is not scored)."""
+        self._require("ar_nll", ("ar",), "its likelihood bound is model.elbo_nll(input_ids, attention_mask)")
+        docs = self._documents(input_ids, document_ids)
+        return ar_nll_per_token(lambda x: self(x, attention_mask=attention_mask, document_ids=docs).logits,
+                                input_ids, attention_mask)

@@ -115,16 +115,17 @@ def loss_terms(token_ce: torch.Tensor, prepared: dict, cfg: PipelineConfig,
                                                  normalize_by, prepared["valid"])
 
 
-def uniform_loss_terms(logits: torch.Tensor, prepared: dict, cfg: PipelineConfig,
-                       states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def uniform_loss_terms(logits: torch.Tensor, prepared: dict, cfg: PipelineConfig, states: torch.Tensor,
+                       evaluation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum, count) of difflm-noshift-uniform from full logits [b, s, V]: the continuous-time NELBO (UDLM)
-    per token, or plain x0 cross-entropy with `diffusion.uniform_loss=x0_ce`."""
+    per token, or in training with `diffusion.uniform_loss=x0_ce` plain x0 cross-entropy (validation always
+    reports the ELBO)."""
     x0, xt = prepared["targets"], prepared["inputs"]
     x0_idx = uniform.state_index(x0, states, logits.shape[-1])
     valid = prepared["valid"] & (x0_idx >= 0)  # a target outside the states (pad) cannot be scored
     log_p = uniform.state_log_probs(logits, states.to(logits.device))  # [b, s, N]
     x0_idx = x0_idx.clamp(min=0)
-    if cfg.diffusion.uniform_loss == "x0_ce":
+    if cfg.diffusion.uniform_loss == "x0_ce" and not evaluation:
         ce = -log_p.gather(-1, x0_idx[..., None]).squeeze(-1)
         return diffusion.x0_cross_entropy_terms(ce, valid)
     xt_idx = uniform.state_index(xt, states, logits.shape[-1]).clamp(min=0)
@@ -136,7 +137,7 @@ def uniform_loss_terms(logits: torch.Tensor, prepared: dict, cfg: PipelineConfig
 
 def _loss_func(prepared: dict, cfg: PipelineConfig, evaluation: bool, states, output_tensor: torch.Tensor):
     if states is not None:
-        total, count = uniform_loss_terms(_full_vocab(output_tensor), prepared, cfg, states)
+        total, count = uniform_loss_terms(_full_vocab(output_tensor), prepared, cfg, states, evaluation)
     else:
         total, count = loss_terms(output_tensor, prepared, cfg, evaluation)
     # megatron divides by the global count; the report carries the pair, summed over micro-batches and DP
