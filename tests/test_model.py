@@ -132,3 +132,29 @@ def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_pro
                                     "train.nproc_per_node=2", "parallel.sequence_parallel=true"])
     with pytest.raises(RuntimeError, match="Transformer Engine backend"):
         build_model(cfg, 512)
+
+
+def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_process, tmp_path, tiny_manifest):
+    """Review M7: 3,871 tokens pad to 3,904 rows at TP=1 and 3,968 at TP=2; an export from one layout imports
+    for the other (the check compares the true vocabulary, the rows are cut or zero-padded)."""
+    from megatron.core import dist_checkpointing
+
+    from models.hf.convert import export_hf, import_hf
+    from models.megatron.gpt import build_model
+
+    tok = {**tiny_manifest["tokenizer"], "vocab_size": 3871}
+    cfg = tiny_config(tmp_path)
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab_size=3871)
+    _save_model_only(model, tmp_path / "ckpt")
+    hf = export_hf(cfg, tok, tmp_path / "ckpt", tmp_path / "hf")
+    source = model.embedding.word_embeddings.weight.detach()
+    assert source.shape[0] == 3904
+    for tp, rows in [(2, 3968), (1, 3904)]:
+        target = tiny_config(tmp_path, f"parallel.tensor_model_parallel_size={tp}", f"train.nproc_per_node={tp}")
+        ckpt = import_hf(target, hf, tmp_path / f"tp{tp}", tok)
+        meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
+        assert meta["embedding.word_embeddings.weight"].global_shape[0] == rows
+        loaded = dist_checkpointing.load({k: v for k, v in meta.items() if k.startswith("embedding.")}, str(ckpt))
+        emb = loaded["embedding.word_embeddings.weight"]
+        assert torch.equal(emb[:3871], source[:3871]) and not emb[3904:].any()

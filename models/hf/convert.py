@@ -192,8 +192,9 @@ def _local_key(hf_key: str) -> str:
 
 def _check_compatible(cfg: PipelineConfig, hf_cfg: dict, tokenizer: dict) -> None:
     want = hf_config(cfg, tokenizer).to_dict()
+    # the TRUE vocabulary, not the padded one: padding depends on the TP size of the run that wrote it
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-            "gated_mlp", "normalization", "qk_layernorm", "tie_word_embeddings", "time_embedding", "vocab_size")
+            "gated_mlp", "normalization", "qk_layernorm", "tie_word_embeddings", "time_embedding", "real_vocab_size")
     diff = {k: (hf_cfg.get(k), want.get(k)) for k in keys if hf_cfg.get(k) != want.get(k)}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
@@ -201,9 +202,21 @@ def _check_compatible(cfg: PipelineConfig, hf_cfg: dict, tokenizer: dict) -> Non
                               f"fields to the checkpoint's values")
 
 
+def repad_vocab(weights: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """Vocabulary-sized tensors cut or zero-padded to `rows` (megatron pads the vocabulary to a multiple of
+    64 x TP, so 3,871 tokens are 3,904 rows at TP=1 and 3,968 at TP=2). Rows past the true vocabulary are
+    never targets; new ones start at zero."""
+    out = dict(weights)
+    for key in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if key in out and out[key].shape[0] != rows:
+            w = out[key][:rows]
+            out[key] = torch.cat([w, w.new_zeros(rows - w.shape[0], *w.shape[1:])]) if w.shape[0] < rows else w
+    return out
+
+
 def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict) -> Path:
-    """Write a megatron dist checkpoint (model weights only, TP=PP=1 layout, reshardable on load) from an
-    HF folder of this project's format; `train.init_from` can start training from it."""
+    """Write a megatron dist checkpoint (model weights only, reshardable on load) from an HF folder of this
+    project's format, its vocabulary padded for `cfg`'s TP size; `train.init_from` can start training from it."""
     from safetensors.torch import load_file
 
     from models.megatron.distributed import single_process_group
@@ -212,7 +225,8 @@ def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict)
     if not (hf_dir / "model.safetensors").exists() or not (hf_dir / "config.json").exists():
         raise ConversionError(f"{hf_dir}: expected a Hugging Face folder with config.json and model.safetensors")
     _check_compatible(cfg, json.loads((hf_dir / "config.json").read_text()), tokenizer)
-    weights = {_local_key(k): v for k, v in load_file(str(hf_dir / "model.safetensors")).items()}
+    rows = padded_vocab_size(tokenizer["vocab_size"], cfg.parallel.tensor_model_parallel_size)
+    weights = repad_vocab({_local_key(k): v for k, v in load_file(str(hf_dir / "model.safetensors")).items()}, rows)
     with single_process_group():
         from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
@@ -225,7 +239,7 @@ def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict)
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
         single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
             update={"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})})
-        model = build_model(single, tokenizer["vocab_size"])
+        model = build_model(single, tokenizer["vocab_size"], padded_vocab=rows)
         expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
         missing, unexpected = expected - weights.keys(), weights.keys() - expected
         if missing or unexpected:
