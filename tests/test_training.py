@@ -11,10 +11,10 @@ from models.launch.torchrun import TrainingError, launch_training, read_metrics,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [[], ["train.nproc_per_node=2", "train.micro_batch_size=2",
-                                     "parallel.use_distributed_optimizer=true"]],
-                         ids=["single", "dp2-distopt"])
+                                     "parallel.use_distributed_optimizer=true"], ["model.dropout=0.1"]],
+                         ids=["single", "dp2-distopt", "dropout"])
 def test_resume_reproduces_uninterrupted_run(session_dir, tiny_manifest, layout):
-    cfg = tiny_config(session_dir / f"resume{len(layout)}", "train.train_iters=12", "checkpoint.save_interval=6",
+    cfg = tiny_config(session_dir / f"resume{len(layout)}-{len(str(layout))}", "train.train_iters=12", "checkpoint.save_interval=6",
                       "train.log_interval=3", "train.eval_interval=6", "checkpoint.keep_last=5", *layout)
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
     rdir = run_dir(cfg, tiny_manifest)

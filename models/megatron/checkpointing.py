@@ -1,8 +1,8 @@
 """Megatron distributed checkpoints (torch_dist) of model, optimizer and scheduler, with resume.
 
-Layout: <run>/checkpoints/iter_0000100/ (megatron dist_checkpointing) and <run>/checkpoints/latest
-(the newest complete iteration, written only after the save finished, so an interrupted save is never
-resumed from).
+Layout: <run>/checkpoints/iter_0000100/ (megatron dist_checkpointing, plus rng/rank00000.pt: each rank's
+RNG states, so dropout draws the same masks after a resume) and <run>/checkpoints/latest (the newest
+complete iteration, written only after the save finished, so an interrupted save is never resumed from).
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def save_checkpoint(root: Path, iteration: int, model, optimizer, scheduler, kee
         "iteration": iteration,
     }
     dist_checkpointing.save(state, str(path))
+    (path / "rng").mkdir(exist_ok=True)
+    torch.save(_rng_state(), _rng_file(path))
     torch.distributed.barrier()
     if rank == 0:
         tmp = root / "latest.part"
@@ -88,7 +90,50 @@ def load_checkpoint(root: Path, iteration: int, model, optimizer=None, scheduler
         _restore_adam_steps(optimizer, iteration)
     if scheduler is not None and "scheduler" in state:
         scheduler.load_state_dict(state["scheduler"])
+    if optimizer is not None:  # a resume (not an init): continue the random streams too
+        _restore_rng(path)
     return iteration
+
+
+def _layout() -> dict:
+    from megatron.core import parallel_state
+
+    return {"world": torch.distributed.get_world_size(), "tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "pp": parallel_state.get_pipeline_model_parallel_world_size()}
+
+
+def _rng_file(path: Path) -> Path:
+    return Path(path) / "rng" / f"rank{torch.distributed.get_rank():05d}.pt"
+
+
+def _rng_state() -> dict:
+    """This rank's random streams: torch's default generator (hidden dropout), megatron's RNG tracker
+    (attention dropout, per TP rank) and CUDA's."""
+    from megatron.core import tensor_parallel
+
+    state = {"layout": _layout(), "torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_rng(path: Path) -> None:
+    from megatron.core import tensor_parallel
+
+    file = _rng_file(path)
+    if not file.exists():
+        return  # a checkpoint from before RNG states were saved: dropout masks differ from an unbroken run
+    state = torch.load(file, weights_only=False)
+    if state["layout"] != _layout():
+        if torch.distributed.get_rank() == 0:
+            print(f"[train] resuming at another parallel layout ({state['layout']} -> {_layout()}): dropout "
+                  "masks will differ from an uninterrupted run", flush=True)
+        return
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def load_model_weights(path: Path, model) -> None:
