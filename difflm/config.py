@@ -191,6 +191,11 @@ class DiffusionConfig(_Section):
         "shorter length in [2, seq_length] (diffusion modes only; MegaDLMs' default is 0.01).",
     )
     time_embedding: bool = Field(False, description="difflm_time_embedding: condition the network on t.")
+    time_conditioning: Literal["adaln", "input"] = Field(
+        "adaln", description="How t enters when time_embedding is on. adaln: every layer norm is modulated by "
+        "t (DiT-style, as UDLM/DUO; needs model.backend=local); input: an MLP of t added to the token "
+        "embeddings (the first layer only; any backend).",
+    )
 
 
 class TrainConfig(_Section):

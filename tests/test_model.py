@@ -48,7 +48,9 @@ def _save_model_only(model, path: Path):
         ("ar", {}),
         ("difflm-shift", {}),
         ("difflm-noshift-uniform", {}),
-        ("difflm-noshift", {"diffusion.time_embedding": "true"}),
+        ("difflm-noshift", {"diffusion.time_embedding": "true"}),  # adaLN in every layer (the default)
+        ("difflm-noshift-uniform", {"diffusion.time_embedding": "true", "model.normalization": "LayerNorm"}),
+        ("difflm-noshift", {"diffusion.time_embedding": "true", "diffusion.time_conditioning": "input"}),
         ("difflm-noshift", {"model.num_query_groups": 1, "model.qk_layernorm": "true", "model.swiglu": "false",
                             "model.normalization": "LayerNorm", "model.tie_embeddings": "false"}),
     ],
@@ -79,13 +81,19 @@ def test_hf_export_gives_megatron_logits(megatron_single_process, tmp_path, tiny
         assert torch.allclose(full, hf.elbo_nll(x, attention_mask=torch.ones_like(x), generator=seeded()), atol=1e-5)
 
 
-def test_time_embedding_conditions_the_output(megatron_single_process, tmp_path):
-    cfg, model = _model("difflm-noshift", tmp_path, **{"diffusion.time_embedding": "true"})
+@pytest.mark.parametrize("conditioning", ["adaln", "input"])
+def test_time_embedding_conditions_the_output(megatron_single_process, tmp_path, conditioning):
+    cfg, model = _model("difflm-noshift", tmp_path, **{"diffusion.time_embedding": "true",
+                                                       "diffusion.time_conditioning": conditioning})
+    modulated = [n for n, _ in model.named_parameters() if "modulation" in n]
+    assert bool(modulated) == (conditioning == "adaln") and (model.time_embedding is None) == bool(modulated)
     x = torch.randint(3, 500, (1, 16))
     same = _logits(model, x, torch.tensor([0.2]))
     assert torch.allclose(same, _logits(model, x, torch.tensor([0.9])))  # zero-initialised: no effect yet
     with torch.no_grad():
-        model.time_embedding.linear_2.weight.normal_(0, 0.5)
+        for name, p in model.named_parameters():
+            if "linear_2.weight" in name:  # the zero-initialised output layer of each time MLP
+                p.normal_(0, 0.5)
     assert not torch.allclose(_logits(model, x, torch.tensor([0.2])), _logits(model, x, torch.tensor([0.9])))
     with pytest.raises(ValueError, match="pass t"):
         _logits(model, x)
@@ -134,7 +142,8 @@ def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_pro
         build_model(cfg, 512)
 
 
-def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_process, tmp_path, tiny_manifest):
+@pytest.mark.parametrize("extra", [[], ["diffusion.time_embedding=true"]], ids=["plain", "adaln"])
+def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_process, tmp_path, tiny_manifest, extra):
     """Review M7: 3,871 tokens pad to 3,904 rows at TP=1 and 3,968 at TP=2; an export from one layout imports
     for the other (the check compares the true vocabulary, the rows are cut or zero-padded)."""
     from megatron.core import dist_checkpointing
@@ -143,7 +152,7 @@ def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_proc
     from models.megatron.gpt import build_model
 
     tok = {**tiny_manifest["tokenizer"], "vocab_size": 3871}
-    cfg = tiny_config(tmp_path)
+    cfg = tiny_config(tmp_path, *extra)
     torch.manual_seed(0)
     model = build_model(cfg, vocab_size=3871)
     _save_model_only(model, tmp_path / "ckpt")
@@ -151,7 +160,7 @@ def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_proc
     source = model.embedding.word_embeddings.weight.detach()
     assert source.shape[0] == 3904
     for tp, rows in [(2, 3968), (1, 3904)]:
-        target = tiny_config(tmp_path, f"parallel.tensor_model_parallel_size={tp}", f"train.nproc_per_node={tp}")
+        target = tiny_config(tmp_path, f"parallel.tensor_model_parallel_size={tp}", f"train.nproc_per_node={tp}", *extra)
         ckpt = import_hf(target, hf, tmp_path / f"tp{tp}", tok)
         meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
         assert meta["embedding.word_embeddings.weight"].global_shape[0] == rows

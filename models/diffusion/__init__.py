@@ -16,10 +16,10 @@ from .objectives import (
     x0_cross_entropy_terms,
 )
 from .samplers import sample_masked_diffusion, sample_uniform_diffusion, unmask_schedule
-from .time_embedding import TimeEmbedding, timestep_features
+from .time_embedding import AdaLNorm, TimeEmbedding, timestep_features
 
 __all__ = [
-    "LogitsFn", "TimeEmbedding", "ar_nll_per_token", "document_attention_mask", "document_ids", "elbo_nll_per_token",
+    "AdaLNorm", "LogitsFn", "TimeEmbedding", "ar_nll_per_token", "document_attention_mask", "document_ids", "elbo_nll_per_token",
     "loss_weights", "mask_exactly", "mask_tokens", "masked_diffusion_loss", "perplexity", "sample_masked_diffusion",
     "sample_t", "sample_uniform_diffusion", "shift_targets", "stratified_t", "timestep_features",
     "token_cross_entropy", "uniform_corrupt", "unmask_schedule", "masked_diffusion_loss_terms", "x0_cross_entropy_terms",

@@ -26,6 +26,7 @@ class DiffLMConfig(PretrainedConfig):
         model_running_mode: str = "difflm-noshift",
         mask_token_id: int | None = None,
         time_embedding: bool = False,
+        time_conditioning: str = "input",
         document_attention: bool = False,
         special_ids: list[int] | None = None,
         tie_word_embeddings: bool = True,
@@ -50,6 +51,7 @@ class DiffLMConfig(PretrainedConfig):
         self.model_running_mode = model_running_mode
         self.mask_token_id = mask_token_id
         self.time_embedding = time_embedding
+        self.time_conditioning = time_conditioning  # "input": embedding added to tokens; "adaln": every norm
         self.document_attention = document_attention  # attention kept within EOS-separated documents
         self.special_ids = list(special_ids or [])
         self.initializer_range = initializer_range

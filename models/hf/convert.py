@@ -26,6 +26,20 @@ class ConversionError(RuntimeError):
     pass
 
 
+# adaLN norms: megatron's local spec renames "input_layernorm." to "self_attention.linear_qkv.layer_norm_" (TE
+# naming) in checkpoints, so their modulation MLPs land under that prefix too
+_ADALN_PREFIXES = ("input_layernorm.modulation.", "pre_mlp_layernorm.modulation.")
+_ADALN_RENAMES = {"self_attention.linear_qkv.layer_norm_modulation.": "input_layernorm.modulation.",
+                  "mlp.linear_fc1.layer_norm_modulation.": "pre_mlp_layernorm.modulation."}
+
+
+def _adaln_key(sub: str) -> str:
+    for theirs, ours in _ADALN_RENAMES.items():
+        if sub.startswith(theirs):
+            return ours + sub[len(theirs):]
+    return sub
+
+
 _HF_DIR = Path(__file__).resolve().parent
 _DIFFUSION_DIR = _HF_DIR.parent / "diffusion"
 HF_CODE_FILES = ("configuration_difflm.py", "modeling_difflm.py")
@@ -89,11 +103,11 @@ def to_hf_state_dict(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         elif key.startswith("time_embedding."):  # same module, same names on both sides
             out[key] = tensor
         elif key.startswith("decoder.layers."):
-            sub = key[len("decoder.layers."):]
-            if sub not in _LAYER_KEYS:
+            sub = _adaln_key(key[len("decoder.layers."):])
+            if sub not in _LAYER_KEYS and not sub.startswith(_ADALN_PREFIXES):
                 raise ConversionError(f"no mapping for megatron tensor {key!r}")
             for i in range(tensor.shape[0]):
-                out[f"layers.{i}.{_LAYER_KEYS[sub]}"] = tensor[i].clone()
+                out[f"layers.{i}.{_LAYER_KEYS.get(sub, sub)}"] = tensor[i].clone()
         elif not isinstance(tensor, torch.Tensor) or key.endswith("_extra_state"):
             continue  # common (non-tensor) state: iteration, scheduler, optimizer param groups
         else:
@@ -125,6 +139,7 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
         mask_token_id=tokenizer["mask_id"],
         time_embedding=cfg.diffusion.time_embedding and cfg.diffusion.model_running_mode != "ar",
         document_attention=cfg.model.document_attention,
+        time_conditioning=cfg.diffusion.time_conditioning,
         special_ids=tokenizer.get("special_ids") or [tokenizer["eos_id"], tokenizer["mask_id"], tokenizer["pad_id"]],
         eos_token_id=tokenizer["eos_id"],
         pad_token_id=tokenizer["pad_id"],
@@ -194,12 +209,16 @@ def _check_compatible(cfg: PipelineConfig, hf_cfg: dict, tokenizer: dict) -> Non
     want = hf_config(cfg, tokenizer).to_dict()
     # the TRUE vocabulary, not the padded one: padding depends on the TP size of the run that wrote it
     keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-            "gated_mlp", "normalization", "qk_layernorm", "tie_word_embeddings", "time_embedding", "real_vocab_size")
-    diff = {k: (hf_cfg.get(k), want.get(k)) for k in keys if hf_cfg.get(k) != want.get(k)}
+            "gated_mlp", "normalization", "qk_layernorm", "tie_word_embeddings", "time_embedding", "real_vocab_size",
+            "time_conditioning")
+    if not want.get("time_embedding"):  # how t would enter matters only when it does
+        keys = keys[:-1]
+    diff = {k: (hf_cfg.get(k, "input" if k == "time_conditioning" else None), want.get(k))
+            for k in keys if hf_cfg.get(k, "input" if k == "time_conditioning" else None) != want.get(k)}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
-        raise ConversionError(f"the HF checkpoint does not match the model config ({detail}); set the model.* "
-                              f"fields to the checkpoint's values")
+        raise ConversionError(f"the HF checkpoint does not match the model config ({detail}); set the model.* / "
+                              f"diffusion.* fields to the checkpoint's values")
 
 
 def repad_vocab(weights: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from .configuration_difflm import DiffLMConfig
 from ..diffusion.bounds import ar_nll_per_token, elbo_nll_per_token, uniform_elbo_nll_per_token
 from ..diffusion.documents import document_attention_mask, document_ids as eos_document_ids
 from ..diffusion.samplers import sample_masked_diffusion, sample_uniform_diffusion
-from ..diffusion.time_embedding import TimeEmbedding
+from ..diffusion.time_embedding import AdaLNorm, TimeEmbedding
 
 
 def _norm(config: DiffLMConfig, dim: int) -> nn.Module:
@@ -93,14 +93,23 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: DiffLMConfig):
         super().__init__()
-        self.input_layernorm = _norm(config, config.hidden_size)
+        self.adaln = _uses_adaln(config)
+        norm = (lambda: AdaLNorm(config.hidden_size, config.norm_eps, config.normalization)) if self.adaln else (
+            lambda: _norm(config, config.hidden_size))
+        self.input_layernorm = norm()
         self.self_attention = Attention(config)
-        self.pre_mlp_layernorm = _norm(config, config.hidden_size)
+        self.pre_mlp_layernorm = norm()
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask):
-        x = x + self.self_attention(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.pre_mlp_layernorm(x))
+    def forward(self, x, cos, sin, mask, t=None):
+        h = self.input_layernorm(x, t) if self.adaln else self.input_layernorm(x)
+        x = x + self.self_attention(h, cos, sin, mask)
+        h = self.pre_mlp_layernorm(x, t) if self.adaln else self.pre_mlp_layernorm(x)
+        return x + self.mlp(h)
+
+
+def _uses_adaln(config: DiffLMConfig) -> bool:
+    return bool(config.time_embedding) and getattr(config, "time_conditioning", "input") == "adaln"
 
 
 class DiffLMForMaskedLM(PreTrainedModel):
@@ -112,7 +121,8 @@ class DiffLMForMaskedLM(PreTrainedModel):
     def __init__(self, config: DiffLMConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.time_embedding = TimeEmbedding(config.hidden_size) if config.time_embedding else None
+        self.time_embedding = (TimeEmbedding(config.hidden_size)
+                               if config.time_embedding and not _uses_adaln(config) else None)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
         self.final_layernorm = _norm(config, config.hidden_size)
         # Tied: logits reuse the embedding matrix, so there is no lm_head parameter to keep in sync.
@@ -134,9 +144,10 @@ class DiffLMForMaskedLM(PreTrainedModel):
         restricts attention to each packed document, as in training."""
         b, s = input_ids.shape
         x = self.embed_tokens(input_ids)
+        if self.config.time_embedding:
+            t = (self._default_t(input_ids, attention_mask) if t is None else t).to(x.device)
         if self.time_embedding is not None:
-            t = self._default_t(input_ids, attention_mask) if t is None else t
-            x = x + self.time_embedding(t.to(x.device))[:, None].to(x.dtype)
+            x = x + self.time_embedding(t)[:, None].to(x.dtype)
         cos, sin = _rope(s, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta, x.device)
         mask = None
         if attention_mask is not None:  # [b, s] 1 = real token: keys that are padding get no attention
@@ -147,7 +158,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
             allowed = ~document_attention_mask(document_ids, causal=not self.config.bidirectional)
             mask = allowed if mask is None else mask & allowed
         for layer in self.layers:
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, mask, t)
         x = self.final_layernorm(x)
         weight = self.embed_tokens.weight if self.output_layer is None else self.output_layer.weight
         return MaskedLMOutput(logits=F.linear(x, weight))

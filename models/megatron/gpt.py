@@ -6,6 +6,8 @@ autoregressive baseline keeps megatron's causal mask. The rest is megatron's own
 
 from __future__ import annotations
 
+import types
+
 import torch
 
 from difflm.config import ModelConfig, PipelineConfig
@@ -22,8 +24,32 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 64)
     return (vocab_size + step - 1) // step * step
 
 
-def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local"):
-    """Megatron's own layer spec with the attention mask kind chosen by the objective."""
+def uses_adaln(cfg: PipelineConfig) -> bool:
+    d = cfg.diffusion
+    return d.time_embedding and d.time_conditioning == "adaln" and d.model_running_mode != "ar"
+
+
+def _adaln_norm_class():
+    """The spec's norm module for adaLN: megatron builds it as norm(config, hidden_size, eps) and calls it
+    with hidden states only, so t reaches it through a holder the model fills before each forward."""
+    from models.diffusion.time_embedding import AdaLNorm
+
+    class MegatronAdaLNorm(AdaLNorm):
+        def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+            super().__init__(hidden_size, eps, config.normalization)
+            self.time = None  # set by DiffusionGPTModel: an object whose .t is this forward's noise levels [b]
+            for p in self.parameters():  # replicated across TP; under SP each rank sees s/TP positions:
+                p.sequence_parallel = config.sequence_parallel  # megatron then all-reduces their grads
+
+        def forward(self, hidden_states):
+            return super().forward(hidden_states, self.time.t, seq_dim=0)  # megatron's [s, b, h]
+
+    return MegatronAdaLNorm
+
+
+def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local", adaln: bool = False):
+    """Megatron's own layer spec with the attention mask kind chosen by the objective; with `adaln`, its two
+    norms swapped for t-modulated ones (a spec change, megatron's TransformerLayer is untouched)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -39,6 +65,11 @@ def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local"):
     else:
         mask = AttnMaskType.no_mask if bidirectional else AttnMaskType.causal
     spec.submodules.self_attention.params["attn_mask_type"] = mask
+    if adaln:
+        if backend == "te":
+            raise RuntimeError("diffusion.time_conditioning=adaln needs model.backend=local: Transformer Engine fuses "
+                               "the input norm into the QKV projection. Or set diffusion.time_conditioning=input.")
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = _adaln_norm_class()
     return spec
 
 
@@ -90,21 +121,31 @@ def _diffusion_gpt_class():
     """megatron's GPTModel with optional time conditioning: everything else is GPTModel's own code."""
     from megatron.core.models.gpt import GPTModel
 
-    from models.diffusion.time_embedding import TimeEmbedding
+    from models.diffusion.time_embedding import AdaLNorm, TimeEmbedding
 
     class DiffusionGPTModel(GPTModel):
-        def __init__(self, *args, time_embedding: bool = False, **kwargs):
+        def __init__(self, *args, time_embedding: bool = False, adaln: bool = False, **kwargs):
             super().__init__(*args, **kwargs)
-            # Only the first pipeline stage embeds tokens, so only it owns the time embedding.
-            self.time_embedding = TimeEmbedding(self.config.hidden_size) if time_embedding and self.pre_process else None
+            # Only the first pipeline stage embeds tokens, so only it owns the input time embedding.
+            input_emb = time_embedding and not adaln and self.pre_process
+            self.time_embedding = TimeEmbedding(self.config.hidden_size) if input_emb else None
+            self.time = types.SimpleNamespace(t=None)  # read by this stage's adaLN norms during forward
+            self.adaln = adaln
+            for module in self.modules():
+                if isinstance(module, AdaLNorm):
+                    module.time = self.time
 
         def forward(self, input_ids, position_ids, attention_mask, labels=None, t=None, **kwargs):
+            if (self.time_embedding is not None or self.adaln) and t is None:
+                raise ValueError("this model was built with diffusion.time_embedding=true: pass t")
             if self.time_embedding is not None:
-                if t is None:
-                    raise ValueError("this model was built with diffusion.time_embedding=true: pass t")
                 emb = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
                 kwargs["decoder_input"] = emb + self.time_embedding(t).unsqueeze(0).to(emb.dtype)
-            return super().forward(input_ids, position_ids, attention_mask, labels=labels, **kwargs)
+            self.time.t = t
+            try:
+                return super().forward(input_ids, position_ids, attention_mask, labels=labels, **kwargs)
+            finally:
+                self.time.t = None
 
     return DiffusionGPTModel
 
@@ -128,7 +169,8 @@ def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, 
     tcfg = transformer_config(cfg, backend)
     return _diffusion_gpt_class()(
         config=tcfg,
-        transformer_layer_spec=layer_spec(cfg.model, is_bidirectional(cfg.diffusion.model_running_mode), backend),
+        transformer_layer_spec=layer_spec(cfg.model, is_bidirectional(cfg.diffusion.model_running_mode), backend,
+                                          uses_adaln(cfg)),
         vocab_size=padded_vocab or padded_vocab_size(vocab_size, cfg.parallel.tensor_model_parallel_size),
         max_sequence_length=cfg.train.seq_length,
         pre_process=pre_process,
@@ -138,4 +180,5 @@ def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, 
         position_embedding_type="rope",
         rotary_base=cfg.model.rotary_base,
         time_embedding=cfg.diffusion.time_embedding and cfg.diffusion.model_running_mode != "ar",
+        adaln=uses_adaln(cfg),
     )
