@@ -71,14 +71,14 @@ def test_uniform_model_is_scored_and_sampled_at_its_true_noise_level():
 def test_uniform_bound_is_log_n_for_a_context_free_uniform_model():
     """A model that always predicts uniform over the N states has likelihood exactly 1/N per token, and its
     ELBO (integral + eps reconstruction) is exactly log N too (4.12713438 by quadrature at N = 62). The
-    Monte-Carlo estimate is unbiased but noisy (a rare replaced token at small t weighs ~1/t)."""
+    Monte-Carlo estimate is unbiased; importance sampling of t keeps it tight."""
     model = _model("difflm-noshift-uniform")
     states = model.uniform_states()
     assert len(states) == V - 2 and 0 in states.tolist()  # EOS is a state (a training target); mask/pad are not
     model.forward = lambda tokens, **_: types.SimpleNamespace(logits=torch.zeros(*tokens.shape, V))
     x0 = states[torch.randint(len(states), (64, 64), generator=torch.Generator().manual_seed(0))]
     nll = model.elbo_nll(x0, t_samples=32, generator=torch.Generator().manual_seed(0))
-    assert abs(nll.mean().item() - math.log(len(states))) < 0.08
+    assert abs(nll.mean().item() - math.log(len(states))) < 0.05
 
 
 def test_document_attention_is_used_wherever_training_used_it():

@@ -14,7 +14,7 @@ import torch
 
 from .noise import mask_exactly
 from .objectives import token_cross_entropy
-from .uniform import nelbo_integrand, reconstruction_nll, state_index, state_log_probs
+from .uniform import mixture_t, mixture_weight, nelbo_integrand, reconstruction_nll, state_index, state_log_probs
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # tokens [b, s] -> logits [b, s, v]
 TimedLogitsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (tokens [b, s], t [b]) -> logits
@@ -64,8 +64,8 @@ def uniform_elbo_nll_per_token(
 ) -> torch.Tensor:
     """Upper bound on the NLL per token (nats) of each x0 [b, s] under a uniform-noise model. [b]
 
-    UDLM's continuous-time ELBO (see `uniform.py`), t stratified over `t_samples` bins of [eps, 1] per
-    sequence, plus the exact last step eps -> 0 (so the truncation at eps keeps it a bound). `states` are
+    UDLM's continuous-time ELBO (see `uniform.py`), t stratified over `t_samples` bins of `mixture_t`'s
+    importance distribution per sequence, plus the exact last step eps -> 0 (so the truncation at eps keeps it a bound). `states` are
     the token ids the noise draws from; positions outside `valid` stay clean and are not scored."""
     b, s = x0.shape
     valid = torch.ones_like(x0, dtype=torch.bool) if valid is None else valid.bool()
@@ -81,12 +81,12 @@ def uniform_elbo_nll_per_token(
 
     total = torch.zeros(b, dtype=torch.float64, device=x0.device)
     for k in range(t_samples):
-        t = eps + (1 - eps) * (k + torch.rand(b, generator=generator)) / t_samples  # [b]
+        t = mixture_t((k + torch.rand(b, generator=generator)) / t_samples, eps)  # [b], stratified
         xt = noised(t)
         log_p = state_log_probs(logits_fn(xt, t.to(x0.device)), states.to(x0.device))
         xt_idx = state_index(xt, states, max(vocab, int(xt.max()) + 1)).clamp(min=0)
         f = nelbo_integrand(log_p, x0_idx, xt_idx, t.to(x0.device))
-        total += (f * valid).sum(-1) * (1 - eps) / t_samples
+        total += (f * valid).sum(-1) * mixture_weight(t, eps).to(f.device) / t_samples
     t = torch.full((b,), eps)
     xt = noised(t)
     log_p = state_log_probs(logits_fn(xt, t.to(x0.device)), states.to(x0.device))

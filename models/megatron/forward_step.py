@@ -87,7 +87,8 @@ def corrupt(batch: dict, cfg: PipelineConfig, special: SpecialTokens, step: int,
         g = noise_generator(cfg.train.seed, step, pos)
         t = diffusion.stratified_t(torch.rand(1, generator=g), torch.tensor([pos]), cfg.train.global_batch_size,
                                    d.eps, d.antithetic_t or evaluation)
-        if states is not None:
+        if states is not None:  # small t drawn more often, weighted back (see uniform.mixture_t)
+            t = uniform.mixture_t((t - d.eps) / (1 - d.eps), d.eps)
             xt, flag = diffusion.uniform_corrupt(row[None], t, states, g)
         elif _exact_counts(cfg, evaluation):
             n_valid = int(ok.sum())
@@ -129,9 +130,10 @@ def uniform_loss_terms(logits: torch.Tensor, prepared: dict, cfg: PipelineConfig
         ce = -log_p.gather(-1, x0_idx[..., None]).squeeze(-1)
         return diffusion.x0_cross_entropy_terms(ce, valid)
     xt_idx = uniform.state_index(xt, states, logits.shape[-1]).clamp(min=0)
-    integrand = uniform.nelbo_integrand(log_p, x0_idx, xt_idx, prepared["t"].to(logits.device))  # [b, s]
-    # t ~ U(eps, 1): the integral over [eps, 1] is (1 - eps) times the mean integrand
-    total = (integrand * valid).sum() * (1.0 - cfg.diffusion.eps)
+    t = prepared["t"].to(logits.device)
+    integrand = uniform.nelbo_integrand(log_p, x0_idx, xt_idx, t)  # [b, s]
+    # the integral over [eps, 1] as an importance-sampled mean: t came from uniform.mixture_t
+    total = ((integrand * valid).sum(-1) * uniform.mixture_weight(t, cfg.diffusion.eps)).sum()
     return total.to(torch.float32), valid.sum().to(torch.int)
 
 
