@@ -89,3 +89,16 @@ def test_varilen_draws_a_length_per_micro_batch_for_diffusion_modes_only():
     pp = tiny_config("/tmp/unused", "diffusion.varilen_prob=1.0", "train.seq_length=64", "train.nproc_per_node=2",
                      "parallel.pipeline_model_parallel_size=2")
     assert all(len(set(micro_lengths(pp, step, 4))) == 1 for step in range(20))
+
+
+def test_logged_loss_is_the_interval_mean_and_throughput_counts_real_tokens():
+    """M5: megatron-style interval averages; a truncated (varilen) step counts only the tokens it ran."""
+    from models.megatron.train import IntervalMeter
+
+    meter = IntervalMeter(now=100.0)
+    for loss, tokens in [(3.0, 2048), (5.0, 512), (4.0, 2048)]:
+        meter.add(loss, tokens)
+    assert meter.report(now=102.0) == (4.0, (2048 + 512 + 2048) / 2.0)
+    meter.restart(now=200.0)
+    meter.add(None, 100)  # a pipeline stage without the loss
+    assert meter.report(now=201.0) == (None, 100.0)

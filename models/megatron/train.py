@@ -83,6 +83,26 @@ def build_training(cfg: PipelineConfig, vocab_size: int):
     return ddp, opt, sched
 
 
+class IntervalMeter:
+    """What one log line reports: the mean loss over the logging interval (not one step's) and the tokens
+    really processed per second (variable-length steps count their true lengths)."""
+
+    def __init__(self, now: float):
+        self.restart(now)
+
+    def restart(self, now: float) -> None:
+        self.tic, self.tokens, self.losses = now, 0, []
+
+    def add(self, loss: float | None, tokens: int) -> None:
+        self.tokens += tokens
+        if loss is not None:  # only the last pipeline stage has the loss
+            self.losses.append(loss)
+
+    def report(self, now: float) -> tuple[float | None, float]:
+        mean = sum(self.losses) / len(self.losses) if self.losses else None
+        return mean, self.tokens / max(now - self.tic, 1e-9)
+
+
 class MetricsWriter:
     """metrics.jsonl on the reporting rank, and live MLflow metrics when a run id is handed over."""
 
@@ -191,7 +211,7 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
     if start == 0:
         metrics.log(0, val_loss=evaluate(cfg, ddp, valid_ds, special))
     n_micro = t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size())
-    interval = {"tic": time.time(), "tokens": 0, "losses": []}  # what the next log line averages over
+    meter = IntervalMeter(time.time())
     for step in range(start, t.train_iters):
         ddp.zero_grad_buffer()
         opt.zero_grad()
@@ -199,25 +219,23 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
         loss = run_global_batch(cfg, ddp, train_ds, special, step, step, False, lengths)
         ok, grad_norm, _ = opt.step()
         sched.step(increment=1)
-        interval["tokens"] += sum(lengths) * t.global_batch_size // n_micro  # tokens really processed
-        interval["losses"].append(loss)
+        meter.add(loss, sum(lengths) * t.global_batch_size // n_micro)  # every DP rank runs the same lengths
         it = step + 1
-        if it % t.log_interval == 0 or it == t.train_iters:
-            tok_s = interval["tokens"] / max(time.time() - interval["tic"], 1e-9)
-            mean_loss = None if loss is None else sum(interval["losses"]) / len(interval["losses"])
+        logged = it % t.log_interval == 0 or it == t.train_iters
+        if logged:
+            mean_loss, tok_s = meter.report(time.time())
             lr = opt.param_groups[0]["lr"]
             metrics.log(it, loss=mean_loss, lr=lr, grad_norm=float(grad_norm or 0.0), tokens_per_s=tok_s)
             log(f"[train] iter {it:>6}/{t.train_iters} loss {mean_loss or 0:.4f} lr {lr:.2e} "
                 f"grad_norm {float(grad_norm or 0):.3f} {tok_s:,.0f} tok/s")
-            interval["losses"], interval["tokens"] = [], 0
         if it % t.eval_interval == 0 or it == t.train_iters:
             val = evaluate(cfg, ddp, valid_ds, special)
             metrics.log(it, val_loss=val)
             log(f"[train] iter {it:>6} val_loss {val:.4f}" if val is not None else "")
         if it % cfg.checkpoint.save_interval == 0 or it == t.train_iters:
             checkpointing.save_checkpoint(ckpt_root, it, ddp.module, opt, sched, cfg.checkpoint.keep_last)
-        if not interval["losses"]:  # just logged: time the next interval from here (eval and saves excluded)
-            interval["tic"] = time.time()
+        if logged:  # the next interval starts here: evaluation and checkpoint saves are not throughput
+            meter.restart(time.time())
     dist.barrier()
     dist.destroy_process_group()
 
