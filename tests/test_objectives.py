@@ -59,11 +59,12 @@ def test_the_datasets_loss_mask_is_never_scored_nor_counted(evaluation):
                       "diffusion.loss_weighting=masked_fraction")
     x0 = torch.randint(3, 50, (8, 32), generator=torch.Generator().manual_seed(0))
     loss_mask = torch.ones(8, 32, dtype=torch.bool)
-    loss_mask[:, 20:] = False
-    ce = torch.where(loss_mask, 2.0, 1000.0)
+    loss_mask[:, 20:] = False  # megatron's mask is on labels = x[1:]: tokens 21.. are padding, token 20 is data
+    ce = torch.full((8, 32), 2.0)
+    ce[:, 21:] = 1000.0
     prep = corrupt(_batch(x0, loss_mask=loss_mask), cfg, SPECIAL, step=5, evaluation=evaluation)
     total, count = loss_terms(ce, prep, cfg, evaluation=evaluation)
-    assert int(count) == 8 * 20 and not prep["scored"][:, 20:].any()
+    assert int(count) == 8 * 21 and not prep["scored"][:, 21:].any()
     assert math.isclose(float(total / count), 2.0, rel_tol=1e-6)
 
 

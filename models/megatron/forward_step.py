@@ -78,9 +78,11 @@ def corrupt(batch: dict, cfg: PipelineConfig, special: SpecialTokens, step: int,
     counted. Evaluation uses the low-variance discrete form of the masked ELBO: t stratified over the
     batch, exactly ceil(t*L) tokens masked, weight L/#masked (see diffusion.elbo_nll_per_token)."""
     x0, mode, d = batch["tokens"], cfg.diffusion.model_running_mode, cfg.diffusion
-    valid = batch.get("loss_mask", torch.ones_like(x0)).bool()
+    label_ok = batch.get("loss_mask", torch.ones_like(x0)).bool()  # megatron's: labels[i] = x[i + 1] is data
     if mode == "ar":
-        return {"inputs": x0, "targets": batch["labels"], "scored": valid, "valid": valid, "t": None}
+        return {"inputs": x0, "targets": batch["labels"], "scored": label_ok, "valid": label_ok, "t": None}
+    # diffusion scores tokens[i] = x[i], which is data iff labels[i - 1] is (token 0 always is)
+    valid = torch.cat([torch.ones_like(label_ok[:, :1]), label_ok[:, :-1]], dim=1)
     rows, ts, flags = [], [], []
     states = special.uniform_states() if mode == "difflm-noshift-uniform" else None
     for row, ok, pos in zip(x0, valid, batch["positions"].tolist()):

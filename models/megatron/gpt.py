@@ -129,6 +129,9 @@ def _diffusion_gpt_class():
             # Only the first pipeline stage embeds tokens, so only it owns the input time embedding.
             input_emb = time_embedding and not adaln and self.pre_process
             self.time_embedding = TimeEmbedding(self.config.hidden_size) if input_emb else None
+            if self.time_embedding is not None:  # under SP each TP rank adds it to s/TP positions only:
+                for p in self.time_embedding.parameters():  # megatron all-reduces grads marked so (review F4)
+                    p.sequence_parallel = self.config.sequence_parallel
             self.time = types.SimpleNamespace(t=None)  # read by this stage's adaLN norms during forward
             self.adaln = adaln
             for module in self.modules():
