@@ -24,9 +24,10 @@ def _model(mode: str = "difflm-noshift", **over) -> DiffLMForMaskedLM:
                        bidirectional=mode != "ar", model_running_mode=mode, mask_token_id=1, eos_token_id=0,
                        pad_token_id=2, special_ids=[0, 1, 2], max_position_embeddings=64, **over)
     model = DiffLMForMaskedLM(cfg).eval()
-    if cfg.time_embedding:
-        with torch.no_grad():  # a trained (non-zero) time embedding: t changes the output
-            model.time_embedding.linear_2.weight.normal_(0, 0.5)
+    with torch.no_grad():  # trained (non-zero) time conditioning: t changes the output
+        for name, p in model.named_parameters():
+            if "linear_2.weight" in name:
+                p.normal_(0, 0.5)
     return model
 
 
@@ -165,3 +166,22 @@ def test_elbo_estimator_is_unchanged_for_unpadded_inputs():
     a = elbo_nll_per_token(fn, x0, 1, 4, torch.Generator().manual_seed(0))
     b = elbo_nll_per_token(fn, x0, 1, 4, torch.Generator().manual_seed(0), torch.ones_like(x0, dtype=torch.bool))
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode, over", [("difflm-noshift", {"time_embedding": True, "time_conditioning": "adaln"}),
+                                        ("difflm-noshift-uniform", {"time_embedding": True}), ("ar", {})])
+def test_the_export_runs_in_bf16(mode, over):
+    """Review F6: LLaDA/Dream/MegaDLMs users load with torch_dtype=torch.bfloat16; fp32 RoPE tables made SDPA
+    raise. The bf16 model's logits track the fp32 ones and every helper runs."""
+    model = _model(mode, **over)
+    x = torch.randint(3, V, (2, 16))
+    t = torch.tensor([0.3, 0.7])
+    ref = model(x, t=t).logits
+    low = model.to(torch.bfloat16)
+    got = low(x, t=t).logits
+    assert got.dtype == torch.bfloat16 and (got.float() - ref).abs().max() < 0.05 * ref.abs().max()
+    if mode == "ar":
+        assert torch.isfinite(low.ar_nll(x)).all()
+    else:
+        assert torch.isfinite(low.elbo_nll(x, t_samples=2, generator=torch.Generator().manual_seed(0))).all()
+        assert low.diffusion_generate(x[:, :4], length=4, steps=2).shape == (2, 8)

@@ -149,6 +149,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
         if self.time_embedding is not None:
             x = x + self.time_embedding(t)[:, None].to(x.dtype)
         cos, sin = _rope(s, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta, x.device)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # computed in fp32; fp32 would promote q, k but not v (bf16)
         mask = None
         if attention_mask is not None:  # [b, s] 1 = real token: keys that are padding get no attention
             mask = attention_mask[:, None, None, :].bool()
