@@ -31,7 +31,8 @@ class RandomTokens:
         return len(self.data)
 
     def __getitem__(self, i):
-        return {"tokens": self.data[i, :-1], "labels": self.data[i, 1:]}
+        tokens = self.data[i, :-1]
+        return {"tokens": tokens, "labels": self.data[i, 1:], "loss_mask": tokens.new_ones(tokens.shape)}
 
 
 def run_one(preset: str, mode: str, steps: int, seq: int, batch: int, vocab: int) -> dict:

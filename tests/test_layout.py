@@ -167,3 +167,12 @@ def test_todays_model_code_computes_what_the_old_export_did():
     assert torch.allclose(logits, exp["logits"], atol=1e-5)
     assert torch.allclose(elbo, exp["elbo_nll"], atol=1e-5)
     assert torch.equal(sample, exp["sample"])
+
+
+@pytest.mark.slow
+def test_train_step_benchmark_still_runs():
+    """benchmarks/ import the trainer's internals: a tiny run keeps them from rotting unnoticed."""
+    out = subprocess.run([sys.executable, "benchmarks/train_step.py", "--presets", "tiny", "--steps", "1", "--seq", "32",
+                          "--batch", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "difflm-noshift" in out.stdout and "tokens/s" in out.stdout
