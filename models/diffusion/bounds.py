@@ -65,33 +65,31 @@ def uniform_elbo_nll_per_token(
     """Upper bound on the NLL per token (nats) of each x0 [b, s] under a uniform-noise model. [b]
 
     UDLM's continuous-time ELBO (see `uniform.py`), t stratified over `t_samples` bins of `mixture_t`'s
-    importance distribution per sequence, plus the exact last step eps -> 0 (so the truncation at eps keeps it a bound). `states` are
-    the token ids the noise draws from; positions outside `valid` stay clean and are not scored."""
+    importance distribution per sequence, plus the exact last step eps -> 0 (so the truncation at eps keeps
+    it a bound). `states` are the token ids the noise draws from; positions outside `valid` stay clean and
+    are not scored."""
     b, s = x0.shape
     valid = torch.ones_like(x0, dtype=torch.bool) if valid is None else valid.bool()
-    vocab = int(states.max()) + 1
-    x0_idx = state_index(x0, states, max(vocab, int(x0.max()) + 1))
+    lookup = max(int(states.max()), int(x0.max())) + 1  # noisy tokens are states or clean tokens
+    x0_idx = state_index(x0, states, lookup)
     valid = valid & (x0_idx >= 0)
     x0_idx = x0_idx.clamp(min=0)
 
-    def noised(t: torch.Tensor) -> torch.Tensor:  # uniform draws at rate t on valid positions only
+    def denoise(t: torch.Tensor):  # uniform draws at rate t on valid positions; (log x_theta, z_t) as states
         u = torch.rand(x0.shape, generator=generator).to(x0.device)
         draws = states[torch.randint(len(states), x0.shape, generator=generator)].to(x0.device)
-        return torch.where((u < t[:, None].to(u.device)) & valid, draws.to(x0.dtype), x0)
+        xt = torch.where((u < t[:, None].to(u.device)) & valid, draws.to(x0.dtype), x0)
+        log_p = state_log_probs(logits_fn(xt, t.to(x0.device)), states.to(x0.device))
+        return log_p, state_index(xt, states, lookup).clamp(min=0), t.to(x0.device)
 
     total = torch.zeros(b, dtype=torch.float64, device=x0.device)
     for k in range(t_samples):
         t = mixture_t((k + torch.rand(b, generator=generator)) / t_samples, eps)  # [b], stratified
-        xt = noised(t)
-        log_p = state_log_probs(logits_fn(xt, t.to(x0.device)), states.to(x0.device))
-        xt_idx = state_index(xt, states, max(vocab, int(xt.max()) + 1)).clamp(min=0)
-        f = nelbo_integrand(log_p, x0_idx, xt_idx, t.to(x0.device))
+        log_p, xt_idx, t_dev = denoise(t)
+        f = nelbo_integrand(log_p, x0_idx, xt_idx, t_dev)
         total += (f * valid).sum(-1) * mixture_weight(t, eps).to(f.device) / t_samples
-    t = torch.full((b,), eps)
-    xt = noised(t)
-    log_p = state_log_probs(logits_fn(xt, t.to(x0.device)), states.to(x0.device))
-    xt_idx = state_index(xt, states, max(vocab, int(xt.max()) + 1)).clamp(min=0)
-    total += (reconstruction_nll(log_p, x0_idx, xt_idx, t.to(x0.device)) * valid).sum(-1)
+    log_p, xt_idx, t_dev = denoise(torch.full((b,), eps))  # the exact last step eps -> 0
+    total += (reconstruction_nll(log_p, x0_idx, xt_idx, t_dev) * valid).sum(-1)
     return (total / valid.sum(-1).clamp(min=1)).float().cpu()
 
 
