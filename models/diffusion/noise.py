@@ -49,11 +49,11 @@ def mask_exactly(x0: torch.Tensor, counts: torch.Tensor, mask_id: int, generator
 
 
 def uniform_corrupt(
-    x0: torch.Tensor, t: torch.Tensor, allowed_ids: torch.Tensor, generator: torch.Generator | None = None
+    x0: torch.Tensor, t: torch.Tensor, states: torch.Tensor, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uniform-noise corruption: with probability t a token is replaced by one drawn uniformly from
-    `allowed_ids` (the non-special vocabulary; it may redraw the same token). (x_t, corrupted) [b, s]."""
+    """Uniform-noise corruption: with probability t a token is replaced by one drawn uniformly from the
+    `states` (the vocabulary without mask and pad; it may redraw the same token). (x_t, corrupted) [b, s]."""
     u = torch.rand(x0.shape, generator=generator)
     corrupted = u < t[:, None].to(u.dtype)
-    draws = allowed_ids[torch.randint(len(allowed_ids), x0.shape, generator=generator)]
+    draws = states[torch.randint(len(states), x0.shape, generator=generator)]
     return torch.where(corrupted, draws.to(x0.dtype), x0), corrupted
