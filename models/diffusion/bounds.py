@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .noise import mask_exactly
+from .noise import mask_exactly, uniform_corrupt
 from .objectives import token_cross_entropy
 from .uniform import mixture_t, mixture_weight, nelbo_integrand, reconstruction_nll, state_index, state_log_probs
 
@@ -76,9 +76,8 @@ def uniform_elbo_nll_per_token(
     x0_idx = x0_idx.clamp(min=0)
 
     def denoise(t: torch.Tensor):  # uniform draws at rate t on valid positions; (log x_theta, z_t) as states
-        u = torch.rand(x0.shape, generator=generator).to(x0.device)
-        draws = states[torch.randint(len(states), x0.shape, generator=generator)].to(x0.device)
-        xt = torch.where((u < t[:, None].to(u.device)) & valid, draws.to(x0.dtype), x0)
+        xt, _ = uniform_corrupt(x0.cpu(), t, states.cpu(), generator)
+        xt = torch.where(valid, xt.to(x0.device), x0)
         log_p = state_log_probs(logits_fn(xt, t.to(x0.device)), states.to(x0.device))
         return log_p, state_index(xt, states, lookup).clamp(min=0), t.to(x0.device)
 

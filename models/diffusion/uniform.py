@@ -22,6 +22,14 @@ import math
 import torch
 
 
+def uniform_states(vocab_size: int, mask_id: int | None, pad_id: int | None) -> torch.Tensor:
+    """The N states of uniform-noise diffusion: every token id the data can hold (EOS included, as a training
+    target must be reachable), without the mask and pad tokens. Training and the export both call this."""
+    keep = torch.ones(vocab_size, dtype=torch.bool)
+    keep[[i for i in (mask_id, pad_id) if i is not None and i < vocab_size]] = False
+    return keep.nonzero().squeeze(-1)
+
+
 def state_log_probs(logits: torch.Tensor, states: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log x_theta over the N states from logits [..., V]: [..., N] (temperature 0 -> one-hot argmax)."""
     sub = logits[..., states].float()

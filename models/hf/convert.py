@@ -21,7 +21,6 @@ from difflm.config import PipelineConfig
 from models.megatron.gpt import is_bidirectional, padded_vocab_size
 
 
-
 class ConversionError(RuntimeError):
     pass
 

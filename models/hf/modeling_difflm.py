@@ -21,6 +21,7 @@ from ..diffusion.bounds import ar_nll_per_token, elbo_nll_per_token, uniform_elb
 from ..diffusion.documents import document_attention_mask, document_ids as eos_document_ids
 from ..diffusion.samplers import sample_masked_diffusion, sample_uniform_diffusion
 from ..diffusion.time_embedding import AdaLNorm, TimeEmbedding
+from ..diffusion.uniform import uniform_states
 
 
 def _norm(config: DiffLMConfig, dim: int) -> nn.Module:
@@ -195,12 +196,8 @@ class DiffLMForMaskedLM(PreTrainedModel):
         return logits
 
     def uniform_states(self) -> torch.Tensor:
-        """Token ids uniform noise draws from: the real vocabulary without the mask and pad tokens."""
-        keep = torch.ones(self.config.real_vocab_size, dtype=torch.bool)
-        drop = [i for i in (self.config.mask_token_id, self.config.pad_token_id)
-                if i is not None and i < self.config.real_vocab_size]
-        keep[drop] = False
-        return keep.nonzero().squeeze(-1)
+        """Token ids uniform noise draws from (the same function training uses)."""
+        return uniform_states(self.config.real_vocab_size, self.config.mask_token_id, self.config.pad_token_id)
 
     def _require(self, what: str, modes: tuple[str, ...], instead: str) -> None:
         if self.mode not in modes:

@@ -34,11 +34,7 @@ class SpecialTokens:
         return cls(tok["mask_id"], tok["vocab_size"], tuple(sorted(set(special))), tok["eos_id"], tok.get("pad_id"))
 
     def uniform_states(self) -> torch.Tensor:
-        """The N states of uniform-noise diffusion: every token the data holds (EOS included, as a training
-        target must be reachable), without the mask and pad tokens."""
-        keep = torch.ones(self.vocab_size, dtype=torch.bool)
-        keep[[i for i in (self.mask_id, self.pad_id) if i is not None and i < self.vocab_size]] = False
-        return keep.nonzero().squeeze(-1)
+        return uniform.uniform_states(self.vocab_size, self.mask_id, self.pad_id)
 
 
 def _seed(*parts: int) -> int:
