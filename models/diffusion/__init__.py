@@ -5,6 +5,12 @@ into each export folder, so modules import each other only relatively (``from .n
 """
 
 from .bounds import LogitsFn, ar_nll_per_token, elbo_nll_per_token, perplexity
+from .conditional import (
+    conditional_ar_nll,
+    conditional_masked_nll,
+    masked_greedy_match,
+    rolling_windows,
+)
 from .documents import document_attention_mask, document_ids
 from .noise import mask_exactly, mask_tokens, sample_t, stratified_t, uniform_corrupt
 from .objectives import (
@@ -15,10 +21,12 @@ from .objectives import (
     token_cross_entropy,
     x0_cross_entropy_terms,
 )
-from .samplers import sample_masked_diffusion, sample_uniform_diffusion, unmask_schedule
+from .samplers import MaskedSampler, block_spans, sample_masked_diffusion, sample_uniform_diffusion, unmask_schedule
 from .time_embedding import AdaLNorm, TimeEmbedding, timestep_features
 
 __all__ = [
+    "MaskedSampler", "block_spans", "conditional_ar_nll", "conditional_masked_nll", "masked_greedy_match",
+    "rolling_windows",
     "AdaLNorm", "LogitsFn", "TimeEmbedding", "ar_nll_per_token", "document_attention_mask", "document_ids", "elbo_nll_per_token",
     "loss_weights", "mask_exactly", "mask_tokens", "masked_diffusion_loss", "perplexity", "sample_masked_diffusion",
     "sample_t", "sample_uniform_diffusion", "shift_targets", "stratified_t", "timestep_features",

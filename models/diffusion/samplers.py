@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .bounds import LogitsFn, TimedLogitsFn
@@ -15,6 +17,81 @@ def unmask_schedule(length: int, steps: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(steps)]
 
 
+REMASKING = ("low_confidence", "margin", "entropy", "random")
+
+
+@dataclass(frozen=True)
+class MaskedSampler:
+    """Settings of the masked-diffusion sampler; `asdict(settings)` is what every sample records.
+
+    steps: denoising steps over the whole generation (split evenly across blocks), each committing a fixed
+        share of the tokens (`unmask_schedule`); ignored with `threshold`.
+    block_length: semi-autoregressive blocks (LLaDA): the tokens are decoded block by block, left to right;
+        None decodes all of them as one block.
+    remasking: which masked positions to commit: the most confident by the untempered probability of the
+        chosen token (low_confidence, LLaDA), by the gap between the two most likely tokens (margin), by
+        lowest entropy (entropy), or at random (random).
+    threshold: Fast-dLLM's parallel decoding: every masked position of the current block whose confidence
+        exceeds it is committed in the same step, at least one per step (the most confident); the number of
+        steps then follows the model's confidence.
+    temperature / top_k / top_p: how the token at each position is drawn (0: argmax); confidence is always
+        ranked on the untempered distribution, as in LLaDA.
+    cfg_scale: classifier-free guidance: logits = u + (1 + w)(c - u), u with the prompt masked (LLaDA).
+    stop_at_eos: a row is finished once it has committed an EOS with nothing masked before it; the rest of
+        the row is filled with EOS and no longer decoded.
+    """
+
+    steps: int = 32
+    block_length: int | None = None
+    remasking: str = "low_confidence"
+    threshold: float | None = None
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+    cfg_scale: float = 0.0
+    stop_at_eos: bool = True
+
+    def __post_init__(self):
+        if self.remasking not in REMASKING:
+            raise ValueError(f"remasking must be one of {REMASKING}, got {self.remasking!r}")
+        if self.steps < 1 or (self.block_length is not None and self.block_length < 1):
+            raise ValueError("steps and block_length must be >= 1")
+        if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold is a confidence in [0, 1], got {self.threshold}")
+        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def block_spans(length: int, block_length: int | None) -> list[tuple[int, int]]:
+    """[start, end) of each block of the generated tokens."""
+    size = length if not block_length else min(block_length, length)
+    return [(a, min(a + size, length)) for a in range(0, length, max(size, 1))]
+
+
+def filter_logits(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Keep the top_k tokens and the smallest set whose probability reaches top_p (nucleus); -inf elsewhere."""
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cum = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cum - sorted_logits.softmax(-1) >= top_p  # mass before this token already reaches top_p
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def _confidence(probs: torch.Tensor, pred: torch.Tensor, how: str, generator) -> torch.Tensor:
+    if how == "low_confidence":
+        return probs.gather(-1, pred[..., None]).squeeze(-1)
+    if how == "margin":
+        top2 = probs.topk(2, dim=-1).values
+        return top2[..., 0] - top2[..., 1]
+    if how == "entropy":
+        return (probs * probs.clamp(min=1e-30).log()).sum(-1)  # minus the entropy: higher is surer
+    return torch.rand(pred.shape, generator=generator).to(pred.device)
+
+
 @torch.no_grad()
 def sample_masked_diffusion(
     logits_fn: LogitsFn,
@@ -26,37 +103,90 @@ def sample_masked_diffusion(
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
     forbidden_ids: tuple[int, ...] = (),
+    settings: MaskedSampler | None = None,
+    eos_id: int | None = None,
+    stats: dict | None = None,
 ) -> torch.Tensor:
-    """Generate `length` tokens after `prompt` [b, p] by low-confidence remasking (LLaDA's sampler).
-
-    Start with every new position masked; at each step predict all masked positions and commit the
-    most confident ones, as many as the schedule allows. Confidence is the untempered probability of the
-    chosen token (as LLaDA), whatever the sampling temperature. Returns [b, p + length].
-    """
-    b = prompt.shape[0]
+    """Generate `length` tokens after `prompt` [b, p] by iterative unmasking (LLaDA's sampler and its
+    extensions, see `MaskedSampler`). Without `settings`: one block, low-confidence remasking, `steps` steps
+    at `temperature`. Prompt positions are never changed. `eos_id` enables stop_at_eos. `stats`, when given,
+    receives the number of model calls (`nfe`). Returns [b, p + length]."""
+    cfg = settings or MaskedSampler(steps=steps, temperature=temperature, stop_at_eos=False)
+    b, p = prompt.shape
     x = torch.cat([prompt, torch.full((b, length), mask_id, dtype=prompt.dtype, device=prompt.device)], dim=1)
-    for n_reveal in unmask_schedule(length, steps):
-        masked = x == mask_id  # [b, s]
-        logits = logits_fn(x).float()  # [b, s, v]
-        if vocab_limit is not None:
-            logits = logits[..., :vocab_limit]
-        logits[..., mask_id] = float("-inf")  # never predict the mask itself
-        for tok in forbidden_ids:
-            logits[..., tok] = float("-inf")
-        probs = torch.softmax(logits, dim=-1)
-        if temperature > 0:
-            tempered = torch.softmax(logits / temperature, dim=-1).view(-1, logits.shape[-1])
-            pred = torch.multinomial(tempered.cpu(), 1, generator=generator).view(b, -1).to(x.device)
-        else:
-            pred = probs.argmax(-1)
-        conf = probs.gather(-1, pred[..., None]).squeeze(-1)
-        conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
-        for i in range(b):
-            k = min(n_reveal, int(masked[i].sum()))
-            if k:
+    done = torch.zeros(b, dtype=torch.bool, device=x.device)
+    spans = block_spans(length, cfg.block_length)
+    steps_per_block = unmask_schedule(max(cfg.steps, len(spans)), len(spans)) if length else []
+    nfe = 0
+    for (a, z), block_steps in zip(spans, steps_per_block):
+        in_block = torch.zeros_like(x, dtype=torch.bool)
+        in_block[:, p + a : p + z] = True
+        schedule = iter(unmask_schedule(z - a, block_steps))
+        while True:
+            masked = (x == mask_id) & in_block & ~done[:, None]
+            if not masked.any():
+                break
+            n_reveal = None if cfg.threshold is not None else next(schedule, z - a)
+            logits = _guided_logits(logits_fn, x, p, mask_id, cfg.cfg_scale)
+            nfe += 1 + (cfg.cfg_scale > 0)
+            pred, conf = _predict(logits, mask_id, vocab_limit, forbidden_ids, cfg, generator)
+            conf = torch.where(masked, conf, torch.full_like(conf, float("-inf")))
+            for i in range(b):
+                avail = int(masked[i].sum())
+                if not avail:
+                    continue
+                if n_reveal is None:  # threshold: all above it, at least the most confident one
+                    k = max(1, int((conf[i] > cfg.threshold).sum()))
+                else:
+                    k = min(n_reveal, avail)
                 idx = conf[i].topk(k).indices
                 x[i, idx] = pred[i, idx]
+            if eos_id is not None and cfg.stop_at_eos:
+                done |= _finish_at_eos(x, p, mask_id, eos_id)
+    if stats is not None:
+        stats["nfe"] = nfe
     return x
+
+
+def _guided_logits(logits_fn: LogitsFn, x: torch.Tensor, p: int, mask_id: int, scale: float) -> torch.Tensor:
+    logits = logits_fn(x).float()
+    if scale <= 0 or p == 0:
+        return logits
+    unconditional = x.clone()
+    unconditional[:, :p] = mask_id
+    u = logits_fn(unconditional).float()
+    return u + (1.0 + scale) * (logits - u)
+
+
+def _predict(logits, mask_id, vocab_limit, forbidden_ids, cfg: MaskedSampler, generator):
+    """(token drawn at every position, its confidence) from the logits; confidence untempered."""
+    b = logits.shape[0]
+    if vocab_limit is not None:
+        logits = logits[..., :vocab_limit]
+    logits[..., mask_id] = float("-inf")  # never predict the mask itself
+    for tok in forbidden_ids:
+        logits[..., tok] = float("-inf")
+    probs = torch.softmax(logits, dim=-1)
+    if cfg.temperature > 0:
+        tempered = filter_logits(logits / cfg.temperature, cfg.top_k, cfg.top_p)
+        tempered = torch.softmax(tempered, dim=-1).view(-1, logits.shape[-1])
+        pred = torch.multinomial(tempered.cpu(), 1, generator=generator).view(b, -1).to(logits.device)
+    else:
+        pred = probs.argmax(-1)
+    return pred, _confidence(probs, pred, cfg.remasking, generator)
+
+
+def _finish_at_eos(x: torch.Tensor, p: int, mask_id: int, eos_id: int) -> torch.Tensor:
+    """Rows whose generated part has a committed EOS with nothing masked before it: fill the rest with EOS."""
+    gen = x[:, p:]
+    is_eos = gen == eos_id
+    first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), torch.full_like(is_eos[:, 0], gen.shape[1],
+                                                                                   dtype=torch.long))
+    pos = torch.arange(gen.shape[1], device=x.device)[None]
+    before = pos < first[:, None]
+    finished = is_eos.any(-1) & ~((gen == mask_id) & before).any(-1)
+    gen[finished[:, None] & (pos > first[:, None])] = eos_id
+    return finished
 
 
 @torch.no_grad()

@@ -18,8 +18,9 @@ from .configuration_difflm import DiffLMConfig
 # In an export folder these read `from .bounds import ...` and so on: `convert.export_code` rewrites the
 # `..diffusion.` prefix when it copies this file next to the diffusion modules.
 from ..diffusion.bounds import ar_nll_per_token, elbo_nll_per_token, uniform_elbo_nll_per_token
+from ..diffusion.conditional import conditional_ar_nll, conditional_masked_nll, masked_greedy_match
 from ..diffusion.documents import document_attention_mask, document_ids as eos_document_ids
-from ..diffusion.samplers import sample_masked_diffusion, sample_uniform_diffusion
+from ..diffusion.samplers import MaskedSampler, filter_logits, sample_masked_diffusion, sample_uniform_diffusion
 from ..diffusion.time_embedding import AdaLNorm, TimeEmbedding
 from ..diffusion.uniform import uniform_states
 
@@ -55,7 +56,8 @@ class Attention(nn.Module):
         self.q_norm = _norm(config, self.head_dim) if config.qk_layernorm else None
         self.k_norm = _norm(config, self.head_dim) if config.qk_layernorm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None):
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
+                cache: dict | None = None):
         b, s, _ = x.shape
         per_group = self.n_heads // self.n_groups
         qkv = self.linear_qkv(x).view(b, s, self.n_groups, (per_group + 2) * self.head_dim)
@@ -65,10 +67,16 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
         k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
+        if cache is not None:  # ar decoding: keys and values of the earlier positions (after RoPE)
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
+            cache["k"], cache["v"] = k, v
         k = k.repeat_interleave(per_group, dim=2)
         v = v.repeat_interleave(per_group, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=self.causal and mask is None)
+        # SDPA's is_causal aligns the query block top-left: right only when queries and keys start together
+        causal = self.causal and mask is None and q.shape[2] == k.shape[2]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
         return self.linear_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -102,9 +110,9 @@ class Block(nn.Module):
         self.pre_mlp_layernorm = norm()
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, t=None):
+    def forward(self, x, cos, sin, mask, t=None, cache=None):
         h = self.input_layernorm(x, t) if self.adaln else self.input_layernorm(x)
-        x = x + self.self_attention(h, cos, sin, mask)
+        x = x + self.self_attention(h, cos, sin, mask, cache)
         h = self.pre_mlp_layernorm(x, t) if self.adaln else self.pre_mlp_layernorm(x)
         return x + self.mlp(h)
 
@@ -138,29 +146,36 @@ class DiffLMForMaskedLM(PreTrainedModel):
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                t: torch.Tensor | None = None, document_ids: torch.Tensor | None = None, **_) -> MaskedLMOutput:
+                t: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                past_key_values: list[dict] | None = None, **_) -> MaskedLMOutput:
         """Logits [b, s, v]. `t` [b] is the noise level for time-conditioned models: required in uniform
         mode (its inputs do not reveal t); masked modes default to the fraction of mask tokens among the
         non-padding positions (the quantity t is the expectation of in training). `document_ids` [b, s]
-        restricts attention to each packed document, as in training."""
+        restricts attention to each packed document, as in training. `past_key_values` (ar only): one dict per
+        layer, filled in place, holding the earlier positions' keys and values (`ar_generate` uses it); then
+        `attention_mask` covers the earlier and the new positions."""
         b, s = input_ids.shape
+        offset = past_key_values[0]["k"].shape[1] if past_key_values and "k" in past_key_values[0] else 0
         x = self.embed_tokens(input_ids)
         if self.config.time_embedding:
             t = (self._default_t(input_ids, attention_mask) if t is None else t).to(x.device)
         if self.time_embedding is not None:
             x = x + self.time_embedding(t)[:, None].to(x.dtype)
-        cos, sin = _rope(s, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta, x.device)
+        cos, sin = _rope(offset + s, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta,
+                         x.device)
+        cos, sin = cos[offset:], sin[offset:]
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # computed in fp32; fp32 would promote q, k but not v (bf16)
         mask = None
         if attention_mask is not None:  # [b, s] 1 = real token: keys that are padding get no attention
             mask = attention_mask[:, None, None, :].bool()
-            if not self.config.bidirectional:
-                mask = mask & torch.ones(s, s, dtype=torch.bool, device=x.device).tril()
+            if not self.config.bidirectional:  # query i sits at position offset + i of the keys
+                mask = mask & torch.ones(s, offset + s, dtype=torch.bool, device=x.device).tril(offset)
         if document_ids is not None:  # True = may attend (SDPA's convention)
             allowed = ~document_attention_mask(document_ids, causal=not self.config.bidirectional)
             mask = allowed if mask is None else mask & allowed
-        for layer in self.layers:
-            x = layer(x, cos, sin, mask, t)
+        caches = past_key_values if past_key_values is not None else [None] * len(self.layers)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cos, sin, mask, t, cache)
         x = self.final_layernorm(x)
         weight = self.embed_tokens.weight if self.output_layer is None else self.output_layer.weight
         return MaskedLMOutput(logits=F.linear(x, weight))
@@ -214,11 +229,14 @@ class DiffLMForMaskedLM(PreTrainedModel):
     @torch.no_grad()
     def diffusion_generate(self, prompt_ids: torch.Tensor, length: int, steps: int, temperature: float = 0.0,
                            generator: torch.Generator | None = None, forbidden_ids: tuple[int, ...] = (),
-                           attention_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
+                           attention_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
+                           settings: MaskedSampler | None = None, stats: dict | None = None):
         """Diffusion generation of `length` tokens after `prompt_ids` [b, p]: iterative unmasking for
         masked modes, the posterior (ancestral) sampler for difflm-noshift-uniform. Prompts of different
         lengths go LEFT-padded with their `attention_mask` (padding is never attended to; RoPE is relative,
-        so the shift changes nothing). Returns [b, p + length]."""
+        so the shift changes nothing). `settings` (masked modes): blocks, remasking rule, threshold decoding,
+        top-k/top-p, guidance, stop at EOS (then `steps` and `temperature` are taken from it). `stats`
+        receives the number of model calls. Returns [b, p + length]."""
         self._require("diffusion_generate", ("difflm-noshift", "difflm-shift", "difflm-noshift-uniform"),
                       "sample an autoregressive model token by token (evaluation.generation does)")
         b, p = prompt_ids.shape
@@ -241,8 +259,82 @@ class DiffLMForMaskedLM(PreTrainedModel):
         return sample_masked_diffusion(
             lambda x: self._logits(x, mask, None, docs), prompt_ids, length, self.config.mask_token_id, steps,
             vocab_limit=self.config.real_vocab_size, temperature=temperature, generator=generator,
-            forbidden_ids=forbidden_ids,
+            forbidden_ids=forbidden_ids, settings=settings, eos_id=self.config.eos_token_id, stats=stats,
         )
+
+    @torch.no_grad()
+    def ar_generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
+                    top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
+                    attention_mask: torch.Tensor | None = None, stop_at_eos: bool = True) -> torch.Tensor:
+        """Token-by-token decoding of an `ar` model with a key/value cache: greedy (temperature 0) or sampled
+        with top-k/top-p. LEFT-padded prompts with their `attention_mask`. Rows that produced EOS continue
+        with EOS; decoding ends when every row has (stop_at_eos). Returns [b, p + n], n <= max_new_tokens."""
+        self._require("ar_generate", ("ar",), "use diffusion_generate")
+        b, p = prompt_ids.shape
+        if p == 0:
+            raise ValueError("ar_generate needs at least one prompt token (e.g. EOS as a start of document)")
+        cache = [{} for _ in self.layers]
+        mask = None if attention_mask is None else attention_mask.bool()
+        ids, step_in = prompt_ids, prompt_ids
+        finished = torch.zeros(b, dtype=torch.bool, device=prompt_ids.device)
+        eos = self.config.eos_token_id
+        for _ in range(max_new_tokens):
+            logits = self(step_in, attention_mask=mask, past_key_values=cache).logits[:, -1].float()
+            logits = logits[:, : self.config.real_vocab_size]
+            if self.config.mask_token_id is not None and self.config.mask_token_id < logits.shape[-1]:
+                logits[:, self.config.mask_token_id] = float("-inf")
+            if temperature > 0:
+                probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), -1)
+                nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(ids.device)
+            else:
+                nxt = logits.argmax(-1, keepdim=True)
+            if eos is not None:
+                nxt = torch.where(finished[:, None], torch.full_like(nxt, eos), nxt)
+                finished |= nxt[:, 0] == eos
+            ids, step_in = torch.cat([ids, nxt], dim=1), nxt
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.bool, device=mask.device)], dim=1)
+            if stop_at_eos and eos is not None and finished.all():
+                break
+        return ids
+
+    @torch.no_grad()
+    def conditional_nll(self, input_ids: torch.Tensor, target: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                        mc_samples: int = 32, generators=None, max_rows: int = 64) -> torch.Tensor:
+        """-log p(continuation | context) in nats per row [b] (float64): `target` [b, s] marks the continuation,
+        the other attended positions are its context. Exact for ar; for masked modes the Monte-Carlo
+        conditional ELBO (an upper bound, `mc_samples` draws; pass one seeded generator per row for
+        reproducible values); for difflm-noshift-uniform UDLM's bound with `mc_samples` noise levels."""
+        target = target.bool() & (attention_mask.bool() if attention_mask is not None else True)
+        if self.mode == "ar":
+            return conditional_ar_nll(lambda x, m: self(x, attention_mask=m).logits, input_ids, target, attention_mask)
+        if self.mode == "difflm-shift" and target[:, 0].any():
+            raise ValueError("a difflm-shift model cannot score token 0: give it at least one context token")
+        if self.mode == "difflm-noshift-uniform":
+            gens = generators if isinstance(generators, (list, tuple)) else [generators] * len(input_ids)
+            out = []
+            for i, g in enumerate(gens):
+                row, m = input_ids[i : i + 1], None if attention_mask is None else attention_mask[i : i + 1]
+                per_tok = uniform_elbo_nll_per_token(lambda x, t: self._logits(x, m, t), row, self.uniform_states(),
+                                                     mc_samples, 1e-3, g, target[i : i + 1])
+                out.append(per_tok.double() * target[i].sum())
+            return torch.cat(out)
+        return conditional_masked_nll(lambda x, m: self._logits(x, m), input_ids, target, self.config.mask_token_id,
+                                      mc_samples, generators, attention_mask, max_rows)
+
+    @torch.no_grad()
+    def greedy_match(self, input_ids: torch.Tensor, target: torch.Tensor,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Would greedy decoding produce the continuation (`target` positions) from the context? [b] bool.
+        ar: the argmax at every step; masked modes: greedy low-confidence decoding, one token per step."""
+        target = target.bool()
+        if self.mode == "ar":
+            pred = self(input_ids, attention_mask=attention_mask).logits[:, :-1, : self.config.real_vocab_size].argmax(-1)
+            hit = (pred == input_ids[:, 1:]) | ~target[:, 1:]
+            return hit.all(-1)
+        self._require("greedy_match", ("difflm-noshift", "difflm-shift"), "uniform-noise models have no greedy order")
+        return masked_greedy_match(lambda x, m: self._logits(x, m), input_ids, target, self.config.mask_token_id,
+                                   attention_mask, self.config.real_vocab_size)
 
     @torch.no_grad()
     def elbo_nll(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, t_samples: int = 8,
