@@ -108,10 +108,12 @@ def test_conditional_elbo_bounds_the_exact_conditional_nll():
     for c in conts[::7]:
         elbo = exact_conditional_elbo(c)
         assert elbo >= nll[c] - 1e-9, (c, elbo, nll[c])
-    # the estimate itself, with many samples, sits above the exact NLL (and near the exact ELBO)
-    est = _estimate(CONT, 512, seed=0)
-    assert est >= nll[CONT]
-    assert est == pytest.approx(exact_conditional_elbo(CONT), rel=0.05)
+    # the estimate itself sits above the exact NLL, within its Monte-Carlo error
+    c = (1, 1, 1)  # a continuation with a visible Jensen gap (0.12 nats)
+    draws = torch.tensor([_estimate(c, 16, seed) for seed in range(100)], dtype=torch.float64)
+    se = draws.std().item() / math.sqrt(len(draws))
+    assert draws.mean().item() > nll[c] and (draws > nll[c] - 4 * draws.std()).all()
+    assert abs(draws.mean().item() - exact_conditional_elbo(c)) < 4 * se
 
 
 def test_conditional_elbo_variance_falls_with_samples():

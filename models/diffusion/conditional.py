@@ -17,7 +17,6 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from .noise import mask_exactly
 from .objectives import token_cross_entropy
 
 # (tokens [n, s], attention_mask [n, s] bool or None) -> logits [n, s, v], aligned with the positions they predict
@@ -69,8 +68,11 @@ def conditional_masked_nll(
         if length == 0:
             continue
         counts = stratified_mask_counts(length, mc_samples, gens[i])
-        row, valid = x0[i : i + 1].cpu().expand(mc_samples, s), target[i : i + 1].cpu().expand(mc_samples, s)
-        xt, masked = mask_exactly(row, counts, mask_id, gens[i], valid)
+        # draws over the continuation only: the estimate does not depend on padding or the batch
+        chosen = torch.rand(mc_samples, length, generator=gens[i]).argsort(-1).argsort(-1) < counts[:, None]
+        masked = torch.zeros(mc_samples, s, dtype=torch.bool)
+        masked[:, target[i].cpu()] = chosen
+        xt = torch.where(masked, torch.full_like(masked, mask_id, dtype=x0.dtype), x0[i : i + 1].cpu())
         xs.append(xt)
         masks.append(masked)
         weights.append(length / counts.double())
