@@ -160,14 +160,19 @@ def export_hf(cfg: PipelineConfig, tokenizer: dict, ckpt_dir: Path, out_dir: Pat
     missing, unexpected = model.load_state_dict(hf_sd, strict=False)
     if missing or unexpected:
         raise ConversionError(f"checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
+    return save_export(model, Path(tokenizer["path"]), out_dir, {"checkpoint": str(ckpt_dir), **(provenance or {})})
+
+
+def save_export(model, tokenizer_dir: Path, out_dir: Path, meta: dict) -> Path:
+    """Weights, config, model code and tokenizer of `model` into `out_dir` (replaced atomically)."""
     tmp = out_dir.with_name(out_dir.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
     for name, src in export_code().items():
         (tmp / name).write_text(src)
-    for f in Path(tokenizer["path"]).iterdir():
+    for f in Path(tokenizer_dir).iterdir():
         shutil.copy2(f, tmp / f.name)
-    (tmp / "difflm_export.json").write_text(json.dumps({"checkpoint": str(ckpt_dir), **(provenance or {})}, indent=2))
+    (tmp / "difflm_export.json").write_text(json.dumps(meta, indent=2))
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.replace(out_dir)
     return out_dir

@@ -1,0 +1,171 @@
+"""Text in, scores and samples out: the one scorer behind `difflm eval`, the pipeline's tasks and lm-eval.
+
+`Scorer` wraps an export (any mode) and its tokenizer:
+- `loglikelihood(pairs)`: log p(continuation | context) and whether greedy decoding reproduces it;
+  exact for ar, the Monte-Carlo conditional ELBO for diffusion modes (a lower bound on log p);
+- `loglikelihood_rolling(texts)`: the log-likelihood of whole documents, scored in windows with context;
+- `generate(prompts, ...)`: samples, every one recording its full sampler settings.
+
+Tokenisation follows lm-eval: context and continuation are encoded together and split where the context's
+tokens end (a leading space belongs to the continuation); an empty context becomes EOS, the start of a
+document in training. Each request draws its noise from a generator seeded by (seed, its tokens), so a score
+does not depend on the requests batched with it or on their order.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import asdict, dataclass
+
+import torch
+
+from models.diffusion import MaskedSampler, rolling_windows
+
+
+def request_generator(seed: int, *token_lists: list[int]) -> torch.Generator:
+    data = b"|".join(torch.tensor(t, dtype=torch.int64).numpy().tobytes() for t in token_lists)
+    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(data))
+
+
+@dataclass
+class Scorer:
+    model: object
+    tokenizer: object
+    mc_samples: int = 32  # Monte-Carlo draws of the conditional ELBO per request (diffusion modes)
+    batch_size: int = 8  # requests per model call (each expands to mc_samples rows for diffusion)
+    seed: int = 0
+    max_length: int | None = None  # default: the model's max_position_embeddings (its training seq_length)
+    greedy: bool = True  # compute is_greedy (costs one model call per continuation token for diffusion)
+
+    def __post_init__(self):
+        self.max_length = self.max_length or int(self.model.config.max_position_embeddings)
+        self.eos = int(self.model.config.eos_token_id)
+        self.pad = int(self.model.config.pad_token_id if self.model.config.pad_token_id is not None else self.eos)
+
+    @property
+    def mode(self) -> str:
+        return self.model.config.model_running_mode
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def split_tokens(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """(context ids, continuation ids) as lm-eval splits them."""
+        n_space = len(context) - len(context.rstrip())
+        if n_space:
+            context, continuation = context[:-n_space], context[-n_space:] + continuation
+        whole = self.encode(context + continuation)
+        ctx = self.encode(context)
+        if whole[: len(ctx)] != ctx:  # the tokenizer merged across the boundary: encode apart
+            return ctx or [self.eos], self.encode(continuation)
+        return ctx or [self.eos], whole[len(ctx):]
+
+    # ---- log-likelihood ------------------------------------------------------------------------------
+    def loglikelihood(self, pairs: list[tuple[str, str]], progress=None) -> list[tuple[float, bool]]:
+        return self.loglikelihood_tokens([self.split_tokens(c, x) for c, x in pairs], progress)
+
+    def loglikelihood_tokens(self, requests: list[tuple[list[int], list[int]]], progress=None
+                             ) -> list[tuple[float, bool]]:
+        """[(log p(cont | ctx), is_greedy)] for (context ids, continuation ids) requests, longest first in
+        batches; contexts longer than max_length lose their oldest tokens."""
+        order = sorted(range(len(requests)), key=lambda i: -(len(requests[i][0]) + len(requests[i][1])))
+        out: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
+        for a in range(0, len(order), self.batch_size):
+            idx = order[a : a + self.batch_size]
+            rows = [self._fit(*requests[i]) for i in idx]
+            nll, greedy = self._score_rows(rows)
+            for j, i in enumerate(idx):
+                out[i] = (-float(nll[j]), bool(greedy[j]))
+            if progress:
+                progress(len(idx))
+        return out
+
+    def _fit(self, ctx: list[int], cont: list[int]) -> tuple[list[int], list[int]]:
+        if not cont:
+            raise ValueError("empty continuation: nothing to score")
+        if len(cont) >= self.max_length:
+            raise ValueError(f"continuation of {len(cont)} tokens does not fit the model's {self.max_length} "
+                             f"positions: use loglikelihood_rolling for long texts")
+        return ctx[-(self.max_length - len(cont)):], cont
+
+    def _score_rows(self, rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        width = max(len(c) + len(x) for c, x in rows)
+        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        attn = torch.zeros(len(rows), width, dtype=torch.long)
+        target = torch.zeros(len(rows), width, dtype=torch.bool)
+        for r, (ctx, cont) in enumerate(rows):  # right padding: positions stay those of training
+            n = len(ctx) + len(cont)
+            ids[r, :n] = torch.tensor(ctx + cont)
+            attn[r, :n] = 1
+            target[r, len(ctx) : n] = True
+        dev = self.device
+        gens = [request_generator(self.seed, c, x) for c, x in rows]
+        nll = self.model.conditional_nll(ids.to(dev), target.to(dev), attn.to(dev), mc_samples=self.mc_samples,
+                                         generators=gens)
+        if self.greedy and self.mode != "difflm-noshift-uniform":
+            greedy = self.model.greedy_match(ids.to(dev), target.to(dev), attn.to(dev)).cpu()
+        else:
+            greedy = torch.zeros(len(rows), dtype=torch.bool)
+        return nll.cpu(), greedy
+
+    def loglikelihood_rolling(self, texts: list[str], context_len: int | None = None, progress=None) -> list[float]:
+        """log p(text) of each whole text (a lower bound for diffusion modes): EOS + its tokens cut into
+        windows of max_length, each re-reading `context_len` tokens before it (default max_length // 2)."""
+        context_len = self.max_length // 2 if context_len is None else context_len
+        requests, owner = [], []
+        for k, text in enumerate(texts):
+            ids = [self.eos, *self.encode(text)]
+            for c, a, z in rolling_windows(len(ids), self.max_length, context_len):
+                requests.append((ids[c:a], ids[a:z]))
+                owner.append(k)
+        saved, self.greedy = self.greedy, False
+        try:
+            scores = self.loglikelihood_tokens(requests, progress)
+        finally:
+            self.greedy = saved
+        totals = [0.0] * len(texts)
+        for k, (ll, _) in zip(owner, scores):
+            totals[k] += ll
+        return totals
+
+    # ---- generation ----------------------------------------------------------------------------------
+    def generate(self, prompts: list[str], max_new_tokens: int, settings: MaskedSampler,
+                 until: list[str] | None = None) -> list[dict]:
+        """A completion per prompt (batched, left-padded), cut at EOS and at the first `until` string.
+        Each record carries the sampler settings, the model calls and the wall time of its batch."""
+        out = []
+        for a in range(0, len(prompts), self.batch_size):
+            batch = prompts[a : a + self.batch_size]
+            encoded = [self.encode(p)[-(self.max_length - max_new_tokens):] or [self.eos] for p in batch]
+            width = max(map(len, encoded))
+            ids = torch.tensor([[self.pad] * (width - len(e)) + e for e in encoded], device=self.device)
+            attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=self.device)
+            gen = torch.Generator().manual_seed(self.seed)
+            stats: dict = {}
+            t0 = time.perf_counter()
+            if self.mode == "ar":
+                seq = self.model.ar_generate(ids, max_new_tokens, settings.temperature, settings.top_k, settings.top_p,
+                                             gen, attention_mask=attn, stop_at_eos=settings.stop_at_eos)
+                stats["nfe"] = seq.shape[1] - width
+            else:
+                seq = self.model.diffusion_generate(ids, max_new_tokens, settings.steps, settings.temperature, gen,
+                                                    forbidden_ids=(self.pad,), attention_mask=attn,
+                                                    settings=settings, stats=stats)
+            seconds = time.perf_counter() - t0
+            for row, prompt in enumerate(batch):
+                new = seq[row, width:].tolist()
+                tokens = new[: new.index(self.eos)] if self.eos in new else new
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                for stop in until or []:
+                    if stop and stop in text:
+                        text = text[: text.index(stop)]
+                out.append({"prompt": prompt, "completion": text, "tokens": len(tokens),
+                            "model_calls": stats.get("nfe"), "seconds": seconds / len(batch),
+                            "sampler": {**asdict(settings), "max_new_tokens": max_new_tokens,
+                                        "mode": self.mode, "seed": self.seed}})
+        return out

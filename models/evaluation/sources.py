@@ -1,0 +1,50 @@
+"""Where an export comes from: an export folder, a run directory, or a registered MLflow model version."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+class SourceError(ValueError):
+    """The model source cannot be resolved; the message says what was expected."""
+
+
+def resolve_export(source: str, tracking_uri: str | None = None) -> Path:
+    """The HF export folder for `source`:
+    - a folder with config.json (an export, e.g. <run dir>/hf);
+    - a run directory (<workdir>/runs/<run>): its `hf` export;
+    - `models:/<name>/<version>` or `models:/<name>@<alias>`: the registered version, downloaded from MLflow
+      (`tracking_uri`, else $MLFLOW_TRACKING_URI)."""
+    if source.startswith("models:/"):
+        return _download(source, tracking_uri)
+    path = Path(source).expanduser()
+    if (path / "config.json").exists():
+        return path
+    if (path / "hf" / "config.json").exists():
+        return path / "hf"
+    if (path / "checkpoints").is_dir():
+        raise SourceError(f"{path} is a run directory without an HF export: run `difflm convert {path}` first")
+    raise SourceError(f"{source}: not an export folder (config.json), a run directory (hf/) or models:/name/version")
+
+
+def _download(uri: str, tracking_uri: str | None) -> Path:
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    uri_ = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri_:
+        raise SourceError(f"{uri}: set --tracking-uri or MLFLOW_TRACKING_URI to the MLflow store it is registered in")
+    mlflow.set_tracking_uri(uri_)
+    client = MlflowClient()
+    ref = uri[len("models:/"):]
+    try:
+        if "@" in ref:
+            name, alias = ref.split("@", 1)
+            mv = client.get_model_version_by_alias(name, alias)
+        else:
+            name, version = ref.rsplit("/", 1)
+            mv = client.get_model_version(name, version)
+    except Exception as err:  # MlflowException: not found
+        raise SourceError(f"{uri}: no such registered model version in {uri_} ({err})") from err
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source))
