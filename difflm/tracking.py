@@ -92,14 +92,25 @@ def log_training(train_info: dict, records: list[dict]) -> None:
             mlflow.log_artifact(str(path), "train")
 
 
-def log_evaluation(results: dict) -> None:
+def log_evaluation(results: dict, prefix: str = "eval") -> None:
+    """Bounds and task scores as metrics, samples as a table (with their sampler settings), the report."""
     import mlflow
 
     for name, res in results["bounds"].items():
-        mlflow.log_metrics({f"eval.{name}.nll_per_token": res["nll_per_token"], f"eval.{name}.ppl": res["ppl"]})
-    mlflow.log_dict(results, "eval/results.json")
-    text = "\n\n".join(f"PROMPT: {s['prompt']}\nCOMPLETION: {s['completion']}" for s in results["samples"])
-    mlflow.log_text(text or "(no samples)", "eval/samples.txt")
+        mlflow.log_metrics({f"{prefix}.{name}.nll_per_token": res["nll_per_token"], f"{prefix}.{name}.ppl": res["ppl"]})
+    for task, scores in results.get("tasks", {}).items():
+        mlflow.log_metrics({f"{prefix}.{task}.{k}": float(v) for k, v in scores.items()
+                            if isinstance(v, (int, float)) and k not in ("items", "chance")})
+    mlflow.log_dict(results, f"{prefix}/results.json")
+    samples = results.get("samples", [])
+    if samples:
+        mlflow.log_table({"prompt": [s["prompt"] for s in samples], "completion": [s["completion"] for s in samples],
+                          "tokens": [s["tokens"] for s in samples], "model_calls": [s["model_calls"] for s in samples],
+                          "sampler": [json.dumps(s["sampler"]) for s in samples]}, f"{prefix}/samples.json")
+    text = "\n\n".join(f"PROMPT: {s['prompt']}\nCOMPLETION: {s['completion']}" for s in samples)
+    mlflow.log_text(text or "(no samples)", f"{prefix}/samples.txt")
+    if results.get("report") and Path(results["report"]).exists():
+        mlflow.log_artifact(results["report"], prefix)
 
 
 def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str, checkpoint: str) -> dict:

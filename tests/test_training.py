@@ -1,5 +1,6 @@
 """Training under torchrun (gloo, CPU): checkpoints, resume equal to an uninterrupted run, failures."""
 
+from pathlib import Path
 import shutil
 
 import pytest
@@ -70,7 +71,12 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, 
     b = results["bounds"]
     assert b["trained"]["nll_per_token"] < b["untrained"]["nll_per_token"]
     assert b["trained"]["kind"] == ("exact" if mode == "ar" else "elbo")
-    assert results["samples"][0]["completion"]
+    sample = results["samples"][0]
+    assert sample["sampler"]["mode"] == mode and sample["sampler"]["steps"] == cfg.eval.sampler_steps
+    assert results["tasks"]["cloze"]["items"] > 0 and 0.0 <= results["tasks"]["cloze"]["acc"] <= 1.0
+    assert results["tasks"]["documents"]["bits_per_byte"] > 0
+    report = Path(results["report"]).read_text()  # every mode trained on this data, side by side
+    assert f"| {mode} |" in report and Path(info["run_dir"]).name in report
 
 
 @pytest.mark.slow

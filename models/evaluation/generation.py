@@ -1,35 +1,35 @@
-"""Samples from an exported model: diffusion generation after each prompt (greedy decoding for ar)."""
+"""Samples from an export: the configured sampler, prompts from the run's own held-out data."""
 
 from __future__ import annotations
 
-import torch
+import re
 
-from difflm.config import PipelineConfig
+from difflm.config import EvalConfig
+from models.diffusion import MaskedSampler
 
-DEFAULT_PROMPTS = ["The history of", "In mathematics, a", "The city is located", "During the war,"]
+
+def sampler_settings(e: EvalConfig, **override) -> MaskedSampler:
+    """The sampler the eval.* fields describe (the one place they map onto `MaskedSampler`)."""
+    fields = dict(steps=e.sampler_steps, block_length=e.block_length, remasking=e.remasking, threshold=e.threshold,
+                  temperature=e.temperature, top_k=e.top_k, top_p=e.top_p, cfg_scale=e.cfg_scale,
+                  stop_at_eos=e.stop_at_eos)
+    return MaskedSampler(**{**fields, **override})
 
 
-@torch.no_grad()
-def generate_samples(model, tokenizer, cfg: PipelineConfig, prompts: list[str]) -> list[dict]:
-    """Diffusion samples (iterative unmasking) continuing each prompt; ar models decode greedily."""
-    gen = torch.Generator().manual_seed(cfg.eval.seed)
-    e = cfg.eval
+def default_prompts(docs: list[str], n: int, words: int) -> list[str]:
+    """The first `words` words of the first n held-out documents that have more than that many."""
     out = []
-    for prompt in prompts[: e.num_samples]:
-        ids = torch.tensor([tokenizer.encode(prompt, add_special_tokens=False)], dtype=torch.long)
-        if cfg.diffusion.model_running_mode == "ar":
-            seq = _greedy_ar(model, ids, e.sample_length)
-        else:
-            seq = model.diffusion_generate(ids, e.sample_length, e.sampler_steps, e.temperature, gen,
-                                           forbidden_ids=(model.config.pad_token_id,))
-        text = tokenizer.decode(seq[0, ids.shape[1]:].tolist(), skip_special_tokens=False)
-        out.append({"prompt": prompt, "completion": text, "steps": e.sampler_steps})
+    for text in docs:
+        found = re.findall(r"\S+", text)
+        if len(found) > words:
+            out.append(" ".join(found[:words]))
+        if len(out) == n:
+            break
     return out
 
 
-def _greedy_ar(model, ids: torch.Tensor, length: int) -> torch.Tensor:
-    for _ in range(length):
-        nxt = model(ids).logits[:, -1, : model.config.real_vocab_size].argmax(-1, keepdim=True)
-        ids = torch.cat([ids, nxt], dim=1)
-    return ids
-
+def generate_samples(scorer, e: EvalConfig, prompts: list[str]) -> list[dict]:
+    """One sample per prompt (at most e.num_samples), each recording its full sampler settings."""
+    if not prompts or e.num_samples == 0:
+        return []
+    return scorer.generate(prompts[: e.num_samples], e.sample_length, sampler_settings(e))

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from difflm.config import PipelineConfig
-from models.evaluation.generation import DEFAULT_PROMPTS, generate_samples
+from models.evaluation.generation import default_prompts, generate_samples, sampler_settings
 from models.evaluation.likelihood import likelihood_bound, validation_windows
+from models.evaluation.report import write_comparison
+from models.evaluation.scoring import Scorer
+from models.evaluation.tasks import build_items, heldout_documents, score_tasks, write_lm_eval_tasks
 from models.hf.convert import export_hf, load_hf
 
 
@@ -29,17 +33,37 @@ def load_tokenizer(folder: Path):
     return PreTrainedTokenizerFast.from_pretrained(str(folder))
 
 
-def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path) -> dict:
-    """Likelihood bound of the trained and of an untrained (freshly initialised) model, and samples."""
+def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: Path | None = None,
+                    untrained: bool = True) -> dict:
+    """Likelihood bound of the trained (and an untrained, freshly initialised) model, the tasks built from
+    the held-out split, and samples; written to `out_dir` (default: <run dir>/eval) with the lm-eval task
+    files of the same items, and the comparison report of every run on the same data updated."""
     from models.hf.modeling_difflm import DiffLMForMaskedLM
 
-    model = load_hf(hf_dir)
-    windows = validation_windows(manifest, cfg.train.seq_length, cfg.eval.max_sequences)
-    trained = likelihood_bound(model, windows, cfg)
-    torch.manual_seed(cfg.train.seed)  # the same init distribution as training, weights never updated
-    untrained = likelihood_bound(DiffLMForMaskedLM(model.config).eval(), windows, cfg)
-    samples = generate_samples(model, load_tokenizer(hf_dir), cfg, DEFAULT_PROMPTS)
-    results = {"bounds": {"trained": trained.to_dict(), "untrained": untrained.to_dict()}, "samples": samples}
-    (hf_dir.parent / "eval").mkdir(exist_ok=True)
-    (hf_dir.parent / "eval" / "results.json").write_text(json.dumps(results, indent=2))
+    e = cfg.eval
+    model, tok = load_hf(hf_dir), load_tokenizer(hf_dir)
+    windows = validation_windows(manifest, cfg.train.seq_length, e.max_sequences)
+    bounds = {"trained": likelihood_bound(model, windows, cfg).to_dict()}
+    if untrained:
+        torch.manual_seed(cfg.train.seed)  # the same init distribution as training, weights never updated
+        bounds["untrained"] = likelihood_bound(DiffLMForMaskedLM(model.config).eval(), windows, cfg).to_dict()
+    docs = heldout_documents(manifest, tok)
+    scorer = Scorer(model, tok, mc_samples=e.mc_samples, seed=e.seed)
+    items = build_items(docs, e.task_items, e.seed) if e.task_items else {}
+    out_dir = Path(out_dir) if out_dir else Path(hf_dir).parent / "eval"
+    results = {
+        "mode": model.config.model_running_mode,
+        "data_hash": manifest["hash"],
+        "export": str(hf_dir),
+        "bounds": bounds,
+        "tasks": score_tasks(scorer, items),
+        "task_settings": {"items": e.task_items, "mc_samples": e.mc_samples, "seed": e.seed},
+        "sampler": asdict(sampler_settings(e)),
+        "samples": generate_samples(scorer, e, e.prompts or default_prompts(docs, e.num_samples, e.prompt_words)),
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    if items:
+        write_lm_eval_tasks(items, out_dir / "lm_eval_tasks")
+    results["report"] = str(write_comparison(Path(cfg.workdir), manifest["hash"]))
     return results
