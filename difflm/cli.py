@@ -28,6 +28,8 @@ EPILOG = """examples:
   difflm run --preset configs/my.yaml diffusion.model_running_mode=ar
   difflm config show train.lr=1e-3             # print the resolved configuration
   difflm serve --cron '0 3 * * *'              # a Prefect deployment of pretrain-difflm
+  difflm eval .difflm/runs/<run> .difflm/runs/<ar run>   # tasks + bounds, side by side
+  difflm generate .difflm/runs/<run> --prompt "The river" eval.threshold=0.9 eval.block_length=8
 """
 
 
@@ -178,6 +180,69 @@ def cmd_import_hf(cfg: PipelineConfig, args) -> int:
     return 0
 
 
+def cmd_eval(cfg: PipelineConfig, args) -> int:
+    from data_prep.pipeline import prepare_data
+    from models.evaluation.report import comparison_table
+    from difflm.tracking import tracking_uri
+    from models.evaluation.sources import resolve_export
+    from models.evaluation.stages import default_out_dir, evaluate_export, sweep_export
+
+    if args.flow:
+        from flows.evaluate import evaluate
+
+        found = {s: evaluate(source=s, config=cfg, out_dir=args.out) for s in args.sources}
+    else:
+        manifest = prepare_data(cfg)
+        found = {}
+        for source in args.sources:
+            hf_dir = resolve_export(source, args.tracking_uri or tracking_uri(cfg))
+            out = Path(args.out) if args.out else default_out_dir(cfg, source, hf_dir)
+            found[source] = evaluate_export(cfg, manifest, hf_dir, out, untrained=False)
+            found[source]["sweep"] = sweep_export(cfg, manifest, hf_dir, out)
+            print(f"{source}: results in {out}")
+    print(comparison_table(found))
+    for source, res in found.items():
+        for row in res.get("sweep") or []:
+            print(f"{source} steps {row['steps']:>3}: cloze accuracy {row['accuracy']:.3f}, "
+                  f"{row['tokens_per_s']:.1f} tokens/s")
+        if res.get("samples"):
+            s = res["samples"][0]
+            print(f"{source} sample: {s['prompt']!r} -> {s['completion'][:160]!r}")
+    report = next(iter(found.values())).get("report")
+    if report:
+        print(f"report of every run on this data: {report}")
+    return 0
+
+
+def cmd_generate(cfg: PipelineConfig, args) -> int:
+    from models.evaluation.generation import default_prompts, sampler_settings
+    from models.evaluation.scoring import Scorer
+    from difflm.tracking import tracking_uri
+    from models.evaluation.sources import resolve_export
+    from models.evaluation.stages import load_model, load_tokenizer
+
+    hf_dir = resolve_export(args.source, args.tracking_uri or tracking_uri(cfg))
+    model, tok = load_model(hf_dir), load_tokenizer(hf_dir)
+    prompts = args.prompt or cfg.eval.prompts
+    if not prompts:
+        from data_prep.pipeline import prepare_data
+        from models.evaluation.tasks import heldout_documents
+
+        prompts = default_prompts(heldout_documents(prepare_data(cfg), tok), cfg.eval.num_samples or 3,
+                                  cfg.eval.prompt_words)
+    scorer = Scorer(model, tok, seed=cfg.eval.seed)
+    records = scorer.generate(prompts, args.max_new_tokens or cfg.eval.sample_length, sampler_settings(cfg.eval))
+    if args.json:
+        print(json.dumps(records, indent=2))
+        return 0
+    for r in records:
+        print(f"--- {r['prompt']!r}\n{r['completion']}\n    [{r['tokens']} tokens, {r['model_calls']} model calls, "
+              f"{r['seconds']:.2f} s]")
+    settings = {k: v for k, v in records[0]["sampler"].items() if v is not None} if records else {}
+    print(f"sampler: {json.dumps(settings)}")
+    return 0
+
+
 def cmd_serve(cfg: PipelineConfig, args) -> int:
     from flows.pretrain import pretrain_difflm
 
@@ -234,6 +299,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output checkpoint folder")
     _add_config_args(p)
     p.set_defaults(func=cmd_import_hf)
+    p = sub.add_parser("eval", help="score exports, run directories or registered versions on the data's tasks",
+                       description="For each SOURCE: the likelihood bound (exact NLL for ar) on held-out windows, "
+                       "the cloze / multiple-choice / document tasks built from the held-out split of the config's "
+                       "data (the same items for every source), and samples. Prints one table; results and "
+                       "lm-eval task files go to <run>/eval (or --out). eval.* overrides set the items, Monte-Carlo "
+                       "samples and sampler; eval.steps_sweep=[4,8,16] adds a quality/speed sweep.")
+    p.add_argument("sources", nargs="+", metavar="SOURCE",
+                   help="export folder, run directory, or models:/<name>/<version> | models:/<name>@<alias>")
+    p.add_argument("--out", default=None, help="results folder (default: <run>/eval or <workdir>/evals/<source>)")
+    p.add_argument("--tracking-uri", default=None, help="MLflow store for models:/ sources (default: the config's)")
+    p.add_argument("--flow", action="store_true", help="run as the Prefect flow `evaluate`, logging to MLflow")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("generate", help="sample from an export with the configured sampler",
+                       description="Generate after each --prompt (default: the first words of held-out documents). "
+                       "The sampler is eval.*: sampler_steps, block_length, remasking (low_confidence | margin | "
+                       "entropy | random), threshold (Fast-dLLM parallel decoding), temperature, top_k, top_p, "
+                       "cfg_scale, stop_at_eos. ar exports decode token by token with a KV cache.")
+    p.add_argument("source", metavar="SOURCE", help="export folder, run directory, or models:/<name>/<version>")
+    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default: eval.sample_length)")
+    p.add_argument("--json", action="store_true", help="print the records (completion, settings, timing) as JSON")
+    p.add_argument("--tracking-uri", default=None, help="MLflow store for models:/ sources")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_generate)
     p = sub.add_parser("serve", help="serve pretrain-difflm as a Prefect deployment (optionally on a cron)")
     _add_config_args(p)
     p.add_argument("--name", default="demo", help="deployment name (run it: prefect deployment run 'pretrain-difflm/NAME')")
@@ -248,10 +338,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from data_prep.tokenizer import TokenizerError
     from data_prep.verify import DataVerificationError
     from difflm.corpus import CorpusError
+    from models.evaluation.sources import SourceError
+    from models.evaluation.stages import EvaluationError
     from models.hf.convert import ConversionError
     from models.launch.torchrun import TrainingError
 
-    return (DataPrepError, TokenizerError, DataVerificationError, CorpusError, ConversionError, TrainingError)
+    return (DataPrepError, TokenizerError, DataVerificationError, CorpusError, ConversionError, TrainingError,
+            SourceError, EvaluationError)
 
 
 def _parse(argv: list[str] | None):
@@ -263,7 +356,17 @@ def _parse(argv: list[str] | None):
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
+    if getattr(args, "sources", None):  # nargs="+" also swallows the key=value overrides that follow
+        args.overrides += [x for x in args.sources if _is_override(x)]
+        args.sources = [x for x in args.sources if not _is_override(x)]
+        if not args.sources:
+            parser.error("eval needs at least one SOURCE (export folder, run directory or models:/name/version)")
     return args
+
+
+def _is_override(arg: str) -> bool:
+    key = arg.split("=", 1)[0]
+    return "=" in arg and not arg.startswith("models:/") and all(part.isidentifier() for part in key.split("."))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,3 +30,30 @@ def plot_curves(records: list[dict], path: Path, title: str = "") -> Path | None
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def plot_sweep(rows: list[dict], path: Path, title: str = "") -> Path | None:
+    """Cloze accuracy and tokens/s against sampler steps (rows from models.evaluation.sweep.sweep_steps)."""
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["steps"] for r in rows]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=110)
+    a1.plot(steps, [r["accuracy"] for r in rows], "o-")
+    a1.set_xlabel("sampler steps")
+    a1.set_ylabel("cloze accuracy (generated word)")
+    a2.plot(steps, [r["tokens_per_s"] for r in rows], "o-", color="tab:orange")
+    a2.set_xlabel("sampler steps")
+    a2.set_ylabel("generated tokens / s")
+    for ax in (a1, a2):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -113,6 +113,17 @@ def log_evaluation(results: dict, prefix: str = "eval") -> None:
         mlflow.log_artifact(results["report"], prefix)
 
 
+def log_sweep(rows: list[dict], plot: Path) -> None:
+    """Sampler sweep: accuracy and tokens/s with the steps as the x axis, and the plot."""
+    import mlflow
+
+    for r in rows:
+        mlflow.log_metrics({"sweep.cloze_gen_accuracy": r["accuracy"], "sweep.tokens_per_s": r["tokens_per_s"]},
+                           step=int(r["steps"]))
+    if rows and plot.exists():
+        mlflow.log_artifact(str(plot), "eval")
+
+
 def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str, checkpoint: str) -> dict:
     """Upload the HF folder as an artifact and register it: one model version per trained checkpoint
     (a rerun that reuses the checkpoint points at the existing version instead of adding a copy)."""

@@ -15,7 +15,7 @@ from difflm.config import PipelineConfig
 from data_prep.pipeline import prepare_data
 from models.launch.torchrun import launch_training
 from models.evaluation.likelihood import KIND_LABELS
-from models.evaluation.stages import convert_checkpoint, evaluate_export
+from models.evaluation.stages import convert_checkpoint, evaluate_export, sweep_export
 
 
 @task(name="data-prep", cache_policy=NO_CACHE)
@@ -43,11 +43,21 @@ def convert_task(cfg: PipelineConfig, manifest: dict, train_info: dict) -> str:
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate_task(cfg: PipelineConfig, manifest: dict, hf_dir: str) -> dict:
-    results = evaluate_export(cfg, manifest, Path(hf_dir))
+def evaluate_task(cfg: PipelineConfig, manifest: dict, hf_dir: str, out_dir: str | None = None,
+                  untrained: bool = True) -> dict:
+    results = evaluate_export(cfg, manifest, Path(hf_dir), Path(out_dir) if out_dir else None, untrained)
     b = results["bounds"]
     kind = KIND_LABELS[b["trained"]["kind"]]
     get_run_logger().info(
-        f"validation {kind}: trained {b['trained']['ppl']:.1f} vs untrained {b['untrained']['ppl']:.1f}"
+        f"validation {kind}: trained {b['trained']['ppl']:.1f}"
+        + (f" vs untrained {b['untrained']['ppl']:.1f}" if "untrained" in b else "")
     )
+    for name, scores in results["tasks"].items():
+        get_run_logger().info(f"task {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()
+                                                           if isinstance(v, float)))
     return results
+
+
+@task(name="sampler-sweep", cache_policy=NO_CACHE)
+def sweep_task(cfg: PipelineConfig, manifest: dict, hf_dir: str, out_dir: str) -> list[dict]:
+    return sweep_export(cfg, manifest, Path(hf_dir), Path(out_dir))

@@ -62,7 +62,7 @@ def validation_windows(manifest: dict, seq_length: int, max_sequences: int) -> t
 def likelihood_bound(model, windows: torch.Tensor, cfg: PipelineConfig, batch_size: int = 8) -> EvalResult:
     """NLL per token of the held-out windows: an upper bound (ELBO) for diffusion modes, exact for ar."""
     gen = torch.Generator().manual_seed(cfg.eval.seed)
-    kind = "exact" if cfg.diffusion.model_running_mode == "ar" else "elbo"
+    kind = "exact" if model.config.model_running_mode == "ar" else "elbo"  # the export's mode, not the config's
     nlls = []
     for i in range(0, len(windows), batch_size):
         x0 = windows[i : i + batch_size]

@@ -36,13 +36,12 @@ class DiffLMEval(LM):
                  device: str | None = None, dtype: str = "float32", max_length: int | None = None,
                  greedy: bool = True, tracking_uri: str | None = None, **kwargs):
         super().__init__()
-        from models.evaluation.stages import load_tokenizer
-        from models.hf.convert import load_hf
+        from models.evaluation.stages import load_model, load_tokenizer
 
         folder = resolve_export(str(pretrained), tracking_uri)
         if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             device = "cuda" if torch.cuda.is_available() else "cpu"  # lm_eval's --device defaults to cuda
-        model = load_hf(folder).to(device=device, dtype=getattr(torch, dtype))
+        model = load_model(folder).to(device=device, dtype=getattr(torch, dtype))
         unknown = set(kwargs) - set(SAMPLER_ARGS) - {"max_batch_size"}
         if unknown:
             raise ValueError(f"unknown model_args {sorted(unknown)} for difflm: see `python -m "

@@ -24,7 +24,8 @@ def resolve_export(source: str, tracking_uri: str | None = None) -> Path:
     if (path / "hf" / "config.json").exists():
         return path / "hf"
     if (path / "checkpoints").is_dir():
-        raise SourceError(f"{path} is a run directory without an HF export: run `difflm convert {path}` first")
+        raise SourceError(f"{path} is a run directory without an HF export (hf/): finish it with `difflm run` "
+                          "and the same preset and overrides, which exports the last checkpoint")
     raise SourceError(f"{source}: not an export folder (config.json), a run directory (hf/) or models:/name/version")
 
 

@@ -14,7 +14,7 @@ from models.evaluation.likelihood import likelihood_bound, validation_windows
 from models.evaluation.report import write_comparison
 from models.evaluation.scoring import Scorer
 from models.evaluation.tasks import build_items, heldout_documents, score_tasks, write_lm_eval_tasks
-from models.hf.convert import export_hf, load_hf
+from models.hf.convert import export_hf
 
 
 def convert_checkpoint(cfg: PipelineConfig, manifest: dict, train_info: dict) -> Path:
@@ -27,10 +27,34 @@ def convert_checkpoint(cfg: PipelineConfig, manifest: dict, train_info: dict) ->
     return export_hf(cfg, manifest["tokenizer"], Path(train_info["checkpoint"]), out, provenance)
 
 
+def load_model(folder: Path):
+    """An export with this project's model class (same weights and config as the folder's own code, which
+    users load with trust_remote_code): exports written by older versions gain today's helpers."""
+    from transformers.utils import logging as hf_logging
+
+    from models.hf.modeling_difflm import DiffLMForMaskedLM
+
+    hf_logging.disable_progress_bar()  # one bar per load is noise in eval tables and logs
+    return DiffLMForMaskedLM.from_pretrained(str(folder), local_files_only=True).eval()
+
+
 def load_tokenizer(folder: Path):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(folder))
+
+
+class EvaluationError(ValueError):
+    """The export and the data do not go together; the message says what to pass instead."""
+
+
+def check_tokenizer(model, manifest: dict, hf_dir: Path) -> None:
+    tok = manifest["tokenizer"]
+    if model.config.real_vocab_size != tok["vocab_size"] or model.config.mask_token_id != tok["mask_id"]:
+        raise EvaluationError(
+            f"{hf_dir} was trained with another tokenizer (vocab {model.config.real_vocab_size}, mask id "
+            f"{model.config.mask_token_id}) than this config's data (vocab {tok['vocab_size']}, mask id "
+            f"{tok['mask_id']}): pass the preset and overrides the model was trained with")
 
 
 def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: Path | None = None,
@@ -41,8 +65,10 @@ def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: 
     from models.hf.modeling_difflm import DiffLMForMaskedLM
 
     e = cfg.eval
-    model, tok = load_hf(hf_dir), load_tokenizer(hf_dir)
-    windows = validation_windows(manifest, cfg.train.seq_length, e.max_sequences)
+    model, tok = load_model(hf_dir), load_tokenizer(hf_dir)
+    check_tokenizer(model, manifest, hf_dir)
+    windows = validation_windows(manifest, min(cfg.train.seq_length, model.config.max_position_embeddings),
+                                 e.max_sequences)
     bounds = {"trained": likelihood_bound(model, windows, cfg).to_dict()}
     if untrained:
         torch.manual_seed(cfg.train.seed)  # the same init distribution as training, weights never updated
@@ -67,3 +93,30 @@ def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: 
         write_lm_eval_tasks(items, out_dir / "lm_eval_tasks")
     results["report"] = str(write_comparison(Path(cfg.workdir), manifest["hash"]))
     return results
+
+
+def default_out_dir(cfg: PipelineConfig, source: str, hf_dir: Path) -> Path:
+    """<run>/eval for a run's export, else <workdir>/evals/<source as a name>."""
+    if hf_dir.name == "hf" and (hf_dir.parent / "checkpoints").is_dir():
+        return hf_dir.parent / "eval"
+    slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in source.strip("/"))[-80:]
+    return Path(cfg.workdir) / "evals" / slug
+
+
+def sweep_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: Path) -> list[dict]:
+    """Cloze accuracy of generated words and tokens/s at each of eval.steps_sweep (masked modes only);
+    sweep.json and sweep.png in out_dir."""
+    from difflm.plots import plot_sweep
+    from models.evaluation.sweep import sweep_steps
+
+    e = cfg.eval
+    model, tok = load_model(hf_dir), load_tokenizer(hf_dir)
+    if not e.steps_sweep or model.config.model_running_mode not in ("difflm-noshift", "difflm-shift"):
+        return []
+    items = build_items(heldout_documents(manifest, tok), e.task_items or 32, e.seed)["cloze"]
+    rows = sweep_steps(Scorer(model, tok, seed=e.seed), items, sampler_settings(e), sorted(e.steps_sweep),
+                       new_tokens=max(e.steps_sweep))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2))
+    plot_sweep(rows, out_dir / "sweep.png", f"{model.config.model_running_mode}: quality and speed against steps")
+    return rows

@@ -73,7 +73,8 @@ def choice_items(docs: list[str], n: int, seed: int, context_words: int = 32, co
     if len(usable) < choices:
         return []
     items = []
-    for d in rng.sample(usable, min(n, len(usable))):
+    for _ in range(n):  # documents may repeat (at other offsets): small held-out splits still give n items
+        d = rng.choice(usable)
         words = _words(docs[d])
         k = rng.randrange(0, len(words) - span + 1)
         context = docs[d][words[k].start() : words[k + context_words - 1].end()]
