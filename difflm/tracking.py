@@ -152,6 +152,27 @@ def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str, check
     return out
 
 
+def download_model_version(uri: str, store: str) -> Path:
+    """The folder of a registered version, `models:/<name>/<version>` or `models:/<name>@<alias>`, downloaded
+    from the MLflow store (a local artifact store is read in place). LookupError when it does not exist."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    mlflow.set_tracking_uri(store)
+    client = MlflowClient()
+    ref = uri[len("models:/"):]
+    try:
+        if "@" in ref:
+            name, alias = ref.split("@", 1)
+            mv = client.get_model_version_by_alias(name, alias)
+        else:
+            name, version = ref.rsplit("/", 1)
+            mv = client.get_model_version(name, version)
+    except Exception as err:  # MlflowException RESOURCE_DOES_NOT_EXIST, or a malformed reference
+        raise LookupError(f"{uri}: no such registered model version in {store} ({err})") from err
+    return Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source))
+
+
 def disable_telemetry() -> None:
     for key, val in {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}.items():
         os.environ.setdefault(key, val)

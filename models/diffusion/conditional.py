@@ -125,18 +125,18 @@ def masked_greedy_match(logits_fn: PaddedLogitsFn, x0: torch.Tensor, target: tor
     return (x == x0).all(-1)
 
 
-def rolling_windows(n_tokens: int, max_len: int, context_len: int) -> list[tuple[int, int, int]]:
-    """Cover tokens 1..n_tokens-1 of a document (token 0 is the start-of-document context, e.g. EOS) with
-    windows of at most `max_len` tokens: (ctx_start, start, end) scores [start, end) given [ctx_start, start).
+def rolling_windows(n_tokens: int, max_len: int, context_len: int, first: int = 1) -> list[tuple[int, int, int]]:
+    """Cover tokens first..n_tokens-1 (by default 1..: token 0 is the start-of-document context, e.g. EOS)
+    with windows of at most `max_len` tokens: (ctx_start, start, end) scores [start, end) given [ctx_start, start).
 
-    Each window after the first re-reads the `context_len` tokens before it, so every token is scored once
+    Each window re-reads the `context_len` tokens before it (at least one), so every token is scored once
     with at least min(context_len, its position) tokens of context (lm-eval's rolling log-likelihood with a
     longer overlap: a diffusion model has no cache to carry context across windows)."""
     if not 0 <= context_len < max_len:
         raise ValueError(f"context_len must be in [0, max_len): got {context_len} with max_len {max_len}")
-    out, start = [], 1
+    out, start = [], first
     while start < n_tokens:
-        ctx_start = max(0, start - context_len) if start > 1 else 0
+        ctx_start = max(0, start - max(context_len, 1 if start == first else 0))
         end = min(n_tokens, ctx_start + max_len)
         out.append((ctx_start, start, end))
         start = end

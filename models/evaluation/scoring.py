@@ -72,26 +72,32 @@ class Scorer:
     def loglikelihood_tokens(self, requests: list[tuple[list[int], list[int]]], progress=None
                              ) -> list[tuple[float, bool]]:
         """[(log p(cont | ctx), is_greedy)] for (context ids, continuation ids) requests, longest first in
-        batches; contexts longer than max_length lose their oldest tokens."""
-        order = sorted(range(len(requests)), key=lambda i: -(len(requests[i][0]) + len(requests[i][1])))
-        out: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
+        batches. A request longer than max_length keeps its newest context tokens; a continuation that does
+        not fit at all is scored in windows (`rolling_windows`), each given the tokens before it: the chain
+        rule, exact for ar, a sum of bounds for diffusion."""
+        parts, owner = [], []
+        for k, (ctx, cont) in enumerate(requests):
+            if not cont:
+                raise ValueError("empty continuation: nothing to score")
+            if len(cont) < self.max_length:
+                parts.append((ctx[-(self.max_length - len(cont)):], cont))
+                owner.append(k)
+                continue
+            ids = ctx + cont
+            for c, a, z in rolling_windows(len(ids), self.max_length, self.max_length // 2, first=len(ctx)):
+                parts.append((ids[c:a], ids[a:z]))
+                owner.append(k)
+        order = sorted(range(len(parts)), key=lambda i: -(len(parts[i][0]) + len(parts[i][1])))
+        totals, greedy = [0.0] * len(requests), [True] * len(requests)
         for a in range(0, len(order), self.batch_size):
             idx = order[a : a + self.batch_size]
-            rows = [self._fit(*requests[i]) for i in idx]
-            nll, greedy = self._score_rows(rows)
+            nll, hit = self._score_rows([parts[i] for i in idx])
             for j, i in enumerate(idx):
-                out[i] = (-float(nll[j]), bool(greedy[j]))
+                totals[owner[i]] -= float(nll[j])
+                greedy[owner[i]] &= bool(hit[j])
             if progress:
                 progress(len(idx))
-        return out
-
-    def _fit(self, ctx: list[int], cont: list[int]) -> tuple[list[int], list[int]]:
-        if not cont:
-            raise ValueError("empty continuation: nothing to score")
-        if len(cont) >= self.max_length:
-            raise ValueError(f"continuation of {len(cont)} tokens does not fit the model's {self.max_length} "
-                             f"positions: use loglikelihood_rolling for long texts")
-        return ctx[-(self.max_length - len(cont)):], cont
+        return list(zip(totals, greedy))
 
     def _score_rows(self, rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(c) + len(x) for c, x in rows)

@@ -30,22 +30,12 @@ def resolve_export(source: str, tracking_uri: str | None = None) -> Path:
 
 
 def _download(uri: str, tracking_uri: str | None) -> Path:
-    import mlflow
-    from mlflow.tracking import MlflowClient
+    from difflm.tracking import download_model_version
 
-    uri_ = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri_:
+    store = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not store:
         raise SourceError(f"{uri}: set --tracking-uri or MLFLOW_TRACKING_URI to the MLflow store it is registered in")
-    mlflow.set_tracking_uri(uri_)
-    client = MlflowClient()
-    ref = uri[len("models:/"):]
     try:
-        if "@" in ref:
-            name, alias = ref.split("@", 1)
-            mv = client.get_model_version_by_alias(name, alias)
-        else:
-            name, version = ref.rsplit("/", 1)
-            mv = client.get_model_version(name, version)
-    except Exception as err:  # MlflowException: not found
-        raise SourceError(f"{uri}: no such registered model version in {uri_} ({err})") from err
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source))
+        return download_model_version(uri, store)
+    except LookupError as err:
+        raise SourceError(str(err)) from err

@@ -5,7 +5,7 @@
   conditional NLL.
 - `documents`: whole held-out documents (cut to 200 words): rolling log-likelihood, bits per byte.
 - `choice`: a passage and four continuations of equal word count, the true one and three taken from other
-  held-out documents. Accuracy: the true continuation has the highest log-likelihood (`acc`), or per byte
+  held-out documents (from distant parts of the same ones when the split has fewer than four). Accuracy: the true continuation has the highest log-likelihood (`acc`), or per byte
   (`acc_norm`), as lm-eval's multiple_choice.
 
 Items depend only on the held-out split and the seed, so every run on the same data (ar and diffusion
@@ -70,7 +70,7 @@ def choice_items(docs: list[str], n: int, seed: int, context_words: int = 32, co
     rng = random.Random(seed)
     span = context_words + continuation_words
     usable = [d for d, t in enumerate(docs) if len(_words(t)) >= span]
-    if len(usable) < choices:
+    if not usable:
         return []
     items = []
     for _ in range(n):  # documents may repeat (at other offsets): small held-out splits still give n items
@@ -79,10 +79,20 @@ def choice_items(docs: list[str], n: int, seed: int, context_words: int = 32, co
         k = rng.randrange(0, len(words) - span + 1)
         context = docs[d][words[k].start() : words[k + context_words - 1].end()]
         options = [_span(docs[d], words, k + context_words, continuation_words)]
-        for o in rng.sample([u for u in usable if u != d], choices - 1):
-            other = _words(docs[o])
+        # distractors from other documents; from elsewhere in the same ones when there are too few
+        pool = [u for u in usable if u != d] if len(usable) >= choices else usable
+        for _ in range(100 * choices):
+            if len(options) == choices:
+                break
+            other = _words(docs[o := rng.choice(pool)])
             j = rng.randrange(0, len(other) - continuation_words + 1)
-            options.append(_span(docs[o], other, j, continuation_words))
+            if o == d and abs(j - (k + context_words)) < span:
+                continue  # too near the true continuation
+            cand = _span(docs[o], other, j, continuation_words)
+            if cand not in options:
+                options.append(cand)
+        if len(options) < choices:
+            continue
         gold = rng.randrange(choices)
         options[0], options[gold] = options[gold], options[0]
         items.append({"context": context, "choices": options, "gold": gold})
@@ -169,8 +179,7 @@ def _task_yaml(task: str, data: Path) -> dict:
                                  "ignore_case": True, "ignore_punctuation": True, "regexes_to_ignore": ["\\s"]}]}
     if task == "documents":
         return {**base, "output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
-                "metric_list": [{"metric": m, "aggregation": m, "higher_is_better": False}
-                                for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")]}
+                "metric_list": [{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")]}
     return {**base, "output_type": "multiple_choice", "doc_to_choice": "{{choices}}", "doc_to_target": "gold",
             "metric_list": [acc, {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]}
 

@@ -1,0 +1,135 @@
+"""Evaluation as users run it: tasks from the held-out split, `difflm eval` / `difflm generate`, and
+lm-evaluation-harness through its own entry point, on exports of the test-tiny data (random weights:
+no megatron needed, the numbers are not the point, the plumbing is)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, tiny_manifest) -> dict[str, Path]:
+    """A random-weight export per mode, written exactly as the pipeline writes them."""
+    from models.hf.convert import hf_config, save_export
+    from models.hf.modeling_difflm import DiffLMForMaskedLM
+
+    root = tmp_path_factory.mktemp("exports")
+    out = {}
+    for mode in ("difflm-noshift", "ar"):
+        cfg = tiny_config(root, f"diffusion.model_running_mode={mode}")
+        torch.manual_seed(0)
+        model = DiffLMForMaskedLM(hf_config(cfg, tiny_manifest["tokenizer"])).eval()
+        out[mode] = save_export(model, Path(tiny_manifest["tokenizer"]["path"]), root / mode,
+                                {"checkpoint": None, "mode": mode, "data_hash": tiny_manifest["hash"]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def items(tiny_manifest, exports):
+    from models.evaluation.stages import load_tokenizer
+    from models.evaluation.tasks import build_items, heldout_documents
+
+    docs = heldout_documents(tiny_manifest, load_tokenizer(exports["ar"]))
+    return docs, build_items(docs, 6, seed=0)
+
+
+def test_tasks_come_from_the_heldout_split_and_are_reproducible(items, tiny_manifest, exports):
+    from models.evaluation.stages import load_tokenizer
+    from models.evaluation.tasks import build_items, heldout_documents
+
+    docs, tasks = items
+    assert len(docs) == tiny_manifest["splits"]["valid"]["documents"]
+    assert tasks == build_items(heldout_documents(tiny_manifest, load_tokenizer(exports["ar"])), 6, seed=0)
+    assert tasks != build_items(docs, 6, seed=1)
+    cloze, choice = tasks["cloze"], tasks["choice"]
+    assert len(cloze) == 6 and len(choice) == 6
+    for it in cloze:  # the target is the word that ends a sentence right after the context, in a document
+        assert it["target"].isalpha() or "-" in it["target"] or "'" in it["target"]
+        assert any(" ".join(f"{it['context']} {it['target']}".split()) in " ".join(d.split()) for d in docs)
+    for it in choice:
+        assert len(it["choices"]) == 4 and len(set(it["choices"])) == 4 and 0 <= it["gold"] < 4
+        true = " ".join(f"{it['context']} {it['choices'][it['gold']]}".split())
+        assert any(true in " ".join(d.split()) for d in docs)
+
+
+def test_scorer_tasks_and_generation_on_every_mode(exports, items):
+    from models.diffusion import MaskedSampler
+    from models.evaluation.scoring import Scorer
+    from models.evaluation.stages import load_model, load_tokenizer
+    from models.evaluation.tasks import score_tasks
+
+    _, tasks = items
+    for mode, folder in exports.items():
+        scorer = Scorer(load_model(folder), load_tokenizer(folder), mc_samples=4)
+        scores = score_tasks(scorer, tasks)
+        assert 0 <= scores["cloze"]["acc"] <= 1 and scores["cloze"]["nll"] > 0
+        assert scores["choice"]["items"] == 6 and scores["documents"]["bits_per_byte"] > 0
+        assert score_tasks(scorer, tasks) == scores  # seeded per request: the same numbers again
+        # a request's score does not depend on the batch it is in
+        pair = (tasks["cloze"][0]["context"], " " + tasks["cloze"][0]["target"])
+        alone = Scorer(scorer.model, scorer.tokenizer, mc_samples=4, batch_size=1).loglikelihood([pair])[0][0]
+        assert scorer.loglikelihood([pair, ("The", " end of it")])[0][0] == pytest.approx(alone, rel=1e-6)
+        recs = scorer.generate(["The river", "In 1850 the town of"], 6, MaskedSampler(steps=3, block_length=3))
+        assert len(recs) == 2 and all(r["sampler"]["mode"] == mode and r["tokens"] <= 6 for r in recs)
+
+
+def _difflm(*args: str, workdir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "difflm.cli", *args, "--preset", "test-tiny", f"workdir={workdir}"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+@pytest.mark.slow
+def test_difflm_eval_and_generate_commands(exports, session_dir, tmp_path):
+    workdir = session_dir / "shared"  # the tiny_manifest's data: reused, not prepared again
+    out = _difflm("eval", str(exports["difflm-noshift"]), str(exports["ar"]), "eval.task_items=4",
+                  "eval.mc_samples=2", "eval.steps_sweep=[1,2]", "--out", str(tmp_path / "ev"), workdir=workdir)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| difflm-noshift |" in out.stdout and "| ar |" in out.stdout and "cloze acc" in out.stdout
+    assert "steps   2: cloze accuracy" in out.stdout
+    res = json.loads((tmp_path / "ev" / "results.json").read_text())  # the last source's results
+    assert res["mode"] == "ar" and res["task_settings"]["mc_samples"] == 2
+    assert (tmp_path / "ev" / "lm_eval_tasks" / "difflm_choice.yaml").exists()
+
+    gen = _difflm("generate", str(exports["difflm-noshift"]), "--prompt", "The river", "--prompt", "A",
+                  "--json", "eval.threshold=0.5", "eval.block_length=4", "--max-new-tokens", "8", workdir=workdir)
+    assert gen.returncode == 0, gen.stderr[-3000:]
+    records = json.loads(gen.stdout[gen.stdout.index("["):])
+    assert [r["prompt"] for r in records] == ["The river", "A"]
+    assert records[0]["sampler"]["threshold"] == 0.5 and records[0]["sampler"]["block_length"] == 4
+
+    bad = _difflm("eval", str(tmp_path / "nowhere"), workdir=workdir)
+    assert bad.returncode == 1 and "not an export folder" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_lm_eval_runs_difflm_through_its_own_entry_point(exports, items, tmp_path):
+    """loglikelihood, multiple_choice, loglikelihood_rolling and generate_until on local task files."""
+    from models.evaluation.tasks import write_lm_eval_tasks
+
+    _, tasks = items
+    task_dir = write_lm_eval_tasks(tasks, tmp_path / "tasks")
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for mode, folder in exports.items():
+        out = tmp_path / f"out-{mode}"
+        cmd = [sys.executable, "-m", "models.evaluation.lm_eval_adapter", "--model", "difflm",
+               "--model_args", f"pretrained={folder},mc_samples=2,steps=2,block_length=2",
+               "--tasks", "difflm_cloze,difflm_choice,difflm_documents,difflm_cloze_gen",
+               "--include_path", str(task_dir), "--batch_size", "4", "--output_path", str(out)]
+        run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+        assert run.returncode == 0, run.stderr[-4000:]
+        results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
+        assert 0 <= results["difflm_choice"]["acc,none"] <= 1
+        assert 0 <= results["difflm_cloze"]["acc,none"] <= 1 and results["difflm_cloze"]["perplexity,none"] > 1
+        assert results["difflm_documents"]["bits_per_byte,none"] > 0
+        assert 0 <= results["difflm_cloze_gen"]["exact_match,none"] <= 1
