@@ -54,6 +54,18 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness):
     assert len(client.get_metric_history(again["mlflow_run_id"], "loss")) >= 3
     assert again["version"] == summary["version"]  # same checkpoint: the same registered version
 
+    # the evaluate flow on the registered version: its own MLflow run with task metrics, samples, a sweep
+    from flows.evaluate import evaluate
+
+    ev_cfg = tiny_config(session_dir / "flow", "train.train_iters=30", "train.lr=5e-3", "eval.steps_sweep=[1,2]")
+    res = evaluate(source=f"models:/{cfg.tracking.registered_model}/{summary['version']}", config=ev_cfg)
+    ev_run = client.get_run(res["mlflow_run_id"])
+    assert ev_run.data.tags["flow"] == "evaluate" and "eval.cloze.acc" in ev_run.data.metrics
+    assert [m.step for m in client.get_metric_history(ev_run.info.run_id, "sweep.tokens_per_s")] == [1, 2]
+    ev_files = {a.path for a in client.list_artifacts(ev_run.info.run_id, "eval")}
+    assert {"eval/samples.json", "eval/sweep.png", "eval/results.json"} <= ev_files
+    assert res["samples"] and res["samples"][0]["sampler"]["mode"] == "difflm-noshift"
+
 
 def test_data_prep_flow_logs_statistics(session_dir, prefect_harness, tiny_manifest):
     import mlflow
