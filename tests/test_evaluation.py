@@ -133,3 +133,15 @@ def test_lm_eval_runs_difflm_through_its_own_entry_point(exports, items, tmp_pat
         assert 0 <= results["difflm_cloze"]["acc,none"] <= 1 and results["difflm_cloze"]["perplexity,none"] > 1
         assert results["difflm_documents"]["bits_per_byte,none"] > 0
         assert 0 <= results["difflm_cloze_gen"]["exact_match,none"] <= 1
+
+
+def test_generate_benchmark_runs(exports, session_dir, tmp_path):
+    """benchmarks/generate.py on a tiny export: every sampler runs and is compared with the baseline."""
+    out = subprocess.run([sys.executable, "benchmarks/generate.py", str(exports["difflm-noshift"]), "--preset",
+                          "test-tiny", "--items", "3", "--new-tokens", "8", "--json", str(tmp_path / "g.json"),
+                          f"workdir={session_dir / 'shared'}"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "g.json").read_text())["rows"]
+    assert rows[0]["agreement"] == 1.0 and len(rows) == 10
+    assert {r["model_calls_per_batch"] for r in rows[:3]} == {8, 4, 2}  # 1, 2 and 4 tokens per step
+    assert all(r["model_calls_per_batch"] <= 8 for r in rows if "threshold" in r["sampler"])

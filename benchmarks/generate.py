@@ -1,0 +1,113 @@
+"""Samplers of masked diffusion side by side on one export: generated tokens/s, task accuracy, and how far
+each strays from the baseline, one-token-per-step low-confidence decoding, measured in the same run.
+
+    .venv/bin/python benchmarks/generate.py [SOURCE] [--items 48] [--new-tokens 32] [--preset tiny-cpu] [k=v ...]
+
+SOURCE: an export folder, run directory or models:/name/version (default: the newest difflm-noshift run of
+the preset's workdir, e.g. after `make demo`). The items are the cloze task of the held-out split (the
+context up to the last word of a sentence): each sampler continues every context by --new-tokens tokens;
+`accuracy` is the share whose first generated word is the target, `agreement` the share of generated
+tokens equal to the baseline's. Greedy everywhere (temperature 0), so differences come from the sampler.
+Goal (issue 12): threshold decoding >= 3x the baseline's tokens/s at <= 1 point of accuracy lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+# benchmarks/data_prep.py shares its name with the `data_prep` package: keep this folder off the import path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+
+def samplers(n: int) -> dict[str, dict]:
+    """name -> MaskedSampler fields; the first is the baseline."""
+    return {
+        "low-confidence, 1 token/step (baseline)": dict(steps=n),
+        "low-confidence, 2 tokens/step": dict(steps=max(1, n // 2)),
+        "low-confidence, 4 tokens/step": dict(steps=max(1, n // 4)),
+        "blocks of 8, 1 token/step": dict(steps=n, block_length=8),
+        "margin, 1 token/step": dict(steps=n, remasking="margin"),
+        "entropy, 1 token/step": dict(steps=n, remasking="entropy"),
+        "random, 1 token/step": dict(steps=n, remasking="random"),
+        "threshold 0.9 (Fast-dLLM)": dict(threshold=0.9),
+        "threshold 0.7 (Fast-dLLM)": dict(threshold=0.7),
+        "threshold 0.9, blocks of 8": dict(threshold=0.9, block_length=8),
+    }
+
+
+def newest_run(workdir: Path) -> str:
+    runs = sorted((workdir / "runs").glob("difflm-noshift-*/hf/config.json"), key=lambda p: p.stat().st_mtime)
+    if not runs:
+        sys.exit(f"no difflm-noshift export under {workdir}/runs: run `make demo` first or pass SOURCE")
+    return str(runs[-1].parent)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", nargs="?", help="export folder, run directory or models:/name/version")
+    p.add_argument("--preset", default="tiny-cpu", help="the config whose held-out data gives the items")
+    p.add_argument("--items", type=int, default=48)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    args = p.parse_intermixed_args()
+
+    import torch
+
+    from data_prep.pipeline import prepare_data
+    from difflm.config import load_config
+    from models.diffusion import MaskedSampler
+    from models.evaluation.scoring import Scorer
+    from models.evaluation.sources import resolve_export
+    from models.evaluation.stages import load_model, load_tokenizer
+    from models.evaluation.sweep import first_word
+    from models.evaluation.tasks import cloze_items, heldout_documents
+
+    cfg = load_config(args.preset, args.overrides)
+    folder = resolve_export(args.source or newest_run(Path(cfg.workdir)))
+    model, tok = load_model(folder), load_tokenizer(folder)
+    if model.config.model_running_mode not in ("difflm-noshift", "difflm-shift"):
+        sys.exit(f"{folder} is a {model.config.model_running_mode} model: these samplers are for masked diffusion")
+    items = cloze_items(heldout_documents(prepare_data(cfg), tok), args.items, cfg.eval.seed)
+    torch.set_num_threads(torch.get_num_threads())
+    scorer = Scorer(model, tok, batch_size=args.batch_size, seed=cfg.eval.seed)
+    contexts = [it["context"] for it in items]
+    n = args.new_tokens
+    rows, baseline = [], None
+    scorer.generate(contexts[: args.batch_size], n, MaskedSampler(steps=n))  # warm-up, not timed
+    for name, fields in samplers(n).items():
+        settings = replace(MaskedSampler(stop_at_eos=False), **fields)
+        t0 = time.perf_counter()
+        recs = scorer.generate(contexts, n, settings)
+        seconds = time.perf_counter() - t0
+        tokens = [tok.encode(r["completion"], add_special_tokens=False) for r in recs]
+        if baseline is None:
+            baseline = tokens
+        agree = sum(sum(a == b for a, b in zip(t, bt)) for t, bt in zip(tokens, baseline))
+        total = sum(max(len(bt), 1) for bt in baseline)
+        calls = sum(r["model_calls"] for r in recs[:: args.batch_size])  # one record per batch carries its calls
+        rows.append({"sampler": name, "tokens_per_s": len(items) * n / seconds, "seconds": seconds,
+                     "model_calls_per_batch": calls / max(1, -(-len(items) // args.batch_size)),
+                     "accuracy": sum(first_word(r["completion"]) == it["target"].lower()
+                                     for r, it in zip(recs, items)) / len(items),
+                     "agreement": agree / total, "settings": fields})
+    base = rows[0]
+    print(f"\nexport: {folder}\n{len(items)} cloze items, {n} new tokens each, batch {args.batch_size}, "
+          f"{torch.get_num_threads()} CPU threads\n")
+    print("| sampler | tokens/s | speed-up | model calls / batch | cloze accuracy | agreement with baseline |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['sampler']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+              f"{r['model_calls_per_batch']:.1f} | {r['accuracy']:.3f} | {r['agreement']:.3f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"export": str(folder), "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
