@@ -68,9 +68,12 @@ def cmd_run(cfg: PipelineConfig, args) -> int:
     print("\n=== pretrain-difflm done ===")
     print(f"validation {kind}: trained {b['trained']['ppl']:.1f}  untrained {b['untrained']['ppl']:.1f}"
           f"  ({b['trained']['nll_per_token']:.3f} vs {b['untrained']['nll_per_token']:.3f} nats/token)")
+    for name, scores in summary.get("tasks", {}).items():
+        print(f"task {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items() if isinstance(v, float)
+                                           and k != "chance") + f"  ({scores['items']} items)")
     for s in summary["samples"]:
         print(f"sample: {s['prompt']!r} -> {s['completion'][:160]!r}")
-    for key in ("data_dir", "run_dir", "hf_dir", "mlflow_uri", "mlflow_run_id", "registered_model", "version"):
+    for key in ("data_dir", "run_dir", "hf_dir", "report", "mlflow_uri", "mlflow_run_id", "registered_model", "version"):
         if summary.get(key) is not None:
             print(f"{key:>16}: {summary[key]}")
     if summary.get("mlflow_uri"):

@@ -55,6 +55,8 @@ def pretrain_difflm(
         "mlflow_run_id": run_id,
         "mlflow_uri": tracking.tracking_uri(cfg) if run_id else None,
         "validation": results["bounds"],
+        "tasks": results["tasks"],
+        "report": results.get("report"),
         "samples": results["samples"],
         **registered,
     }

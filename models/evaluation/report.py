@@ -25,11 +25,13 @@ def _get(d: dict, path: tuple[str, ...]):
 
 def comparison_table(results: dict[str, dict]) -> str:
     """Markdown table: one row per run (name -> results.json content)."""
-    head = "| run | mode | " + " | ".join(c[0] for c in COLUMNS) + " |"
-    rows = [head, "|" + "---|" * (len(COLUMNS) + 2)]
+    head = "| run | mode | " + " | ".join(c[0] for c in COLUMNS) + " | items / MC samples |"
+    rows = [head, "|" + "---|" * (len(COLUMNS) + 3)]
     for name, res in sorted(results.items()):
         cells = [("-" if (v := _get(res, path)) is None else fmt.format(v)) for _, path, fmt in COLUMNS]
-        rows.append(f"| {name} | {res.get('mode', '?')} | " + " | ".join(cells) + " |")
+        ts = res.get("task_settings", {})
+        rows.append(f"| {name} | {res.get('mode', '?')} | " + " | ".join(cells)
+                    + f" | {ts.get('items', '-')} / {ts.get('mc_samples', '-')} |")
     return "\n".join(rows)
 
 

@@ -91,7 +91,7 @@ def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: 
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     if items:
         write_lm_eval_tasks(items, out_dir / "lm_eval_tasks")
-    results["report"] = str(write_comparison(Path(cfg.workdir), manifest["hash"]))
+    results["report"] = str(write_comparison(Path(cfg.workdir).resolve(), manifest["hash"]))
     return results
 
 
