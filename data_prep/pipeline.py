@@ -7,11 +7,16 @@ document to its split (hash of the text) and source. Executors: datatrove local 
 The output folder is named by a hash of the data and tokenizer config. datatrove's completion
 markers make an interrupted run finish only its missing tasks (the result is byte-identical to an
 uninterrupted run); `manifest.json` is written last, after verification, and marks the folder done.
+
+Bad input costs only what cannot be read: skipped records are counted by reason in the manifest's
+`skipped`, damaged, unreadable and ignored files are listed in `file_problems` with one warning line
+each, and the run ends with one summary line. `data.strict` turns a damaged file into an error.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -22,6 +27,7 @@ from data_prep.split import SPLITS, split_of
 from data_prep.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 
 MANIFEST = "manifest.json"
+FAULTS = "logs/file_faults"  # one JSON report per damaged or unreadable input file
 
 
 class DataPrepError(ValueError):
@@ -62,15 +68,57 @@ def preflight(cfg: PipelineConfig) -> None:
                                  f"Hugging Face tokenizer folder or the tokenizer.json file")
 
 
-def reader_steps(cfg: PipelineConfig, resolved: list[tuple[SourceConfig, Path, str]], progress: bool = False):
+def reader_steps(cfg: PipelineConfig, resolved: list[tuple[SourceConfig, Path, str]], progress: bool = False,
+                 report_dir: Path | None = None):
     from data_prep.readers import make_reader
 
     steps = []
     for src, path, fmt in resolved:
         reader = make_reader(path, fmt, src.text_key or cfg.data.text_key, src.label, progress)
         reader.limit = cfg.data.max_documents or -1
+        reader.strict = cfg.data.strict
+        reader.report_dir = str(report_dir) if report_dir else None
         steps.append(reader)
     return steps
+
+
+def check_inputs(cfg: PipelineConfig, resolved) -> None:
+    """data.strict: read every input once, before any work, so that a damaged file fails the prep early
+    (in-process: no half-written output, no datatrove traceback). Raises DamagedFileError."""
+    for reader in reader_steps(cfg, resolved):
+        reader.quiet = True  # the tokenized pass reports the skipped records
+        for _ in reader.run(None, rank=0, world_size=1):
+            pass
+
+
+def ignored_files(resolved) -> list[dict]:
+    """Files of the source folders that no reader reads, each named in one warning line."""
+    from data_prep.readers import unknown_files
+
+    found = []
+    for src, path, fmt in resolved:
+        for f in unknown_files(path, fmt):
+            found.append({"file": str(f), "problem": "unknown extension", "error": "", "records_read": 0})
+            _warn(f"{f} is not read: source {src.label!r} reads {fmt} files and this name has another extension. "
+                  f"Rename it if it holds {fmt} data, or give it as a source of its own")
+    return found
+
+
+def _warn(message: str) -> None:
+    print(f"warning: data prep: {message}", file=sys.stderr, flush=True)
+
+
+def warn_file_faults(faults: list[dict], out: Path) -> None:
+    """One warning line per damaged or unreadable file (reported by the readers in the first task)."""
+    for f in faults:
+        if f["problem"] == "damaged":
+            kept = (f"kept the {f['records_read']} records before the damage" if f["records_read"]
+                    else "no record before the damage was readable")
+            _warn(f"{f['file']} is damaged ({f['error']}); {kept}. To read the rest, repair or replace it, delete "
+                  f"{out} and rerun (data.strict=true fails instead)")
+        else:
+            _warn(f"{f['file']} cannot be read ({f['error']}); skipped it. To read it, fix it, delete {out} and "
+                  f"rerun (data.strict=true fails instead)")
 
 
 def cleaning_steps(cfg: PipelineConfig) -> list:
@@ -139,7 +187,7 @@ def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -
 
     d = cfg.data
     pipeline = [
-        *reader_steps(cfg, resolved, progress=d.workers == 1),
+        *reader_steps(cfg, resolved, progress=d.workers == 1, report_dir=out / FAULTS),
         HashShard(),
         *cleaning_steps(cfg),
         SplitSourceWriter(str(out), tok.json_file, cfg.tokenizer.eos_token, d.valid_fraction, d.test_fraction,
@@ -157,13 +205,13 @@ def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -
 
 
 def skip_counts(logs: Path) -> dict[str, int]:
-    """Skipped (bad records), dropped (filters) and normalised document counts, summed over every
-    task's stats file, so they add up across resumed runs too."""
+    """Skipped (bad records and files), dropped (filters) and changed (repaired, normalised) document
+    counts, summed over every task's stats file, so they add up across resumed runs too."""
     totals: dict[str, int] = {}
     for path in sorted((logs / "stats").glob("*.json")):
         for step in json.loads(path.read_text()):
             for key, val in step.get("stats", {}).items():
-                if key.startswith(("skipped_", "dropped_")) or key == "normalized":
+                if key.startswith(("skipped_", "dropped_", "replaced_", "stripped_")) or key == "normalized":
                     n = val.get("total", 0) if isinstance(val, dict) else val
                     totals[key] = totals.get(key, 0) + int(n)
     return totals
@@ -216,12 +264,31 @@ def _provenance(src: SourceConfig) -> dict:
     return {"origin": e.origin, "license": e.license, "carrier": e.package, "sha256": e.sha256}
 
 
+def summary_line(manifest: dict) -> str:
+    """The prep's result in one line: documents kept, and the skipped records, files and changed texts
+    each summed, with their reasons."""
+    docs = {split: s["documents"] for split, s in manifest["splits"].items()}
+    line = f"data prep: {sum(docs.values())} documents kept ({', '.join(f'{k} {n}' for k, n in docs.items())})"
+    counts = manifest["skipped"]
+    removed = [k for k in counts if k.startswith(("skipped_", "dropped_"))]
+    groups = {
+        "records skipped or dropped": [k for k in removed if not k.endswith("_file")],
+        "files skipped": [k for k in removed if k.endswith("_file")],  # a count of files, not records
+        "texts changed": [k for k in counts if k not in removed],
+    }
+    for label, keys in groups.items():
+        if keys:
+            line += f"; {sum(counts[k] for k in keys)} {label} ({', '.join(f'{k}={counts[k]}' for k in keys)})"
+    return line
+
+
 def data_dir(cfg: PipelineConfig) -> Path:
     return Path(cfg.workdir).resolve() / "data" / cfg.stage_hash("data", "tokenizer")
 
 
 def prepare_data(cfg: PipelineConfig) -> dict:
     """Run data prep for `cfg` (finishing an interrupted run, or reusing a finished one); the manifest."""
+    from data_prep.readers import load_faults
     from data_prep.verify import verify
 
     out = data_dir(cfg)
@@ -231,14 +298,19 @@ def prepare_data(cfg: PipelineConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     resolved = [(src, *resolve_source(src)) for src in cfg.data.sources]
-    tok = prepare_tokenizer(cfg, resolved, out / "tokenizer")
-    run_pipeline(cfg, resolved, tok, out)
+    ignored = ignored_files(resolved)
+    tok = _read_inputs(cfg, resolved, out)
     splits = shard_stats(out, cfg.data.sources)
+    skipped = skip_counts(out / "logs")
+    if ignored:
+        skipped["skipped_unknown_extension_file"] = len(ignored)
+    faults = load_faults(out / FAULTS)
+    warn_file_faults(faults, out)
     for split in ("train", "valid"):
         if splits[split]["documents"] == 0:
             raise DataPrepError(
                 f"the {split} split is empty ({splits['train']['documents']} train / "
-                f"{splits['valid']['documents']} valid documents kept; skips: {skip_counts(out / 'logs')}): "
+                f"{splits['valid']['documents']} valid documents kept; skips: {skipped}): "
                 f"add data or change data.valid_fraction"
             )
     manifest = {
@@ -249,7 +321,8 @@ def prepare_data(cfg: PipelineConfig) -> dict:
         "tokenizer": tok.to_dict(),
         "token_bytes": 4 if tok.vocab_size > 65536 else 2,
         "splits": splits,
-        "skipped": skip_counts(out / "logs"),
+        "skipped": skipped,
+        "file_problems": faults + ignored,
         "config": {"data": cfg.data.model_dump(mode="json"), "tokenizer": cfg.tokenizer.model_dump(mode="json")},
         "seconds": round(time.time() - start, 2),
     }
@@ -257,4 +330,20 @@ def prepare_data(cfg: PipelineConfig) -> dict:
     tmp = manifest_path.with_suffix(".part")
     tmp.write_text(json.dumps(manifest, indent=2))
     tmp.replace(manifest_path)
+    print(summary_line(manifest), flush=True)
     return manifest
+
+
+def _read_inputs(cfg: PipelineConfig, resolved, out: Path) -> TokenizerInfo:
+    """The passes over the inputs: strict check, tokenizer training, the tokenizing pipeline. A damaged
+    file under data.strict becomes one DataPrepError line, wherever it is found."""
+    from data_prep.readers import DamagedFileError
+
+    try:
+        if cfg.data.strict:
+            check_inputs(cfg, resolved)
+        tok = prepare_tokenizer(cfg, resolved, out / "tokenizer")
+        run_pipeline(cfg, resolved, tok, out)
+    except DamagedFileError as err:
+        raise DataPrepError(f"data.strict: {err}") from None
+    return tok

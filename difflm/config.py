@@ -59,6 +59,9 @@ class DataConfig(_Section):
     min_chars: int = Field(0, ge=0, description="Drop documents shorter than this (0: off; empty ones always go).")
     max_chars: int | None = Field(None, ge=1, description="Drop documents longer than this (None: off).")
     dedup: bool = Field(False, description="Remove exact-duplicate documents.")
+    strict: bool = Field(
+        False, description="Fail on a damaged or unreadable input file (truncated/corrupt .gz/.zst, I/O error) "
+        "instead of keeping its readable records; reads every input once more, up front, before any work.")
     unicode_normalization: Literal["NFC", "NFKC"] | None = Field(None, description="Normalise text (None: off).")
     valid_fraction: float = Field(0.05, ge=0.0, lt=0.5, description="Share of documents held out for validation.")
     test_fraction: float = Field(0.0, ge=0.0, lt=0.5, description="Share of documents held out for test.")
@@ -206,6 +209,19 @@ class TrainConfig(_Section):
     lr: float = Field(3e-3, gt=0.0)
     min_lr: float = Field(3e-4, ge=0.0)
     warmup_iters: int = Field(20, ge=0)
+    lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
+        "cosine", description="After warmup: cosine or linear decay to min_lr over the run, constant at lr, or "
+        "wsd (warmup-stable-decay): constant at lr, then decay to min_lr over the last wsd_decay_fraction.")
+    wsd_decay_fraction: float = Field(0.2, gt=0.0, le=1.0, description="wsd: share of train_iters spent decaying.")
+    wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = Field(
+        "linear", description="wsd: shape of the final decay (megatron's lr_wsd_decay_style).")
+    on_nonfinite: Literal["skip", "stop"] = Field(
+        "skip", description="A NaN/Inf loss or gradient: skip the update and count it, or stop (the last good "
+        "checkpoint is kept and the message names the step).")
+    max_nonfinite_skips: int = Field(10, ge=1, description="Consecutive skipped steps before training stops anyway.")
+    preempt_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]] = Field(
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"], description="Signals on which the trainer finishes the "
+        "current step, writes a checkpoint and exits as preempted (rerun / requeue resumes).")
     weight_decay: float = Field(0.01, ge=0.0)
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(0.98, ge=0.0, lt=1.0)
@@ -331,7 +347,10 @@ class PipelineConfig(_Section):
     # ---- identity of stage outputs -------------------------------------------------------------
     def stage_hash(self, *sections: str) -> str:
         """A short content hash of the named sections: a stage's output directory name."""
-        payload = {s: getattr(self, s).model_dump(mode="json") for s in sections}
+        # how a run reacts to faults does not change what it computes: not part of its identity
+        operational = {"train": {"on_nonfinite", "max_nonfinite_skips", "preempt_signals"}}
+        payload = {s: {k: v for k, v in getattr(self, s).model_dump(mode="json").items()
+                       if k not in operational.get(s, ())} for s in sections}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
     def flat(self) -> dict[str, Any]:

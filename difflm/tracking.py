@@ -41,20 +41,65 @@ def pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]) -> It
     import mlflow
 
     Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
-    mlflow.set_tracking_uri(tracking_uri(cfg))
-    with mlflow.start_run(experiment_id=_experiment_id(cfg), run_name=run_name, tags=tags) as run:
+    for key, val in {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}.items():
+        os.environ.setdefault(key, val)  # an unreachable server costs seconds, not MLflow's default minutes
+    try:
+        mlflow.set_tracking_uri(tracking_uri(cfg))
+        run = mlflow.start_run(experiment_id=_experiment_id(cfg), run_name=run_name, tags=tags)
         mlflow.log_params(cfg.flat())
         mlflow.log_dict(cfg.model_dump(mode="json"), "config/resolved.yaml")
+    except Exception as err:  # the pipeline runs without tracking rather than not at all
+        degrade(f"could not start an MLflow run at {tracking_uri(cfg)}", err)
+        yield None
+        return
+    status = "FAILED"
+    try:
         yield run.info.run_id
+        status = "FINISHED"
+    finally:
+        try:
+            mlflow.end_run(status)
+        except Exception as err:
+            degrade("could not close the MLflow run", err)
+
+
+DEGRADED: list[str] = []  # what tracking could not do in this process (the flow reports it)
+
+
+def degrade(what: str, err: BaseException) -> None:
+    """Tracking failed: say so once per kind of failure, remember it, go on."""
+    note = f"{what} ({type(err).__name__}: {str(err)[:200]})"
+    if not any(d.startswith(what) for d in DEGRADED):
+        print(f"tracking degraded: {note}; the pipeline goes on (metrics stay in the run directory)", flush=True)
+    DEGRADED.append(note)
+
+
+def tolerant(fn):
+    """A tracking call that never fails the pipeline: errors are reported by `degrade` and return None."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            degrade(f"{fn.__name__} failed", err)
+            return None
+
+    return wrapper
 
 
 def child_env(cfg: PipelineConfig, run_id: str | None) -> dict[str, str]:
     """Environment for the training subprocess so it logs live metrics to the same run."""
     if not run_id:
         return {}
-    return {"MLFLOW_TRACKING_URI": tracking_uri(cfg), "DIFFLM_MLFLOW_RUN_ID": run_id}
+    # the trainer sends metrics from a background thread: short HTTP timeouts and few retries per attempt let
+    # it notice an outage quickly (it retries on its own, with backoff, and training never waits for it)
+    return {"MLFLOW_TRACKING_URI": tracking_uri(cfg), "DIFFLM_MLFLOW_RUN_ID": run_id,
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
+@tolerant
 def log_data_stats(manifest: dict) -> None:
     import mlflow
 
@@ -69,21 +114,30 @@ def log_data_stats(manifest: dict) -> None:
     mlflow.set_tag("data.hash", manifest["hash"])
 
 
-def backfill_metrics(records: list[dict]) -> None:
-    """Log training curves from metrics.jsonl (used when the training run itself was reused)."""
-    import mlflow
+def reconcile_metrics(run_id: str, records: list[dict]) -> int:
+    """Log every metrics.jsonl value the MLflow run lacks (a reused training run, or metrics the trainer could
+    not send while the server was down); returns how many were sent. Idempotent: run it again, nothing new."""
+    from mlflow.entities import Metric
+    from mlflow.tracking import MlflowClient
 
-    for rec in records:
-        values = {k: v for k, v in rec.items() if k not in ("step", "time") and v is not None}
-        if values:
-            mlflow.log_metrics(values, step=int(rec["step"]))
+    client = MlflowClient()
+    keys = {k for rec in records for k in rec if k not in ("step", "time")}
+    have = {k: {m.step for m in client.get_metric_history(run_id, k)} for k in keys}
+    missing = [Metric(k, float(v), int(rec.get("time", 0) * 1000), int(rec["step"]))
+               for rec in records for k, v in rec.items()
+               if k not in ("step", "time") and v is not None and int(rec["step"]) not in have[k]]
+    for i in range(0, len(missing), 500):
+        client.log_batch(run_id, metrics=missing[i : i + 500])
+    return len(missing)
 
 
+@tolerant
 def log_training(train_info: dict, records: list[dict]) -> None:
     import mlflow
 
-    if train_info["reused"]:
-        backfill_metrics(records)
+    sent = reconcile_metrics(mlflow.active_run().info.run_id, records)
+    if sent and not train_info["reused"]:
+        print(f"tracking: backfilled {sent} training metrics the trainer could not send live", flush=True)
     mlflow.set_tag("train.run_dir", train_info["run_dir"])
     mlflow.set_tag("train.checkpoint", train_info["checkpoint"])
     for name in ("metrics.jsonl", "train.log", "config.yaml", "curves.png"):
@@ -92,6 +146,7 @@ def log_training(train_info: dict, records: list[dict]) -> None:
             mlflow.log_artifact(str(path), "train")
 
 
+@tolerant
 def log_evaluation(results: dict, prefix: str = "eval") -> None:
     """Bounds and task scores as metrics, samples as a table (with their sampler settings), the report."""
     import mlflow
@@ -113,6 +168,7 @@ def log_evaluation(results: dict, prefix: str = "eval") -> None:
         mlflow.log_artifact(results["report"], prefix)
 
 
+@tolerant
 def log_sweep(rows: list[dict], plot: Path) -> None:
     """Sampler sweep: accuracy and tokens/s with the steps as the x axis, and the plot."""
     import mlflow
@@ -124,6 +180,7 @@ def log_sweep(rows: list[dict], plot: Path) -> None:
         mlflow.log_artifact(str(plot), "eval")
 
 
+@tolerant
 def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str, checkpoint: str) -> dict:
     """Upload the HF folder as an artifact and register it: one model version per trained checkpoint
     (a rerun that reuses the checkpoint points at the existing version instead of adding a copy)."""

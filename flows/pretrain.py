@@ -46,7 +46,7 @@ def pretrain_difflm(
         registered = {}
         if run_id:
             tracking.log_evaluation(results)
-            registered = tracking.log_and_register_model(cfg, hf_dir, run_id, train_info["checkpoint"])
+            registered = tracking.log_and_register_model(cfg, hf_dir, run_id, train_info["checkpoint"]) or {}
     summary = {
         "workdir": cfg.workdir,
         "data_dir": manifest["dir"],
@@ -59,6 +59,7 @@ def pretrain_difflm(
         "report": results.get("report"),
         "samples": results["samples"],
         **registered,
+        "tracking": "degraded: " + "; ".join(tracking.DEGRADED) if tracking.DEGRADED else "ok",
     }
     logger.info(f"pretrain-difflm finished: {summary['hf_dir']}")
     return summary

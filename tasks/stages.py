@@ -13,7 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from difflm.config import PipelineConfig
 from data_prep.pipeline import prepare_data
-from models.launch.torchrun import launch_training
+from models.launch.torchrun import TrainingError, TrainingPreempted, launch_training
 from models.evaluation.likelihood import KIND_LABELS
 from models.evaluation.stages import convert_checkpoint, evaluate_export, sweep_export
 
@@ -29,7 +29,16 @@ def data_prep_task(cfg: PipelineConfig) -> dict:
     return manifest
 
 
-@task(name="train", cache_policy=NO_CACHE)
+def _resumable(task, task_run, state) -> bool:
+    """Retry training when a rerun resumes usefully: a preemption or a crashed/killed trainer; not a stop
+    on non-finite values (the same data would fail the same way) or an invalid setup."""
+    err = state.result(raise_on_failure=False)
+    if isinstance(err, TrainingPreempted):
+        return True
+    return isinstance(err, TrainingError) and "non-finite" not in str(err) and "nnodes" not in str(err)
+
+
+@task(name="train", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=_resumable)
 def train_task(cfg: PipelineConfig, manifest: dict, env: dict[str, str]) -> dict:
     logger = get_run_logger()
     return launch_training(cfg, manifest, env=env, echo=logger.info)

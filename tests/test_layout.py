@@ -68,7 +68,8 @@ RULES = {
     "evaluation scores the export, not megatron": (
         "models/evaluation/*.py", None, ("models.megatron", "models.launch", "prefect", "mlflow", "flows", "tasks")),
     "launch: config and checkpoints only": (
-        "models/launch/*.py", ("yaml", "difflm.config", "difflm.plots", "models.launch", "models.megatron.checkpointing"),
+        "models/launch/*.py", ("yaml", "psutil", "difflm.config", "difflm.plots", "models.launch",
+                               "models.megatron.checkpointing"),
         ()),
     "difflm is the ground floor (cli.py aside)": ("difflm/*.py", None, ("models", "flows", "tasks", "data_prep")),
     "data_prep stands on difflm only": ("data_prep/*.py", None, ("models", "flows", "tasks")),

@@ -31,17 +31,32 @@ def slurm_script(cfg: PipelineConfig, config: Path, manifest: Path, run_dir: Pat
         f"#SBATCH --gpus-per-node={t.nproc_per_node}",
         f"#SBATCH --time={time}",
         f"#SBATCH --output={run_dir}/slurm-%j.out",
+        "#SBATCH --open-mode=append",
+        # preemption: 2 minutes before the time limit (or on scancel --signal=USR1 -b) the batch shell gets
+        # USR1, asks the trainer to checkpoint (SIGTERM through srun and torchrun), then requeues the job,
+        # which resumes from that checkpoint
+        "#SBATCH --signal=B:USR1@120",
+        "#SBATCH --requeue",
         *([f"#SBATCH --partition={partition}"] if partition else []),
-        "set -euo pipefail",
+        "set -uo pipefail",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1",
-        # --requeue-safe: a preempted or failed job rerun with the same script resumes from its checkpoint
+        "preempted=0",
+        'trap \'preempted=1; echo "difflm: preemption signal: checkpointing"; kill -TERM "$trainer" 2>/dev/null\' USR1 TERM',
         "srun " + " ".join([
             shlex.quote(python), "-m", "torch.distributed.run",
             "--nnodes", "$SLURM_NNODES", "--nproc_per_node", str(t.nproc_per_node),
             "--rdzv_backend", "c10d", "--rdzv_endpoint", f"$MASTER_ADDR:{RDZV_PORT}", "--rdzv_id", "$SLURM_JOB_ID",
             *(shlex.quote(a) for a in _train_args(config, manifest, run_dir)),
-        ]),
+        ]) + " &",
+        "trainer=$!",
+        'wait "$trainer"; status=$?',
+        'while kill -0 "$trainer" 2>/dev/null; do wait "$trainer"; status=$?; done  # a trap interrupts wait',
+        f'if [ "$preempted" = 1 ] || [ -f {shlex.quote(str(run_dir / "preempted.json"))} ]; then',
+        '  echo "difflm: requeueing job $SLURM_JOB_ID to resume from the checkpoint"; scontrol requeue "$SLURM_JOB_ID"',
+        "  exit 0",
+        "fi",
+        'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
 
@@ -59,7 +74,9 @@ def k8s_pytorchjob(cfg: PipelineConfig, config: Path, manifest: Path, run_dir: P
         "resources": {"limits": {"nvidia.com/gpu": t.nproc_per_node}},
         "volumeMounts": [{"name": "data", "mountPath": mount}],
     }
-    pod = {"spec": {"containers": [container],
+    # on eviction Kubernetes sends SIGTERM and waits this long: the trainer checkpoints, and the restarted
+    # pod (restartPolicy OnFailure) resumes from it
+    pod = {"spec": {"containers": [container], "terminationGracePeriodSeconds": 180,
                     "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": pvc}}]}}
     replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
     if t.nnodes > 1:

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections import deque
 from pathlib import Path
 from typing import Callable
@@ -24,6 +26,14 @@ TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")
 
 class TrainingError(RuntimeError):
     pass
+
+
+class TrainingPreempted(TrainingError):
+    """The trainer got a preemption signal, saved a checkpoint and exited: run it again to resume."""
+
+    def __init__(self, message: str, iteration: int):
+        super().__init__(message)
+        self.iteration = iteration
 
 
 def run_dir(cfg: PipelineConfig, manifest: dict) -> Path:
@@ -81,27 +91,97 @@ def launch_training(
     tail: deque[str] = deque(maxlen=25)
     errors: deque[str] = deque(maxlen=15)  # the ranks' own error lines, which torchrun's epilogue buries
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    # when a rank dies (kill -9, OOM), helper processes it spawned (checkpoint writers, in the rank's own
+    # session) outlive it, holding the log pipe open: every descendant seen is killed once torchrun exits
     with (rdir / "train.log").open("a") as log, subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
     ) as proc:
-        for line in proc.stdout:
-            log.write(line)
-            tail.append(line.rstrip())
-            if line.startswith("[rank") and ("Error" in line or "error:" in line or "File \"" in line):
-                errors.append(line.rstrip())
-            if line.startswith("[train]"):
-                echo(line.rstrip())
-        code = proc.wait()
+        pump = threading.Thread(target=_pump, args=(proc.stdout, log, tail, errors, echo), daemon=True)
+        pump.start()
+        family = _Descendants(proc.pid)
+        try:
+            code = proc.wait()
+        except BaseException:  # Ctrl-C or a cancelled task: the trainer checkpoints on SIGTERM, then stops
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                pass
+            family.kill_leftovers()
+            raise
+        family.kill_leftovers()
+        pump.join(timeout=10)
     if code == 0:
         from difflm.plots import plot_curves
 
         plot_curves(read_metrics(rdir), rdir / "curves.png", rdir.name)
     if code != 0:
+        _raise_for_markers(rdir, code)
         raise TrainingError(
             f"training failed (exit {code}); full log: {rdir / 'train.log'}. Rerunning resumes from the "
             f"latest checkpoint. Errors from the ranks:\n" + "\n".join(errors or tail)
         )
     return {"run_dir": str(rdir), "checkpoint": str(checkpointing.iter_dir(ckpts, cfg.train.train_iters)), "reused": False}
+
+
+def _pump(stream, log, tail: deque, errors: deque, echo) -> None:
+    """Copy torchrun's output to train.log; keep the last lines and the ranks' errors; echo [train] lines."""
+    try:
+        for line in stream:
+            log.write(line)
+            log.flush()
+            tail.append(line.rstrip())
+            if line.startswith("[rank") and ("Error" in line or "error:" in line or "File \"" in line):
+                errors.append(line.rstrip())
+            if line.startswith("[train]"):
+                echo(line.rstrip())
+    except (ValueError, OSError):  # the pipe was closed under us: the run is over
+        pass
+
+
+class _Descendants:
+    """Every process below `pid`, sampled twice a second while it runs (orphans leave the tree when their
+    parent dies, so they must be seen before)."""
+
+    def __init__(self, pid: int):
+        import psutil
+
+        self.root, self.seen, self.done = psutil.Process(pid), {}, threading.Event()
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        import psutil
+
+        while not self.done.wait(0.5):
+            try:
+                for p in self.root.children(recursive=True):
+                    self.seen.setdefault(p.pid, p)
+            except psutil.Error:
+                return
+
+    def kill_leftovers(self) -> None:
+        import psutil
+
+        self.done.set()
+        for p in self.seen.values():
+            try:
+                if p.is_running():  # also checks the start time: never a recycled pid
+                    p.kill()
+            except psutil.Error:
+                pass
+
+
+def _raise_for_markers(rdir: Path, code: int) -> None:
+    """What the trainer left behind says why it stopped: preempted (resume me) or non-finite values."""
+    preempted, stopped = rdir / "preempted.json", rdir / "stopped.json"
+    if preempted.exists():
+        info = json.loads(preempted.read_text())
+        raise TrainingPreempted(f"training preempted by {info.get('signal') or 'a signal'} at iteration "
+                                f"{info['iteration']} (exit {code}); its checkpoint is saved: rerun the same "
+                                f"command to resume", info["iteration"])
+    if stopped.exists():
+        raise TrainingError(json.loads(stopped.read_text())["message"] + f"; full log: {rdir / 'train.log'}")
 
 
 def read_metrics(rdir: Path) -> list[dict]:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from difflm.config import PipelineConfig, load_config
 from models.megatron import checkpointing
 from models.megatron.data import build_datasets, micro_batch
 from models.megatron.gpt import build_model
+from models.megatron.metrics import MetricsWriter
 from models.megatron.forward_step import SpecialTokens, make_forward_step, varilen_length
 
 
@@ -75,12 +78,21 @@ def build_training(cfg: PipelineConfig, vocab_size: int):
         ),
         [ddp],
     )
-    sched = OptimizerParamScheduler(
-        opt, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_iters,
-        lr_decay_steps=t.train_iters, lr_decay_style="cosine", start_wd=t.weight_decay, end_wd=t.weight_decay,
-        wd_incr_steps=t.train_iters, wd_incr_style="constant",
-    )
+    sched = OptimizerParamScheduler(opt, **scheduler_kwargs(cfg))
     return ddp, opt, sched
+
+
+def scheduler_kwargs(cfg: PipelineConfig) -> dict:
+    """megatron OptimizerParamScheduler arguments for train.lr_schedule (warmup, then the schedule)."""
+    t = cfg.train
+    style = {"cosine": "cosine", "linear": "linear", "constant": "constant", "wsd": "WSD"}[t.lr_schedule]
+    extra = {}
+    if style == "WSD":  # the decay phase takes the last fraction, never the warmup
+        decay = max(1, min(round(t.wsd_decay_fraction * t.train_iters), t.train_iters - t.warmup_iters))
+        extra = {"wsd_decay_steps": decay, "lr_wsd_decay_style": t.wsd_decay_style}
+    return dict(init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_iters,
+                lr_decay_steps=t.train_iters, lr_decay_style=style, start_wd=t.weight_decay, end_wd=t.weight_decay,
+                wd_incr_steps=t.train_iters, wd_incr_style="constant", **extra)
 
 
 class IntervalMeter:
@@ -101,30 +113,6 @@ class IntervalMeter:
     def report(self, now: float) -> tuple[float | None, float]:
         mean = sum(self.losses) / len(self.losses) if self.losses else None
         return mean, self.tokens / max(now - self.tic, 1e-9)
-
-
-class MetricsWriter:
-    """metrics.jsonl on the reporting rank, and live MLflow metrics when a run id is handed over."""
-
-    def __init__(self, path: Path, active: bool):
-        self.active = active
-        self.path = path
-        self.mlflow_run = os.environ.get("DIFFLM_MLFLOW_RUN_ID") if active else None
-        self.client = None
-        if self.mlflow_run:
-            from mlflow.tracking import MlflowClient
-
-            self.client = MlflowClient()
-
-    def log(self, step: int, **metrics: float) -> None:
-        if not self.active:
-            return
-        with self.path.open("a") as fh:
-            fh.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
-        if self.client:
-            ts = int(time.time() * 1000)
-            for k, v in metrics.items():
-                self.client.log_metric(self.mlflow_run, k, float(v), timestamp=ts, step=step)
 
 
 def micro_lengths(cfg: PipelineConfig, step: int, n_micro: int) -> list[int]:
@@ -181,6 +169,71 @@ def evaluate(cfg, ddp, valid, special: SpecialTokens) -> float | None:
     return None if vals[0] is None else sum(vals) / len(vals)
 
 
+PREEMPTED_MARKER = "preempted.json"  # written on a preemption signal: the launcher reads it as "resume me"
+STOPPED_MARKER = "stopped.json"  # written when training stops on non-finite values
+
+
+class PreemptionFlag:
+    """Set by the configured signals; the step in flight finishes, then every rank agrees to stop."""
+
+    def __init__(self, names: list[str]):
+        self.signal: str | None = None
+        sigs = [getattr(signal, name) for name in names]
+        _start_checkpoint_writer_immune(sigs)
+        for sig in sigs:
+            signal.signal(sig, self._handler)
+
+    def _handler(self, signum, _frame) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        """True on every rank when any rank got a signal (one all-reduce of one number per step)."""
+        flag = torch.tensor([1.0 if self.signal else 0.0], device=_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _start_checkpoint_writer_immune(sigs: list) -> None:
+    """torchrun signals a rank's whole process group, which includes the helper process megatron's
+    checkpoint writer spawns on its first save: started while the signals are ignored (a disposition a spawned
+    interpreter inherits), it outlives the signal and the checkpoint written on it completes."""
+    try:
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+    except ImportError:
+        return
+    start = getattr(filesystem_async, "_get_write_results_queue", None)
+    if start is None:  # another megatron version: nothing to prepare
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in sigs}
+    try:
+        start()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def injected_faults() -> set[int]:
+    """Iterations at which a test injects a non-finite loss and gradients (DIFFLM_FAULT_NAN_ITERS=3,7)."""
+    raw = os.environ.get("DIFFLM_FAULT_NAN_ITERS", "")
+    return {int(x) for x in raw.split(",") if x.strip()}
+
+
+def grads_finite(ddp, loss: float | None, poison: bool) -> bool:
+    """True on every rank when the loss (last stage) and every gradient buffer are finite."""
+    bad = loss is not None and not math.isfinite(loss)
+    for buf in getattr(ddp, "buffers", []):  # megatron DDP: contiguous gradient buffers, one check each
+        if poison:
+            buf.grad_data.fill_(float("nan"))
+        bad = bad or not bool(torch.isfinite(buf.grad_data).all())
+    flag = torch.tensor([1.0 if bad else 0.0], device=_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return not flag.item()
+
+
 def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
     from megatron.core import parallel_state
 
@@ -204,8 +257,13 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
         and parallel_state.get_tensor_model_parallel_rank() == 0
         and parallel_state.get_data_parallel_rank() == 0
     )
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", reporting)
     log = (lambda msg: print(msg, flush=True)) if reporting else (lambda msg: None)
+    metrics = MetricsWriter(run_dir / "metrics.jsonl", reporting, os.environ.get("DIFFLM_MLFLOW_RUN_ID"), log)
+    for marker in (PREEMPTED_MARKER, STOPPED_MARKER):
+        (run_dir / marker).unlink(missing_ok=True)
+    preempt = PreemptionFlag(t.preempt_signals)
+    poison = injected_faults()
+    skipped_in_a_row = skipped_total = 0
     log(f"[train] mode={cfg.diffusion.model_running_mode} start_iter={start} train_iters={t.train_iters} "
         f"params/rank={sum(p.numel() for p in ddp.module.parameters()):,}")
     if start == 0:
@@ -217,27 +275,73 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
         opt.zero_grad()
         lengths = micro_lengths(cfg, step, n_micro)
         loss = run_global_batch(cfg, ddp, train_ds, special, step, step, False, lengths)
-        ok, grad_norm, _ = opt.step()
-        sched.step(increment=1)
-        meter.add(loss, sum(lengths) * t.global_batch_size // n_micro)  # every DP rank runs the same lengths
         it = step + 1
+        if it in poison and loss is not None:
+            loss = float("nan")
+        if not grads_finite(ddp, loss, it in poison):
+            skipped_in_a_row += 1
+            skipped_total += 1
+            metrics.log(it, nonfinite_skipped=skipped_total)
+            if t.on_nonfinite == "stop" or skipped_in_a_row > t.max_nonfinite_skips:
+                _stop_nonfinite(cfg, run_dir, ckpt_root, it, skipped_in_a_row, log, metrics)
+            log(f"[train] iter {it}: non-finite loss or gradients (loss {loss}); update skipped "
+                f"({skipped_in_a_row} in a row, limit {t.max_nonfinite_skips}; train.on_nonfinite=skip)")
+            grad_norm = None
+        else:
+            skipped_in_a_row = 0
+            ok, grad_norm, _ = opt.step()
+            sched.step(increment=1)
+        meter.add(None if loss is not None and not math.isfinite(loss) else loss,
+                  sum(lengths) * t.global_batch_size // n_micro)  # every DP rank runs the same lengths
         logged = it % t.log_interval == 0 or it == t.train_iters
         if logged:
             mean_loss, tok_s = meter.report(time.time())
             lr = opt.param_groups[0]["lr"]
-            metrics.log(it, loss=mean_loss, lr=lr, grad_norm=float(grad_norm or 0.0), tokens_per_s=tok_s)
+            metrics.log(it, loss=mean_loss, lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
+                        tokens_per_s=tok_s)
             log(f"[train] iter {it:>6}/{t.train_iters} loss {mean_loss or 0:.4f} lr {lr:.2e} "
                 f"grad_norm {float(grad_norm or 0):.3f} {tok_s:,.0f} tok/s")
         if it % t.eval_interval == 0 or it == t.train_iters:
             val = evaluate(cfg, ddp, valid_ds, special)
             metrics.log(it, val_loss=val)
             log(f"[train] iter {it:>6} val_loss {val:.4f}" if val is not None else "")
-        if it % cfg.checkpoint.save_interval == 0 or it == t.train_iters:
+        saved = it % cfg.checkpoint.save_interval == 0 or it == t.train_iters
+        if saved:
             checkpointing.save_checkpoint(ckpt_root, it, ddp.module, opt, sched, cfg.checkpoint.keep_last)
+        if it < t.train_iters and preempt.agreed():
+            if not saved:
+                checkpointing.save_checkpoint(ckpt_root, it, ddp.module, opt, sched, cfg.checkpoint.keep_last)
+            if reporting:
+                (run_dir / PREEMPTED_MARKER).write_text(json.dumps({"iteration": it, "signal": preempt.signal}))
+            log(f"[train] preempted ({preempt.signal or 'another rank'}) at iter {it}: checkpoint saved; "
+                f"rerunning the same command resumes from it")
+            metrics.close()
+            dist.barrier()
+            dist.destroy_process_group()
+            sys.exit(PREEMPTED_EXIT)
         if logged:  # the next interval starts here: evaluation and checkpoint saves are not throughput
             meter.restart(time.time())
+    metrics.close()
     dist.barrier()
     dist.destroy_process_group()
+
+
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again"; torchrun reports any failure as 1, hence the marker file too
+
+
+def _stop_nonfinite(cfg, run_dir: Path, ckpt_root: Path, it: int, in_a_row: int, log, metrics) -> None:
+    last = checkpointing.latest_iteration(ckpt_root)
+    where = f"the last good checkpoint, iteration {last}, is kept" if last else "no checkpoint was written yet"
+    msg = (f"training stopped at iteration {it}: non-finite loss or gradients ({in_a_row} step(s) in a row; "
+           f"train.on_nonfinite={cfg.train.on_nonfinite}, max_nonfinite_skips={cfg.train.max_nonfinite_skips}); "
+           f"{where}. Lower train.lr, raise warmup, or check the data; train.on_nonfinite=skip skips such steps")
+    if metrics.active:  # the reporting rank (the run directory is shared)
+        (run_dir / STOPPED_MARKER).write_text(json.dumps({"iteration": it, "message": msg}))
+    log(f"[train] {msg}")
+    metrics.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.exit(3)
 
 
 def main(argv: list[str] | None = None) -> None:
