@@ -33,6 +33,7 @@ def pretrain_difflm(
     """
     cfg = resolve(config, preset, overrides)
     logger = get_run_logger()
+    tracking.DEGRADED.clear()  # what tracking could not do in THIS execution
     tags = {"preset": cfg.name, "mode": cfg.diffusion.model_running_mode, "flow": "pretrain-difflm"}
     with tracking.pipeline_run(cfg, f"{cfg.name}-{cfg.diffusion.model_running_mode}", tags) as run_id:
         manifest = data_prep_task(cfg)

@@ -203,11 +203,15 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_tracking_outage_never_stops_training_and_nothing_is_lost(session_dir, tiny_manifest, tmp_path):
+def test_tracking_outage_never_stops_training_and_nothing_is_lost(session_dir, tiny_manifest, tmp_path, monkeypatch):
     import mlflow
     from mlflow.tracking import MlflowClient
 
     from difflm import tracking
+
+    # mlflow.set_tracking_uri also sets $MLFLOW_TRACKING_URI: put it back for the tests that follow
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(tracking, "DEGRADED", [])
 
     port, store = _free_port(), tmp_path / "mlflow"
     server = _mlflow_server(store, port)
@@ -231,7 +235,6 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(session_dir, t
         # the pipeline's own tracking calls do not fail either while it is down
         os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
         mlflow.set_tracking_uri(uri)
-        tracking.DEGRADED.clear()
         assert tracking.log_data_stats({"splits": {}, "tokenizer": {"vocab_size": 1}, "hash": "x"}) is None
         assert tracking.DEGRADED
 
