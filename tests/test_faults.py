@@ -210,7 +210,8 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(session_dir, t
     from difflm import tracking
 
     # mlflow.set_tracking_uri also sets $MLFLOW_TRACKING_URI: put it back for the tests that follow
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # records the original (unset) value for teardown
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
     monkeypatch.setattr(tracking, "DEGRADED", [])
 
     port, store = _free_port(), tmp_path / "mlflow"
