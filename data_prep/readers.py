@@ -216,7 +216,9 @@ class _AllFilesMixin:
             self._file_fault(filepath, err, read)
 
     def _records(self, filepath: str) -> DocumentsPipeline:
-        raise NotImplementedError
+        """The documents of one file, format by format: every reader of this module defines it (JSONL, text
+        files, the tabular readers); `read_file` wraps it with the damaged-file handling."""
+        raise NotImplementedError(f"{type(self).__name__} must define _records(filepath)")
 
     def _file_fault(self, filepath: str, err: BaseException, read: int) -> None:
         path = self.data_folder.resolve_paths(filepath)  # type: ignore[attr-defined]
