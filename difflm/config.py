@@ -119,8 +119,12 @@ class ModelConfig(_Section):
     preset: Literal["tiny", "small", "125m", "350m", "1b", "3b", "7b"] | None = Field(
         None, description="Architecture preset; fields given alongside override it."
     )
-    backend: Literal["auto", "local", "te"] = Field(
-        "auto", description="auto: Transformer Engine on CUDA when installed, else megatron-core's local spec."
+    backend: Literal["auto", "torch", "local", "te"] = Field(
+        "auto", description="Layer spec. auto: 'te' on CUDA with Transformer Engine installed, 'torch' on CUDA "
+        "without it, 'local' on the CPU. torch: megatron-core's layers with PyTorch scaled_dot_product_attention "
+        "(flash/cuDNN kernels on GPUs; FlexAttention block masks for document_attention) and norms that support "
+        "sequence parallelism. local: megatron-core's reference spec (unfused softmax). te: Transformer Engine "
+        "(fused attention, fp8)."
     )
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=8)
@@ -238,6 +242,9 @@ class TrainConfig(_Section):
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: bf16 params/compute, fp32 main weights.")
     fp8: Literal["hybrid", "e4m3"] | None = Field(None, description="FP8 recipe (Transformer Engine on GPU only).")
     torch_threads: int | None = Field(None, ge=1, description="Intra-op threads per rank (None: cores / ranks).")
+    peak_tflops: float | None = Field(
+        None, gt=0.0, description="Peak dense bf16 TFLOP/s of one device for MFU (None: looked up by device name "
+        "in models/megatron/flops.py; MFU is not reported for an unknown device or the CPU).")
 
     @model_validator(mode="after")
     def _schedule(self) -> "TrainConfig":
@@ -290,6 +297,22 @@ class EvalConfig(_Section):
     steps_sweep: list[int] = Field(default_factory=list, description="Sampler steps to sweep in the evaluate "
                                    "flow (quality and speed against steps); empty: none.")
     seed: int = 0
+    device: str = Field(
+        "auto", description="Where the export is evaluated (`difflm eval`, `difflm generate`, the evaluate flow). "
+        "auto: CUDA (the current device) when torch sees a GPU, else the CPU; or cpu, cuda, cuda:<index>. "
+        "Checked when the model is loaded, not here, so a config written on a GPU machine still loads on a laptop.")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Weights and activations of the evaluated model. auto: bfloat16 on CUDA (as LLaDA and "
+        "Dream are evaluated), float32 on the CPU. The ELBO noise is drawn on the CPU, so only the model's "
+        "arithmetic differs between dtypes and devices.")
+
+    @field_validator("device")
+    @classmethod
+    def _device_form(cls, v: str) -> str:
+        # only the form: whether CUDA is there is a property of the machine that loads the model
+        if v not in ("auto", "cpu", "cuda") and not (v.startswith("cuda:") and v[5:].isdigit()):
+            raise ValueError(f"eval.device must be auto, cpu, cuda or cuda:<index>, not {v!r}")
+        return v
 
     @model_validator(mode="before")
     @classmethod
@@ -348,7 +371,7 @@ class PipelineConfig(_Section):
     def stage_hash(self, *sections: str) -> str:
         """A short content hash of the named sections: a stage's output directory name."""
         # how a run reacts to faults does not change what it computes: not part of its identity
-        operational = {"train": {"on_nonfinite", "max_nonfinite_skips", "preempt_signals"}}
+        operational = {"train": {"on_nonfinite", "max_nonfinite_skips", "preempt_signals", "peak_tflops"}}
         payload = {s: {k: v for k, v in getattr(self, s).model_dump(mode="json").items()
                        if k not in operational.get(s, ())} for s in sections}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]

@@ -138,7 +138,7 @@ def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_pro
 
     cfg = load_config("test-tiny", [f"workdir={tmp_path}", "parallel.tensor_model_parallel_size=2",
                                     "train.nproc_per_node=2", "parallel.sequence_parallel=true"])
-    with pytest.raises(RuntimeError, match="Transformer Engine backend"):
+    with pytest.raises(RuntimeError, match="model.backend=torch"):
         build_model(cfg, 512)
 
 

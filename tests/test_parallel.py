@@ -20,12 +20,20 @@ LAYOUTS = {  # name: (processes, overrides)
     "dp2-distopt": (2, ["parallel.use_distributed_optimizer=true"]),
     "tp2-distopt": (2, ["parallel.tensor_model_parallel_size=2", "parallel.use_distributed_optimizer=true"]),
 }
+TORCH_SPEC = {  # megatron-core layers on torch's attention kernels, and sequence parallelism on them
+    "torch-spec": (1, ["model.backend=torch"]),
+    "tp2-sp-torch": (2, ["model.backend=torch", "parallel.tensor_model_parallel_size=2",
+                         "parallel.sequence_parallel=true"]),
+}
 # case: (config overrides of the reference run, the layouts compared with it)
 CASES = {
     "difflm-noshift": ([], LAYOUTS),
     "ar": (["diffusion.model_running_mode=ar"], LAYOUTS),
     "uniform-elbo": (["diffusion.model_running_mode=difflm-noshift-uniform", "diffusion.time_embedding=true"],
-                     {k: LAYOUTS[k] for k in ("tp2", "pp2", "dp2")}),
+                     {**{k: LAYOUTS[k] for k in ("tp2", "pp2", "dp2")}, **TORCH_SPEC}),
+    # review F4: under SP the time embedding's gradients must be all-reduced across TP, or step 2 differs
+    "time-input-sp": (["diffusion.time_embedding=true", "diffusion.time_conditioning=input"],
+                      {"tp2-sp-torch": TORCH_SPEC["tp2-sp-torch"]}),
     # the reference runs ONE micro-batch of 4; the others split it (review F5: 6.88 vs 7.88 before)
     "masked-tokens": (["diffusion.normalize_by=masked_tokens", "train.micro_batch_size=4"],
                       {"mbs2": (1, ["train.micro_batch_size=2"]), "dp2-mbs2": (2, ["train.micro_batch_size=2"])}),
@@ -59,6 +67,7 @@ def test_parallel_layouts_match_single_process(session_dir, tiny_manifest, tmp_p
         _torchrun(nproc, [*common, "--out", str(out), *layout], tmp_path)
         got = json.loads(out.read_text())["losses"]
         assert got == pytest.approx(ref, rel=1e-5, abs=1e-6), (name, got, ref)
+        assert json.loads(out.read_text())["replica_spread"] < 1e-6, name  # TP replicas did not drift apart
 
 
 @pytest.mark.slow
@@ -69,7 +78,9 @@ def test_bf16_training_tracks_fp32(session_dir, tiny_manifest, tmp_path):
     manifest.write_text(json.dumps(tiny_manifest))
     common = ["--config", str(config), "--manifest", str(manifest), "--weights", str(tmp_path / "weights")]
     _torchrun(1, [*common, "--save", "--out", str(tmp_path / "fp32.json")], tmp_path)
-    _torchrun(1, [*common, "--out", str(tmp_path / "bf16.json"), "train.precision=bf16"], tmp_path)
     fp32 = json.loads((tmp_path / "fp32.json").read_text())["losses"]
-    bf16 = json.loads((tmp_path / "bf16.json").read_text())["losses"]
-    assert bf16 == pytest.approx(fp32, rel=2e-2) and bf16 != fp32
+    for backend in ("local", "torch"):  # bf16 parameters everywhere (Float16Module), fp32 main weights
+        out = tmp_path / f"bf16-{backend}.json"
+        _torchrun(1, [*common, "--out", str(out), "train.precision=bf16", f"model.backend={backend}"], tmp_path)
+        bf16 = json.loads(out.read_text())["losses"]
+        assert bf16 == pytest.approx(fp32, rel=2e-2) and bf16 != fp32, backend

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from .noise import mask_exactly, uniform_corrupt
+from .noise import NOISE_DEVICE, mask_exactly, uniform_corrupt
 from .objectives import token_cross_entropy
 from .uniform import mixture_t, mixture_weight, nelbo_integrand, reconstruction_nll, state_index, state_log_probs
 
@@ -40,15 +40,15 @@ def elbo_nll_per_token(
     suffice. l is stratified over `t_samples` equal bins of {1..L} per sequence.
     """
     b, s = x0.shape
-    lengths = valid.sum(-1).clamp(min=1).cpu() if valid is not None else torch.full((b,), s)  # [b] L per row
-    total = torch.zeros(b, dtype=torch.float64)
+    cpu = NOISE_DEVICE  # the draws and the per-row bookkeeping stay with the noise; x_t goes to the model
+    lengths = valid.sum(-1).clamp(min=1).to(cpu) if valid is not None else torch.full((b,), s, device=cpu)  # [b] L
+    total = torch.zeros(b, dtype=torch.float64, device=cpu)
     for k in range(t_samples):
-        u = torch.rand(b, generator=generator)
+        u = torch.rand(b, generator=generator, device=cpu)
         counts = torch.minimum((((k + u) / t_samples) * lengths).ceil().clamp(min=1), lengths).long()
-        xt, masked = mask_exactly(x0.cpu(), counts, mask_id, generator, None if valid is None else valid.cpu())
-        xt, masked = xt.to(x0.device), masked.to(x0.device)
+        xt, masked = mask_exactly(x0, counts, mask_id, generator, valid)  # on x0's device
         ce = token_cross_entropy(logits_fn(xt), x0)
-        total += ((ce * masked).sum(-1).cpu() * lengths / counts).double()
+        total += ((ce * masked).sum(-1).to(cpu) * lengths / counts).double()
     return (total / t_samples / lengths).float()
 
 
@@ -76,18 +76,18 @@ def uniform_elbo_nll_per_token(
     x0_idx = x0_idx.clamp(min=0)
 
     def denoise(t: torch.Tensor):  # uniform draws at rate t on valid positions; (log x_theta, z_t) as states
-        xt, _ = uniform_corrupt(x0.cpu(), t, states.cpu(), generator)
-        xt = torch.where(valid, xt.to(x0.device), x0)
+        xt, _ = uniform_corrupt(x0, t, states, generator)  # drawn on the CPU, on x0's device
+        xt = torch.where(valid, xt, x0)
         log_p = state_log_probs(logits_fn(xt, t.to(x0.device)), states.to(x0.device))
         return log_p, state_index(xt, states, lookup).clamp(min=0), t.to(x0.device)
 
     total = torch.zeros(b, dtype=torch.float64, device=x0.device)
     for k in range(t_samples):
-        t = mixture_t((k + torch.rand(b, generator=generator)) / t_samples, eps)  # [b], stratified
+        t = mixture_t((k + torch.rand(b, generator=generator, device=NOISE_DEVICE)) / t_samples, eps)  # [b], CPU
         log_p, xt_idx, t_dev = denoise(t)
         f = nelbo_integrand(log_p, x0_idx, xt_idx, t_dev)
         total += (f * valid).sum(-1) * mixture_weight(t, eps).to(f.device) / t_samples
-    log_p, xt_idx, t_dev = denoise(torch.full((b,), eps))  # the exact last step eps -> 0
+    log_p, xt_idx, t_dev = denoise(torch.full((b,), eps, device=NOISE_DEVICE))  # the exact last step eps -> 0
     total += (reconstruction_nll(log_p, x0_idx, xt_idx, t_dev) * valid).sum(-1)
     return (total / valid.sum(-1).clamp(min=1)).float().cpu()
 

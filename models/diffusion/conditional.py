@@ -17,6 +17,7 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
+from .noise import NOISE_DEVICE
 from .objectives import token_cross_entropy
 
 # (tokens [n, s], attention_mask [n, s] bool or None) -> logits [n, s, v], aligned with the positions they predict
@@ -37,8 +38,8 @@ def stratified_mask_counts(length: int, samples: int, generator: torch.Generator
 
     Averaged over k, (k + u) / n is uniform, so l is uniform on {1..L}: the estimator stays unbiased while
     the bins spread the counts (lower variance than independent draws)."""
-    u = torch.rand(samples, generator=generator)
-    v = (torch.arange(samples) + u) / samples
+    u = torch.rand(samples, generator=generator, device=NOISE_DEVICE)
+    v = (torch.arange(samples, device=NOISE_DEVICE) + u) / samples
     return (v * length).ceil().clamp(1, max(length, 1)).long()
 
 
@@ -58,10 +59,12 @@ def conditional_masked_nll(
     LLaDA's conditional ELBO: with L continuation tokens, -log p(c | ctx) <= E_{l ~ U{1..L}} E_{|M| = l}
     [(L / l) * sum_{i in M} -log p_theta(c_i | ctx, c outside M)], M drawn among the continuation only.
     `mc_samples` draws per row with l stratified; the b * mc_samples noised rows go through the model
-    in batches of `max_rows`. Rows with an empty continuation score 0."""
+    in batches of `max_rows`. Rows with an empty continuation score 0. The noised rows are built on the CPU
+    with the noise and go to x0's device a batch at a time."""
     b, s = x0.shape
+    cpu = NOISE_DEVICE
     gens = _per_row(generators, b)
-    lengths = target.sum(-1).cpu()
+    lengths = target.sum(-1).to(cpu)
     xs, masks, weights, owners = [], [], [], []
     for i in range(b):
         length = int(lengths[i])
@@ -69,24 +72,25 @@ def conditional_masked_nll(
             continue
         counts = stratified_mask_counts(length, mc_samples, gens[i])
         # draws over the continuation only: the estimate does not depend on padding or the batch
-        chosen = torch.rand(mc_samples, length, generator=gens[i]).argsort(-1).argsort(-1) < counts[:, None]
-        masked = torch.zeros(mc_samples, s, dtype=torch.bool)
-        masked[:, target[i].cpu()] = chosen
-        xt = torch.where(masked, torch.full_like(masked, mask_id, dtype=x0.dtype), x0[i : i + 1].cpu())
+        chosen = torch.rand(mc_samples, length, generator=gens[i], device=cpu).argsort(-1).argsort(-1) < counts[:, None]
+        masked = torch.zeros(mc_samples, s, dtype=torch.bool, device=cpu)
+        masked[:, target[i].to(cpu)] = chosen
+        xt = torch.where(masked, torch.full_like(masked, mask_id, dtype=x0.dtype), x0[i : i + 1].to(cpu))
         xs.append(xt)
         masks.append(masked)
         weights.append(length / counts.double())
-        owners.append(torch.full((mc_samples,), i))
-    total = torch.zeros(b, dtype=torch.float64)
+        owners.append(torch.full((mc_samples,), i, device=cpu))
+    total = torch.zeros(b, dtype=torch.float64, device=cpu)
     if not xs:
         return total
     xt, masked, weight, owner = torch.cat(xs), torch.cat(masks), torch.cat(weights), torch.cat(owners)
     dev = x0.device
     for a in range(0, len(xt), max_rows):
         sl = slice(a, a + max_rows)
-        attn = None if attention_mask is None else attention_mask[owner[sl]].to(dev)
-        ce = token_cross_entropy(logits_fn(xt[sl].to(dev), attn), x0[owner[sl]].to(dev))
-        per_row = (ce * masked[sl].to(dev)).sum(-1).double().cpu() * weight[sl]
+        rows = owner[sl].to(dev)
+        attn = None if attention_mask is None else attention_mask[rows]
+        ce = token_cross_entropy(logits_fn(xt[sl].to(dev), attn), x0[rows])
+        per_row = (ce * masked[sl].to(dev)).sum(-1).double().to(cpu) * weight[sl]
         total.index_add_(0, owner[sl], per_row)
     return total / mc_samples
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from .bounds import LogitsFn, TimedLogitsFn
+from .noise import NOISE_DEVICE
 from .uniform import posterior_log_probs, state_log_probs
 
 
@@ -89,7 +90,7 @@ def _confidence(probs: torch.Tensor, pred: torch.Tensor, how: str, generator) ->
         return top2[..., 0] - top2[..., 1]
     if how == "entropy":
         return (probs * probs.clamp(min=1e-30).log()).sum(-1)  # minus the entropy: higher is surer
-    return torch.rand(pred.shape, generator=generator).to(pred.device)
+    return torch.rand(pred.shape, generator=generator, device=NOISE_DEVICE).to(pred.device)
 
 
 @torch.no_grad()
@@ -170,7 +171,7 @@ def _predict(logits, mask_id, vocab_limit, forbidden_ids, cfg: MaskedSampler, ge
     if cfg.temperature > 0:
         tempered = filter_logits(logits / cfg.temperature, cfg.top_k, cfg.top_p)
         tempered = torch.softmax(tempered, dim=-1).view(-1, logits.shape[-1])
-        pred = torch.multinomial(tempered.cpu(), 1, generator=generator).view(b, -1).to(logits.device)
+        pred = torch.multinomial(tempered.to(NOISE_DEVICE), 1, generator=generator).view(b, -1).to(logits.device)
     else:
         pred = probs.argmax(-1)
     return pred, _confidence(probs, pred, cfg.remasking, generator)
@@ -206,7 +207,7 @@ def sample_uniform_diffusion(
     `temperature` sharpens x_theta (0: its argmax). Returns [b, p + length]."""
     b, p = prompt.shape
     states = states.to(prompt.device)
-    z = torch.randint(len(states), (b, length), generator=generator).to(prompt.device)  # state indices
+    z = torch.randint(len(states), (b, length), generator=generator, device=NOISE_DEVICE).to(prompt.device)  # states
     steps = max(1, steps)
     for k in range(steps, 0, -1):
         t, s = k / steps, (k - 1) / steps
@@ -214,5 +215,5 @@ def sample_uniform_diffusion(
         logits = logits_fn(x, torch.full((b,), t, device=prompt.device))[:, p:]
         log_p = state_log_probs(logits, states, temperature)
         post = posterior_log_probs(log_p, z, t, s).exp().view(-1, len(states))
-        z = torch.multinomial(post.cpu(), 1, generator=generator).view(b, length).to(prompt.device)
+        z = torch.multinomial(post.to(NOISE_DEVICE), 1, generator=generator).view(b, length).to(prompt.device)
     return torch.cat([prompt, states[z].to(prompt.dtype)], dim=1)

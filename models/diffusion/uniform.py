@@ -22,10 +22,11 @@ import math
 import torch
 
 
-def uniform_states(vocab_size: int, mask_id: int | None, pad_id: int | None) -> torch.Tensor:
+def uniform_states(vocab_size: int, mask_id: int | None, pad_id: int | None,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
     """The N states of uniform-noise diffusion: every token id the data can hold (EOS included, as a training
     target must be reachable), without the mask and pad tokens. Training and the export both call this."""
-    keep = torch.ones(vocab_size, dtype=torch.bool)
+    keep = torch.ones(vocab_size, dtype=torch.bool, device=device)
     keep[[i for i in (mask_id, pad_id) if i is not None and i < vocab_size]] = False
     return keep.nonzero().squeeze(-1)
 
@@ -86,6 +87,12 @@ def reconstruction_nll(log_p: torch.Tensor, x0: torch.Tensor, xt: torch.Tensor, 
     return -(torch.log(weight) + log_p_x0 - log_b_i)
 
 
+def _f32(fn, x: float) -> float:
+    """fn(x) evaluated in float32 on the CPU: the sampler's scalars as they always were, with no tensor
+    left on a device other than the logits' (a CPU tensor expanded next to CUDA logits is an error)."""
+    return fn(torch.tensor(x, dtype=torch.float32, device="cpu")).item()
+
+
 def posterior_log_probs(log_p: torch.Tensor, xt: torch.Tensor, t: float, s: float) -> torch.Tensor:
     """log q(z_s | z_t, x_theta) over the states, for s < t (the ancestral step of the reverse chain). [..., N]
 
@@ -93,13 +100,13 @@ def posterior_log_probs(log_p: torch.Tensor, xt: torch.Tensor, t: float, s: floa
     n = log_p.shape[-1]
     alpha_t, alpha_s = 1.0 - t, 1.0 - s
     a_ts = alpha_t / alpha_s
-    log_keep = torch.full_like(log_p, torch.log1p(torch.tensor(-a_ts)).item() if a_ts < 1 else float("-inf"))
-    log_keep.scatter_(-1, xt[..., None], torch.log(torch.tensor(n * a_ts + 1 - a_ts)).item())
+    log_keep = torch.full_like(log_p, _f32(torch.log1p, -a_ts) if a_ts < 1 else float("-inf"))
+    log_keep.scatter_(-1, xt[..., None], _f32(torch.log, n * a_ts + 1 - a_ts))
     if alpha_s >= 1.0:  # s = 0: the clean token, x_theta itself times the transition
         log_prior = log_p.float()
     else:
-        log_prior = torch.logaddexp(log_p.float() + torch.log(torch.tensor(n * alpha_s)),
-                                    torch.log1p(torch.tensor(-alpha_s)).expand_as(log_p))
+        log_prior = torch.logaddexp(log_p.float() + _f32(torch.log, n * alpha_s),
+                                    torch.full_like(log_p, _f32(torch.log1p, -alpha_s), dtype=torch.float32))
     joint = log_keep + log_prior
     return joint - torch.logsumexp(joint, dim=-1, keepdim=True)
 

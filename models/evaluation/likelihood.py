@@ -60,12 +60,15 @@ def validation_windows(manifest: dict, seq_length: int, max_sequences: int) -> t
 
 @torch.no_grad()
 def likelihood_bound(model, windows: torch.Tensor, cfg: PipelineConfig, batch_size: int = 8) -> EvalResult:
-    """NLL per token of the held-out windows: an upper bound (ELBO) for diffusion modes, exact for ar."""
-    gen = torch.Generator().manual_seed(cfg.eval.seed)
+    """NLL per token of the held-out windows: an upper bound (ELBO) for diffusion modes, exact for ar.
+    The windows go to the model's device a batch at a time; the noise comes from a CPU generator, so the
+    bound is the same number on every device (up to the model's arithmetic)."""
+    gen = torch.Generator(device="cpu").manual_seed(cfg.eval.seed)
+    device = next(model.parameters()).device
     kind = "exact" if model.config.model_running_mode == "ar" else "elbo"  # the export's mode, not the config's
     nlls = []
     for i in range(0, len(windows), batch_size):
-        x0 = windows[i : i + batch_size]
+        x0 = windows[i : i + batch_size].to(device)
         if kind == "exact":
             nlls.append(model.ar_nll(x0))
         else:

@@ -24,15 +24,25 @@ def _get(d: dict, path: tuple[str, ...]):
 
 
 def comparison_table(results: dict[str, dict]) -> str:
-    """Markdown table: one row per run (name -> results.json content)."""
-    head = "| run | mode | " + " | ".join(c[0] for c in COLUMNS) + " | items / MC samples |"
-    rows = [head, "|" + "---|" * (len(COLUMNS) + 3)]
+    """Markdown table: one row per run (name -> results.json content), with the device and dtype that
+    produced its scores (bf16 and fp32 scores of one model differ by its arithmetic)."""
+    head = "| run | mode | " + " | ".join(c[0] for c in COLUMNS) + " | items / MC samples | device / dtype |"
+    rows = [head, "|" + "---|" * (len(COLUMNS) + 4)]
     for name, res in sorted(results.items()):
         cells = [("-" if (v := _get(res, path)) is None else fmt.format(v)) for _, path, fmt in COLUMNS]
         ts = res.get("task_settings", {})
         rows.append(f"| {name} | {res.get('mode', '?')} | " + " | ".join(cells)
-                    + f" | {ts.get('items', '-')} / {ts.get('mc_samples', '-')} |")
+                    + f" | {ts.get('items', '-')} / {ts.get('mc_samples', '-')} | {placement_label(res)} |")
     return "\n".join(rows)
+
+
+def placement_label(res: dict) -> str:
+    """'cuda:0 (NVIDIA H100) / bfloat16', 'cpu / float32'; '-' for results written before this was recorded."""
+    if "device" not in res:
+        return "-"
+    name = res.get("device_name")
+    dev = res["device"] if not name or name == "cpu" else f"{res['device']} ({name})"
+    return f"{dev} / {res.get('dtype', '?')}"
 
 
 def write_comparison(workdir: Path, data_hash: str) -> Path:

@@ -24,8 +24,10 @@ from models.diffusion import MaskedSampler, rolling_windows
 
 
 def request_generator(seed: int, *token_lists: list[int]) -> torch.Generator:
-    data = b"|".join(torch.tensor(t, dtype=torch.int64).numpy().tobytes() for t in token_lists)
-    return torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(data))
+    """A CPU generator seeded by (seed, the request's tokens): the helpers draw their noise on the CPU, so a
+    request scores the same on every device."""
+    data = b"|".join(torch.tensor(t, dtype=torch.int64, device="cpu").numpy().tobytes() for t in token_lists)
+    return torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + zlib.crc32(data))
 
 
 @dataclass
@@ -100,23 +102,21 @@ class Scorer:
         return list(zip(totals, greedy))
 
     def _score_rows(self, rows: list[tuple[list[int], list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(nll [n], is_greedy [n]) on the CPU of (context, continuation) rows, batched on the model's device
+        with right padding (positions stay those of training)."""
         width = max(len(c) + len(x) for c, x in rows)
-        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
-        attn = torch.zeros(len(rows), width, dtype=torch.long)
-        target = torch.zeros(len(rows), width, dtype=torch.bool)
-        for r, (ctx, cont) in enumerate(rows):  # right padding: positions stay those of training
-            n = len(ctx) + len(cont)
-            ids[r, :n] = torch.tensor(ctx + cont)
-            attn[r, :n] = 1
-            target[r, len(ctx) : n] = True
+        pads = [width - len(c) - len(x) for c, x in rows]
         dev = self.device
+        ids = torch.tensor([c + x + [self.pad] * k for (c, x), k in zip(rows, pads)], device=dev)
+        attn = torch.tensor([[1] * (len(c) + len(x)) + [0] * k for (c, x), k in zip(rows, pads)], device=dev)
+        target = torch.tensor([[False] * len(c) + [True] * len(x) + [False] * k for (c, x), k in zip(rows, pads)],
+                              device=dev)
         gens = [request_generator(self.seed, c, x) for c, x in rows]
-        nll = self.model.conditional_nll(ids.to(dev), target.to(dev), attn.to(dev), mc_samples=self.mc_samples,
-                                         generators=gens)
+        nll = self.model.conditional_nll(ids, target, attn, mc_samples=self.mc_samples, generators=gens)
         if self.greedy and self.mode != "difflm-noshift-uniform":
-            greedy = self.model.greedy_match(ids.to(dev), target.to(dev), attn.to(dev)).cpu()
+            greedy = self.model.greedy_match(ids, target, attn).cpu()
         else:
-            greedy = torch.zeros(len(rows), dtype=torch.bool)
+            greedy = torch.zeros(len(rows), dtype=torch.bool, device="cpu")
         return nll.cpu(), greedy
 
     def loglikelihood_rolling(self, texts: list[str], context_len: int | None = None, progress=None) -> list[float]:
@@ -151,7 +151,7 @@ class Scorer:
             width = max(map(len, encoded))
             ids = torch.tensor([[self.pad] * (width - len(e)) + e for e in encoded], device=self.device)
             attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=self.device)
-            gen = torch.Generator().manual_seed(self.seed)
+            gen = torch.Generator(device="cpu").manual_seed(self.seed)  # noise is drawn on the CPU
             stats: dict = {}
             t0 = time.perf_counter()
             if self.mode == "ar":

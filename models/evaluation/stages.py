@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from difflm.config import PipelineConfig
+from difflm.config import EvalConfig, PipelineConfig
 from models.evaluation.generation import default_prompts, generate_samples, sampler_settings
 from models.evaluation.likelihood import likelihood_bound, validation_windows
 from models.evaluation.report import write_comparison
@@ -27,25 +27,65 @@ def convert_checkpoint(cfg: PipelineConfig, manifest: dict, train_info: dict) ->
     return export_hf(cfg, manifest["tokenizer"], Path(train_info["checkpoint"]), out, provenance)
 
 
-def load_model(folder: Path):
+class EvaluationError(ValueError):
+    """Evaluation cannot run as configured (another tokenizer's data, a GPU this machine lacks); the message
+    says what to pass instead."""
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) to evaluate on, from eval.device and eval.dtype: auto is CUDA when torch sees a GPU,
+    else the CPU; dtype auto is bfloat16 on CUDA, float32 on the CPU. EvaluationError for a GPU that this
+    machine does not have: raised when a model is loaded, so one config serves GPU and CPU machines alike."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise EvaluationError(f"eval.dtype must be auto, {', '.join(DTYPES)}, not {dtype!r}")
+    has_cuda = torch.cuda.is_available()
+    dev = torch.device(("cuda" if has_cuda else "cpu") if device == "auto" else device)
+    if dev.type == "cuda" and not has_cuda:
+        why = ("this torch build has no CUDA (a CPU wheel)" if torch.version.cuda is None
+               else "torch sees no GPU (driver, CUDA_VISIBLE_DEVICES?)")
+        raise EvaluationError(f"eval.device={device}, but {why}: set eval.device=auto (the GPU when there is "
+                              f"one, else the CPU) or eval.device=cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise EvaluationError(f"eval.device={device}, but torch sees {torch.cuda.device_count()} GPU(s): set "
+                              f"eval.device=cuda (the current one) or cuda:<index below the count>")
+    if dtype == "auto":
+        return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
+    return dev, DTYPES[dtype]
+
+
+def eval_device(e: EvalConfig) -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) of the config's evaluation (see `resolve_device`)."""
+    return resolve_device(e.device, e.dtype)
+
+
+def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     """An export with this project's model class (same weights and config as the folder's own code, which
-    users load with trust_remote_code): exports written by older versions gain today's helpers."""
+    users load with trust_remote_code), in `dtype` on `device`: exports written by older versions gain
+    today's helpers. The defaults are the CPU in float32; evaluation passes `eval_device(cfg.eval)`."""
     from transformers.utils import logging as hf_logging
 
     from models.hf.modeling_difflm import DiffLMForMaskedLM
 
     hf_logging.disable_progress_bar()  # one bar per load is noise in eval tables and logs
-    return DiffLMForMaskedLM.from_pretrained(str(folder), local_files_only=True).eval()
+    # cast while loading (as LLaDA/Dream users pass torch_dtype): a 7B model never exists in fp32 on the host
+    model = DiffLMForMaskedLM.from_pretrained(str(folder), local_files_only=True, dtype=dtype)
+    return model.to(device).eval()
+
+
+def placement(model) -> dict[str, str]:
+    """{device, dtype, device_name} the model runs with: what produced a score, for results and tracking."""
+    p = next(model.parameters())
+    name = torch.cuda.get_device_name(p.device) if p.device.type == "cuda" else "cpu"
+    return {"device": str(p.device), "dtype": str(p.dtype).removeprefix("torch."), "device_name": name}
 
 
 def load_tokenizer(folder: Path):
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast.from_pretrained(str(folder))
-
-
-class EvaluationError(ValueError):
-    """The export and the data do not go together; the message says what to pass instead."""
 
 
 def check_tokenizer(model, manifest: dict, hf_dir: Path) -> None:
@@ -65,14 +105,17 @@ def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: 
     from models.hf.modeling_difflm import DiffLMForMaskedLM
 
     e = cfg.eval
-    model, tok = load_model(hf_dir), load_tokenizer(hf_dir)
+    device, dtype = eval_device(e)
+    model, tok = load_model(hf_dir, device, dtype), load_tokenizer(hf_dir)
     check_tokenizer(model, manifest, hf_dir)
     windows = validation_windows(manifest, min(cfg.train.seq_length, model.config.max_position_embeddings),
                                  e.max_sequences)
     bounds = {"trained": likelihood_bound(model, windows, cfg).to_dict()}
     if untrained:
         torch.manual_seed(cfg.train.seed)  # the same init distribution as training, weights never updated
-        bounds["untrained"] = likelihood_bound(DiffLMForMaskedLM(model.config).eval(), windows, cfg).to_dict()
+        # initialised in fp32 on the CPU, then cast: the same weights whatever eval.device and eval.dtype are
+        untrained_model = DiffLMForMaskedLM(model.config).to(device=device, dtype=dtype).eval()
+        bounds["untrained"] = likelihood_bound(untrained_model, windows, cfg).to_dict()
     docs = heldout_documents(manifest, tok)
     scorer = Scorer(model, tok, mc_samples=e.mc_samples, seed=e.seed)
     items = build_items(docs, e.task_items, e.seed) if e.task_items else {}
@@ -81,6 +124,7 @@ def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: 
         "mode": model.config.model_running_mode,
         "data_hash": manifest["hash"],
         "export": str(hf_dir),
+        **placement(model),  # bf16 scores differ from fp32 ones by the model's arithmetic: say which these are
         "bounds": bounds,
         "tasks": score_tasks(scorer, items),
         "task_settings": {"items": e.task_items, "mc_samples": e.mc_samples, "seed": e.seed},
@@ -110,13 +154,16 @@ def sweep_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: Pat
     from models.evaluation.sweep import sweep_steps
 
     e = cfg.eval
-    model, tok = load_model(hf_dir), load_tokenizer(hf_dir)
+    model, tok = load_model(hf_dir, *eval_device(e)), load_tokenizer(hf_dir)
     if not e.steps_sweep or model.config.model_running_mode not in ("difflm-noshift", "difflm-shift"):
         return []
     items = build_items(heldout_documents(manifest, tok), e.task_items or 32, e.seed)["cloze"]
     rows = sweep_steps(Scorer(model, tok, seed=e.seed), items, sampler_settings(e), sorted(e.steps_sweep),
                        new_tokens=max(e.steps_sweep))
+    where = placement(model)
+    rows = [{**r, **where} for r in rows]  # tokens/s means nothing without the hardware and precision
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2))
-    plot_sweep(rows, out_dir / "sweep.png", f"{model.config.model_running_mode}: quality and speed against steps")
+    plot_sweep(rows, out_dir / "sweep.png", f"{model.config.model_running_mode} on {where['device_name']} "
+               f"({where['dtype']}): quality and speed against steps")
     return rows

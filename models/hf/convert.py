@@ -42,6 +42,13 @@ def _adaln_key(sub: str) -> str:
 _HF_DIR = Path(__file__).resolve().parent
 _DIFFUSION_DIR = _HF_DIR.parent / "diffusion"
 HF_CODE_FILES = ("configuration_difflm.py", "modeling_difflm.py")
+# The Auto classes an export answers to with trust_remote_code. AutoModel too: LLaDA and Dream users load
+# with `AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.bfloat16)`.
+AUTO_MAP = {
+    "AutoConfig": "configuration_difflm.DiffLMConfig",
+    "AutoModel": "modeling_difflm.DiffLMForMaskedLM",
+    "AutoModelForMaskedLM": "modeling_difflm.DiffLMForMaskedLM",
+}
 _PACKAGE_IMPORT = re.compile(r"^from \.\.diffusion\.(\w+) import", re.MULTILINE)
 
 
@@ -144,10 +151,7 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
         pad_token_id=tokenizer["pad_id"],
         tie_word_embeddings=m.tie_embeddings,
         initializer_range=m.init_method_std,
-        auto_map={
-            "AutoConfig": "configuration_difflm.DiffLMConfig",
-            "AutoModelForMaskedLM": "modeling_difflm.DiffLMForMaskedLM",
-        },
+        auto_map=dict(AUTO_MAP),
     )
 
 

@@ -20,6 +20,7 @@ from .configuration_difflm import DiffLMConfig
 from ..diffusion.bounds import ar_nll_per_token, elbo_nll_per_token, uniform_elbo_nll_per_token
 from ..diffusion.conditional import conditional_ar_nll, conditional_masked_nll, masked_greedy_match
 from ..diffusion.documents import document_attention_mask, document_ids as eos_document_ids
+from ..diffusion.noise import NOISE_DEVICE
 from ..diffusion.samplers import MaskedSampler, filter_logits, sample_masked_diffusion, sample_uniform_diffusion
 from ..diffusion.time_embedding import AdaLNorm, TimeEmbedding
 from ..diffusion.uniform import uniform_states
@@ -164,7 +165,9 @@ class DiffLMForMaskedLM(PreTrainedModel):
         cos, sin = _rope(offset + s, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta,
                          x.device)
         cos, sin = cos[offset:], sin[offset:]
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)  # computed in fp32; fp32 would promote q, k but not v (bf16)
+        # computed in fp32, applied in the activation dtype as megatron's local RoPE does (bit-identical in fp32);
+        # fp32 tables in a bf16 model would promote q and k but not v, and SDPA refuses mixed dtypes
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         mask = None
         if attention_mask is not None:  # [b, s] 1 = real token: keys that are padding get no attention
             mask = attention_mask[:, None, None, :].bool()
@@ -181,6 +184,8 @@ class DiffLMForMaskedLM(PreTrainedModel):
         return MaskedLMOutput(logits=F.linear(x, weight))
 
     # ---- diffusion helpers: the same pure functions training and evaluation use -----------------
+    # Any device, any dtype: inputs go to the model's device, logits are scored in fp32, and noise is drawn on
+    # the CPU from CPU generators (NOISE_DEVICE), so a seeded bound or sample draws the same on every device.
     @property
     def mode(self) -> str:
         return self.config.model_running_mode
@@ -211,8 +216,13 @@ class DiffLMForMaskedLM(PreTrainedModel):
         return logits
 
     def uniform_states(self) -> torch.Tensor:
-        """Token ids uniform noise draws from (the same function training uses)."""
-        return uniform_states(self.config.real_vocab_size, self.config.mask_token_id, self.config.pad_token_id)
+        """Token ids uniform noise draws from (the same function training uses), on the model's device."""
+        return uniform_states(self.config.real_vocab_size, self.config.mask_token_id, self.config.pad_token_id,
+                              self.device)
+
+    def _on_device(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        """The helpers' inputs on the model's device: every tensor they derive then lands there too."""
+        return tuple(None if t is None else t.to(self.device) for t in tensors)
 
     def _require(self, what: str, modes: tuple[str, ...], instead: str) -> None:
         if self.mode not in modes:
@@ -239,6 +249,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
         receives the number of model calls. Returns [b, p + length]."""
         self._require("diffusion_generate", ("difflm-noshift", "difflm-shift", "difflm-noshift-uniform"),
                       "sample an autoregressive model token by token (evaluation.generation does)")
+        prompt_ids, attention_mask, document_ids = self._on_device(prompt_ids, attention_mask, document_ids)
         b, p = prompt_ids.shape
         if self.mode == "difflm-shift" and p == 0:
             raise ValueError("a difflm-shift model needs at least one prompt token (each position predicts the next)")
@@ -270,6 +281,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
         with top-k/top-p. LEFT-padded prompts with their `attention_mask`. Rows that produced EOS continue
         with EOS; decoding ends when every row has (stop_at_eos). Returns [b, p + n], n <= max_new_tokens."""
         self._require("ar_generate", ("ar",), "use diffusion_generate")
+        prompt_ids, attention_mask = self._on_device(prompt_ids, attention_mask)
         b, p = prompt_ids.shape
         if p == 0:
             raise ValueError("ar_generate needs at least one prompt token (e.g. EOS as a start of document)")
@@ -285,7 +297,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
                 logits[:, self.config.mask_token_id] = float("-inf")
             if temperature > 0:
                 probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), -1)
-                nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(ids.device)
+                nxt = torch.multinomial(probs.to(NOISE_DEVICE), 1, generator=generator).to(ids.device)
             else:
                 nxt = logits.argmax(-1, keepdim=True)
             if eos is not None:
@@ -305,6 +317,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
         the other attended positions are its context. Exact for ar; for masked modes the Monte-Carlo
         conditional ELBO (an upper bound, `mc_samples` draws; pass one seeded generator per row for
         reproducible values); for difflm-noshift-uniform UDLM's bound with `mc_samples` noise levels."""
+        input_ids, target, attention_mask = self._on_device(input_ids, target, attention_mask)
         target = target.bool() & (attention_mask.bool() if attention_mask is not None else True)
         if self.mode == "ar":
             return conditional_ar_nll(lambda x, m: self(x, attention_mask=m).logits, input_ids, target, attention_mask)
@@ -317,7 +330,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
                 row, m = input_ids[i : i + 1], None if attention_mask is None else attention_mask[i : i + 1]
                 per_tok = uniform_elbo_nll_per_token(lambda x, t: self._logits(x, m, t), row, self.uniform_states(),
                                                      mc_samples, 1e-3, g, target[i : i + 1])
-                out.append(per_tok.double() * target[i].sum())
+                out.append(per_tok.double() * int(target[i].sum()))  # per_tok is on the CPU, as the other modes
             return torch.cat(out)
         return conditional_masked_nll(lambda x, m: self._logits(x, m), input_ids, target, self.config.mask_token_id,
                                       mc_samples, generators, attention_mask, max_rows)
@@ -327,6 +340,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Would greedy decoding produce the continuation (`target` positions) from the context? [b] bool.
         ar: the argmax at every step; masked modes: greedy low-confidence decoding, one token per step."""
+        input_ids, target, attention_mask = self._on_device(input_ids, target, attention_mask)
         target = target.bool()
         if self.mode == "ar":
             pred = self(input_ids, attention_mask=attention_mask).logits[:, :-1, : self.config.real_vocab_size].argmax(-1)
@@ -347,6 +361,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
         always conditions on token 0. A Monte-Carlo estimate: pass a seeded `generator` to make it reproducible."""
         self._require("elbo_nll", ("difflm-noshift", "difflm-shift", "difflm-noshift-uniform"),
                       "its exact likelihood is model.ar_nll(input_ids, attention_mask)")
+        input_ids, attention_mask, document_ids = self._on_device(input_ids, attention_mask, document_ids)
         scored = self._scored(input_ids, attention_mask, prefix_len)
         docs = self._documents(input_ids, document_ids)
         if self.mode == "difflm-noshift-uniform":
@@ -361,6 +376,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
         """Exact NLL per scored token (nats) of each sequence [b] for an `ar` model: tokens 1.. given their
         prefix (right padding, attention_mask 0, is not scored)."""
         self._require("ar_nll", ("ar",), "its likelihood bound is model.elbo_nll(input_ids, attention_mask)")
+        input_ids, attention_mask, document_ids = self._on_device(input_ids, attention_mask, document_ids)
         docs = self._documents(input_ids, document_ids)
         return ar_nll_per_token(lambda x: self(x, attention_mask=attention_mask, document_ids=docs).logits,
                                 input_ids, attention_mask)

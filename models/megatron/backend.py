@@ -1,7 +1,8 @@
-"""Optional heavy dependencies of the model stack, guarded in one place.
+"""Optional heavy dependencies of the model stack, guarded in one place, and the choice of layer spec.
 
-Transformer Engine is a GPU-only extra (`pip install 'difflm-pipeline[gpu]'`). Without it, or without
-CUDA, models use megatron-core's local spec (and, on the CPU, `models.megatron.compat`).
+Transformer Engine is a GPU-only extra (`pip install 'difflm-pipeline[gpu]'`). Without it a GPU runs the
+`torch` spec (megatron-core layers, PyTorch's flash / cuDNN attention, see `models.megatron.attention`);
+the CPU runs megatron-core's `local` reference spec (through `models.megatron.compat`) unless asked otherwise.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+BACKENDS = ("torch", "local", "te")
 
 
 @functools.cache
@@ -21,13 +24,17 @@ def transformer_engine_available() -> bool:
 
 
 def resolve_backend(requested: str) -> str:
-    """'auto' -> 'te' on CUDA with Transformer Engine installed, else 'local'. Errors say what to install."""
-    if requested == "local":
-        return "local"
-    te_ok = torch.cuda.is_available() and transformer_engine_available()
+    """'auto' -> 'te' on CUDA with Transformer Engine, 'torch' on CUDA without it, 'local' on the CPU.
+    An explicit choice is kept; 'te' without its requirements is an error that says what to install."""
+    if requested in ("torch", "local"):
+        return requested
+    cuda = torch.cuda.is_available()
+    te_ok = cuda and transformer_engine_available()
     if requested == "te" and not te_ok:
         raise RuntimeError(
             "model backend 'te' needs CUDA and Transformer Engine: pip install 'difflm-pipeline[gpu]' "
-            "on a GPU machine, or set model.backend=local"
+            "on a GPU machine, or set model.backend=torch (PyTorch's fused attention, no extra install)"
         )
-    return "te" if te_ok else "local"
+    if te_ok:
+        return "te"
+    return "torch" if cuda else "local"

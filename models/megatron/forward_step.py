@@ -154,19 +154,46 @@ def _full_vocab(logits: torch.Tensor) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(logits)
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def to_device(tensors: dict, device: torch.device) -> dict:
+    """The device rule: every tensor of a step on the model's device. Batches and noise are made on the CPU
+    (the noise from CPU generators, so every device and layout draws the same numbers); to a GPU they go
+    through pinned memory as non-blocking copies, as Megatron-LM's get_batch does."""
+    cuda = device.type == "cuda"
+    return {k: (v.pin_memory().to(device, non_blocking=True) if cuda else v.to(device))
+            if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+
+
+def attention_mask_for(tokens: torch.Tensor, cfg: PipelineConfig, special: SpecialTokens):
+    """None, or the packed-document mask in the form the layer spec takes: document ids for the torch
+    backend (FlexAttention block mask on GPUs), a dense [b, 1, s, s] mask for the local and TE specs."""
+    if not cfg.model.document_attention:
+        return None
+    from models.megatron.backend import resolve_backend
+
+    causal = cfg.diffusion.model_running_mode == "ar"
+    doc = diffusion.document_ids(tokens, special.eos_id)
+    if resolve_backend(cfg.model.backend) == "torch":
+        from models.megatron.attention import DocumentMask
+
+        return DocumentMask(doc, causal)
+    return diffusion.document_attention_mask(doc, causal=causal)
+
+
 def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False):
     """A megatron `forward_step_func(data_iterator, model)` for training step `step`."""
     states = special.uniform_states() if cfg.diffusion.model_running_mode == "difflm-noshift-uniform" else None
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
-        prepared = corrupt(batch, cfg, special, step, evaluation)
+        device = model_device(model)
+        prepared = to_device(corrupt(batch, cfg, special, step, evaluation), device)
         inputs = prepared["inputs"]
-        position_ids = torch.arange(inputs.shape[1]).unsqueeze(0).expand_as(inputs)
-        attention_mask = None
-        if cfg.model.document_attention:
-            doc = diffusion.document_ids(batch["tokens"], special.eos_id)
-            attention_mask = diffusion.document_attention_mask(doc, causal=cfg.diffusion.model_running_mode == "ar")
+        position_ids = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
+        attention_mask = attention_mask_for(batch["tokens"].to(device), cfg, special)
         extra = {"t": prepared["t"]} if cfg.diffusion.time_embedding and prepared["t"] is not None else {}
         # With labels, megatron returns the per-token (vocab-parallel) cross-entropy [b, s]; without, logits.
         labels = None if states is not None else prepared["targets"]

@@ -60,6 +60,10 @@ def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local", 
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization=model.normalization)
+    if backend == "torch":
+        from models.megatron.attention import torch_layer_spec
+
+        spec = torch_layer_spec(spec)
     if model.document_attention:  # the mask is built per batch from document boundaries
         mask = AttnMaskType.arbitrary
     else:
@@ -67,7 +71,7 @@ def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local", 
     spec.submodules.self_attention.params["attn_mask_type"] = mask
     if adaln:
         if backend == "te":
-            raise RuntimeError("diffusion.time_conditioning=adaln needs model.backend=local: Transformer Engine fuses "
+            raise RuntimeError("diffusion.time_conditioning=adaln needs model.backend=torch or local: Transformer Engine fuses "
                                "the input norm into the QKV projection. Or set diffusion.time_conditioning=input.")
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = _adaln_norm_class()
     return spec
@@ -163,17 +167,20 @@ def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, 
     if cfg.train.fp8 and backend != "te":
         raise RuntimeError("train.fp8 needs the Transformer Engine backend on a GPU (pip install "
                            "'difflm-pipeline[gpu]'); set train.fp8=null here.")
-    if cfg.parallel.sequence_parallel and backend != "te":
+    if cfg.parallel.sequence_parallel and backend == "local":
         raise RuntimeError(
-            "parallel.sequence_parallel needs the Transformer Engine backend (CUDA + pip install "
-            "'difflm-pipeline[gpu]'): megatron-core's local spec uses torch norms, which do not support it. "
-            "Set parallel.sequence_parallel=false here."
+            "parallel.sequence_parallel needs model.backend=torch or te: megatron-core's local spec uses torch "
+            "norms that refuse it. Set model.backend=torch (or parallel.sequence_parallel=false)."
         )
     tcfg = transformer_config(cfg, backend)
+    spec = layer_spec(cfg.model, is_bidirectional(cfg.diffusion.model_running_mode), backend, uses_adaln(cfg))
+    if backend == "torch":  # the final norm as well must accept sequence parallelism
+        from models.megatron.attention import block_spec
+
+        spec = block_spec(spec, tcfg)
     return _diffusion_gpt_class()(
         config=tcfg,
-        transformer_layer_spec=layer_spec(cfg.model, is_bidirectional(cfg.diffusion.model_running_mode), backend,
-                                          uses_adaln(cfg)),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab or padded_vocab_size(vocab_size, cfg.parallel.tensor_model_parallel_size),
         max_sequence_length=cfg.train.seq_length,
         pre_process=pre_process,

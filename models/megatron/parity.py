@@ -6,7 +6,8 @@ loss whatever the tensor/pipeline/data-parallel layout.
     python -m torch.distributed.run --nproc_per_node 2 -m models.megatron.parity --config C --manifest M --weights W --out tp2.json \\
         parallel.tensor_model_parallel_size=2
 
-Two optimizer steps are taken, so the check covers gradients and the optimizer as well as the forward.
+Two optimizer steps are taken, so the check covers gradients and the optimizer as well as the forward; the
+parameters every TP rank replicates must stay identical across TP ranks (`replica_spread`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,24 @@ from pathlib import Path
 import torch.distributed as dist
 
 from difflm.config import load_config
+
+
+def replica_spread(model) -> float:
+    """Largest difference, across tensor-parallel ranks, of the parameters every TP rank holds a full copy of
+    (norms, time embedding): 0 when their gradients are reduced correctly (review F4), > 0 once they drift."""
+    import torch
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    replicated = [p.detach().float().flatten() for p in model.parameters()
+                  if not getattr(p, "tensor_model_parallel", False)]
+    if not replicated or dist.get_world_size(group) == 1:
+        return 0.0
+    hi = torch.cat(replicated)
+    lo = hi.clone()
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    return float((hi - lo).max())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     init_distributed(cfg)
     special = SpecialTokens.from_manifest(manifest["tokenizer"])
     train_ds, _ = build_datasets(cfg, manifest, args.steps * cfg.train.global_batch_size, cfg.train.global_batch_size)
-    ddp, opt, _ = build_training(cfg, manifest["tokenizer"]["vocab_size"])
+    ddp, opt, sched = build_training(cfg, manifest["tokenizer"]["vocab_size"])
+    sched.step(increment=cfg.train.warmup_iters)  # start at the peak rate: warmup's first lr is 0, no update
     weights = Path(args.weights)
     if args.save:
         if dist.get_rank() == 0:
@@ -61,10 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad()
         losses.append(run_global_batch(cfg, ddp, train_ds, special, step, step, False))
         opt.step()
+    spread = replica_spread(ddp.module)
     reporting = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 \
         and parallel_state.get_data_parallel_rank() == 0
     if reporting:
-        Path(args.out).write_text(json.dumps({"losses": losses}))
+        Path(args.out).write_text(json.dumps({"losses": losses, "replica_spread": spread}))
     dist.barrier()
     dist.destroy_process_group()
     return 0

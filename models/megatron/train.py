@@ -22,6 +22,7 @@ import torch.distributed as dist
 from difflm.config import PipelineConfig, load_config
 from models.megatron import checkpointing
 from models.megatron.data import build_datasets, micro_batch
+from models.megatron.flops import efficiency, peak_flops, training_flops
 from models.megatron.gpt import build_model
 from models.megatron.metrics import MetricsWriter
 from models.megatron.forward_step import SpecialTokens, make_forward_step, varilen_length
@@ -60,6 +61,10 @@ def build_training(cfg: PipelineConfig, vocab_size: int):
     )
     if torch.cuda.is_available():
         model.cuda()
+    if cfg.train.precision == "bf16":  # every parameter bf16 (torch norms, time embedding too), fp32 outputs;
+        from megatron.core.transformer.module import Float16Module  # the optimizer keeps fp32 main weights
+
+        model = Float16Module(model.config, model)
     dist_opt = cfg.parallel.use_distributed_optimizer
     ddp = DistributedDataParallel(
         model.config,
@@ -96,23 +101,42 @@ def scheduler_kwargs(cfg: PipelineConfig) -> dict:
 
 
 class IntervalMeter:
-    """What one log line reports: the mean loss over the logging interval (not one step's) and the tokens
-    really processed per second (variable-length steps count their true lengths)."""
+    """What one log line reports: the mean loss over the logging interval (not one step's), the tokens really
+    processed per second (variable-length steps count their true lengths), and the model FLOPs of those
+    tokens (attention included, from the config: models/megatron/flops.py) as TFLOP/s and MFU per device."""
 
-    def __init__(self, now: float):
+    def __init__(self, now: float, n_devices: int = 1, peak: float | None = None):
+        self.n_devices, self.peak = n_devices, peak
         self.restart(now)
 
     def restart(self, now: float) -> None:
-        self.tic, self.tokens, self.losses = now, 0, []
+        self.tic, self.tokens, self.flops, self.losses = now, 0, 0.0, []
 
-    def add(self, loss: float | None, tokens: int) -> None:
+    def add(self, loss: float | None, tokens: int, flops: float = 0.0) -> None:
         self.tokens += tokens
+        self.flops += flops
         if loss is not None:  # only the last pipeline stage has the loss
             self.losses.append(loss)
 
     def report(self, now: float) -> tuple[float | None, float]:
         mean = sum(self.losses) / len(self.losses) if self.losses else None
         return mean, self.tokens / max(now - self.tic, 1e-9)
+
+    def efficiency(self, now: float) -> dict:
+        """tokens_per_s_per_device, tflops_per_device, mfu (None without a known device peak)."""
+        seconds = max(now - self.tic, 1e-9)
+        return {"tokens_per_s_per_device": self.tokens / seconds / self.n_devices,
+                **efficiency(self.flops, seconds, self.n_devices, self.peak)}
+
+
+def device_peak(cfg: PipelineConfig) -> float | None:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return peak_flops(name, cfg.train.peak_tflops)
+
+
+def peak_memory_gb() -> float | None:
+    """The most GPU memory this rank's tensors have held (None on the CPU)."""
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 def micro_lengths(cfg: PipelineConfig, step: int, n_micro: int) -> list[int]:
@@ -268,8 +292,9 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
         f"params/rank={sum(p.numel() for p in ddp.module.parameters()):,}")
     if start == 0:
         metrics.log(0, val_loss=evaluate(cfg, ddp, valid_ds, special))
-    n_micro = t.global_batch_size // (t.micro_batch_size * parallel_state.get_data_parallel_world_size())
-    meter = IntervalMeter(time.time())
+    dp_size = parallel_state.get_data_parallel_world_size()
+    n_micro = t.global_batch_size // (t.micro_batch_size * dp_size)
+    meter = IntervalMeter(time.time(), dist.get_world_size(), device_peak(cfg))
     for step in range(start, t.train_iters):
         ddp.zero_grad_buffer()
         opt.zero_grad()
@@ -292,15 +317,21 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
             ok, grad_norm, _ = opt.step()
             sched.step(increment=1)
         meter.add(None if loss is not None and not math.isfinite(loss) else loss,
-                  sum(lengths) * t.global_batch_size // n_micro)  # every DP rank runs the same lengths
+                  sum(lengths) * t.global_batch_size // n_micro,  # every DP rank runs the same lengths
+                  dp_size * training_flops(cfg, tok["vocab_size"], lengths, t.micro_batch_size))
         logged = it % t.log_interval == 0 or it == t.train_iters
         if logged:
-            mean_loss, tok_s = meter.report(time.time())
+            now = time.time()
+            mean_loss, tok_s = meter.report(now)
+            eff = meter.efficiency(now)
             lr = opt.param_groups[0]["lr"]
             metrics.log(it, loss=mean_loss, lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
-                        tokens_per_s=tok_s)
+                        tokens_per_s=tok_s, **eff, peak_memory_gb=peak_memory_gb())
+            mfu = f" MFU {eff['mfu']:.1%}" if eff["mfu"] is not None else ""
+            mem = f" {peak_memory_gb():.1f} GB" if torch.cuda.is_available() else ""
             log(f"[train] iter {it:>6}/{t.train_iters} loss {mean_loss or 0:.4f} lr {lr:.2e} "
-                f"grad_norm {float(grad_norm or 0):.3f} {tok_s:,.0f} tok/s")
+                f"grad_norm {float(grad_norm or 0):.3f} {tok_s:,.0f} tok/s "
+                f"{eff['tflops_per_device']:.3g} TFLOP/s/device{mfu}{mem}")
         if it % t.eval_interval == 0 or it == t.train_iters:
             val = evaluate(cfg, ddp, valid_ds, special)
             metrics.log(it, val_loss=val)

@@ -1,0 +1,182 @@
+"""The `torch` backend: megatron-core's layers with PyTorch's own fused attention, no Transformer Engine.
+
+megatron-core's local spec computes attention as baddbmm + an unfused softmax + bmm: it materialises the
+[b, n, s, s] scores and cannot use flash kernels. This module supplies the two spec pieces that change:
+
+- `TorchCoreAttention`, a drop-in for the spec's `core_attention`, on
+  `torch.nn.functional.scaled_dot_product_attention` (flash / cuDNN / memory-efficient kernels on GPUs) for
+  bidirectional and causal attention, and on FlexAttention block masks for packed documents on CUDA;
+- `TorchNorm`, torch's RMSNorm / LayerNorm whose parameters are marked for sequence parallelism, so that
+  megatron's `finalize_model_grads` all-reduces their gradients across tensor-parallel ranks (megatron's
+  `WrappedTorchNorm` refuses sequence parallelism instead).
+
+Checkpoints are interchangeable with the local spec: same modules, same parameter names.
+
+Packed documents reach the attention as a `DocumentMask` (document ids, not a dense mask): megatron passes
+the attention mask through to every layer untouched, so the mask is built once per forward and shared.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from models.diffusion.documents import document_attention_mask
+
+
+class DocumentMask:
+    """Packed documents of one micro-batch: ids [b, s] and the direction of attention.
+
+    On CUDA it becomes a FlexAttention `BlockMask` (block-sparse: blocks across documents are skipped, no
+    [b, 1, s, s] tensor); elsewhere, or with attention dropout, a dense boolean mask for SDPA. Built once,
+    on first use, and reused by every layer of the forward."""
+
+    def __init__(self, doc_ids: torch.Tensor, causal: bool):
+        self.doc_ids, self.causal = doc_ids, causal
+        self._dense: torch.Tensor | None = None
+        self._block = None
+
+    def dense_keep(self) -> torch.Tensor:
+        """[b, 1, s, s] bool, True where attention is ALLOWED (SDPA's convention)."""
+        if self._dense is None:
+            self._dense = ~document_attention_mask(self.doc_ids, self.causal)
+        return self._dense
+
+    def block_mask(self):
+        if self._block is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            doc, causal = self.doc_ids, self.causal
+
+            def same_document(b, h, q, k):
+                keep = doc[b, q] == doc[b, k]
+                return keep & (q >= k) if causal else keep
+
+            b, s = doc.shape
+            self._block = create_block_mask(same_document, B=b, H=None, Q_LEN=s, KV_LEN=s, device=doc.device)
+        return self._block
+
+
+_FLEX = None
+
+
+def _flex_attention():
+    """FlexAttention compiled once per process: uncompiled, it is a slow O(s^2) reference implementation."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX = torch.compile(flex_attention, dynamic=None)  # dynamic shapes after a second length is seen
+    return _FLEX
+
+
+def use_flex(device: torch.device, dropout_p: float) -> bool:
+    """FlexAttention has no CPU backward and no dropout: there the dense mask goes to SDPA instead."""
+    return device.type == "cuda" and dropout_p == 0.0
+
+
+def _core_attention_class():
+    from megatron.core import tensor_parallel
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.utils import divide
+
+    class TorchCoreAttention(MegatronModule):
+        """megatron's `DotProductAttention` contract ([s, b, n, d] in, [s, b, n*d] out) on torch's kernels."""
+
+        def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                     attention_dropout: float | None = None, softmax_scale: float | None = None,
+                     cp_comm_type: str | None = None, pg_collection=None):
+            super().__init__(config=config)
+            if config.context_parallel_size != 1:
+                raise RuntimeError("context parallelism needs model.backend=te")
+            if config.window_size is not None or config.softmax_type != "vanilla":
+                raise RuntimeError("window attention and softmax variants need model.backend=local or te")
+            self.attn_mask_type = attn_mask_type
+            self.causal_type = AttnMaskType.causal
+            head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
+            # megatron's apply_query_key_layer_scaling divides the scale by the layer number and its fused
+            # softmax multiplies it back: the net scale is this one
+            self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+            self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is not None or attention_bias is not None:
+                raise RuntimeError("packed THD sequences and attention biases need model.backend=te")
+            s, b = query.shape[0], query.shape[1]
+            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, n, s, d]
+            dropout_p = self.dropout if self.training else 0.0
+            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            if dropout_p > 0 and not self.config.sequence_parallel:  # as DotProductAttention: TP ranks' own seeds
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    out = self._attend(q, k, v, attention_mask, mask_type, dropout_p)
+            else:
+                out = self._attend(q, k, v, attention_mask, mask_type, dropout_p)
+            return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, n*d]
+
+        def _attend(self, q, k, v, attention_mask, mask_type, dropout_p: float):
+            grouped = q.shape[1] != k.shape[1]
+            if isinstance(attention_mask, DocumentMask) and use_flex(q.device, dropout_p):
+                return _flex_attention()(q, k, v, block_mask=attention_mask.block_mask(), scale=self.softmax_scale,
+                                         enable_gqa=grouped)
+            if isinstance(attention_mask, DocumentMask):
+                keep = attention_mask.dense_keep()
+            elif attention_mask is not None:
+                keep = ~attention_mask.bool()  # megatron's masks are True where attention is blocked
+            else:
+                keep = None
+            if keep is not None and grouped:
+                # masked SDPA runs the memory-efficient kernel, which has no grouped-query form: repeat k/v
+                # rather than fall back to the math kernel
+                rep = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+                grouped = False
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=self.softmax_scale, enable_gqa=grouped,
+                is_causal=keep is None and mask_type == self.causal_type)
+
+    return TorchCoreAttention
+
+
+class TorchNorm:
+    """torch's RMSNorm / LayerNorm as megatron builds norms, `norm(config, hidden_size, eps)`, with parameters
+    marked `sequence_parallel` under SP: each TP rank then sees s/TP positions and megatron all-reduces the
+    norms' gradients across TP (unmarked, the replicas would drift apart)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm_cls = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[config.normalization]
+        norm = norm_cls(hidden_size, eps=eps, dtype=config.params_dtype)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def torch_layer_spec(spec):
+    """The local layer spec turned into the torch backend's: SDPA core attention, SP-capable norms."""
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    attn = spec.submodules.self_attention.submodules
+    attn.core_attention = _core_attention_class()
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attn, name) is not IdentityOp:
+            setattr(attn, name, TorchNorm)
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = TorchNorm
+    return spec
+
+
+def block_spec(layer, config):
+    """A transformer-block spec with `layer` repeated and our final norm (megatron's default final norm is
+    `WrappedTorchNorm` without apex or TE, which refuses sequence parallelism)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlock,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layers = [layer] * get_num_layers_to_build(config)
+    return ModuleSpec(module=TransformerBlock,
+                      submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=TorchNorm))

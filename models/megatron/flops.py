@@ -1,0 +1,127 @@
+"""Model FLOPs of the megatron GPT model of a config, device peak throughput, and MFU.
+
+Pure Python, no torch or megatron import: the trainer, the benchmark and tests all count the same way,
+and a config can be sized on a machine without either installed.
+
+Counting convention (as PaLM's MFU, megatron's `num_floating_point_operations`, torchtitan):
+- 2 FLOPs per multiply-add of every matrix product: QKV, attention scores and weighted sum, output
+  projection, MLP, the LM head over the padded vocabulary, and the small time-conditioning MLPs.
+- Norms, softmax, RoPE, activations, residual adds, the loss and the embedding lookup (a gather) are
+  left out: they are O(s*h) elementwise work, under 1% of the total at any useful size, and they run on
+  vector units rather than the tensor cores the peak figure describes.
+- Model FLOPs, not hardware FLOPs: activation recomputation would add work but no model FLOPs, so the
+  MFU of a run that recomputes is lower for the same step time, as it should be.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # typing only: keeps this module free of pydantic at import time
+    from difflm.config import PipelineConfig
+
+# models/diffusion/time_embedding.py: sinusoidal features of t and the adaLN modulation's hidden width
+_TIME_FREQ_DIM = 256
+_ADALN_COND_DIM = 128
+
+
+def padded_vocab(vocab_size: int, tensor_parallel: int = 1, multiple: int = 64) -> int:
+    """Rows of the embedding / LM head that megatron builds: `vocab_size` rounded up to multiple*TP.
+
+    The same rule as models.megatron.gpt.padded_vocab_size (a test checks they agree), restated here
+    so this module needs no torch. Idempotent: an already padded size comes back unchanged."""
+    step = multiple * tensor_parallel
+    return (vocab_size + step - 1) // step * step
+
+
+def _layer_matmul_flops_per_token(cfg: PipelineConfig) -> int:
+    """FLOPs of one transformer layer's weight matrices for one token (no attention core)."""
+    m = cfg.model
+    h, heads = m.hidden_size, m.num_attention_heads
+    head_dim = h // heads
+    kv_heads = m.num_query_groups or heads  # GQA: keys and values have one head per query group
+    qkv = 2 * h * head_dim * (heads + 2 * kv_heads)
+    proj = 2 * heads * head_dim * h
+    mlp = 2 * h * m.ffn_size * (3 if m.swiglu else 2)  # SwiGLU: gate, up and down matrices
+    return qkv + proj + mlp
+
+
+def _attention_core_flops(cfg: PipelineConfig, seq_len: int) -> float:
+    """Scores q.k and the weighted sum of v, one layer, one sequence of `seq_len` tokens."""
+    m = cfg.model
+    head_dim = m.hidden_size // m.num_attention_heads
+    full = 2 * 2 * m.num_attention_heads * seq_len * seq_len * head_dim  # two [s, d] x [d, s]-sized products
+    if cfg.diffusion.model_running_mode == "ar":
+        # causal: flash / cuDNN / TE kernels skip the tiles above the diagonal, so half the work is done
+        # (s^2/2, the usual convention; the diagonal tiles make it a little more at small s)
+        return full / 2
+    return full  # every diffusion mode attends both ways: the full s x s
+
+
+def _time_conditioning_flops(cfg: PipelineConfig) -> int:
+    """FLOPs of the t -> embedding MLPs for one sequence (one t per sequence, not per token)."""
+    d, h = cfg.diffusion, cfg.model.hidden_size
+    if not d.time_embedding or d.model_running_mode == "ar":  # as gpt.build_model: ar has no t
+        return 0
+    if d.time_conditioning == "adaln":  # one modulation MLP per norm: two norms per layer
+        per_norm = 2 * (_TIME_FREQ_DIM * _ADALN_COND_DIM + _ADALN_COND_DIM * 2 * h)
+        return 2 * cfg.model.num_layers * per_norm
+    return 2 * (_TIME_FREQ_DIM * h + h * h)  # input embedding: features -> h -> h
+
+
+def forward_flops_per_sequence(cfg: PipelineConfig, vocab_size: int, seq_len: int) -> float:
+    """Model FLOPs of one forward pass over one sequence of `seq_len` tokens.
+
+    `vocab_size` is the tokenizer's (padded here as megatron pads it; a padded size is kept as is)."""
+    m = cfg.model
+    vocab = padded_vocab(vocab_size, cfg.parallel.tensor_model_parallel_size)
+    layers = m.num_layers * (seq_len * _layer_matmul_flops_per_token(cfg) + _attention_core_flops(cfg, seq_len))
+    lm_head = 2 * seq_len * m.hidden_size * vocab  # logits over every (padded) row, tied or not
+    return float(layers + lm_head + _time_conditioning_flops(cfg))
+
+
+def training_flops(cfg: PipelineConfig, vocab_size: int, lengths: list[int], micro_batch_size: int) -> float:
+    """Forward + backward model FLOPs of micro-batches of `micro_batch_size` sequences, one per entry of
+    `lengths` (variable-length steps give each micro-batch its own length).
+
+    Backward is twice the forward (a gradient for the input and one for the weight of every product), so
+    3x forward. Counts what the given micro-batches compute: for a whole step under data parallelism pass
+    every rank's micro-batches, or multiply one rank's figure by the data-parallel size."""
+    return 3.0 * micro_batch_size * sum(forward_flops_per_sequence(cfg, vocab_size, n) for n in lengths)
+
+
+# Peak dense (no 2:4 sparsity) bf16 tensor-core FLOP/s from the vendors' datasheets. Checked in order,
+# as case-insensitive substrings of torch.cuda.get_device_name(): a more specific name comes before a
+# substring of it ("GH200" before "H200", "H100 PCIe" before "H100", "L40S" before "L4").
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989e12),
+    ("H200 NVL", 836e12),
+    ("H200", 989e12),  # SXM
+    ("H100 NVL", 835e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM ("NVIDIA H100 80GB HBM3")
+    ("B200", 2250e12),  # HGX B200 at 1000 W
+    ("A100", 312e12),  # SXM and PCIe alike
+    ("A10G", 70e12),  # AWS's A10 variant: fewer tensor FLOPs than the A10's 125
+    ("L40S", 362e12),
+    ("L4", 121e12),
+)
+
+
+def peak_flops(device_name: str | None, override_tflops: float | None = None) -> float | None:
+    """Peak dense bf16 FLOP/s of one device: `override_tflops` (train.peak_tflops) if given, else the
+    table's figure for `device_name`; None for the CPU or a device the table does not know (no MFU is
+    better than one against a guessed peak)."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if not device_name:
+        return None
+    name = device_name.casefold()
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key.casefold() in name), None)
+
+
+def efficiency(flops: float, seconds: float, n_devices: int, peak: float | None) -> dict[str, float | None]:
+    """Achieved TFLOP/s per device and MFU (model FLOPs / (seconds * devices * peak); None without a peak)
+    of `flops` model FLOPs done by `n_devices` devices in `seconds`."""
+    per_device = flops / max(seconds, 1e-12) / max(n_devices, 1)
+    return {"tflops_per_device": per_device / 1e12, "mfu": per_device / peak if peak else None}

@@ -1,0 +1,155 @@
+"""Model FLOPs, device peaks and MFU (models/megatron/flops.py): by hand, and against counted forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.flop_counter import FlopCounterMode
+
+from difflm.config import load_config
+from models.megatron.flops import efficiency, forward_flops_per_sequence, padded_vocab, peak_flops, training_flops
+
+TOKENIZER = {"vocab_size": 1000, "mask_id": 1, "eos_id": 0, "pad_id": 2}
+SHAPE = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4"]
+VARIANTS = {
+    "swiglu-tied": [],
+    "gqa-gelu-untied": ["model.num_query_groups=2", "model.swiglu=false", "model.tie_embeddings=false"],
+    "time-input": ["diffusion.time_embedding=true", "diffusion.time_conditioning=input"],
+    "time-adaln": ["diffusion.time_embedding=true", "diffusion.time_conditioning=adaln"],
+}
+
+
+def _cfg(*overrides: str):
+    return load_config(None, list(overrides))
+
+
+def _hand_cfg(mode: str, *overrides: str):
+    return _cfg("model.num_layers=2", "model.hidden_size=16", "model.num_attention_heads=2",
+                "model.num_query_groups=1", "model.ffn_hidden_size=32", f"diffusion.model_running_mode={mode}",
+                *overrides)
+
+
+def test_hand_checked_tiny_config():
+    """h=16, 2 heads of 8, one KV group, SwiGLU ffn 32, 2 layers, vocab 64, 8 tokens, worked out on paper."""
+    s, h = 8, 16
+    qkv = 2 * h * 8 * (2 + 2 * 1)  # 2 query heads + one key and one value head of 8 = 1024 per token
+    proj = 2 * h * h  # 512
+    mlp = 2 * h * 32 * 3  # gate, up, down = 3072
+    scores_and_sum = 2 * 2 * 2 * s * s * 8  # 2 products x 2 heads x s x s x head_dim = 4096 per layer
+    lm_head = 2 * s * h * 64  # 16384
+    bidirectional = 2 * (s * (qkv + proj + mlp) + scores_and_sum) + lm_head
+    assert bidirectional == 98304
+    assert forward_flops_per_sequence(_hand_cfg("difflm-noshift"), 64, s) == bidirectional
+    # causal: half the attention core (flash kernels skip the masked half); the matrices are the same
+    assert forward_flops_per_sequence(_hand_cfg("ar"), 64, s) == bidirectional - 2 * scores_and_sum / 2 == 94208
+    for mode in ("difflm-shift", "difflm-noshift-uniform"):  # every diffusion mode attends both ways
+        assert forward_flops_per_sequence(_hand_cfg(mode), 64, s) == bidirectional
+
+
+def test_time_conditioning_is_per_sequence():
+    base = _hand_cfg("difflm-noshift")
+    t_input = _hand_cfg("difflm-noshift", "diffusion.time_embedding=true", "diffusion.time_conditioning=input")
+    extra = 2 * (256 * 16 + 16 * 16)  # sinusoidal features -> h -> h, once per sequence whatever its length
+    for s in (8, 32):
+        assert forward_flops_per_sequence(t_input, 64, s) - forward_flops_per_sequence(base, 64, s) == extra
+
+
+def test_vocab_is_padded_as_megatron_pads_it():
+    from models.megatron.gpt import padded_vocab_size
+
+    for v in (50, 64, 65, 1000, 50257):
+        for tp in (1, 2, 8):
+            assert padded_vocab(v, tp) == padded_vocab_size(v, tp)
+            assert padded_vocab(padded_vocab(v, tp), tp) == padded_vocab(v, tp)  # a padded size is kept
+    cfg = _hand_cfg("difflm-noshift")
+    assert forward_flops_per_sequence(cfg, 50, 8) == forward_flops_per_sequence(cfg, 64, 8)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matches_a_counted_forward_of_the_hf_model(variant):
+    """The exported model has megatron's shapes; FlopCounterMode counts its every product.
+
+    The math SDPA backend: FlopCounterMode has no formula for the CPU's fused attention kernel
+    (`_scaled_dot_product_flash_attention_for_cpu`) and would count no attention at all."""
+    from models.hf.convert import hf_config
+    from models.hf.modeling_difflm import DiffLMForMaskedLM
+
+    cfg = _cfg(*SHAPE, *VARIANTS[variant])
+    torch.manual_seed(0)
+    model = DiffLMForMaskedLM(hf_config(cfg, TOKENIZER)).eval()
+    b, s = 2, 96
+    tokens = torch.randint(3, TOKENIZER["vocab_size"], (b, s))
+    extra = {"t": torch.rand(b)} if cfg.diffusion.time_embedding else {}
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(tokens, **extra)
+    counted = counter.get_total_flops() / b
+    assert counted == pytest.approx(forward_flops_per_sequence(cfg, TOKENIZER["vocab_size"], s), rel=0.01)
+
+
+def test_causal_counts_half_the_attention_a_counter_sees_in_full():
+    """The counter (and the math/unfused kernels it can see) computes the whole s x s and masks it; flash
+    kernels skip the masked half, which is what the formula counts for `ar`."""
+    from models.hf.convert import hf_config
+    from models.hf.modeling_difflm import DiffLMForMaskedLM
+
+    ar = _cfg(*SHAPE, "diffusion.model_running_mode=ar")
+    model = DiffLMForMaskedLM(hf_config(ar, TOKENIZER)).eval()
+    s = 96
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(torch.randint(3, 1000, (1, s)))
+    full_core = 2 * 2 * 4 * s * s * 16  # per layer: heads 4, head_dim 16
+    assert counter.get_total_flops() == pytest.approx(forward_flops_per_sequence(_cfg(*SHAPE), 1000, s), rel=0.01)
+    assert forward_flops_per_sequence(ar, 1000, s) == forward_flops_per_sequence(_cfg(*SHAPE), 1000, s) - full_core
+
+
+def test_training_is_three_forwards_of_the_megatron_model(megatron_single_process):
+    """Forward + backward of the model training builds (megatron-core, local spec), counted."""
+    from models.megatron.gpt import build_model
+
+    cfg = _cfg(*SHAPE, "model.backend=local")
+    model = build_model(cfg, TOKENIZER["vocab_size"])
+    device = next(model.parameters()).device
+    b, s = 2, 64
+    tokens = torch.randint(3, TOKENIZER["vocab_size"], (b, s), device=device)
+    positions = torch.arange(s, device=device)[None].expand(b, s)
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, positions, None, labels=tokens).sum().backward()  # per-token CE [b, s]
+    expected = training_flops(cfg, TOKENIZER["vocab_size"], [s], micro_batch_size=b)
+    assert counter.get_total_flops() == pytest.approx(expected, rel=0.01)
+
+
+def test_variable_length_steps_add_up():
+    cfg = _cfg(*SHAPE, "diffusion.varilen_prob=0.5")
+    v, mbs = 1000, 4
+    whole = training_flops(cfg, v, [128, 37], mbs)
+    assert whole == training_flops(cfg, v, [128], mbs) + training_flops(cfg, v, [37], mbs)
+    assert whole == 3 * mbs * (forward_flops_per_sequence(cfg, v, 128) + forward_flops_per_sequence(cfg, v, 37))
+    assert training_flops(cfg, v, [], mbs) == 0
+
+
+@pytest.mark.parametrize("name, tflops", [
+    ("NVIDIA H200", 989), ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
+    ("NVIDIA GH200 480GB", 989), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100-PCIE-40GB", 312),
+    ("NVIDIA L40S", 362), ("NVIDIA L4", 121), ("NVIDIA A10G", 70), ("NVIDIA B200", 2250),
+])
+def test_peak_by_device_name(name, tflops):
+    assert peak_flops(name) == pytest.approx(tflops * 1e12)
+
+
+def test_peak_unknown_cpu_and_override():
+    assert peak_flops(None) is None
+    assert peak_flops("cpu") is None
+    assert peak_flops("Tesla T4") is None  # not in the table: no MFU rather than a guess
+    cfg = _cfg("train.peak_tflops=500")
+    assert peak_flops("NVIDIA H100 80GB HBM3", cfg.train.peak_tflops) == 500e12  # the override wins
+    assert peak_flops(None, cfg.train.peak_tflops) == 500e12
+    assert peak_flops("NVIDIA H100 80GB HBM3", load_config(None).train.peak_tflops) == 989e12
+
+
+def test_efficiency_arithmetic():
+    # 2 devices, 3 s, each doing 247.25 TFLOP/s: a quarter of an H100's 989
+    out = efficiency(2 * 3 * 247.25e12, 3.0, 2, 989e12)
+    assert out["tflops_per_device"] == pytest.approx(247.25)
+    assert out["mfu"] == pytest.approx(0.25)
+    assert efficiency(1e12, 1.0, 1, None) == {"tflops_per_device": pytest.approx(1.0), "mfu": None}

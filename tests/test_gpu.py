@@ -1,0 +1,217 @@
+"""The GPU path: the device rule of the forward step, the `torch` backend (SDPA / FlexAttention core attention)
+against megatron's local spec, backend choice, and the one-shot GPU check's dry run.
+
+Tests marked `gpu` need CUDA and are skipped without it; `benchmarks/gpu_check.py` runs them on a GPU. The rest
+runs on the CPU, where the torch spec runs too (SDPA; dense masks instead of FlexAttention, which has no CPU
+backward)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# (mode, overrides): bidirectional and causal, grouped-query attention with qk norms, adaLN time conditioning,
+# packed documents both ways
+CASES = [
+    ("difflm-noshift", []),
+    ("ar", []),
+    ("difflm-noshift", ["model.num_query_groups=1", "model.qk_layernorm=true"]),
+    ("difflm-noshift", ["diffusion.time_embedding=true"]),
+    ("difflm-noshift", ["model.document_attention=true", "model.num_query_groups=1"]),
+    ("ar", ["model.document_attention=true"]),
+]
+
+
+def _pair(tmp_path, mode: str, over: list[str], device: str, dtype=torch.float32):
+    """The same weights in the local spec and the torch spec."""
+    from models.megatron.gpt import build_model
+
+    cfgs = [tiny_config(tmp_path, f"diffusion.model_running_mode={mode}", f"model.backend={b}", *over)
+            for b in ("local", "torch")]
+    torch.manual_seed(0)
+    local = build_model(cfgs[0], 512).to(device=device, dtype=dtype).eval()
+    torched = build_model(cfgs[1], 512).to(device=device, dtype=dtype).eval()
+    assert set(local.state_dict()) == set(torched.state_dict())  # checkpoints are interchangeable
+    torched.load_state_dict(local.state_dict())
+    return cfgs[1], local, torched
+
+
+def _inputs(cfg, device: str):
+    from models import diffusion
+    from models.megatron.attention import DocumentMask
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(3, 500, (2, 24), generator=g)
+    x[:, 9] = 0  # an EOS: two packed documents per row
+    x, pos = x.to(device), torch.arange(24, device=device)[None].expand(2, -1)
+    kw = {"t": torch.rand(2, generator=g).to(device)} if cfg.diffusion.time_embedding else {}
+    if not cfg.model.document_attention:
+        return x, pos, None, None, kw
+    causal = cfg.diffusion.model_running_mode == "ar"
+    doc = diffusion.document_ids(x, 0)
+    return x, pos, diffusion.document_attention_mask(doc, causal), DocumentMask(doc, causal), kw
+
+
+def _compare(tmp_path, mode, over, device: str, dtype, atol: float) -> None:
+    cfg, local, torched = _pair(tmp_path, mode, over, device, dtype)
+    x, pos, dense, doc_mask, kw = _inputs(cfg, device)
+    with torch.no_grad():
+        want = local(x, pos, dense, **kw).float()
+        got = torched(x, pos, doc_mask, **kw).float()
+    assert type(torched.decoder.layers[0].self_attention.core_attention).__name__ == "TorchCoreAttention"
+    assert (got - want).abs().max().item() < atol
+
+
+@pytest.mark.parametrize("mode, over", CASES)
+def test_torch_spec_gives_the_local_spec_logits(megatron_single_process, tmp_path, mode, over):
+    _compare(tmp_path, mode, over, "cpu", torch.float32, 1e-5)  # measured ~1e-7
+
+
+def test_torch_spec_trains_with_documents_on_the_cpu(megatron_single_process, tmp_path):
+    """Gradients flow through the torch spec's packed-document path (dense mask to SDPA on the CPU)."""
+    cfg, local, torched = _pair(tmp_path, "difflm-noshift", ["model.document_attention=true"], "cpu")
+    x, pos, dense, doc_mask, _ = _inputs(cfg, "cpu")
+    local(x, pos, dense).float().square().mean().backward()
+    torched(x, pos, doc_mask).float().square().mean().backward()
+    for (name, a), b in zip(local.named_parameters(), torched.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+
+
+class _Recorder(torch.nn.Module):
+    """Stands in for the model: one parameter on `device`, records where each input tensor lives."""
+
+    def __init__(self, device: str):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, device=device))
+        self.devices: dict = {}
+
+    def forward(self, input_ids, position_ids, attention_mask, labels=None, **kwargs):
+        from models.megatron.attention import DocumentMask
+
+        mask = attention_mask.doc_ids if isinstance(attention_mask, DocumentMask) else attention_mask
+        for name, value in {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": mask,
+                            "labels": labels, **kwargs}.items():
+            if value is not None:
+                self.devices[name] = value.device
+        return torch.zeros(input_ids.shape, device=self.weight.device)
+
+
+@pytest.mark.parametrize("backend", ["local", "torch"])
+@pytest.mark.parametrize("mode", ["difflm-noshift", "ar", "difflm-noshift-uniform"])
+def test_forward_step_inputs_land_on_the_model_device(tmp_path, mode, backend):
+    """The device rule: batches and noise are made on the CPU; the step moves every tensor to the model's
+    device. The meta device stands in for a GPU here (a CPU tensor left behind stays on 'cpu')."""
+    from models.megatron.forward_step import SpecialTokens, make_forward_step
+
+    cfg = tiny_config(tmp_path, f"diffusion.model_running_mode={mode}", f"model.backend={backend}",
+                      "model.document_attention=true", "diffusion.time_embedding=true")
+    special = SpecialTokens(mask_id=1, vocab_size=512, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
+    x = torch.randint(3, 500, (4, 32))
+    batch = {"tokens": x, "labels": torch.roll(x, -1, 1), "loss_mask": torch.ones_like(x, dtype=torch.float),
+             "positions": torch.arange(4)}
+    model = _Recorder("meta")
+    output, loss_func = make_forward_step(cfg, special, step=3)(iter([batch]), model)
+    expected = {"input_ids", "position_ids", "attention_mask"} | ({"t"} if mode != "ar" else set()) | (
+        {"labels"} if mode != "difflm-noshift-uniform" else set())
+    assert set(model.devices) == expected
+    assert all(d.type == "meta" for d in model.devices.values()), model.devices
+    assert loss_func.args[0]["scored"].device.type == "meta"  # what the loss reads is there too
+
+
+def test_backend_choice(monkeypatch):
+    from models.megatron import backend
+
+    assert backend.resolve_backend("torch") == "torch"
+    assert backend.resolve_backend("local") == "local"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert backend.resolve_backend("auto") == "local"
+    with pytest.raises(RuntimeError, match="model.backend=torch"):
+        backend.resolve_backend("te")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backend, "transformer_engine_available", lambda: False)
+    assert backend.resolve_backend("auto") == "torch"  # a GPU without Transformer Engine
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run(tmp_path):
+    """`benchmarks/gpu_check.py --dry-run`: every section of the GPU check runs on the CPU at a tiny size."""
+    out = tmp_path / "report"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out), "--dry-run"],
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    sections = report["sections"]
+    assert {n: s["status"] for n, s in sections.items()} == {n: "ok" for n in (
+        "data", "gpu-tests", "train-difflm", "microbatch-1b", "train-ar", "export", "spec-parity")}
+    for mode in ("difflm", "ar"):
+        trained = sections[f"train-{mode}"]["result"]
+        assert trained["tokens_per_s_per_device"] > 0 and trained["tflops_per_device"] > 0
+        assert trained["mfu"] is None  # no peak figure for a CPU: no made-up MFU
+    parity = sections["spec-parity"]["result"]
+    assert parity["fp32_rel_diff"] < 1e-5 and parity["bf16_rel_diff"] < 5e-2
+    exported = sections["export"]["result"]
+    assert exported["fp32_parity_ok"] and exported["fp32"]["max_abs_diff"] < 1e-3
+    assert exported["bf16"]["top1_agreement"] > 0.5
+    micro = sections["microbatch-1b"]["result"]
+    assert micro["largest_micro_batch"] == 2 and micro["difflm_over_ar"] > 0
+    assert "| train-difflm | ok |" in (out / "report.md").read_text()
+
+
+# ---- on a GPU ---------------------------------------------------------------------------------------------
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode, over", CASES)
+def test_cuda_torch_spec_gives_the_local_spec_logits(megatron_single_process, tmp_path, mode, over):
+    """fp32: SDPA / FlexAttention against megatron's unfused softmax; bf16: within bf16 rounding."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    _compare(tmp_path, mode, over, "cuda", torch.float32, 1e-4)
+    _compare(tmp_path, mode, over, "cuda", torch.bfloat16, 0.15)
+
+
+@cuda
+@pytest.mark.gpu
+def test_cuda_flex_attention_document_mask_matches_dense_with_gradients():
+    from models import diffusion
+    from models.megatron.attention import DocumentMask, _flex_attention
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(3, 500, (2, 256), generator=g)
+    x[:, [40, 130, 200]] = 0
+    doc = diffusion.document_ids(x, 0).cuda()
+    for causal in (False, True):
+        mask = DocumentMask(doc, causal)
+        q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", requires_grad=True) for _ in range(3))
+        got = _flex_attention()(q, k, v, block_mask=mask.block_mask())
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense_keep())
+        assert (got - want).abs().max().item() < 1e-4
+        grads = torch.autograd.grad(got.sum(), (q, k, v))
+        ref = torch.autograd.grad(want.sum(), (q, k, v))
+        assert all((a - b).abs().max().item() < 1e-3 for a, b in zip(grads, ref))
+
+
+@cuda
+@pytest.mark.gpu
+def test_cuda_forward_step_runs_on_the_gpu(megatron_single_process, tmp_path):
+    """A real megatron model on the GPU takes the step's batch (made on the CPU) without a device error."""
+    from models.megatron.forward_step import SpecialTokens, make_forward_step
+    from models.megatron.gpt import build_model
+
+    cfg = tiny_config(tmp_path, "model.backend=torch", "diffusion.time_embedding=true")
+    model = build_model(cfg, 512).cuda()
+    special = SpecialTokens(mask_id=1, vocab_size=512, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
+    x = torch.randint(3, 500, (4, 32))
+    batch = {"tokens": x, "labels": torch.roll(x, -1, 1), "loss_mask": torch.ones_like(x, dtype=torch.float),
+             "positions": torch.arange(4)}
+    output, loss_func = make_forward_step(cfg, special, step=0)(iter([batch]), model)
+    total, count, _ = loss_func(output)
+    assert output.is_cuda and torch.isfinite(total) and count > 0
