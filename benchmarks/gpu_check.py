@@ -230,7 +230,7 @@ def train(p: dict, out: Path, manifest: Path, mode: str) -> dict:
 def worker(kind: str, p: dict, out: Path, manifest: Path, **extra) -> dict:
     """Run this script's `--worker KIND` under torchrun; returns the JSON it writes."""
     result = out / f"{kind}.json"
-    cmd = [str(Path(__file__).resolve()), "--worker", kind, "--manifest", str(manifest), "--out", str(out),
+    cmd = [str(Path(__file__).resolve()), str(out), "--worker", kind, "--manifest", str(manifest),
            "--result", str(result), *(["--dry-run"] if p["dry"] else [])]
     for key, value in extra.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
@@ -524,7 +524,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:  # inside torchrun
-        args.out = args.out or str(Path(args.result).parent)
         result = WORKERS[args.worker](args, plan(args.dry_run))
         if int(os.environ.get("RANK", 0)) == 0:
             Path(args.result).write_text(json.dumps(result, indent=1, default=str))

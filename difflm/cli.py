@@ -219,13 +219,14 @@ def cmd_eval(cfg: PipelineConfig, args) -> int:
 
 def cmd_generate(cfg: PipelineConfig, args) -> int:
     from models.evaluation.generation import default_prompts, sampler_settings
+    from models.evaluation.report import placement_label
     from models.evaluation.scoring import Scorer
     from difflm.tracking import tracking_uri
     from models.evaluation.sources import resolve_export
-    from models.evaluation.stages import load_model, load_tokenizer
+    from models.evaluation.stages import eval_device, load_model, load_tokenizer, placement
 
     hf_dir = resolve_export(args.source, args.tracking_uri or tracking_uri(cfg))
-    model, tok = load_model(hf_dir), load_tokenizer(hf_dir)
+    model, tok = load_model(hf_dir, *eval_device(cfg.eval)), load_tokenizer(hf_dir)
     prompts = args.prompt or cfg.eval.prompts
     if not prompts:
         from data_prep.pipeline import prepare_data
@@ -242,7 +243,7 @@ def cmd_generate(cfg: PipelineConfig, args) -> int:
         print(f"--- {r['prompt']!r}\n{r['completion']}\n    [{r['tokens']} tokens, {r['model_calls']} model calls, "
               f"{r['seconds']:.2f} s]")
     settings = {k: v for k, v in records[0]["sampler"].items() if v is not None} if records else {}
-    print(f"sampler: {json.dumps(settings)}")
+    print(f"sampler: {json.dumps(settings)}\ndevice / dtype: {placement_label(placement(model))}")
     return 0
 
 

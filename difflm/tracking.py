@@ -148,9 +148,12 @@ def log_training(train_info: dict, records: list[dict]) -> None:
 
 @tolerant
 def log_evaluation(results: dict, prefix: str = "eval") -> None:
-    """Bounds and task scores as metrics, samples as a table (with their sampler settings), the report."""
+    """Bounds and task scores as metrics, samples as a table (with their sampler settings), the report; the
+    device and dtype that produced them as tags `<prefix>.device`, `.dtype`, `.device_name` (the params hold
+    what was asked for, eval.device=auto; the tags what it resolved to)."""
     import mlflow
 
+    mlflow.set_tags({f"{prefix}.{k}": results[k] for k in ("device", "dtype", "device_name") if k in results})
     for name, res in results["bounds"].items():
         mlflow.log_metrics({f"{prefix}.{name}.nll_per_token": res["nll_per_token"], f"{prefix}.{name}.ppl": res["ppl"]})
     for task, scores in results.get("tasks", {}).items():

@@ -27,7 +27,8 @@ def evaluate(
     Args:
         source: an export folder, a run directory, or models:/<name>/<version> (or models:/<name>@<alias>).
         preset: a preset in configs/ or a YAML path (ignored when `config` is given): the data to score on.
-        overrides: `section.field=value` overrides (eval.* sets tasks, samples and the sampler).
+        overrides: `section.field=value` overrides (eval.* sets tasks, samples, the sampler, and the device and
+            dtype: eval.device=auto, eval.dtype=auto run on the GPU in bf16 when there is one).
         config: a complete configuration.
         out_dir: where results go (default: <run>/eval, or <workdir>/evals/<source>).
     """

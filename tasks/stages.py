@@ -60,6 +60,7 @@ def evaluate_task(cfg: PipelineConfig, manifest: dict, hf_dir: str, out_dir: str
     get_run_logger().info(
         f"validation {kind}: trained {b['trained']['ppl']:.1f}"
         + (f" vs untrained {b['untrained']['ppl']:.1f}" if "untrained" in b else "")
+        + f" (on {results['device']}, {results['dtype']})"
     )
     for name, scores in results["tasks"].items():
         get_run_logger().info(f"task {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()

@@ -45,6 +45,8 @@ def megatron_single_process():
 
     with single_process_group():
         compat.activate()
+        if parallel_state.model_parallel_is_initialized():  # left behind by code that owned another group
+            parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(1, 1)
         tensor_parallel.model_parallel_cuda_manual_seed(1234)
         yield dist.get_world_size()

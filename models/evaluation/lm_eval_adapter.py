@@ -10,8 +10,9 @@ registers the model type (lm-eval has no plugin discovery for models). In Python
 `lm_eval.simple_evaluate(model="difflm", model_args=..., tasks=...)`.
 
 model_args: pretrained, mc_samples (32), seed (0), device (cuda when available), dtype (float32 | bfloat16 |
-float16), max_length, greedy (compute is_greedy, true) and the sampler of generate_until: steps,
-block_length, remasking, threshold, temperature, top_k, top_p, cfg_scale.
+float16 | auto: bfloat16 on CUDA, float32 on the CPU, as eval.dtype), max_length, greedy (compute is_greedy,
+true) and the sampler of generate_until: steps, block_length, remasking, threshold, temperature, top_k, top_p,
+cfg_scale.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ class DiffLMEval(LM):
                  device: str | None = None, dtype: str = "float32", max_length: int | None = None,
                  greedy: bool = True, tracking_uri: str | None = None, **kwargs):
         super().__init__()
-        from models.evaluation.stages import load_model, load_tokenizer
+        from models.evaluation.stages import load_model, load_tokenizer, resolve_device
 
         folder = resolve_export(str(pretrained), tracking_uri)
         if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             device = "cuda" if torch.cuda.is_available() else "cpu"  # lm_eval's --device defaults to cuda
-        model = load_model(folder).to(device=device, dtype=getattr(torch, dtype))
+        model = load_model(folder, *resolve_device(str(device), dtype, setting="model_args "))
         unknown = set(kwargs) - set(SAMPLER_ARGS) - {"max_batch_size"}
         if unknown:
             raise ValueError(f"unknown model_args {sorted(unknown)} for difflm: see `python -m "

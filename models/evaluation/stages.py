@@ -35,22 +35,24 @@ class EvaluationError(ValueError):
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(device: str = "auto", dtype: str = "auto") -> tuple[torch.device, torch.dtype]:
+def resolve_device(device: str = "auto", dtype: str = "auto",
+                   setting: str = "eval.") -> tuple[torch.device, torch.dtype]:
     """(device, dtype) to evaluate on, from eval.device and eval.dtype: auto is CUDA when torch sees a GPU,
     else the CPU; dtype auto is bfloat16 on CUDA, float32 on the CPU. EvaluationError for a GPU that this
-    machine does not have: raised when a model is loaded, so one config serves GPU and CPU machines alike."""
+    machine does not have: raised when a model is loaded, so one config serves GPU and CPU machines alike.
+    `setting` is how the messages name the two settings (`eval.` in a config, `model_args ` in lm-eval)."""
     if dtype != "auto" and dtype not in DTYPES:
-        raise EvaluationError(f"eval.dtype must be auto, {', '.join(DTYPES)}, not {dtype!r}")
+        raise EvaluationError(f"{setting}dtype must be auto, {', '.join(DTYPES)}, not {dtype!r}")
     has_cuda = torch.cuda.is_available()
     dev = torch.device(("cuda" if has_cuda else "cpu") if device == "auto" else device)
     if dev.type == "cuda" and not has_cuda:
         why = ("this torch build has no CUDA (a CPU wheel)" if torch.version.cuda is None
                else "torch sees no GPU (driver, CUDA_VISIBLE_DEVICES?)")
-        raise EvaluationError(f"eval.device={device}, but {why}: set eval.device=auto (the GPU when there is "
-                              f"one, else the CPU) or eval.device=cpu")
+        raise EvaluationError(f"{setting}device={device}, but {why}: set {setting}device=auto (the GPU when "
+                              f"there is one, else the CPU) or {setting}device=cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise EvaluationError(f"eval.device={device}, but torch sees {torch.cuda.device_count()} GPU(s): set "
-                              f"eval.device=cuda (the current one) or cuda:<index below the count>")
+        raise EvaluationError(f"{setting}device={device}, but torch sees {torch.cuda.device_count()} GPU(s): "
+                              f"set {setting}device=cuda (the current one) or cuda:<index below the count>")
     if dtype == "auto":
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
     return dev, DTYPES[dtype]
@@ -70,7 +72,7 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
     from models.hf.modeling_difflm import DiffLMForMaskedLM
 
     hf_logging.disable_progress_bar()  # one bar per load is noise in eval tables and logs
-    # cast while loading (as LLaDA/Dream users pass torch_dtype): a 7B model never exists in fp32 on the host
+    # cast while loading (as LLaDA/Dream users pass torch_dtype): a large model is never built in fp32 on the host
     model = DiffLMForMaskedLM.from_pretrained(str(folder), local_files_only=True, dtype=dtype)
     return model.to(device).eval()
 

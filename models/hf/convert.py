@@ -255,28 +255,38 @@ def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict)
     rows = padded_vocab_size(tokenizer["vocab_size"], cfg.parallel.tensor_model_parallel_size)
     weights = repad_vocab({_local_key(k): v for k, v in load_file(str(hf_dir / "model.safetensors")).items()}, rows)
     with single_process_group():
-        from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+        from megatron.core import parallel_state, tensor_parallel
 
         from models.megatron import compat
         from models.megatron.gpt import build_model
 
         compat.activate()
-        if not parallel_state.model_parallel_is_initialized():
+        owned = not parallel_state.model_parallel_is_initialized()
+        if owned:
             parallel_state.initialize_model_parallel(1, 1)
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
         single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
             update={"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})})
-        model = build_model(single, tokenizer["vocab_size"], padded_vocab=rows)
-        expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
-        missing, unexpected = expected - weights.keys(), weights.keys() - expected
-        if missing or unexpected:
-            raise ConversionError(f"HF weights do not fit the megatron model: missing {sorted(missing)}, "
-                                  f"unexpected {sorted(unexpected)}")
-        model.load_state_dict(weights, strict=False)
-        tmp = out_dir.with_name(out_dir.name + ".part")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        dist_checkpointing.save(model.sharded_state_dict(prefix=""), str(tmp))
-        shutil.rmtree(out_dir, ignore_errors=True)
-        tmp.replace(out_dir)
+        try:
+            _save_megatron(build_model(single, tokenizer["vocab_size"], padded_vocab=rows), weights, out_dir)
+        finally:  # its groups die with this process group: leave no parallel state pointing at them
+            if owned:
+                parallel_state.destroy_model_parallel()
     return out_dir
+
+
+def _save_megatron(model, weights: dict, out_dir: Path) -> None:
+    from megatron.core import dist_checkpointing
+
+    expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
+    missing, unexpected = expected - weights.keys(), weights.keys() - expected
+    if missing or unexpected:
+        raise ConversionError(f"HF weights do not fit the megatron model: missing {sorted(missing)}, "
+                              f"unexpected {sorted(unexpected)}")
+    model.load_state_dict(weights, strict=False)
+    tmp = out_dir.with_name(out_dir.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dist_checkpointing.save(model.sharded_state_dict(prefix=""), str(tmp))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.replace(out_dir)
