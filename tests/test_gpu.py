@@ -99,6 +99,10 @@ class _Recorder(torch.nn.Module):
         from models.megatron.attention import DocumentMask
 
         mask = attention_mask.doc_ids if isinstance(attention_mask, DocumentMask) else attention_mask
+        packed = kwargs.pop("packed_seq_params", None)
+        if packed is not None:  # THD: the boundaries are tensors too
+            kwargs["cu_seqlens"] = packed.cu_seqlens_q
+        self.shapes = {"input_ids": input_ids.shape, "labels": None if labels is None else labels.shape}
         for name, value in {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": mask,
                             "labels": labels, **kwargs}.items():
             if value is not None:
@@ -167,6 +171,160 @@ def test_gpu_check_dry_run(tmp_path):
     assert "| train-difflm | ok |" in (out / "report.md").read_text()
 
 
+# ---- packed documents as THD sequences (Transformer Engine's form), tested on the torch spec -----------------
+def _special():
+    from models.megatron.forward_step import SpecialTokens
+
+    return SpecialTokens(mask_id=1, vocab_size=512, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
+
+
+def _packed_batch() -> dict:
+    """Three rows of 24 with every document shape: EOS inside and as the last token, a row without EOS, an
+    EOS first (a one-token document)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(3, 500, (3, 24), generator=g)
+    x[0, 9] = x[0, 23] = 0
+    x[2, 0] = x[2, 15] = 0
+    return {"tokens": x, "labels": torch.roll(x, -1, 1), "loss_mask": torch.ones_like(x, dtype=torch.float),
+            "positions": torch.arange(3)}
+
+
+def test_packed_documents_cu_seqlens():
+    from models import diffusion
+    from models.megatron.forward_step import packed_documents
+
+    x = torch.tensor([[5, 5, 0, 6, 6, 6],   # EOS inside: [5 5 EOS] [6 6 6]
+                      [7, 7, 7, 7, 7, 7],   # no EOS: the row is one sequence
+                      [8, 0, 9, 9, 9, 0],   # EOS as the last token ends its document, nothing empty follows
+                      [0, 4, 4, 0, 0, 4]])  # EOS first, two EOS in a row: one-token documents
+    cu, longest = packed_documents(diffusion.document_ids(x, 0))
+    assert cu.dtype == torch.int32
+    assert cu.tolist() == [0, 3, 6, 12, 14, 18, 19, 22, 23, 24]
+    assert longest == 6
+    cu, longest = packed_documents(diffusion.document_ids(torch.full((1, 7), 3), 0))
+    assert cu.tolist() == [0, 7] and longest == 7  # one row, no EOS: one sequence
+    cu, _ = packed_documents(diffusion.document_ids(torch.tensor([[3, 0], [0, 3]]), 0))
+    assert cu.tolist() == [0, 2, 3, 4]  # a document never crosses a row boundary
+
+
+def test_document_form_per_backend(tmp_path):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from models.megatron.forward_step import document_form
+    from models.megatron.gpt import layer_spec
+
+    assert document_form("te") == "thd"
+    assert document_form("torch") == "flex"
+    assert document_form("local") == "dense"
+    assert document_form("te", pipeline_parallel=2, micro_batch_size=1) == "thd"  # p2p [s, 1, h] = [b*s, 1, h]
+    assert document_form("te", pipeline_parallel=2, micro_batch_size=2) == "dense"  # p2p shapes [s, b, h]
+    model = tiny_config(tmp_path, "model.document_attention=true").model
+
+    def mask(backend, bidirectional, documents=None):
+        return layer_spec(model, bidirectional, backend, documents=documents).submodules.self_attention.params[
+            "attn_mask_type"]
+
+    assert mask("local", True) == AttnMaskType.arbitrary  # the dense [b, 1, s, s] mask
+    assert mask("torch", True, "dense") == AttnMaskType.arbitrary
+    # DocumentMask / THD carry the documents; the spec carries the direction (TE: padding / padding_causal)
+    assert mask("torch", True) == mask("torch", True, "thd") == AttnMaskType.no_mask
+    assert mask("torch", False, "thd") == AttnMaskType.causal
+
+
+TIME_INPUT = ["diffusion.time_embedding=true", "diffusion.time_conditioning=input"]
+THD_CASES = [("difflm-noshift", []), ("difflm-noshift", TIME_INPUT), ("ar", []), ("ar", TIME_INPUT),
+             ("difflm-noshift-uniform", TIME_INPUT)]  # uniform: the step gets logits [1, b*s, V], not CE
+
+
+def _document_models(tmp_path, mode: str, over: list[str], device: str = "cpu", dtype=torch.float32):
+    """The local and torch specs with document attention on the same weights, the time embedding randomised
+    (it starts at zero, which would hide a wrong per-token expansion)."""
+    cfg, local, torched = _pair(tmp_path, mode, ["model.document_attention=true", *over], device, dtype)
+    if local.time_embedding is not None:
+        g = torch.Generator().manual_seed(5)
+        with torch.no_grad():
+            for p in local.time_embedding.parameters():
+                p.copy_(torch.randn(p.shape, generator=g).to(p) * 0.5)
+        torched.load_state_dict(local.state_dict())
+    return cfg, local, torched
+
+
+def _step_outputs(cfg, model, documents: str, batch: dict, grad: bool = False):
+    """(raw output, [b, s(, V)] output, loss sum) of the forward step with packed documents in `documents` form."""
+    from models.megatron.forward_step import make_forward_step
+
+    with torch.set_grad_enabled(grad):
+        out, loss_func = make_forward_step(cfg, _special(), step=2, documents=documents)(iter([batch]), model)
+        total, count, _ = loss_func(out)
+    b, s = batch["tokens"].shape
+    return out, out.reshape(b, s, *out.shape[2:]), total, count
+
+
+@pytest.mark.parametrize("mode, over", THD_CASES)
+def test_thd_packed_sequences_give_the_document_mask_losses(megatron_single_process, tmp_path, mode, over):
+    """Transformer Engine's form (one row [1, b*s], one sequence per document, RoPE restarted per sequence)
+    gives the per-token loss / logits of the DocumentMask path and of the local spec's dense mask."""
+    cfg, local, torched = _document_models(tmp_path, mode, over)
+    batch = _packed_batch()
+    _, dense, dense_total, count = _step_outputs(cfg, local, "dense", batch)
+    _, flex, flex_total, _ = _step_outputs(cfg, torched, "flex", batch)
+    raw, thd, thd_total, thd_count = _step_outputs(cfg, torched, "thd", batch)
+    assert raw.shape[:2] == (1, 72)  # megatron's output under THD: one row
+    assert (flex - dense).abs().max().item() < 1e-5
+    assert (thd - dense).abs().max().item() < 1e-5
+    assert (thd - flex).abs().max().item() < 1e-5
+    assert abs(thd_total.item() - dense_total.item()) < 1e-4 * abs(dense_total.item()) and thd_count == count
+    assert abs(flex_total.item() - dense_total.item()) < 1e-4 * abs(dense_total.item())
+
+
+@pytest.mark.parametrize("mode", ["difflm-noshift", "ar"])
+def test_thd_logits_equal_the_dense_mask_logits(megatron_single_process, tmp_path, mode):
+    """The model itself: logits [1, b*s, V] under THD, reshaped, are the local spec's with the dense mask."""
+    from models import diffusion
+    from models.megatron.forward_step import packed_seq_params
+
+    over = TIME_INPUT if mode != "ar" else []
+    cfg, local, torched = _document_models(tmp_path, mode, over)
+    x = _packed_batch()["tokens"]
+    b, s = x.shape
+    doc = diffusion.document_ids(x, 0)
+    pos = torch.arange(s)[None].expand(b, -1)
+    kw = {"t": torch.tensor([0.2, 0.5, 0.9])} if over else {}
+    with torch.no_grad():
+        want = local(x, pos, diffusion.document_attention_mask(doc, causal=mode == "ar"), **kw)
+        got = torched(x.reshape(1, -1), pos.reshape(1, -1), None,
+                      packed_seq_params=packed_seq_params(doc, torch.device("cpu")), **kw)
+    assert got.shape == (1, b * s, want.shape[-1])
+    assert (got.reshape(want.shape) - want).abs().max().item() < 1e-5
+
+
+def test_thd_gradients_equal_the_dense_mask_gradients(megatron_single_process, tmp_path):
+    """Backward through THD (per-document RoPE, the per-row time embedding) gives the dense path's gradients."""
+    cfg, local, torched = _document_models(tmp_path, "difflm-noshift", TIME_INPUT)
+    batch = _packed_batch()
+    _, _, dense_total, _ = _step_outputs(cfg, local, "dense", batch, grad=True)
+    _, _, thd_total, _ = _step_outputs(cfg, torched, "thd", batch, grad=True)
+    dense_total.backward()
+    thd_total.backward()
+    for (name, a), b in zip(local.named_parameters(), torched.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-5, rtol=1e-4), name
+    assert torched.time_embedding.linear_2.weight.grad.abs().sum() > 0
+
+
+def test_thd_forward_step_flattens_rows_onto_the_model_device(tmp_path):
+    """The THD step hands the model one row [1, b*s], no mask, int32 boundaries and t [b], all on its device."""
+    from models.megatron.forward_step import make_forward_step
+
+    cfg = tiny_config(tmp_path, "model.backend=torch", "model.document_attention=true", *TIME_INPUT)
+    batch = _packed_batch()
+    model = _Recorder("meta")
+    output, loss_func = make_forward_step(cfg, _special(), step=3, documents="thd")(iter([batch]), model)
+    assert set(model.devices) == {"input_ids", "position_ids", "labels", "t", "cu_seqlens"}
+    assert all(d.type == "meta" for d in model.devices.values()), model.devices
+    assert model.shapes == {"input_ids": (1, 72), "labels": (1, 72)}
+    assert output.shape == (1, 72)
+
+
 # ---- on a GPU ---------------------------------------------------------------------------------------------
 @cuda
 @pytest.mark.gpu
@@ -215,3 +373,52 @@ def test_cuda_forward_step_runs_on_the_gpu(megatron_single_process, tmp_path):
     output, loss_func = make_forward_step(cfg, special, step=0)(iter([batch]), model)
     total, count, _ = loss_func(output)
     assert output.is_cuda and torch.isfinite(total) and count > 0
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["difflm-noshift", "ar"])
+def test_cuda_thd_on_the_torch_spec_gives_the_dense_mask_losses(megatron_single_process, tmp_path, mode):
+    """On CUDA the THD sequences become a FlexAttention block mask; fp32 losses within 1e-4 of the dense path."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cfg, local, torched = _document_models(tmp_path, mode, TIME_INPUT if mode != "ar" else [], "cuda")
+    batch = _packed_batch()
+    _, dense, _, _ = _step_outputs(cfg, local, "dense", batch)
+    _, thd, _, _ = _step_outputs(cfg, torched, "thd", batch)
+    assert (thd - dense).abs().max().item() < 1e-4
+
+
+def _te_available() -> bool:
+    from models.megatron.backend import transformer_engine_available
+
+    return torch.cuda.is_available() and transformer_engine_available()
+
+
+te = pytest.mark.skipif(not _te_available(), reason="needs CUDA and Transformer Engine")
+
+
+@te
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["difflm-noshift", "ar"])
+def test_cuda_te_thd_keeps_documents_apart(megatron_single_process, tmp_path, mode):
+    """Transformer Engine's THD path: each document's output equals the document run alone (RoPE is relative),
+    and the step's loss is finite. bf16: TE's fused kernels take half precision."""
+    from models import diffusion
+    from models.megatron.forward_step import packed_seq_params
+    from models.megatron.gpt import build_model
+
+    cfg = tiny_config(tmp_path, f"diffusion.model_running_mode={mode}", "model.backend=te",
+                      "model.document_attention=true", "train.precision=bf16")
+    model = build_model(cfg, 512).cuda().eval()
+    batch = _packed_batch()
+    x = batch["tokens"].cuda()
+    b, s = x.shape
+    with torch.no_grad():
+        packed = model(x.reshape(1, -1), torch.arange(s, device="cuda").repeat(b)[None], None,
+                       packed_seq_params=packed_seq_params(diffusion.document_ids(batch["tokens"], 0), x.device))
+        packed = packed.reshape(b, s, -1).float()
+        for row, (start, end) in [(0, (0, 10)), (0, (10, 24)), (1, (0, 24)), (2, (1, 16))]:
+            alone = model(x[row:row + 1, start:end], torch.arange(end - start, device="cuda")[None], None).float()
+            assert (packed[row, start:end] - alone[0]).abs().max().item() < 0.15, (row, start, end)
+    _, _, total, count = _step_outputs(cfg, model, "thd", batch)
+    assert torch.isfinite(total) and count > 0

@@ -13,7 +13,10 @@ megatron-core's local spec computes attention as baddbmm + an unfused softmax + 
 Checkpoints are interchangeable with the local spec: same modules, same parameter names.
 
 Packed documents reach the attention as a `DocumentMask` (document ids, not a dense mask): megatron passes
-the attention mask through to every layer untouched, so the mask is built once per forward and shared.
+the attention mask through to every layer untouched, so the mask is built once per forward and shared. The
+attention also takes Transformer Engine's form, megatron's `PackedSeqParams` with qkv_format 'thd' (one row,
+every document a sequence of `cu_seqlens`, the direction from the spec's mask type as TE takes it): the same
+`DocumentMask` is built from the boundaries, so the TE path's inputs are tested here without TE.
 """
 
 from __future__ import annotations
@@ -57,6 +60,25 @@ class DocumentMask:
             b, s = doc.shape
             self._block = create_block_mask(same_document, B=b, H=None, Q_LEN=s, KV_LEN=s, device=doc.device)
         return self._block
+
+
+def thd_document_mask(packed_seq_params, causal: bool, total: int) -> DocumentMask:
+    """The `DocumentMask` [1, total] of THD packed sequences: position i belongs to the sequence whose
+    [cu_seqlens[j], cu_seqlens[j + 1]) holds it. Kept on the params object, which megatron hands every layer,
+    so it is built once per forward."""
+    cached = getattr(packed_seq_params, "_document_mask", None)
+    if cached is not None and cached.causal == causal:
+        return cached
+    if packed_seq_params.cu_seqlens_q_padded is not None or packed_seq_params.cu_seqlens_kv_padded is not None:
+        raise RuntimeError("padded THD sequences (cu_seqlens_*_padded) need model.backend=te")
+    cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
+    if cu_kv is not None and cu_kv is not cu_q and not torch.equal(cu_q, cu_kv):
+        raise RuntimeError("THD self-attention needs the same query and key sequences")
+    lengths = (cu_q[1:] - cu_q[:-1]).long()
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=cu_q.device), lengths, output_size=total)
+    mask = DocumentMask(doc[None], causal)
+    packed_seq_params._document_mask = mask
+    return mask
 
 
 _FLEX = None
@@ -104,18 +126,31 @@ def _core_attention_class():
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
-            if packed_seq_params is not None or attention_bias is not None:
-                raise RuntimeError("packed THD sequences and attention biases need model.backend=te")
+            if attention_bias is not None:
+                raise RuntimeError("attention biases need model.backend=te")
+            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+            if packed_seq_params is not None:
+                attention_mask = self._thd_mask(packed_seq_params, mask_type, query.shape[0])
+                query, key, value = (x.unsqueeze(1) for x in (query, key, value))  # [t, n, d] -> [t, 1, n, d]
             s, b = query.shape[0], query.shape[1]
             q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, n, s, d]
             dropout_p = self.dropout if self.training else 0.0
-            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
             if dropout_p > 0 and not self.config.sequence_parallel:  # as DotProductAttention: TP ranks' own seeds
                 with tensor_parallel.get_cuda_rng_tracker().fork():
                     out = self._attend(q, k, v, attention_mask, mask_type, dropout_p)
             else:
                 out = self._attend(q, k, v, attention_mask, mask_type, dropout_p)
             return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, n*d]
+
+        def _thd_mask(self, packed_seq_params, mask_type, total: int) -> DocumentMask:
+            """TE's reading of THD: sequences apart, causal within one under a causal spec, else bidirectional."""
+            if packed_seq_params.qkv_format != "thd":
+                raise RuntimeError(f"packed sequences in {packed_seq_params.qkv_format!r} need model.backend=te")
+            if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.no_mask,
+                                 AttnMaskType.padding):
+                raise RuntimeError(f"THD packed sequences need a causal or no_mask spec, not {mask_type.name}")
+            causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+            return thd_document_mask(packed_seq_params, causal, total)
 
         def _attend(self, q, k, v, attention_mask, mask_type, dropout_p: float):
             grouped = q.shape[1] != k.shape[1]

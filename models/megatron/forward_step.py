@@ -136,6 +136,8 @@ def uniform_loss_terms(logits: torch.Tensor, prepared: dict, cfg: PipelineConfig
 
 
 def _loss_func(prepared: dict, cfg: PipelineConfig, evaluation: bool, states, output_tensor: torch.Tensor):
+    # THD packs the micro-batch into one row: per-token CE [1, b*s] or logits [1, b*s, V] back to [b, s(, V)]
+    output_tensor = output_tensor.reshape(*prepared["inputs"].shape, *output_tensor.shape[2:])
     if states is not None:
         total, count = uniform_loss_terms(_full_vocab(output_tensor), prepared, cfg, states, evaluation)
     else:
@@ -167,25 +169,79 @@ def to_device(tensors: dict, device: torch.device) -> dict:
             if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
 
 
-def attention_mask_for(tokens: torch.Tensor, cfg: PipelineConfig, special: SpecialTokens):
-    """None, or the packed-document mask in the form the layer spec takes: document ids for the torch
-    backend (FlexAttention block mask on GPUs), a dense [b, 1, s, s] mask for the local and TE specs."""
+DOCUMENT_FORMS = ("dense", "flex", "thd")
+
+
+def document_form(backend: str, pipeline_parallel: int = 1, micro_batch_size: int = 1) -> str:
+    """How packed documents reach the attention of `backend`'s layer spec: 'dense', a [b, 1, s, s] mask (local);
+    'flex', document ids in a `DocumentMask` (torch: a FlexAttention block mask on CUDA); 'thd', packed sequences
+    (te: `PackedSeqParams`, the micro-batch flattened to one row [1, b*s], every document one sequence), as
+    Megatron-LM and MegaDLMs give Transformer Engine packed documents.
+
+    TE keeps the dense mask when pipeline stages would exchange a THD micro-batch of b > 1 rows: megatron's p2p
+    buffers are shaped [s, b, h] from (seq_length, micro_batch_size), a THD activation is [b*s, 1, h]."""
+    if backend == "local":
+        return "dense"
+    if backend == "torch":
+        return "flex"
+    return "dense" if pipeline_parallel > 1 and micro_batch_size > 1 else "thd"
+
+
+def configured_document_form(cfg: PipelineConfig) -> str | None:
+    """`document_form` of `cfg`'s backend and layout; None without `model.document_attention`."""
     if not cfg.model.document_attention:
         return None
     from models.megatron.backend import resolve_backend
 
+    return document_form(resolve_backend(cfg.model.backend), cfg.parallel.pipeline_model_parallel_size,
+                         cfg.train.micro_batch_size)
+
+
+def packed_documents(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(cu_seqlens int32 [n + 1], longest length) of the documents of `doc_ids` [b, s] with the rows
+    concatenated: a new sequence starts at every row start and wherever the document id changes, so a document
+    never crosses a row boundary (a row without EOS is one sequence; an EOS ends its own document)."""
+    b, s = doc_ids.shape
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = starts.flatten().nonzero().flatten()
+    cu_seqlens = torch.cat([first, first.new_tensor([b * s])]).to(torch.int32)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def packed_seq_params(doc_ids: torch.Tensor, device: torch.device):
+    """megatron's `PackedSeqParams` (qkv_format 'thd') for the packed documents of `doc_ids` [b, s]. Give CPU ids:
+    the boundaries and the longest length (a Python int TE needs) are then found without a device sync."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens, longest = packed_documents(doc_ids)
+    cu_seqlens = to_device({"cu": cu_seqlens}, device)["cu"]
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+def attention_mask_for(tokens: torch.Tensor, cfg: PipelineConfig, special: SpecialTokens, form: str | None):
+    """None, or the packed-document mask of `form` ('dense' or 'flex', see `document_form`): document ids in a
+    `DocumentMask` for the torch spec (FlexAttention block mask on GPUs), a dense [b, 1, s, s] mask otherwise."""
+    if form is None:
+        return None
     causal = cfg.diffusion.model_running_mode == "ar"
     doc = diffusion.document_ids(tokens, special.eos_id)
-    if resolve_backend(cfg.model.backend) == "torch":
+    if form == "flex":
         from models.megatron.attention import DocumentMask
 
         return DocumentMask(doc, causal)
     return diffusion.document_attention_mask(doc, causal=causal)
 
 
-def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False):
-    """A megatron `forward_step_func(data_iterator, model)` for training step `step`."""
+def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False,
+                      documents: str | None = None):
+    """A megatron `forward_step_func(data_iterator, model)` for training step `step`.
+
+    `documents` overrides the form of packed documents (`document_form`; the tests run every form on one spec)."""
     states = special.uniform_states() if cfg.diffusion.model_running_mode == "difflm-noshift-uniform" else None
+    form = (documents or configured_document_form(cfg)) if cfg.model.document_attention else None
+    assert form in (None, *DOCUMENT_FORMS), form
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -193,10 +249,17 @@ def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int, ev
         prepared = to_device(corrupt(batch, cfg, special, step, evaluation), device)
         inputs = prepared["inputs"]
         position_ids = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
-        attention_mask = attention_mask_for(batch["tokens"].to(device), cfg, special)
         extra = {"t": prepared["t"]} if cfg.diffusion.time_embedding and prepared["t"] is not None else {}
         # With labels, megatron returns the per-token (vocab-parallel) cross-entropy [b, s]; without, logits.
         labels = None if states is not None else prepared["targets"]
+        if form == "thd":  # one row [1, b*s]; RoPE restarts per document, equal to global positions (relative)
+            extra["packed_seq_params"] = packed_seq_params(diffusion.document_ids(batch["tokens"], special.eos_id),
+                                                           device)
+            inputs, position_ids = inputs.reshape(1, -1), position_ids.reshape(1, -1)
+            labels = None if labels is None else labels.reshape(1, -1)
+            attention_mask = None
+        else:
+            attention_mask = attention_mask_for(batch["tokens"].to(device), cfg, special, form)
         output = model(inputs, position_ids, attention_mask, labels=labels, **extra)
         return output, partial(_loss_func, prepared, cfg, evaluation, states)
 

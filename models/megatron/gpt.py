@@ -47,14 +47,19 @@ def _adaln_norm_class():
     return MegatronAdaLNorm
 
 
-def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local", adaln: bool = False):
+def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local", adaln: bool = False,
+               documents: str | None = None):
     """Megatron's own layer spec with the attention mask kind chosen by the objective; with `adaln`, its two
-    norms swapped for t-modulated ones (a spec change, megatron's TransformerLayer is untouched)."""
+    norms swapped for t-modulated ones (a spec change, megatron's TransformerLayer is untouched).
+
+    `documents` is the form packed documents take (`forward_step.document_form`, by default the backend's)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
     from megatron.core.transformer.enums import AttnMaskType
+
+    from models.megatron.forward_step import document_form
 
     if backend == "te":
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
@@ -64,9 +69,10 @@ def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local", 
         from models.megatron.attention import torch_layer_spec
 
         spec = torch_layer_spec(spec)
-    if model.document_attention:  # the mask is built per batch from document boundaries
-        mask = AttnMaskType.arbitrary
-    else:
+    if model.document_attention and (documents or document_form(backend)) == "dense":
+        mask = AttnMaskType.arbitrary  # the [b, 1, s, s] mask is built per batch from document boundaries
+    else:  # a DocumentMask carries its own direction; under THD, TE takes causal / no_mask as
+        # padding_causal / padding within each sequence (megatron's TEDotProductAttention maps them)
         mask = AttnMaskType.no_mask if bidirectional else AttnMaskType.causal
     spec.submodules.self_attention.params["attn_mask_type"] = mask
     if adaln:
@@ -145,14 +151,31 @@ def _diffusion_gpt_class():
         def forward(self, input_ids, position_ids, attention_mask, labels=None, t=None, **kwargs):
             if (self.time_embedding is not None or self.adaln) and t is None:
                 raise ValueError("this model was built with diffusion.time_embedding=true: pass t")
+            packed = kwargs.get("packed_seq_params")
+            thd = packed is not None and packed.qkv_format == "thd"
+            if thd and self.adaln:
+                raise RuntimeError("adaLN time conditioning takes one t per row: not with THD packed sequences")
             if self.time_embedding is not None:
                 emb = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
-                kwargs["decoder_input"] = emb + self.time_embedding(t).unsqueeze(0).to(emb.dtype)
+                time = self.time_embedding(t).to(emb.dtype)  # [b, h]
+                time = self._per_token(time, emb.shape[0]) if thd else time.unsqueeze(0)
+                kwargs["decoder_input"] = emb + time
             self.time.t = t
             try:
                 return super().forward(input_ids, position_ids, attention_mask, labels=labels, **kwargs)
             finally:
                 self.time.t = None
+
+        def _per_token(self, time: torch.Tensor, local_tokens: int) -> torch.Tensor:
+            """[t_local, 1, h]: each token of a THD row [1, b*s] gets the time embedding of its row ([b, h]).
+            Under SP this rank holds tokens [rank * t_local, (rank + 1) * t_local) of the row; a plain index
+            (not a scatter) keeps each rank's gradient to its own tokens, summed over TP like the params'."""
+            tp = self.pg_collection.tp
+            parts = tp.size() if self.config.sequence_parallel else 1
+            first = tp.rank() * local_tokens if parts > 1 else 0
+            seq_length = local_tokens * parts // time.shape[0]
+            row = torch.arange(first, first + local_tokens, device=time.device) // seq_length
+            return time[row].unsqueeze(1)
 
     return DiffusionGPTModel
 
@@ -173,7 +196,10 @@ def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, 
             "norms that refuse it. Set model.backend=torch (or parallel.sequence_parallel=false)."
         )
     tcfg = transformer_config(cfg, backend)
-    spec = layer_spec(cfg.model, is_bidirectional(cfg.diffusion.model_running_mode), backend, uses_adaln(cfg))
+    from models.megatron.forward_step import configured_document_form
+
+    spec = layer_spec(cfg.model, is_bidirectional(cfg.diffusion.model_running_mode), backend, uses_adaln(cfg),
+                      configured_document_form(cfg))
     if backend == "torch":  # the final norm as well must accept sequence parallelism
         from models.megatron.attention import block_spec
 
