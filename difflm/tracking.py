@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from difflm import registry
 from difflm.config import PipelineConfig
 
 
@@ -184,31 +185,22 @@ def log_sweep(rows: list[dict], plot: Path) -> None:
 
 
 @tolerant
-def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str, checkpoint: str) -> dict:
-    """Upload the HF folder as an artifact and register it: one model version per trained checkpoint
-    (a rerun that reuses the checkpoint points at the existing version instead of adding a copy)."""
+def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str, checkpoint: str,
+                           manifest: dict | None = None, results: dict | None = None) -> dict:
+    """Upload the HF folder as an artifact and register it (see difflm.registry): one model version per
+    trained checkpoint (a rerun that reuses the checkpoint points at the existing version instead of adding a
+    copy), alias `candidate`, `champion` when its `tracking.champion_metric` beats the champion's, and a
+    readable description. Returns the artifact URI, the name, version and the promotion decision."""
     import mlflow
-    from mlflow.tracking import MlflowClient
 
     mlflow.log_artifacts(str(hf_dir), "hf_model")
     out = {"artifact_uri": mlflow.get_artifact_uri("hf_model")}
-    name = cfg.tracking.registered_model
+    name = registry.registered_model_name(cfg)
     if name:
-        client = MlflowClient()
-        try:
-            client.get_registered_model(name)
-        except Exception:  # MlflowException RESOURCE_DOES_NOT_EXIST
-            client.create_registered_model(name, description="Diffusion LMs trained by difflm-pipeline (HF folders)")
-        existing = [v for v in client.search_model_versions(f"name='{name}'")
-                    if v.tags.get("difflm.checkpoint") == checkpoint]
-        if existing:
-            mv = max(existing, key=lambda v: int(v.version))
-        else:
-            mv = client.create_model_version(name, source=out["artifact_uri"], run_id=run_id,
-                                             tags={"difflm.checkpoint": checkpoint},
-                                             description=json.dumps({"mode": cfg.diffusion.model_running_mode}))
-        mlflow.set_tag("registered_model_version", f"{name}/{mv.version}")
-        out.update(registered_model=name, version=mv.version)
+        out.update(registry.register_version(cfg, name, source=out["artifact_uri"], run_id=run_id,
+                                             checkpoint=checkpoint, uri=tracking_uri(cfg), hf_dir=hf_dir,
+                                             manifest=manifest, results=results))
+        mlflow.set_tag("registered_model_version", f"{name}/{out['version']}")
     return out
 
 

@@ -47,7 +47,11 @@ def pretrain_difflm(
         registered = {}
         if run_id:
             tracking.log_evaluation(results)
-            registered = tracking.log_and_register_model(cfg, hf_dir, run_id, train_info["checkpoint"]) or {}
+            registered = tracking.log_and_register_model(cfg, hf_dir, run_id, train_info["checkpoint"],
+                                                         manifest=manifest, results=results) or {}
+            if registered.get("version"):
+                logger.info(f"registered {registered['registered_model']} v{registered['version']}: "
+                            f"{registered['promotion']}")
     summary = {
         "workdir": cfg.workdir,
         "data_dir": manifest["dir"],

@@ -44,8 +44,12 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness):
     assert {"config", "data", "eval", "hf_model", "train"} <= artifacts
     hf_files = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "hf_model")}
     assert {"model.safetensors", "config.json", "modeling_difflm.py", "tokenizer.json"} <= hf_files
-    version = client.get_model_version(cfg.tracking.registered_model, summary["version"])
-    assert version.run_id == run.info.run_id
+    # registered under the name derived from preset and mode; the first version is candidate and champion
+    assert summary["registered_model"] == "difflm-test-tiny-difflm-noshift"
+    version = client.get_model_version(summary["registered_model"], summary["version"])
+    assert version.run_id == run.info.run_id and set(version.aliases) == {"candidate", "champion"}
+    assert summary["promoted"] and "eval.trained.nll_per_token" in version.tags["promotion"]
+    assert f"runs:/{run.info.run_id}" in version.description
 
     # running it again reuses what is done: same checkpoint, a new MLflow run with backfilled curves
     again = pretrain_difflm(config=cfg)
@@ -58,7 +62,7 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness):
     from flows.evaluate import evaluate
 
     ev_cfg = tiny_config(session_dir / "flow", "train.train_iters=30", "train.lr=5e-3", "eval.steps_sweep=[1,2]")
-    res = evaluate(source=f"models:/{cfg.tracking.registered_model}/{summary['version']}", config=ev_cfg)
+    res = evaluate(source=f"models:/{summary['registered_model']}@champion", config=ev_cfg)
     ev_run = client.get_run(res["mlflow_run_id"])
     assert ev_run.data.tags["flow"] == "evaluate" and "eval.cloze.acc" in ev_run.data.metrics
     assert [m.step for m in client.get_metric_history(ev_run.info.run_id, "sweep.tokens_per_s")] == [1, 2]

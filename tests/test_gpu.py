@@ -8,6 +8,7 @@ backward)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -146,12 +147,22 @@ def test_backend_choice(monkeypatch):
     assert backend.resolve_backend("auto") == "torch"  # a GPU without Transformer Engine
 
 
+ABSENT_ON_THE_GPU_IMAGE = ("prefect", "mlflow", "datatrove", "lm_eval", "data_prep", "flows", "tasks")
+
+
 @pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
     """`benchmarks/gpu_check.py --dry-run`: every section of the GPU check runs on the CPU at a tiny size."""
     out = tmp_path / "report"
+    # the GPU image has none of the orchestration stack: make it absent here too, in every process the check
+    # starts (sitecustomize runs at each interpreter's start; a None entry makes the import fail)
+    absent = tmp_path / "absent"
+    absent.mkdir()
+    (absent / "sitecustomize.py").write_text(
+        "import sys\nfor name in %r:\n    sys.modules[name] = None\n" % (ABSENT_ON_THE_GPU_IMAGE,))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(absent), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out), "--dry-run"],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+                          capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     sections = report["sections"]

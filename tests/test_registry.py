@@ -1,0 +1,175 @@
+"""The model registry rules on a real MLflow sqlite store: names per preset and mode, `candidate` on every new
+version, `champion` only when the configured metric is strictly better, readable descriptions."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from difflm import registry, tracking
+from difflm.config import load_config
+
+METRIC = "eval.trained.nll_per_token"
+MANIFEST = {"hash": "abc123def456", "dir": "/data/abc123def456", "sources": [{"name": "enwiki"}],
+            "splits": {"train": {"tokens": 1000}, "valid": {"tokens": 100}}}
+
+
+def results(nll: float) -> dict:
+    return {"bounds": {"trained": {"nll_per_token": nll, "ppl": 2.718 ** nll, "bound": True, "kind": "elbo"}},
+            "tasks": {"cloze": {"acc": 0.25, "nll": 3.5, "items": 6}}}
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """(uri, client, experiment id) of a fresh sqlite store with its artifacts in tmp_path."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # records the original (unset) value for teardown ...
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # ... which mlflow.set_tracking_uri would otherwise leak
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    exp = client.create_experiment("reg", artifact_location=(tmp_path / "artifacts").as_uri())
+    return uri, client, exp
+
+
+def fake_export(folder: Path) -> Path:
+    """An HF-like folder whose safetensors header says 10*4 + 4 = 44 parameters (no tensor data needed)."""
+    folder.mkdir(parents=True)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [10, 4], "data_offsets": [0, 160]},
+                         "b": {"dtype": "F32", "shape": [4], "data_offsets": [160, 176]}}).encode()
+    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(176))
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+def register(store, cfg, tmp_path, value: float | None, checkpoint: str) -> dict:
+    """A run that logged `value` of the champion metric and a dummy export, registered like the flow does."""
+    uri, client, exp = store
+    run = client.create_run(exp)
+    if value is not None:
+        client.log_metric(run.info.run_id, cfg.tracking.champion_metric, value)
+    client.log_metric(run.info.run_id, "val_loss", 5.0)
+    hf = fake_export(tmp_path / checkpoint.replace("/", "_"))
+    client.log_artifacts(run.info.run_id, str(hf), "hf_model")
+    client.set_terminated(run.info.run_id)
+    name = registry.registered_model_name(cfg)
+    return registry.register_version(cfg, name, source=f"{run.info.artifact_uri}/hf_model", run_id=run.info.run_id,
+                                     checkpoint=checkpoint, uri=uri, hf_dir=hf, manifest=MANIFEST,
+                                     results=results(value or 0.0))
+
+
+def aliases(client, name: str) -> dict[str, str]:
+    return {alias: str(v) for alias, v in client.get_registered_model(name).aliases.items()}
+
+
+def test_default_name_per_preset_and_mode_and_an_explicit_override():
+    assert registry.registered_model_name(load_config("tiny-cpu")) == "difflm-tiny-cpu-difflm-noshift"
+    assert (registry.registered_model_name(load_config("test-tiny", ["diffusion.model_running_mode=ar"]))
+            == "difflm-test-tiny-ar")
+    odd = load_config("test-tiny", ["name=my run/v2"])  # sanitised to MLflow-safe characters
+    assert registry.registered_model_name(odd) == "difflm-my-run-v2-difflm-noshift"
+    assert registry.registered_model_name(load_config("test-tiny", ["tracking.registered_model=mine"])) == "mine"
+    assert registry.registered_model_name(load_config("test-tiny", ["tracking.registry=false"])) is None
+    assert registry.registered_model_name(load_config("test-tiny", ["tracking.registered_model="])) is None
+
+
+def test_champion_moves_only_to_a_strictly_better_version(store, tmp_path):
+    _, client, _ = store
+    cfg = load_config("test-tiny", [f"workdir={tmp_path}"])
+    name = registry.registered_model_name(cfg)
+
+    first = register(store, cfg, tmp_path, 6.90, "ckpt/1")
+    assert first["promoted"] and first["version"] == "1" and sorted(first["aliases"]) == ["candidate", "champion"]
+    assert aliases(client, name) == {"candidate": "1", "champion": "1"}
+
+    worse = register(store, cfg, tmp_path, 7.10, "ckpt/2")
+    assert not worse["promoted"] and worse["champion_version"] == "1" and worse["aliases"] == ["candidate"]
+    assert aliases(client, name) == {"candidate": "2", "champion": "1"}
+    tags = client.get_model_version(name, "2").tags
+    assert tags["promotion"] == f"kept champion v1 ({METRIC} 7.1 >= 6.9)"
+    assert tags["champion_metric"] == METRIC and float(tags["champion_metric_value"]) == 7.10
+
+    equal = register(store, cfg, tmp_path, 6.90, "ckpt/3")  # a tie is not better
+    assert not equal["promoted"] and aliases(client, name) == {"candidate": "3", "champion": "1"}
+
+    better = register(store, cfg, tmp_path, 6.65, "ckpt/4")
+    assert better["promoted"] and aliases(client, name) == {"candidate": "4", "champion": "4"}
+    assert client.get_model_version(name, "4").tags["promotion"] == f"champion ({METRIC} 6.65 < 6.9 of v1)"
+
+    missing = register(store, cfg, tmp_path, None, "ckpt/5")  # evaluation not logged: never promoted
+    assert not missing["promoted"] and "no eval.trained.nll_per_token logged" in missing["promotion"]
+    assert aliases(client, name) == {"candidate": "5", "champion": "4"}
+
+
+def test_higher_is_better_reverses_the_comparison(store, tmp_path):
+    _, client, _ = store
+    cfg = load_config("test-tiny", [f"workdir={tmp_path}", "tracking.champion_metric=eval.cloze.acc",
+                                    "tracking.champion_higher_is_better=true", "tracking.registered_model=acc-model"])
+    assert register(store, cfg, tmp_path, 0.50, "a")["promoted"]
+    lower = register(store, cfg, tmp_path, 0.40, "b")
+    assert not lower["promoted"] and lower["promotion"] == "kept champion v1 (eval.cloze.acc 0.4 <= 0.5)"
+    assert register(store, cfg, tmp_path, 0.60, "c")["promoted"]
+    assert aliases(client, "acc-model") == {"candidate": "3", "champion": "3"}
+
+
+def test_the_same_checkpoint_reuses_its_version(store, tmp_path):
+    _, client, _ = store
+    cfg = load_config("test-tiny", [f"workdir={tmp_path}"])
+    first = register(store, cfg, tmp_path / "1", 6.9, "ckpt")
+    again = register(store, cfg, tmp_path / "2", 6.0, "ckpt")
+    assert again["version"] == first["version"] == "1" and not again["promoted"]
+    assert again["promotion"].startswith("reused v1") and again["aliases"] == ["candidate", "champion"]
+    assert len(client.search_model_versions(f"name='{first['registered_model']}'")) == 1
+
+
+def test_description_is_readable_and_links_back(store, tmp_path):
+    _, client, _ = store
+    cfg = load_config("test-tiny", [f"workdir={tmp_path}"])
+    out = register(store, cfg, tmp_path, 6.9, "/runs/x/checkpoints/iter_0000020")
+    mv = client.get_model_version(out["registered_model"], out["version"])
+    text = mv.description
+    assert text.startswith("**difflm-noshift** LM, preset `test-tiny`")
+    assert "0.00M parameters" in text and "final val_loss 5.0000" in text
+    assert "ELBO (upper bound): 6.9000 nats/token" in text and "task cloze: acc 0.250, nll 3.500 (6 items)" in text
+    assert f"`{METRIC}` (lower is better): 6.9" in text
+    assert f"run: `runs:/{mv.run_id}`" in text and f"`runs:/{mv.run_id}/data/manifest.json`" in text
+    assert "abc123def456" in text and "enwiki" in text and "/runs/x/checkpoints/iter_0000020" in text
+    assert {"mode": "difflm-noshift", "preset": "test-tiny", "data.hash": "abc123def456"}.items() <= mv.tags.items()
+    assert registry.parameter_count(tmp_path / "_runs_x_checkpoints_iter_0000020") == 44
+
+
+def test_run_links_point_at_the_ui_of_a_server():
+    assert registry.run_links("sqlite:///x.db", "3", "r1") == {"run": "runs:/r1"}
+    ui = registry.run_links("http://127.0.0.1:5000/", "3", "r1")["ui"]
+    assert ui == "http://127.0.0.1:5000/#/experiments/3/runs/r1"
+
+
+@pytest.mark.parametrize("off", ["tracking.registry=false", "tracking.registered_model="])
+def test_disabled_registration_registers_nothing(store, tmp_path, off):
+    import mlflow
+
+    uri, client, exp = store
+    cfg = load_config("test-tiny", [f"workdir={tmp_path}", f"tracking.tracking_uri={uri}", off])
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(experiment_id=exp) as run:
+        out = tracking.log_and_register_model(cfg, fake_export(tmp_path / "hf"), run.info.run_id, "ckpt")
+    assert out and "artifact_uri" in out and "version" not in out
+    assert client.search_registered_models() == []
+
+
+def test_the_flow_wrapper_registers_under_the_derived_name(store, tmp_path):
+    import mlflow
+
+    uri, client, exp = store
+    cfg = load_config("test-tiny", [f"workdir={tmp_path}", f"tracking.tracking_uri={uri}"])
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(experiment_id=exp) as run:
+        mlflow.log_metric(METRIC, 6.5)
+        out = tracking.log_and_register_model(cfg, fake_export(tmp_path / "hf"), run.info.run_id, "ckpt",
+                                              manifest=MANIFEST, results=results(6.5))
+    assert out["registered_model"] == "difflm-test-tiny-difflm-noshift" and out["promoted"]
+    assert client.get_run(run.info.run_id).data.tags["registered_model_version"] == "difflm-test-tiny-difflm-noshift/1"
+    assert str(client.get_model_version_by_alias(out["registered_model"], "champion").version) == "1"
