@@ -1,4 +1,5 @@
-# Image of the pipeline: the Prefect worker that runs pretrain-difflm, and the MLflow server.
+# Image of the pipeline, for docker-compose.yml: the MLflow server, the Prefect server and the Prefect worker
+# that runs the flows. Its ENV is difflm.stack.IMAGE_ENV (a native `python -m difflm.stack up` sets the same).
 # CPU torch by default; for GPUs build FROM an NGC PyTorch image and install '.[gpu]'.
 FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DO_NOT_TRACK=true \
@@ -12,6 +13,7 @@ COPY models models
 COPY tasks tasks
 COPY flows flows
 COPY configs configs
+COPY prefect.yaml ./
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
- && pip install -e . psycopg2-binary
+ && pip install -e '.[stack]'
 CMD ["difflm", "--help"]

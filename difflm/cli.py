@@ -29,6 +29,8 @@ EPILOG = """examples:
   difflm config show train.lr=1e-3             # print the resolved configuration
   difflm serve --cron '0 3 * * *'              # a Prefect deployment of pretrain-difflm
   difflm eval .difflm/runs/<run> .difflm/runs/<ar run>   # tasks + bounds, side by side
+  difflm convert .difflm/runs/<run>             # newest checkpoint -> <run>/exports/iter_XXXXXXX (HF)
+  difflm eval-latest .difflm/runs/<run>         # score the newest checkpoint while it trains, into MLflow
   difflm generate .difflm/runs/<run> --prompt "The river" eval.threshold=0.9 eval.block_length=8
 """
 
@@ -147,39 +149,70 @@ def cmd_verify(cfg: PipelineConfig, args) -> int:
 
 def cmd_train(cfg: PipelineConfig, args) -> int:
     from data_prep.pipeline import prepare_data
+    from models.launch.cluster import submit_kubernetes, submit_slurm
     from models.launch.torchrun import launch_training
 
-    print(json.dumps(launch_training(cfg, prepare_data(cfg)), indent=2))
+    launch = {"slurm": submit_slurm, "kubernetes": submit_kubernetes}.get(cfg.train.launcher, launch_training)
+    print(json.dumps(launch(cfg, prepare_data(cfg)), indent=2))
     return 0
 
 
 def cmd_launch(cfg: PipelineConfig, args) -> int:
     from data_prep.pipeline import prepare_data
-    from models.launch.torchrun import run_dir, write_run_inputs
-    from models.launch.cluster import k8s_pytorchjob, slurm_script
+    from models.launch.cluster import mount_problem, write_launch_file
+    from models.launch.torchrun import run_dir
 
+    # the options override train.slurm.* / train.kubernetes.* (the settings train.launcher=slurm|kubernetes uses)
+    for section, options in ((cfg.train.slurm, ("partition", "time", "python")),
+                             (cfg.train.kubernetes, ("image", "pvc"))):
+        for name in options:
+            if getattr(args, name) is not None:
+                setattr(section, name, getattr(args, name))
+    target = "kubernetes" if args.target in ("k8s", "kubernetes") else "slurm"
     manifest = prepare_data(cfg)
     rdir = run_dir(cfg, manifest)
-    config, manifest_path = write_run_inputs(cfg, manifest, rdir)
-    if args.target == "slurm":
-        out = rdir / "launch.sbatch"
-        out.write_text(slurm_script(cfg, config, manifest_path, rdir, args.partition, args.time, args.python))
-        hint = f"sbatch {out}"
-    else:
-        out = rdir / "pytorchjob.yaml"
-        out.write_text(k8s_pytorchjob(cfg, config, manifest_path, rdir, args.image, args.pvc))
-        hint = f"kubectl apply -f {out}"
+    out = write_launch_file(cfg, manifest, target)
+    hint = f"sbatch {out}" if target == "slurm" else f"kubectl apply -f {out}"
     print(f"{args.target} launch file: {out}\nsubmit: {hint}\nrun directory (checkpoints, metrics): {rdir}")
+    if target == "kubernetes" and mount_problem(cfg, rdir):
+        print(f"difflm: warning: {mount_problem(cfg, rdir)}", file=sys.stderr)
     return 0
 
 
-def cmd_import_hf(cfg: PipelineConfig, args) -> int:
-    from data_prep.tokenizer import describe
-    from models.hf.convert import import_hf
+def cmd_convert(cfg: PipelineConfig, args) -> int:
+    """`convert` (either direction, inferred) and `import-hf` (HF -> megatron): one path, plain or as the flow."""
+    from tasks.stages import conversion_source, convert_source, stage_config
 
-    tok = describe(Path(args.hf_dir), cfg.tokenizer).to_dict()
-    out = import_hf(cfg, Path(args.hf_dir), Path(args.out), tok)
-    print(f"megatron checkpoint: {out}\nstart training from it with: train.init_from={out}")
+    source, to = (args.hf_dir, "megatron") if args.command == "import-hf" else (args.source, args.to)
+    found = conversion_source(source, to)  # a folder that is neither fails here, before any Prefect server
+    if args.preset is None:  # no preset: the run's own config.yaml when the source belongs to a run
+        cfg = stage_config(found["run_dir"], None, args.overrides)
+    if args.flow:
+        from flows.convert import convert_checkpoint
+
+        info = convert_checkpoint(source=source, to=to, out_dir=args.out, config=cfg)
+    else:
+        info = convert_source(cfg, found, args.out)
+    out = info["out_dir"]
+    if info["to"] == "megatron":
+        print(f"megatron checkpoint: {out}\nstart training from it with: train.init_from={out}")
+    else:
+        print(f"Hugging Face export: {out}" + (" (reused)" if info["reused"] else "")
+              + (f"\n  from iteration {info['iteration']} of {info['run_dir']}" if info["run_dir"] else ""))
+    return 0
+
+
+def cmd_eval_latest(cfg: PipelineConfig, args) -> int:
+    from flows.evaluate_latest import evaluate_latest
+
+    res = evaluate_latest(run_dir=args.run_dir, preset=args.preset, overrides=args.overrides,
+                          max_sequences=args.max_sequences, force=args.force)
+    if res.get("skipped"):
+        print(f"skipped: {res['skipped']}" + (f" (iteration {res['iteration']}, score {res['score']:.4f})"
+                                              if res.get("iteration") is not None else ""))
+    else:
+        print(f"iteration {res['iteration']}: {res['kind']} {res['score']:.4f} nats/token (ppl {res['ppl']:.2f})"
+              + (f"; MLflow run {res['mlflow_run_id']}" if res.get("mlflow_run_id") else ""))
     return 0
 
 
@@ -248,9 +281,28 @@ def cmd_generate(cfg: PipelineConfig, args) -> int:
 
 
 def cmd_serve(cfg: PipelineConfig, args) -> int:
+    """Serve a flow as a deployment of this process: pretrain-difflm (the config), or evaluate-latest on a run."""
+    schedule = {"cron": args.cron} if args.cron else {"interval": args.interval} if args.interval else {}
+    if args.flow == "evaluate-latest":
+        schedule = schedule or {"interval": 600}
+        from flows.evaluate_latest import evaluate_latest
+        from tasks.stages import training_run_dir
+
+        if not args.run_dir:
+            raise SystemExit("difflm serve --flow evaluate-latest needs --run-dir <workdir>/runs/<run> (the run to "
+                             "score while it trains)")
+        params = {"run_dir": str(training_run_dir(args.run_dir)), "max_sequences": args.max_sequences,
+                  "overrides": args.overrides}
+        if args.preset:  # else the run's own config.yaml
+            params["preset"] = args.preset
+        print(f"serving evaluate-latest/{args.name} on {params['run_dir']}"
+              + (f" every {args.interval:g} s" if args.interval and not args.cron else ""), flush=True)
+        evaluate_latest.serve(name=args.name, parameters=params, limit=1, **schedule)  # one at a time
+        return 0
     from flows.pretrain import pretrain_difflm
 
-    pretrain_difflm.serve(name=args.name, cron=args.cron, parameters={"preset": args.preset, "overrides": args.overrides})
+    pretrain_difflm.serve(name=args.name, parameters={"preset": args.preset or "tiny-cpu", "overrides": args.overrides},
+                          **schedule)
     return 0
 
 
@@ -287,22 +339,39 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("launch", help="write a Slurm script or Kubernetes PyTorchJob that trains this config",
                        description="Prepare the data (reused when done), then write a cluster launch file for "
                        "torchrun on train.nnodes nodes x train.nproc_per_node GPUs into the run directory. The "
-                       "workdir must be on storage every node sees.")
-    p.add_argument("--target", choices=["slurm", "k8s"], default="slurm")
-    p.add_argument("--partition", default=None, help="Slurm partition")
-    p.add_argument("--time", default="24:00:00", help="Slurm time limit")
-    p.add_argument("--python", default=sys.executable, help="python on the nodes (default: this one)")
-    p.add_argument("--image", default="difflm-pipeline:latest", help="container image (k8s)")
-    p.add_argument("--pvc", default="difflm-data", help="PersistentVolumeClaim holding the workdir (k8s)")
+                       "workdir must be on storage every node sees. train.launcher=slurm|kubernetes also submits "
+                       "it and waits (difflm train, difflm run, the pretrain-difflm flow).")
+    p.add_argument("--target", choices=["slurm", "k8s", "kubernetes"], default="slurm")
+    p.add_argument("--partition", default=None, help="Slurm partition (default: train.slurm.partition)")
+    p.add_argument("--time", default=None, help="Slurm time limit (default: train.slurm.time, 24:00:00)")
+    p.add_argument("--python", default=None, help="python on the nodes (default: train.slurm.python, else this one)")
+    p.add_argument("--image", default=None, help="container image (k8s; default: train.kubernetes.image)")
+    p.add_argument("--pvc", default=None, help="PersistentVolumeClaim holding the workdir (k8s; default: "
+                   "train.kubernetes.pvc)")
     _add_config_args(p)
     p.set_defaults(func=cmd_launch)
+    p = sub.add_parser("convert", help="megatron checkpoint <-> HF folder (a run directory: its newest checkpoint)",
+                       description="Convert a run directory (its newest complete checkpoint), a megatron checkpoint "
+                       "(iter_XXXXXXX) or an HF export; the direction follows from the source (or --to). With no "
+                       "--preset, the run's own config.yaml describes the model; for HF -> megatron the config's "
+                       "parallel.* sets the vocabulary padding of the target layout.")
+    p.add_argument("source", help="run directory, checkpoint folder, or HF export folder")
+    p.add_argument("--to", choices=["hf", "megatron"], default=None, help="direction (default: from the source)")
+    p.add_argument("--out", default=None, help="output folder (default: <run>/exports/iter_XXXXXXX, or next to "
+                   "the source as <name>-hf / <name>-megatron)")
+    p.add_argument("--flow", action="store_true", help="run as the Prefect flow `convert-checkpoint`")
+    p.add_argument("--preset", default=None, help="preset or YAML (default: the run's config.yaml, else tiny-cpu)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
+    p.set_defaults(func=cmd_convert)
     p = sub.add_parser("import-hf", help="HF folder (this project's format) -> megatron checkpoint for train.init_from",
                        description="Convert an exported Hugging Face folder back into a megatron distributed "
-                       "checkpoint (model weights). The model.* config must describe the same architecture.")
+                       "checkpoint (model weights). The model.* config must describe the same architecture. "
+                       "The same as `difflm convert HF_DIR --to megatron`.")
     p.add_argument("hf_dir", help="folder with config.json, model.safetensors and tokenizer.json")
     p.add_argument("--out", required=True, help="output checkpoint folder")
+    p.add_argument("--flow", action="store_true", help="run as the Prefect flow `convert-checkpoint`")
     _add_config_args(p)
-    p.set_defaults(func=cmd_import_hf)
+    p.set_defaults(func=cmd_convert)
     p = sub.add_parser("eval", help="score exports, run directories or registered versions on the data's tasks",
                        description="For each SOURCE: the likelihood bound (exact NLL for ar) on held-out windows, "
                        "the cloze / multiple-choice / document tasks built from the held-out split of the config's "
@@ -316,6 +385,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--flow", action="store_true", help="run as the Prefect flow `evaluate`, logging to MLflow")
     _add_config_args(p)
     p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("eval-latest", help="score a training run's newest checkpoint (the flow evaluate-latest)",
+                       description="Run the Prefect flow evaluate-latest once: export the newest complete "
+                       "checkpoint of RUN_DIR (it may still be training), score its held-out likelihood bound on a "
+                       "few windows and log it to MLflow at that iteration (the training's MLflow run when found). "
+                       "A checkpoint scored before is skipped (<run>/eval_latest/scores.json). prefect.yaml "
+                       "schedules it every 10 minutes.")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="training run directory (<workdir>/runs/<run>)")
+    p.add_argument("--max-sequences", type=int, default=16, help="held-out windows to score (default: 16)")
+    p.add_argument("--force", action="store_true", help="score the newest checkpoint even if scored before")
+    p.add_argument("--preset", default=None, help="preset or YAML (default: the run's config.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
+    p.set_defaults(func=cmd_eval_latest)
     p = sub.add_parser("generate", help="sample from an export with the configured sampler",
                        description="Generate after each --prompt (default: the first words of held-out documents). "
                        "The sampler is eval.*: sampler_steps, block_length, remasking (low_confidence | margin | "
@@ -328,10 +409,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tracking-uri", default=None, help="MLflow store for models:/ sources")
     _add_config_args(p)
     p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("serve", help="serve pretrain-difflm as a Prefect deployment (optionally on a cron)")
+    p = sub.add_parser("serve", help="serve pretrain-difflm (or evaluate-latest) as a Prefect deployment, optionally "
+                       "on a schedule", description="Register a deployment and run its flow runs in this process "
+                       "until stopped (Ctrl-C). pretrain-difflm takes the config (--preset and overrides); "
+                       "evaluate-latest scores the newest checkpoint of --run-dir on every scheduled run "
+                       "(default: every 600 s) and logs it to MLflow at that step. For a work pool and a worker "
+                       "instead, see prefect.yaml (`prefect deploy`).")
     _add_config_args(p)
-    p.add_argument("--name", default="demo", help="deployment name (run it: prefect deployment run 'pretrain-difflm/NAME')")
+    p.set_defaults(preset=None)  # pretrain-difflm: tiny-cpu; evaluate-latest: the run's own config.yaml
+    p.add_argument("--flow", choices=["pretrain-difflm", "evaluate-latest"], default="pretrain-difflm",
+                   help="which flow to serve (default: pretrain-difflm)")
+    p.add_argument("--name", default="demo", help="deployment name (run it: prefect deployment run 'FLOW/NAME')")
     p.add_argument("--cron", default=None, help="cron schedule, e.g. '0 3 * * *'")
+    p.add_argument("--interval", type=float, default=None, help="interval schedule in seconds (evaluate-latest "
+                   "default: 600)")
+    p.add_argument("--run-dir", default=None, help="evaluate-latest: the training run directory to score")
+    p.add_argument("--max-sequences", type=int, default=16, help="evaluate-latest: held-out windows per score")
     p.set_defaults(func=cmd_serve)
     return parser
 

@@ -49,6 +49,49 @@ class SlurmConfig(_Section):
     sbatch_args: dict[str, str] = Field(default_factory=dict)
 
 
+class SlurmLaunchConfig(_Section):
+    """How training is submitted to Slurm: `train.launcher=slurm` and `difflm launch --target slurm`."""
+
+    partition: str | None = Field(None, description="#SBATCH --partition (None: the cluster's default).")
+    time: str = Field("24:00:00", description="Time limit of one allocation; 2 minutes before it the job "
+                      "checkpoints and requeues itself, so a long run spans several allocations.")
+    gpus_per_node: int | None = Field(
+        None, ge=0, description="#SBATCH --gpus-per-node (None: train.nproc_per_node; 0: no GPU request, for "
+        "CPU nodes).")
+    python: str | None = Field(
+        None, description="Python on the compute nodes, with this project installed (None: the interpreter "
+        "that submits, which must then live on the filesystem the nodes share).")
+    sbatch_args: dict[str, str] = Field(
+        default_factory=dict, description="More #SBATCH options, e.g. {account: proj, qos: high, "
+        "cpus-per-task: '32', mem: 0}.")
+    poll_seconds: float = Field(30.0, gt=0.0, description="How often the launcher asks squeue about the job.")
+    wait_hours: float | None = Field(
+        None, gt=0.0, description="Stop waiting after this long (the job keeps running and a rerun reattaches "
+        "to it); None: wait for as long as the job lasts, queueing and requeues included.")
+
+
+class KubernetesLaunchConfig(_Section):
+    """How training is submitted to Kubernetes as a Kubeflow PyTorchJob: `train.launcher=kubernetes` and
+    `difflm launch --target k8s`."""
+
+    image: str = Field("difflm-pipeline:latest", description="Container image with this project installed.")
+    pvc: str = Field("difflm-data", description="PersistentVolumeClaim holding the workdir (ReadWriteMany for "
+                     "several nodes).")
+    mount: str = Field(
+        "/data", description="Where the pods mount the claim. The workdir must lie under it, and the worker that "
+        "submits must see the claim at the same path (mount it there), so run directories have one name.")
+    namespace: str | None = Field(None, description="Namespace of the job (None: kubectl's current one).")
+    gpus_per_pod: int | None = Field(
+        None, ge=0, description="nvidia.com/gpu limit per pod (None: train.nproc_per_node; 0: none, CPU pods).")
+    poll_seconds: float = Field(30.0, gt=0.0, description="How often the launcher reads the job's status.")
+    start_timeout_minutes: float | None = Field(
+        60.0, gt=0.0, description="Fail when the job is not Running after this long (pods unschedulable, image "
+        "not pulled); the job is left in place for `kubectl describe`. None: wait.")
+    wait_hours: float | None = Field(
+        None, gt=0.0, description="Stop waiting after this long (the job keeps running and a rerun reattaches "
+        "to it); None: wait for as long as the job lasts.")
+
+
 class DataConfig(_Section):
     sources: list[SourceConfig] = Field(
         default_factory=lambda: [SourceConfig(path="demo:enwiki")],
@@ -245,6 +288,13 @@ class TrainConfig(_Section):
     peak_tflops: float | None = Field(
         None, gt=0.0, description="Peak dense bf16 TFLOP/s of one device for MFU (None: looked up by device name "
         "in models/megatron/flops.py; MFU is not reported for an unknown device or the CPU).")
+    launcher: Literal["local", "slurm", "kubernetes"] = Field(
+        "local", description="Who runs torchrun. local: a subprocess here (one node); slurm: an sbatch job "
+        "(train.slurm); kubernetes: a Kubeflow PyTorchJob (train.kubernetes). Cluster launchers write the same "
+        "launch file as `difflm launch`, submit it, wait for the job and read the run directory, which must be "
+        "on storage the nodes share. Not part of the run's identity: any launcher resumes any other's run.")
+    slurm: SlurmLaunchConfig = Field(default_factory=SlurmLaunchConfig)
+    kubernetes: KubernetesLaunchConfig = Field(default_factory=KubernetesLaunchConfig)
 
     @model_validator(mode="after")
     def _schedule(self) -> "TrainConfig":
@@ -337,6 +387,9 @@ class TrackingConfig(_Section):
         "takes it only when strictly better than the champion's (default: the validation ELBO/NLL in nats/token).")
     champion_higher_is_better: bool = Field(
         False, description="True for scores (e.g. eval.cloze.acc); False for losses and bounds.")
+    system_metrics: bool = Field(
+        True, description="Sample CPU, memory, disk, network (and GPU) utilisation into the training stage's "
+        "MLflow run while it trains (MLflow's system metrics, every 10 s).")
 
 
 class PipelineConfig(_Section):
@@ -379,8 +432,9 @@ class PipelineConfig(_Section):
     # ---- identity of stage outputs -------------------------------------------------------------
     def stage_hash(self, *sections: str) -> str:
         """A short content hash of the named sections: a stage's output directory name."""
-        # how a run reacts to faults does not change what it computes: not part of its identity
-        operational = {"train": {"on_nonfinite", "max_nonfinite_skips", "preempt_signals", "peak_tflops"}}
+        # how a run reacts to faults, and who launches it, do not change what it computes: not part of its identity
+        operational = {"train": {"on_nonfinite", "max_nonfinite_skips", "preempt_signals", "peak_tflops",
+                                 "launcher", "slurm", "kubernetes"}}
         payload = {s: {k: v for k, v in getattr(self, s).model_dump(mode="json").items()
                        if k not in operational.get(s, ())} for s in sections}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]

@@ -148,11 +148,15 @@ def parameter_count(hf_dir: Path) -> int | None:
     return total if files else None
 
 
+# MLflow 3's UI opens in its GenAI view unless asked for the model-training one; links from us ask for it
+TRAINING_VIEW = "workflowType=machine_learning"
+
+
 def run_links(uri: str, experiment_id: str, run_id: str) -> dict[str, str]:
     """`runs:/<id>`, and the UI page of the run when the store is a server."""
     links = {"run": f"runs:/{run_id}"}
     if uri.startswith(("http://", "https://")):
-        links["ui"] = f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+        links["ui"] = f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
     return links
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -21,16 +22,50 @@ def tracking_uri(cfg: PipelineConfig) -> str:
     return f"sqlite:///{(Path(cfg.workdir) / 'mlflow.db').resolve()}"
 
 
+# MLflow 3 opens an experiment without this tag in its GenAI view (traces, token usage); ours train models
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 def _experiment_id(cfg: PipelineConfig) -> str:
     import mlflow
 
     exp = mlflow.get_experiment_by_name(cfg.tracking.experiment)
-    if exp is not None:
-        return exp.experiment_id
-    artifacts = None
-    if tracking_uri(cfg).startswith("sqlite:///"):  # keep artifacts beside the store, not in ./mlruns
-        artifacts = (Path(cfg.workdir) / "mlartifacts").resolve().as_uri()
-    return mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts)
+    if exp is None:
+        artifacts = None
+        if tracking_uri(cfg).startswith("sqlite:///"):  # keep artifacts beside the store, not in ./mlruns
+            artifacts = (Path(cfg.workdir) / "mlartifacts").resolve().as_uri()
+        exp = mlflow.get_experiment(mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts))
+    if exp.tags.get(EXPERIMENT_KIND[0]) is None:  # a user's own choice in the UI is kept
+        mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
+    return exp.experiment_id
+
+
+def lineage_tags() -> dict[str, str]:
+    """Where this execution comes from: the Prefect flow run (id and UI link) and the code's git commit."""
+    import subprocess
+
+    tags = {}
+    try:
+        from prefect.runtime import flow_run
+
+        if flow_run.id:
+            tags["prefect.flow_run_id"] = str(flow_run.id)
+            if flow_run.ui_url:
+                tags["prefect.flow_run_url"] = str(flow_run.ui_url)
+    except Exception:  # not inside a flow, or no Prefect: nothing to link
+        pass
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=5).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = dirty = ""
+    if commit:
+        tags["mlflow.source.git.commit"] = commit
+        tags["git.dirty"] = "true" if dirty else "false"
+    return tags
 
 
 @contextmanager
@@ -46,7 +81,8 @@ def pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]) -> It
         os.environ.setdefault(key, val)  # an unreachable server costs seconds, not MLflow's default minutes
     try:
         mlflow.set_tracking_uri(tracking_uri(cfg))
-        run = mlflow.start_run(experiment_id=_experiment_id(cfg), run_name=run_name, tags=tags)
+        run = mlflow.start_run(experiment_id=_experiment_id(cfg), run_name=run_name,
+                               tags={**lineage_tags(), **tags})
         mlflow.log_params(cfg.flat())
         mlflow.log_dict(cfg.model_dump(mode="json"), "config/resolved.yaml")
     except Exception as err:  # the pipeline runs without tracking rather than not at all
@@ -62,6 +98,35 @@ def pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]) -> It
             mlflow.end_run(status)
         except Exception as err:
             degrade("could not close the MLflow run", err)
+
+
+@contextmanager
+def stage_run(name: str, system_metrics: bool = False) -> Iterator[str | None]:
+    """A nested MLflow run for one stage, under the pipeline's run (nothing when there is no active run, i.e.
+    tracking is off or could not start). `system_metrics`: MLflow samples CPU, memory (and GPU) meanwhile."""
+    try:
+        import mlflow
+
+        parent = mlflow.active_run()
+        if parent is None:
+            yield None
+            return
+        run = mlflow.start_run(run_name=f"{parent.info.run_name}/{name}", nested=True,
+                               experiment_id=parent.info.experiment_id,  # else the default experiment
+                               tags={"stage": name, **lineage_tags()}, log_system_metrics=system_metrics)
+    except Exception as err:
+        degrade(f"could not start the MLflow run of stage {name}", err)
+        yield None
+        return
+    status = "FAILED"
+    try:
+        yield run.info.run_id
+        status = "FINISHED"
+    finally:
+        try:
+            mlflow.end_run(status)
+        except Exception as err:
+            degrade(f"could not close the MLflow run of stage {name}", err)
 
 
 DEGRADED: list[str] = []  # what tracking could not do in this process (the flow reports it)
@@ -100,19 +165,68 @@ def child_env(cfg: PipelineConfig, run_id: str | None) -> dict[str, str]:
             "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
+def experiment_of(run_id: str | None) -> str | None:
+    """The experiment id of the active run `run_id` (None without one)."""
+    try:
+        import mlflow
+
+        run = mlflow.active_run()
+        return run.info.experiment_id if run and run.info.run_id == run_id else None
+    except Exception:
+        return None
+
+
 @tolerant
-def log_data_stats(manifest: dict) -> None:
+def set_tags(tags: dict[str, str]) -> None:
     import mlflow
 
-    for split, s in manifest["splits"].items():
-        mlflow.log_metrics({f"data.{split}.documents": s["documents"], f"data.{split}.tokens": s["tokens"]})
-        for src, c in s.get("sources", {}).items():
-            mlflow.log_metrics({f"data.{split}.{src}.documents": c["documents"], f"data.{split}.{src}.tokens": c["tokens"]})
-    for key, n in manifest.get("skipped", {}).items():
-        mlflow.log_metric(f"data.{key}", n)
-    mlflow.log_metric("data.vocab_size", manifest["tokenizer"]["vocab_size"])
+    mlflow.set_tags(tags)
+
+
+def log_stage(run_id: str | None, cached: bool, **tags) -> None:
+    """Tags of a stage's nested run: whether Prefect's cache skipped it, and where its output is."""
+    if run_id:
+        set_tags({"cached": str(cached).lower(), **{k: str(v) for k, v in tags.items()}})
+
+
+@tolerant
+def log_data_stats(manifest: dict, context: str = "training") -> None:
+    """The prepared data as an MLflow dataset input of the active run (source = the data folder, digest = the
+    data hash, schema = token ids, counts per split as input tags), the manifest as an artifact, `data.hash`
+    as a tag. Counts are tags of the input, not single-point metrics that would crowd the run's charts."""
+    import mlflow
+
+    mlflow.log_input(dataset(manifest), context=context, tags=data_counts(manifest))
     mlflow.log_dict(manifest, "data/manifest.json")
-    mlflow.set_tag("data.hash", manifest["hash"])
+    mlflow.set_tags({"data.hash": manifest["hash"], "data.dir": manifest["dir"]})
+
+
+def dataset(manifest: dict):
+    """An `mlflow.data` dataset for a data-prep manifest (no data is uploaded: the source is its folder)."""
+    import numpy as np
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.types import Schema, TensorSpec
+
+    names = [src.get("name", "data") for src in manifest.get("sources", [])] or ["data"]
+    dtype = np.dtype("uint32") if manifest.get("token_bytes", 2) > 2 else np.dtype("uint16")
+    with warnings.catch_warnings():  # MLflow registers the local source twice and warns the URI is ambiguous
+        warnings.simplefilter("ignore", UserWarning)
+        source = resolve_dataset_source(Path(manifest["dir"]).resolve().as_uri())
+    return MetaDataset(source,
+                       name="+".join(names), digest=manifest["hash"],
+                       schema=Schema([TensorSpec(dtype, (-1,), "token_ids")]))
+
+
+def data_counts(manifest: dict) -> dict[str, str]:
+    """Documents and tokens per split (and per source), tokenizer size, what data prep skipped."""
+    counts = {"vocab_size": str(manifest["tokenizer"]["vocab_size"])}
+    for split, s in manifest["splits"].items():
+        counts.update({f"{split}.documents": str(s["documents"]), f"{split}.tokens": str(s["tokens"])})
+        for src, c in s.get("sources", {}).items():
+            counts.update({f"{split}.{src}.documents": str(c["documents"]), f"{split}.{src}.tokens": str(c["tokens"])})
+    counts.update({f"skipped.{k}": str(n) for k, n in manifest.get("skipped", {}).items()})
+    return counts
 
 
 def reconcile_metrics(run_id: str, records: list[dict]) -> int:
@@ -133,11 +247,14 @@ def reconcile_metrics(run_id: str, records: list[dict]) -> int:
 
 
 @tolerant
-def log_training(train_info: dict, records: list[dict]) -> None:
+def log_training(train_info: dict, records: list[dict], live: bool = True) -> None:
+    """The run directory's curves (metrics.jsonl values the run lacks), its files and tags, into the active run.
+    `live`: the trainer was sending to this run, so anything sent now was missed (said so); otherwise (the
+    parent of a nested training run, a reused run) the curves are copied as a matter of course."""
     import mlflow
 
     sent = reconcile_metrics(mlflow.active_run().info.run_id, records)
-    if sent and not train_info["reused"]:
+    if sent and live and not train_info["reused"]:
         print(f"tracking: backfilled {sent} training metrics the trainer could not send live", flush=True)
     mlflow.set_tag("train.run_dir", train_info["run_dir"])
     mlflow.set_tag("train.checkpoint", train_info["checkpoint"])

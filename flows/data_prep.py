@@ -6,6 +6,7 @@ from prefect import flow
 
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
+from tasks import artifacts
 from tasks.stages import data_prep_task
 
 
@@ -23,5 +24,7 @@ def data_prep(preset: str = "tiny-cpu", overrides: Optional[list[str]] = None,
     with tracking.pipeline_run(cfg, f"{cfg.name}-data-prep", {"flow": "data-prep", "preset": cfg.name}) as run_id:
         manifest = data_prep_task(cfg)
         if run_id:
-            tracking.log_data_stats(manifest)
+            tracking.log_data_stats(manifest, context="output")
+        link = artifacts.mlflow_run_url(tracking.tracking_uri(cfg), tracking.experiment_of(run_id), run_id)
+    artifacts.publish("data-prep-summary", artifacts.data_markdown(manifest), "data prep", link)
     return manifest

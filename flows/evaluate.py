@@ -11,6 +11,7 @@ from difflm.config import PipelineConfig
 from flows.pretrain import resolve
 from models.evaluation.sources import resolve_export
 from models.evaluation.stages import default_out_dir
+from tasks import artifacts
 from tasks.stages import data_prep_task, evaluate_task, sweep_task
 
 
@@ -43,6 +44,9 @@ def evaluate(
         if run_id:
             tracking.log_evaluation(results)
             tracking.log_sweep(results["sweep"], out / "sweep.png")
+            tracking.log_data_stats(manifest, context="evaluation")
+        link = artifacts.mlflow_run_url(tracking.tracking_uri(cfg), tracking.experiment_of(run_id), run_id)
+    artifacts.publish("evaluate-summary", artifacts.evaluation_markdown(results), f"evaluation of {source}", link)
     results["mlflow_run_id"] = run_id
     results["out_dir"] = str(out)
     return results

@@ -1,14 +1,19 @@
-"""The flagship flow `pretrain-difflm`: data prep -> torchrun training -> HF export -> evaluation,
-all tracked in one MLflow run with the model registered."""
+"""The flagship flow `pretrain-difflm`: data prep -> training (torchrun, Slurm or Kubernetes) -> HF export ->
+evaluation. One MLflow run per execution with a nested run per stage; each stage cached by Prefect under the
+hash that names its output; a markdown summary per stage as a Prefect artifact."""
 
 
+from pathlib import Path
 from typing import Optional
 
 from prefect import flow, get_run_logger
 
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
-from models.launch.torchrun import read_metrics
+from data_prep.pipeline import MANIFEST, data_dir
+from models.launch.torchrun import is_finished, read_metrics, run_dir
+from tasks import artifacts
+from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done, run_stage
 from tasks.stages import convert_task, data_prep_task, evaluate_task, train_task
 
 
@@ -16,6 +21,13 @@ def resolve(config: PipelineConfig | dict | None, preset: str, overrides: list[s
     if config is not None:
         return config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
     return load_config(preset, overrides or [])
+
+
+def _export_done(hf_dir: Path, checkpoint: str) -> bool:
+    import json
+
+    marker = hf_dir / "difflm_export.json"
+    return marker.exists() and json.loads(marker.read_text()).get("checkpoint") == checkpoint
 
 
 @flow(name="pretrain-difflm", log_prints=True)
@@ -35,18 +47,59 @@ def pretrain_difflm(
     logger = get_run_logger()
     tracking.DEGRADED.clear()  # what tracking could not do in THIS execution
     tags = {"preset": cfg.name, "mode": cfg.diffusion.model_running_mode, "flow": "pretrain-difflm"}
+    stages: dict[str, str] = {}
     with tracking.pipeline_run(cfg, f"{cfg.name}-{cfg.diffusion.model_running_mode}", tags) as run_id:
-        manifest = data_prep_task(cfg)
+        link = artifacts.mlflow_run_url(tracking.tracking_uri(cfg), tracking.experiment_of(run_id), run_id)
+
+        ddir = data_dir(cfg)
+        with tracking.stage_run("data-prep") as sid:
+            manifest, cached = run_stage(data_prep_task, cache_key("data-prep", ddir), (ddir / MANIFEST).exists(), cfg)
+            tracking.log_stage(sid, cached, data_hash=manifest["hash"])
+            if sid:
+                tracking.log_data_stats(manifest, context="output")
+        stages["data-prep"] = "cached" if cached else "ran"
+        artifacts.publish("data-prep-summary", artifacts.data_markdown(manifest, cached), "data prep", link)
         if run_id:
             tracking.log_data_stats(manifest)
-        train_info = train_task(cfg, manifest, tracking.child_env(cfg, run_id))
-        if run_id:
-            tracking.log_training(train_info, read_metrics(train_info["run_dir"]))
-        hf_dir = convert_task(cfg, manifest, train_info)
-        results = evaluate_task(cfg, manifest, hf_dir)
+
+        rdir = run_dir(cfg, manifest)
+        with tracking.stage_run("train", system_metrics=cfg.tracking.system_metrics) as sid:
+            if sid:
+                tracking.log_data_stats(manifest)
+            train_info, cached = run_stage(train_task, cache_key("train", rdir), is_finished(cfg, rdir), cfg,
+                                           manifest, tracking.child_env(cfg, sid or run_id))
+            records = read_metrics(train_info["run_dir"])
+            tracking.log_stage(sid, cached, run_dir=train_info["run_dir"])
+            if sid:
+                tracking.log_training(train_info, records, live=True)
+        stages["train"] = "cached" if cached else "ran"
+        artifacts.publish("train-summary", artifacts.training_markdown(train_info, records, cached), "training", link)
+        if run_id:  # the parent's first charts: the training curves (and, below, the evaluation)
+            tracking.log_training(train_info, records, live=sid is None)
+
+        hf_path = Path(train_info["run_dir"]) / "hf"
+        with tracking.stage_run("convert") as sid:
+            hf_dir, cached = run_stage(convert_task, cache_key("convert", hf_path, train_info["checkpoint"]),
+                                       _export_done(hf_path, train_info["checkpoint"]), cfg, manifest, train_info)
+            tracking.log_stage(sid, cached, hf_dir=hf_dir, checkpoint=train_info["checkpoint"])
+        stages["convert"] = "cached" if cached else "ran"
+        artifacts.publish("convert-summary", artifacts.conversion_markdown(hf_dir, train_info["checkpoint"], cached),
+                          "conversion", link)
+
+        key = eval_key(cfg, manifest, hf_dir)
+        out_dir = Path(hf_dir).parent / "eval"
+        with tracking.stage_run("evaluate") as sid:
+            results, cached = run_stage(evaluate_task, key, eval_done(out_dir, key), cfg, manifest, hf_dir)
+            mark_eval_done(out_dir, key)
+            tracking.log_stage(sid, cached)
+            if sid:
+                tracking.log_evaluation(results)
+        stages["evaluate"] = "cached" if cached else "ran"
+        artifacts.publish("evaluate-summary", artifacts.evaluation_markdown(results, cached), "evaluation", link)
         registered = {}
         if run_id:
             tracking.log_evaluation(results)
+            tracking.set_tags({f"stage.{k}": v for k, v in stages.items()})
             registered = tracking.log_and_register_model(cfg, hf_dir, run_id, train_info["checkpoint"],
                                                          manifest=manifest, results=results) or {}
             if registered.get("version"):
@@ -57,8 +110,10 @@ def pretrain_difflm(
         "data_dir": manifest["dir"],
         "run_dir": train_info["run_dir"],
         "hf_dir": hf_dir,
+        "stages": stages,
         "mlflow_run_id": run_id,
         "mlflow_uri": tracking.tracking_uri(cfg) if run_id else None,
+        "mlflow_run_url": link,
         "validation": results["bounds"],
         "tasks": results["tasks"],
         "report": results.get("report"),
@@ -66,5 +121,5 @@ def pretrain_difflm(
         **registered,
         "tracking": "degraded: " + "; ".join(tracking.DEGRADED) if tracking.DEGRADED else "ok",
     }
-    logger.info(f"pretrain-difflm finished: {summary['hf_dir']}")
+    logger.info(f"pretrain-difflm finished ({', '.join(f'{k} {v}' for k, v in stages.items())}): {summary['hf_dir']}")
     return summary

@@ -104,7 +104,7 @@ def test_cluster_launch_files(tmp_path):
     paths = (tmp_path / "config.yaml", tmp_path / "manifest.json", tmp_path / "run dir")
     script = slurm_script(cfg, *paths, partition="gpu")
     assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=8" in script
-    assert "--rdzv_endpoint $MASTER_ADDR:29500" in script and "'" + str(paths[2]) + "'" in script
+    assert "--rdzv_endpoint $MASTER_ADDR:$MASTER_PORT" in script and "'" + str(paths[2]) + "'" in script
     (tmp_path / "s.sh").write_text(script)
     assert subprocess.run(["bash", "-n", str(tmp_path / "s.sh")]).returncode == 0  # valid shell
     job = _yaml.safe_load(k8s_pytorchjob(cfg, *paths, image="img:1"))

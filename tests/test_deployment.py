@@ -1,6 +1,9 @@
 """`pretrain-difflm` as a Prefect deployment: a real `prefect server` on 127.0.0.1, `difflm serve`,
-and `prefect deployment run 'pretrain-difflm/...' --watch`, as the README tells users."""
+and `prefect deployment run 'pretrain-difflm/...' --watch`, as the README tells users; and every deployment of
+prefect.yaml read the way `prefect deploy` reads it."""
 
+import importlib
+import json
 import os
 import socket
 import subprocess
@@ -12,6 +15,7 @@ from pathlib import Path
 import pytest
 
 BIN = Path(sys.executable).parent
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _free_port() -> int:
@@ -73,7 +77,48 @@ def test_deployment_run_from_the_cli(tmp_path):
         assert "Completed" in run.stdout
         exports = list(workdir.glob("runs/*/hf/model.safetensors"))
         assert len(exports) == 1
+
+        # prefect.yaml's deployments for the work pool register on the same server, as the README says
+        pool = subprocess.run([str(BIN / "prefect"), "work-pool", "create", "difflm", "--type", "process"], env=env,
+                              capture_output=True, text=True, cwd=ROOT)
+        assert pool.returncode == 0, pool.stdout + pool.stderr
+        deploy = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--all"], env=env,
+                                capture_output=True, text=True, cwd=ROOT, timeout=120)
+        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+        listed = subprocess.run([str(BIN / "prefect"), "deployment", "inspect", "evaluate-latest/every-10-minutes",
+                                 "--output", "json"], env=env, capture_output=True, text=True)
+        scheduled = json.loads(listed.stdout)
+        assert [s["schedule"]["interval"] for s in scheduled["schedules"]] == [600.0]
+        assert scheduled["global_concurrency_limit"]["limit"] == 1
     finally:
         if serve:
             _stop(serve)
         _stop(server)
+
+
+def test_prefect_yaml_deployments_load_and_validate():
+    """What `prefect deploy --all` needs from each entry, without a server: the file parses with Prefect's own
+    model, every entrypoint loads a flow whose parameter schema accepts the entry's parameters, and every
+    schedule becomes a Prefect schedule."""
+    import yaml
+    from prefect.cli.deploy._models import PrefectYamlModel
+    from prefect.cli.deploy._schedules import _schedule_config_to_deployment_schedule
+    from prefect.client.schemas.schedules import IntervalSchedule
+
+    raw = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    model = PrefectYamlModel.model_validate(raw)
+    flows = {}
+    for dep, entry in zip(model.deployments, raw["deployments"]):
+        # the module the entrypoint names, imported as a package module (prefect's loader would put flows/ on
+        # sys.path, where flows/data_prep.py then shadows the data_prep package for the rest of the session)
+        path, name = dep.entrypoint.split(":")
+        assert (ROOT / path).exists(), dep.entrypoint
+        fl = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
+        fl.validate_parameters(dep.parameters)  # raises on a parameter the flow does not take or a wrong type
+        flows[f"{fl.name}/{dep.name}"] = [_schedule_config_to_deployment_schedule(s) for s in entry.get("schedules", [])]
+        assert dep.work_pool and dep.work_pool.name == "difflm"
+    assert {"pretrain-difflm/tiny-cpu", "pretrain-difflm/nightly-end-to-end", "pretrain-difflm/slurm",
+            "pretrain-difflm/kubernetes", "convert-checkpoint/convert",
+            "evaluate-latest/every-10-minutes"} <= flows.keys()
+    (every,) = flows["evaluate-latest/every-10-minutes"]
+    assert isinstance(every["schedule"], IntervalSchedule) and every["schedule"].interval.total_seconds() == 600

@@ -144,7 +144,7 @@ def test_description_is_readable_and_links_back(store, tmp_path):
 def test_run_links_point_at_the_ui_of_a_server():
     assert registry.run_links("sqlite:///x.db", "3", "r1") == {"run": "runs:/r1"}
     ui = registry.run_links("http://127.0.0.1:5000/", "3", "r1")["ui"]
-    assert ui == "http://127.0.0.1:5000/#/experiments/3/runs/r1"
+    assert ui == "http://127.0.0.1:5000/#/experiments/3/runs/r1?workflowType=machine_learning"
 
 
 @pytest.mark.parametrize("off", ["tracking.registry=false", "tracking.registered_model="])

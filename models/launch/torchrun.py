@@ -74,17 +74,14 @@ def launch_training(
 ) -> dict:
     """Train (or reuse/resume) the run of `cfg`; returns {'run_dir', 'checkpoint', 'reused'}."""
     rdir = run_dir(cfg, manifest)
-    ckpts = rdir / "checkpoints"
     if cfg.train.nnodes > 1:
-        raise TrainingError(f"train.nnodes={cfg.train.nnodes}: multi-node runs are launched on the cluster; write "
-                            f"the launch file with `difflm launch --target slurm|k8s` (same overrides)")
+        raise TrainingError(f"train.nnodes={cfg.train.nnodes}: multi-node runs are launched on the cluster: "
+                            f"train.launcher=slurm|kubernetes, or write the launch file with `difflm launch "
+                            f"--target slurm|k8s` (same overrides)")
     if is_finished(cfg, rdir):
         echo(f"[train] reusing finished run {rdir}")
-        return {"run_dir": str(rdir), "checkpoint": str(checkpointing.iter_dir(ckpts, cfg.train.train_iters)), "reused": True}
-    rdir.mkdir(parents=True, exist_ok=True)
-    resumed = checkpointing.latest_iteration(ckpts)
-    if resumed is None and (rdir / "metrics.jsonl").exists():
-        (rdir / "metrics.jsonl").unlink()  # metrics of an attempt that never checkpointed
+        return train_info(cfg, rdir, reused=True)
+    resumed = prepare_attempt(rdir)
     config_path, manifest_path = write_run_inputs(cfg, manifest, rdir)
     cmd = torchrun_command(cfg, config_path, manifest_path, rdir)
     echo(f"[train] {'resuming from iteration ' + str(resumed) if resumed else 'starting'}: {' '.join(cmd)}")
@@ -112,16 +109,36 @@ def launch_training(
         family.kill_leftovers()
         pump.join(timeout=10)
     if code == 0:
-        from difflm.plots import plot_curves
-
-        plot_curves(read_metrics(rdir), rdir / "curves.png", rdir.name)
+        plot_run(rdir)
     if code != 0:
-        _raise_for_markers(rdir, code)
+        raise_for_markers(rdir, code)
         raise TrainingError(
             f"training failed (exit {code}); full log: {rdir / 'train.log'}. Rerunning resumes from the "
             f"latest checkpoint. Errors from the ranks:\n" + "\n".join(errors or tail)
         )
-    return {"run_dir": str(rdir), "checkpoint": str(checkpointing.iter_dir(ckpts, cfg.train.train_iters)), "reused": False}
+    return train_info(cfg, rdir, reused=False)
+
+
+def train_info(cfg: PipelineConfig, rdir: Path, reused: bool) -> dict:
+    """What every launcher returns for a finished run: {'run_dir', 'checkpoint' (the final one), 'reused'}."""
+    return {"run_dir": str(rdir), "checkpoint": str(checkpointing.iter_dir(rdir / "checkpoints", cfg.train.train_iters)),
+            "reused": reused}
+
+
+def prepare_attempt(rdir: Path) -> int | None:
+    """Before a new training attempt starts on `rdir`: the iteration it resumes from (None: from scratch);
+    metrics of an earlier attempt that never checkpointed are dropped."""
+    rdir.mkdir(parents=True, exist_ok=True)
+    resumed = checkpointing.latest_iteration(rdir / "checkpoints")
+    if resumed is None and (rdir / "metrics.jsonl").exists():
+        (rdir / "metrics.jsonl").unlink()
+    return resumed
+
+
+def plot_run(rdir: Path) -> None:
+    from difflm.plots import plot_curves
+
+    plot_curves(read_metrics(rdir), rdir / "curves.png", rdir.name)
 
 
 def _pump(stream, log, tail: deque, errors: deque, echo) -> None:
@@ -172,16 +189,17 @@ class _Descendants:
                 pass
 
 
-def _raise_for_markers(rdir: Path, code: int) -> None:
-    """What the trainer left behind says why it stopped: preempted (resume me) or non-finite values."""
+def raise_for_markers(rdir: Path, code: int | str | None, log: Path | None = None) -> None:
+    """What the trainer left behind says why it stopped: preempted (resume me) or non-finite values. `code`: the
+    exit status (or the cluster job's end state); `log`: the log to name (default: <run>/train.log)."""
     preempted, stopped = rdir / "preempted.json", rdir / "stopped.json"
     if preempted.exists():
         info = json.loads(preempted.read_text())
         raise TrainingPreempted(f"training preempted by {info.get('signal') or 'a signal'} at iteration "
-                                f"{info['iteration']} (exit {code}); its checkpoint is saved: rerun the same "
-                                f"command to resume", info["iteration"])
+                                f"{info['iteration']}{f' (exit {code})' if code is not None else ''}; its checkpoint "
+                                f"is saved: rerun the same command to resume", info["iteration"])
     if stopped.exists():
-        raise TrainingError(json.loads(stopped.read_text())["message"] + f"; full log: {rdir / 'train.log'}")
+        raise TrainingError(json.loads(stopped.read_text())["message"] + f"; full log: {log or rdir / 'train.log'}")
 
 
 def read_metrics(rdir: Path) -> list[dict]:

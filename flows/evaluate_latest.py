@@ -1,0 +1,77 @@
+"""The `evaluate-latest` flow: score the newest complete checkpoint of a training run, while it trains, and log
+the score to MLflow at that step. Meant to run on a schedule (prefect.yaml); a checkpoint already scored is
+skipped. `python -m flows.evaluate_latest RUN_DIR [overrides]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Optional
+
+from prefect import flow, get_run_logger
+
+from difflm.config import PipelineConfig
+from models.megatron.checkpointing import latest_iteration
+from tasks.stages import (evaluated_scores, export_newest_task, log_latest_score, remember_score, run_manifest,
+                          score_bound_task, stage_config, training_run_dir)
+
+
+@flow(name="evaluate-latest", log_prints=True)
+def evaluate_latest(
+    run_dir: str,
+    preset: Optional[str] = None,
+    overrides: Optional[list[str]] = None,
+    config: Optional[PipelineConfig] = None,
+    max_sequences: int = 16,
+    force: bool = False,
+) -> dict:
+    """Evaluate the newest complete checkpoint of a training run: {iteration, score, ...}.
+
+    Args:
+        run_dir: the training run directory (<workdir>/runs/<run>); it may still be training.
+        preset: a preset in configs/ or a YAML path; empty: the run's own config.yaml (recommended).
+        overrides: `section.field=value` overrides (eval.device, eval.t_samples, tracking.*).
+        config: a complete configuration (replaces preset and overrides).
+        max_sequences: at most this many held-out windows (and at most eval.max_sequences): a cheap score.
+        force: score the newest checkpoint again even when it was scored before.
+    """
+    logger = get_run_logger()
+    rdir = training_run_dir(run_dir)
+    if config is None:
+        cfg = stage_config(rdir, preset, overrides)
+    else:
+        cfg = config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
+    newest, done = latest_iteration(rdir / "checkpoints"), evaluated_scores(rdir)
+    if newest is None:
+        logger.info(f"{rdir.name}: no complete checkpoint yet; nothing to evaluate")
+        return {"iteration": None, "score": None, "skipped": "no complete checkpoint yet"}
+    if newest in done and not force:
+        logger.info(f"{rdir.name}: iteration {newest} was evaluated already (score {done[newest]['score']:.4f})")
+        return {**done[newest], "skipped": "already evaluated"}
+    manifest = run_manifest(rdir)
+    iteration, hf_dir = export_newest_task(cfg, manifest, str(rdir))
+    score = score_bound_task(cfg, manifest, hf_dir, max_sequences)
+    run_id = log_latest_score(cfg, rdir, manifest, iteration, score)
+    record = {"iteration": iteration, "score": score["nll_per_token"], **score, "mlflow_run_id": run_id,
+              "time": time.time()}
+    remember_score(rdir, record)
+    logger.info(f"{rdir.name}: iteration {iteration} scored {record['score']:.4f} nats/token"
+                + (f" (MLflow run {run_id}, step {iteration})" if run_id else ""))
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m flows.evaluate_latest", description=evaluate_latest.description)
+    p.add_argument("run_dir")
+    p.add_argument("--preset", default=None, help="preset or YAML (default: the run's config.yaml)")
+    p.add_argument("--max-sequences", type=int, default=16)
+    p.add_argument("--force", action="store_true")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    args = p.parse_args(argv)
+    print(json.dumps(evaluate_latest(run_dir=args.run_dir, preset=args.preset, overrides=args.overrides,
+                                     max_sequences=args.max_sequences, force=args.force), indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Prefect's cache, keyed by what already names each stage's output: the content-addressed folder (data
+`<workdir>/data/<hash>`, run `<workdir>/runs/<mode>-<data hash>-<train hash>`, its export) and, for evaluation,
+the hash of the eval settings and the checkpoint.
+
+A cached stage is skipped by Prefect (state `Cached` in the UI) only while its output is still on disk: when the
+folder is missing or incomplete, `refresh_cache` makes the stage run and rewrite the cache entry. So deleting a
+folder reruns its stage and what depends on it, and wiping Prefect's state only costs a fast reuse run (each
+stage function also reuses its finished folder on its own)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from prefect.cache_policies import CacheKeyFnPolicy
+
+from difflm.config import PipelineConfig
+
+EVAL_KEY_FILE = ".cache_key"  # in the evaluation's output folder: the key its results were computed for
+
+
+def cache_key(stage: str, *parts) -> str:
+    """`stage`-sha256 of the parts (paths, hashes, settings), short enough for Prefect's key store."""
+    blob = json.dumps([str(p) if isinstance(p, Path) else p for p in parts], sort_keys=True, default=str)
+    return f"{stage}-{hashlib.sha256(blob.encode()).hexdigest()[:32]}"
+
+
+def run_stage(task, key: str, done: bool, *args, **kwargs):
+    """Run `task` under the cache `key`: (result, cached). `done`: the stage's output is complete on disk (a
+    cache hit is allowed); otherwise the stage runs whatever the cache holds."""
+    state = task.with_options(cache_policy=CacheKeyFnPolicy(cache_key_fn=lambda *_: key), refresh_cache=not done,
+                              persist_result=True)(*args, return_state=True, **kwargs)
+    return state.result(), state.name == "Cached"
+
+
+def eval_key(cfg: PipelineConfig, manifest: dict, hf_dir: str | Path) -> str:
+    """What an evaluation result depends on: the eval settings, the data and the exported checkpoint."""
+    marker = Path(hf_dir) / "difflm_export.json"
+    source = json.loads(marker.read_text()).get("checkpoint") if marker.exists() else str(hf_dir)
+    return cache_key("evaluate", cfg.eval.model_dump(mode="json"), manifest["hash"], source, str(hf_dir))
+
+
+def eval_done(out_dir: Path, key: str) -> bool:
+    f = Path(out_dir) / EVAL_KEY_FILE
+    return (Path(out_dir) / "results.json").exists() and f.exists() and f.read_text().strip() == key
+
+
+def mark_eval_done(out_dir: Path, key: str) -> None:
+    (Path(out_dir) / EVAL_KEY_FILE).write_text(key + "\n")
