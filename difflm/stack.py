@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
+from difflm import corpus
+
 ROOT = Path(__file__).resolve().parent.parent
 INIT_SCRIPT = ROOT / "deploy" / "postgres-init.sh"
 SECRETS = ("POSTGRES_PASSWORD", "MLFLOW_DB_PASSWORD", "PREFECT_DB_PASSWORD")
@@ -194,7 +196,7 @@ def stack_processes(state: Path) -> list[int]:
 def up(state: Path, secrets: dict[str, str], host: str = "127.0.0.1", db_port: int = 5432,
        mlflow_port: int = 5000, prefect_port: int = 4200, cache: Path | None = None, timeout: float = 180) -> Stack:
     """Start PostgreSQL, MLflow, Prefect and a worker natively under `state`; return when all are healthy and the
-    worker has created its work pool. `cache`: the worker's DIFFLM_CACHE (default `state`/cache)."""
+    worker has created its work pool. `cache`: the worker's DIFFLM_CACHE (default: this user's corpus cache)."""
     missing = [k for k in SECRETS if not secrets.get(k)]
     if missing:
         raise SystemExit(f"missing {', '.join(missing)}: put them in .env (see deploy/stack.env.example)")
@@ -203,7 +205,7 @@ def up(state: Path, secrets: dict[str, str], host: str = "127.0.0.1", db_port: i
     state = state.resolve()
     if _pids(state) and any(_alive(pid) for pid in _pids(state).values()):
         raise SystemExit(f"a stack is already running under {state}: python -m difflm.stack down --dir {state}")
-    for sub in ("logs", "mlartifacts", "cache", "pg"):
+    for sub in ("logs", "mlartifacts", "pg"):
         (state / sub).mkdir(parents=True, exist_ok=True)
     bin_ = _pg_bin()
     pg, data = state / "pg", state / "pg" / "data"
@@ -226,7 +228,7 @@ def up(state: Path, secrets: dict[str, str], host: str = "127.0.0.1", db_port: i
 
     stack = Stack(secrets, host=host, db_host="127.0.0.1", db_port=db_port, mlflow_host=host, mlflow_port=mlflow_port,
                   prefect_host=host, prefect_port=prefect_port, artifacts=str(state / "mlartifacts"),
-                  cache=str(Path(cache).resolve() if cache else state / "cache"),
+                  cache=str(Path(cache or corpus.cache_dir()).resolve()),
                   extra_env={"PREFECT_HOME": str(state / "prefect-worker"), **IMAGE_ENV})
     svc = services(stack)
     bin_dir = Path(sys.executable).parent  # the servers of this environment, as in the image
@@ -332,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--db-port", type=int, default=5432)
     p.add_argument("--mlflow-port", type=int, default=5000)
     p.add_argument("--prefect-port", type=int, default=4200)
-    p.add_argument("--cache", type=Path, help="the worker's DIFFLM_CACHE (default DIR/cache)")
+    p.add_argument("--cache", type=Path, help="the worker's DIFFLM_CACHE (default: $DIFFLM_CACHE or ~/.cache/difflm-pipeline)")
     a = p.parse_args(argv)
     if a.action == "down":
         down(a.dir)

@@ -1,8 +1,9 @@
 """Prefect tasks: thin wrappers over the plain stage functions (each testable without Prefect), and the plain
 functions of the stages that work on an existing run (convert-checkpoint, evaluate-latest).
 
-Caching is off on purpose: every stage already reuses its content-addressed output directory,
-which also survives Prefect's state being wiped.
+The tasks declare no cache policy: the flows attach Prefect's cache per call (`tasks/cache.py`), keyed by the
+hash that names the stage's output folder and trusted only while that folder is complete; every stage function
+also reuses its finished folder on its own, so wiping Prefect's state costs nothing but a fast reuse run.
 """
 
 from __future__ import annotations

@@ -109,6 +109,19 @@ def test_no_secrets_in_the_repository():
     assert not found, found
 
 
+def test_prefect_yaml_entrypoints_load_as_a_worker_loads_them():
+    """A worker's flow run imports the entrypoint with Prefect's `import_object`, in the project root: a script
+    path (`flows/x.py:f`) puts flows/ first on sys.path, where flows/data_prep.py shadows the data_prep package;
+    a module path (`flows.x:f`) does not. Each in a fresh interpreter, as in a flow run."""
+    entrypoints = sorted({d["entrypoint"] for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]})
+    code = "import sys; from prefect.utilities.importtools import import_object; import_object(sys.argv[1])"
+    procs = {ep: subprocess.Popen([sys.executable, "-c", code, ep], cwd=ROOT, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for ep in entrypoints}
+    failed = {ep: p.communicate(timeout=120)[0].strip().splitlines()[-1:] for ep, p in procs.items()}
+    assert not {ep: out for ep, out in failed.items() if procs[ep].returncode}, \
+        "use module entrypoints in prefect.yaml (flows.pretrain:pretrain_difflm)"
+
+
 def test_up_refuses_missing_or_template_secrets(tmp_path):
     with pytest.raises(SystemExit, match="missing"):
         stack.up(tmp_path, {"POSTGRES_PASSWORD": "x"})
@@ -190,7 +203,7 @@ def test_pretrain_deployment_runs_on_the_production_stack():
                "PREFECT_HOME": str(base / "cli-home"), "PWD": str(ROOT)}  # `{{ $PWD }}`: where the code is
 
         t = time.time()
-        deploy = _sh([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "local", *(["--prefect-file", os.environ["TMP_PF"]] if os.environ.get("TMP_PF") else [])], env, 180, cwd=ROOT)
+        deploy = _sh([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "local"], env, 180, cwd=ROOT)
         assert deploy.returncode == 0, deploy.stdout + deploy.stderr
         times["deploy"] = time.time() - t
 
