@@ -282,9 +282,14 @@ def cmd_generate(cfg: PipelineConfig, args) -> int:
 
 def cmd_serve(cfg: PipelineConfig, args) -> int:
     """Serve a flow as a deployment of this process: pretrain-difflm (the config), or evaluate-latest on a run."""
+    from prefect.deployments.runner import EntrypointType
+
+    # flow runs load the flow by module (flows.pretrain), not by file: a file puts flows/ first on sys.path,
+    # where flows/data_prep.py would shadow the data_prep package
     schedule = {"cron": args.cron} if args.cron else {"interval": args.interval} if args.interval else {}
+    schedule["entrypoint_type"] = EntrypointType.MODULE_PATH
     if args.flow == "evaluate-latest":
-        schedule = schedule or {"interval": 600}
+        schedule = schedule if len(schedule) > 1 else {**schedule, "interval": 600}
         from flows.evaluate_latest import evaluate_latest
         from tasks.stages import training_run_dir
 

@@ -109,11 +109,11 @@ def test_prefect_yaml_deployments_load_and_validate():
     model = PrefectYamlModel.model_validate(raw)
     flows = {}
     for dep, entry in zip(model.deployments, raw["deployments"]):
-        # the module the entrypoint names, imported as a package module (prefect's loader would put flows/ on
-        # sys.path, where flows/data_prep.py then shadows the data_prep package for the rest of the session)
-        path, name = dep.entrypoint.split(":")
-        assert (ROOT / path).exists(), dep.entrypoint
-        fl = getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name)
+        # module entrypoints only: a file path (flows/x.py:f) makes a worker put flows/ first on sys.path, where
+        # flows/data_prep.py shadows the data_prep package (test_production_stack loads them as a worker does)
+        module, name = dep.entrypoint.split(":")
+        assert "/" not in module and (ROOT / (module.replace(".", "/") + ".py")).exists(), dep.entrypoint
+        fl = getattr(importlib.import_module(module), name)
         fl.validate_parameters(dep.parameters)  # raises on a parameter the flow does not take or a wrong type
         flows[f"{fl.name}/{dep.name}"] = [_schedule_config_to_deployment_schedule(s) for s in entry.get("schedules", [])]
         assert dep.work_pool and dep.work_pool.name == "difflm"
