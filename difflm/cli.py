@@ -75,7 +75,10 @@ def cmd_run(cfg: PipelineConfig, args) -> int:
                                            and k != "chance") + f"  ({scores['items']} items)")
     for s in summary["samples"]:
         print(f"sample: {s['prompt']!r} -> {s['completion'][:160]!r}")
-    for key in ("data_dir", "run_dir", "hf_dir", "report", "mlflow_uri", "mlflow_run_id", "registered_model", "version"):
+    if summary.get("stages"):  # what this execution computed, and what the Prefect cache let it skip
+        print("stages: " + ", ".join(f"{k} {v}" for k, v in summary["stages"].items()))
+    for key in ("data_dir", "run_dir", "hf_dir", "report", "mlflow_uri", "mlflow_run_id", "mlflow_run_url",
+                "registered_model", "version", "promotion"):
         if summary.get(key) is not None:
             print(f"{key:>16}: {summary[key]}")
     if summary.get("mlflow_uri"):
