@@ -71,9 +71,15 @@ def lineage_tags() -> dict[str, str]:
 @contextmanager
 def pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]) -> Iterator[str | None]:
     """Start the MLflow run of one pipeline execution (or nothing when tracking is off); yields its id."""
-    if not cfg.tracking.enabled:
+    run = _start_pipeline_run(cfg, run_name, tags) if cfg.tracking.enabled else None
+    if run is None:
         yield None
         return
+    with _ending(run, "the MLflow run") as run_id:
+        yield run_id
+
+
+def _start_pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]):
     import mlflow
 
     Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
@@ -85,39 +91,45 @@ def pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]) -> It
                                tags={**lineage_tags(), **tags})
         mlflow.log_params(cfg.flat())
         mlflow.log_dict(cfg.model_dump(mode="json"), "config/resolved.yaml")
+        return run
     except Exception as err:  # the pipeline runs without tracking rather than not at all
         degrade(f"could not start an MLflow run at {tracking_uri(cfg)}", err)
-        yield None
-        return
-    status = "FAILED"
-    try:
-        yield run.info.run_id
-        status = "FINISHED"
-    finally:
-        try:
-            mlflow.end_run(status)
-        except Exception as err:
-            degrade("could not close the MLflow run", err)
+        return None
 
 
 @contextmanager
 def stage_run(name: str, system_metrics: bool = False) -> Iterator[str | None]:
     """A nested MLflow run for one stage, under the pipeline's run (nothing when there is no active run, i.e.
     tracking is off or could not start). `system_metrics`: MLflow samples CPU, memory (and GPU) meanwhile."""
+    run = _start_stage_run(name, system_metrics)
+    if run is None:
+        yield None
+        return
+    with _ending(run, f"the MLflow run of stage {name}") as run_id:
+        yield run_id
+
+
+def _start_stage_run(name: str, system_metrics: bool):
     try:
         import mlflow
 
         parent = mlflow.active_run()
         if parent is None:
-            yield None
-            return
-        run = mlflow.start_run(run_name=f"{parent.info.run_name}/{name}", nested=True,
-                               experiment_id=parent.info.experiment_id,  # else the default experiment
-                               tags={"stage": name, **lineage_tags()}, log_system_metrics=system_metrics)
+            return None
+        return mlflow.start_run(run_name=f"{parent.info.run_name}/{name}", nested=True,
+                                experiment_id=parent.info.experiment_id,  # else the default experiment
+                                tags={"stage": name, **lineage_tags()}, log_system_metrics=system_metrics)
     except Exception as err:
         degrade(f"could not start the MLflow run of stage {name}", err)
-        yield None
-        return
+        return None
+
+
+@contextmanager
+def _ending(run, what: str) -> Iterator[str]:
+    """Yield the run's id; end it FINISHED, or FAILED when the body raised (the body's error propagates as is:
+    no yield of these context managers sits inside a handler that could catch it)."""
+    import mlflow
+
     status = "FAILED"
     try:
         yield run.info.run_id
@@ -126,7 +138,7 @@ def stage_run(name: str, system_metrics: bool = False) -> Iterator[str | None]:
         try:
             mlflow.end_run(status)
         except Exception as err:
-            degrade(f"could not close the MLflow run of stage {name}", err)
+            degrade(f"could not close {what}", err)
 
 
 DEGRADED: list[str] = []  # what tracking could not do in this process (the flow reports it)

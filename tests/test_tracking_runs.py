@@ -1,0 +1,50 @@
+"""The MLflow run context managers of difflm.tracking: a stage's own error always reaches the caller, with or
+without tracking, and a stage run is a child of the pipeline run in the same experiment."""
+
+import pytest
+
+from conftest import tiny_config
+
+
+class StageFailed(Exception):
+    pass
+
+
+def test_errors_pass_through_without_tracking(tmp_path):
+    from difflm import tracking
+
+    with pytest.raises(StageFailed):  # no active run: the stage run is nothing, the error is the stage's
+        with tracking.stage_run("train") as sid:
+            assert sid is None
+            raise StageFailed
+    cfg = tiny_config(tmp_path, "tracking.enabled=false")
+    with pytest.raises(StageFailed):
+        with tracking.pipeline_run(cfg, "off", {}) as run_id:
+            assert run_id is None
+            raise StageFailed
+
+
+def test_stage_runs_nest_and_fail_with_their_stage(tmp_path, monkeypatch):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from difflm import tracking
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # set_tracking_uri exports it: restore after the test
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    cfg = tiny_config(tmp_path)
+    with pytest.raises(StageFailed):
+        with tracking.pipeline_run(cfg, "nest", {"flow": "t"}) as run_id:
+            with tracking.stage_run("data-prep") as ok_id:
+                tracking.log_stage(ok_id, cached=True, where="x")
+            with tracking.stage_run("train") as bad_id:
+                raise StageFailed
+    client = MlflowClient()
+    parent = client.get_run(run_id)
+    children = {r.data.tags["stage"]: r for r in client.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")}
+    assert set(children) == {"data-prep", "train"} and children["train"].info.run_id == bad_id
+    assert children["data-prep"].info.status == "FINISHED" and children["data-prep"].data.tags["cached"] == "true"
+    assert children["train"].info.status == "FAILED" and parent.info.status == "FAILED"
+    assert children["data-prep"].info.run_name == "nest/data-prep"
+    assert mlflow.active_run() is None
