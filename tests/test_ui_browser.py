@@ -163,7 +163,7 @@ def test_run_and_model_version_pages_show_metrics_aliases_and_lineage(tmp_path, 
         assert aliases and all(f"@ {a}" in aliases[1] for a in ("candidate", "champion")), f"no aliases {where}"
         assert f'href="#/experiments/{exp}/runs/{run_id}' in dom, f"no source run link {where}"
         # the description's lineage: the run (and its UI page), the data with its manifest, the checkpoint
-        assert f"run: runs:/{run_id}" in text and f'href="{run_url}"' in dom, f"no run in the description {where}"
+        assert f"run: runs:/{run_id}" in text and f'href="{run_url}?workflowType=machine_learning"' in dom, f"no run in the description {where}"
         assert f"data: {MANIFEST['hash']} from enwiki" in text, f"no data in the description {where}"
         assert f"dataset: runs:/{run_id}/data/manifest.json" in text, f"no manifest link {where}"
         assert f"checkpoint: {CHECKPOINT}" in text and "final val_loss 4.1000" in text, f"no checkpoint {where}"
