@@ -73,9 +73,12 @@ def pretrain_difflm(
             if sid:
                 tracking.log_training(train_info, records, live=True)
         stages["train"] = "cached" if cached else "ran"
-        artifacts.publish("train-summary", artifacts.training_markdown(train_info, records, cached), "training", link)
         if run_id:  # the parent's first charts: the training curves (and, below, the evaluation)
             tracking.log_training(train_info, records, live=sid is None)
+        curves = (artifacts.mlflow_artifact_url(tracking.tracking_uri(cfg), run_id, "train/curves.png")
+                  if (Path(train_info["run_dir"]) / "curves.png").exists() else None)
+        artifacts.publish("train-summary", artifacts.training_markdown(train_info, records, cached, curves),
+                          "training", link)
 
         hf_path = Path(train_info["run_dir"]) / "hf"
         with tracking.stage_run("convert") as sid:

@@ -4,6 +4,8 @@ place that talks to Prefect, and never fails a stage: an artifact is a view, not
 
 from __future__ import annotations
 
+from urllib.parse import quote
+
 SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -43,7 +45,9 @@ def data_markdown(manifest: dict, cached: bool = False) -> str:
     ])
 
 
-def training_markdown(train_info: dict, records: list[dict], cached: bool = False) -> str:
+def training_markdown(train_info: dict, records: list[dict], cached: bool = False,
+                      curves_url: str | None = None) -> str:
+    """`curves_url`: where a browser can fetch the run's curves.png (the MLflow server), shown as the figure."""
     loss = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     lines = [f"# Training `{train_info['run_dir'].rstrip('/').split('/')[-1]}`", "",
@@ -53,6 +57,8 @@ def training_markdown(train_info: dict, records: list[dict], cached: bool = Fals
     if loss:
         lines += [f"loss {loss[0][1]:.4f} → {loss[-1][1]:.4f} over {loss[-1][0]} steps", "",
                   f"`{sparkline([v for _, v in loss])}`", ""]
+    if curves_url:
+        lines += [f"![training curves]({curves_url})", ""]
     if val:
         lines += _table(["step", "val_loss"], [[s, f"{v:.4f}"] for s, v in val[-8:]]) + [""]
     speed = [r for r in records if r.get("tokens_per_s_per_device")]
@@ -92,6 +98,13 @@ def mlflow_run_url(uri: str | None, experiment_id: str | None, run_id: str | Non
     from difflm.registry import TRAINING_VIEW
 
     return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
+
+
+def mlflow_artifact_url(uri: str | None, run_id: str | None, path: str) -> str | None:
+    """A file of the run as the MLflow server serves it to its UI; None for a local store."""
+    if not (uri and run_id) or not uri.startswith(("http://", "https://")):
+        return None
+    return f"{uri.rstrip('/')}/get-artifact?path={quote(path)}&run_id={run_id}"
 
 
 def publish(key: str, markdown: str, description: str, link: str | None = None) -> None:

@@ -36,6 +36,14 @@ def test_summaries_show_what_a_user_checks_first():
     assert "| trained | elbo | 4.5000 | 90.00 |" in ev and "acc 0.250" in ev and "**The river** flows" in ev
 
 
+def test_training_figure_from_the_mlflow_server():
+    assert artifacts.mlflow_artifact_url("sqlite:///x.db", "r", "train/curves.png") is None
+    url = artifacts.mlflow_artifact_url("http://h:5000", "r1", "train/curves.png")
+    assert url == "http://h:5000/get-artifact?path=train/curves.png&run_id=r1"
+    md = artifacts.training_markdown({"run_dir": "/w/runs/x", "checkpoint": "/c"}, [], curves_url=url)
+    assert f"![training curves]({url})" in md
+
+
 def test_mlflow_links_only_for_a_server():
     assert artifacts.mlflow_run_url("sqlite:///x.db", "1", "r") is None
     assert artifacts.mlflow_run_url("http://h:5000/", "1", "r") == \

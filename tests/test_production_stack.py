@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -251,11 +252,25 @@ def test_pretrain_deployment_runs_on_the_production_stack():
         assert query("prefect", "SELECT state_type FROM flow_run WHERE id = %s", flow_run_id) == [("COMPLETED",)]
 
         # nested stage runs, one per stage, under the pipeline's run
-        # (flows/pretrain.py opens them with tracking.stage_run; this assertion waits for that change)
         stages = client.search_runs(exps, f"tags.mlflow.parentRunId = '{rid}'")
-        assert {r.data.tags.get("stage") for r in stages} == {"data-prep", "train", "convert", "evaluate"}, \
-            "no nested stage runs: flows/pretrain.py does not open tracking.stage_run yet"
+        assert {r.data.tags.get("stage") for r in stages} == {"data-prep", "train", "convert", "evaluate"}
         assert all(r.info.status == "FINISHED" for r in stages)
+
+        # the flow run's stage summaries in Prefect, linking to the MLflow run, its training figure served
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as pc:
+            arts = {a.key: a for a in pc.read_artifacts(artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))}
+        assert {"data-prep-summary", "train-summary", "evaluate-summary", "train-summary-mlflow"} <= arts.keys()
+        assert f"{mlflow_url}/#/experiments/{parent.info.experiment_id}/runs/{rid}" in arts["train-summary-mlflow"].data
+        figure = re.search(r"!\[training curves\]\((\S+)\)", arts["train-summary"].data)
+        assert figure, arts["train-summary"].data
+        with urllib.request.urlopen(figure[1], timeout=10) as png:
+            assert png.read(8) == b"\x89PNG\r\n\x1a\n"
     finally:
         pids = stack._pids(state)
         t = time.time()
