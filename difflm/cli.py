@@ -190,6 +190,7 @@ def cmd_convert(cfg: PipelineConfig, args) -> int:
     found = conversion_source(source, to)  # a folder that is neither fails here, before any Prefect server
     if args.preset is None:  # no preset: the run's own config.yaml when the source belongs to a run
         cfg = stage_config(found["run_dir"], None, args.overrides)
+    _offline_env(cfg)  # Prefect's state beside the run's workdir, not in the current directory
     if args.flow:
         from flows.convert import convert_checkpoint
 
@@ -206,13 +207,17 @@ def cmd_convert(cfg: PipelineConfig, args) -> int:
 
 
 def cmd_eval_latest(cfg: PipelineConfig, args) -> int:
+    from tasks.stages import stage_config, training_run_dir
+
+    rdir = training_run_dir(args.run_dir)  # a wrong path fails here, before any Prefect server starts
+    _offline_env(stage_config(rdir, args.preset, args.overrides))  # Prefect's state beside the run's workdir
     from flows.evaluate_latest import evaluate_latest
 
-    res = evaluate_latest(run_dir=args.run_dir, preset=args.preset, overrides=args.overrides,
+    res = evaluate_latest(run_dir=str(rdir), preset=args.preset, overrides=args.overrides,
                           max_sequences=args.max_sequences, force=args.force)
     if res.get("skipped"):
-        print(f"skipped: {res['skipped']}" + (f" (iteration {res['iteration']}, score {res['score']:.4f})"
-                                              if res.get("iteration") is not None else ""))
+        print(f"skipped: {res['skipped']}" + (f" (iteration {res['iteration']}, score {res['score']:.4f}; "
+                                              f"--force scores it again)" if res.get("iteration") is not None else ""))
     else:
         print(f"iteration {res['iteration']}: {res['kind']} {res['score']:.4f} nats/token (ppl {res['ppl']:.2f})"
               + (f"; MLflow run {res['mlflow_run_id']}" if res.get("mlflow_run_id") else ""))
@@ -485,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"difflm: {err}", file=sys.stderr)
         return 2
-    _offline_env(cfg)
+    if not (args.command in ("convert", "eval-latest") and args.preset is None):
+        _offline_env(cfg)  # those two take the config (and workdir) of the run they are given, and set it then
     try:
         return args.func(cfg, args)
     except _user_errors() as err:

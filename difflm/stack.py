@@ -259,17 +259,18 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def down(state: Path, grace: float = 20) -> None:
+def down(state: Path, grace: float = 20) -> list[str]:
     """Stop what `up` started, newest first, each whole process group (PostgreSQL last, fast shutdown), then
-    whatever the services started outside their groups (flow runs)."""
+    whatever the services started outside their groups (flow runs). Returns the services it found running."""
     state = Path(state).resolve()
-    pids = _pids(state)
+    pids, stopped = _pids(state), []
     for name, pid in reversed(list(pids.items())):
         sig = signal.SIGINT if name == "postgres" else signal.SIGTERM  # SIGTERM would wait for clients
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
             continue
+        stopped.append(name)
         deadline = time.time() + grace
         while time.time() < deadline:
             if not _group_alive(pid):
@@ -292,6 +293,7 @@ def down(state: Path, grace: float = 20) -> None:
             left = [p for p in left if _alive(p) and not _zombie(p)]
             time.sleep(0.1)
     (state / "pids.json").unlink(missing_ok=True)
+    return stopped
 
 
 def _stat(pid: int | str) -> list[str]:
@@ -337,7 +339,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, help="the worker's DIFFLM_CACHE (default: $DIFFLM_CACHE or ~/.cache/difflm-pipeline)")
     a = p.parse_args(argv)
     if a.action == "down":
-        down(a.dir)
+        if not (a.dir / "pids.json").exists():
+            print(f"no stack in {a.dir.resolve()} (no pids.json): nothing to stop; pass the --dir given to `up`")
+            return 1
+        stopped = down(a.dir)
+        print(f"stopped {', '.join(reversed(stopped))}" if stopped else f"nothing was running in {a.dir}")
         return 0
     secrets = {**(read_env_file(a.env_file) if a.env_file.exists() else {}),
                **{k: os.environ[k] for k in SECRETS if k in os.environ}}

@@ -50,8 +50,9 @@ def lineage_tags() -> dict[str, str]:
 
         if flow_run.id:
             tags["prefect.flow_run_id"] = str(flow_run.id)
-            if flow_run.ui_url:
-                tags["prefect.flow_run_url"] = str(flow_run.ui_url)
+            url = str(flow_run.ui_url or "")
+            if url.startswith(("http://", "https://")):  # a temporary server has no UI URL ('None/flow-runs/...')
+                tags["prefect.flow_run_url"] = url
     except Exception:  # not inside a flow, or no Prefect: nothing to link
         pass
     root = Path(__file__).resolve().parents[1]
@@ -321,10 +322,16 @@ def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str, check
     copy), alias `candidate`, `champion` when its `tracking.champion_metric` beats the champion's, and a
     readable description. Returns the artifact URI, the name, version and the promotion decision."""
     import mlflow
+    from mlflow.tracking import MlflowClient
 
-    mlflow.log_artifacts(str(hf_dir), "hf_model")
-    out = {"artifact_uri": mlflow.get_artifact_uri("hf_model")}
     name = registry.registered_model_name(cfg)
+    known = registry.version_of_checkpoint(MlflowClient(), name, checkpoint) if name else None
+    if known is not None and registry.TAG_PROMOTION in known.tags:
+        # a rerun of the same checkpoint (stages cached): point at the version, do not upload the weights again
+        out = {"artifact_uri": known.source}
+    else:
+        mlflow.log_artifacts(str(hf_dir), "hf_model")
+        out = {"artifact_uri": mlflow.get_artifact_uri("hf_model")}
     if name:
         out.update(registry.register_version(cfg, name, source=out["artifact_uri"], run_id=run_id,
                                              checkpoint=checkpoint, uri=tracking_uri(cfg), hf_dir=hf_dir,

@@ -54,7 +54,7 @@ def pretrain_difflm(
         ddir = data_dir(cfg)
         with tracking.stage_run("data-prep") as sid:
             manifest, cached = run_stage(data_prep_task, cache_key("data-prep", ddir), (ddir / MANIFEST).exists(), cfg)
-            tracking.log_stage(sid, cached, data_hash=manifest["hash"])
+            tracking.log_stage(sid, cached)
             if sid:
                 tracking.log_data_stats(manifest, context="output")
         stages["data-prep"] = "cached" if cached else "ran"
@@ -63,15 +63,16 @@ def pretrain_difflm(
             tracking.log_data_stats(manifest)
 
         rdir = run_dir(cfg, manifest)
-        with tracking.stage_run("train", system_metrics=cfg.tracking.system_metrics) as sid:
+        trained = is_finished(cfg, rdir)  # nothing to sample, nothing sent live: the stage will only reuse it
+        with tracking.stage_run("train", system_metrics=cfg.tracking.system_metrics and not trained) as sid:
             if sid:
                 tracking.log_data_stats(manifest)
-            train_info, cached = run_stage(train_task, cache_key("train", rdir), is_finished(cfg, rdir), cfg,
+            train_info, cached = run_stage(train_task, cache_key("train", rdir), trained, cfg,
                                            manifest, tracking.child_env(cfg, sid or run_id))
             records = read_metrics(train_info["run_dir"])
-            tracking.log_stage(sid, cached, run_dir=train_info["run_dir"])
+            tracking.log_stage(sid, cached)
             if sid:
-                tracking.log_training(train_info, records, live=True)
+                tracking.log_training(train_info, records, live=not (cached or trained))
         stages["train"] = "cached" if cached else "ran"
         if run_id:  # the parent's first charts: the training curves (and, below, the evaluation)
             tracking.log_training(train_info, records, live=sid is None)
@@ -84,7 +85,7 @@ def pretrain_difflm(
         with tracking.stage_run("convert") as sid:
             hf_dir, cached = run_stage(convert_task, cache_key("convert", hf_path, train_info["checkpoint"]),
                                        _export_done(hf_path, train_info["checkpoint"]), cfg, manifest, train_info)
-            tracking.log_stage(sid, cached, hf_dir=hf_dir, checkpoint=train_info["checkpoint"])
+            tracking.log_stage(sid, cached, **{"export.hf_dir": hf_dir, "train.checkpoint": train_info["checkpoint"]})
         stages["convert"] = "cached" if cached else "ran"
         artifacts.publish("convert-summary", artifacts.conversion_markdown(hf_dir, train_info["checkpoint"], cached),
                           "conversion", link)

@@ -183,6 +183,17 @@ def export_checkpoint(cfg: PipelineConfig, manifest: dict, ckpt: Path, out: Path
     return False
 
 
+def existing_export(run_dir: str | Path, ckpt: str | Path) -> Path | None:
+    """An HF folder of the run already exported from `ckpt` (the pipeline's hf/, an earlier conversion, the
+    folder evaluate-latest scores), if any."""
+    run_dir = Path(run_dir)
+    for folder in (run_dir / "hf", run_dir / "exports" / Path(ckpt).name, run_dir / EVAL_LATEST_DIR / "hf"):
+        marker = folder / "difflm_export.json"
+        if marker.exists() and json.loads(marker.read_text()).get("checkpoint") == str(ckpt):
+            return folder
+    return None
+
+
 def convert_source(cfg: PipelineConfig, found: dict, out_dir: str | Path | None = None) -> dict:
     """Convert what `conversion_source` found; the output goes to `out_dir`, else <run>/exports/iter_XXXXXXX for a
     run's checkpoint, else next to the source (<name>-hf, <name>-megatron). Returns where and what."""
@@ -190,6 +201,10 @@ def convert_source(cfg: PipelineConfig, found: dict, out_dir: str | Path | None 
     from models.hf.convert import import_hf
 
     src, run = Path(found["path"]), found["run_dir"]
+    done = existing_export(run, src) if run is not None and found["to"] == "hf" and not out_dir else None
+    if done is not None:  # e.g. the run's own hf/ of its final checkpoint: no second copy of the same weights
+        return {"to": "hf", "source": str(src), "run_dir": str(run), "iteration": found["iteration"],
+                "out_dir": str(done), "reused": True}
     if out_dir:
         out = Path(out_dir).expanduser().resolve()
     elif found["to"] == "hf" and run is not None and found["iteration"] is not None:
@@ -216,7 +231,7 @@ def training_run_dir(run_dir: str | Path) -> Path:
         if path.parent.name == "checkpoints" or path.name == "checkpoints":
             hint = f" (this is inside one: pass {path.parent.parent if path.parent.name == 'checkpoints' else path.parent})"
         raise EvaluationError(f"{run_dir}: not a training run directory (config.yaml, data_manifest.json, "
-                              f"checkpoints/){hint}; pass <workdir>/runs/<run>, the folder `difflm train` prints")
+                              f"checkpoints/){hint}; pass <workdir>/runs/<run>, the run_dir `difflm run` and `difflm train` print")
     return path
 
 
@@ -246,8 +261,12 @@ def export_newest(cfg: PipelineConfig, manifest: dict, run_dir: Path, attempts: 
         it = latest_iteration(Path(run_dir) / "checkpoints")
         if it is None:
             raise FileNotFoundError(f"{run_dir} has no complete checkpoint yet")
+        ckpt = iter_dir(Path(run_dir) / "checkpoints", it)
+        done = existing_export(run_dir, ckpt)
+        if done is not None:  # the final checkpoint, already exported by the pipeline: score that folder
+            return it, done
         try:
-            export_checkpoint(cfg, manifest, iter_dir(Path(run_dir) / "checkpoints", it), out, it)
+            export_checkpoint(cfg, manifest, ckpt, out, it)
             return it, out
         except FileNotFoundError:
             continue
@@ -282,7 +301,7 @@ def _experiment(cfg: PipelineConfig) -> str:
 
 
 def training_mlflow_run(cfg: PipelineConfig, run_dir: Path, manifest: dict) -> str | None:
-    """The MLflow run of the pretrain-difflm execution that trains `run_dir`, if any: the newest run tagged with
+    """The MLflow run of the pretrain-difflm execution that trains `run_dir`, if any: the first run tagged with
     it (pretrain-difflm tags `train.run_dir` once training returns) or, while it trains, the newest
     pretrain-difflm run on the same data whose resolved config names this run directory."""
     import mlflow
@@ -295,8 +314,10 @@ def training_mlflow_run(cfg: PipelineConfig, run_dir: Path, manifest: dict) -> s
     if exp is None:
         return None
     client, newest = MlflowClient(), ["attributes.start_time DESC"]
+    # the parent (not its stage runs) of the FIRST execution that trained this run directory: the run its
+    # registered version links to; later executions that found the stages cached only point at it
     tagged = client.search_runs([exp.experiment_id], f"tags.`train.run_dir` = '{run_dir}' and tags.flow = "
-                                f"'pretrain-difflm'", max_results=1, order_by=newest)  # the parent, not its stages
+                                f"'pretrain-difflm'", max_results=1, order_by=["attributes.start_time ASC"])
     if tagged:
         return tagged[0].info.run_id
     for run in client.search_runs([exp.experiment_id], f"tags.flow = 'pretrain-difflm' and tags.`data.hash` = "

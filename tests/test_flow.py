@@ -63,7 +63,8 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness, monk
     assert len(client.get_metric_history(train_run.info.run_id, "loss")) >= 3
     assert any(k.startswith("system/") for k in train_run.data.metrics), train_run.data.metrics.keys()
     assert "eval.trained.nll_per_token" in children["evaluate"].data.metrics
-    assert children["train"].data.tags["run_dir"] == summary["run_dir"]
+    assert children["train"].data.tags["train.run_dir"] == summary["run_dir"]
+    assert children["convert"].data.tags["export.hf_dir"] == summary["hf_dir"]
     # a markdown summary per stage in Prefect
     train_md = Artifact.get("train-summary")
     assert train_md and "loss" in train_md.data and Path(summary["run_dir"]).name in train_md.data
@@ -87,6 +88,8 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness, monk
     assert len(client.get_metric_history(again["mlflow_run_id"], "loss")) >= 3
     assert again["version"] == summary["version"]  # same checkpoint: the same registered version
     assert again["stages"] == dict.fromkeys(("data-prep", "train", "convert", "evaluate"), "cached")
+    assert "hf_model" not in {a.path for a in client.list_artifacts(again["mlflow_run_id"])}  # no second upload
+    assert run.data.tags.get("prefect.flow_run_url", "http").startswith("http")  # a link, or none at all
     assert "Prefect cache" in Artifact.get("train-summary").data
 
     # a changed input reruns only the stages that depend on it
