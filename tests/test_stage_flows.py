@@ -91,6 +91,14 @@ def test_convert_says_what_to_pass_for_other_folders(trained_run, prefect_harnes
     assert main(["convert", str(trained_run / "checkpoints" / "iter_0000004"), "--out", str(tmp_path / "cli")]) == 0
     assert "Hugging Face export" in capsys.readouterr().out and (tmp_path / "cli" / "config.json").exists()
 
+    # an output folder holding anything else is never replaced, in either direction: it loses nothing
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("precious")
+    for source in (trained_run / "checkpoints" / "iter_0000004", tmp_path / "cli"):
+        assert main(["convert", str(source), "--out", str(tmp_path / "mine")]) == 1
+        assert "nothing was written; pass a new or empty folder" in capsys.readouterr().err
+    assert [f.name for f in (tmp_path / "mine").iterdir()] == ["thesis.tex"]
+
 
 def test_evaluate_latest_scores_each_new_checkpoint_once(trained_run, prefect_harness, tmp_path, capsys):
     import mlflow

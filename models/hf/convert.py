@@ -167,8 +167,23 @@ def export_hf(cfg: PipelineConfig, tokenizer: dict, ckpt_dir: Path, out_dir: Pat
     return save_export(model, Path(tokenizer["path"]), out_dir, {"checkpoint": str(ckpt_dir), **(provenance or {})})
 
 
+def check_replaceable(out_dir: Path, kind: str) -> None:
+    """`out_dir` may be (re)written: it does not exist, is empty, or holds an earlier output of the same kind
+    (an HF export: difflm_export.json; a megatron checkpoint: metadata.json). Anything else is never deleted."""
+    out_dir = Path(out_dir)
+    if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
+        return
+    marker = "difflm_export.json" if kind == "hf" else "metadata.json"
+    if out_dir.is_dir() and (out_dir / marker).exists():
+        return
+    what = "an HF export" if kind == "hf" else "a megatron checkpoint"
+    raise ConversionError(f"{out_dir} exists and is not {what} written before (no {marker}): it would be "
+                          f"replaced, so nothing was written; pass a new or empty folder as the output")
+
+
 def save_export(model, tokenizer_dir: Path, out_dir: Path, meta: dict) -> Path:
     """Weights, config, model code and tokenizer of `model` into `out_dir` (replaced atomically)."""
+    check_replaceable(out_dir, "hf")
     tmp = out_dir.with_name(out_dir.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
@@ -251,6 +266,7 @@ def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict)
     hf_dir = Path(hf_dir)
     if not (hf_dir / "model.safetensors").exists() or not (hf_dir / "config.json").exists():
         raise ConversionError(f"{hf_dir}: expected a Hugging Face folder with config.json and model.safetensors")
+    check_replaceable(out_dir, "megatron")  # before any work
     _check_compatible(cfg, json.loads((hf_dir / "config.json").read_text()), tokenizer)
     rows = padded_vocab_size(tokenizer["vocab_size"], cfg.parallel.tensor_model_parallel_size)
     weights = repad_vocab({_local_key(k): v for k, v in load_file(str(hf_dir / "model.safetensors")).items()}, rows)
