@@ -184,7 +184,7 @@ def cmd_launch(cfg: PipelineConfig, args) -> int:
 
 def cmd_convert(cfg: PipelineConfig, args) -> int:
     """`convert` (either direction, inferred) and `import-hf` (HF -> megatron): one path, plain or as the flow."""
-    from tasks.stages import conversion_source, convert_source, stage_config
+    from tasks.runs import conversion_source, convert_source, stage_config
 
     source, to = (args.hf_dir, "megatron") if args.command == "import-hf" else (args.source, args.to)
     found = conversion_source(source, to)  # a folder that is neither fails here, before any Prefect server
@@ -207,7 +207,7 @@ def cmd_convert(cfg: PipelineConfig, args) -> int:
 
 
 def cmd_eval_latest(cfg: PipelineConfig, args) -> int:
-    from tasks.stages import stage_config, training_run_dir
+    from tasks.runs import stage_config, training_run_dir
 
     rdir = training_run_dir(args.run_dir)  # a wrong path fails here, before any Prefect server starts
     _offline_env(stage_config(rdir, args.preset, args.overrides))  # Prefect's state beside the run's workdir
@@ -299,7 +299,7 @@ def cmd_serve(cfg: PipelineConfig, args) -> int:
     if args.flow == "evaluate-latest":
         schedule = schedule if len(schedule) > 1 else {**schedule, "interval": 600}
         from flows.evaluate_latest import evaluate_latest
-        from tasks.stages import training_run_dir
+        from tasks.runs import training_run_dir
 
         if not args.run_dir:
             raise SystemExit("difflm serve --flow evaluate-latest needs --run-dir <workdir>/runs/<run> (the run to "

@@ -10,7 +10,8 @@ from typing import Literal, Optional
 from prefect import flow
 
 from difflm.config import PipelineConfig
-from tasks.stages import conversion_source, convert_source_task, stage_config
+from tasks.runs import conversion_source, stage_config
+from tasks.stages import convert_source_task
 
 
 @flow(name="convert-checkpoint", log_prints=True)

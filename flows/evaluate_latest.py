@@ -13,8 +13,8 @@ from prefect import flow, get_run_logger
 
 from difflm.config import PipelineConfig
 from models.megatron.checkpointing import latest_iteration
-from tasks.stages import (evaluated_scores, export_newest_task, log_latest_score, remember_score, run_manifest,
-                          score_bound_task, stage_config, training_run_dir)
+from tasks.runs import evaluated_scores, log_latest_score, remember_score, run_manifest, stage_config, training_run_dir
+from tasks.stages import export_newest_task, score_bound_task
 
 
 @flow(name="evaluate-latest", log_prints=True)

@@ -107,7 +107,7 @@ def test_evaluate_latest_scores_each_new_checkpoint_once(trained_run, prefect_ha
     from difflm import tracking
     from difflm.cli import main
     from flows.evaluate_latest import evaluate_latest
-    from tasks.stages import evaluated_scores, run_manifest, stage_config
+    from tasks.runs import evaluated_scores, run_manifest, stage_config
 
     run = _copy_run(trained_run, tmp_path, latest=4)  # as if training had saved only iteration 4 so far
     first = evaluate_latest(run_dir=str(run))
@@ -176,7 +176,7 @@ def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained
     from mlflow.tracking import MlflowClient
 
     from difflm import tracking
-    from tasks.stages import evaluated_scores, stage_config
+    from tasks.runs import evaluated_scores, stage_config
     from test_deployment import BIN, _free_port, _stop, _wait_healthy
 
     run = _copy_run(trained_run, tmp_path / "work", latest=4)  # only iteration 4 saved so far
