@@ -405,7 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "A checkpoint scored before is skipped (<run>/eval_latest/scores.json). prefect.yaml "
                        "schedules it every 10 minutes.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="training run directory (<workdir>/runs/<run>)")
-    p.add_argument("--max-sequences", type=int, default=16, help="held-out windows to score (default: 16)")
+    p.add_argument("--max-sequences", type=int, default=16, help="held-out windows to score (default: 16; at most eval.max_sequences of the config)")
     p.add_argument("--force", action="store_true", help="score the newest checkpoint even if scored before")
     p.add_argument("--preset", default=None, help="preset or YAML (default: the run's config.yaml)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
@@ -437,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=None, help="interval schedule in seconds (evaluate-latest "
                    "default: 600)")
     p.add_argument("--run-dir", default=None, help="evaluate-latest: the training run directory to score")
-    p.add_argument("--max-sequences", type=int, default=16, help="evaluate-latest: held-out windows per score")
+    p.add_argument("--max-sequences", type=int, default=16, help="evaluate-latest: held-out windows per score (default: 16; at most eval.max_sequences)")
     p.set_defaults(func=cmd_serve)
     return parser
 
@@ -464,7 +464,10 @@ def _parse(argv: list[str] | None):
     args, extra = parser.parse_known_args(argv)
     stray = [x for x in extra if "=" not in x or x.startswith("-")]
     if stray:
-        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+        dashed = [x.lstrip("-") for x in stray if x.startswith("--") and "=" in x]
+        hint = (f" (configuration overrides take no dashes: {' '.join(dashed)}; `difflm config show` lists every "
+                f"field)") if dashed else ""
+        parser.error(f"unrecognized arguments: {' '.join(stray)}{hint}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
     if getattr(args, "sources", None):  # nargs="+" also swallows the key=value overrides that follow
         args.overrides += [x for x in args.sources if _is_override(x)]

@@ -77,6 +77,16 @@ def test_cli_rejects_bad_override_with_exit_code_2():
     assert proc.returncode == 2 and "model.num_layers" in proc.stderr
 
 
+def test_cli_says_overrides_take_no_dashes(capsys):
+    import pytest
+
+    from difflm.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["config", "show", "--workdir=/tmp/x"])
+    assert exit_.value.code == 2 and "overrides take no dashes: workdir=/tmp/x" in capsys.readouterr().err
+
+
 def test_model_presets_fill_fields_and_explicit_fields_win():
     cfg = load_config("tiny-cpu", ["model.preset=7b"])
     assert (cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_query_groups) == (32, 4096, 8)
