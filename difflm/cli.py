@@ -405,7 +405,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "A checkpoint scored before is skipped (<run>/eval_latest/scores.json). prefect.yaml "
                        "schedules it every 10 minutes.")
     p.add_argument("run_dir", metavar="RUN_DIR", help="training run directory (<workdir>/runs/<run>)")
-    p.add_argument("--max-sequences", type=int, default=16, help="held-out windows to score (default: 16; at most eval.max_sequences of the config)")
+    p.add_argument("--max-sequences", type=int, default=16,
+                   help="held-out windows to score (default: 16; at most eval.max_sequences of the config)")
     p.add_argument("--force", action="store_true", help="score the newest checkpoint even if scored before")
     p.add_argument("--preset", default=None, help="preset or YAML (default: the run's config.yaml)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
@@ -437,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=None, help="interval schedule in seconds (evaluate-latest "
                    "default: 600)")
     p.add_argument("--run-dir", default=None, help="evaluate-latest: the training run directory to score")
-    p.add_argument("--max-sequences", type=int, default=16, help="evaluate-latest: held-out windows per score (default: 16; at most eval.max_sequences)")
+    p.add_argument("--max-sequences", type=int, default=16,
+                   help="evaluate-latest: held-out windows per score (default: 16; at most eval.max_sequences)")
     p.set_defaults(func=cmd_serve)
     return parser
 
