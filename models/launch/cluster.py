@@ -256,6 +256,19 @@ def _not_finished(cfg: PipelineConfig, rdir: Path) -> str:
 
 # ---- Slurm --------------------------------------------------------------------------------------------------
 
+def _left_running(err: BaseException, echo: Callable[[str], None], what: str, stop: str) -> None:
+    """Waiting for a job ended by something else than the job (Ctrl-C, a cancelled flow): the job goes on."""
+    if not isinstance(err, ClusterError):
+        echo(f"{what} keeps running (a rerun reattaches; to stop it: {stop})")
+
+
+def _finished(cfg: PipelineConfig, rdir: Path, echo: Callable[[str], None], what: str) -> dict:
+    """What a local launch returns, for a run a cluster job has just finished."""
+    plot_run(rdir)
+    echo(f"{what} finished: {rdir}")
+    return train_info(cfg, rdir, reused=False)
+
+
 def slurm_job_state(job_id: str) -> tuple[str | None, str | None]:
     """(state, exit code as 'code:signal' when accounting knows it). state is None when Slurm could not be asked
     (ask again later) and 'UNKNOWN' when neither squeue nor sacct knows the job."""
@@ -338,15 +351,11 @@ def submit_slurm(cfg: PipelineConfig, manifest: dict, echo: Callable[[str], None
                                    f"or stop it: scancel {job_id}")
             time.sleep(s.poll_seconds)
     except BaseException as err:
-        if not isinstance(err, ClusterError):
-            echo(f"[slurm] stopped waiting; job {job_id} keeps running (a rerun reattaches; to stop it: "
-                 f"scancel {job_id})")
+        _left_running(err, echo, f"[slurm] stopped waiting; job {job_id}", f"scancel {job_id}")
         raise
     _echo_training_lines(follower, echo)
     if is_finished(cfg, rdir):
-        plot_run(rdir)
-        echo(f"[slurm] job {job_id} finished: {rdir}")
-        return train_info(cfg, rdir, reused=False)
+        return _finished(cfg, rdir, echo, f"[slurm] job {job_id}")
     raise_for_markers(rdir, code, log)
     raise TrainingError(
         f"Slurm job {job_id} ended {state}" + (f" (exit {code})" if code else "") + f" {_not_finished(cfg, rdir)}; "
@@ -477,15 +486,11 @@ def submit_kubernetes(cfg: PipelineConfig, manifest: dict, echo: Callable[[str],
                                    f"kubectl delete pytorchjob {name}")
             time.sleep(k.poll_seconds)
     except BaseException as err:
-        if not isinstance(err, ClusterError):
-            echo(f"[k8s] stopped waiting; PyTorchJob {name} keeps running (a rerun reattaches; to stop it: "
-                 f"kubectl delete pytorchjob {name})")
+        _left_running(err, echo, f"[k8s] stopped waiting; PyTorchJob {name}", f"kubectl delete pytorchjob {name}")
         raise
     _echo_metrics(follower, echo)
     if is_finished(cfg, rdir):
-        plot_run(rdir)
-        echo(f"[k8s] PyTorchJob {name} finished: {rdir}")
-        return train_info(cfg, rdir, reused=False)
+        return _finished(cfg, rdir, echo, f"[k8s] PyTorchJob {name}")
     log, last = _save_pod_logs(cfg, name, rdir)
     raise_for_markers(rdir, f"PyTorchJob {phase}", log)
     raise TrainingError(
