@@ -9,13 +9,11 @@ in the test's tmp_path for debugging.
 from __future__ import annotations
 
 import html
-import json
 import os
 import re
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -25,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from difflm.config import load_config
+from test_registry import fake_export  # an HF-like folder, 44 parameters, no weights
 
 MANIFEST = {"hash": "feedc0ffee42", "dir": "/data/feedc0ffee42", "sources": [{"name": "enwiki"}],
             "tokenizer": {"vocab_size": 512},
@@ -65,16 +64,6 @@ def _mlflow_server(store: Path, port: int) -> subprocess.Popen:
             time.sleep(0.3)
     os.killpg(proc.pid, signal.SIGKILL)
     pytest.fail(f"mlflow server on port {port} not healthy (exit code {proc.poll()})")
-
-
-def _fake_export(folder: Path) -> Path:
-    """An HF-like folder (a safetensors header saying 44 parameters, no real weights)."""
-    folder.mkdir(parents=True)
-    header = json.dumps({"w": {"dtype": "F32", "shape": [10, 4], "data_offsets": [0, 160]},
-                         "b": {"dtype": "F32", "shape": [4], "data_offsets": [160, 176]}}).encode()
-    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(176))
-    (folder / "config.json").write_text("{}")
-    return folder
 
 
 def _trained_and_registered(cfg, hf_dir: Path) -> dict:
@@ -136,7 +125,7 @@ def test_run_and_model_version_pages_show_metrics_aliases_and_lineage(tmp_path, 
     try:
         cfg = load_config("test-tiny", [f"workdir={tmp_path / 'work'}", f"tracking.tracking_uri={base}",
                                         "tracking.experiment=ui-browser"])
-        reg = _trained_and_registered(cfg, _fake_export(tmp_path / "hf"))
+        reg = _trained_and_registered(cfg, fake_export(tmp_path / "hf"))
         run_id, exp, name, version = reg["run_id"], reg["experiment_id"], reg["registered_model"], reg["version"]
         assert sorted(reg["aliases"]) == ["candidate", "champion"], reg
 
