@@ -501,7 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(cfg, args)
     except _user_errors() as err:
         print(f"difflm: {err}", file=sys.stderr)
-        return 75 if type(err).__name__ == "TrainingPreempted" else 1  # 75 (EX_TEMPFAIL): rerun to resume
+        return getattr(err, "exit_code", 1)  # TrainingPreempted: 75 (EX_TEMPFAIL), rerun to resume
     except KeyboardInterrupt:
         print("difflm: interrupted; rerun the same command to resume (finished stages and checkpoints are kept)",
               file=sys.stderr)

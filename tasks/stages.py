@@ -14,9 +14,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from difflm.config import PipelineConfig
+from difflm.errors import DiffLMError
 from data_prep.pipeline import prepare_data
-from models.launch.cluster import ClusterError, submit_kubernetes, submit_slurm
-from models.launch.torchrun import TrainingError, TrainingPreempted, launch_training
+from models.launch.cluster import submit_kubernetes, submit_slurm
+from models.launch.torchrun import launch_training
 from models.evaluation.likelihood import KIND_LABELS
 from models.evaluation.stages import convert_checkpoint, evaluate_export, sweep_export
 from tasks.runs import convert_source, export_newest, score_export_bound
@@ -39,10 +40,7 @@ def _resumable(task, task_run, state) -> bool:
     non-finite values (the same data would fail the same way), an invalid setup, or a cluster that refused or
     never started the job (ClusterError)."""
     err = state.result(raise_on_failure=False)
-    if isinstance(err, TrainingPreempted):
-        return True
-    return (isinstance(err, TrainingError) and not isinstance(err, ClusterError)
-            and "non-finite" not in str(err) and "nnodes" not in str(err))
+    return isinstance(err, DiffLMError) and err.retryable
 
 
 @task(name="train", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=_resumable)

@@ -19,21 +19,13 @@ from pathlib import Path
 from typing import Callable
 
 from difflm.config import PipelineConfig, save_config
+from difflm.errors import InvalidSetup, NonFiniteStop, TrainingError, TrainingPreempted
 from models.megatron import checkpointing
 
 TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")
 
 
-class TrainingError(RuntimeError):
-    pass
-
-
-class TrainingPreempted(TrainingError):
-    """The trainer got a preemption signal, saved a checkpoint and exited: run it again to resume."""
-
-    def __init__(self, message: str, iteration: int):
-        super().__init__(message)
-        self.iteration = iteration
+__all__ = ["InvalidSetup", "NonFiniteStop", "TrainingError", "TrainingPreempted"]  # where callers used to find them
 
 
 def run_dir(cfg: PipelineConfig, manifest: dict) -> Path:
@@ -75,7 +67,7 @@ def launch_training(
     """Train (or reuse/resume) the run of `cfg`; returns {'run_dir', 'checkpoint', 'reused'}."""
     rdir = run_dir(cfg, manifest)
     if cfg.train.nnodes > 1:
-        raise TrainingError(f"train.nnodes={cfg.train.nnodes}: multi-node runs are launched on the cluster: "
+        raise InvalidSetup(f"train.nnodes={cfg.train.nnodes}: multi-node runs are launched on the cluster: "
                             f"train.launcher=slurm|kubernetes, or write the launch file with `difflm launch "
                             f"--target slurm|k8s` (same overrides)")
     if is_finished(cfg, rdir):
@@ -199,7 +191,7 @@ def raise_for_markers(rdir: Path, code: int | str | None, log: Path | None = Non
                                 f"{info['iteration']}{f' (exit {code})' if code is not None else ''}; its checkpoint "
                                 f"is saved: rerun the same command to resume", info["iteration"])
     if stopped.exists():
-        raise TrainingError(json.loads(stopped.read_text())["message"] + f"; full log: {log or rdir / 'train.log'}")
+        raise NonFiniteStop(json.loads(stopped.read_text())["message"] + f"; full log: {log or rdir / 'train.log'}")
 
 
 def read_metrics(rdir: Path) -> list[dict]:

@@ -1,0 +1,49 @@
+"""One exception hierarchy for the whole pipeline (the ground floor: imports nothing of the project).
+
+Callers decide by type, never by matching message text:
+- `UserError`: the message already says what to do; the CLI prints it without a traceback (exit code 1, or
+  the class's `exit_code`).
+- `retryable`: whether running the same stage again can help (a preemption, a crashed trainer); the Prefect
+  train task retries exactly these.
+"""
+
+from __future__ import annotations
+
+
+class DiffLMError(Exception):
+    """Base of every error the pipeline raises on purpose."""
+
+    exit_code: int = 1
+    retryable: bool = False
+
+
+class UserError(DiffLMError):
+    """Bad input or a state the user can fix: the message names the input and what to do."""
+
+
+class TrainingError(UserError, RuntimeError):
+    """Training failed or could not start; a crashed or killed trainer resumes from its checkpoint on a rerun."""
+
+    retryable = True
+
+
+class TrainingPreempted(TrainingError):
+    """The trainer got a preemption signal, saved a checkpoint and exited: run it again to resume."""
+
+    exit_code = 75  # EX_TEMPFAIL: schedulers and wrappers rerun on it
+
+    def __init__(self, message: str, iteration: int):
+        super().__init__(message)
+        self.iteration = iteration
+
+
+class NonFiniteStop(TrainingError):
+    """Training stopped on non-finite loss or gradients: the same data would fail the same way."""
+
+    retryable = False
+
+
+class InvalidSetup(TrainingError):
+    """A launch that can never work as asked (e.g. multi-node without a cluster launcher)."""
+
+    retryable = False
