@@ -14,8 +14,23 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+# Run identity, declared per field. Each stage's output directory is named by a hash of the sections it reads
+# (`PipelineConfig.stage_hash`): every field is part of that name unless it is marked OPERATIONAL, i.e. it
+# changes how a run is carried out (who launches it, how it reacts to faults) but not what it computes, so
+# any setting of it resumes and reuses the same directory. A new field forks every existing run directory
+# unless it is OPERATIONAL: tests/test_config.py lists the identity fields, so adding one is a decision.
+OPERATIONAL = {"identity": False}
+
+
+def is_identity(field: FieldInfo) -> bool:
+    """Whether a field is part of the name of its stage's output directory (see OPERATIONAL)."""
+    extra = field.json_schema_extra
+    return not (isinstance(extra, dict) and extra.get("identity") is False)
 
 
 class _Section(BaseModel):
@@ -41,18 +56,28 @@ class SourceConfig(_Section):
         return Path(self.path.rstrip("/")).name.split(".")[0] or "data"
 
 
-class SlurmConfig(_Section):
-    partition: str | None = None
-    time: str = "04:00:00"
-    cpus_per_task: int = Field(1, ge=1)
-    mem_per_cpu_gb: int = Field(2, ge=1)
-    sbatch_args: dict[str, str] = Field(default_factory=dict)
-
-
-class SlurmLaunchConfig(_Section):
-    """How training is submitted to Slurm: `train.launcher=slurm` and `difflm launch --target slurm`."""
+class SlurmBase(_Section):
+    """What every Slurm job of the pipeline is given: the data-prep jobs (`data.slurm`) and training
+    (`train.slurm`) add their own fields to these."""
 
     partition: str | None = Field(None, description="#SBATCH --partition (None: the cluster's default).")
+    time: str = Field("04:00:00", description="#SBATCH --time: the time limit of one job.")
+    sbatch_args: dict[str, str] = Field(
+        default_factory=dict, description="More #SBATCH options, e.g. {account: proj, qos: high, "
+        "cpus-per-task: '32', mem: 0}.")
+
+
+class SlurmConfig(SlurmBase):
+    """How data prep runs on Slurm (`data.executor=slurm`, datatrove's SlurmPipelineExecutor): one job array
+    of data.tasks CPU jobs."""
+
+    cpus_per_task: int = Field(1, ge=1)
+    mem_per_cpu_gb: int = Field(2, ge=1)
+
+
+class SlurmLaunchConfig(SlurmBase):
+    """How training is submitted to Slurm: `train.launcher=slurm` and `difflm launch --target slurm`."""
+
     time: str = Field("24:00:00", description="Time limit of one allocation; 2 minutes before it the job "
                       "checkpoints and requeues itself, so a long run spans several allocations.")
     gpus_per_node: int | None = Field(
@@ -61,9 +86,6 @@ class SlurmLaunchConfig(_Section):
     python: str | None = Field(
         None, description="Python on the compute nodes, with this project installed (None: the interpreter "
         "that submits, which must then live on the filesystem the nodes share).")
-    sbatch_args: dict[str, str] = Field(
-        default_factory=dict, description="More #SBATCH options, e.g. {account: proj, qos: high, "
-        "cpus-per-task: '32', mem: 0}.")
     poll_seconds: float = Field(30.0, gt=0.0, description="How often the launcher asks squeue about the job.")
     wait_hours: float | None = Field(
         None, gt=0.0, description="Stop waiting after this long (the job keeps running and a rerun reattaches "
@@ -243,7 +265,7 @@ class DiffusionConfig(_Section):
     time_embedding: bool = Field(False, description="difflm_time_embedding: condition the network on t.")
     time_conditioning: Literal["adaln", "input"] = Field(
         "adaln", description="How t enters when time_embedding is on. adaln: every layer norm is modulated by "
-        "t (DiT-style, as UDLM/DUO; needs model.backend=local); input: an MLP of t added to the token "
+        "t (DiT-style, as UDLM/DUO; needs model.backend=torch or local: Transformer Engine fuses the norms into its layers); input: an MLP of t added to the token "
         "embeddings (the first layer only; any backend).",
     )
 
@@ -263,11 +285,11 @@ class TrainConfig(_Section):
     wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = Field(
         "linear", description="wsd: shape of the final decay (megatron's lr_wsd_decay_style).")
     on_nonfinite: Literal["skip", "stop"] = Field(
-        "skip", description="A NaN/Inf loss or gradient: skip the update and count it, or stop (the last good "
+        "skip", json_schema_extra=OPERATIONAL, description="A NaN/Inf loss or gradient: skip the update and count it, or stop (the last good "
         "checkpoint is kept and the message names the step).")
-    max_nonfinite_skips: int = Field(10, ge=1, description="Consecutive skipped steps before training stops anyway.")
+    max_nonfinite_skips: int = Field(10, ge=1, json_schema_extra=OPERATIONAL, description="Consecutive skipped steps before training stops anyway.")
     preempt_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]] = Field(
-        default_factory=lambda: ["SIGTERM", "SIGUSR1"], description="Signals on which the trainer finishes the "
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"], json_schema_extra=OPERATIONAL, description="Signals on which the trainer finishes the "
         "current step, writes a checkpoint and exits as preempted (rerun / requeue resumes).")
     weight_decay: float = Field(0.01, ge=0.0)
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
@@ -286,15 +308,15 @@ class TrainConfig(_Section):
     fp8: Literal["hybrid", "e4m3"] | None = Field(None, description="FP8 recipe (Transformer Engine on GPU only).")
     torch_threads: int | None = Field(None, ge=1, description="Intra-op threads per rank (None: cores / ranks).")
     peak_tflops: float | None = Field(
-        None, gt=0.0, description="Peak dense bf16 TFLOP/s of one device for MFU (None: looked up by device name "
+        None, gt=0.0, json_schema_extra=OPERATIONAL, description="Peak dense bf16 TFLOP/s of one device for MFU (None: looked up by device name "
         "in models/megatron/flops.py; MFU is not reported for an unknown device or the CPU).")
     launcher: Literal["local", "slurm", "kubernetes"] = Field(
-        "local", description="Who runs torchrun. local: a subprocess here (one node); slurm: an sbatch job "
+        "local", json_schema_extra=OPERATIONAL, description="Who runs torchrun. local: a subprocess here (one node); slurm: an sbatch job "
         "(train.slurm); kubernetes: a Kubeflow PyTorchJob (train.kubernetes). Cluster launchers write the same "
         "launch file as `difflm launch`, submit it, wait for the job and read the run directory, which must be "
-        "on storage the nodes share. Not part of the run's identity: any launcher resumes any other's run.")
-    slurm: SlurmLaunchConfig = Field(default_factory=SlurmLaunchConfig)
-    kubernetes: KubernetesLaunchConfig = Field(default_factory=KubernetesLaunchConfig)
+        "on storage the nodes share. Operational: any launcher resumes any other's run.")
+    slurm: SlurmLaunchConfig = Field(default_factory=SlurmLaunchConfig, json_schema_extra=OPERATIONAL)
+    kubernetes: KubernetesLaunchConfig = Field(default_factory=KubernetesLaunchConfig, json_schema_extra=OPERATIONAL)
 
     @model_validator(mode="after")
     def _schedule(self) -> "TrainConfig":
@@ -317,6 +339,50 @@ class CheckpointConfig(_Section):
     keep_last: int = Field(2, ge=1, description="Keep the newest N intermediate checkpoints.")
 
 
+# The sampler's fields before eval.sampler existed (eval.<old> -> eval.sampler.<new>): still read, so the
+# config.yaml of a run trained then loads as it was written.
+FLAT_SAMPLER_FIELDS = {"sampler_steps": "steps", "block_length": "block_length", "remasking": "remasking",
+                       "threshold": "threshold", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
+                       "cfg_scale": "cfg_scale", "stop_at_eos": "stop_at_eos"}
+
+
+class SamplerConfig(_Section):
+    """The masked-diffusion sampler (`eval.sampler`): exactly the fields of `models.diffusion.MaskedSampler`,
+    which `models.evaluation.generation.sampler_settings` builds from it. ar decodes one token per step
+    whatever `steps` says."""
+
+    steps: int = Field(24, ge=1, description="Denoising steps (split across blocks; ignored with threshold).")
+    block_length: int | None = Field(None, ge=1, description="Semi-autoregressive blocks of this many tokens "
+                                     "(LLaDA); None: one block.")
+    remasking: Literal["low_confidence", "margin", "entropy", "random"] = Field(
+        "low_confidence", description="Which masked positions each step commits (confidence is untempered).")
+    threshold: float | None = Field(None, ge=0.0, le=1.0, description="Fast-dLLM parallel decoding: commit "
+                                    "every position more confident than this, at least one per step.")
+    temperature: float = Field(0.0, ge=0.0, description="0: greedy; >0: sample from softmax(logits/T).")
+    top_k: int | None = Field(None, ge=1)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    cfg_scale: float = Field(0.0, ge=0.0, description="Classifier-free guidance (prompt masked for the "
+                             "unconditional pass); 0: off.")
+    stop_at_eos: bool = Field(True, description="A row stops once it committed an EOS with nothing masked "
+                              "before it.")
+
+
+def nest_sampler_fields(eval_section: dict[str, Any]) -> dict[str, Any]:
+    """`eval` with the sampler's flat fields of before (eval.sampler_steps, eval.temperature, ...) moved into
+    eval.sampler; a setting given both ways is an error naming the one spelling."""
+    flat = {k: v for k, v in eval_section.items() if k in FLAT_SAMPLER_FIELDS}
+    if not flat:
+        return eval_section
+    sampler = eval_section.get("sampler")
+    sampler = dict(sampler) if isinstance(sampler, dict) else {}
+    for old in flat:
+        if FLAT_SAMPLER_FIELDS[old] in sampler:
+            raise ValueError(f"eval.{old} is the old spelling of eval.sampler.{FLAT_SAMPLER_FIELDS[old]}, which "
+                             f"is also given: set only eval.sampler.{FLAT_SAMPLER_FIELDS[old]}")
+    sampler.update({FLAT_SAMPLER_FIELDS[k]: v for k, v in flat.items()})
+    return {**{k: v for k, v in eval_section.items() if k not in flat}, "sampler": sampler}
+
+
 class EvalConfig(_Section):
     max_sequences: int = Field(
         32, ge=1, description="Held-out windows of train.seq_length tokens (consecutive, across document "
@@ -324,20 +390,8 @@ class EvalConfig(_Section):
     t_samples: int = Field(8, ge=1, description="Monte-Carlo noise levels per window for the ELBO.")
     num_samples: int = Field(3, ge=0, description="Texts generated by the diffusion sampler.")
     sample_length: int = Field(48, ge=1)
-    sampler_steps: int = Field(24, ge=1, description="Denoising steps (masked: split across blocks; ignored "
-                               "with threshold). ar decodes one token per step whatever this says.")
-    temperature: float = Field(0.0, ge=0.0, description="0: greedy; >0: sample from softmax(logits/T).")
-    block_length: int | None = Field(None, ge=1, description="Semi-autoregressive blocks of this many tokens "
-                                     "(LLaDA); None: one block.")
-    remasking: Literal["low_confidence", "margin", "entropy", "random"] = Field(
-        "low_confidence", description="Which masked positions each step commits (confidence is untempered).")
-    threshold: float | None = Field(None, ge=0.0, le=1.0, description="Fast-dLLM parallel decoding: commit "
-                                    "every position more confident than this, at least one per step.")
-    top_k: int | None = Field(None, ge=1)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    cfg_scale: float = Field(0.0, ge=0.0, description="Classifier-free guidance (prompt masked for the "
-                             "unconditional pass); 0: off.")
-    stop_at_eos: bool = True
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="The diffusion sampler of samples, "
+                                   "generation and the steps sweep: MaskedSampler's own fields.")
     prompts: list[str] = Field(default_factory=list, description="Prompts for samples (empty: the first words "
                                "of held-out documents of the run's own data).")
     prompt_words: int = Field(12, ge=1, description="Words of each held-out document used as a default prompt.")
@@ -370,7 +424,7 @@ class EvalConfig(_Section):
         if isinstance(data, dict) and "max_documents" in data:
             raise ValueError("eval.max_documents was renamed eval.max_sequences: it counts seq_length windows, "
                              "not documents. Rename the key (same value).")
-        return data
+        return nest_sampler_fields(data) if isinstance(data, dict) else data
 
 
 class TrackingConfig(_Section):
@@ -430,13 +484,13 @@ class PipelineConfig(_Section):
         return self
 
     # ---- identity of stage outputs -------------------------------------------------------------
+    def identity(self, section: str) -> dict[str, Any]:
+        """The fields of `section` that name its stage's output directory: all but the OPERATIONAL ones."""
+        return _identity(getattr(self, section))
+
     def stage_hash(self, *sections: str) -> str:
-        """A short content hash of the named sections: a stage's output directory name."""
-        # how a run reacts to faults, and who launches it, do not change what it computes: not part of its identity
-        operational = {"train": {"on_nonfinite", "max_nonfinite_skips", "preempt_signals", "peak_tflops",
-                                 "launcher", "slurm", "kubernetes"}}
-        payload = {s: {k: v for k, v in getattr(self, s).model_dump(mode="json").items()
-                       if k not in operational.get(s, ())} for s in sections}
+        """A short content hash of the identity fields of the named sections: a stage's output directory name."""
+        payload = {s: self.identity(s) for s in sections}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
     def flat(self) -> dict[str, Any]:
@@ -452,6 +506,20 @@ class PipelineConfig(_Section):
 
         walk("", self.model_dump(mode="json"))
         return out
+
+
+def _identity(section: BaseModel) -> dict[str, Any]:
+    """`section` as JSON (`model_dump(mode="json")`), without the OPERATIONAL fields of it and of every section
+    nested in it."""
+    def prune(value: Any, dumped: Any) -> Any:
+        if isinstance(value, BaseModel):
+            return {name: prune(getattr(value, name), dumped[name])
+                    for name, field in type(value).model_fields.items() if is_identity(field)}
+        if isinstance(value, (list, tuple)):
+            return [prune(v, d) for v, d in zip(value, dumped)]
+        return dumped
+
+    return prune(section, section.model_dump(mode="json"))
 
 
 class ConfigError(ValueError):
@@ -489,8 +557,15 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    if isinstance(data.get("eval"), dict):  # written in the spelling of before (a run's own config.yaml)
+        try:
+            data["eval"] = nest_sampler_fields(data["eval"])
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     for text in overrides:
         keys, value = parse_override(text)
+        if len(keys) == 2 and keys[0] == "eval" and keys[1] in FLAT_SAMPLER_FIELDS:  # eval.temperature=...
+            keys = ["eval", "sampler", FLAT_SAMPLER_FIELDS[keys[1]]]
         node = data
         for k in keys[:-1]:
             node = node.setdefault(k, {})

@@ -33,7 +33,7 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness, monk
     # training helped: the bound of the trained model is below the untrained one
     v = summary["validation"]
     assert v["trained"]["bound"] and v["trained"]["nll_per_token"] < v["untrained"]["nll_per_token"]
-    assert summary["samples"] and summary["samples"][0]["sampler"]["steps"] == cfg.eval.sampler_steps
+    assert summary["samples"] and summary["samples"][0]["sampler"]["steps"] == cfg.eval.sampler.steps
 
     # one MLflow run with params, curves, data stats, samples, the model, a registered version
     mlflow.set_tracking_uri(tracking_uri(cfg))

@@ -72,7 +72,7 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, 
     assert b["trained"]["nll_per_token"] < b["untrained"]["nll_per_token"]
     assert b["trained"]["kind"] == ("exact" if mode == "ar" else "elbo")
     sample = results["samples"][0]
-    assert sample["sampler"]["mode"] == mode and sample["sampler"]["steps"] == cfg.eval.sampler_steps
+    assert sample["sampler"]["mode"] == mode and sample["sampler"]["steps"] == cfg.eval.sampler.steps
     assert results["tasks"]["cloze"]["items"] > 0 and 0.0 <= results["tasks"]["cloze"]["acc"] <= 1.0
     assert results["tasks"]["documents"]["bits_per_byte"] > 0
     report = Path(results["report"]).read_text()  # every mode trained on this data, side by side

@@ -9,11 +9,8 @@ from models.diffusion import MaskedSampler
 
 
 def sampler_settings(e: EvalConfig, **override) -> MaskedSampler:
-    """The sampler the eval.* fields describe (the one place they map onto `MaskedSampler`)."""
-    fields = dict(steps=e.sampler_steps, block_length=e.block_length, remasking=e.remasking, threshold=e.threshold,
-                  temperature=e.temperature, top_k=e.top_k, top_p=e.top_p, cfg_scale=e.cfg_scale,
-                  stop_at_eos=e.stop_at_eos)
-    return MaskedSampler(**{**fields, **override})
+    """The sampler eval.sampler describes: its fields are MaskedSampler's own (the one place it is built)."""
+    return MaskedSampler(**{**e.sampler.model_dump(), **override})
 
 
 def default_prompts(docs: list[str], n: int, words: int) -> list[str]:
