@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 
 from difflm.config import PipelineConfig
-from models.megatron.gpt import is_bidirectional, padded_vocab_size
 
 
 class ConversionError(RuntimeError):
@@ -123,6 +122,7 @@ def to_hf_state_dict(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def hf_config(cfg: PipelineConfig, tokenizer: dict):
     from models.hf.configuration_difflm import DiffLMConfig
+    from models.megatron.gpt import is_bidirectional, padded_vocab_size  # megatron: imported when needed
 
     m = cfg.model
     return DiffLMConfig(
@@ -262,6 +262,7 @@ def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict)
     from safetensors.torch import load_file
 
     from models.megatron.distributed import single_process_group
+    from models.megatron.gpt import padded_vocab_size
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "model.safetensors").exists() or not (hf_dir / "config.json").exists():

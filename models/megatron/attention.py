@@ -25,6 +25,17 @@ import math
 
 import torch
 import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.utils import divide
 
 from models.diffusion.documents import document_attention_mask
 
@@ -99,81 +110,73 @@ def use_flex(device: torch.device, dropout_p: float) -> bool:
     return device.type == "cuda" and dropout_p == 0.0
 
 
-def _core_attention_class():
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.module import MegatronModule
-    from megatron.core.utils import divide
+class TorchCoreAttention(MegatronModule):
+    """megatron's `DotProductAttention` contract ([s, b, n, d] in, [s, b, n*d] out) on torch's kernels."""
 
-    class TorchCoreAttention(MegatronModule):
-        """megatron's `DotProductAttention` contract ([s, b, n, d] in, [s, b, n*d] out) on torch's kernels."""
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise RuntimeError("context parallelism needs model.backend=te")
+        if config.window_size is not None or config.softmax_type != "vanilla":
+            raise RuntimeError("window attention and softmax variants need model.backend=local or te")
+        self.attn_mask_type = attn_mask_type
+        self.causal_type = AttnMaskType.causal
+        head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
+        # megatron's apply_query_key_layer_scaling divides the scale by the layer number and its fused
+        # softmax multiplies it back: the net scale is this one
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
-        def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                     attention_dropout: float | None = None, softmax_scale: float | None = None,
-                     cp_comm_type: str | None = None, pg_collection=None):
-            super().__init__(config=config)
-            if config.context_parallel_size != 1:
-                raise RuntimeError("context parallelism needs model.backend=te")
-            if config.window_size is not None or config.softmax_type != "vanilla":
-                raise RuntimeError("window attention and softmax variants need model.backend=local or te")
-            self.attn_mask_type = attn_mask_type
-            self.causal_type = AttnMaskType.causal
-            head_dim = divide(config.kv_channels * config.num_attention_heads, config.num_attention_heads)
-            # megatron's apply_query_key_layer_scaling divides the scale by the layer number and its fused
-            # softmax multiplies it back: the net scale is this one
-            self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-            self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
-            if attention_bias is not None:
-                raise RuntimeError("attention biases need model.backend=te")
-            mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
-            if packed_seq_params is not None:
-                attention_mask = self._thd_mask(packed_seq_params, mask_type, query.shape[0])
-                query, key, value = (x.unsqueeze(1) for x in (query, key, value))  # [t, n, d] -> [t, 1, n, d]
-            s, b = query.shape[0], query.shape[1]
-            q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, n, s, d]
-            dropout_p = self.dropout if self.training else 0.0
-            if dropout_p > 0 and not self.config.sequence_parallel:  # as DotProductAttention: TP ranks' own seeds
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    out = self._attend(q, k, v, attention_mask, mask_type, dropout_p)
-            else:
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if attention_bias is not None:
+            raise RuntimeError("attention biases need model.backend=te")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if packed_seq_params is not None:
+            attention_mask = self._thd_mask(packed_seq_params, mask_type, query.shape[0])
+            query, key, value = (x.unsqueeze(1) for x in (query, key, value))  # [t, n, d] -> [t, 1, n, d]
+        s, b = query.shape[0], query.shape[1]
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, n, s, d]
+        dropout_p = self.dropout if self.training else 0.0
+        if dropout_p > 0 and not self.config.sequence_parallel:  # as DotProductAttention: TP ranks' own seeds
+            with tensor_parallel.get_cuda_rng_tracker().fork():
                 out = self._attend(q, k, v, attention_mask, mask_type, dropout_p)
-            return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, n*d]
+        else:
+            out = self._attend(q, k, v, attention_mask, mask_type, dropout_p)
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, n*d]
 
-        def _thd_mask(self, packed_seq_params, mask_type, total: int) -> DocumentMask:
-            """TE's reading of THD: sequences apart, causal within one under a causal spec, else bidirectional."""
-            if packed_seq_params.qkv_format != "thd":
-                raise RuntimeError(f"packed sequences in {packed_seq_params.qkv_format!r} need model.backend=te")
-            if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.no_mask,
-                                 AttnMaskType.padding):
-                raise RuntimeError(f"THD packed sequences need a causal or no_mask spec, not {mask_type.name}")
-            causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
-            return thd_document_mask(packed_seq_params, causal, total)
+    def _thd_mask(self, packed_seq_params, mask_type, total: int) -> DocumentMask:
+        """TE's reading of THD: sequences apart, causal within one under a causal spec, else bidirectional."""
+        if packed_seq_params.qkv_format != "thd":
+            raise RuntimeError(f"packed sequences in {packed_seq_params.qkv_format!r} need model.backend=te")
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.no_mask,
+                             AttnMaskType.padding):
+            raise RuntimeError(f"THD packed sequences need a causal or no_mask spec, not {mask_type.name}")
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        return thd_document_mask(packed_seq_params, causal, total)
 
-        def _attend(self, q, k, v, attention_mask, mask_type, dropout_p: float):
-            grouped = q.shape[1] != k.shape[1]
-            if isinstance(attention_mask, DocumentMask) and use_flex(q.device, dropout_p):
-                return _flex_attention()(q, k, v, block_mask=attention_mask.block_mask(), scale=self.softmax_scale,
-                                         enable_gqa=grouped)
-            if isinstance(attention_mask, DocumentMask):
-                keep = attention_mask.dense_keep()
-            elif attention_mask is not None:
-                keep = ~attention_mask.bool()  # megatron's masks are True where attention is blocked
-            else:
-                keep = None
-            if keep is not None and grouped:
-                # masked SDPA runs the memory-efficient kernel, which has no grouped-query form: repeat k/v
-                # rather than fall back to the math kernel
-                rep = q.shape[1] // k.shape[1]
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-                grouped = False
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=self.softmax_scale, enable_gqa=grouped,
-                is_causal=keep is None and mask_type == self.causal_type)
-
-    return TorchCoreAttention
+    def _attend(self, q, k, v, attention_mask, mask_type, dropout_p: float):
+        grouped = q.shape[1] != k.shape[1]
+        if isinstance(attention_mask, DocumentMask) and use_flex(q.device, dropout_p):
+            return _flex_attention()(q, k, v, block_mask=attention_mask.block_mask(), scale=self.softmax_scale,
+                                     enable_gqa=grouped)
+        if isinstance(attention_mask, DocumentMask):
+            keep = attention_mask.dense_keep()
+        elif attention_mask is not None:
+            keep = ~attention_mask.bool()  # megatron's masks are True where attention is blocked
+        else:
+            keep = None
+        if keep is not None and grouped:
+            # masked SDPA runs the memory-efficient kernel, which has no grouped-query form: repeat k/v
+            # rather than fall back to the math kernel
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            grouped = False
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=self.softmax_scale, enable_gqa=grouped,
+            is_causal=keep is None and mask_type == self.causal_type)
 
 
 class TorchNorm:
@@ -191,10 +194,8 @@ class TorchNorm:
 
 def torch_layer_spec(spec):
     """The local layer spec turned into the torch backend's: SDPA core attention, SP-capable norms."""
-    from megatron.core.transformer.identity_op import IdentityOp
-
     attn = spec.submodules.self_attention.submodules
-    attn.core_attention = _core_attention_class()
+    attn.core_attention = TorchCoreAttention
     for name in ("q_layernorm", "k_layernorm"):
         if getattr(attn, name) is not IdentityOp:
             setattr(attn, name, TorchNorm)
@@ -205,13 +206,6 @@ def torch_layer_spec(spec):
 def block_spec(layer, config):
     """A transformer-block spec with `layer` repeated and our final norm (megatron's default final norm is
     `WrappedTorchNorm` without apex or TE, which refuses sequence parallelism)."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlock,
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
-
     layers = [layer] * get_num_layers_to_build(config)
     return ModuleSpec(module=TransformerBlock,
                       submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=TorchNorm))

@@ -9,13 +9,18 @@ from __future__ import annotations
 import types
 
 import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
+)
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
 
 from difflm.config import ModelConfig, PipelineConfig
+from models.diffusion.modes import objective_class
+from models.diffusion.time_embedding import AdaLNorm, TimeEmbedding
 from models.megatron.backend import resolve_backend
-
-
-def is_bidirectional(mode: str) -> bool:
-    return mode != "ar"  # every diffusion mode attends both ways
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 64) -> int:
@@ -26,25 +31,21 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 64)
 
 def uses_adaln(cfg: PipelineConfig) -> bool:
     d = cfg.diffusion
-    return d.time_embedding and d.time_conditioning == "adaln" and d.model_running_mode != "ar"
+    return d.time_embedding and d.time_conditioning == "adaln" and objective_class(d.model_running_mode).uses_t
 
 
-def _adaln_norm_class():
+class MegatronAdaLNorm(AdaLNorm):
     """The spec's norm module for adaLN: megatron builds it as norm(config, hidden_size, eps) and calls it
     with hidden states only, so t reaches it through a holder the model fills before each forward."""
-    from models.diffusion.time_embedding import AdaLNorm
 
-    class MegatronAdaLNorm(AdaLNorm):
-        def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-            super().__init__(hidden_size, eps, config.normalization)
-            self.time = None  # set by DiffusionGPTModel: an object whose .t is this forward's noise levels [b]
-            for p in self.parameters():  # replicated across TP; under SP each rank sees s/TP positions:
-                p.sequence_parallel = config.sequence_parallel  # megatron then all-reduces their grads
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__(hidden_size, eps, config.normalization)
+        self.time = None  # set by DiffusionGPTModel: an object whose .t is this forward's noise levels [b]
+        for p in self.parameters():  # replicated across TP; under SP each rank sees s/TP positions:
+            p.sequence_parallel = config.sequence_parallel  # megatron then all-reduces their grads
 
-        def forward(self, hidden_states):
-            return super().forward(hidden_states, self.time.t, seq_dim=0)  # megatron's [s, b, h]
-
-    return MegatronAdaLNorm
+    def forward(self, hidden_states):
+        return super().forward(hidden_states, self.time.t, seq_dim=0)  # megatron's [s, b, h]
 
 
 def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local", adaln: bool = False,
@@ -53,12 +54,6 @@ def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local", 
     norms swapped for t-modulated ones (a spec change, megatron's TransformerLayer is untouched).
 
     `documents` is the form packed documents take (`forward_step.document_form`, by default the backend's)."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-    from megatron.core.transformer.enums import AttnMaskType
-
     from models.megatron.forward_step import document_form
 
     if backend == "te":
@@ -79,14 +74,12 @@ def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local", 
         if backend == "te":
             raise RuntimeError("diffusion.time_conditioning=adaln needs model.backend=torch or local: Transformer Engine fuses "
                                "the input norm into the QKV projection. Or set diffusion.time_conditioning=input.")
-        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = _adaln_norm_class()
+        spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = MegatronAdaLNorm
     return spec
 
 
 def transformer_config(cfg: PipelineConfig, backend: str = "local"):
     """Our small ModelConfig mapped onto megatron's TransformerConfig, in this one function."""
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
     m, p = cfg.model, cfg.parallel
     on_cpu = not torch.cuda.is_available()
     bf16 = cfg.train.precision == "bf16"
@@ -127,61 +120,55 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
     )
 
 
-def _diffusion_gpt_class():
+class DiffusionGPTModel(GPTModel):
     """megatron's GPTModel with optional time conditioning: everything else is GPTModel's own code."""
-    from megatron.core.models.gpt import GPTModel
 
-    from models.diffusion.time_embedding import AdaLNorm, TimeEmbedding
+    def __init__(self, *args, time_embedding: bool = False, adaln: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        # Only the first pipeline stage embeds tokens, so only it owns the input time embedding.
+        input_emb = time_embedding and not adaln and self.pre_process
+        self.time_embedding = TimeEmbedding(self.config.hidden_size) if input_emb else None
+        if self.time_embedding is not None:  # under SP each TP rank adds it to s/TP positions only:
+            for p in self.time_embedding.parameters():  # megatron all-reduces grads marked so (review F4)
+                p.sequence_parallel = self.config.sequence_parallel
+        self.time = types.SimpleNamespace(t=None)  # read by this stage's adaLN norms during forward
+        self.adaln = adaln
+        for module in self.modules():
+            if isinstance(module, AdaLNorm):
+                module.time = self.time
 
-    class DiffusionGPTModel(GPTModel):
-        def __init__(self, *args, time_embedding: bool = False, adaln: bool = False, **kwargs):
-            super().__init__(*args, **kwargs)
-            # Only the first pipeline stage embeds tokens, so only it owns the input time embedding.
-            input_emb = time_embedding and not adaln and self.pre_process
-            self.time_embedding = TimeEmbedding(self.config.hidden_size) if input_emb else None
-            if self.time_embedding is not None:  # under SP each TP rank adds it to s/TP positions only:
-                for p in self.time_embedding.parameters():  # megatron all-reduces grads marked so (review F4)
-                    p.sequence_parallel = self.config.sequence_parallel
-            self.time = types.SimpleNamespace(t=None)  # read by this stage's adaLN norms during forward
-            self.adaln = adaln
-            for module in self.modules():
-                if isinstance(module, AdaLNorm):
-                    module.time = self.time
+    def forward(self, input_ids, position_ids, attention_mask, labels=None, t=None, **kwargs):
+        if (self.time_embedding is not None or self.adaln) and t is None:
+            raise ValueError("this model was built with diffusion.time_embedding=true: pass t")
+        packed = kwargs.get("packed_seq_params")
+        thd = packed is not None and packed.qkv_format == "thd"
+        if thd and self.adaln:
+            raise RuntimeError("adaLN time conditioning takes one t per row: not with THD packed sequences")
+        if self.time_embedding is not None:
+            emb = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
+            time = self.time_embedding(t).to(emb.dtype)  # [b, h]
+            time = self._per_token(time, emb.shape[0]) if thd else time.unsqueeze(0)
+            kwargs["decoder_input"] = emb + time
+        self.time.t = t
+        try:
+            return super().forward(input_ids, position_ids, attention_mask, labels=labels, **kwargs)
+        finally:
+            self.time.t = None
 
-        def forward(self, input_ids, position_ids, attention_mask, labels=None, t=None, **kwargs):
-            if (self.time_embedding is not None or self.adaln) and t is None:
-                raise ValueError("this model was built with diffusion.time_embedding=true: pass t")
-            packed = kwargs.get("packed_seq_params")
-            thd = packed is not None and packed.qkv_format == "thd"
-            if thd and self.adaln:
-                raise RuntimeError("adaLN time conditioning takes one t per row: not with THD packed sequences")
-            if self.time_embedding is not None:
-                emb = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
-                time = self.time_embedding(t).to(emb.dtype)  # [b, h]
-                time = self._per_token(time, emb.shape[0]) if thd else time.unsqueeze(0)
-                kwargs["decoder_input"] = emb + time
-            self.time.t = t
-            try:
-                return super().forward(input_ids, position_ids, attention_mask, labels=labels, **kwargs)
-            finally:
-                self.time.t = None
-
-        def _per_token(self, time: torch.Tensor, local_tokens: int) -> torch.Tensor:
-            """[t_local, 1, h]: each token of a THD row [1, b*s] gets the time embedding of its row ([b, h]).
-            Under SP this rank holds tokens [rank * t_local, (rank + 1) * t_local) of the row; a plain index
-            (not a scatter) keeps each rank's gradient to its own tokens, summed over TP like the params'."""
-            tp = self.pg_collection.tp
-            parts = tp.size() if self.config.sequence_parallel else 1
-            first = tp.rank() * local_tokens if parts > 1 else 0
-            seq_length = local_tokens * parts // time.shape[0]
-            row = torch.arange(first, first + local_tokens, device=time.device) // seq_length
-            return time[row].unsqueeze(1)
-
-    return DiffusionGPTModel
+    def _per_token(self, time: torch.Tensor, local_tokens: int) -> torch.Tensor:
+        """[t_local, 1, h]: each token of a THD row [1, b*s] gets the time embedding of its row ([b, h]).
+        Under SP this rank holds tokens [rank * t_local, (rank + 1) * t_local) of the row; a plain index
+        (not a scatter) keeps each rank's gradient to its own tokens, summed over TP like the params'."""
+        tp = self.pg_collection.tp
+        parts = tp.size() if self.config.sequence_parallel else 1
+        first = tp.rank() * local_tokens if parts > 1 else 0
+        seq_length = local_tokens * parts // time.shape[0]
+        row = torch.arange(first, first + local_tokens, device=time.device) // seq_length
+        return time[row].unsqueeze(1)
 
 
 def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True,
-                padded_vocab: int | None = None):
+                padded_vocab: int | None = None) -> DiffusionGPTModel:
     """One pipeline stage of the megatron GPTModel for `cfg` (the whole model when PP=1).
 
     `padded_vocab` overrides the embedding rows (conversion builds a TP=1 model with the padding of the
@@ -198,13 +185,13 @@ def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, 
     tcfg = transformer_config(cfg, backend)
     from models.megatron.forward_step import configured_document_form
 
-    spec = layer_spec(cfg.model, is_bidirectional(cfg.diffusion.model_running_mode), backend, uses_adaln(cfg),
+    spec = layer_spec(cfg.model, objective_class(cfg.diffusion.model_running_mode).bidirectional, backend, uses_adaln(cfg),
                       configured_document_form(cfg))
     if backend == "torch":  # the final norm as well must accept sequence parallelism
         from models.megatron.attention import block_spec
 
         spec = block_spec(spec, tcfg)
-    return _diffusion_gpt_class()(
+    return DiffusionGPTModel(
         config=tcfg,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab or padded_vocab_size(vocab_size, cfg.parallel.tensor_model_parallel_size),
@@ -215,6 +202,6 @@ def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, 
         share_embeddings_and_output_weights=cfg.model.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=cfg.model.rotary_base,
-        time_embedding=cfg.diffusion.time_embedding and cfg.diffusion.model_running_mode != "ar",
+        time_embedding=cfg.diffusion.time_embedding and objective_class(cfg.diffusion.model_running_mode).uses_t,
         adaln=uses_adaln(cfg),
     )
