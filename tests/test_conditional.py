@@ -86,7 +86,7 @@ def _estimate(cont, samples: int, seed: int) -> float:
     target = torch.zeros_like(x0, dtype=torch.bool)
     target[0, len(CTX):] = True
     gen = torch.Generator().manual_seed(seed)
-    return conditional_masked_nll(lambda x, m: MODEL(x, m), x0, target, MASK, samples, [gen]).item()
+    return conditional_masked_nll(lambda x, m, d: MODEL(x, m), x0, target, MASK, samples, [gen]).item()
 
 
 CONT = (2, 4, 1)
@@ -127,8 +127,8 @@ def test_conditional_estimate_of_a_row_does_not_depend_on_its_batch():
     target = torch.zeros_like(rows, dtype=torch.bool)
     target[:, 3:] = True
     gens = lambda: [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]  # noqa: E731
-    both = conditional_masked_nll(lambda x, m: MODEL(x, m), rows, target, MASK, 8, gens(), max_rows=5)
-    alone = conditional_masked_nll(lambda x, m: MODEL(x, m), rows[1:], target[1:], MASK, 8,
+    both = conditional_masked_nll(lambda x, m, d: MODEL(x, m), rows, target, MASK, 8, gens(), max_rows=5)
+    alone = conditional_masked_nll(lambda x, m, d: MODEL(x, m), rows[1:], target[1:], MASK, 8,
                                    [torch.Generator().manual_seed(8)])
     assert both[1].item() == pytest.approx(alone[0].item(), rel=1e-6)
 
@@ -136,12 +136,12 @@ def test_conditional_estimate_of_a_row_does_not_depend_on_its_batch():
 def test_conditional_ar_nll_is_the_sum_of_next_token_log_probs():
     x0 = torch.tensor([[1, 3, 2, 2, 4]])
     target = torch.tensor([[False, False, True, True, True]])
-    got = conditional_ar_nll(lambda x, m: MODEL(x, m), x0, target).item()
+    got = conditional_ar_nll(lambda x, m, d: MODEL(x, m), x0, target).item()
     lp = torch.log_softmax(MODEL(x0).double(), -1)[0]
     want = -sum(lp[i - 1, x0[0, i]].item() for i in (2, 3, 4))
     assert got == pytest.approx(want, rel=1e-6)
     with pytest.raises(ValueError, match="token 0"):
-        conditional_ar_nll(lambda x, m: MODEL(x, m), x0, torch.ones_like(target))
+        conditional_ar_nll(lambda x, m, d: MODEL(x, m), x0, torch.ones_like(target))
 
 
 @pytest.mark.parametrize("n,max_len,ctx", [(2, 4, 0), (10, 4, 1), (37, 8, 3), (100, 16, 8), (5, 16, 8)])

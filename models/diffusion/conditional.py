@@ -20,8 +20,9 @@ import torch
 from .noise import NOISE_DEVICE
 from .objectives import token_cross_entropy
 
-# (tokens [n, s], attention_mask [n, s] bool or None) -> logits [n, s, v], aligned with the positions they predict
-PaddedLogitsFn = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+# (tokens [n, s], attention_mask [n, s] bool or None, document_ids [n, s] or None) -> logits [n, s, v], aligned
+# with the positions they predict; the document ids are training's segmentation of those rows (None: one document)
+PaddedLogitsFn = Callable[[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]], torch.Tensor]
 Generators = Union[torch.Generator, Sequence[Optional[torch.Generator]], None]
 
 
@@ -53,6 +54,7 @@ def conditional_masked_nll(
     generators: Generators = None,
     attention_mask: torch.Tensor | None = None,
     max_rows: int = 64,
+    document_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Upper bound (MC estimate) of -log p(continuation | context) in nats, per row [b] (float64).
 
@@ -89,7 +91,8 @@ def conditional_masked_nll(
         sl = slice(a, a + max_rows)
         rows = owner[sl].to(dev)
         attn = None if attention_mask is None else attention_mask[rows]
-        ce = token_cross_entropy(logits_fn(xt[sl].to(dev), attn), x0[rows])
+        docs = None if document_ids is None else document_ids[rows]
+        ce = token_cross_entropy(logits_fn(xt[sl].to(dev), attn, docs), x0[rows])
         per_row = (ce * masked[sl].to(dev)).sum(-1).double().to(cpu) * weight[sl]
         total.index_add_(0, owner[sl], per_row)
     return total / mc_samples
@@ -97,18 +100,20 @@ def conditional_masked_nll(
 
 @torch.no_grad()
 def conditional_ar_nll(logits_fn: PaddedLogitsFn, x0: torch.Tensor, target: torch.Tensor,
-                       attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                       attention_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """Exact -log p(continuation | context) of a causal model, per row [b] (float64). Position 0 has no
     logit, so a target there is an error (prepend a context token, e.g. EOS, as lm-eval does)."""
     if target[:, 0].any():
         raise ValueError("a causal model cannot score token 0: give every continuation at least one context token")
-    ce = token_cross_entropy(logits_fn(x0, attention_mask)[:, :-1], x0[:, 1:])
+    ce = token_cross_entropy(logits_fn(x0, attention_mask, document_ids)[:, :-1], x0[:, 1:])
     return (ce * target[:, 1:]).sum(-1).double().cpu()
 
 
 @torch.no_grad()
 def masked_greedy_match(logits_fn: PaddedLogitsFn, x0: torch.Tensor, target: torch.Tensor, mask_id: int,
-                        attention_mask: torch.Tensor | None = None, vocab_limit: int | None = None) -> torch.Tensor:
+                        attention_mask: torch.Tensor | None = None, vocab_limit: int | None = None,
+                        document_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Would greedy decoding reproduce the continuation? [b] bool. The continuation starts fully masked and
     is decoded one token per step, most confident position first (the greedy low-confidence sampler):
     lm-eval's `is_greedy` for a diffusion model."""
@@ -117,7 +122,7 @@ def masked_greedy_match(logits_fn: PaddedLogitsFn, x0: torch.Tensor, target: tor
         masked = x == mask_id
         if not masked.any():
             break
-        logits = logits_fn(x, attention_mask).float()
+        logits = logits_fn(x, attention_mask, document_ids).float()
         if vocab_limit is not None:
             logits = logits[..., :vocab_limit]
         logits[..., mask_id] = float("-inf")

@@ -3,12 +3,43 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence, Union
 
 import torch
 
 from .bounds import LogitsFn, TimedLogitsFn
 from .noise import NOISE_DEVICE
 from .uniform import posterior_log_probs, state_log_probs
+
+
+# One generator for the batch, or one per row: per-row generators make a row's sample independent of the rows
+# batched with it (the scorer seeds each by its prompt). Draws are made on the CPU either way.
+Generators = Union[torch.Generator, Sequence[Optional[torch.Generator]], None]
+
+
+def draw_multinomial(probs: torch.Tensor, generator: Generators) -> torch.Tensor:
+    """One token per position from probs [b, ..., V]: [b, ...] on probs' device."""
+    b, v = probs.shape[0], probs.shape[-1]
+    flat = probs.to(NOISE_DEVICE).reshape(b, -1, v)
+    if isinstance(generator, (list, tuple)):
+        out = torch.stack([torch.multinomial(flat[i], 1, generator=g)[:, 0] for i, g in enumerate(generator)])
+    else:
+        out = torch.multinomial(flat.reshape(-1, v), 1, generator=generator).view(b, -1)
+    return out.view(probs.shape[:-1]).to(probs.device)
+
+
+def draw_rand(shape: tuple[int, ...], generator: Generators) -> torch.Tensor:
+    """Uniforms of `shape` [b, ...] on the CPU."""
+    if isinstance(generator, (list, tuple)):
+        return torch.stack([torch.rand(shape[1:], generator=g, device=NOISE_DEVICE) for g in generator])
+    return torch.rand(shape, generator=generator, device=NOISE_DEVICE)
+
+
+def draw_randint(high: int, shape: tuple[int, ...], generator: Generators) -> torch.Tensor:
+    """Integers in [0, high) of `shape` [b, ...] on the CPU."""
+    if isinstance(generator, (list, tuple)):
+        return torch.stack([torch.randint(high, shape[1:], generator=g, device=NOISE_DEVICE) for g in generator])
+    return torch.randint(high, shape, generator=generator, device=NOISE_DEVICE)
 
 
 def unmask_schedule(length: int, steps: int) -> list[int]:
@@ -90,7 +121,7 @@ def _confidence(probs: torch.Tensor, pred: torch.Tensor, how: str, generator) ->
         return top2[..., 0] - top2[..., 1]
     if how == "entropy":
         return (probs * probs.clamp(min=1e-30).log()).sum(-1)  # minus the entropy: higher is surer
-    return torch.rand(pred.shape, generator=generator, device=NOISE_DEVICE).to(pred.device)
+    return draw_rand(tuple(pred.shape), generator).to(pred.device)
 
 
 @torch.no_grad()
@@ -129,7 +160,7 @@ def sample_masked_diffusion(
                 break
             n_reveal = None if cfg.threshold is not None else next(schedule, z - a)
             logits = _guided_logits(logits_fn, x, p, mask_id, cfg.cfg_scale)
-            nfe += 1 + (cfg.cfg_scale > 0)
+            nfe += 1 + (cfg.cfg_scale > 0 and p > 0)  # guidance needs a prompt to drop: one call without
             pred, conf = _predict(logits, mask_id, vocab_limit, forbidden_ids, cfg, generator)
             conf = torch.where(masked, conf, torch.full_like(conf, float("-inf")))
             for i in range(b):
@@ -161,7 +192,6 @@ def _guided_logits(logits_fn: LogitsFn, x: torch.Tensor, p: int, mask_id: int, s
 
 def _predict(logits, mask_id, vocab_limit, forbidden_ids, cfg: MaskedSampler, generator):
     """(token drawn at every position, its confidence) from the logits; confidence untempered."""
-    b = logits.shape[0]
     if vocab_limit is not None:
         logits = logits[..., :vocab_limit]
     logits[..., mask_id] = float("-inf")  # never predict the mask itself
@@ -170,8 +200,7 @@ def _predict(logits, mask_id, vocab_limit, forbidden_ids, cfg: MaskedSampler, ge
     probs = torch.softmax(logits, dim=-1)
     if cfg.temperature > 0:
         tempered = filter_logits(logits / cfg.temperature, cfg.top_k, cfg.top_p)
-        tempered = torch.softmax(tempered, dim=-1).view(-1, logits.shape[-1])
-        pred = torch.multinomial(tempered.to(NOISE_DEVICE), 1, generator=generator).view(b, -1).to(logits.device)
+        pred = draw_multinomial(torch.softmax(tempered, dim=-1), generator)
     else:
         pred = probs.argmax(-1)
     return pred, _confidence(probs, pred, cfg.remasking, generator)
@@ -207,13 +236,12 @@ def sample_uniform_diffusion(
     `temperature` sharpens x_theta (0: its argmax). Returns [b, p + length]."""
     b, p = prompt.shape
     states = states.to(prompt.device)
-    z = torch.randint(len(states), (b, length), generator=generator, device=NOISE_DEVICE).to(prompt.device)  # states
+    z = draw_randint(len(states), (b, length), generator).to(prompt.device)  # state indices
     steps = max(1, steps)
     for k in range(steps, 0, -1):
         t, s = k / steps, (k - 1) / steps
         x = torch.cat([prompt, states[z].to(prompt.dtype)], dim=1)
         logits = logits_fn(x, torch.full((b,), t, device=prompt.device))[:, p:]
         log_p = state_log_probs(logits, states, temperature)
-        post = posterior_log_probs(log_p, z, t, s).exp().view(-1, len(states))
-        z = torch.multinomial(post.to(NOISE_DEVICE), 1, generator=generator).view(b, length).to(prompt.device)
+        z = draw_multinomial(posterior_log_probs(log_p, z, t, s).exp(), generator)
     return torch.cat([prompt, states[z].to(prompt.dtype)], dim=1)

@@ -1,20 +1,22 @@
 """Text in, scores and samples out: the one scorer behind `difflm eval`, the pipeline's tasks and lm-eval.
 
 `Scorer` wraps an export (any mode) and its tokenizer:
-- `loglikelihood(pairs)`: log p(continuation | context) and whether greedy decoding reproduces it;
-  exact for ar, the Monte-Carlo conditional ELBO for diffusion modes (a lower bound on log p);
+- `loglikelihood(pairs)`: log p(continuation | context) and whether greedy decoding reproduces it (None for a
+  mode with no greedy order: uniform noise); exact for ar, the Monte-Carlo conditional ELBO for diffusion modes
+  (a lower bound on log p);
 - `loglikelihood_rolling(texts)`: the log-likelihood of whole documents, scored in windows with context;
 - `generate(prompts, ...)`: samples, every one recording its full sampler settings.
 
 Tokenisation follows lm-eval: context and continuation are encoded together and split where the context's
 tokens end (a leading space belongs to the continuation); an empty context becomes EOS, the start of a
-document in training. Each request draws its noise from a generator seeded by (seed, its tokens), so a score
-does not depend on the requests batched with it or on their order.
+document in training. Each request draws its noise from a generator seeded by (seed, its tokens), so a score,
+and a sampled generation, does not depend on the requests batched with it or on their order.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 import zlib
 from dataclasses import asdict, dataclass
 
@@ -50,6 +52,10 @@ class Scorer:
         return self.model.config.model_running_mode
 
     @property
+    def objective(self):
+        return self.model.objective
+
+    @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
@@ -72,7 +78,7 @@ class Scorer:
         return self.loglikelihood_tokens([self.split_tokens(c, x) for c, x in pairs], progress)
 
     def loglikelihood_tokens(self, requests: list[tuple[list[int], list[int]]], progress=None
-                             ) -> list[tuple[float, bool]]:
+                             ) -> list[tuple[float, bool | None]]:
         """[(log p(cont | ctx), is_greedy)] for (context ids, continuation ids) requests, longest first in
         batches. A request longer than max_length keeps its newest context tokens; a continuation that does
         not fit at all is scored in windows (`rolling_windows`), each given the tokens before it: the chain
@@ -90,13 +96,15 @@ class Scorer:
                 parts.append((ids[c:a], ids[a:z]))
                 owner.append(k)
         order = sorted(range(len(parts)), key=lambda i: -(len(parts[i][0]) + len(parts[i][1])))
-        totals, greedy = [0.0] * len(requests), [True] * len(requests)
+        defined = self.objective.has_greedy or not self.greedy  # uniform noise has no greedy order: n/a (None)
+        totals, greedy = [0.0] * len(requests), [True if defined else None] * len(requests)
         for a in range(0, len(order), self.batch_size):
             idx = order[a : a + self.batch_size]
             nll, hit = self._score_rows([parts[i] for i in idx])
             for j, i in enumerate(idx):
                 totals[owner[i]] -= float(nll[j])
-                greedy[owner[i]] &= bool(hit[j])
+                if defined:
+                    greedy[owner[i]] &= bool(hit[j])
             if progress:
                 progress(len(idx))
         return list(zip(totals, greedy))
@@ -113,7 +121,7 @@ class Scorer:
                               device=dev)
         gens = [request_generator(self.seed, c, x) for c, x in rows]
         nll = self.model.conditional_nll(ids, target, attn, mc_samples=self.mc_samples, generators=gens)
-        if self.greedy and self.mode != "difflm-noshift-uniform":
+        if self.greedy and self.objective.has_greedy:
             greedy = self.model.greedy_match(ids, target, attn).cpu()
         else:
             greedy = torch.zeros(len(rows), dtype=torch.bool, device="cpu")
@@ -143,7 +151,16 @@ class Scorer:
     def generate(self, prompts: list[str], max_new_tokens: int, settings: MaskedSampler,
                  until: list[str] | None = None) -> list[dict]:
         """A completion per prompt (batched, left-padded), cut at EOS and at the first `until` string.
-        Each record carries the sampler settings, the model calls and the wall time of its batch."""
+        Each record carries the sampler settings, the model calls and the wall time of its batch.
+
+        Prompt and completion fit in max_length: `max_new_tokens` is capped at max_length - 1 (with a warning) and
+        each prompt keeps its newest max_length - max_new_tokens tokens. Each row draws from a generator seeded
+        by (seed, its prompt tokens), so a sampled completion does not depend on the prompts batched with it."""
+        if max_new_tokens >= self.max_length:
+            warnings.warn(f"max_new_tokens={max_new_tokens} does not fit the model's max_length {self.max_length} "
+                          f"with a prompt: generating {self.max_length - 1} tokens (pass a smaller max_gen_toks)",
+                          stacklevel=2)
+            max_new_tokens = self.max_length - 1
         out = []
         for a in range(0, len(prompts), self.batch_size):
             batch = prompts[a : a + self.batch_size]
@@ -151,17 +168,11 @@ class Scorer:
             width = max(map(len, encoded))
             ids = torch.tensor([[self.pad] * (width - len(e)) + e for e in encoded], device=self.device)
             attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=self.device)
-            gen = torch.Generator(device="cpu").manual_seed(self.seed)  # noise is drawn on the CPU
+            gens = [request_generator(self.seed, e) for e in encoded]  # noise is drawn on the CPU, per row
             stats: dict = {}
             t0 = time.perf_counter()
-            if self.mode == "ar":
-                seq = self.model.ar_generate(ids, max_new_tokens, settings.temperature, settings.top_k, settings.top_p,
-                                             gen, attention_mask=attn, stop_at_eos=settings.stop_at_eos)
-                stats["nfe"] = seq.shape[1] - width
-            else:
-                seq = self.model.diffusion_generate(ids, max_new_tokens, settings.steps, settings.temperature, gen,
-                                                    forbidden_ids=(self.pad,), attention_mask=attn,
-                                                    settings=settings, stats=stats)
+            seq = self.model.generate_continuation(ids, max_new_tokens, settings, gens, attention_mask=attn,
+                                                   forbidden_ids=(self.pad,), stats=stats)
             seconds = time.perf_counter() - t0
             for row, prompt in enumerate(batch):
                 new = seq[row, width:].tolist()

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from difflm.config import EvalConfig, PipelineConfig
+from difflm.rundir import EVAL_KEY, RunDir, is_export_of
 from models.evaluation.generation import default_prompts, generate_samples, sampler_settings
 from models.evaluation.likelihood import likelihood_bound, validation_windows
 from models.evaluation.report import write_comparison
@@ -19,9 +20,8 @@ from models.hf.convert import export_hf
 
 def convert_checkpoint(cfg: PipelineConfig, manifest: dict, train_info: dict) -> Path:
     """The HF folder of the run's final checkpoint (reused when it was exported from that checkpoint)."""
-    out = Path(train_info["run_dir"]) / "hf"
-    marker = out / "difflm_export.json"
-    if marker.exists() and json.loads(marker.read_text()).get("checkpoint") == train_info["checkpoint"]:
+    out = RunDir(train_info["run_dir"]).hf
+    if is_export_of(out, train_info["checkpoint"]):
         return out
     provenance = {"data_hash": manifest["hash"], "mode": cfg.diffusion.model_running_mode}
     return export_hf(cfg, manifest["tokenizer"], Path(train_info["checkpoint"]), out, provenance)
@@ -96,13 +96,14 @@ def check_tokenizer(model, manifest: dict, hf_dir: Path) -> None:
         raise EvaluationError(
             f"{hf_dir} was trained with another tokenizer (vocab {model.config.real_vocab_size}, mask id "
             f"{model.config.mask_token_id}) than this config's data (vocab {tok['vocab_size']}, mask id "
-            f"{tok['mask_id']}): pass the preset and overrides the model was trained with")
+            f"{tok['mask_id']}): evaluate it on its run's own data (no --preset: the run's config.yaml), or read "
+            f"other data through its tokenizer (tokenizer.path={hf_dir})")
 
 
 def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: Path | None = None,
                     untrained: bool = True) -> dict:
     """Likelihood bound of the trained (and an untrained, freshly initialised) model, the tasks built from
-    the held-out split, and samples; written to `out_dir` (default: <run dir>/eval) with the lm-eval task
+    the held-out split, and samples; written to `out_dir` (default: `default_out_dir`) with the lm-eval task
     files of the same items, and the comparison report of every run on the same data updated."""
     from models.hf.modeling_difflm import DiffLMForMaskedLM
 
@@ -121,7 +122,7 @@ def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: 
     docs = heldout_documents(manifest, tok)
     scorer = Scorer(model, tok, mc_samples=e.mc_samples, seed=e.seed)
     items = build_items(docs, e.task_items, e.seed) if e.task_items else {}
-    out_dir = Path(out_dir) if out_dir else Path(hf_dir).parent / "eval"
+    out_dir = Path(out_dir) if out_dir else default_out_dir(cfg, str(hf_dir), Path(hf_dir), manifest["hash"])
     results = {
         "mode": model.config.model_running_mode,
         "data_hash": manifest["hash"],
@@ -134,6 +135,7 @@ def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: 
         "samples": generate_samples(scorer, e, e.prompts or default_prompts(docs, e.num_samples, e.prompt_words)),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / EVAL_KEY).unlink(missing_ok=True)  # the pipeline's key named other results: it evaluates again
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     if items:
         write_lm_eval_tasks(items, out_dir / "lm_eval_tasks")
@@ -141,23 +143,28 @@ def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: 
     return results
 
 
-def default_out_dir(cfg: PipelineConfig, source: str, hf_dir: Path) -> Path:
-    """<run>/eval for a run's export, else <workdir>/evals/<source as a name>."""
-    if hf_dir.name == "hf" and (hf_dir.parent / "checkpoints").is_dir():
-        return hf_dir.parent / "eval"
+def default_out_dir(cfg: PipelineConfig, source: str, hf_dir: Path, data_hash: str | None = None) -> Path:
+    """Where the evaluation of `hf_dir` on the data `data_hash` goes: for a run's final export (<run>/hf),
+    <run>/eval on the run's own data and <run>/eval-<data hash> on other data, so results on other data never
+    replace the run's own; else <workdir>/evals/<source as a name>(-<data hash> on other data than the run's)."""
+    run = RunDir.holding(hf_dir)
+    if run is not None and Path(hf_dir).resolve() == run.hf.resolve():
+        return run.eval_dir(data_hash)
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in source.strip("/"))[-80:]
+    if run is not None and data_hash and data_hash != run.data_hash():
+        slug = f"{slug}-{data_hash}"
     return Path(cfg.workdir) / "evals" / slug
 
 
 def sweep_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: Path) -> list[dict]:
     """Cloze accuracy of generated words and tokens/s at each of eval.steps_sweep (masked modes only);
     sweep.json and sweep.png in out_dir."""
-    from difflm.plots import plot_sweep
+    from difflm.tracking.plots import plot_sweep
     from models.evaluation.sweep import sweep_steps
 
     e = cfg.eval
     model, tok = load_model(hf_dir, *eval_device(e)), load_tokenizer(hf_dir)
-    if not e.steps_sweep or model.config.model_running_mode not in ("difflm-noshift", "difflm-shift"):
+    if not e.steps_sweep or not model.objective.unmasks:
         return []
     items = build_items(heldout_documents(manifest, tok), e.task_items or 32, e.seed)["cloze"]
     rows = sweep_steps(Scorer(model, tok, seed=e.seed), items, sampler_settings(e), sorted(e.steps_sweep),

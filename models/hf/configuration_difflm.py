@@ -28,6 +28,7 @@ class DiffLMConfig(PretrainedConfig):
         time_embedding: bool = False,
         time_conditioning: str = "input",
         document_attention: bool = False,
+        diffusion_eps: float = 1e-3,
         special_ids: list[int] | None = None,
         tie_word_embeddings: bool = True,
         initializer_range: float = 0.02,
@@ -53,6 +54,7 @@ class DiffLMConfig(PretrainedConfig):
         self.time_embedding = time_embedding
         self.time_conditioning = time_conditioning  # "input": embedding added to tokens; "adaln": every norm
         self.document_attention = document_attention  # attention kept within EOS-separated documents
+        self.diffusion_eps = diffusion_eps  # the smallest noise level of training (uniform noise's bound starts there)
         self.special_ids = list(special_ids or [])
         self.initializer_range = initializer_range
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import torch
 
+from models.diffusion.modes import objective_class
 from difflm.config import PipelineConfig
+from difflm.rundir import EXPORT_MARKER
 
 
 class ConversionError(RuntimeError):
@@ -122,9 +124,9 @@ def to_hf_state_dict(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def hf_config(cfg: PipelineConfig, tokenizer: dict):
     from models.hf.configuration_difflm import DiffLMConfig
-    from models.megatron.gpt import is_bidirectional, padded_vocab_size  # megatron: imported when needed
+    from models.megatron.gpt import padded_vocab_size  # megatron: imported when needed
 
-    m = cfg.model
+    m, objective = cfg.model, objective_class(cfg.diffusion.model_running_mode)
     return DiffLMConfig(
         vocab_size=padded_vocab_size(tokenizer["vocab_size"], cfg.parallel.tensor_model_parallel_size),
         real_vocab_size=tokenizer["vocab_size"],
@@ -140,11 +142,12 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
         qk_layernorm=m.qk_layernorm,
         rope_theta=float(m.rotary_base),
         max_position_embeddings=cfg.train.seq_length,
-        bidirectional=is_bidirectional(cfg.diffusion.model_running_mode),
+        bidirectional=objective.bidirectional,
         model_running_mode=cfg.diffusion.model_running_mode,
         mask_token_id=tokenizer["mask_id"],
-        time_embedding=cfg.diffusion.time_embedding and cfg.diffusion.model_running_mode != "ar",
+        time_embedding=cfg.diffusion.time_embedding and objective.uses_t,
         document_attention=cfg.model.document_attention,
+        diffusion_eps=cfg.diffusion.eps,
         time_conditioning=cfg.diffusion.time_conditioning,
         special_ids=tokenizer.get("special_ids") or [tokenizer["eos_id"], tokenizer["mask_id"], tokenizer["pad_id"]],
         eos_token_id=tokenizer["eos_id"],
@@ -173,7 +176,7 @@ def check_replaceable(out_dir: Path, kind: str) -> None:
     out_dir = Path(out_dir)
     if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
         return
-    marker = "difflm_export.json" if kind == "hf" else "metadata.json"
+    marker = EXPORT_MARKER if kind == "hf" else "metadata.json"
     if out_dir.is_dir() and (out_dir / marker).exists():
         return
     what = "an HF export" if kind == "hf" else "a megatron checkpoint"
@@ -191,7 +194,7 @@ def save_export(model, tokenizer_dir: Path, out_dir: Path, meta: dict) -> Path:
         (tmp / name).write_text(src)
     for f in Path(tokenizer_dir).iterdir():
         shutil.copy2(f, tmp / f.name)
-    (tmp / "difflm_export.json").write_text(json.dumps(meta, indent=2))
+    (tmp / EXPORT_MARKER).write_text(json.dumps(meta, indent=2))  # names the checkpoint: difflm.rundir.exported_from
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.replace(out_dir)
     return out_dir

@@ -8,6 +8,8 @@ per query group ([q_1..q_n, k, v] per group), RoPE with rotate-half, gated MLP w
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,11 +19,9 @@ from transformers.modeling_outputs import MaskedLMOutput
 from .configuration_difflm import DiffLMConfig
 # In an export folder these read `from .bounds import ...` and so on: `convert.export_code` rewrites the
 # `..diffusion.` prefix when it copies this file next to the diffusion modules.
-from ..diffusion.bounds import ar_nll_per_token, elbo_nll_per_token, uniform_elbo_nll_per_token
-from ..diffusion.conditional import conditional_ar_nll, conditional_masked_nll, masked_greedy_match
 from ..diffusion.documents import document_attention_mask, document_ids as eos_document_ids
-from ..diffusion.noise import NOISE_DEVICE
-from ..diffusion.samplers import MaskedSampler, filter_logits, sample_masked_diffusion, sample_uniform_diffusion
+from ..diffusion.modes import Objective
+from ..diffusion.samplers import MaskedSampler, draw_multinomial, filter_logits
 from ..diffusion.time_embedding import AdaLNorm, TimeEmbedding
 from ..diffusion.uniform import uniform_states
 
@@ -183,22 +183,21 @@ class DiffLMForMaskedLM(PreTrainedModel):
         weight = self.embed_tokens.weight if self.output_layer is None else self.output_layer.weight
         return MaskedLMOutput(logits=F.linear(x, weight))
 
-    # ---- diffusion helpers: the same pure functions training and evaluation use -----------------
+    # ---- diffusion helpers: the mode's objective (models/diffusion/modes.py), shared with training ------------
     # Any device, any dtype: inputs go to the model's device, logits are scored in fp32, and noise is drawn on
     # the CPU from CPU generators (NOISE_DEVICE), so a seeded bound or sample draws the same on every device.
     @property
     def mode(self) -> str:
         return self.config.model_running_mode
 
+    @property
+    def objective(self) -> Objective:
+        """The objective of this model's mode: its bound, conditional likelihood, sampler and facts (built from
+        the config on each call: a small frozen object, never stale)."""
+        return Objective.from_hf_config(self.config)
+
     def _default_t(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        if self.mode == "difflm-noshift-uniform":
-            raise ValueError("a time-conditioned uniform-noise model needs the noise level: pass t=[b] "
-                             "(elbo_nll and diffusion_generate do)")
-        masks = (input_ids == self.config.mask_token_id).float()
-        if attention_mask is None:
-            return masks.mean(-1)
-        real = attention_mask.float()
-        return (masks * real).sum(-1) / real.sum(-1).clamp(min=1)
+        return self.objective.default_t(input_ids, attention_mask)
 
     def _documents(self, tokens: torch.Tensor, document_ids: torch.Tensor | None) -> torch.Tensor | None:
         """Training's document segmentation (from EOS in the clean tokens) when the model was trained with it."""
@@ -208,12 +207,10 @@ class DiffLMForMaskedLM(PreTrainedModel):
 
     def _logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None, t: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits aligned with the positions they predict. difflm-shift predicts the next position, so
-        position 0 has no logit of its own: callers never mask or score it."""
-        logits = self(tokens, attention_mask=attention_mask, t=t, document_ids=document_ids).logits
-        if self.mode == "difflm-shift":
-            logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-        return logits
+        """Logits aligned with the positions they predict (the objective undoes difflm-shift's shift, so position
+        0 of a shifted model has no logit of its own: callers never mask or score it)."""
+        return self.objective.align_logits(
+            self(tokens, attention_mask=attention_mask, t=t, document_ids=document_ids).logits)
 
     def uniform_states(self) -> torch.Tensor:
         """Token ids uniform noise draws from (the same function training uses), on the model's device."""
@@ -224,17 +221,9 @@ class DiffLMForMaskedLM(PreTrainedModel):
         """The helpers' inputs on the model's device: every tensor they derive then lands there too."""
         return tuple(None if t is None else t.to(self.device) for t in tensors)
 
-    def _require(self, what: str, modes: tuple[str, ...], instead: str) -> None:
-        if self.mode not in modes:
+    def _require(self, what: str, applies: bool, instead: str) -> None:
+        if not applies:
             raise ValueError(f"{what} does not apply to a {self.mode!r} model: {instead}")
-
-    def _scored(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, prefix_len: int) -> torch.Tensor:
-        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        valid = valid.clone()
-        first = max(prefix_len, 1 if self.mode == "difflm-shift" else 0)  # shift: no logit predicts token 0
-        if first:
-            valid[:, :first] = False
-        return valid
 
     @torch.no_grad()
     def diffusion_generate(self, prompt_ids: torch.Tensor, length: int, steps: int, temperature: float = 0.0,
@@ -247,12 +236,10 @@ class DiffLMForMaskedLM(PreTrainedModel):
         so the shift changes nothing). `settings` (masked modes): blocks, remasking rule, threshold decoding,
         top-k/top-p, guidance, stop at EOS (then `steps` and `temperature` are taken from it). `stats`
         receives the number of model calls. Returns [b, p + length]."""
-        self._require("diffusion_generate", ("difflm-noshift", "difflm-shift", "difflm-noshift-uniform"),
-                      "sample an autoregressive model token by token (evaluation.generation does)")
+        self._require("diffusion_generate", self.objective.bidirectional,
+                      "sample an autoregressive model token by token (ar_generate; `generate_continuation` picks)")
         prompt_ids, attention_mask, document_ids = self._on_device(prompt_ids, attention_mask, document_ids)
         b, p = prompt_ids.shape
-        if self.mode == "difflm-shift" and p == 0:
-            raise ValueError("a difflm-shift model needs at least one prompt token (each position predicts the next)")
         mask = None
         if attention_mask is not None:
             if p and not attention_mask[:, -1].bool().all():
@@ -262,16 +249,25 @@ class DiffLMForMaskedLM(PreTrainedModel):
         docs = self._documents(prompt_ids, document_ids) if p else None
         if docs is not None:  # the continuation belongs to the prompt's last document
             docs = torch.cat([docs, docs[:, -1:].expand(b, length)], dim=1)
-        if self.mode == "difflm-noshift-uniform":
-            return sample_uniform_diffusion(lambda x, t: self._logits(x, mask, t, docs), prompt_ids, length, steps,
-                                            self.uniform_states(), temperature=temperature, generator=generator)
-        if self.config.mask_token_id is None:
-            raise ValueError("config.mask_token_id is not set: this export cannot run the diffusion sampler")
-        return sample_masked_diffusion(
-            lambda x: self._logits(x, mask, None, docs), prompt_ids, length, self.config.mask_token_id, steps,
-            vocab_limit=self.config.real_vocab_size, temperature=temperature, generator=generator,
-            forbidden_ids=forbidden_ids, settings=settings, eos_id=self.config.eos_token_id, stats=stats,
-        )
+        settings = settings or MaskedSampler(steps=steps, temperature=temperature, stop_at_eos=False)
+        return self.objective.sample(lambda x, t: self._logits(x, mask, t, docs), prompt_ids, length, settings,
+                                     generator, forbidden_ids, stats)
+
+    @torch.no_grad()
+    def generate_continuation(self, prompt_ids: torch.Tensor, max_new_tokens: int, settings: MaskedSampler,
+                              generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
+                              forbidden_ids: tuple[int, ...] = (), stats: dict | None = None) -> torch.Tensor:
+        """`max_new_tokens` after LEFT-padded prompts with this model's own sampler: token by token with a cache
+        for a causal model, the objective's diffusion sampler otherwise. `stats` gets the model calls (`nfe`)."""
+        if self.objective.bidirectional:
+            return self.diffusion_generate(prompt_ids, max_new_tokens, settings.steps, settings.temperature, generator,
+                                           forbidden_ids=forbidden_ids, attention_mask=attention_mask,
+                                           settings=settings, stats=stats)
+        seq = self.ar_generate(prompt_ids, max_new_tokens, settings.temperature, settings.top_k, settings.top_p,
+                               generator, attention_mask=attention_mask, stop_at_eos=settings.stop_at_eos)
+        if stats is not None:
+            stats["nfe"] = seq.shape[1] - prompt_ids.shape[1]
+        return seq
 
     @torch.no_grad()
     def ar_generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
@@ -280,7 +276,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
         """Token-by-token decoding of an `ar` model with a key/value cache: greedy (temperature 0) or sampled
         with top-k/top-p. LEFT-padded prompts with their `attention_mask`. Rows that produced EOS continue
         with EOS; decoding ends when every row has (stop_at_eos). Returns [b, p + n], n <= max_new_tokens."""
-        self._require("ar_generate", ("ar",), "use diffusion_generate")
+        self._require("ar_generate", not self.objective.bidirectional, "use diffusion_generate")
         prompt_ids, attention_mask = self._on_device(prompt_ids, attention_mask)
         b, p = prompt_ids.shape
         if p == 0:
@@ -297,7 +293,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
                 logits[:, self.config.mask_token_id] = float("-inf")
             if temperature > 0:
                 probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), -1)
-                nxt = torch.multinomial(probs.to(NOISE_DEVICE), 1, generator=generator).to(ids.device)
+                nxt = draw_multinomial(probs[:, None], generator).to(ids.device)
             else:
                 nxt = logits.argmax(-1, keepdim=True)
             if eos is not None:
@@ -310,73 +306,63 @@ class DiffLMForMaskedLM(PreTrainedModel):
                 break
         return ids
 
+    def _row_logits(self, x, m, d, t):
+        return self._logits(x, m, t, d)
+
     @torch.no_grad()
     def conditional_nll(self, input_ids: torch.Tensor, target: torch.Tensor, attention_mask: torch.Tensor | None = None,
                         mc_samples: int = 32, generators=None, max_rows: int = 64) -> torch.Tensor:
         """-log p(continuation | context) in nats per row [b] (float64): `target` [b, s] marks the continuation,
         the other attended positions are its context. Exact for ar; for masked modes the Monte-Carlo
         conditional ELBO (an upper bound, `mc_samples` draws; pass one seeded generator per row for
-        reproducible values); for difflm-noshift-uniform UDLM's bound with `mc_samples` noise levels."""
+        reproducible values); for difflm-noshift-uniform UDLM's bound with `mc_samples` noise levels. A model
+        trained with document attention is scored with training's document segmentation."""
         input_ids, target, attention_mask = self._on_device(input_ids, target, attention_mask)
         target = target.bool() & (attention_mask.bool() if attention_mask is not None else True)
-        if self.mode == "ar":
-            return conditional_ar_nll(lambda x, m: self(x, attention_mask=m).logits, input_ids, target, attention_mask)
-        if self.mode == "difflm-shift" and target[:, 0].any():
-            raise ValueError("a difflm-shift model cannot score token 0: give it at least one context token")
-        if self.mode == "difflm-noshift-uniform":
-            gens = generators if isinstance(generators, (list, tuple)) else [generators] * len(input_ids)
-            out = []
-            for i, g in enumerate(gens):
-                row, m = input_ids[i : i + 1], None if attention_mask is None else attention_mask[i : i + 1]
-                per_tok = uniform_elbo_nll_per_token(lambda x, t: self._logits(x, m, t), row, self.uniform_states(),
-                                                     mc_samples, 1e-3, g, target[i : i + 1])
-                out.append(per_tok.double() * int(target[i].sum()))  # per_tok is on the CPU, as the other modes
-            return torch.cat(out)
-        return conditional_masked_nll(lambda x, m: self._logits(x, m), input_ids, target, self.config.mask_token_id,
-                                      mc_samples, generators, attention_mask, max_rows)
+        return self.objective.conditional_nll(self._row_logits, input_ids, target, attention_mask,
+                                              self._documents(input_ids, None), mc_samples, generators, max_rows)
 
     @torch.no_grad()
     def greedy_match(self, input_ids: torch.Tensor, target: torch.Tensor,
                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Would greedy decoding produce the continuation (`target` positions) from the context? [b] bool.
         ar: the argmax at every step; masked modes: greedy low-confidence decoding, one token per step."""
+        self._require("greedy_match", self.objective.has_greedy, "uniform-noise models have no greedy order")
         input_ids, target, attention_mask = self._on_device(input_ids, target, attention_mask)
-        target = target.bool()
-        if self.mode == "ar":
-            pred = self(input_ids, attention_mask=attention_mask).logits[:, :-1, : self.config.real_vocab_size].argmax(-1)
-            hit = (pred == input_ids[:, 1:]) | ~target[:, 1:]
-            return hit.all(-1)
-        self._require("greedy_match", ("difflm-noshift", "difflm-shift"), "uniform-noise models have no greedy order")
-        return masked_greedy_match(lambda x, m: self._logits(x, m), input_ids, target, self.config.mask_token_id,
-                                   attention_mask, self.config.real_vocab_size)
+        return self.objective.greedy_match(self._row_logits, input_ids, target.bool(), attention_mask,
+                                           self._documents(input_ids, None))
 
     @torch.no_grad()
     def elbo_nll(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, t_samples: int = 8,
                  generator: torch.Generator | None = None, prefix_len: int = 0,
-                 document_ids: torch.Tensor | None = None, eps: float = 1e-3):
+                 document_ids: torch.Tensor | None = None, eps: float | None = None):
         """Upper bound of the NLL per scored token (nats) of each sequence [b], for any diffusion mode.
 
         Padding (attention_mask 0) is neither scored nor attended to; the first `prefix_len` tokens are
         conditioned on (kept clean, not scored): prefix_len=1 scores the same tokens as `ar_nll`. difflm-shift
-        always conditions on token 0. A Monte-Carlo estimate: pass a seeded `generator` to make it reproducible."""
-        self._require("elbo_nll", ("difflm-noshift", "difflm-shift", "difflm-noshift-uniform"),
+        always conditions on token 0. `eps` (uniform noise): the smallest noise level, default the trained one.
+        A Monte-Carlo estimate: pass a seeded `generator` to make it reproducible. NaN for a row with nothing
+        to score."""
+        self._require("elbo_nll", not self.objective.exact,
                       "its exact likelihood is model.ar_nll(input_ids, attention_mask)")
-        input_ids, attention_mask, document_ids = self._on_device(input_ids, attention_mask, document_ids)
-        scored = self._scored(input_ids, attention_mask, prefix_len)
-        docs = self._documents(input_ids, document_ids)
-        if self.mode == "difflm-noshift-uniform":
-            return uniform_elbo_nll_per_token(lambda x, t: self._logits(x, attention_mask, t, docs), input_ids,
-                                              self.uniform_states(), t_samples, eps, generator, scored)
-        return elbo_nll_per_token(lambda x: self._logits(x, attention_mask, None, docs), input_ids,
-                                  self.config.mask_token_id, t_samples, generator, scored)
+        return self.nll_per_token(input_ids, attention_mask, t_samples, generator, prefix_len, document_ids, eps)
 
     @torch.no_grad()
     def ar_nll(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                document_ids: torch.Tensor | None = None):
         """Exact NLL per scored token (nats) of each sequence [b] for an `ar` model: tokens 1.. given their
         prefix (right padding, attention_mask 0, is not scored)."""
-        self._require("ar_nll", ("ar",), "its likelihood bound is model.elbo_nll(input_ids, attention_mask)")
+        self._require("ar_nll", self.objective.exact, "its likelihood bound is model.elbo_nll(input_ids, attention_mask)")
+        return self.nll_per_token(input_ids, attention_mask, document_ids=document_ids)
+
+    @torch.no_grad()
+    def nll_per_token(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, t_samples: int = 8,
+                      generator: torch.Generator | None = None, prefix_len: int = 0,
+                      document_ids: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
+        """The likelihood of this model's mode per scored token [b]: exact for ar (tokens 1..), the ELBO otherwise."""
         input_ids, attention_mask, document_ids = self._on_device(input_ids, attention_mask, document_ids)
+        valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        objective = self.objective if eps is None else dataclasses.replace(self.objective, eps=eps)
         docs = self._documents(input_ids, document_ids)
-        return ar_nll_per_token(lambda x: self(x, attention_mask=attention_mask, document_ids=docs).logits,
-                                input_ids, attention_mask)
+        return objective.nll_per_token(lambda x, t: self._logits(x, attention_mask, t, docs), input_ids,
+                                       objective.scored_positions(valid, prefix_len), t_samples, generator)

@@ -17,7 +17,7 @@ import torch
 
 from difflm.config import PipelineConfig
 from models import diffusion
-from models.diffusion import uniform
+from models.diffusion.modes import Objective, objective_class
 
 
 @dataclass(frozen=True)
@@ -32,9 +32,6 @@ class SpecialTokens:
     def from_manifest(cls, tok: dict) -> "SpecialTokens":
         special = tok.get("special_ids") or [tok["eos_id"], tok["mask_id"], tok["pad_id"]]
         return cls(tok["mask_id"], tok["vocab_size"], tuple(sorted(set(special))), tok["eos_id"], tok.get("pad_id"))
-
-    def uniform_states(self) -> torch.Tensor:
-        return uniform.uniform_states(self.vocab_size, self.mask_id, self.pad_id)
 
 
 def _seed(*parts: int) -> int:
@@ -61,87 +58,44 @@ def varilen_length(seed: int, step: int, seq_length: int, prob: float, multiple:
     return min(seq_length, -(-length // multiple) * multiple)
 
 
-def _exact_counts(cfg: PipelineConfig, evaluation: bool) -> bool:
-    """Exactly ceil(t L) masks (LLaDA's discrete ELBO) in evaluation, and in training with masked_fraction
-    weighting, whose L/#masked weight is unbiased only for counts uniform on {1..L}."""
-    return evaluation or cfg.diffusion.loss_weighting == "masked_fraction"
+def objective_of(cfg: PipelineConfig, special: SpecialTokens) -> Objective:
+    """The objective of `cfg`'s mode with its training settings and the tokenizer's special tokens."""
+    d = cfg.diffusion
+    return objective_class(d.model_running_mode)(
+        mask_id=special.mask_id, vocab_size=special.vocab_size, pad_id=special.pad_id, eos_id=special.eos_id,
+        eps=d.eps, loss_weighting=d.loss_weighting, normalize_by=d.normalize_by, uniform_loss=d.uniform_loss)
 
 
 def corrupt(batch: dict, cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False) -> dict:
-    """Model inputs, targets, scored positions and t for one micro-batch of `cfg`'s objective.
+    """Model inputs, targets, scored positions and t for one micro-batch of `cfg`'s objective (`Objective.prepare`).
 
-    `valid` [b, s] is the dataset's loss_mask (False at padding megatron may add): never scored, never
-    counted. Evaluation uses the low-variance discrete form of the masked ELBO: t stratified over the
-    batch, exactly ceil(t*L) tokens masked, weight L/#masked (see diffusion.elbo_nll_per_token)."""
-    x0, mode, d = batch["tokens"], cfg.diffusion.model_running_mode, cfg.diffusion
+    The dataset's loss_mask (False at padding megatron may add) is never scored, never counted. Evaluation uses
+    the objective's bound (for masked modes the low-variance discrete ELBO: t stratified over the batch, exactly
+    ceil(t*L) tokens masked, weight L/#masked; see diffusion.elbo_nll_per_token)."""
+    x0 = batch["tokens"]
     label_ok = batch.get("loss_mask", torch.ones_like(x0)).bool()  # megatron's: labels[i] = x[i + 1] is data
-    if mode == "ar":
-        return {"inputs": x0, "targets": batch["labels"], "scored": label_ok, "valid": label_ok, "t": None}
-    # diffusion scores tokens[i] = x[i], which is data iff labels[i - 1] is (token 0 always is)
-    valid = torch.cat([torch.ones_like(label_ok[:, :1]), label_ok[:, :-1]], dim=1)
-    rows, ts, flags = [], [], []
-    states = special.uniform_states() if mode == "difflm-noshift-uniform" else None
-    for row, ok, pos in zip(x0, valid, batch["positions"].tolist()):
-        g = noise_generator(cfg.train.seed, step, pos)
-        t = diffusion.stratified_t(torch.rand(1, generator=g), torch.tensor([pos]), cfg.train.global_batch_size,
-                                   d.eps, d.antithetic_t or evaluation)
-        if states is not None:  # small t drawn more often, weighted back (see uniform.mixture_t)
-            t = uniform.mixture_t((t - d.eps) / (1 - d.eps), d.eps)
-            xt, flag = diffusion.uniform_corrupt(row[None], t, states, g)
-        elif _exact_counts(cfg, evaluation):
-            n_valid = int(ok.sum())
-            count = (t * n_valid).ceil().clamp(1, max(n_valid, 1)).long()
-            xt, flag = diffusion.mask_exactly(row[None], count, special.mask_id, g, ok[None])
-        else:
-            xt, flag = diffusion.mask_tokens(row[None], t, special.mask_id, g)
-        rows.append(xt), ts.append(t), flags.append(flag)
-    xt, t, masked = torch.cat(rows), torch.cat(ts), torch.cat(flags)
-    if mode == "difflm-shift":
-        targets, scored = diffusion.shift_targets(x0, masked)
-        return {"inputs": xt, "targets": targets, "scored": scored & valid, "valid": valid, "t": t}
-    return {"inputs": xt, "targets": x0, "scored": masked & valid, "valid": valid, "t": t}
+    return objective_of(cfg, special).prepare(
+        x0, batch["labels"], label_ok, batch["positions"].tolist(), lambda pos: noise_generator(cfg.train.seed, step, pos),
+        cfg.train.global_batch_size, cfg.diffusion.antithetic_t, evaluation)
 
 
-def loss_terms(token_ce: torch.Tensor, prepared: dict, cfg: PipelineConfig,
+def loss_terms(output: torch.Tensor, prepared: dict, cfg: PipelineConfig, special: SpecialTokens | None = None,
                evaluation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum, count) of the masked / AR loss from per-token cross-entropy [b, s]: loss = sum / count globally."""
-    d = cfg.diffusion
-    if d.model_running_mode == "ar":
-        return diffusion.x0_cross_entropy_terms(token_ce.float(), prepared["valid"])
-    weighting, normalize_by = (("masked_fraction", "all_tokens") if evaluation  # the ELBO, whatever the training
-                               else (d.loss_weighting, d.normalize_by))
-    return diffusion.masked_diffusion_loss_terms(token_ce.float(), prepared["scored"], prepared["t"], weighting,
-                                                 normalize_by, prepared["valid"])
+    """(sum, count) of the objective's loss from megatron's output (per-token cross-entropy [b, s], or the full
+    logits [b, s, V] for objectives that need them): loss = sum / count over the global batch."""
+    objective = objective_of(cfg, special or _NO_SPECIAL)
+    return objective.loss_terms(output, prepared, evaluation)
 
 
-def uniform_loss_terms(logits: torch.Tensor, prepared: dict, cfg: PipelineConfig, states: torch.Tensor,
-                       evaluation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum, count) of difflm-noshift-uniform from full logits [b, s, V]: the continuous-time NELBO (UDLM)
-    per token, or in training with `diffusion.uniform_loss=x0_ce` plain x0 cross-entropy (validation always
-    reports the ELBO)."""
-    x0, xt = prepared["targets"], prepared["inputs"]
-    x0_idx = uniform.state_index(x0, states, logits.shape[-1])
-    valid = prepared["valid"] & (x0_idx >= 0)  # a target outside the states (pad) cannot be scored
-    log_p = uniform.state_log_probs(logits, states.to(logits.device))  # [b, s, N]
-    x0_idx = x0_idx.clamp(min=0)
-    if cfg.diffusion.uniform_loss == "x0_ce" and not evaluation:
-        ce = -log_p.gather(-1, x0_idx[..., None]).squeeze(-1)
-        return diffusion.x0_cross_entropy_terms(ce, valid)
-    xt_idx = uniform.state_index(xt, states, logits.shape[-1]).clamp(min=0)
-    t = prepared["t"].to(logits.device)
-    integrand = uniform.nelbo_integrand(log_p, x0_idx, xt_idx, t)  # [b, s]
-    # the integral over [eps, 1] as an importance-sampled mean: t came from uniform.mixture_t
-    total = ((integrand * valid).sum(-1) * uniform.mixture_weight(t, cfg.diffusion.eps)).sum()
-    return total.to(torch.float32), valid.sum().to(torch.int)
+_NO_SPECIAL = SpecialTokens(mask_id=None, vocab_size=None, special_ids=())  # for objectives that need no token ids
 
 
-def _loss_func(prepared: dict, cfg: PipelineConfig, evaluation: bool, states, output_tensor: torch.Tensor):
+def _loss_func(prepared: dict, objective: Objective, evaluation: bool, output_tensor: torch.Tensor):
     # THD packs the micro-batch into one row: per-token CE [1, b*s] or logits [1, b*s, V] back to [b, s(, V)]
     output_tensor = output_tensor.reshape(*prepared["inputs"].shape, *output_tensor.shape[2:])
-    if states is not None:
-        total, count = uniform_loss_terms(_full_vocab(output_tensor), prepared, cfg, states, evaluation)
-    else:
-        total, count = loss_terms(output_tensor, prepared, cfg, evaluation)
+    if objective.full_logits:
+        output_tensor = _full_vocab(output_tensor)
+    total, count = objective.loss_terms(output_tensor, prepared, evaluation)
     # megatron divides by the global count; the report carries the pair, summed over micro-batches and DP
     return total, count, {"loss": torch.stack([total.detach().float(), count.detach().float()])}
 
@@ -225,7 +179,7 @@ def attention_mask_for(tokens: torch.Tensor, cfg: PipelineConfig, special: Speci
     `DocumentMask` for the torch spec (FlexAttention block mask on GPUs), a dense [b, 1, s, s] mask otherwise."""
     if form is None:
         return None
-    causal = cfg.diffusion.model_running_mode == "ar"
+    causal = not objective_class(cfg.diffusion.model_running_mode).bidirectional
     doc = diffusion.document_ids(tokens, special.eos_id)
     if form == "flex":
         from models.megatron.attention import DocumentMask
@@ -239,7 +193,7 @@ def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int, ev
     """A megatron `forward_step_func(data_iterator, model)` for training step `step`.
 
     `documents` overrides the form of packed documents (`document_form`; the tests run every form on one spec)."""
-    states = special.uniform_states() if cfg.diffusion.model_running_mode == "difflm-noshift-uniform" else None
+    objective = objective_of(cfg, special)
     form = (documents or configured_document_form(cfg)) if cfg.model.document_attention else None
     assert form in (None, *DOCUMENT_FORMS), form
 
@@ -249,9 +203,9 @@ def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int, ev
         prepared = to_device(corrupt(batch, cfg, special, step, evaluation), device)
         inputs = prepared["inputs"]
         position_ids = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
-        extra = {"t": prepared["t"]} if cfg.diffusion.time_embedding and prepared["t"] is not None else {}
+        extra = {"t": prepared["t"]} if cfg.diffusion.time_embedding and objective.uses_t else {}
         # With labels, megatron returns the per-token (vocab-parallel) cross-entropy [b, s]; without, logits.
-        labels = None if states is not None else prepared["targets"]
+        labels = None if objective.full_logits else prepared["targets"]
         if form == "thd":  # one row [1, b*s]; RoPE restarts per document, equal to global positions (relative)
             extra["packed_seq_params"] = packed_seq_params(diffusion.document_ids(batch["tokens"], special.eos_id),
                                                            device)
@@ -261,6 +215,6 @@ def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int, ev
         else:
             attention_mask = attention_mask_for(batch["tokens"].to(device), cfg, special, form)
         output = model(inputs, position_ids, attention_mask, labels=labels, **extra)
-        return output, partial(_loss_func, prepared, cfg, evaluation, states)
+        return output, partial(_loss_func, prepared, objective, evaluation)
 
     return forward_step

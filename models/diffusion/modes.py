@@ -1,0 +1,394 @@
+"""The objective of each mode as one object: what training, evaluation, the export and the FLOPs count ask of it.
+
+Pure torch, shipped flat in every export folder (relative imports only). One class per mode; each owns:
+1. its corruption of a training / validation micro-batch and the positions it scores (`prepare`),
+2. its training loss terms and its validation bound as (sum, count) (`loss_terms`),
+3. its evaluation bound per token on the same tokens for every family: tokens 1.. given token 0 (`nll_per_token`),
+4. its conditional likelihood and greedy check (`conditional_nll`, `greedy_match`: None where undefined),
+5. its sampler (`sample`),
+6. the facts callers need, as class attributes: `bidirectional` (attention both ways), `uses_t` (time
+   conditioning applies), `requires_t` (the inputs do not reveal t: callers must pass it), `shifted` (logit i
+   predicts token i + 1), `full_logits` (the loss needs every logit, not megatron's per-token cross-entropy),
+   `exact` (its likelihood is exact, not a bound), `has_greedy`, `unmasks` (the masked sampler's settings and
+   steps apply), `varilen` (variable-length training applies),
+   `attention_flops_factor` (the share of the s x s attention core a kernel computes).
+
+The formulas live in the modules beside this one (`objectives`, `bounds`, `conditional`, `samplers`, `uniform`);
+an objective composes them. Nothing outside this module compares the mode string: adding a mode is one class here
+(registered in `MODES`) plus its tests.
+
+Logits functions all take (tokens [b, s], t [b] or None) and return logits [b, s, V] aligned with the positions
+they predict (`align_logits` undoes the shift of `difflm-shift`); the conditional ones also take the attention
+mask and document ids of the rows they are given.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Callable, ClassVar, Optional
+
+import torch
+
+from .bounds import ar_nll_per_token, elbo_nll_per_token, uniform_elbo_nll_per_token
+from .conditional import conditional_ar_nll, conditional_masked_nll, masked_greedy_match
+from .noise import mask_exactly, mask_tokens, stratified_t, uniform_corrupt
+from .objectives import masked_diffusion_loss_terms, shift_targets, x0_cross_entropy_terms
+from .samplers import MaskedSampler, sample_masked_diffusion, sample_uniform_diffusion
+from .uniform import (
+    mixture_t,
+    mixture_weight,
+    nelbo_integrand,
+    reconstruction_nll,
+    state_index,
+    state_log_probs,
+    uniform_states,
+)
+
+TimedLogitsFn = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+# (tokens [n, s], attention_mask [n, s] or None, document_ids [n, s] or None, t [n] or None) -> logits [n, s, V]
+RowLogitsFn = Callable[[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]],
+                       torch.Tensor]
+GeneratorFor = Callable[[int], torch.Generator]  # the position of a sequence in the global batch -> its generator
+
+
+@dataclass(frozen=True)
+class Objective(ABC):
+    """The settings every objective may read (each uses those of its family); facts are class attributes."""
+
+    mask_id: Optional[int] = None
+    vocab_size: Optional[int] = None  # the tokenizer's (real) vocabulary: uniform noise draws among it
+    pad_id: Optional[int] = None
+    eos_id: Optional[int] = None
+    eps: float = 1e-3  # the smallest noise level
+    loss_weighting: str = "inverse_t"  # masked training: inverse_t | masked_fraction | none
+    normalize_by: str = "all_tokens"  # masked training: all_tokens | masked_tokens
+    uniform_loss: str = "elbo"  # uniform training: elbo | x0_ce
+
+    name: ClassVar[str] = ""
+    bidirectional: ClassVar[bool] = True
+    uses_t: ClassVar[bool] = True
+    requires_t: ClassVar[bool] = False
+    shifted: ClassVar[bool] = False
+    full_logits: ClassVar[bool] = False
+    exact: ClassVar[bool] = False
+    has_greedy: ClassVar[bool] = True
+    unmasks: ClassVar[bool] = False  # its sampler unmasks step by step: the masked sampler's settings apply
+    varilen: ClassVar[bool] = True
+
+    @classmethod
+    def attention_flops_factor(cls) -> float:
+        """Causal kernels skip the tiles above the diagonal (about half of s x s); bidirectional ones do all."""
+        return 1.0 if cls.bidirectional else 0.5
+
+    @classmethod
+    def from_hf_config(cls, config) -> "Objective":
+        """The objective of an exported model, from its config (exports made before `diffusion_eps` was recorded
+        used eps = 1e-3)."""
+        return objective_class(config.model_running_mode)(
+            mask_id=config.mask_token_id, vocab_size=getattr(config, "real_vocab_size", None) or config.vocab_size,
+            pad_id=config.pad_token_id, eos_id=config.eos_token_id, eps=getattr(config, "diffusion_eps", 1e-3))
+
+    # ---- positions -------------------------------------------------------------------------------------
+    def align_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits aligned with the positions they predict (identity but for the shifted mode)."""
+        return logits
+
+    def scored_positions(self, valid: torch.Tensor, prefix_len: int = 0) -> torch.Tensor:
+        """The positions a bound scores: `valid` [b, s] without the first `prefix_len` (kept as clean context)."""
+        scored = valid.bool().clone()
+        if prefix_len:
+            scored[:, :prefix_len] = False
+        return scored
+
+    def default_t(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """The noise level of inputs given without one: the share of mask tokens among the real positions (the
+        quantity training's t is the expectation of)."""
+        masks = (input_ids == self.mask_id).float()
+        if attention_mask is None:
+            return masks.mean(-1)
+        real = attention_mask.float()
+        return (masks * real).sum(-1) / real.sum(-1).clamp(min=1)
+
+    # ---- training and validation -----------------------------------------------------------------------
+    @abstractmethod
+    def prepare(self, tokens: torch.Tensor, labels: torch.Tensor, label_ok: torch.Tensor, positions: list[int],
+                generator_for: GeneratorFor, batch_size: int, antithetic: bool, evaluation: bool) -> dict:
+        """Model inputs, targets, scored positions and t of one micro-batch: {'inputs', 'targets', 'scored',
+        'valid', 't'} (and what `loss_terms` needs besides). `label_ok` [b, s] is megatron's loss_mask
+        (labels[i] = tokens[i + 1] is data); `positions` are the sequences' places in the global batch of
+        `batch_size`, which key their noise (`generator_for`) and their stratum of t."""
+
+    @abstractmethod
+    def loss_terms(self, output: torch.Tensor, prepared: dict, evaluation: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum, count) of the loss of a micro-batch (megatron divides by the global count). `output` is the
+        per-token cross-entropy [b, s], or the logits [b, s, V] where `full_logits`."""
+
+    # ---- evaluation and generation -----------------------------------------------------------------------
+    @abstractmethod
+    def nll_per_token(self, logits_fn: TimedLogitsFn, x0: torch.Tensor, scored: torch.Tensor, t_samples: int,
+                      generator: Optional[torch.Generator]) -> torch.Tensor:
+        """The NLL per scored token [b] (nats) of each row of x0: an upper bound (ELBO), or exact where `exact`.
+        A row with nothing to score has no per-token value: NaN."""
+
+    @abstractmethod
+    def conditional_nll(self, logits_fn: RowLogitsFn, x0: torch.Tensor, target: torch.Tensor,
+                        attention_mask: Optional[torch.Tensor], document_ids: Optional[torch.Tensor],
+                        mc_samples: int, generators, max_rows: int) -> torch.Tensor:
+        """-log p(continuation | context) in total nats per row [b] (float64, CPU); `target` marks the
+        continuation."""
+
+    def greedy_match(self, logits_fn: RowLogitsFn, x0: torch.Tensor, target: torch.Tensor,
+                     attention_mask: Optional[torch.Tensor], document_ids: Optional[torch.Tensor]
+                     ) -> Optional[torch.Tensor]:
+        """Would greedy decoding reproduce the continuation? [b] bool, or None where the mode has no greedy order."""
+        return None
+
+
+def _exact_noise_rows(tokens, noisable, positions, generator_for, batch_size, eps, antithetic, draw):
+    """Per sequence: its generator, its stratified t in [eps, 1], then `draw(row, ok, t, g)` -> (x_t, flag)."""
+    rows, ts, flags = [], [], []
+    for row, ok, pos in zip(tokens, noisable, positions):
+        g = generator_for(pos)
+        t = stratified_t(torch.rand(1, generator=g), torch.tensor([pos]), batch_size, eps, antithetic)
+        xt, flag, t = draw(row[None], ok[None], t, g)
+        rows.append(xt), ts.append(t), flags.append(flag)
+    return torch.cat(rows), torch.cat(ts), torch.cat(flags)
+
+
+def _data_positions(label_ok: torch.Tensor) -> torch.Tensor:
+    """tokens[i] is data iff labels[i - 1] is (token 0 always is): the positions a no-shift objective scores."""
+    return torch.cat([torch.ones_like(label_ok[:, :1]), label_ok[:, :-1]], dim=1)
+
+
+class MaskedDiffusion(Objective):
+    """Masked diffusion, bidirectional (MegaDLMs' difflm-noshift; LLaDA/MDLM): tokens are replaced by the mask
+    at rate t ~ U(eps, 1); the loss is the cross-entropy on masked positions weighted by 1/t (or L/#masked);
+    validation and evaluation report the discrete ELBO (exactly ceil(t L) masks, weight L/#masked)."""
+
+    name = "difflm-noshift"
+    unmasks = True
+
+    def _noisable(self, valid: torch.Tensor) -> torch.Tensor:
+        """The positions noise may mask with exact counts: every data token."""
+        return valid
+
+    def _exact_counts(self, evaluation: bool) -> bool:
+        """Exactly ceil(t L) masks (LLaDA's discrete ELBO) in evaluation, and in training with masked_fraction
+        weighting, whose L/#masked weight is unbiased only for counts uniform on {1..L}."""
+        return evaluation or self.loss_weighting == "masked_fraction"
+
+    def prepare(self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation):
+        valid = _data_positions(label_ok)
+        exact = self._exact_counts(evaluation)
+
+        def draw(row, ok, t, g):
+            if exact:
+                n_valid = int(ok.sum())
+                count = (t * n_valid).ceil().clamp(1, max(n_valid, 1)).long()
+                return (*mask_exactly(row, count, self.mask_id, g, ok), t)
+            return (*mask_tokens(row, t, self.mask_id, g), t)
+
+        xt, t, masked = _exact_noise_rows(tokens, self._noisable(valid), positions, generator_for, batch_size,
+                                          self.eps, antithetic or evaluation, draw)
+        return self._targets(tokens, xt, masked, valid, label_ok, t)
+
+    def _targets(self, x0, xt, masked, valid, label_ok, t) -> dict:
+        return {"inputs": xt, "targets": x0, "scored": masked & valid, "valid": valid, "t": t}
+
+    def loss_terms(self, output, prepared, evaluation):
+        weighting, normalize_by = (("masked_fraction", "all_tokens") if evaluation  # the ELBO, whatever the training
+                                   else (self.loss_weighting, self.normalize_by))
+        return masked_diffusion_loss_terms(output.float(), prepared["scored"], prepared["t"], weighting, normalize_by,
+                                           prepared["valid"])
+
+    def nll_per_token(self, logits_fn, x0, scored, t_samples, generator):
+        return _nan_if_empty(elbo_nll_per_token(lambda x: logits_fn(x, None), x0, self.mask_id, t_samples, generator,
+                                                scored), scored)
+
+    def conditional_nll(self, logits_fn, x0, target, attention_mask, document_ids, mc_samples, generators, max_rows):
+        return conditional_masked_nll(lambda x, m, d: logits_fn(x, m, d, None), x0, target, self.mask_id, mc_samples,
+                                      generators, attention_mask, max_rows, document_ids)
+
+    def greedy_match(self, logits_fn, x0, target, attention_mask, document_ids):
+        return masked_greedy_match(lambda x, m, d: logits_fn(x, m, d, None), x0, target, self.mask_id,
+                                   attention_mask, self.vocab_size, document_ids)
+
+    def sample(self, logits_fn: TimedLogitsFn, prompt: torch.Tensor, length: int, settings: MaskedSampler,
+               generator=None, forbidden_ids: tuple[int, ...] = (), stats: Optional[dict] = None) -> torch.Tensor:
+        """Iterative unmasking (LLaDA and its extensions, see `MaskedSampler`). Returns [b, p + length]."""
+        if self.mask_id is None:
+            raise ValueError("config.mask_token_id is not set: this export cannot run the diffusion sampler")
+        return sample_masked_diffusion(lambda x: logits_fn(x, None), prompt, length, self.mask_id, settings.steps,
+                                       vocab_limit=self.vocab_size, temperature=settings.temperature,
+                                       generator=generator, forbidden_ids=forbidden_ids, settings=settings,
+                                       eos_id=self.eos_id, stats=stats)
+
+
+class ShiftedMaskedDiffusion(MaskedDiffusion):
+    """Masked diffusion whose logit i predicts token i + 1 (MegaDLMs' difflm-shift; Dream), so an AR
+    checkpoint's head keeps its meaning. No logit predicts token 0: it is never scored, and validation and
+    evaluation condition on it (masks drawn among tokens 1..L-1, normalised by L - 1)."""
+
+    name = "difflm-shift"
+
+    def _noisable(self, valid):
+        noisable = valid.clone()
+        noisable[:, 0] = False  # no logit predicts token 0: masking it would hide context without scoring it
+        return noisable
+
+    def _targets(self, x0, xt, masked, valid, label_ok, t):
+        # scored on the next token: its validity is megatron's own label mask (the first padding token, the
+        # target of the last data position, is never scored); the last position has no next token here
+        targets, scored = shift_targets(x0, masked)
+        next_ok = label_ok.bool().clone()
+        next_ok[:, -1] = False
+        return {"inputs": xt, "targets": targets, "scored": scored & next_ok, "valid": next_ok, "t": t}
+
+    def align_logits(self, logits):
+        return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+
+    def scored_positions(self, valid, prefix_len=0):
+        return super().scored_positions(valid, max(prefix_len, 1))
+
+    def conditional_nll(self, logits_fn, x0, target, attention_mask, document_ids, mc_samples, generators, max_rows):
+        if target[:, 0].any():
+            raise ValueError("a difflm-shift model cannot score token 0: give it at least one context token")
+        return super().conditional_nll(logits_fn, x0, target, attention_mask, document_ids, mc_samples, generators,
+                                       max_rows)
+
+    def sample(self, logits_fn, prompt, length, settings, generator=None, forbidden_ids=(), stats=None):
+        if prompt.shape[1] == 0:
+            raise ValueError("a difflm-shift model needs at least one prompt token (each position predicts the next)")
+        return super().sample(logits_fn, prompt, length, settings, generator, forbidden_ids, stats)
+
+
+class UniformDiffusion(Objective):
+    """Uniform-state diffusion (UDLM/DUO; this project's difflm-noshift-uniform): tokens are replaced at rate t by
+    uniform draws over the states (the vocabulary without mask and pad). The loss is UDLM's continuous-time NELBO
+    (t from `mixture_t`, weighted back), or plain x0 cross-entropy (`uniform_loss=x0_ce`, not a bound); validation
+    adds the exact last step eps -> 0, so it is an upper bound like the evaluation bound."""
+
+    name = "difflm-noshift-uniform"
+    requires_t = True
+    full_logits = True
+    has_greedy = False  # no greedy order: every position is always some token
+
+    def states(self, device=None) -> torch.Tensor:
+        return uniform_states(self.vocab_size, self.mask_id, self.pad_id, device or "cpu")
+
+    def default_t(self, input_ids, attention_mask):
+        raise ValueError("a time-conditioned uniform-noise model needs the noise level: pass t=[b] "
+                         "(elbo_nll and diffusion_generate do)")
+
+    def prepare(self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation):
+        valid = _data_positions(label_ok)
+        states = self.states()
+        # Validation adds the reconstruction term -log p(x0 | z_eps) as a point mass of the importance distribution
+        # over t: the sequences in the first 1/n of the stratified range (one per global batch) are scored at
+        # t = eps on it, weight n; the others on the integral over [eps, 1], weight mixture_weight / (1 - 1/n).
+        share = 1.0 / max(batch_size, 2) if evaluation else 0.0
+        recon, weight = [], []
+
+        def draw(row, ok, t, g):
+            v = (t - self.eps) / (1 - self.eps)  # back to the stratified uniform
+            last_step = bool(v < share)
+            t = torch.full_like(t, self.eps) if last_step else mixture_t((v - share) / (1 - share), self.eps)
+            recon.append(last_step)
+            weight.append(1.0 / share if last_step else float(mixture_weight(t, self.eps)) / (1 - share))
+            return (*uniform_corrupt(row, t, states, g), t)
+
+        xt, t, corrupted = _exact_noise_rows(tokens, valid, positions, generator_for, batch_size, self.eps,
+                                             antithetic or evaluation, draw)
+        return {"inputs": xt, "targets": tokens, "scored": corrupted & valid, "valid": valid, "t": t,
+                "last_step": torch.tensor(recon), "weight": torch.tensor(weight, dtype=torch.float64)}
+
+    def loss_terms(self, output, prepared, evaluation):
+        states = self.states(output.device)
+        x0, xt = prepared["targets"], prepared["inputs"]
+        x0_idx = state_index(x0, states, output.shape[-1])
+        valid = prepared["valid"] & (x0_idx >= 0)  # a target outside the states (pad) cannot be scored
+        log_p = state_log_probs(output, states)  # [b, s, N]
+        x0_idx = x0_idx.clamp(min=0)
+        if self.uniform_loss == "x0_ce" and not evaluation:
+            ce = -log_p.gather(-1, x0_idx[..., None]).squeeze(-1)
+            return x0_cross_entropy_terms(ce, valid)
+        xt_idx = state_index(xt, states, output.shape[-1]).clamp(min=0)
+        t = prepared["t"].to(output.device)
+        last = prepared["last_step"].to(output.device)[:, None]
+        per_token = nelbo_integrand(log_p, x0_idx, xt_idx, t)
+        if last.any():  # validation: the rows scored on the last step eps -> 0
+            per_token = torch.where(last, reconstruction_nll(log_p, x0_idx, xt_idx, t), per_token)
+        total = ((per_token * valid).sum(-1) * prepared["weight"].to(output.device)).sum()
+        return total.to(torch.float32), valid.sum().to(torch.int)
+
+    def nll_per_token(self, logits_fn, x0, scored, t_samples, generator):
+        return _nan_if_empty(uniform_elbo_nll_per_token(logits_fn, x0, self.states(x0.device), t_samples, self.eps,
+                                                        generator, scored), scored)
+
+    def conditional_nll(self, logits_fn, x0, target, attention_mask, document_ids, mc_samples, generators, max_rows):
+        gens = generators if isinstance(generators, (list, tuple)) else [generators] * len(x0)
+        out = []
+        for i, g in enumerate(gens):  # one row at a time: each row's t draws come from its own generator
+            rows = slice(i, i + 1)
+            m = None if attention_mask is None else attention_mask[rows]
+            d = None if document_ids is None else document_ids[rows]
+            per_tok = uniform_elbo_nll_per_token(lambda x, t: logits_fn(x, m, d, t), x0[rows],
+                                                 self.states(x0.device), mc_samples, self.eps, g, target[rows])
+            out.append(per_tok.double() * int(target[i].sum()))
+        return torch.cat(out)
+
+    def sample(self, logits_fn, prompt, length, settings, generator=None, forbidden_ids=(), stats=None):
+        """The ancestral sampler of the reverse chain (`settings.steps` steps at `settings.temperature`)."""
+        if stats is not None:
+            stats["nfe"] = max(1, settings.steps)  # one model call per step
+        return sample_uniform_diffusion(logits_fn, prompt, length, settings.steps, self.states(prompt.device),
+                                        temperature=settings.temperature, generator=generator)
+
+
+class Autoregressive(Objective):
+    """The causal baseline: next-token cross-entropy on megatron's labels; exact likelihood; no noise level."""
+
+    name = "ar"
+    bidirectional = False
+    uses_t = False
+    exact = True
+    varilen = False  # the baseline always sees full windows
+
+    def prepare(self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation):
+        return {"inputs": tokens, "targets": labels, "scored": label_ok, "valid": label_ok, "t": None}
+
+    def loss_terms(self, output, prepared, evaluation):
+        return x0_cross_entropy_terms(output.float(), prepared["valid"])
+
+    def scored_positions(self, valid, prefix_len=0):
+        return valid.bool()  # token 0 has no logit; ar_nll_per_token scores 1.. of these
+
+    def nll_per_token(self, logits_fn, x0, scored, t_samples, generator):
+        return _nan_if_empty(ar_nll_per_token(lambda x: logits_fn(x, None), x0, scored), scored[:, 1:])
+
+    def conditional_nll(self, logits_fn, x0, target, attention_mask, document_ids, mc_samples, generators, max_rows):
+        return conditional_ar_nll(lambda x, m, d: logits_fn(x, m, d, None), x0, target, attention_mask, document_ids)
+
+    def greedy_match(self, logits_fn, x0, target, attention_mask, document_ids):
+        pred = logits_fn(x0, attention_mask, document_ids, None)[:, :-1, : self.vocab_size].argmax(-1)
+        return ((pred == x0[:, 1:]) | ~target[:, 1:]).all(-1)
+
+
+def _nan_if_empty(per_token: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """A row with no scored token has no per-token bound: NaN, rather than a number for a position it never saw."""
+    empty = ~scored.bool().any(-1).to(per_token.device)
+    return torch.where(empty, torch.full_like(per_token, math.nan), per_token)
+
+
+MODES: dict[str, type[Objective]] = {cls.name: cls for cls in (MaskedDiffusion, ShiftedMaskedDiffusion,
+                                                               UniformDiffusion, Autoregressive)}
+
+
+def objective_class(mode: str) -> type[Objective]:
+    """The class of `mode` (its facts are class attributes: no settings needed to ask them)."""
+    try:
+        return MODES[mode]
+    except KeyError:
+        raise ValueError(f"unknown model_running_mode {mode!r}: one of {sorted(MODES)}") from None
