@@ -1,9 +1,10 @@
 # Image of the pipeline, for docker-compose.yml: the MLflow server, the Prefect server and the Prefect worker
-# that runs the flows. Its ENV is difflm.stack.IMAGE_ENV (a native `python -m difflm.stack up` sets the same).
+# that runs the flows. Its offline ENV is difflm.OFFLINE_ENV (a native `python -m deploy.stack up` sets the same;
+# tests/test_production_stack.py checks that they agree).
 # CPU torch by default; for GPUs build FROM an NGC PyTorch image and install '.[gpu]'.
 FROM python:3.11-slim
-ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DO_NOT_TRACK=true \
-    MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=true \
+    MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false TOKENIZERS_PARALLELISM=false
 RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
 COPY pyproject.toml README.md ./

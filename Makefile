@@ -6,11 +6,8 @@ STAMP := $(VENV)/.installed
 PRESET ?= tiny-cpu
 ARGS ?=
 
-export MLFLOW_DISABLE_TELEMETRY = true
-export DO_NOT_TRACK = true
-export HF_HUB_OFFLINE = 1
-export TRANSFORMERS_OFFLINE = 1
-export PREFECT_SERVER_ANALYTICS_ENABLED = false
+# the offline environment (no telemetry, no hub) is difflm.OFFLINE_ENV: the CLI and tests/conftest.py set it
+OFFLINE_ENV = $(shell $(BIN)/python -c "import difflm; print(*(f'{k}={v}' for k, v in difflm.OFFLINE_ENV.items()))" 2>/dev/null)
 
 .PHONY: demo test env clean mlflow-ui browser
 
@@ -45,7 +42,7 @@ browser:
 
 WORKDIR ?= .difflm
 mlflow-ui: $(STAMP)  # make mlflow-ui [WORKDIR=.difflm]
-	$(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath $(WORKDIR))/mlflow.db --host 127.0.0.1 --port 5000
+	env $(OFFLINE_ENV) $(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath $(WORKDIR))/mlflow.db --host 127.0.0.1 --port 5000
 
 clean:
 	rm -rf .difflm

@@ -13,12 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
-
-# benchmarks/data_prep.py shares its name with the `data_prep` package: keep this folder off the import path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 MODES = {  # mode: (what it is, extra overrides)
     "difflm-noshift": ("masked diffusion: LLaDA/MDLM discrete ELBO", []),

@@ -20,9 +20,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-# benchmarks/data_prep.py shares its name with the `data_prep` package: keep this folder off the import path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
 
 def samplers(n: int) -> dict[str, dict]:
     """name -> MaskedSampler fields; the first is the baseline."""

@@ -38,8 +38,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-if str(HERE) in sys.path:  # benchmarks/data_prep.py would shadow the data_prep package
-    sys.path.remove(str(HERE))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

@@ -20,10 +20,6 @@ import resource
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-# benchmarks/data_prep.py shares its name with the `data_prep` package: keep this folder off the import path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 
 class RandomTokens:

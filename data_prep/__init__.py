@@ -1,4 +1,4 @@
 """Data prep on datatrove: raw text -> cleaned, split, tokenized, verified Megatron .bin/.idx.
 
-May import `difflm` (config, corpus), datatrove, tokenizers and megatron-core's dataset reader.
+May import `difflm` (config, errors), datatrove, tokenizers and megatron-core's dataset reader.
 """

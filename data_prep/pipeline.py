@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from difflm.config import PipelineConfig, SourceConfig
-from difflm.corpus import demo_corpus
+from data_prep.corpus import demo_corpus
 from data_prep.split import SPLITS, split_of
 from data_prep.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 
@@ -256,7 +256,7 @@ def shard_stats(out: Path, sources: list[SourceConfig]) -> dict:
 
 def _provenance(src: SourceConfig) -> dict:
     """Origin, license and checksum of an embedded corpus (user data: nothing to add)."""
-    from difflm.corpus import SOURCES
+    from data_prep.corpus import SOURCES
 
     if not src.path.startswith("demo:"):
         return {}

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Roles and databases of the MLflow and Prefect servers, created once on a fresh PostgreSQL cluster:
-# docker compose mounts this file into /docker-entrypoint-initdb.d; `python -m difflm.stack up` runs it too.
+# docker compose mounts this file into /docker-entrypoint-initdb.d; `python -m deploy.stack up` runs it too.
 # The passwords come from the environment (.env, see deploy/stack.env.example), never from this file.
 set -eu
 psql -v ON_ERROR_STOP=1 --username "${POSTGRES_USER:-postgres}" --dbname postgres \

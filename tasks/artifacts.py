@@ -95,7 +95,7 @@ def mlflow_run_url(uri: str | None, experiment_id: str | None, run_id: str | Non
     """The run's page on an MLflow server; None for a local store (no server to link to)."""
     if not (uri and run_id and experiment_id) or not uri.startswith(("http://", "https://")):
         return None
-    from difflm.registry import TRAINING_VIEW
+    from difflm.tracking.registry import TRAINING_VIEW
 
     return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
 

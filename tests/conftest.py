@@ -7,12 +7,9 @@ from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-os.environ.setdefault("DO_NOT_TRACK", "true")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from difflm import set_offline_env
+
+set_offline_env()  # before anything imports Prefect, MLflow or transformers
 
 from difflm.config import PipelineConfig, load_config  # noqa: E402
 

@@ -384,7 +384,7 @@ def test_kubernetes_problems_are_cluster_errors(tmp_path, cluster):
 
 def test_launch_cli_writes_what_the_launchers_submit(session_dir, tiny_manifest, capsys):
     """`difflm launch` options override train.slurm.* / train.kubernetes.*; the file is the one a launcher submits."""
-    from difflm.cli import main
+    from flows.cli import main
 
     work = session_dir / "shared"  # where tiny_manifest's data is: reused
     overrides = [f"workdir={work}", "train.train_iters=7", "train.warmup_iters=1"]

@@ -72,7 +72,7 @@ def test_roundtrip_through_yaml(tmp_path):
 
 
 def test_cli_rejects_bad_override_with_exit_code_2():
-    proc = subprocess.run([sys.executable, "-m", "difflm.cli", "config", "show", "model.num_layers=zero"],
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "config", "show", "model.num_layers=zero"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "model.num_layers" in proc.stderr
 
@@ -80,7 +80,7 @@ def test_cli_rejects_bad_override_with_exit_code_2():
 def test_cli_says_overrides_take_no_dashes(capsys):
     import pytest
 
-    from difflm.cli import main
+    from flows.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["config", "show", "--workdir=/tmp/x"])
@@ -98,7 +98,7 @@ def test_model_presets_fill_fields_and_explicit_fields_win():
 
 
 def test_cli_reports_bad_input_without_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "difflm.cli", "train", "--preset", "test-tiny", f"workdir={tmp_path}",
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--preset", "test-tiny", f"workdir={tmp_path}",
                            f"data.sources=[{tmp_path / 'missing.jsonl'}]"], capture_output=True, text=True)
     assert proc.returncode == 1
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr

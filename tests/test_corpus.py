@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from difflm import corpus
+from data_prep import corpus
 
 
 def test_wiki_markup_is_stripped():

@@ -285,7 +285,7 @@ def test_strict_fails_on_a_damaged_file_with_one_line(tmp_path, tiny_manifest, c
 
 def _cli_prep(workdir: Path, *overrides: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, "-m", "difflm.cli", "prep", "--preset", "test-tiny",
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "prep", "--preset", "test-tiny",
                              f"workdir={workdir}", *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, **kwargs)
 

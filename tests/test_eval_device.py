@@ -54,7 +54,7 @@ def test_the_cli_prints_the_error_without_a_traceback(exports, tmp_path):  # noq
 
     from tests.test_evaluation import ROOT
 
-    run = subprocess.run([sys.executable, "-m", "difflm.cli", "generate", str(exports["difflm-noshift"]),
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "generate", str(exports["difflm-noshift"]),
                           "--prompt", "The river", "--preset", "test-tiny", f"workdir={tmp_path}", "eval.device=cuda"],
                          capture_output=True, text=True, cwd=ROOT, timeout=300,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})

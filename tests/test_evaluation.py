@@ -85,7 +85,7 @@ def test_scorer_tasks_and_generation_on_every_mode(exports, items):
 
 
 def _difflm(*args: str, workdir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "difflm.cli", *args, "--preset", "test-tiny", f"workdir={workdir}"],
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args, "--preset", "test-tiny", f"workdir={workdir}"],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 

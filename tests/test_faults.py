@@ -208,11 +208,12 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(session_dir, t
     from mlflow.tracking import MlflowClient
 
     from difflm import tracking
+    from difflm.tracking import mlflow_runs
 
     # mlflow.set_tracking_uri also sets $MLFLOW_TRACKING_URI: put it back for the tests that follow
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # records the original (unset) value for teardown
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
-    monkeypatch.setattr(tracking, "DEGRADED", [])
+    monkeypatch.setattr(mlflow_runs, "DEGRADED", [])  # where the functions read it
 
     port, store = _free_port(), tmp_path / "mlflow"
     server = _mlflow_server(store, port)
@@ -237,7 +238,7 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(session_dir, t
         os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
         mlflow.set_tracking_uri(uri)
         assert tracking.log_data_stats({"splits": {}, "tokenizer": {"vocab_size": 1}, "hash": "x"}) is None
-        assert tracking.DEGRADED
+        assert mlflow_runs.DEGRADED
 
         server = _mlflow_server(store, port)  # ... and comes back
         thread.join()

@@ -1,8 +1,8 @@
 """The production stack of docker-compose.yml (issue #11), run for real without Docker.
 
-Fast: docker-compose.yml runs exactly the commands and environments `difflm.stack.services(compose_stack())`
+Fast: docker-compose.yml runs exactly the commands and environments `deploy.stack.services(compose_stack())`
 gives (the native start uses the same function, so the two cannot drift), publishes ports on 127.0.0.1 only,
-and no secret is in the repository. Slow: `difflm.stack.up` starts PostgreSQL, the MLflow server on it (served
+and no secret is in the repository. Slow: `deploy.stack.up` starts PostgreSQL, the MLflow server on it (served
 artifacts), the Prefect server on it and a process worker on 127.0.0.1, free ports, fresh secrets; `prefect deploy`
 registers `pretrain-difflm/local`, `prefect deployment run ... --watch` runs it on the test preset through the
 worker, and MLflow (over HTTP and in its PostgreSQL tables) holds the finished run, its stage runs, its dataset
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from difflm import stack
+from deploy import stack
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -184,7 +184,7 @@ def test_pretrain_deployment_runs_on_the_production_stack():
     import psycopg2
     from mlflow.tracking import MlflowClient
 
-    from difflm.corpus import cache_dir
+    from data_prep.corpus import cache_dir
 
     # PostgreSQL runs as its own user (we may be root): its folder must be reachable, which pytest's 0700
     # basetemp is not

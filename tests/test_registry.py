@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from difflm import registry, tracking
+from difflm import tracking
+from difflm.tracking import registry
 from difflm.config import load_config
 
 METRIC = "eval.trained.nll_per_token"

@@ -67,7 +67,7 @@ def test_convert_checkpoint_flow_both_ways(trained_run, prefect_harness, tmp_pat
 
 
 def test_convert_says_what_to_pass_for_other_folders(trained_run, prefect_harness, tmp_path, capsys):
-    from difflm.cli import main
+    from flows.cli import main
     from flows.convert import convert_checkpoint
     from models.hf.convert import ConversionError
 
@@ -105,7 +105,7 @@ def test_evaluate_latest_scores_each_new_checkpoint_once(trained_run, prefect_ha
     from mlflow.tracking import MlflowClient
 
     from difflm import tracking
-    from difflm.cli import main
+    from flows.cli import main
     from flows.evaluate_latest import evaluate_latest
     from tasks.runs import evaluated_scores, run_manifest, stage_config
 

@@ -1,4 +1,4 @@
 """Launching the trainer: local torchrun, Slurm sbatch scripts, Kubernetes PyTorchJobs.
 
-May import `difflm.config`, `difflm.plots` and `models.megatron.checkpointing` (to find a run's checkpoints) only.
+May import `difflm.config`, `difflm.tracking.plots` and `difflm.rundir` (a run directory's layout and checkpoints) only.
 """

@@ -128,7 +128,7 @@ def prepare_attempt(rdir: Path) -> int | None:
 
 
 def plot_run(rdir: Path) -> None:
-    from difflm.plots import plot_curves
+    from difflm.tracking.plots import plot_curves
 
     plot_curves(read_metrics(rdir), rdir / "curves.png", rdir.name)
 

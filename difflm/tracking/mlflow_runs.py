@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from difflm import registry
+from difflm.tracking import registry
 from difflm.config import PipelineConfig
 
 
@@ -317,7 +317,7 @@ def log_sweep(rows: list[dict], plot: Path) -> None:
 @tolerant
 def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str, checkpoint: str,
                            manifest: dict | None = None, results: dict | None = None) -> dict:
-    """Upload the HF folder as an artifact and register it (see difflm.registry): one model version per
+    """Upload the HF folder as an artifact and register it (see difflm.tracking.registry): one model version per
     trained checkpoint (a rerun that reuses the checkpoint points at the existing version instead of adding a
     copy), alias `candidate`, `champion` when its `tracking.champion_metric` beats the champion's, and a
     readable description. Returns the artifact URI, the name, version and the promotion decision."""
@@ -359,8 +359,3 @@ def download_model_version(uri: str, store: str) -> Path:
     except Exception as err:  # MlflowException RESOURCE_DOES_NOT_EXIST, or a malformed reference
         raise LookupError(f"{uri}: no such registered model version in {store} ({err})") from err
     return Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source))
-
-
-def disable_telemetry() -> None:
-    for key, val in {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}.items():
-        os.environ.setdefault(key, val)

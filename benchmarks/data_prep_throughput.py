@@ -1,7 +1,7 @@
 """Data-prep throughput: tokens/s and peak memory of the datatrove pipeline with 1 and 2 workers on
 the demo corpus, against the raw throughput of the tokenizer alone on the same text (the ceiling).
 
-    .venv/bin/python benchmarks/data_prep.py [--repeat 4] [--workers 1 2]
+    .venv/bin/python benchmarks/data_prep_throughput.py [--repeat 4] [--workers 1 2]
 
 The corpus is repeated (with a counter so that no document is a duplicate) to make the run long
 enough to measure. Each case runs in a fresh process so peak RSS is its own (children included).
@@ -19,12 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-# This file shares its name with the `data_prep` package: keep its folder off the import path.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
-
 
 def corpus(repeat: int, folder: Path) -> Path:
-    from difflm.corpus import demo_corpus
+    from data_prep.corpus import demo_corpus
 
     docs = [json.loads(line) for line in demo_corpus().read_text().splitlines()]
     out = folder / "corpus.jsonl"

@@ -1,13 +1,7 @@
-"""`difflm`: the command line of the pipeline.
+"""`difflm`: the command line of the pipeline, on the top floor (it dispatches to flows and stages).
 
 Every command takes a preset (`--preset tiny-cpu` or a YAML path) and `section.field=value` overrides;
 the configuration is validated before any work starts.
-
-Why the CLI lives in `difflm`, the ground floor, although it calls every stage: `difflm` is the console
-script and the name users know (`python -m difflm.cli`). It is the one module of the package that reaches
-up, and only inside each command (lazy imports), so importing `difflm.config` never pulls in flows,
-models or data_prep, and `difflm --help` starts in well under a second. `tests/test_layout.py` checks
-that no other `difflm` module imports them.
 """
 
 from __future__ import annotations
@@ -20,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from difflm import set_offline_env
 from difflm.config import CONFIG_DIR, ConfigError, PipelineConfig, load_config
 
 EPILOG = """examples:
@@ -40,15 +35,7 @@ def _offline_env(cfg: PipelineConfig) -> None:
     workdir = Path(cfg.workdir).resolve()
     (workdir / ".prefect").mkdir(parents=True, exist_ok=True)  # Prefect does not create parents
     os.environ.setdefault("PREFECT_HOME", str(workdir / ".prefect"))
-    for key, val in {
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "MLFLOW_DISABLE_TELEMETRY": "true",
-        "DO_NOT_TRACK": "true",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }.items():
-        os.environ.setdefault(key, val)
+    set_offline_env()
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -449,7 +436,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from data_prep.pipeline import DataPrepError
     from data_prep.tokenizer import TokenizerError
     from data_prep.verify import DataVerificationError
-    from difflm.corpus import CorpusError
+    from data_prep.corpus import CorpusError
     from models.evaluation.sources import SourceError
     from models.evaluation.stages import EvaluationError
     from models.hf.convert import ConversionError

@@ -2,8 +2,8 @@
 PostgreSQL (one cluster, databases `mlflow` and `prefect`), an MLflow server on PostgreSQL with served
 artifacts, a Prefect server on PostgreSQL, and a process worker polling the work pool `difflm`.
 
-    python -m difflm.stack up   [--dir .difflm-stack] [--env-file .env] [--mlflow-port 5000] ...
-    python -m difflm.stack down [--dir .difflm-stack]
+    python -m deploy.stack up   [--dir .difflm-stack] [--env-file .env] [--mlflow-port 5000] ...
+    python -m deploy.stack down [--dir .difflm-stack]
 
 Secrets come from an env file (`.env`, git-ignored; template deploy/stack.env.example). tests/test_production_stack.py
 checks that docker-compose.yml runs the commands and environments `services()` gives for its network.
@@ -24,13 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from difflm import corpus
+from data_prep import corpus
+from difflm import OFFLINE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 INIT_SCRIPT = ROOT / "deploy" / "postgres-init.sh"
 SECRETS = ("POSTGRES_PASSWORD", "MLFLOW_DB_PASSWORD", "PREFECT_DB_PASSWORD")
 WORK_POOL = "difflm"
-IMAGE_ENV = {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "true", "MLFLOW_DISABLE_TELEMETRY": "true"}  # the Dockerfile's ENV
+IMAGE_ENV = OFFLINE_ENV  # the Dockerfile's ENV: what a native start gives every service too
 
 
 @dataclass
@@ -204,7 +205,7 @@ def up(state: Path, secrets: dict[str, str], host: str = "127.0.0.1", db_port: i
         raise SystemExit("replace the change-me values of .env (openssl rand -hex 24 each)")
     state = state.resolve()
     if _pids(state) and any(_alive(pid) for pid in _pids(state).values()):
-        raise SystemExit(f"a stack is already running under {state}: python -m difflm.stack down --dir {state}")
+        raise SystemExit(f"a stack is already running under {state}: python -m deploy.stack down --dir {state}")
     for sub in ("logs", "mlartifacts", "pg"):
         (state / sub).mkdir(parents=True, exist_ok=True)
     bin_ = _pg_bin()
@@ -328,7 +329,7 @@ def _group_alive(pgid: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m difflm.stack", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m deploy.stack", description=__doc__.split("\n\n")[0])
     p.add_argument("action", choices=["up", "down"])
     p.add_argument("--dir", type=Path, default=Path(".difflm-stack"), help="state: database, artifacts, logs")
     p.add_argument("--env-file", type=Path, default=Path(".env"), help="the secrets (see deploy/stack.env.example)")
@@ -354,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     print(f"MLflow  http://{s.host}:{s.mlflow_port}\nPrefect http://{s.host}:{s.prefect_port}  "
           f"(export PREFECT_API_URL=http://{s.host}:{s.prefect_port}/api MLFLOW_TRACKING_URI=http://{s.host}:{s.mlflow_port})\n"
-          f"worker polling pool '{WORK_POOL}'; logs in {a.dir}/logs; stop: python -m difflm.stack down --dir {a.dir}")
+          f"worker polling pool '{WORK_POOL}'; logs in {a.dir}/logs; stop: python -m deploy.stack down --dir {a.dir}")
     return 0
 
 

@@ -1,0 +1,41 @@
+"""MLflow tracking, the model registry and plots: what a pipeline execution records.
+
+- `mlflow_runs`: one MLflow run per execution, a nested run per stage, metrics, the model upload;
+- `registry`: registered models, the `candidate` / `champion` aliases and the promotion rule;
+- `plots`: loss curves and the sampler sweep (matplotlib, imported lazily).
+
+The names callers use are re-exported here (`from difflm import tracking; tracking.pipeline_run(...)`).
+Patch module state (e.g. `DEGRADED`) on `difflm.tracking.mlflow_runs`, where the functions read it.
+"""
+
+from difflm.tracking import registry
+from difflm.tracking.mlflow_runs import (
+    DEGRADED,
+    EXPERIMENT_KIND,
+    child_env,
+    data_counts,
+    dataset,
+    degrade,
+    download_model_version,
+    experiment_of,
+    lineage_tags,
+    log_and_register_model,
+    log_data_stats,
+    log_evaluation,
+    log_stage,
+    log_sweep,
+    log_training,
+    pipeline_run,
+    reconcile_metrics,
+    set_tags,
+    stage_run,
+    tolerant,
+    tracking_uri,
+)
+
+__all__ = [
+    "DEGRADED", "EXPERIMENT_KIND", "child_env", "data_counts", "dataset", "degrade", "download_model_version",
+    "experiment_of", "lineage_tags", "log_and_register_model", "log_data_stats", "log_evaluation", "log_stage",
+    "log_sweep", "log_training", "pipeline_run", "reconcile_metrics", "registry", "set_tags", "stage_run",
+    "tolerant", "tracking_uri",
+]
