@@ -20,6 +20,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from difflm.errors import UserError
+
 
 @dataclass(frozen=True)
 class EmbeddedSource:
@@ -50,8 +52,8 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-class CorpusError(RuntimeError):
-    pass
+class CorpusError(UserError, RuntimeError):
+    """The embedded demo corpus cannot be fetched or fails its checksum."""
 
 
 def _fetch_member(src: EmbeddedSource, dest: Path) -> Path:

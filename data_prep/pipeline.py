@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from difflm.config import PipelineConfig, SourceConfig
+from difflm.errors import UserError
 from data_prep.corpus import demo_corpus
 from data_prep.split import SPLITS, split_of
 from data_prep.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
@@ -30,12 +31,14 @@ MANIFEST = "manifest.json"
 FAULTS = "logs/file_faults"  # one JSON report per damaged or unreadable input file
 
 
-class DataPrepError(ValueError):
-    pass
+class DataPrepError(UserError, ValueError):
+    """Data prep cannot run as configured (a missing or damaged input, a bad source); the message says why."""
 
 
-class SubmittedToCluster(RuntimeError):
+class SubmittedToCluster(UserError, RuntimeError):
     """Raised after submitting to Slurm: rerun the same command once the job has finished."""
+
+    exit_code = 75  # EX_TEMPFAIL: not done yet, rerun later (`difflm prep` itself reports it and exits 0)
 
 
 def resolve_source(src: SourceConfig) -> tuple[Path, str]:

@@ -34,6 +34,8 @@ from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.readers.base import BaseDiskReader
 from datatrove.utils.logging import logger
 
+from difflm.errors import UserError
+
 FORMATS = ("jsonl", "parquet", "text", "hf_disk")
 _COMPRESSED = ("", ".gz", ".zst", ".bz2", ".xz")
 _SUFFIXES = {
@@ -55,7 +57,7 @@ _KINDS = {bool: "a boolean", int: "a number", float: "a number", str: "a string"
           dict: "an object", bytes: "binary data", type(None): "null"}
 
 
-class DamagedFileError(ValueError):
+class DamagedFileError(UserError, ValueError):
     """A damaged or unreadable input file under `strict`; the message is one line that says what to do."""
 
 

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Iterable
 
 from difflm.config import TokenizerConfig
+from difflm.errors import UserError
 
 
-class TokenizerError(ValueError):
-    pass
+class TokenizerError(UserError, ValueError):
+    """The configured tokenizer cannot be trained or loaded; the message says what to pass instead."""
 
 
 @dataclass

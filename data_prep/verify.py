@@ -8,12 +8,14 @@ from pathlib import Path
 
 import numpy as np
 
+from difflm.errors import UserError
+
 _HEADER = b"MMIDIDX\x00\x00"
 _DTYPES = {8: np.uint16, 4: np.int32}  # megatron's dtype codes as datatrove writes them
 
 
-class DataVerificationError(RuntimeError):
-    pass
+class DataVerificationError(UserError, RuntimeError):
+    """A written shard does not match its manifest: prep it again."""
 
 
 def read_index(idx_path: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:

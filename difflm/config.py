@@ -16,6 +16,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 
+from difflm.errors import UserError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -522,8 +524,10 @@ def _identity(section: BaseModel) -> dict[str, Any]:
     return prune(section, section.model_dump(mode="json"))
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """An invalid configuration, with a message that names the field and what it accepts."""
+
+    exit_code = 2  # a usage error, as argparse's
 
 
 def _format_validation_error(err: ValidationError) -> str:

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from difflm.errors import UserError
 
-class SourceError(ValueError):
+
+class SourceError(UserError, ValueError):
     """The model source cannot be resolved; the message says what was expected."""
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from difflm.config import EvalConfig, PipelineConfig
+from difflm.errors import UserError
 from difflm.rundir import EVAL_KEY, RunDir, is_export_of
 from models.evaluation.generation import default_prompts, generate_samples, sampler_settings
 from models.evaluation.likelihood import likelihood_bound, validation_windows
@@ -27,7 +28,7 @@ def convert_checkpoint(cfg: PipelineConfig, manifest: dict, train_info: dict) ->
     return export_hf(cfg, manifest["tokenizer"], Path(train_info["checkpoint"]), out, provenance)
 
 
-class EvaluationError(ValueError):
+class EvaluationError(UserError, ValueError):
     """Evaluation cannot run as configured (another tokenizer's data, a GPU this machine lacks); the message
     says what to pass instead."""
 

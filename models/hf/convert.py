@@ -19,11 +19,12 @@ import torch
 
 from models.diffusion.modes import objective_class
 from difflm.config import PipelineConfig
+from difflm.errors import UserError
 from difflm.rundir import EXPORT_MARKER
 
 
-class ConversionError(RuntimeError):
-    pass
+class ConversionError(UserError, RuntimeError):
+    """The source cannot be converted (unknown layout, architecture mismatch); the message says why."""
 
 
 # adaLN norms: megatron's local spec renames "input_layernorm." to "self_attention.linear_qkv.layer_norm_" (TE
