@@ -242,11 +242,12 @@ def export(p: dict, out: Path, manifest: Path, trained: dict) -> dict:
     import torch
 
     from difflm.config import load_config
+    from difflm.rundir import RunDir
     from models.hf.convert import export_hf, load_hf
 
-    run_dir = Path(trained["run_dir"])
+    run = RunDir(trained["run_dir"])
     cfg = load_config(str(out / "config-difflm-noshift.yaml"))
-    ckpt = max((run_dir / "checkpoints").glob("iter_*"), key=lambda d: int(d.name.split("_")[1]))
+    ckpt = run.checkpoint(run.latest_iteration())
     ref = worker("logits", p, out, manifest, checkpoint=ckpt, config=out / "config-difflm-noshift.yaml")
     man = json.loads(manifest.read_text())
     folder = export_hf(cfg, man["tokenizer"], ckpt, out / "hf")

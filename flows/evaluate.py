@@ -1,5 +1,6 @@
-"""The `evaluate` flow: score an export, a run directory or a registered MLflow model version on the
-config's held-out data (bound, tasks, samples, optional sampler sweep), tracked in its own MLflow run."""
+"""The `evaluate` flow: score an export, a run directory or a registered MLflow model version on the held-out
+data (bound, tasks, samples, optional sampler sweep), tracked in its own MLflow run. By default on the data and
+config its run recorded; other data is explicit and its results go elsewhere (`tasks.runs.source_config`)."""
 
 from pathlib import Path
 from typing import Optional
@@ -8,37 +9,46 @@ from prefect import flow
 
 from difflm import tracking
 from difflm.config import PipelineConfig
+from difflm.rundir import RunDir
 from flows.pretrain import resolve
 from models.evaluation.sources import resolve_export
 from models.evaluation.stages import default_out_dir
 from tasks import artifacts
+from tasks.runs import recorded_data, source_config
 from tasks.stages import data_prep_task, evaluate_task, sweep_task
 
 
 @flow(name="evaluate", log_prints=True)
 def evaluate(
     source: str,
-    preset: str = "tiny-cpu",
+    preset: Optional[str] = None,
     overrides: Optional[list[str]] = None,
     config: Optional[PipelineConfig] = None,
     out_dir: Optional[str] = None,
 ) -> dict:
-    """Evaluate a model on the held-out split of the config's data.
+    """Evaluate a model on the held-out split of its run's data (or of the data the config names).
 
     Args:
         source: an export folder, a run directory, or models:/<name>/<version> (or models:/<name>@<alias>).
-        preset: a preset in configs/ or a YAML path (ignored when `config` is given): the data to score on.
+        preset: a preset in configs/ or a YAML path (ignored when `config` is given); empty: the config the
+            source's run recorded (its data and tokenizer), else tiny-cpu.
         overrides: `section.field=value` overrides (eval.* sets tasks, samples, the sampler, and the device and
-            dtype: eval.device=auto, eval.dtype=auto run on the GPU in bf16 when there is one).
-        config: a complete configuration.
-        out_dir: where results go (default: <run>/eval, or <workdir>/evals/<source>).
+            dtype: eval.device=auto, eval.dtype=auto run on the GPU in bf16 when there is one; data.* scores on
+            other data, read through the model's tokenizer).
+        config: a complete configuration (replaces preset and overrides).
+        out_dir: where results go (default: <run>/eval on the run's data, <run>/eval-<data hash> on other data,
+            or <workdir>/evals/<source>).
     """
-    cfg = resolve(config, preset, overrides)
-    manifest = data_prep_task(cfg)
-    hf_dir = resolve_export(source, tracking.tracking_uri(cfg))
-    out = Path(out_dir) if out_dir else default_out_dir(cfg, source, hf_dir)
+    hf_dir = resolve_export(source, tracking.tracking_uri(resolve(config, preset or "tiny-cpu", overrides)))
+    if config is not None:
+        cfg, run = resolve(config, "tiny-cpu", None), RunDir.holding(hf_dir)
+    else:
+        cfg, run = source_config(hf_dir, preset, overrides)
+    manifest = recorded_data(cfg, run) or data_prep_task(cfg)
+    out = Path(out_dir) if out_dir else default_out_dir(cfg, source, hf_dir, manifest["hash"])
     tags = {"flow": "evaluate", "source": source, "data.hash": manifest["hash"]}
-    with tracking.pipeline_run(cfg, f"evaluate-{out.parent.name if out.name == 'eval' else out.name}", tags) as run_id:
+    name = out.parent.name + out.name.removeprefix("eval") if run and out.parent == run.path else out.name
+    with tracking.pipeline_run(cfg, f"evaluate-{name}", tags) as run_id:
         results = evaluate_task(cfg, manifest, str(hf_dir), str(out), untrained=False)
         results["sweep"] = sweep_task(cfg, manifest, str(hf_dir), str(out))
         if run_id:

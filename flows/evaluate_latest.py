@@ -12,7 +12,7 @@ from typing import Optional
 from prefect import flow, get_run_logger
 
 from difflm.config import PipelineConfig
-from models.megatron.checkpointing import latest_iteration
+from difflm.rundir import RunDir
 from tasks.runs import evaluated_scores, log_latest_score, remember_score, run_manifest, stage_config, training_run_dir
 from tasks.stages import export_newest_task, score_bound_task
 
@@ -42,7 +42,7 @@ def evaluate_latest(
         cfg = stage_config(rdir, preset, overrides)
     else:
         cfg = config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
-    newest, done = latest_iteration(rdir / "checkpoints"), evaluated_scores(rdir)
+    newest, done = RunDir(rdir).latest_iteration(), evaluated_scores(rdir)
     if newest is None:
         logger.info(f"{rdir.name}: no complete checkpoint yet; nothing to evaluate")
         return {"iteration": None, "score": None, "skipped": "no complete checkpoint yet"}

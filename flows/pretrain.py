@@ -3,7 +3,6 @@ evaluation. One MLflow run per execution with a nested run per stage; each stage
 hash that names its output; a markdown summary per stage as a Prefect artifact."""
 
 
-from pathlib import Path
 from typing import Optional
 
 from prefect import flow, get_run_logger
@@ -11,6 +10,7 @@ from prefect import flow, get_run_logger
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
 from data_prep.pipeline import MANIFEST, data_dir
+from difflm.rundir import RunDir, is_export_of
 from models.launch.torchrun import is_finished, read_metrics, run_dir
 from tasks import artifacts
 from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done, run_stage
@@ -21,13 +21,6 @@ def resolve(config: PipelineConfig | dict | None, preset: str, overrides: list[s
     if config is not None:
         return config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
     return load_config(preset, overrides or [])
-
-
-def _export_done(hf_dir: Path, checkpoint: str) -> bool:
-    import json
-
-    marker = hf_dir / "difflm_export.json"
-    return marker.exists() and json.loads(marker.read_text()).get("checkpoint") == checkpoint
 
 
 @flow(name="pretrain-difflm", log_prints=True)
@@ -77,23 +70,24 @@ def pretrain_difflm(
         if run_id:  # the parent's first charts: the training curves (and, below, the evaluation)
             tracking.log_training(train_info, records, live=sid is None)
         curves = (artifacts.mlflow_artifact_url(tracking.tracking_uri(cfg), run_id, "train/curves.png")
-                  if (Path(train_info["run_dir"]) / "curves.png").exists() else None)
+                  if RunDir(train_info["run_dir"]).curves.exists() else None)
         artifacts.publish("train-summary", artifacts.training_markdown(train_info, records, cached, curves),
                           "training", link)
 
-        hf_path = Path(train_info["run_dir"]) / "hf"
+        hf_path = RunDir(train_info["run_dir"]).hf
         with tracking.stage_run("convert") as sid:
             hf_dir, cached = run_stage(convert_task, cache_key("convert", hf_path, train_info["checkpoint"]),
-                                       _export_done(hf_path, train_info["checkpoint"]), cfg, manifest, train_info)
+                                       is_export_of(hf_path, train_info["checkpoint"]), cfg, manifest, train_info)
             tracking.log_stage(sid, cached, **{"export.hf_dir": hf_dir, "train.checkpoint": train_info["checkpoint"]})
         stages["convert"] = "cached" if cached else "ran"
         artifacts.publish("convert-summary", artifacts.conversion_markdown(hf_dir, train_info["checkpoint"], cached),
                           "conversion", link)
 
         key = eval_key(cfg, manifest, hf_dir)
-        out_dir = Path(hf_dir).parent / "eval"
+        out_dir = RunDir(train_info["run_dir"]).eval_dir()  # the run's own data: <run>/eval
         with tracking.stage_run("evaluate") as sid:
-            results, cached = run_stage(evaluate_task, key, eval_done(out_dir, key), cfg, manifest, hf_dir)
+            results, cached = run_stage(evaluate_task, key, eval_done(out_dir, key), cfg, manifest, hf_dir,
+                                        str(out_dir))
             mark_eval_done(out_dir, key)
             tracking.log_stage(sid, cached)
             if sid:

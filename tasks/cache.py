@@ -15,9 +15,10 @@ from pathlib import Path
 
 from prefect.cache_policies import CacheKeyFnPolicy
 
-from difflm.config import PipelineConfig
+from difflm.config import FLAT_SAMPLER_FIELDS, PipelineConfig
+from difflm.rundir import EVAL_KEY, exported_from
 
-EVAL_KEY_FILE = ".cache_key"  # in the evaluation's output folder: the key its results were computed for
+EVAL_KEY_FILE = EVAL_KEY  # in the evaluation's output folder: the key its results were computed for
 
 
 def cache_key(stage: str, *parts) -> str:
@@ -36,9 +37,16 @@ def run_stage(task, key: str, done: bool, *args, **kwargs):
 
 def eval_key(cfg: PipelineConfig, manifest: dict, hf_dir: str | Path) -> str:
     """What an evaluation result depends on: the eval settings, the data and the exported checkpoint."""
-    marker = Path(hf_dir) / "difflm_export.json"
-    source = json.loads(marker.read_text()).get("checkpoint") if marker.exists() else str(hf_dir)
-    return cache_key("evaluate", cfg.eval.model_dump(mode="json"), manifest["hash"], source, str(hf_dir))
+    source = exported_from(hf_dir) or str(hf_dir)
+    return cache_key("evaluate", _eval_settings(cfg), manifest["hash"], source, str(hf_dir))
+
+
+def _eval_settings(cfg: PipelineConfig) -> dict:
+    """eval.* as keyed before eval.sampler existed (its fields flat, sampler_steps for steps): the results a
+    run's pipeline computed then are still found, not computed again."""
+    settings = cfg.eval.model_dump(mode="json")
+    sampler = settings.pop("sampler")
+    return {**settings, **{old: sampler[new] for old, new in FLAT_SAMPLER_FIELDS.items()}}
 
 
 def eval_done(out_dir: Path, key: str) -> bool:

@@ -8,26 +8,21 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from data_prep.pipeline import prepare_data
+from data_prep.pipeline import MANIFEST, prepare_data
 from difflm.config import PipelineConfig
+from difflm.rundir import EVAL_LATEST, HF, RunDir, is_export_of, iteration_of
 
 
 CONVERT_HINT = ("pass a run directory (<workdir>/runs/<run>: its newest complete checkpoint), a megatron checkpoint "
                 "(<run>/checkpoints/iter_XXXXXXX, with metadata.json) or a Hugging Face export (config.json and "
                 "model.safetensors, e.g. <run>/hf)")
-EVAL_LATEST_DIR = "eval_latest"  # <run>/eval_latest/: hf/ (the export being scored) and scores.json
+EVAL_LATEST_DIR = EVAL_LATEST  # <run>/eval_latest/: hf/ (the export being scored) and scores.json
 
 
 def _run_of(folder: Path) -> Path | None:
     """The training run directory holding `folder` (a checkpoint, or an export of one), if any."""
-    marker = folder / "difflm_export.json"
-    if marker.exists():  # an export names the checkpoint it came from
-        ckpt = json.loads(marker.read_text()).get("checkpoint")
-        folder = Path(ckpt) if ckpt else folder
-    for run in (folder.parent, folder.parent.parent):
-        if (run / "checkpoints").is_dir() and (run / "config.yaml").exists():
-            return run
-    return None
+    run = RunDir.holding(folder)
+    return run.path if run else None
 
 
 def conversion_source(source: str | Path, to: str | None = None) -> dict:
@@ -35,23 +30,21 @@ def conversion_source(source: str | Path, to: str | None = None) -> dict:
     run holding it (or None), 'iteration': the checkpoint's iteration (or None)}. A run directory means its newest
     complete checkpoint (`checkpoints/latest`, written only after a save finished). ConversionError otherwise."""
     from models.hf.convert import ConversionError
-    from models.megatron.checkpointing import iter_dir, latest_iteration
 
     path = Path(source).expanduser().resolve()
     if not path.is_dir():
         raise ConversionError(f"{source}: no such folder; {CONVERT_HINT}")
-    if path.name == "checkpoints" and (path.parent / "config.yaml").exists():
+    if RunDir(path.parent).is_run() and RunDir(path.parent).checkpoints == path:  # <run>/checkpoints: the run
         path = path.parent
-    if (path / "checkpoints").is_dir():
-        it = latest_iteration(path / "checkpoints")
+    run = RunDir(path)
+    if run.checkpoints.is_dir():
+        it = run.latest_iteration()
         if it is None:
             raise ConversionError(f"{path} is a run directory without a complete checkpoint yet (no checkpoints/"
                                   f"latest): wait for the first save (checkpoint.save_interval), or pass a checkpoint")
-        found = {"to": "hf", "path": iter_dir(path / "checkpoints", it), "run_dir": path, "iteration": it}
+        found = {"to": "hf", "path": run.checkpoint(it), "run_dir": path, "iteration": it}
     elif (path / "metadata.json").exists():
-        digits = path.name.removeprefix("iter_")
-        found = {"to": "hf", "path": path, "run_dir": _run_of(path),
-                 "iteration": int(digits) if path.name.startswith("iter_") and digits.isdigit() else None}
+        found = {"to": "hf", "path": path, "run_dir": _run_of(path), "iteration": iteration_of(path)}
     elif (path / "config.json").exists() and (path / "model.safetensors").exists():
         found = {"to": "megatron", "path": path, "run_dir": _run_of(path), "iteration": None}
     else:
@@ -71,16 +64,78 @@ def stage_config(run_dir: Path | None, preset: str | None = None, overrides: lis
     the training's store) + overrides; with neither, tiny-cpu + overrides."""
     from difflm.config import load_config
 
-    if preset or run_dir is None or not (Path(run_dir) / "config.yaml").exists():
+    if preset or run_dir is None or not RunDir(run_dir).config_file.exists():
         return load_config(preset or "tiny-cpu", overrides or [])
-    run_dir = Path(run_dir).resolve()
-    workdir = [f"workdir={run_dir.parent.parent}"] if run_dir.parent.name == "runs" else []
-    return load_config(str(run_dir / "config.yaml"), [*workdir, *(overrides or [])])
+    return RunDir(run_dir).config(overrides)
 
 
 def run_manifest(run_dir: Path) -> dict:
     """The data manifest a run was trained on (its tokenizer, held-out split, hash)."""
-    return json.loads((Path(run_dir) / "data_manifest.json").read_text())
+    return RunDir(run_dir).manifest()
+
+
+# ---- what a command on a SOURCE (a run, one of its checkpoints, an export) evaluates on ------------------------
+# The source's recorded config and data, unless the user says otherwise: with --preset, the preset (explicit);
+# data.* / tokenizer.* overrides on top of the run's config are other data, read through the model's own tokenizer;
+# results on other data go to <run>/eval-<data hash>/ (default_out_dir), never over the run's own <run>/eval/.
+
+def _data_hash(cfg: PipelineConfig) -> str:
+    return cfg.stage_hash("data", "tokenizer")
+
+
+def source_config(source: str | Path, preset: str | None = None,
+                  overrides: list[str] | None = None) -> tuple[PipelineConfig, RunDir | None]:
+    """(config, run) of a command on `source`, the run being the one it belongs to (None outside any run).
+    `preset` given: preset + overrides. Else the config the run recorded + overrides; when these change its data
+    and name no tokenizer.* field, tokenizer.path is the model's own tokenizer (the export's folder), so the other
+    data is tokenized as the model was trained. A source outside any run: tiny-cpu + overrides."""
+    from difflm.config import load_config
+
+    run = RunDir.holding(source)
+    if preset or run is None or not run.has_inputs():
+        return load_config(preset or "tiny-cpu", overrides or []), run
+    cfg = run.config(overrides)
+    names_tokenizer = any(o.split("=", 1)[0].strip().startswith("tokenizer.") for o in overrides or [])
+    if not names_tokenizer and is_other_data(cfg, run):
+        tokenizer = Path(source) if (Path(source) / "tokenizer.json").exists() else Path(run.manifest()["tokenizer"]["path"])
+        cfg = run.config([*(overrides or []), f"tokenizer.path={tokenizer.resolve()}"])
+    return cfg, run
+
+
+def is_other_data(cfg: PipelineConfig, run: RunDir | None) -> bool:
+    """Whether `cfg` names other data (or another tokenizer) than the run was trained on."""
+    if run is None or not run.has_inputs():
+        return False
+    return _data_hash(cfg) not in (run.data_hash(), _data_hash(run.config()))
+
+
+def recorded_data(cfg: PipelineConfig, run: RunDir | None) -> dict | None:
+    """The run's own data manifest when `cfg` evaluates on the run's data and that data is still on disk; None
+    otherwise (prepare cfg's data: other data, or the run's again when its folder was removed)."""
+    if run is None or not run.has_inputs() or is_other_data(cfg, run):
+        return None
+    manifest = run.manifest()
+    return manifest if (Path(manifest["dir"]) / MANIFEST).exists() else None
+
+
+def evaluation_source(source: str, preset: str | None = None, overrides: list[str] | None = None,
+                      tracking_uri: str | None = None, out_dir: str | Path | None = None) -> dict:
+    """What `difflm eval SOURCE` evaluates: {'config', 'hf_dir', 'run_dir' (or None), 'manifest', 'out_dir',
+    'other_data'}; data is prepared when it is not the run's recorded one (see `source_config`)."""
+    from difflm.tracking import tracking_uri as store_of
+    from models.evaluation.sources import resolve_export
+    from models.evaluation.stages import default_out_dir
+
+    if source.startswith("models:/") and not tracking_uri:  # the store of the config the user named
+        from difflm.config import load_config
+
+        tracking_uri = store_of(load_config(preset or "tiny-cpu", overrides or []))
+    hf_dir = resolve_export(source, tracking_uri)
+    cfg, run = source_config(hf_dir, preset, overrides)
+    manifest = recorded_data(cfg, run) or prepare_data(cfg)
+    out = Path(out_dir) if out_dir else default_out_dir(cfg, source, hf_dir, manifest["hash"])
+    return {"config": cfg, "hf_dir": hf_dir, "run_dir": run.path if run else None, "manifest": manifest,
+            "out_dir": out, "other_data": is_other_data(cfg, run)}
 
 
 def export_checkpoint(cfg: PipelineConfig, manifest: dict, ckpt: Path, out: Path, iteration: int | None) -> bool:
@@ -88,8 +143,7 @@ def export_checkpoint(cfg: PipelineConfig, manifest: dict, ckpt: Path, out: Path
     trainer while being read (checkpoint.keep_last) gives FileNotFoundError, so callers can take the newer one."""
     from models.hf.convert import ConversionError, export_hf
 
-    marker = out / "difflm_export.json"
-    if marker.exists() and json.loads(marker.read_text()).get("checkpoint") == str(ckpt):
+    if is_export_of(out, ckpt):
         return True
     provenance = {"data_hash": manifest["hash"], "mode": cfg.diffusion.model_running_mode, "iteration": iteration}
     try:
@@ -109,12 +163,7 @@ def export_checkpoint(cfg: PipelineConfig, manifest: dict, ckpt: Path, out: Path
 def existing_export(run_dir: str | Path, ckpt: str | Path) -> Path | None:
     """An HF folder of the run already exported from `ckpt` (the pipeline's hf/, an earlier conversion, the
     folder evaluate-latest scores), if any."""
-    run_dir = Path(run_dir)
-    for folder in (run_dir / "hf", run_dir / "exports" / Path(ckpt).name, run_dir / EVAL_LATEST_DIR / "hf"):
-        marker = folder / "difflm_export.json"
-        if marker.exists() and json.loads(marker.read_text()).get("checkpoint") == str(ckpt):
-            return folder
-    return None
+    return RunDir(run_dir).export_of(ckpt)
 
 
 def convert_source(cfg: PipelineConfig, found: dict, out_dir: str | Path | None = None) -> dict:
@@ -131,7 +180,7 @@ def convert_source(cfg: PipelineConfig, found: dict, out_dir: str | Path | None 
     if out_dir:
         out = Path(out_dir).expanduser().resolve()
     elif found["to"] == "hf" and run is not None and found["iteration"] is not None:
-        out = Path(run) / "exports" / src.name
+        out = RunDir(run).export_dir(src)
     else:
         out = src.with_name(f"{src.name}-{found['to']}")
     info = {"to": found["to"], "source": str(src), "run_dir": str(run) if run else None,
@@ -149,10 +198,9 @@ def training_run_dir(run_dir: str | Path) -> Path:
     from models.evaluation.stages import EvaluationError
 
     path = Path(run_dir).expanduser().resolve()
-    if not (path / "config.yaml").exists() or not (path / "data_manifest.json").exists():
-        hint = ""
-        if path.parent.name == "checkpoints" or path.name == "checkpoints":
-            hint = f" (this is inside one: pass {path.parent.parent if path.parent.name == 'checkpoints' else path.parent})"
+    if not RunDir(path).has_inputs():
+        run = RunDir.holding(path)
+        hint = f" (this is inside one: pass {run.path})" if run else ""
         raise EvaluationError(f"{run_dir}: not a training run directory (config.yaml, data_manifest.json, "
                               f"checkpoints/){hint}; pass <workdir>/runs/<run>, the run_dir `difflm run` and `difflm train` print")
     return path
@@ -160,13 +208,13 @@ def training_run_dir(run_dir: str | Path) -> Path:
 
 def evaluated_scores(run_dir: Path) -> dict[int, dict]:
     """{iteration: score record} of the checkpoints evaluate-latest has scored in this run."""
-    path = Path(run_dir) / EVAL_LATEST_DIR / "scores.json"
+    path = RunDir(run_dir).eval_latest / "scores.json"
     return {int(k): v for k, v in json.loads(path.read_text()).items()} if path.exists() else {}
 
 
 def remember_score(run_dir: Path, record: dict) -> None:
     scores = {**evaluated_scores(run_dir), int(record["iteration"]): record}
-    path = Path(run_dir) / EVAL_LATEST_DIR / "scores.json"
+    path = RunDir(run_dir).eval_latest / "scores.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".part")  # a scheduled run killed mid-write leaves the old file intact
     tmp.write_text(json.dumps({str(k): v for k, v in sorted(scores.items())}, indent=2))
@@ -177,14 +225,13 @@ def export_newest(cfg: PipelineConfig, manifest: dict, run_dir: Path, attempts: 
     """(iteration, HF folder) of the run's newest complete checkpoint, exported to <run>/eval_latest/hf. Works
     while the trainer writes: an unfinished save is not named by checkpoints/latest, and a checkpoint pruned
     while being read is replaced by the newer one."""
-    from models.megatron.checkpointing import iter_dir, latest_iteration
-
-    out = Path(run_dir) / EVAL_LATEST_DIR / "hf"
+    run = RunDir(run_dir)
+    out = run.eval_latest / HF
     for _ in range(attempts):
-        it = latest_iteration(Path(run_dir) / "checkpoints")
+        it = run.latest_iteration()
         if it is None:
             raise FileNotFoundError(f"{run_dir} has no complete checkpoint yet")
-        ckpt = iter_dir(Path(run_dir) / "checkpoints", it)
+        ckpt = run.checkpoint(it)
         done = existing_export(run_dir, ckpt)
         if done is not None:  # the final checkpoint, already exported by the pipeline: score that folder
             return it, done

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from difflm.rundir import RunDir
+
 from difflm.errors import UserError
 
 
@@ -23,11 +25,13 @@ def resolve_export(source: str, tracking_uri: str | None = None) -> Path:
     path = Path(source).expanduser()
     if (path / "config.json").exists():
         return path
-    if (path / "hf" / "config.json").exists():
-        return path / "hf"
-    if (path / "checkpoints").is_dir():
+    run = RunDir(path)
+    if (run.hf / "config.json").exists():
+        return run.hf
+    if run.checkpoints.is_dir():
         raise SourceError(f"{path} is a run directory without an HF export (hf/): finish it with `difflm run` "
-                          "and the same preset and overrides, which exports the last checkpoint")
+                          "and the same preset and overrides, which exports the last checkpoint, or export its newest "
+                          f"checkpoint with `difflm convert {path}` and evaluate that folder")
     raise SourceError(f"{source}: not an export folder (config.json), a run directory (hf/) or models:/name/version")
 
 

@@ -27,6 +27,7 @@ from typing import Callable
 import yaml
 
 from difflm.config import PipelineConfig
+from difflm.rundir import RunDir
 from models.launch.torchrun import (
     TrainingError,
     is_finished,
@@ -37,7 +38,6 @@ from models.launch.torchrun import (
     train_info,
     write_run_inputs,
 )
-from models.megatron.checkpointing import latest_iteration
 
 RDZV_PORT_BASE = 20000  # + job id % 10000: a rendezvous port per job (jobs may share a node), below ephemeral ports
 ROOT = Path(__file__).resolve().parent.parent.parent  # the project: `-m models.megatron.train` resolves here
@@ -103,7 +103,7 @@ def slurm_script(cfg: PipelineConfig, config: Path, manifest: Path, run_dir: Pat
         "trainer=$!",
         'wait "$trainer"; status=$?',
         'while kill -0 "$trainer" 2>/dev/null; do wait "$trainer"; status=$?; done  # a trap interrupts wait',
-        f'if [ "$preempted" = 1 ] || [ -f {shlex.quote(str(run_dir / "preempted.json"))} ]; then',
+        f'if [ "$preempted" = 1 ] || [ -f {shlex.quote(str(RunDir(run_dir).preempted))} ]; then',
         '  echo "difflm: requeueing job $SLURM_JOB_ID to resume from the checkpoint"; scontrol requeue "$SLURM_JOB_ID"',
         "  exit 0",
         "fi",
@@ -249,7 +249,7 @@ def _echo_metrics(follower: _Follower, echo: Callable[[str], None]) -> None:
 
 
 def _not_finished(cfg: PipelineConfig, rdir: Path) -> str:
-    last = latest_iteration(rdir / "checkpoints")
+    last = RunDir(rdir).latest_iteration()
     return (f"without the final checkpoint ({'latest: iteration ' + str(last) if last else 'no checkpoint yet'}, "
             f"of {cfg.train.train_iters})")
 
@@ -461,7 +461,7 @@ def submit_kubernetes(cfg: PipelineConfig, manifest: dict, echo: Callable[[str],
                                f"operator installed (the PyTorchJob kind) and train.kubernetes.* right?")
         echo(f"[k8s] submitted PyTorchJob {name} ({'resuming from iteration ' + str(resumed) if resumed else 'starting'})"
              f": {path}")
-    follower = _Follower(rdir / "metrics.jsonl", from_end=attached)
+    follower = _Follower(RunDir(rdir).metrics_file, from_end=attached)
     deadline, started = _Deadline(k.wait_hours), _Deadline(k.start_timeout_minutes and k.start_timeout_minutes / 60)
     shown, running = None, False
     try:

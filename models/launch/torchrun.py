@@ -20,7 +20,7 @@ from typing import Callable
 
 from difflm.config import PipelineConfig, save_config
 from difflm.errors import InvalidSetup, NonFiniteStop, TrainingError, TrainingPreempted
-from models.megatron import checkpointing
+from difflm.rundir import RunDir
 
 TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")
 
@@ -33,16 +33,16 @@ def run_dir(cfg: PipelineConfig, manifest: dict) -> Path:
 
 
 def is_finished(cfg: PipelineConfig, rdir: Path) -> bool:
-    return checkpointing.latest_iteration(rdir / "checkpoints") == cfg.train.train_iters
+    return RunDir(rdir).is_finished(cfg.train.train_iters)
 
 
 def write_run_inputs(cfg: PipelineConfig, manifest: dict, rdir: Path) -> tuple[Path, Path]:
     """Write the files a trainer reads into its run directory: (config.yaml, data_manifest.json).
     The run records exactly the config and data it was given, whoever launches it."""
     rdir.mkdir(parents=True, exist_ok=True)
-    manifest_path = rdir / "data_manifest.json"
-    manifest_path.write_text(json.dumps(manifest, indent=2))
-    return save_config(cfg, rdir / "config.yaml"), manifest_path
+    run = RunDir(rdir)
+    run.manifest_file.write_text(json.dumps(manifest, indent=2))
+    return save_config(cfg, run.config_file), run.manifest_file
 
 
 def free_port() -> int:
@@ -82,7 +82,7 @@ def launch_training(
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     # when a rank dies (kill -9, OOM), helper processes it spawned (checkpoint writers, in the rank's own
     # session) outlive it, holding the log pipe open: every descendant seen is killed once torchrun exits
-    with (rdir / "train.log").open("a") as log, subprocess.Popen(
+    with RunDir(rdir).train_log.open("a") as log, subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
     ) as proc:
         pump = threading.Thread(target=_pump, args=(proc.stdout, log, tail, errors, echo), daemon=True)
@@ -105,7 +105,7 @@ def launch_training(
     if code != 0:
         raise_for_markers(rdir, code)
         raise TrainingError(
-            f"training failed (exit {code}); full log: {rdir / 'train.log'}. Rerunning resumes from the "
+            f"training failed (exit {code}); full log: {RunDir(rdir).train_log}. Rerunning resumes from the "
             f"latest checkpoint. Errors from the ranks:\n" + "\n".join(errors or tail)
         )
     return train_info(cfg, rdir, reused=False)
@@ -113,24 +113,24 @@ def launch_training(
 
 def train_info(cfg: PipelineConfig, rdir: Path, reused: bool) -> dict:
     """What every launcher returns for a finished run: {'run_dir', 'checkpoint' (the final one), 'reused'}."""
-    return {"run_dir": str(rdir), "checkpoint": str(checkpointing.iter_dir(rdir / "checkpoints", cfg.train.train_iters)),
-            "reused": reused}
+    return {"run_dir": str(rdir), "checkpoint": str(RunDir(rdir).checkpoint(cfg.train.train_iters)), "reused": reused}
 
 
 def prepare_attempt(rdir: Path) -> int | None:
     """Before a new training attempt starts on `rdir`: the iteration it resumes from (None: from scratch);
     metrics of an earlier attempt that never checkpointed are dropped."""
     rdir.mkdir(parents=True, exist_ok=True)
-    resumed = checkpointing.latest_iteration(rdir / "checkpoints")
-    if resumed is None and (rdir / "metrics.jsonl").exists():
-        (rdir / "metrics.jsonl").unlink()
+    run = RunDir(rdir)
+    resumed = run.latest_iteration()
+    if resumed is None:
+        run.metrics_file.unlink(missing_ok=True)
     return resumed
 
 
 def plot_run(rdir: Path) -> None:
     from difflm.tracking.plots import plot_curves
 
-    plot_curves(read_metrics(rdir), rdir / "curves.png", rdir.name)
+    plot_curves(read_metrics(rdir), RunDir(rdir).curves, rdir.name)
 
 
 def _pump(stream, log, tail: deque, errors: deque, echo) -> None:
@@ -184,16 +184,15 @@ class _Descendants:
 def raise_for_markers(rdir: Path, code: int | str | None, log: Path | None = None) -> None:
     """What the trainer left behind says why it stopped: preempted (resume me) or non-finite values. `code`: the
     exit status (or the cluster job's end state); `log`: the log to name (default: <run>/train.log)."""
-    preempted, stopped = rdir / "preempted.json", rdir / "stopped.json"
+    preempted, stopped = RunDir(rdir).markers
     if preempted.exists():
         info = json.loads(preempted.read_text())
         raise TrainingPreempted(f"training preempted by {info.get('signal') or 'a signal'} at iteration "
                                 f"{info['iteration']}{f' (exit {code})' if code is not None else ''}; its checkpoint "
                                 f"is saved: rerun the same command to resume", info["iteration"])
     if stopped.exists():
-        raise NonFiniteStop(json.loads(stopped.read_text())["message"] + f"; full log: {log or rdir / 'train.log'}")
+        raise NonFiniteStop(json.loads(stopped.read_text())["message"] + f"; full log: {log or RunDir(rdir).train_log}")
 
 
 def read_metrics(rdir: Path) -> list[dict]:
-    path = Path(rdir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return RunDir(rdir).metrics()

@@ -12,17 +12,8 @@ from pathlib import Path
 
 import torch
 
-
-def iter_dir(root: Path, iteration: int) -> Path:
-    return root / f"iter_{iteration:07d}"
-
-
-def latest_iteration(root: Path) -> int | None:
-    marker = root / "latest"
-    if not marker.exists():
-        return None
-    it = int(marker.read_text().strip())
-    return it if iter_dir(root, it).exists() else None
+# the run layout's owner (reading which checkpoint is complete needs no megatron); re-exported for callers here
+from difflm.rundir import LATEST, iter_dir, latest_iteration  # noqa: F401
 
 
 # The distributed optimizer's default sharding type cannot be saved on this stack
@@ -56,9 +47,9 @@ def save_checkpoint(root: Path, iteration: int, model, optimizer, scheduler, kee
     torch.save(_rng_state(), _rng_file(path))
     torch.distributed.barrier()
     if rank == 0:
-        tmp = root / "latest.part"
+        tmp = root / f"{LATEST}.part"
         tmp.write_text(str(iteration))
-        tmp.replace(root / "latest")
+        tmp.replace(root / LATEST)
         _prune(root, keep_last, keep=iteration)
     torch.distributed.barrier()
     return path

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from difflm.config import PipelineConfig, load_config
+from difflm.rundir import RunDir
 from models.megatron import checkpointing
 from models.megatron.data import build_datasets, micro_batch
 from models.megatron.flops import efficiency, peak_flops, training_flops
@@ -193,10 +194,6 @@ def evaluate(cfg, ddp, valid, special: SpecialTokens) -> float | None:
     return None if vals[0] is None else sum(vals) / len(vals)
 
 
-PREEMPTED_MARKER = "preempted.json"  # written on a preemption signal: the launcher reads it as "resume me"
-STOPPED_MARKER = "stopped.json"  # written when training stops on non-finite values
-
-
 class PreemptionFlag:
     """Set by the configured signals; the step in flight finishes, then every rank agrees to stop."""
 
@@ -269,7 +266,8 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
         cfg, manifest, t.train_iters * t.global_batch_size, (t.eval_iters + 1) * t.global_batch_size
     )
     ddp, opt, sched = build_training(cfg, tok["vocab_size"])
-    ckpt_root = run_dir / "checkpoints"
+    run = RunDir(run_dir)  # the layout: checkpoints/, metrics.jsonl, preempted.json / stopped.json
+    ckpt_root = run.checkpoints
     start = 0
     latest = checkpointing.latest_iteration(ckpt_root)
     if latest is not None:
@@ -282,9 +280,9 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
         and parallel_state.get_data_parallel_rank() == 0
     )
     log = (lambda msg: print(msg, flush=True)) if reporting else (lambda msg: None)
-    metrics = MetricsWriter(run_dir / "metrics.jsonl", reporting, os.environ.get("DIFFLM_MLFLOW_RUN_ID"), log)
-    for marker in (PREEMPTED_MARKER, STOPPED_MARKER):
-        (run_dir / marker).unlink(missing_ok=True)
+    metrics = MetricsWriter(run.metrics_file, reporting, os.environ.get("DIFFLM_MLFLOW_RUN_ID"), log)
+    for marker in run.markers:
+        marker.unlink(missing_ok=True)
     preempt = PreemptionFlag(t.preempt_signals)
     poison = injected_faults()
     skipped_in_a_row = skipped_total = 0
@@ -343,7 +341,7 @@ def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
             if not saved:
                 checkpointing.save_checkpoint(ckpt_root, it, ddp.module, opt, sched, cfg.checkpoint.keep_last)
             if reporting:
-                (run_dir / PREEMPTED_MARKER).write_text(json.dumps({"iteration": it, "signal": preempt.signal}))
+                run.preempted.write_text(json.dumps({"iteration": it, "signal": preempt.signal}))
             log(f"[train] preempted ({preempt.signal or 'another rank'}) at iter {it}: checkpoint saved; "
                 f"rerunning the same command resumes from it")
             metrics.close()
@@ -367,7 +365,7 @@ def _stop_nonfinite(cfg, run_dir: Path, ckpt_root: Path, it: int, in_a_row: int,
            f"train.on_nonfinite={cfg.train.on_nonfinite}, max_nonfinite_skips={cfg.train.max_nonfinite_skips}); "
            f"{where}. Lower train.lr, raise warmup, or check the data; train.on_nonfinite=skip skips such steps")
     if metrics.active:  # the reporting rank (the run directory is shared)
-        (run_dir / STOPPED_MARKER).write_text(json.dumps({"iteration": it, "message": msg}))
+        RunDir(run_dir).stopped.write_text(json.dumps({"iteration": it, "message": msg}))
     log(f"[train] {msg}")
     metrics.close()
     dist.barrier()

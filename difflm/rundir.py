@@ -1,0 +1,217 @@
+"""The on-disk layout of a training run directory, in one place (as nanochat's checkpoint_manager owns its own).
+
+    <workdir>/runs/<mode>-<data hash>-<train hash>/
+        config.yaml            the config it was trained with (what every later command defaults to)
+        data_manifest.json     the data it was trained on: hash, tokenizer (with its sha256), splits
+        metrics.jsonl          every training metric, appended as it is logged
+        train.log, curves.png  torchrun's output; the loss curves
+        checkpoints/           iter_0000100/ ... (megatron distributed checkpoints) and `latest`: the newest
+                               complete iteration, written only after its save finished
+        hf/                    the Hugging Face export of the final checkpoint (difflm_export.json names it)
+        exports/iter_XXXXXXX/  exports of other checkpoints (`difflm convert`)
+        eval/                  results.json, lm-eval task files and .cache_key: the evaluation on the run's own data
+        eval-<data hash>/      an evaluation on other data (explicit data overrides), never over eval/
+        eval_latest/           hf/ and scores.json of evaluate-latest
+        preempted.json, stopped.json   why the trainer stopped (resume me; non-finite values)
+
+An export (any folder with difflm_export.json) records the checkpoint it was written from: `exported_from`.
+Only the standard library and difflm.config: the launcher, the trainer, the flows and the CLI all read it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from difflm.config import PipelineConfig, load_config
+
+CONFIG = "config.yaml"
+MANIFEST = "data_manifest.json"
+METRICS = "metrics.jsonl"
+TRAIN_LOG = "train.log"
+CURVES = "curves.png"
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"  # in checkpoints/: the newest complete iteration
+HF = "hf"
+EXPORTS = "exports"
+EVAL = "eval"
+EVAL_LATEST = "eval_latest"
+PREEMPTED = "preempted.json"  # written on a preemption signal: the launcher reads it as "resume me"
+STOPPED = "stopped.json"  # written when training stops on non-finite values
+EXPORT_MARKER = "difflm_export.json"  # in an HF export: {"checkpoint": the folder it was exported from, ...}
+EVAL_KEY = ".cache_key"  # in an evaluation folder: what the pipeline's results there were computed for
+
+
+# ---- checkpoints/ (no megatron needed to read which one is complete) ---------------------------------------
+
+def iter_dir(root: Path, iteration: int) -> Path:
+    """The folder of `iteration` in a checkpoints/ folder."""
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def latest_iteration(root: Path) -> int | None:
+    """The newest complete iteration in a checkpoints/ folder (its `latest` file, when that checkpoint exists)."""
+    marker = Path(root) / LATEST
+    if not marker.exists():
+        return None
+    it = int(marker.read_text().strip())
+    return it if iter_dir(root, it).exists() else None
+
+
+def iteration_of(checkpoint: Path) -> int | None:
+    """7 for .../iter_0000007, else None."""
+    digits = Path(checkpoint).name.removeprefix("iter_")
+    return int(digits) if Path(checkpoint).name.startswith("iter_") and digits.isdigit() else None
+
+
+# ---- exports --------------------------------------------------------------------------------------------
+
+def exported_from(folder: Path) -> str | None:
+    """The checkpoint an HF export was written from (its difflm_export.json), or None for any other folder."""
+    marker = Path(folder) / EXPORT_MARKER
+    if not marker.exists():
+        return None
+    return json.loads(marker.read_text()).get("checkpoint")
+
+
+def is_export_of(folder: Path, checkpoint: str | Path) -> bool:
+    """Whether `folder` holds the export of `checkpoint` (and not of an older one)."""
+    return exported_from(folder) == str(checkpoint)
+
+
+class RunDir:
+    """A training run directory: its paths, what it recorded, and what it holds."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RunDir) and self.path == other.path
+
+    def __hash__(self) -> int:
+        return hash(self.path)
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    # -- paths
+    @property
+    def config_file(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def manifest_file(self) -> Path:
+        return self.path / MANIFEST
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / METRICS
+
+    @property
+    def train_log(self) -> Path:
+        return self.path / TRAIN_LOG
+
+    @property
+    def curves(self) -> Path:
+        return self.path / CURVES
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS
+
+    @property
+    def hf(self) -> Path:
+        """The export of the final checkpoint, written by the pipeline."""
+        return self.path / HF
+
+    @property
+    def eval_latest(self) -> Path:
+        return self.path / EVAL_LATEST
+
+    @property
+    def preempted(self) -> Path:
+        return self.path / PREEMPTED
+
+    @property
+    def stopped(self) -> Path:
+        return self.path / STOPPED
+
+    @property
+    def markers(self) -> tuple[Path, Path]:
+        """What the trainer leaves when it stops early: (preempted.json, stopped.json)."""
+        return self.preempted, self.stopped
+
+    def checkpoint(self, iteration: int) -> Path:
+        return iter_dir(self.checkpoints, iteration)
+
+    def export_dir(self, checkpoint: str | Path) -> Path:
+        """Where `difflm convert` exports one of the run's checkpoints: exports/iter_XXXXXXX."""
+        return self.path / EXPORTS / Path(checkpoint).name
+
+    def eval_dir(self, data_hash: str | None = None) -> Path:
+        """Evaluation results: eval/ on the run's own data; eval-<data hash>/ on other data, so an evaluation
+        on other data never writes over the run's own results."""
+        if data_hash is None or data_hash == self.data_hash():
+            return self.path / EVAL
+        return self.path / f"{EVAL}-{data_hash}"
+
+    # -- what it recorded
+    def is_run(self) -> bool:
+        """A training run directory: the config it was trained with and its checkpoints/ folder."""
+        return self.config_file.exists() and self.checkpoints.is_dir()
+
+    def has_inputs(self) -> bool:
+        """Its trainer's inputs were written: config.yaml and data_manifest.json (what evaluation defaults to)."""
+        return self.config_file.exists() and self.manifest_file.exists()
+
+    def config(self, overrides: list[str] | None = None) -> PipelineConfig:
+        """The config the run was trained with, workdir = the folder holding runs/ (so MLflow and Prefect are
+        the training's), then `overrides`."""
+        workdir = [f"workdir={self.path.resolve().parent.parent}"] if self.path.resolve().parent.name == "runs" else []
+        return load_config(str(self.config_file), [*workdir, *(overrides or [])])
+
+    def manifest(self) -> dict:
+        """The data manifest the run was trained on (its tokenizer, held-out split, hash)."""
+        return json.loads(self.manifest_file.read_text())
+
+    def data_hash(self) -> str | None:
+        return self.manifest()["hash"] if self.manifest_file.exists() else None
+
+    def metrics(self) -> list[dict]:
+        """Every record of metrics.jsonl (empty before the first one)."""
+        path = self.metrics_file
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    # -- what it holds
+    def latest_iteration(self) -> int | None:
+        """The newest complete checkpoint's iteration (None before the first save finished)."""
+        return latest_iteration(self.checkpoints)
+
+    def is_finished(self, train_iters: int) -> bool:
+        return self.latest_iteration() == train_iters
+
+    def export_of(self, checkpoint: str | Path) -> Path | None:
+        """A folder of the run that already holds the export of `checkpoint`: the pipeline's hf/, an earlier
+        `difflm convert` (exports/iter_XXXXXXX) or what evaluate-latest scores (eval_latest/hf); None if none."""
+        for folder in (self.hf, self.export_dir(checkpoint), self.eval_latest / HF):
+            if is_export_of(folder, checkpoint):
+                return folder
+        return None
+
+    @classmethod
+    def holding(cls, folder: str | Path) -> "RunDir | None":
+        """The run directory that `folder` belongs to: a run itself, its checkpoints/, one checkpoint, or an export
+        (followed to the checkpoint it names, wherever the export lies); None if none."""
+        folder = Path(folder)
+        source = exported_from(folder)
+        if source:
+            folder = Path(source)
+        for candidate in (folder, folder.parent, folder.parent.parent):
+            run = cls(candidate)
+            if run.is_run():
+                return run
+        return None
