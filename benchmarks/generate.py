@@ -69,7 +69,7 @@ def main() -> None:
     cfg = load_config(args.preset, args.overrides)
     folder = resolve_export(args.source or newest_run(Path(cfg.workdir)))
     model, tok = load_model(folder), load_tokenizer(folder)
-    if model.config.model_running_mode not in ("difflm-noshift", "difflm-shift"):
+    if not model.objective.unmasks:
         sys.exit(f"{folder} is a {model.config.model_running_mode} model: these samplers are for masked diffusion")
     items = cloze_items(heldout_documents(prepare_data(cfg), tok), args.items, cfg.eval.seed)
     torch.set_num_threads(torch.get_num_threads())

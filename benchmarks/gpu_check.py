@@ -409,14 +409,15 @@ def worker_microbatch(args, p: dict) -> dict:
                 "tflops": eff["tflops_per_device"], "mfu": eff["mfu"],
                 "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
-    for mode in ("difflm-noshift", "ar"):
+    ar = None
+    for mode, role in (("difflm-noshift", "sweep"), ("ar", "baseline")):  # sweep sizes, then ar at the best one
         cfg = config(p, Path(args.out) / "work", p["big"], p["big_seq"], mode, micro_batch_size=max(p["mbs_sizes"]),
                      global_batch_size=max(p["mbs_sizes"]), train_iters=1000, warmup_iters=10)
         if dataset is None:
             _init(cfg)
             dataset, _ = build_datasets(cfg, manifest, 64 * max(p["mbs_sizes"]), cfg.train.global_batch_size)
         ddp, opt, _ = build_training(cfg, vocab)
-        sizes = p["mbs_sizes"] if mode == "difflm-noshift" else [best["micro_batch"]] if best else []
+        sizes = p["mbs_sizes"] if role == "sweep" else [best["micro_batch"]] if best else []
         for mbs in sizes:
             try:
                 row = measure(mode, mbs, ddp, opt)
@@ -426,11 +427,12 @@ def worker_microbatch(args, p: dict) -> dict:
             _free()
             if row.get("oom"):
                 break
-            if mode == "difflm-noshift":
+            if role == "sweep":
                 best = row
+            else:
+                ar = row
         del ddp, opt
         _free()
-    ar = next((r for r in rows if r["mode"] == "ar" and not r.get("oom")), None)
     return {"preset": p["big"], "seq": p["big_seq"], "rows": rows, "largest_micro_batch": best and best["micro_batch"],
             "mfu": best and best["mfu"], "difflm_over_ar": best["step_s"] / ar["step_s"] if best and ar else None}
 

@@ -144,6 +144,8 @@ def case_command(preset: str, mode: str, args: argparse.Namespace) -> list[str]:
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     import torch
 
+    from models.diffusion.modes import objective_class
+
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     memory = "max allocated CUDA" if torch.cuda.is_available() else "peak RSS"
     print(f"\ntrain step, batch {args.batch} x seq {args.seq}, {args.precision}, {args.steps} timed steps after "
@@ -151,7 +153,8 @@ def print_table(rows: list[dict], args: argparse.Namespace) -> None:
     print(f"{'preset':<8}{'mode':<18}{'backend':<8}{'params':>12}{'s/step':>10}{'tokens/s':>12}{'TFLOP/s':>9}"
           f"{'MFU':>7}{'peak MB':>10}{'t/t_ar':>8}")
     for r in rows:
-        base = next((b for b in rows if b["preset"] == r["preset"] and b["mode"] == "ar"), None)
+        base = next((b for b in rows if b["preset"] == r["preset"] and not objective_class(b["mode"]).bidirectional),
+                    None)  # the causal (ar) baseline of the same preset
         rel = f"{r['step_s'] / base['step_s']:.2f}x" if base else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         print(f"{r['preset']:<8}{r['mode']:<18}{r['backend']:<8}{r['params']:>12,}{r['step_s']:>10.3f}"

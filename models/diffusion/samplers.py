@@ -161,7 +161,10 @@ def sample_masked_diffusion(
             n_reveal = None if cfg.threshold is not None else next(schedule, z - a)
             logits = _guided_logits(logits_fn, x, p, mask_id, cfg.cfg_scale)
             nfe += 1 + (cfg.cfg_scale > 0 and p > 0)  # guidance needs a prompt to drop: one call without
-            pred, conf = _predict(logits, mask_id, vocab_limit, forbidden_ids, cfg, generator)
+            # draws only over the generated positions: a row's draws then do not depend on its (left) padding
+            pred, conf = _predict(logits[:, p:], mask_id, vocab_limit, forbidden_ids, cfg, generator)
+            pred, conf = torch.cat([x[:, :p], pred], dim=1), torch.cat([torch.zeros_like(x[:, :p], dtype=conf.dtype),
+                                                                         conf], dim=1)
             conf = torch.where(masked, conf, torch.full_like(conf, float("-inf")))
             for i in range(b):
                 avail = int(masked[i].sum())

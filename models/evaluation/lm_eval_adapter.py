@@ -18,6 +18,7 @@ cfg_scale.
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 from lm_eval.api.model import LM
@@ -56,6 +57,11 @@ class DiffLMEval(LM):
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="difflm loglikelihood")
         out = self.scorer.loglikelihood([r.args for r in requests], progress=bar.update)
         bar.close()
+        if any(greedy is None for _, greedy in out):  # lm-eval wants a bool; say that it was not measured
+            warnings.warn(f"a {self.scorer.mode} model has no greedy order: is_greedy is not defined, reported as "
+                          "False; metrics built on it (e.g. LAMBADA's acc) are not measured for this model",
+                          stacklevel=2)
+            out = [(ll, bool(greedy)) for ll, greedy in out]
         return out
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:

@@ -123,7 +123,10 @@ def build_items(docs: list[str], n_items: int, seed: int) -> dict[str, list[dict
 def score_cloze(scorer, items: list[dict]) -> dict:
     res = scorer.loglikelihood([(it["context"], " " + it["target"]) for it in items])
     nll = [-ll for ll, _ in res]
-    return {"acc": float(np.mean([g for _, g in res])), "nll": float(np.mean(nll)), "items": len(items)}
+    hits = [g for _, g in res]
+    # None: the mode has no greedy order (uniform noise): the accuracy is not measured, not 0
+    acc = None if any(g is None for g in hits) else float(np.mean(hits))
+    return {"acc": acc, "nll": float(np.mean(nll)), "items": len(items)}
 
 
 def score_choice(scorer, items: list[dict]) -> dict:

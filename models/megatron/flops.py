@@ -1,7 +1,7 @@
 """Model FLOPs of the megatron GPT model of a config, device peak throughput, and MFU.
 
-Pure Python, no torch or megatron import: the trainer, the benchmark and tests all count the same way,
-and a config can be sized on a machine without either installed.
+Pure Python but for the mode's facts (its objective says whether attention is causal): the trainer, the
+benchmark and tests all count the same way.
 
 Counting convention (as PaLM's MFU, megatron's `num_floating_point_operations`, torchtitan):
 - 2 FLOPs per multiply-add of every matrix product: QKV, attention scores and weighted sum, output
@@ -11,6 +11,10 @@ Counting convention (as PaLM's MFU, megatron's `num_floating_point_operations`, 
   vector units rather than the tensor cores the peak figure describes.
 - Model FLOPs, not hardware FLOPs: activation recomputation would add work but no model FLOPs, so the
   MFU of a run that recomputes is lower for the same step time, as it should be.
+- Packed documents (`model.document_attention`): a token attends within its document only, so the attention
+  core counts the sum of squared document lengths, not s^2 (as Megatron-LM counts THD packed sequences); a
+  kernel that computes the masked-out blocks anyway (the dense CPU mask) does work the model does not need.
+- Causal attention (ar) counts half of the pairs (kernels skip the tiles above the diagonal).
 """
 
 from __future__ import annotations
@@ -46,22 +50,26 @@ def _layer_matmul_flops_per_token(cfg: PipelineConfig) -> int:
     return qkv + proj + mlp
 
 
-def _attention_core_flops(cfg: PipelineConfig, seq_len: int) -> float:
-    """Scores q.k and the weighted sum of v, one layer, one sequence of `seq_len` tokens."""
+def _attention_core_flops(cfg: PipelineConfig, seq_len: int, pairs: float | None = None) -> float:
+    """Scores q.k and the weighted sum of v, one layer, one sequence of `seq_len` tokens whose queries and keys
+    meet in `pairs` (query, key) pairs: s^2 by default, the sum of squared document lengths with packed
+    documents. Causal: flash / cuDNN / TE kernels skip the tiles above the diagonal, so half of them (the usual
+    convention; the diagonal tiles make it a little more at small s)."""
+    from models.diffusion.modes import objective_class
+
     m = cfg.model
     head_dim = m.hidden_size // m.num_attention_heads
-    full = 2 * 2 * m.num_attention_heads * seq_len * seq_len * head_dim  # two [s, d] x [d, s]-sized products
-    if cfg.diffusion.model_running_mode == "ar":
-        # causal: flash / cuDNN / TE kernels skip the tiles above the diagonal, so half the work is done
-        # (s^2/2, the usual convention; the diagonal tiles make it a little more at small s)
-        return full / 2
-    return full  # every diffusion mode attends both ways: the full s x s
+    pairs = seq_len * seq_len if pairs is None else pairs
+    full = 2 * 2 * m.num_attention_heads * pairs * head_dim  # two [s, d] x [d, s]-sized products
+    return full * objective_class(cfg.diffusion.model_running_mode).attention_flops_factor()
 
 
 def _time_conditioning_flops(cfg: PipelineConfig) -> int:
     """FLOPs of the t -> embedding MLPs for one sequence (one t per sequence, not per token)."""
     d, h = cfg.diffusion, cfg.model.hidden_size
-    if not d.time_embedding or d.model_running_mode == "ar":  # as gpt.build_model: ar has no t
+    from models.diffusion.modes import objective_class
+
+    if not d.time_embedding or not objective_class(d.model_running_mode).uses_t:  # as gpt.build_model
         return 0
     if d.time_conditioning == "adaln":  # one modulation MLP per norm: two norms per layer
         per_norm = 2 * (_TIME_FREQ_DIM * _ADALN_COND_DIM + _ADALN_COND_DIM * 2 * h)
@@ -80,14 +88,22 @@ def forward_flops_per_sequence(cfg: PipelineConfig, vocab_size: int, seq_len: in
     return float(layers + lm_head + _time_conditioning_flops(cfg))
 
 
-def training_flops(cfg: PipelineConfig, vocab_size: int, lengths: list[int], micro_batch_size: int) -> float:
+def training_flops(cfg: PipelineConfig, vocab_size: int, lengths: list[int], micro_batch_size: int,
+                   pairs: list[float] | None = None) -> float:
     """Forward + backward model FLOPs of micro-batches of `micro_batch_size` sequences, one per entry of
-    `lengths` (variable-length steps give each micro-batch its own length).
+    `lengths` (variable-length steps give each micro-batch its own length). `pairs` (packed documents): per
+    micro-batch, the sum over its sequences of their squared document lengths (`document_pairs`); the attention
+    core then counts those instead of s^2 per sequence.
 
     Backward is twice the forward (a gradient for the input and one for the weight of every product), so
     3x forward. Counts what the given micro-batches compute: for a whole step under data parallelism pass
     every rank's micro-batches, or multiply one rank's figure by the data-parallel size."""
-    return 3.0 * micro_batch_size * sum(forward_flops_per_sequence(cfg, vocab_size, n) for n in lengths)
+    dense = [micro_batch_size * forward_flops_per_sequence(cfg, vocab_size, n) for n in lengths]
+    if pairs is None:
+        return 3.0 * sum(dense)
+    layers = cfg.model.num_layers
+    return 3.0 * sum(f - layers * (micro_batch_size * _attention_core_flops(cfg, n) - _attention_core_flops(cfg, n, p))
+                     for f, n, p in zip(dense, lengths, pairs))
 
 
 # Peak dense (no 2:4 sparsity) bf16 tensor-core FLOP/s from the vendors' datasheets. Checked in order,
