@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from conftest import tiny_config
+from fault_injection import fault_launch
 from models.launch.torchrun import TrainingError, TrainingPreempted, launch_training, read_metrics, run_dir
 
 FAST = ("train.train_iters=16", "checkpoint.save_interval=4", "train.log_interval=1", "train.eval_interval=8",
@@ -130,7 +132,7 @@ def test_sigterm_checkpoints_exits_as_preempted_and_resumes_identically(session_
 @pytest.mark.slow
 def test_nonfinite_steps_are_skipped_or_stop_training(session_dir, tiny_manifest):
     cfg = tiny_config(session_dir / "faults-nan-skip", *FAST)
-    info = launch_training(cfg, tiny_manifest, env={"DIFFLM_FAULT_NAN_ITERS": "6"}, echo=lambda _: None)
+    info = launch_training(cfg, tiny_manifest, **fault_launch({6}), echo=lambda _: None)
     recs = read_metrics(info["run_dir"])
     assert [r["nonfinite_skipped"] for r in recs if "nonfinite_skipped" in r] == [1]
     final = [r["loss"] for r in recs if "loss" in r and r["step"] == 16]
@@ -138,11 +140,32 @@ def test_nonfinite_steps_are_skipped_or_stop_training(session_dir, tiny_manifest
 
     stop = tiny_config(session_dir / "faults-nan-stop", *FAST, "train.on_nonfinite=stop")
     with pytest.raises(TrainingError, match="stopped at iteration 6: non-finite.*iteration 4, is kept"):
-        launch_training(stop, tiny_manifest, env={"DIFFLM_FAULT_NAN_ITERS": "6"}, echo=lambda _: None)
+        launch_training(stop, tiny_manifest, **fault_launch({6}), echo=lambda _: None)
 
     limit = tiny_config(session_dir / "faults-nan-limit", *FAST, "train.max_nonfinite_skips=2")
     with pytest.raises(TrainingError, match="stopped at iteration 7: .*3 step\\(s\\) in a row"):
-        launch_training(limit, tiny_manifest, env={"DIFFLM_FAULT_NAN_ITERS": "5,6,7"}, echo=lambda _: None)
+        launch_training(limit, tiny_manifest, **fault_launch({5, 6, 7}), echo=lambda _: None)
+
+
+@pytest.mark.slow
+def test_an_attempt_resumed_from_an_older_checkpoint_logs_each_step_once(session_dir, tiny_manifest):
+    """Review r3: an attempt killed between checkpoints leaves metrics.jsonl with steps the next attempt logs
+    again. What the launcher leaves behind is made here by hand: checkpoint 8 the newest, metrics up to 16."""
+    cfg = tiny_config(session_dir / "faults-relog", *FAST)
+    launch_training(cfg, tiny_manifest, echo=lambda _: None)
+    rdir = run_dir(cfg, tiny_manifest)
+    for it in (12, 16):
+        shutil.rmtree(rdir / "checkpoints" / f"iter_{it:07d}")
+    (rdir / "checkpoints" / "latest").write_text("8")
+    first = read_metrics(rdir)
+    launch_training(cfg, tiny_manifest, echo=lambda _: None)
+    records = read_metrics(rdir)
+    pairs = [(k, r["step"]) for r in records for k in r if k not in ("step", "time")]
+    assert len(pairs) == len(set(pairs)), sorted(p for p in pairs if pairs.count(p) > 1)
+    assert [r for r in records if r["step"] <= 8] == [r for r in first if r["step"] <= 8]  # kept as they were
+    later = [r for r in records if r["step"] > 8]
+    assert later and min(r["time"] for r in later) > max(r["time"] for r in first)  # all from the new attempt
+    assert {p for p in pairs} == {(k, r["step"]) for r in first for k in r if k not in ("step", "time")}
 
 
 def test_lr_schedules():

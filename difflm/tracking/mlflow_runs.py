@@ -244,16 +244,18 @@ def data_counts(manifest: dict) -> dict[str, str]:
 
 def reconcile_metrics(run_id: str, records: list[dict]) -> int:
     """Log every metrics.jsonl value the MLflow run lacks (a reused training run, or metrics the trainer could
-    not send while the server was down); returns how many were sent. Idempotent: run it again, nothing new."""
+    not send while the server was down); returns how many were sent. Idempotent: run it again, nothing new.
+    One value per (key, step), the copy logged last: a file written before the trainer dropped a resumed
+    attempt's re-logged steps holds some twice."""
     from mlflow.entities import Metric
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient()
     keys = {k for rec in records for k in rec if k not in ("step", "time")}
     have = {k: {m.step for m in client.get_metric_history(run_id, k)} for k in keys}
-    missing = [Metric(k, float(v), int(rec.get("time", 0) * 1000), int(rec["step"]))
-               for rec in records for k, v in rec.items()
-               if k not in ("step", "time") and v is not None and int(rec["step"]) not in have[k]]
+    last = {(k, int(rec["step"])): Metric(k, float(v), int(rec.get("time", 0) * 1000), int(rec["step"]))
+            for rec in records for k, v in rec.items() if k not in ("step", "time") and v is not None}
+    missing = [m for (k, step), m in last.items() if step not in have[k]]
     for i in range(0, len(missing), 500):
         client.log_batch(run_id, metrics=missing[i : i + 500])
     return len(missing)

@@ -51,20 +51,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_command(cfg: PipelineConfig, config_path: Path, manifest_path: Path, rdir: Path) -> list[str]:
+TRAINER = "models.megatron.train"  # the module torchrun runs on every rank
+
+
+def torchrun_command(cfg: PipelineConfig, config_path: Path, manifest_path: Path, rdir: Path,
+                     trainer: str = TRAINER) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nproc_per_node", str(cfg.train.nproc_per_node),
         "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        "-m", "models.megatron.train",
+        "-m", trainer,
         "--config", str(config_path), "--manifest", str(manifest_path), "--run-dir", str(rdir),
     ]
 
 
 def launch_training(
-    cfg: PipelineConfig, manifest: dict, env: dict[str, str] | None = None, echo: Callable[[str], None] = print
+    cfg: PipelineConfig, manifest: dict, env: dict[str, str] | None = None, echo: Callable[[str], None] = print,
+    trainer: str = TRAINER,
 ) -> dict:
-    """Train (or reuse/resume) the run of `cfg`; returns {'run_dir', 'checkpoint', 'reused'}."""
+    """Train (or reuse/resume) the run of `cfg`; returns {'run_dir', 'checkpoint', 'reused'}. `trainer`: the
+    module torchrun runs, the trainer or an entry module that calls its `main` with more hooks (as tests do)."""
     rdir = run_dir(cfg, manifest)
     if cfg.train.nnodes > 1:
         raise InvalidSetup(f"train.nnodes={cfg.train.nnodes}: multi-node runs are launched on the cluster: "
@@ -75,7 +81,7 @@ def launch_training(
         return train_info(cfg, rdir, reused=True)
     resumed = prepare_attempt(rdir)
     config_path, manifest_path = write_run_inputs(cfg, manifest, rdir)
-    cmd = torchrun_command(cfg, config_path, manifest_path, rdir)
+    cmd = torchrun_command(cfg, config_path, manifest_path, rdir, trainer)
     echo(f"[train] {'resuming from iteration ' + str(resumed) if resumed else 'starting'}: {' '.join(cmd)}")
     tail: deque[str] = deque(maxlen=25)
     errors: deque[str] = deque(maxlen=15)  # the ranks' own error lines, which torchrun's epilogue buries

@@ -7,27 +7,70 @@ thread.
 backoff and says so once in the log; training never waits for it. When the trainer ends, the thread gets a
 few seconds to flush; whatever it could not send is still in metrics.jsonl, and the pipeline backfills it
 (`difflm.tracking.reconcile_metrics`) once the server answers again.
+
+One value per (key, step), also after a crash: an attempt that resumes from a checkpoint logs the steps after
+it again, so it first drops what an interrupted attempt logged from there on (`drop_from`), and its MLflow
+thread skips the (key, step) pairs the server already holds from that attempt (MLflow cannot replace a point).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from collections import deque
 from pathlib import Path
 
 
+def drop_from(path: Path, first_step: int) -> list[dict]:
+    """Remove the records of `first_step` and later from a metrics.jsonl (rewritten atomically: a crash leaves
+    the old file or the new one); returns the removed records. A torn last line (a kill during a write) goes too."""
+    if not path.exists():
+        return []
+    kept, dropped, torn = [], [], False
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            torn = True
+            continue
+        (kept if rec.get("step", 0) < first_step else dropped).append((line, rec))
+    if dropped or torn:
+        tmp = path.with_name(path.name + ".part")
+        tmp.write_text("".join(line + "\n" for line, _ in kept))
+        os.replace(tmp, path)
+    return [rec for _, rec in dropped]
+
+
+def key_steps(records: list[dict]) -> dict[str, set[int]]:
+    """{metric key: the steps it was logged at} of metrics.jsonl records."""
+    out: dict[str, set[int]] = {}
+    for rec in records:
+        for k, v in rec.items():
+            if k not in ("step", "time") and v is not None:
+                out.setdefault(k, set()).add(int(rec["step"]))
+    return out
+
+
 class BackgroundMlflow:
-    """A daemon thread sending (key, value, step, timestamp) metrics of one MLflow run in batches."""
+    """A daemon thread sending (key, value, step, timestamp) metrics of one MLflow run in batches.
+
+    `maybe_sent`: {key: steps} an interrupted earlier attempt logged and may have sent. Before its first send
+    the thread asks the server which of them it holds and never sends those again: one value per (key, step)."""
 
     BATCH = 500  # MLflow's log_batch takes at most 1000 metrics
     BACKOFF_S = (1, 2, 5, 10, 30)
 
-    def __init__(self, run_id: str, max_pending: int = 200_000, say=print):
+    def __init__(self, run_id: str, max_pending: int = 200_000, say=print,
+                 maybe_sent: dict[str, set[int]] | None = None):
         from mlflow.tracking import MlflowClient
 
         self.run_id, self.say, self.max_pending = run_id, say, max_pending
+        self.maybe_sent = maybe_sent or {}
+        self.on_server: set[tuple[str, int]] | None = None  # of maybe_sent, once the server has answered
         self.client = MlflowClient()
         self.pending: deque = deque()
         self.lock = threading.Condition()
@@ -59,7 +102,11 @@ class BackgroundMlflow:
                     return
                 batch = [self.pending[i] for i in range(min(self.BATCH, len(self.pending)))]
             try:
-                self.client.log_batch(self.run_id, metrics=batch, synchronous=True)
+                if self.on_server is None:
+                    self.on_server = self._on_server()
+                todo = [m for m in batch if (m.key, m.step) not in self.on_server]
+                if todo:
+                    self.client.log_batch(self.run_id, metrics=todo, synchronous=True)
             except Exception as err:  # any transport or server error: keep the batch, try again later
                 if not self.degraded:
                     self.degraded = True
@@ -72,11 +119,16 @@ class BackgroundMlflow:
             with self.lock:
                 for _ in batch:
                     self.pending.popleft()
-            self.sent += len(batch)
+            self.sent += len(todo)
             if self.degraded:
                 self.degraded = False
                 self.say(f"[train] tracking restored: MLflow reachable again after {failures} failed attempt(s)")
             failures = 0
+
+    def _on_server(self) -> set[tuple[str, int]]:
+        """The (key, step) pairs of `maybe_sent` that the run already holds."""
+        return {(key, m.step) for key, steps in self.maybe_sent.items()
+                for m in self.client.get_metric_history(self.run_id, key) if m.step in steps}
 
     def close(self, timeout_s: float = 10.0) -> int:
         """Flush for at most timeout_s; returns the number of metrics left unsent (backfilled later)."""
@@ -89,11 +141,17 @@ class BackgroundMlflow:
 
 
 class MetricsWriter:
-    """metrics.jsonl on the reporting rank, and live MLflow metrics when a run id is handed over."""
+    """metrics.jsonl on the reporting rank, and live MLflow metrics when a run id is handed over.
 
-    def __init__(self, path: Path, active: bool, run_id: str | None = None, say=print):
+    `first_step`: the first step this attempt logs (0 from scratch, the resumed checkpoint's iteration + 1).
+    What an interrupted attempt logged from there on is dropped, as this one logs those steps again; None
+    appends to the file as it is."""
+
+    def __init__(self, path: Path, active: bool, run_id: str | None = None, say=print,
+                 first_step: int | None = None):
         self.active, self.path, self.say = active, path, say
-        self.mlflow = BackgroundMlflow(run_id, say=say) if active and run_id else None
+        stale = drop_from(path, first_step) if active and first_step is not None else []
+        self.mlflow = BackgroundMlflow(run_id, say=say, maybe_sent=key_steps(stale)) if active and run_id else None
 
     def log(self, step: int, **metrics: float | None) -> None:
         if not self.active:

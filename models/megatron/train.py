@@ -3,6 +3,10 @@
 One process per rank (gloo on CPU, NCCL on GPU); megatron-core's parallel state, DDP, optimizer and
 forward-backward schedules do the parallel work. Writes megatron distributed checkpoints and
 metrics.jsonl; resumes from the latest complete checkpoint of its run directory.
+
+The loop has torchtitan's shape: `Trainer.train()` calls `Trainer.train_step()` and, around it, small hooks
+(OLMo-core's callbacks), one policy each: `NonFiniteGuard`, `IntervalLogger`, `Validator`, `Checkpointer`,
+`PreemptionWatcher`. A wrapper entry module may install more (`main(hooks=...)`): the tests inject faults so.
 """
 
 from __future__ import annotations
@@ -14,12 +18,15 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from difflm.config import PipelineConfig, load_config
+from difflm.errors import NonFiniteStop, TrainingPreempted
 from difflm.rundir import RunDir
 from models.megatron import checkpointing
 from models.megatron.data import build_datasets, micro_batch
@@ -111,7 +118,14 @@ class IntervalMeter:
         self.restart(now)
 
     def restart(self, now: float) -> None:
-        self.tic, self.tokens, self.flops, self.losses = now, 0, 0.0, []
+        self.tic, self.tokens, self.flops, self.losses, self.excluded = now, 0, 0.0, [], 0.0
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` of this interval (evaluation, checkpoint saves) out of its throughput."""
+        self.excluded += seconds
+
+    def _seconds(self, now: float) -> float:
+        return max(now - self.tic - self.excluded, 1e-9)
 
     def add(self, loss: float | None, tokens: int, flops: float = 0.0) -> None:
         self.tokens += tokens
@@ -121,11 +135,11 @@ class IntervalMeter:
 
     def report(self, now: float) -> tuple[float | None, float]:
         mean = sum(self.losses) / len(self.losses) if self.losses else None
-        return mean, self.tokens / max(now - self.tic, 1e-9)
+        return mean, self.tokens / self._seconds(now)
 
     def efficiency(self, now: float) -> dict:
         """tokens_per_s_per_device, tflops_per_device, mfu (None without a known device peak)."""
-        seconds = max(now - self.tic, 1e-9)
+        seconds = self._seconds(now)
         return {"tokens_per_s_per_device": self.tokens / seconds / self.n_devices,
                 **efficiency(self.flops, seconds, self.n_devices, self.peak)}
 
@@ -237,143 +251,291 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def injected_faults() -> set[int]:
-    """Iterations at which a test injects a non-finite loss and gradients (DIFFLM_FAULT_NAN_ITERS=3,7)."""
-    raw = os.environ.get("DIFFLM_FAULT_NAN_ITERS", "")
-    return {int(x) for x in raw.split(",") if x.strip()}
-
-
-def grads_finite(ddp, loss: float | None, poison: bool) -> bool:
+def grads_finite(ddp, loss: float | None) -> bool:
     """True on every rank when the loss (last stage) and every gradient buffer are finite."""
     bad = loss is not None and not math.isfinite(loss)
     for buf in getattr(ddp, "buffers", []):  # megatron DDP: contiguous gradient buffers, one check each
-        if poison:
-            buf.grad_data.fill_(float("nan"))
         bad = bad or not bool(torch.isfinite(buf.grad_data).all())
     flag = torch.tensor([1.0 if bad else 0.0], device=_device())
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return not flag.item()
 
 
-def train(cfg: PipelineConfig, manifest: dict, run_dir: Path) -> None:
-    from megatron.core import parallel_state
-
-    init_distributed(cfg)
-    tok = manifest["tokenizer"]
-    special = SpecialTokens.from_manifest(tok)
-    t = cfg.train
-    train_ds, valid_ds = build_datasets(
-        cfg, manifest, t.train_iters * t.global_batch_size, (t.eval_iters + 1) * t.global_batch_size
-    )
-    ddp, opt, sched = build_training(cfg, tok["vocab_size"])
-    run = RunDir(run_dir)  # the layout: checkpoints/, metrics.jsonl, preempted.json / stopped.json
-    ckpt_root = run.checkpoints
-    start = 0
-    latest = checkpointing.latest_iteration(ckpt_root)
-    if latest is not None:
-        start = checkpointing.load_checkpoint(ckpt_root, latest, ddp.module, opt, sched)
-    elif t.init_from:
-        checkpointing.load_model_weights(Path(t.init_from), ddp.module)
-    reporting = (
-        parallel_state.is_pipeline_last_stage()
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank() == 0
-    )
-    log = (lambda msg: print(msg, flush=True)) if reporting else (lambda msg: None)
-    metrics = MetricsWriter(run.metrics_file, reporting, os.environ.get("DIFFLM_MLFLOW_RUN_ID"), log)
-    for marker in run.markers:
-        marker.unlink(missing_ok=True)
-    preempt = PreemptionFlag(t.preempt_signals)
-    poison = injected_faults()
-    skipped_in_a_row = skipped_total = 0
-    log(f"[train] mode={cfg.diffusion.model_running_mode} start_iter={start} train_iters={t.train_iters} "
-        f"params/rank={sum(p.numel() for p in ddp.module.parameters()):,}")
-    if start == 0:
-        metrics.log(0, val_loss=evaluate(cfg, ddp, valid_ds, special))
-    dp_size = parallel_state.get_data_parallel_world_size()
-    n_micro = t.global_batch_size // (t.micro_batch_size * dp_size)
-    meter = IntervalMeter(time.time(), dist.get_world_size(), device_peak(cfg))
-    for step in range(start, t.train_iters):
-        ddp.zero_grad_buffer()
-        opt.zero_grad()
-        lengths = micro_lengths(cfg, step, n_micro)
-        loss = run_global_batch(cfg, ddp, train_ds, special, step, step, False, lengths)
-        it = step + 1
-        if it in poison and loss is not None:
-            loss = float("nan")
-        if not grads_finite(ddp, loss, it in poison):
-            skipped_in_a_row += 1
-            skipped_total += 1
-            metrics.log(it, nonfinite_skipped=skipped_total)
-            if t.on_nonfinite == "stop" or skipped_in_a_row > t.max_nonfinite_skips:
-                _stop_nonfinite(cfg, run_dir, ckpt_root, it, skipped_in_a_row, log, metrics)
-            log(f"[train] iter {it}: non-finite loss or gradients (loss {loss}); update skipped "
-                f"({skipped_in_a_row} in a row, limit {t.max_nonfinite_skips}; train.on_nonfinite=skip)")
-            grad_norm = None
-        else:
-            skipped_in_a_row = 0
-            ok, grad_norm, _ = opt.step()
-            sched.step(increment=1)
-        meter.add(None if loss is not None and not math.isfinite(loss) else loss,
-                  sum(lengths) * t.global_batch_size // n_micro,  # every DP rank runs the same lengths
-                  dp_size * training_flops(cfg, tok["vocab_size"], lengths, t.micro_batch_size))
-        logged = it % t.log_interval == 0 or it == t.train_iters
-        if logged:
-            now = time.time()
-            mean_loss, tok_s = meter.report(now)
-            eff = meter.efficiency(now)
-            lr = opt.param_groups[0]["lr"]
-            metrics.log(it, loss=mean_loss, lr=lr, grad_norm=None if grad_norm is None else float(grad_norm),
-                        tokens_per_s=tok_s, **eff, peak_memory_gb=peak_memory_gb())
-            mfu = f" MFU {eff['mfu']:.1%}" if eff["mfu"] is not None else ""
-            mem = f" {peak_memory_gb():.1f} GB" if torch.cuda.is_available() else ""
-            log(f"[train] iter {it:>6}/{t.train_iters} loss {mean_loss or 0:.4f} lr {lr:.2e} "
-                f"grad_norm {float(grad_norm or 0):.3f} {tok_s:,.0f} tok/s "
-                f"{eff['tflops_per_device']:.3g} TFLOP/s/device{mfu}{mem}")
-        if it % t.eval_interval == 0 or it == t.train_iters:
-            val = evaluate(cfg, ddp, valid_ds, special)
-            metrics.log(it, val_loss=val)
-            log(f"[train] iter {it:>6} val_loss {val:.4f}" if val is not None else "")
-        saved = it % cfg.checkpoint.save_interval == 0 or it == t.train_iters
-        if saved:
-            checkpointing.save_checkpoint(ckpt_root, it, ddp.module, opt, sched, cfg.checkpoint.keep_last)
-        if it < t.train_iters and preempt.agreed():
-            if not saved:
-                checkpointing.save_checkpoint(ckpt_root, it, ddp.module, opt, sched, cfg.checkpoint.keep_last)
-            if reporting:
-                run.preempted.write_text(json.dumps({"iteration": it, "signal": preempt.signal}))
-            log(f"[train] preempted ({preempt.signal or 'another rank'}) at iter {it}: checkpoint saved; "
-                f"rerunning the same command resumes from it")
-            metrics.close()
-            dist.barrier()
-            dist.destroy_process_group()
-            sys.exit(PREEMPTED_EXIT)
-        if logged:  # the next interval starts here: evaluation and checkpoint saves are not throughput
-            meter.restart(time.time())
-    metrics.close()
-    dist.barrier()
-    dist.destroy_process_group()
+# ---- the loop: one named step, then the hooks (torchtitan's trainer.py, OLMo-core's callbacks) -------------
 
 
-PREEMPTED_EXIT = 75  # EX_TEMPFAIL: "try again"; torchrun reports any failure as 1, hence the marker file too
+@dataclass
+class Step:
+    """One training iteration as the hooks see it. `it` counts iterations done, as megatron does: 1 after the
+    first step, and checkpoint iter_0000001 holds the weights after it."""
+
+    it: int
+    loss: float | None  # the global batch's loss; None off the last pipeline stage
+    tokens: int  # the tokens the step processed, over every data-parallel rank
+    flops: float  # their model FLOPs
+    grad_norm: float | None = None  # None while no update was applied
+    skip_update: bool = False  # set before the update by a hook that vetoes it (NonFiniteGuard)
 
 
-def _stop_nonfinite(cfg, run_dir: Path, ckpt_root: Path, it: int, in_a_row: int, log, metrics) -> None:
-    last = checkpointing.latest_iteration(ckpt_root)
-    where = f"the last good checkpoint, iteration {last}, is kept" if last else "no checkpoint was written yet"
-    msg = (f"training stopped at iteration {it}: non-finite loss or gradients ({in_a_row} step(s) in a row; "
-           f"train.on_nonfinite={cfg.train.on_nonfinite}, max_nonfinite_skips={cfg.train.max_nonfinite_skips}); "
-           f"{where}. Lower train.lr, raise warmup, or check the data; train.on_nonfinite=skip skips such steps")
-    if metrics.active:  # the reporting rank (the run directory is shared)
-        RunDir(run_dir).stopped.write_text(json.dumps({"iteration": it, "message": msg}))
-    log(f"[train] {msg}")
-    metrics.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.exit(3)
+class Hook:
+    """A policy around the training step. The trainer calls each method of every hook, in the order the hooks
+    were installed, on every rank; a hook that ends training raises (NonFiniteStop, TrainingPreempted).
+
+    `counts_as_training = False`: the hook's time is not training time (evaluation, checkpoint saves). The
+    trainer adds it up in `excluded_s`, which the throughput and MFU of a logging interval leave out."""
+
+    counts_as_training = True
+
+    def on_start(self, trainer: Trainer) -> None:
+        """Once, after the model is built and a checkpoint resumed, before the first step."""
+
+    def pre_step(self, trainer: Trainer, done: int) -> None:
+        """Before each step; `done`: the iterations trained so far."""
+
+    def pre_optim_step(self, trainer: Trainer, step: Step) -> None:
+        """After the backward pass, before the optimizer update (`step.skip_update` cancels it)."""
+
+    def post_step(self, trainer: Trainer, step: Step) -> None:
+        """After the update."""
 
 
-def main(argv: list[str] | None = None) -> None:
+class NonFiniteGuard(Hook):
+    """A non-finite loss or gradient on any rank: the update is skipped (train.on_nonfinite=skip, at most
+    train.max_nonfinite_skips in a row), or training stops (stopped.json; the last good checkpoint is kept)."""
+
+    def __init__(self):
+        self.in_a_row = self.total = 0
+
+    def on_start(self, trainer: Trainer) -> None:
+        trainer.run.stopped.unlink(missing_ok=True)
+
+    def pre_optim_step(self, trainer: Trainer, step: Step) -> None:
+        if grads_finite(trainer.ddp, step.loss):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.total += 1
+        step.skip_update = True
+        trainer.metrics.log(step.it, nonfinite_skipped=self.total)
+        t = trainer.cfg.train
+        if t.on_nonfinite == "stop" or self.in_a_row > t.max_nonfinite_skips:
+            self._stop(trainer, step.it)
+        trainer.log(f"[train] iter {step.it}: non-finite loss or gradients (loss {step.loss}); update skipped "
+                    f"({self.in_a_row} in a row, limit {t.max_nonfinite_skips}; train.on_nonfinite=skip)")
+
+    def _stop(self, trainer: Trainer, it: int) -> None:
+        t = trainer.cfg.train
+        last = checkpointing.latest_iteration(trainer.run.checkpoints)
+        where = f"the last good checkpoint, iteration {last}, is kept" if last else "no checkpoint was written yet"
+        msg = (f"training stopped at iteration {it}: non-finite loss or gradients ({self.in_a_row} step(s) in a "
+               f"row; train.on_nonfinite={t.on_nonfinite}, max_nonfinite_skips={t.max_nonfinite_skips}); "
+               f"{where}. Lower train.lr, raise warmup, or check the data; train.on_nonfinite=skip skips such steps")
+        if trainer.reporting:  # one rank writes: the run directory is shared
+            trainer.run.stopped.write_text(json.dumps({"iteration": it, "message": msg}))
+        trainer.log(f"[train] {msg}")
+        raise NonFiniteStop(msg)
+
+
+class IntervalLogger(Hook):
+    """Every train.log_interval iterations and after the last: the interval's mean loss, the lr, grad norm,
+    tokens/s, TFLOP/s and MFU per device and peak memory, into metrics.jsonl and the log. Time the hooks spent
+    outside training (evaluation, checkpoint saves) is left out of the interval, wherever it falls."""
+
+    def on_start(self, trainer: Trainer) -> None:
+        self.meter = IntervalMeter(trainer.clock(), trainer.n_devices, trainer.peak)
+        self.excluded_at = trainer.excluded_s
+
+    def post_step(self, trainer: Trainer, step: Step) -> None:
+        finite = step.loss is None or math.isfinite(step.loss)
+        self.meter.add(step.loss if finite else None, step.tokens, step.flops)
+        t = trainer.cfg.train
+        if step.it % t.log_interval and step.it != t.train_iters:
+            return
+        now = trainer.clock()
+        self.meter.exclude(trainer.excluded_s - self.excluded_at)
+        mean_loss, tok_s = self.meter.report(now)
+        eff = self.meter.efficiency(now)
+        lr = trainer.opt.param_groups[0]["lr"]
+        memory = peak_memory_gb()
+        trainer.metrics.log(step.it, loss=mean_loss, lr=lr,
+                            grad_norm=None if step.grad_norm is None else float(step.grad_norm),
+                            tokens_per_s=tok_s, **eff, peak_memory_gb=memory)
+        mfu = f" MFU {eff['mfu']:.1%}" if eff["mfu"] is not None else ""
+        mem = f" {memory:.1f} GB" if memory is not None else ""
+        trainer.log(f"[train] iter {step.it:>6}/{t.train_iters} loss {mean_loss or 0:.4f} lr {lr:.2e} "
+                    f"grad_norm {float(step.grad_norm or 0):.3f} {tok_s:,.0f} tok/s "
+                    f"{eff['tflops_per_device']:.3g} TFLOP/s/device{mfu}{mem}")
+        self.meter.restart(now)
+        self.excluded_at = trainer.excluded_s
+
+
+class Validator(Hook):
+    """val_loss over the fixed validation batches: before the first step of a fresh run (iteration 0), every
+    train.eval_interval iterations and after the last."""
+
+    counts_as_training = False
+
+    def pre_step(self, trainer: Trainer, done: int) -> None:
+        if done == 0:
+            trainer.metrics.log(0, val_loss=trainer.validate())
+
+    def post_step(self, trainer: Trainer, step: Step) -> None:
+        t = trainer.cfg.train
+        if step.it % t.eval_interval == 0 or step.it == t.train_iters:
+            val = trainer.validate()
+            trainer.metrics.log(step.it, val_loss=val)
+            trainer.log(f"[train] iter {step.it:>6} val_loss {val:.4f}" if val is not None else "")
+
+
+class Checkpointer(Hook):
+    """A checkpoint every checkpoint.save_interval iterations and after the last (the newest keep_last kept)."""
+
+    counts_as_training = False
+
+    def post_step(self, trainer: Trainer, step: Step) -> None:
+        if step.it % trainer.cfg.checkpoint.save_interval == 0 or step.it == trainer.cfg.train.train_iters:
+            trainer.save(step.it)
+
+
+class PreemptionWatcher(Hook):
+    """A preemption signal (train.preempt_signals) to any rank: the step in flight finishes, every rank agrees,
+    a checkpoint is saved (unless this step's already was), preempted.json says so, and training ends with
+    TrainingPreempted (exit 75: rerunning the same command resumes). The last step is never interrupted."""
+
+    def on_start(self, trainer: Trainer) -> None:
+        trainer.run.preempted.unlink(missing_ok=True)
+        self.flag = PreemptionFlag(trainer.cfg.train.preempt_signals)
+
+    def post_step(self, trainer: Trainer, step: Step) -> None:
+        if step.it >= trainer.cfg.train.train_iters or not self.flag.agreed():
+            return
+        if trainer.saved != step.it:
+            trainer.save(step.it)
+        if trainer.reporting:
+            trainer.run.preempted.write_text(json.dumps({"iteration": step.it, "signal": self.flag.signal}))
+        trainer.log(f"[train] preempted ({self.flag.signal or 'another rank'}) at iter {step.it}: checkpoint saved; "
+                    f"rerunning the same command resumes from it")
+        raise TrainingPreempted(f"training preempted at iteration {step.it}", step.it)
+
+
+def standard_hooks() -> list[Hook]:
+    """The production policies, in the order they run after each step: the log line of an interval, then
+    validation and the checkpoint of that iteration, then the preemption check (which saves only when the
+    checkpointer did not)."""
+    return [NonFiniteGuard(), IntervalLogger(), Validator(), Checkpointer(), PreemptionWatcher()]
+
+
+class Trainer:
+    """One rank's part of a run: process groups, data, model, optimizer and the resumed checkpoint, built on
+    construction; `train()` runs `train_step()` for each remaining iteration and the hooks around it."""
+
+    def __init__(self, cfg: PipelineConfig, manifest: dict, run_dir: Path, hooks: Sequence[Hook],
+                 clock: Callable[[], float] = time.perf_counter):
+        from megatron.core import parallel_state
+
+        init_distributed(cfg)
+        self.cfg, self.run, self.hooks, self.clock = cfg, RunDir(run_dir), list(hooks), clock
+        t = cfg.train
+        tok = manifest["tokenizer"]
+        self.vocab_size, self.special = tok["vocab_size"], SpecialTokens.from_manifest(tok)
+        self.train_ds, self.valid_ds = build_datasets(
+            cfg, manifest, t.train_iters * t.global_batch_size, (t.eval_iters + 1) * t.global_batch_size
+        )
+        self.ddp, self.opt, self.sched = build_training(cfg, self.vocab_size)
+        self.start = 0
+        latest = checkpointing.latest_iteration(self.run.checkpoints)
+        if latest is not None:
+            self.start = checkpointing.load_checkpoint(self.run.checkpoints, latest, self.ddp.module, self.opt,
+                                                       self.sched)
+        elif t.init_from:
+            checkpointing.load_model_weights(Path(t.init_from), self.ddp.module)
+        self.reporting = (
+            parallel_state.is_pipeline_last_stage()
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_data_parallel_rank() == 0
+        )
+        self.log = (lambda msg: print(msg, flush=True)) if self.reporting else (lambda msg: None)
+        # this attempt logs from its first step on (iteration 0 from scratch): an interrupted attempt's records
+        # from there on are dropped, or metrics.jsonl and MLflow would hold two values per step
+        self.metrics = MetricsWriter(self.run.metrics_file, self.reporting,
+                                     os.environ.get("DIFFLM_MLFLOW_RUN_ID"), self.log,
+                                     first_step=0 if latest is None else self.start + 1)
+        self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.n_micro = t.global_batch_size // (t.micro_batch_size * self.dp_size)
+        self.n_devices, self.peak = dist.get_world_size(), device_peak(cfg)
+        self.saved: int | None = None  # the iteration this attempt saved last
+        self.excluded_s = 0.0  # seconds the hooks spent outside training (Hook.counts_as_training)
+
+    def train(self) -> None:
+        t = self.cfg.train
+        self.log(f"[train] mode={self.cfg.diffusion.model_running_mode} start_iter={self.start} train_iters={t.train_iters} "
+                 f"params/rank={sum(p.numel() for p in self.ddp.module.parameters()):,}")
+        self.run_hooks("on_start")
+        for done in range(self.start, t.train_iters):
+            self.run_hooks("pre_step", done)
+            self.run_hooks("post_step", self.train_step(done))
+
+    def train_step(self, done: int) -> Step:
+        """Forward and backward over global batch `done`, the hooks' look at it, then the optimizer update."""
+        t = self.cfg.train
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+        lengths = micro_lengths(self.cfg, done, self.n_micro)
+        loss = run_global_batch(self.cfg, self.ddp, self.train_ds, self.special, done, done, False, lengths)
+        step = Step(it=done + 1, loss=loss,
+                    tokens=sum(lengths) * t.global_batch_size // self.n_micro,  # every DP rank runs these lengths
+                    flops=self.dp_size * training_flops(self.cfg, self.vocab_size, lengths, t.micro_batch_size))
+        self.run_hooks("pre_optim_step", step)
+        if not step.skip_update:
+            _, step.grad_norm, _ = self.opt.step()
+            self.sched.step(increment=1)
+        return step
+
+    def validate(self) -> float | None:
+        return evaluate(self.cfg, self.ddp, self.valid_ds, self.special)
+
+    def save(self, it: int) -> None:
+        checkpointing.save_checkpoint(self.run.checkpoints, it, self.ddp.module, self.opt, self.sched,
+                                      self.cfg.checkpoint.keep_last)
+        self.saved = it
+
+    def run_hooks(self, method: str, *args) -> None:
+        for hook in self.hooks:
+            tic = self.clock()
+            getattr(hook, method)(self, *args)
+            if not hook.counts_as_training:
+                self.excluded_s += self.clock() - tic
+
+    def close(self) -> None:
+        """Flush the metrics and leave the process group together (every rank calls it)."""
+        self.metrics.close()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+PREEMPTED_EXIT = TrainingPreempted.exit_code  # 75, EX_TEMPFAIL: "try again"; torchrun reports any failure as 1,
+NONFINITE_EXIT = 3  # hence the marker files too (preempted.json, stopped.json)
+
+
+def train(cfg: PipelineConfig, manifest: dict, run_dir: Path, hooks: Sequence[Hook] = ()) -> None:
+    """Train the run in `run_dir` on this rank. `hooks` run before the standard ones, so that a test's fault
+    injector changes a step before the NonFiniteGuard looks at it. A stop on purpose exits with its code."""
+    trainer = Trainer(cfg, manifest, run_dir, [*hooks, *standard_hooks()])
+    try:
+        trainer.train()
+    except TrainingPreempted:
+        code = PREEMPTED_EXIT
+    except NonFiniteStop:
+        code = NONFINITE_EXIT
+    else:
+        code = 0
+    trainer.close()
+    if code:
+        sys.exit(code)
+
+
+def main(argv: list[str] | None = None, hooks: Sequence[Hook] = ()) -> None:
+    """The torchrun entry point. A wrapper entry module may pass `hooks` (tests install a FaultInjector so)."""
     p = argparse.ArgumentParser(description="Train a diffusion LM (run under torchrun).")
     p.add_argument("--config", required=True, help="resolved pipeline config YAML")
     p.add_argument("--manifest", required=True, help="data-prep manifest.json")
@@ -383,7 +545,7 @@ def main(argv: list[str] | None = None) -> None:
     manifest = json.loads(Path(args.manifest).read_text())
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    train(cfg, manifest, run_dir)
+    train(cfg, manifest, run_dir, hooks)
 
 
 if __name__ == "__main__":  # dist_checkpointing spawns helpers: the guard is required

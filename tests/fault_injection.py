@@ -1,0 +1,50 @@
+"""Faults the tests inject into a real training run, from the test side: the production loop has no test hook.
+
+`FaultInjector` is a trainer hook (models/megatron/train.py `Hook`). For a torchrun run, this module is the
+entry point the ranks run instead of `models.megatron.train`: it installs the injector and calls the trainer's
+own `main`. Use `fault_launch` to get the `launch_training` arguments that do so:
+
+    launch_training(cfg, manifest, **fault_launch(nan_iters={6}))
+
+Why an entry module rather than a `--hook module:factory` trainer option: the production trainer then has no
+way to load code by name, and the launcher only learns which module torchrun runs (`trainer=`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from models.megatron.train import Hook, Step, Trainer, main
+
+NAN_ITERS = "FAULT_NAN_ITERS"  # read only by this entry module, in the ranks it starts
+
+
+class FaultInjector(Hook):
+    """At the given iterations, a NaN loss and NaN gradients on every rank, after the backward pass and before
+    the NonFiniteGuard looks (hooks passed to the trainer run before the standard ones)."""
+
+    def __init__(self, nan_iters: set[int]):
+        self.nan_iters = set(nan_iters)
+
+    def pre_optim_step(self, trainer: Trainer, step: Step) -> None:
+        if step.it not in self.nan_iters:
+            return
+        if step.loss is not None:  # only the last pipeline stage has it
+            step.loss = float("nan")
+        for buf in getattr(trainer.ddp, "buffers", []):  # megatron DDP's contiguous gradient buffers
+            buf.grad_data.fill_(float("nan"))
+
+
+def fault_launch(nan_iters: set[int]) -> dict:
+    """`launch_training` keyword arguments that run this module, with its injector, on every rank."""
+    here = str(Path(__file__).resolve().parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    return {"trainer": Path(__file__).stem,
+            "env": {NAN_ITERS: ",".join(str(i) for i in sorted(nan_iters)), "PYTHONPATH": path}}
+
+
+if __name__ == "__main__":  # dist_checkpointing spawns helpers: the guard is required
+    iters = {int(x) for x in os.environ.get(NAN_ITERS, "").split(",") if x.strip()}
+    sys.exit(main(hooks=[FaultInjector(iters)]))
