@@ -59,3 +59,14 @@ def prefect_harness(session_dir):
 
     with prefect_test_harness(server_startup_timeout=60):
         yield
+
+
+@pytest.fixture
+def one_thread():
+    """Thousands of tiny ops: one thread is faster, and immune to a busy machine (`usefixtures` it per module)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -153,3 +153,23 @@ def test_efficiency_arithmetic():
     assert out["tflops_per_device"] == pytest.approx(247.25)
     assert out["mfu"] == pytest.approx(0.25)
     assert efficiency(1e12, 1.0, 1, None) == {"tflops_per_device": pytest.approx(1.0), "mfu": None}
+
+
+@pytest.mark.parametrize("preset, doc_len, overstated", [("125m", 256, 1.257), ("125m", 512, 1.213), ("1b", 512, 1.120)])
+def test_packed_documents_count_the_attention_they_keep(preset, doc_len, overstated):
+    """r6: with document attention the kernels (FlexAttention, THD) skip the cross-document blocks and Megatron-LM
+    counts sum L_i^2; counting s^2 overstated MFU by the review's factors."""
+    cfg = _cfg(f"model.preset={preset}", "diffusion.model_running_mode=difflm-noshift", "train.seq_length=2048",
+               "model.document_attention=true")
+    dense = training_flops(cfg, 50257, [2048], 1)
+    packed = training_flops(cfg, 50257, [2048], 1, pairs=[2048 * doc_len])  # 2048/doc_len documents of doc_len
+    assert dense / packed == pytest.approx(overstated, abs=5e-4)
+    assert training_flops(cfg, 50257, [2048], 1, pairs=[2048 * 2048]) == pytest.approx(dense, rel=1e-12)
+
+
+def test_document_pairs_sum_the_squared_document_lengths_of_every_row():
+    from models.diffusion.documents import document_ids, document_pairs
+
+    tokens = torch.tensor([[5, 0, 5, 5, 0, 5], [0, 5, 5, 5, 5, 5]])  # EOS (0) ends its own document
+    assert document_pairs(document_ids(tokens, 0)) == (2**2 + 3**2 + 1) + (1 + 5**2)
+    assert document_pairs(document_ids(torch.full((3, 8), 7), 0)) == 3 * 64

@@ -33,13 +33,7 @@ MODES = [("difflm-noshift", {}), ("difflm-shift", {}), ("ar", {}),
 MODE_IDS = ["masked", "shift", "ar", "uniform", "adaln"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models, many small ops: one thread is faster, and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (tests/conftest.py)
 
 
 def _gen(seed: int = 0) -> torch.Generator:

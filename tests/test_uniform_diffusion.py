@@ -39,13 +39,7 @@ def q_zt(x0: torch.Tensor, t: float) -> torch.Tensor:
     return per_pos.prod(-1).double()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Thousands of tiny ops: one thread is faster, and immune to a busy machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (tests/conftest.py)
 
 
 def continuous_elbo(model, x0: torch.Tensor, grid: int = 4000) -> float:
