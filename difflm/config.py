@@ -304,7 +304,8 @@ class TrainConfig(_Section):
     nproc_per_node: int = Field(1, ge=1, description="torchrun processes per node (GPUs per node; CPU: gloo ranks).")
     nnodes: int = Field(1, ge=1, description="Nodes (cluster launches: `difflm launch`).")
     init_from: str | None = Field(
-        None, description="Megatron checkpoint (model weights, any TP/PP) to start from, e.g. from `difflm import-hf`."
+        None, description="Megatron checkpoint (model weights, any TP/PP) to start from, e.g. from "
+        "`difflm convert HF_DIR --out CKPT`."
     )
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: bf16 params/compute, fp32 main weights.")
     fp8: Literal["hybrid", "e4m3"] | None = Field(None, description="FP8 recipe (Transformer Engine on GPU only).")

@@ -1,7 +1,10 @@
 """`difflm`: the command line of the pipeline, on the top floor (it dispatches to flows and stages).
 
-Every command takes a preset (`--preset tiny-cpu` or a YAML path) and `section.field=value` overrides;
-the configuration is validated before any work starts.
+One verb per job, each a row of COMMANDS (name, help, arguments, handler); every handler is a plain function
+`(config, args) -> exit code`. Every command takes `--preset` (a name in configs/ or a YAML path) and
+`section.field=value` overrides, with one rule for the default (`preset_default`): a command on an existing run
+takes the config.yaml that run recorded, any other command tiny-cpu. The configuration is validated before any
+work starts; errors the user can fix (`difflm.errors.UserError`) print one line, no traceback.
 """
 
 from __future__ import annotations
@@ -10,23 +13,35 @@ import argparse
 import json
 import os
 import sys
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import yaml
 
 from difflm import set_offline_env
-from difflm.config import CONFIG_DIR, ConfigError, PipelineConfig, load_config
+from difflm.config import CONFIG_DIR, PipelineConfig, load_config, validate
+from difflm.errors import UserError
+
+# Flows, stages and models are imported inside the handlers (and in `_run_of_*`): `difflm --help` then loads
+# argparse and the config only (well under a second), and a command loads only what it runs (torch, megatron,
+# Prefect and MLflow take seconds to import).
+
+DEFAULT_PRESET = "tiny-cpu"
 
 EPILOG = """examples:
   difflm run                                   # the demo: tiny-cpu preset, every stage
   difflm run train.train_iters=50 model.num_layers=2
   difflm run --preset configs/my.yaml diffusion.model_running_mode=ar
   difflm config show train.lr=1e-3             # print the resolved configuration
-  difflm serve --cron '0 3 * * *'              # a Prefect deployment of pretrain-difflm
   difflm eval .difflm/runs/<run> .difflm/runs/<ar run>   # tasks + bounds, side by side
   difflm convert .difflm/runs/<run>             # newest checkpoint -> <run>/exports/iter_XXXXXXX (HF)
+  difflm convert <run>/hf --out ckpt/           # HF export -> megatron checkpoint (then train.init_from=ckpt/)
   difflm eval-latest .difflm/runs/<run>         # score the newest checkpoint while it trains, into MLflow
   difflm generate .difflm/runs/<run> --prompt "The river" eval.threshold=0.9 eval.block_length=8
+  difflm serve pretrain-difflm --cron '0 3 * * *'                # a Prefect deployment of the pipeline
+  difflm serve evaluate-latest --run-dir .difflm/runs/<run>     # score each new checkpoint every 600 s
 """
 
 
@@ -36,11 +51,6 @@ def _offline_env(cfg: PipelineConfig) -> None:
     (workdir / ".prefect").mkdir(parents=True, exist_ok=True)  # Prefect does not create parents
     os.environ.setdefault("PREFECT_HOME", str(workdir / ".prefect"))
     set_offline_env()
-
-
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny-cpu", help="preset name in configs/ or a YAML file (default: tiny-cpu)")
-    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
 
 
 def cmd_run(cfg: PipelineConfig, args) -> int:
@@ -89,9 +99,7 @@ def cmd_config(cfg: PipelineConfig, args) -> int:
 
 
 def cmd_prep(cfg: PipelineConfig, args) -> int:
-    from data_prep.pipeline import DataPrepError, SubmittedToCluster
-    from data_prep.tokenizer import TokenizerError
-    from data_prep.verify import DataVerificationError
+    from data_prep.pipeline import SubmittedToCluster
 
     try:
         if args.flow:
@@ -102,12 +110,9 @@ def cmd_prep(cfg: PipelineConfig, args) -> int:
             from data_prep.pipeline import prepare_data
 
             m = prepare_data(cfg)
-    except SubmittedToCluster as note:
+    except SubmittedToCluster as note:  # prep's job is done once the Slurm job is queued
         print(f"difflm: {note}")
         return 0
-    except (DataPrepError, TokenizerError, DataVerificationError) as err:
-        print(f"difflm: {err}", file=sys.stderr)
-        return 1
     print(f"data: {m['dir']}")
     for split, s in m["splits"].items():
         per = ", ".join(f"{k} {v['documents']} docs/{v['tokens']:,} tok" for k, v in s["sources"].items())
@@ -120,19 +125,13 @@ def cmd_prep(cfg: PipelineConfig, args) -> int:
 
 
 def cmd_verify(cfg: PipelineConfig, args) -> int:
-    from data_prep.pipeline import MANIFEST, data_dir
-    from data_prep.verify import DataVerificationError, verify
+    from data_prep.pipeline import MANIFEST, DataPrepError, data_dir
+    from data_prep.verify import verify
 
     path = data_dir(cfg) / MANIFEST
     if not path.exists():
-        print(f"difflm: no finished data prep for this config at {path.parent}; run `difflm prep` first",
-              file=sys.stderr)
-        return 1
-    try:
-        report = verify(json.loads(path.read_text()))
-    except DataVerificationError as err:
-        print(f"difflm: {err}", file=sys.stderr)
-        return 1
+        raise DataPrepError(f"no finished data prep for this config at {path.parent}; run `difflm prep` first")
+    report = verify(json.loads(path.read_text()))
     print(f"ok: {report['shards']} shards, {report['documents']} documents, {report['tokens']:,} tokens verified")
     return 0
 
@@ -148,16 +147,12 @@ def cmd_train(cfg: PipelineConfig, args) -> int:
 
 
 def cmd_launch(cfg: PipelineConfig, args) -> int:
+    """The options --partition, --time, ... are config fields (train.slurm.*, train.kubernetes.*), already set in
+    `cfg` and validated with the rest of it (see `Arg.sets`)."""
     from data_prep.pipeline import prepare_data
     from models.launch.cluster import mount_problem, write_launch_file
     from models.launch.torchrun import run_dir
 
-    # the options override train.slurm.* / train.kubernetes.* (the settings train.launcher=slurm|kubernetes uses)
-    for section, options in ((cfg.train.slurm, ("partition", "time", "python")),
-                             (cfg.train.kubernetes, ("image", "pvc"))):
-        for name in options:
-            if getattr(args, name) is not None:
-                setattr(section, name, getattr(args, name))
     target = "kubernetes" if args.target in ("k8s", "kubernetes") else "slurm"
     manifest = prepare_data(cfg)
     rdir = run_dir(cfg, manifest)
@@ -170,18 +165,14 @@ def cmd_launch(cfg: PipelineConfig, args) -> int:
 
 
 def cmd_convert(cfg: PipelineConfig, args) -> int:
-    """`convert` (either direction, inferred) and `import-hf` (HF -> megatron): one path, plain or as the flow."""
-    from tasks.runs import conversion_source, convert_source, stage_config
+    """One conversion, either direction (from the SOURCE), plain or as the flow convert-checkpoint."""
+    from tasks.runs import conversion_source, convert_source
 
-    source, to = (args.hf_dir, "megatron") if args.command == "import-hf" else (args.source, args.to)
-    found = conversion_source(source, to)  # a folder that is neither fails here, before any Prefect server
-    if args.preset is None:  # no preset: the run's own config.yaml when the source belongs to a run
-        cfg = stage_config(found["run_dir"], None, args.overrides)
-    _offline_env(cfg)  # Prefect's state beside the run's workdir, not in the current directory
+    found = conversion_source(args.source)
     if args.flow:
         from flows.convert import convert_checkpoint
 
-        info = convert_checkpoint(source=source, to=to, out_dir=args.out, config=cfg)
+        info = convert_checkpoint(source=args.source, out_dir=args.out, config=cfg)
     else:
         info = convert_source(cfg, found, args.out)
     out = info["out_dir"]
@@ -194,13 +185,10 @@ def cmd_convert(cfg: PipelineConfig, args) -> int:
 
 
 def cmd_eval_latest(cfg: PipelineConfig, args) -> int:
-    from tasks.runs import stage_config, training_run_dir
-
-    rdir = training_run_dir(args.run_dir)  # a wrong path fails here, before any Prefect server starts
-    _offline_env(stage_config(rdir, args.preset, args.overrides))  # Prefect's state beside the run's workdir
     from flows.evaluate_latest import evaluate_latest
+    from tasks.runs import training_run_dir
 
-    res = evaluate_latest(run_dir=str(rdir), preset=args.preset, overrides=args.overrides,
+    res = evaluate_latest(run_dir=str(training_run_dir(args.run_dir)), preset=args.preset, overrides=args.overrides,
                           max_sequences=args.max_sequences, force=args.force)
     if res.get("skipped"):
         print(f"skipped: {res['skipped']}" + (f" (iteration {res['iteration']}, score {res['score']:.4f}; "
@@ -283,14 +271,14 @@ def cmd_serve(cfg: PipelineConfig, args) -> int:
     # where flows/data_prep.py would shadow the data_prep package
     schedule = {"cron": args.cron} if args.cron else {"interval": args.interval} if args.interval else {}
     schedule["entrypoint_type"] = EntrypointType.MODULE_PATH
-    if args.flow == "evaluate-latest":
+    if args.served == "evaluate-latest":
         schedule = schedule if len(schedule) > 1 else {**schedule, "interval": 600}
         from flows.evaluate_latest import evaluate_latest
         from tasks.runs import training_run_dir
 
         if not args.run_dir:
-            raise SystemExit("difflm serve --flow evaluate-latest needs --run-dir <workdir>/runs/<run> (the run to "
-                             "score while it trains)")
+            raise UserError("difflm serve evaluate-latest needs --run-dir <workdir>/runs/<run> (the run to score "
+                            "while it trains)")
         params = {"run_dir": str(training_run_dir(args.run_dir)), "max_sequences": args.max_sequences,
                   "overrides": args.overrides}
         if args.preset:  # else the run's own config.yaml
@@ -301,157 +289,239 @@ def cmd_serve(cfg: PipelineConfig, args) -> int:
         return 0
     from flows.pretrain import pretrain_difflm
 
-    pretrain_difflm.serve(name=args.name, parameters={"preset": args.preset or "tiny-cpu", "overrides": args.overrides},
-                          **schedule)
+    pretrain_difflm.serve(name=args.name, parameters={"preset": args.preset or DEFAULT_PRESET,
+                                                      "overrides": args.overrides}, **schedule)
     return 0
+
+
+# ---- the command table ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Arg:
+    """One argparse argument; `sets`: the config field an option sets (validated with the rest of the config)."""
+    flags: tuple[str, ...]
+    options: dict[str, Any]
+    sets: str | None = None
+
+    @property
+    def dest(self) -> str:
+        return self.options.get("dest") or self.flags[0].lstrip("-").replace("-", "_")
+
+
+def arg(*flags: str, sets: str | None = None, **options: Any) -> Arg:
+    return Arg(flags, options, sets)
+
+
+def flow_flag(flow: str) -> Arg:
+    """`--flow`: the same command under Prefect (a flow run, its own MLflow run), on every command that has one."""
+    return arg("--flow", action="store_true", help=f"run as the Prefect flow `{flow}`, logging to MLflow")
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    help: str         # one line in `difflm --help`
+    description: str  # `difflm NAME --help`
+    handler: Callable[[PipelineConfig, argparse.Namespace], int]
+    args: tuple[Arg, ...] = ()
+    # the run directory whose recorded config.yaml is this command's default config (None: none for these args)
+    run_of: Callable[[argparse.Namespace], Path | None] | None = None
+
+
+def preset_default(cmd: Command) -> str:
+    """The one rule for `--preset`'s default, as each command's help says it."""
+    if cmd.run_of:
+        return f"the config.yaml the run recorded, else {DEFAULT_PRESET}"
+    return DEFAULT_PRESET
+
+
+def _run_of_conversion(args) -> Path | None:
+    from tasks.runs import conversion_source
+
+    return conversion_source(args.source)["run_dir"]  # a folder that is neither fails here, before any server
+
+
+def _run_of_run_dir(args) -> Path | None:
+    from tasks.runs import training_run_dir
+
+    return training_run_dir(args.run_dir)  # a wrong path fails here, before any Prefect server starts
+
+
+def _run_of_served(args) -> Path | None:
+    return _run_of_run_dir(args) if args.served == "evaluate-latest" and args.run_dir else None
+
+
+SOURCE_HELP = "export folder, run directory, or models:/<name>/<version> | models:/<name>@<alias>"
+
+COMMANDS = (
+    Command(
+        "run", "run the pretrain-difflm flow end to end (data, train, export, eval, MLflow)",
+        "Run the Prefect flow pretrain-difflm: data prep, torchrun training, HF export, evaluation, MLflow tracking "
+        "and model registration. Finished stages are reused; an interrupted run resumes. With no Prefect API "
+        "configured a temporary local server is used.",
+        cmd_run),
+    Command(
+        "config", "show the resolved configuration, list presets, or print the JSON schema",
+        "Print the configuration the other commands would use with the same --preset and overrides (show), the "
+        "preset files (presets), or the JSON schema of every field (schema).",
+        cmd_config,
+        (arg("action", nargs="?", default="show", choices=["show", "presets", "schema"],
+             help="show (default): the resolved config; presets: the preset files; schema: JSON schema"),)),
+    Command(
+        "prep", "data prep only: datatrove -> tokenized Megatron .bin/.idx + manifest",
+        "Read the configured sources (data.sources), clean, split, tokenize and write verified Megatron datasets. "
+        "Reruns finish interrupted work; a changed config writes to a new folder.",
+        cmd_prep, (flow_flag("data-prep"),)),
+    Command(
+        "verify", "re-read and check every shard of the config's finished data prep",
+        "Re-read every shard of the data prep this config names and check it against its manifest (document and "
+        "token counts, checksums).",
+        cmd_verify),
+    Command(
+        "train", "data prep (reused) + training only, no Prefect/MLflow",
+        "Prepare the data (reused when done), then train with train.launcher: torchrun here (local), or a Slurm "
+        "job or Kubernetes PyTorchJob that it submits and waits for. Prints the run directory and checkpoint.",
+        cmd_train),
+    Command(
+        "launch", "write a Slurm script or Kubernetes PyTorchJob that trains this config",
+        "Prepare the data (reused when done), then write a cluster launch file for torchrun on train.nnodes nodes "
+        "x train.nproc_per_node GPUs into the run directory, to submit yourself. The workdir must be on storage "
+        "every node sees. train.launcher=slurm|kubernetes also submits it and waits (difflm train, difflm run, "
+        "the pretrain-difflm flow). The options below set the config fields they name.",
+        cmd_launch,
+        (arg("--target", choices=["slurm", "k8s", "kubernetes"], default="slurm", help="default: slurm"),
+         arg("--partition", sets="train.slurm.partition", help="Slurm partition (sets train.slurm.partition)"),
+         arg("--time", sets="train.slurm.time", help="Slurm time limit (sets train.slurm.time)"),
+         arg("--python", sets="train.slurm.python", help="python on the nodes (sets train.slurm.python; default: "
+             "this one)"),
+         arg("--image", sets="train.kubernetes.image", help="container image (sets train.kubernetes.image)"),
+         arg("--pvc", sets="train.kubernetes.pvc", help="PersistentVolumeClaim holding the workdir (sets "
+             "train.kubernetes.pvc)"))),
+    Command(
+        "convert", "megatron checkpoint <-> Hugging Face folder; the direction follows from SOURCE",
+        "Convert between megatron and Hugging Face. The direction follows from SOURCE, which is never ambiguous:\n"
+        "  a run directory   -> its newest complete checkpoint -> HF export (<run>/exports/iter_XXXXXXX)\n"
+        "  a megatron checkpoint (iter_XXXXXXX, with metadata.json) -> HF export (<name>-hf beside it)\n"
+        "  an HF export (config.json + model.safetensors) -> megatron checkpoint (<name>-megatron beside it),\n"
+        "    to start training from: train.init_from=<that folder>\n"
+        "The model comes from the config: by default the config.yaml of the run SOURCE belongs to; for HF -> "
+        "megatron, parallel.* sets the vocabulary padding of the target layout. An --out folder holding anything "
+        "else is never replaced.",
+        cmd_convert,
+        (arg("source", metavar="SOURCE", help="run directory, megatron checkpoint folder, or HF export folder"),
+         arg("--out", default=None, help="output folder (default: <run>/exports/iter_XXXXXXX, or next to the source "
+             "as <name>-hf / <name>-megatron)"),
+         flow_flag("convert-checkpoint")),
+        run_of=_run_of_conversion),
+    Command(
+        "eval", "score exports, run directories or registered versions on the data's tasks",
+        "For each SOURCE: the likelihood bound (exact NLL for ar) on held-out windows, the cloze / multiple-choice "
+        "/ document tasks built from the held-out split of the config's data (the same items for every source), "
+        "and samples. Prints one table; results and lm-eval task files go to <run>/eval (or --out). eval.* "
+        "overrides set the items, Monte-Carlo samples and sampler; eval.steps_sweep=[4,8,16] adds a "
+        "quality/speed sweep.",
+        cmd_eval,
+        (arg("sources", nargs="+", metavar="SOURCE", help=SOURCE_HELP),
+         arg("--out", default=None, help="results folder (default: <run>/eval or <workdir>/evals/<source>)"),
+         arg("--tracking-uri", default=None, help="MLflow store for models:/ sources (default: the config's)"),
+         flow_flag("evaluate"))),
+    Command(
+        "eval-latest", "score a training run's newest checkpoint, while it trains, into MLflow",
+        "Run the Prefect flow evaluate-latest once: export the newest complete checkpoint of RUN_DIR (it may still "
+        "be training), score its held-out likelihood bound on a few windows and log it to MLflow at that iteration "
+        "(the training's MLflow run when found). A checkpoint scored before is skipped "
+        "(<run>/eval_latest/scores.json). On a schedule: difflm serve evaluate-latest, or prefect.yaml.",
+        cmd_eval_latest,
+        (arg("run_dir", metavar="RUN_DIR", help="training run directory (<workdir>/runs/<run>)"),
+         arg("--max-sequences", type=int, default=16,
+             help="held-out windows to score (default: 16; at most eval.max_sequences of the config)"),
+         arg("--force", action="store_true", help="score the newest checkpoint even if scored before")),
+        run_of=_run_of_run_dir),
+    Command(
+        "generate", "sample from an export with the configured sampler",
+        "Generate after each --prompt (default: the first words of held-out documents). The sampler is eval.*: "
+        "sampler_steps, block_length, remasking (low_confidence | margin | entropy | random), threshold (Fast-dLLM "
+        "parallel decoding), temperature, top_k, top_p, cfg_scale, stop_at_eos. ar exports decode token by token "
+        "with a KV cache.",
+        cmd_generate,
+        (arg("source", metavar="SOURCE", help=SOURCE_HELP),
+         arg("--prompt", action="append", help="a prompt (repeat for a batch)"),
+         arg("--max-new-tokens", type=int, default=None, help="tokens to generate (default: eval.sample_length)"),
+         arg("--json", action="store_true", help="print the records (completion, settings, timing) as JSON"),
+         arg("--tracking-uri", default=None, help="MLflow store for models:/ sources (default: the config's)"))),
+    Command(
+        "serve", "serve a flow (pretrain-difflm or evaluate-latest) as a Prefect deployment, optionally scheduled",
+        "Register a deployment of FLOW and run its flow runs in this process until stopped (Ctrl-C). "
+        "pretrain-difflm takes the config (--preset and overrides); evaluate-latest scores the newest checkpoint "
+        "of --run-dir on every scheduled run (default: every 600 s) and logs it to MLflow at that step. For a "
+        "work pool and a worker instead, see prefect.yaml (`prefect deploy`).",
+        cmd_serve,
+        (arg("served", metavar="FLOW", choices=["pretrain-difflm", "evaluate-latest"],
+             help="the flow to serve: pretrain-difflm | evaluate-latest"),
+         arg("--name", default="demo", help="deployment name (run it: prefect deployment run 'FLOW/NAME')"),
+         arg("--cron", default=None, help="cron schedule, e.g. '0 3 * * *'"),
+         arg("--interval", type=float, default=None, help="interval schedule in seconds (evaluate-latest default: "
+             "600)"),
+         arg("--run-dir", default=None, help="evaluate-latest: the training run directory to score"),
+         arg("--max-sequences", type=int, default=16,
+             help="evaluate-latest: held-out windows per score (default: 16; at most eval.max_sequences)")),
+        run_of=_run_of_served),
+)
+BY_NAME = {c.name: c for c in COMMANDS}
+
+# spellings that are gone, and what to type instead
+REMOVED = {
+    "import-hf": "`difflm import-hf` is gone: use `difflm convert HF_DIR --out CKPT` (the direction follows from "
+                 "the source)",
+}
+REMOVED_OPTIONS = {
+    ("convert", "--to"): "convert takes no --to: the direction follows from SOURCE (a run directory or megatron "
+                         "checkpoint converts to HF, an HF export to megatron); see `difflm convert --help`",
+    ("serve", "--flow"): "serve takes the flow as its first argument: `difflm serve pretrain-difflm` or "
+                         "`difflm serve evaluate-latest --run-dir RUN`",
+}
+
+
+def _wrap(text: str, width: int = 100) -> str:
+    """Each line of `text` filled to `width`; an indented line (a table row) keeps its indent when it wraps."""
+    lines = []
+    for line in text.split("\n"):
+        indent = " " * (len(line) - len(line.lstrip()) + (2 if line.startswith(" ") else 0))
+        lines.append(textwrap.fill(line, width, subsequent_indent=indent))
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="difflm", description="Pretrain diffusion language models on megatron-core, data to registered checkpoint.",
+        prog="difflm",
+        description="Pretrain diffusion language models on megatron-core, data to registered checkpoint.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="run the pretrain-difflm flow end to end (data, train, export, eval, MLflow)",
-                       description="Run the Prefect flow pretrain-difflm: data prep, torchrun training, HF export, "
-                       "evaluation, MLflow tracking and model registration. Finished stages are reused; an "
-                       "interrupted run resumes. With no Prefect API configured a temporary local server is used.")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_run)
-    p = sub.add_parser("config", help="show the resolved configuration, list presets, or print the JSON schema")
-    p.add_argument("action", nargs="?", default="show", choices=["show", "presets", "schema"],
-                   help="show (default): the resolved config; presets: the preset files; schema: JSON schema")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_config)
-    p = sub.add_parser("prep", help="data prep only: datatrove -> tokenized Megatron .bin/.idx + manifest",
-                       description="Read the configured sources (data.sources), clean, split, tokenize and write "
-                       "verified Megatron datasets. Reruns finish interrupted work; a changed config writes to a "
-                       "new folder.")
-    _add_config_args(p)
-    p.add_argument("--flow", action="store_true", help="run as the Prefect flow `data-prep`, logging to MLflow")
-    p.set_defaults(func=cmd_prep)
-    p = sub.add_parser("verify", help="re-read and check every shard of the config's finished data prep")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_verify)
-    p = sub.add_parser("train", help="data prep (reused) + torchrun training only, no Prefect/MLflow")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_train)
-    p = sub.add_parser("launch", help="write a Slurm script or Kubernetes PyTorchJob that trains this config",
-                       description="Prepare the data (reused when done), then write a cluster launch file for "
-                       "torchrun on train.nnodes nodes x train.nproc_per_node GPUs into the run directory. The "
-                       "workdir must be on storage every node sees. train.launcher=slurm|kubernetes also submits "
-                       "it and waits (difflm train, difflm run, the pretrain-difflm flow).")
-    p.add_argument("--target", choices=["slurm", "k8s", "kubernetes"], default="slurm")
-    p.add_argument("--partition", default=None, help="Slurm partition (default: train.slurm.partition)")
-    p.add_argument("--time", default=None, help="Slurm time limit (default: train.slurm.time, 24:00:00)")
-    p.add_argument("--python", default=None, help="python on the nodes (default: train.slurm.python, else this one)")
-    p.add_argument("--image", default=None, help="container image (k8s; default: train.kubernetes.image)")
-    p.add_argument("--pvc", default=None, help="PersistentVolumeClaim holding the workdir (k8s; default: "
-                   "train.kubernetes.pvc)")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_launch)
-    p = sub.add_parser("convert", help="megatron checkpoint <-> HF folder (a run directory: its newest checkpoint)",
-                       description="Convert a run directory (its newest complete checkpoint), a megatron checkpoint "
-                       "(iter_XXXXXXX) or an HF export; the direction follows from the source (or --to). With no "
-                       "--preset, the run's own config.yaml describes the model; for HF -> megatron the config's "
-                       "parallel.* sets the vocabulary padding of the target layout.")
-    p.add_argument("source", help="run directory, checkpoint folder, or HF export folder")
-    p.add_argument("--to", choices=["hf", "megatron"], default=None, help="direction (default: from the source)")
-    p.add_argument("--out", default=None, help="output folder (default: <run>/exports/iter_XXXXXXX, or next to "
-                   "the source as <name>-hf / <name>-megatron)")
-    p.add_argument("--flow", action="store_true", help="run as the Prefect flow `convert-checkpoint`")
-    p.add_argument("--preset", default=None, help="preset or YAML (default: the run's config.yaml, else tiny-cpu)")
-    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
-    p.set_defaults(func=cmd_convert)
-    p = sub.add_parser("import-hf", help="HF folder (this project's format) -> megatron checkpoint for train.init_from",
-                       description="Convert an exported Hugging Face folder back into a megatron distributed "
-                       "checkpoint (model weights). The model.* config must describe the same architecture. "
-                       "The same as `difflm convert HF_DIR --to megatron`.")
-    p.add_argument("hf_dir", help="folder with config.json, model.safetensors and tokenizer.json")
-    p.add_argument("--out", required=True, help="output checkpoint folder")
-    p.add_argument("--flow", action="store_true", help="run as the Prefect flow `convert-checkpoint`")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_convert)
-    p = sub.add_parser("eval", help="score exports, run directories or registered versions on the data's tasks",
-                       description="For each SOURCE: the likelihood bound (exact NLL for ar) on held-out windows, "
-                       "the cloze / multiple-choice / document tasks built from the held-out split of the config's "
-                       "data (the same items for every source), and samples. Prints one table; results and "
-                       "lm-eval task files go to <run>/eval (or --out). eval.* overrides set the items, Monte-Carlo "
-                       "samples and sampler; eval.steps_sweep=[4,8,16] adds a quality/speed sweep.")
-    p.add_argument("sources", nargs="+", metavar="SOURCE",
-                   help="export folder, run directory, or models:/<name>/<version> | models:/<name>@<alias>")
-    p.add_argument("--out", default=None, help="results folder (default: <run>/eval or <workdir>/evals/<source>)")
-    p.add_argument("--tracking-uri", default=None, help="MLflow store for models:/ sources (default: the config's)")
-    p.add_argument("--flow", action="store_true", help="run as the Prefect flow `evaluate`, logging to MLflow")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_eval)
-    p = sub.add_parser("eval-latest", help="score a training run's newest checkpoint (the flow evaluate-latest)",
-                       description="Run the Prefect flow evaluate-latest once: export the newest complete "
-                       "checkpoint of RUN_DIR (it may still be training), score its held-out likelihood bound on a "
-                       "few windows and log it to MLflow at that iteration (the training's MLflow run when found). "
-                       "A checkpoint scored before is skipped (<run>/eval_latest/scores.json). prefect.yaml "
-                       "schedules it every 10 minutes.")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="training run directory (<workdir>/runs/<run>)")
-    p.add_argument("--max-sequences", type=int, default=16,
-                   help="held-out windows to score (default: 16; at most eval.max_sequences of the config)")
-    p.add_argument("--force", action="store_true", help="score the newest checkpoint even if scored before")
-    p.add_argument("--preset", default=None, help="preset or YAML (default: the run's config.yaml)")
-    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="configuration overrides")
-    p.set_defaults(func=cmd_eval_latest)
-    p = sub.add_parser("generate", help="sample from an export with the configured sampler",
-                       description="Generate after each --prompt (default: the first words of held-out documents). "
-                       "The sampler is eval.*: sampler_steps, block_length, remasking (low_confidence | margin | "
-                       "entropy | random), threshold (Fast-dLLM parallel decoding), temperature, top_k, top_p, "
-                       "cfg_scale, stop_at_eos. ar exports decode token by token with a KV cache.")
-    p.add_argument("source", metavar="SOURCE", help="export folder, run directory, or models:/<name>/<version>")
-    p.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default: eval.sample_length)")
-    p.add_argument("--json", action="store_true", help="print the records (completion, settings, timing) as JSON")
-    p.add_argument("--tracking-uri", default=None, help="MLflow store for models:/ sources")
-    _add_config_args(p)
-    p.set_defaults(func=cmd_generate)
-    p = sub.add_parser("serve", help="serve pretrain-difflm (or evaluate-latest) as a Prefect deployment, optionally "
-                       "on a schedule", description="Register a deployment and run its flow runs in this process "
-                       "until stopped (Ctrl-C). pretrain-difflm takes the config (--preset and overrides); "
-                       "evaluate-latest scores the newest checkpoint of --run-dir on every scheduled run "
-                       "(default: every 600 s) and logs it to MLflow at that step. For a work pool and a worker "
-                       "instead, see prefect.yaml (`prefect deploy`).")
-    _add_config_args(p)
-    p.set_defaults(preset=None)  # pretrain-difflm: tiny-cpu; evaluate-latest: the run's own config.yaml
-    p.add_argument("--flow", choices=["pretrain-difflm", "evaluate-latest"], default="pretrain-difflm",
-                   help="which flow to serve (default: pretrain-difflm)")
-    p.add_argument("--name", default="demo", help="deployment name (run it: prefect deployment run 'FLOW/NAME')")
-    p.add_argument("--cron", default=None, help="cron schedule, e.g. '0 3 * * *'")
-    p.add_argument("--interval", type=float, default=None, help="interval schedule in seconds (evaluate-latest "
-                   "default: 600)")
-    p.add_argument("--run-dir", default=None, help="evaluate-latest: the training run directory to score")
-    p.add_argument("--max-sequences", type=int, default=16,
-                   help="evaluate-latest: held-out windows per score (default: 16; at most eval.max_sequences)")
-    p.set_defaults(func=cmd_serve)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for cmd in COMMANDS:
+        p = sub.add_parser(cmd.name, help=cmd.help, description=_wrap(cmd.description),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        for a in cmd.args:
+            p.add_argument(*a.flags, **a.options)
+        p.add_argument("--preset", default=None,
+                       help=f"preset name in configs/ or a YAML file (default: {preset_default(cmd)})")
+        p.add_argument("overrides", nargs="*", metavar="key.sub=value",
+                       help="configuration overrides (`difflm config show` lists every field)")
     return parser
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Errors whose message already says what to do: printed plainly, without a traceback."""
-    from data_prep.pipeline import DataPrepError
-    from data_prep.tokenizer import TokenizerError
-    from data_prep.verify import DataVerificationError
-    from data_prep.corpus import CorpusError
-    from models.evaluation.sources import SourceError
-    from models.evaluation.stages import EvaluationError
-    from models.hf.convert import ConversionError
-    from models.launch.torchrun import TrainingError
-
-    return (DataPrepError, TokenizerError, DataVerificationError, CorpusError, ConversionError, TrainingError,
-            SourceError, EvaluationError)
 
 
 def _parse(argv: list[str] | None):
     """Overrides may come before or after options (`config show --preset x a.b=1`): argparse leaves
     positionals that follow an option unparsed, so collect those `key=value` leftovers here."""
+    argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
+    if argv and argv[0] in REMOVED:
+        parser.error(REMOVED[argv[0]])
     args, extra = parser.parse_known_args(argv)
     stray = [x for x in extra if "=" not in x or x.startswith("-")]
+    for x in stray:
+        if (args.command, x.split("=", 1)[0]) in REMOVED_OPTIONS:
+            parser.error(REMOVED_OPTIONS[args.command, x.split("=", 1)[0]])
     if stray:
         dashed = [x.lstrip("-") for x in stray if x.startswith("--") and "=" in x]
         hint = (f" (configuration overrides take no dashes: {' '.join(dashed)}; `difflm config show` lists every "
@@ -471,24 +541,46 @@ def _is_override(arg: str) -> bool:
     return "=" in arg and not arg.startswith("models:/") and all(part.isidentifier() for part in key.split("."))
 
 
+def resolve_config(cmd: Command, args) -> PipelineConfig:
+    """The command's configuration, validated: --preset (else the run's recorded config.yaml for a command on a
+    run, else tiny-cpu) + overrides + the options that set config fields. A new config, never one mutated."""
+    run = cmd.run_of(args) if cmd.run_of and not args.preset else None
+    if run is not None:
+        from tasks.runs import stage_config
+
+        cfg = stage_config(run, None, args.overrides)
+    else:
+        cfg = load_config(args.preset or DEFAULT_PRESET, args.overrides)
+    options = {a.sets: getattr(args, a.dest) for a in cmd.args if a.sets and getattr(args, a.dest) is not None}
+    return with_fields(cfg, options) if options else cfg
+
+
+def with_fields(cfg: PipelineConfig, values: dict[str, Any]) -> PipelineConfig:
+    """A copy of `cfg` with {dotted field: value} set, validated again as a whole."""
+    data = cfg.model_dump(mode="json")
+    for key, value in values.items():
+        *parents, last = key.split(".")
+        node = data
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    return validate(data)
+
+
 def main(argv: list[str] | None = None) -> int:
     import warnings
 
     # megatron warns at import that Apex/TE are absent; on a CPU that is expected, not news
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
     args = _parse(argv)
+    cmd = BY_NAME[args.command]
     try:
-        cfg = load_config(args.preset, args.overrides)
-    except ConfigError as err:
+        cfg = resolve_config(cmd, args)
+        _offline_env(cfg)  # Prefect's state beside the config's workdir (a run's own, for a command on a run)
+        return cmd.handler(cfg, args)
+    except UserError as err:  # the message already says what to do: no traceback
         print(f"difflm: {err}", file=sys.stderr)
-        return 2
-    if not (args.command in ("convert", "eval-latest") and args.preset is None):
-        _offline_env(cfg)  # those two take the config (and workdir) of the run they are given, and set it then
-    try:
-        return args.func(cfg, args)
-    except _user_errors() as err:
-        print(f"difflm: {err}", file=sys.stderr)
-        return getattr(err, "exit_code", 1)  # TrainingPreempted: 75 (EX_TEMPFAIL), rerun to resume
+        return err.exit_code  # 1; 2 for a bad config; 75 (EX_TEMPFAIL) when rerunning resumes
     except KeyboardInterrupt:
         print("difflm: interrupted; rerun the same command to resume (finished stages and checkpoints are kept)",
               file=sys.stderr)

@@ -1,10 +1,9 @@
 """The `convert-checkpoint` flow: megatron checkpoint <-> Hugging Face folder, for any run directory (its newest
-complete checkpoint), checkpoint folder or export. `python -m flows.convert SOURCE [--to hf|megatron] ...`."""
+complete checkpoint), checkpoint folder or export. From the command line: `difflm convert SOURCE --flow`; as a
+deployment: prefect.yaml's `convert` (entrypoint flows.convert:convert_checkpoint)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 from typing import Literal, Optional
 
 from prefect import flow
@@ -42,19 +41,3 @@ def convert_checkpoint(
     else:
         cfg = config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
     return convert_source_task(cfg, found, out_dir)
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m flows.convert", description=convert_checkpoint.description)
-    p.add_argument("source")
-    p.add_argument("--to", choices=["hf", "megatron"], default=None)
-    p.add_argument("--out", default=None, help="output folder")
-    p.add_argument("--preset", default=None, help="preset or YAML (default: the run's config.yaml)")
-    p.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    args = p.parse_args(argv)
-    print(json.dumps(convert_checkpoint(source=args.source, to=args.to, out_dir=args.out, preset=args.preset,
-                                        overrides=args.overrides), indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,11 +1,10 @@
 """The `evaluate-latest` flow: score the newest complete checkpoint of a training run, while it trains, and log
 the score to MLflow at that step. Meant to run on a schedule (prefect.yaml); a checkpoint already scored is
-skipped. `python -m flows.evaluate_latest RUN_DIR [overrides]`."""
+skipped. From the command line: `difflm eval-latest RUN_DIR` (once) or `difflm serve evaluate-latest --run-dir RUN_DIR`
+(on a schedule, in this process)."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from typing import Optional
 
@@ -59,19 +58,3 @@ def evaluate_latest(
     logger.info(f"{rdir.name}: iteration {iteration} scored {record['score']:.4f} nats/token"
                 + (f" (MLflow run {run_id}, step {iteration})" if run_id else ""))
     return record
-
-
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m flows.evaluate_latest", description=evaluate_latest.description)
-    p.add_argument("run_dir")
-    p.add_argument("--preset", default=None, help="preset or YAML (default: the run's config.yaml)")
-    p.add_argument("--max-sequences", type=int, default=16)
-    p.add_argument("--force", action="store_true")
-    p.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    args = p.parse_args(argv)
-    print(json.dumps(evaluate_latest(run_dir=args.run_dir, preset=args.preset, overrides=args.overrides,
-                                     max_sequences=args.max_sequences, force=args.force), indent=2))
-
-
-if __name__ == "__main__":
-    main()

@@ -60,8 +60,8 @@ def test_deployment_run_from_the_cli(tmp_path):
         _wait_healthy(f"http://127.0.0.1:{port}/api/health", server)
         workdir = tmp_path / "work"
         serve = subprocess.Popen(
-            [str(BIN / "difflm"), "serve", "--preset", "test-tiny", "--name", "ci", f"workdir={workdir}",
-             "train.train_iters=6", "train.warmup_iters=1", "checkpoint.save_interval=6", "tracking.enabled=false"],
+            [str(BIN / "difflm"), "serve", "pretrain-difflm", "--preset", "test-tiny", "--name", "ci",
+             f"workdir={workdir}", "train.train_iters=6", "train.warmup_iters=1", "checkpoint.save_interval=6", "tracking.enabled=false"],
             env=env, stdout=(tmp_path / "serve.log").open("w"), stderr=subprocess.STDOUT,
         )
         deadline, out = time.time() + 60, None

@@ -141,14 +141,9 @@ def test_evaluate_latest_scores_each_new_checkpoint_once(trained_run, prefect_ha
     assert forced["mlflow_run_id"] == train_id
     assert [m.step for m in client.get_metric_history(train_id, "eval_latest.ppl")] == [8]
 
-    # the CLI and `python -m flows.evaluate_latest` run the same flow
+    # the CLI runs the same flow, with the run's own config
     assert main(["eval-latest", str(run)]) == 0
     assert "skipped: already evaluated (iteration 8" in capsys.readouterr().out
-    from flows.evaluate_latest import main as module_main
-
-    module_main([str(run)])
-    lines = capsys.readouterr().out.splitlines()
-    assert json.loads("\n".join(lines[lines.index("{"):]))["skipped"] == "already evaluated"
 
 
 def test_evaluate_latest_rejects_what_is_not_a_run(trained_run, prefect_harness, tmp_path):
@@ -166,7 +161,7 @@ def test_evaluate_latest_rejects_what_is_not_a_run(trained_run, prefect_harness,
 
 @pytest.mark.slow
 def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained_run, tmp_path):
-    """`difflm serve --flow evaluate-latest` on a real Prefect server: the interval schedule creates the flow runs,
+    """`difflm serve evaluate-latest` on a real Prefect server: the interval schedule creates the flow runs,
     and each new complete checkpoint of the (still training) run gets scored once, at its step in MLflow."""
     import os
     import subprocess
@@ -198,7 +193,7 @@ def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained
 
     try:
         _wait_healthy(f"http://127.0.0.1:{port}/api/health", server)
-        serve = subprocess.Popen([str(BIN / "difflm"), "serve", "--flow", "evaluate-latest", "--name", "ci",
+        serve = subprocess.Popen([str(BIN / "difflm"), "serve", "evaluate-latest", "--name", "ci",
                                   "--run-dir", str(run), "--interval", "10", "--max-sequences", "4"],
                                  env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
         wait_for(4)
