@@ -1,5 +1,5 @@
-"""Ground floor: the typed config (`config`), the exception hierarchy (`errors`), the run-directory layout and
-MLflow tracking, registry and plots (`tracking/`).
+"""Ground floor: the typed config (`config`), the exception hierarchy (`errors`), the layout of a run directory
+(`rundir`), and MLflow tracking, registry and plots (`tracking/`).
 
 Imports no other package of the project (`flows`, `tasks`, `models`, `data_prep` stand on it; tests/test_layout.py
 checks the arrows). The command line lives on the top floor, in `flows/cli.py`.
