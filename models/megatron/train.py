@@ -28,8 +28,10 @@ import torch.distributed as dist
 from difflm.config import PipelineConfig, load_config
 from difflm.errors import NonFiniteStop, TrainingPreempted
 from difflm.rundir import RunDir
+from models.diffusion.modes import objective_class
 from models.megatron import checkpointing
 from models.megatron.data import build_datasets, micro_batch
+from models.diffusion.documents import document_ids, document_pairs
 from models.megatron.flops import efficiency, peak_flops, training_flops
 from models.megatron.gpt import build_model
 from models.megatron.metrics import MetricsWriter
@@ -161,7 +163,7 @@ def micro_lengths(cfg: PipelineConfig, step: int, n_micro: int) -> list[int]:
     windows). Pipeline stages exchange fixed-shape activations, so with PP > 1 the step's micro-batches
     share one length. Keyed by (seed, step, micro): the same on every rank and on resume."""
     t, d = cfg.train, cfg.diffusion
-    if d.varilen_prob <= 0 or d.model_running_mode == "ar":
+    if d.varilen_prob <= 0 or not objective_class(d.model_running_mode).varilen:
         return [t.seq_length] * n_micro
     one = cfg.parallel.pipeline_model_parallel_size > 1
     return [varilen_length(t.seed, step, t.seq_length, d.varilen_prob, cfg.parallel.tensor_model_parallel_size,
@@ -169,12 +171,15 @@ def micro_lengths(cfg: PipelineConfig, step: int, n_micro: int) -> list[int]:
 
 
 def run_global_batch(cfg, ddp, dataset, special: SpecialTokens, step: int, noise_step: int,
-                     forward_only: bool, lengths: list[int] | None = None) -> float | None:
+                     forward_only: bool, lengths: list[int] | None = None,
+                     attention_pairs: list[int] | None = None) -> float | None:
     """One global batch through megatron's forward-backward schedule; its loss on the last stage.
 
     `step` picks the data, `noise_step` keys the noise (evaluation uses fixed negative keys so that
     successive evaluations are comparable), `lengths` truncates each micro-batch (variable-length
     training). The loss is sum / count over the whole global batch (every micro-batch and DP rank).
+    `attention_pairs`, when given, receives each micro-batch's (query, key) pairs within its packed documents
+    (the FLOPs count of document attention).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -183,7 +188,10 @@ def run_global_batch(cfg, ddp, dataset, special: SpecialTokens, step: int, noise
     dp_size = parallel_state.get_data_parallel_world_size()
     n_micro = cfg.train.global_batch_size // (cfg.train.micro_batch_size * dp_size)
     lengths = lengths or [cfg.train.seq_length] * n_micro
-    batches = iter([micro_batch(dataset, step, m, dp_rank, cfg, dp_size, lengths[m]) for m in range(n_micro)])
+    micro = [micro_batch(dataset, step, m, dp_rank, cfg, dp_size, lengths[m]) for m in range(n_micro)]
+    if attention_pairs is not None:
+        attention_pairs.extend(document_pairs(document_ids(b["tokens"], special.eos_id)) for b in micro)
+    batches = iter(micro)
     losses = get_forward_backward_func()(
         forward_step_func=make_forward_step(cfg, special, noise_step, evaluation=forward_only),
         data_iterator=batches,
@@ -481,10 +489,11 @@ class Trainer:
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
         lengths = micro_lengths(self.cfg, done, self.n_micro)
-        loss = run_global_batch(self.cfg, self.ddp, self.train_ds, self.special, done, done, False, lengths)
-        step = Step(it=done + 1, loss=loss,
-                    tokens=sum(lengths) * t.global_batch_size // self.n_micro,  # every DP rank runs these lengths
-                    flops=self.dp_size * training_flops(self.cfg, self.vocab_size, lengths, t.micro_batch_size))
+        pairs = [] if self.cfg.model.document_attention else None  # attention kept within packed documents
+        loss = run_global_batch(self.cfg, self.ddp, self.train_ds, self.special, done, done, False, lengths, pairs)
+        # every DP rank runs these lengths; with documents, the other ranks' pairs are taken to be this rank's
+        flops = self.dp_size * training_flops(self.cfg, self.vocab_size, lengths, t.micro_batch_size, pairs)
+        step = Step(it=done + 1, loss=loss, tokens=sum(lengths) * t.global_batch_size // self.n_micro, flops=flops)
         self.run_hooks("pre_optim_step", step)
         if not step.skip_update:
             _, step.grad_norm, _ = self.opt.step()
