@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from difflm.rundir import RunDir
-
 from difflm.errors import UserError
+from difflm.rundir import RunDir
 
 
 class SourceError(UserError, ValueError):
