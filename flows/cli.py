@@ -39,7 +39,7 @@ EPILOG = """examples:
   difflm convert .difflm/runs/<run>             # newest checkpoint -> <run>/exports/iter_XXXXXXX (HF)
   difflm convert <run>/hf --out ckpt/           # HF export -> megatron checkpoint (then train.init_from=ckpt/)
   difflm eval-latest .difflm/runs/<run>         # score the newest checkpoint while it trains, into MLflow
-  difflm generate .difflm/runs/<run> --prompt "The river" eval.threshold=0.9 eval.block_length=8
+  difflm generate .difflm/runs/<run> --prompt "The river" eval.sampler.threshold=0.9 eval.sampler.block_length=8
   difflm serve pretrain-difflm --cron '0 3 * * *'                # a Prefect deployment of the pipeline
   difflm serve evaluate-latest --run-dir .difflm/runs/<run>     # score each new checkpoint every 600 s
 """
@@ -200,25 +200,28 @@ def cmd_eval_latest(cfg: PipelineConfig, args) -> int:
 
 
 def cmd_eval(cfg: PipelineConfig, args) -> int:
-    from data_prep.pipeline import prepare_data
-    from models.evaluation.report import comparison_table
+    """Each SOURCE on its own run's recorded config and data (tasks.runs.evaluation_source), unless --preset or
+    data overrides say otherwise; results on other data go to <run>/eval-<data hash>."""
     from difflm.tracking import tracking_uri
-    from models.evaluation.sources import resolve_export
-    from models.evaluation.stages import default_out_dir, evaluate_export, sweep_export
+    from models.evaluation.report import comparison_table
+    from models.evaluation.stages import evaluate_export, sweep_export
+    from tasks.runs import evaluation_source
 
     if args.flow:
         from flows.evaluate import evaluate
 
-        found = {s: evaluate(source=s, config=cfg, out_dir=args.out) for s in args.sources}
+        found = {s: evaluate(source=s, preset=args.preset, overrides=args.overrides, out_dir=args.out)
+                 for s in args.sources}
     else:
-        manifest = prepare_data(cfg)
         found = {}
         for source in args.sources:
-            hf_dir = resolve_export(source, args.tracking_uri or tracking_uri(cfg))
-            out = Path(args.out) if args.out else default_out_dir(cfg, source, hf_dir)
-            found[source] = evaluate_export(cfg, manifest, hf_dir, out, untrained=False)
-            found[source]["sweep"] = sweep_export(cfg, manifest, hf_dir, out)
-            print(f"{source}: results in {out}")
+            plan = evaluation_source(source, args.preset, args.overrides, args.tracking_uri or tracking_uri(cfg),
+                                     args.out)
+            c, manifest, hf_dir, out = plan["config"], plan["manifest"], plan["hf_dir"], plan["out_dir"]
+            found[source] = evaluate_export(c, manifest, hf_dir, out, untrained=False)
+            found[source]["sweep"] = sweep_export(c, manifest, hf_dir, out)
+            print(f"{source}: results in {out}" + (f" (data {manifest['hash']}: not the data its run was trained "
+                                                   f"on)" if plan["other_data"] else ""))
     print(comparison_table(found))
     for source, res in found.items():
         for row in res.get("sweep") or []:
@@ -347,6 +350,17 @@ def _run_of_run_dir(args) -> Path | None:
     return training_run_dir(args.run_dir)  # a wrong path fails here, before any Prefect server starts
 
 
+def _run_of_sources(args) -> Path | None:
+    """The run the first SOURCE (eval, generate) belongs to, when it recorded its config and data."""
+    from difflm.rundir import RunDir
+
+    for source in getattr(args, "sources", None) or [args.source]:
+        run = None if source.startswith("models:/") else RunDir.holding(Path(source).expanduser())
+        if run is not None and run.has_inputs():
+            return run.path
+    return None
+
+
 def _run_of_served(args) -> Path | None:
     return _run_of_run_dir(args) if args.served == "evaluate-latest" and args.run_dir else None
 
@@ -416,15 +430,18 @@ COMMANDS = (
     Command(
         "eval", "score exports, run directories or registered versions on the data's tasks",
         "For each SOURCE: the likelihood bound (exact NLL for ar) on held-out windows, the cloze / multiple-choice "
-        "/ document tasks built from the held-out split of the config's data (the same items for every source), "
-        "and samples. Prints one table; results and lm-eval task files go to <run>/eval (or --out). eval.* "
-        "overrides set the items, Monte-Carlo samples and sampler; eval.steps_sweep=[4,8,16] adds a "
-        "quality/speed sweep.",
+        "/ document tasks built from the held-out split, and samples, on the data and config the source's run "
+        "recorded (config.yaml, data_manifest.json). Prints one table; results and lm-eval task files go to "
+        "<run>/eval (or --out). data.* overrides (or --preset) score other data, read through the model's own "
+        "tokenizer, into <run>/eval-<data hash>: never over the run's own results. eval.* overrides set the items, "
+        "Monte-Carlo samples and sampler; eval.steps_sweep=[4,8,16] adds a quality/speed sweep.",
         cmd_eval,
         (arg("sources", nargs="+", metavar="SOURCE", help=SOURCE_HELP),
-         arg("--out", default=None, help="results folder (default: <run>/eval or <workdir>/evals/<source>)"),
+         arg("--out", default=None, help="results folder (default: <run>/eval, <run>/eval-<data hash> on other "
+             "data, or <workdir>/evals/<source>)"),
          arg("--tracking-uri", default=None, help="MLflow store for models:/ sources (default: the config's)"),
-         flow_flag("evaluate"))),
+         flow_flag("evaluate")),
+        run_of=_run_of_sources),
     Command(
         "eval-latest", "score a training run's newest checkpoint, while it trains, into MLflow",
         "Run the Prefect flow evaluate-latest once: export the newest complete checkpoint of RUN_DIR (it may still "
@@ -439,8 +456,8 @@ COMMANDS = (
         run_of=_run_of_run_dir),
     Command(
         "generate", "sample from an export with the configured sampler",
-        "Generate after each --prompt (default: the first words of held-out documents). The sampler is eval.*: "
-        "sampler_steps, block_length, remasking (low_confidence | margin | entropy | random), threshold (Fast-dLLM "
+        "Generate after each --prompt (default: the first words of held-out documents). The sampler is "
+        "eval.sampler.*: steps, block_length, remasking (low_confidence | margin | entropy | random), threshold (Fast-dLLM "
         "parallel decoding), temperature, top_k, top_p, cfg_scale, stop_at_eos. ar exports decode token by token "
         "with a KV cache.",
         cmd_generate,
@@ -448,7 +465,8 @@ COMMANDS = (
          arg("--prompt", action="append", help="a prompt (repeat for a batch)"),
          arg("--max-new-tokens", type=int, default=None, help="tokens to generate (default: eval.sample_length)"),
          arg("--json", action="store_true", help="print the records (completion, settings, timing) as JSON"),
-         arg("--tracking-uri", default=None, help="MLflow store for models:/ sources (default: the config's)"))),
+         arg("--tracking-uri", default=None, help="MLflow store for models:/ sources (default: the config's)")),
+        run_of=_run_of_sources),
     Command(
         "serve", "serve a flow (pretrain-difflm or evaluate-latest) as a Prefect deployment, optionally scheduled",
         "Register a deployment of FLOW and run its flow runs in this process until stopped (Ctrl-C). "

@@ -225,3 +225,20 @@ def test_convert_and_eval_latest_default_to_the_run_config(own_run):
     found = conversion_source(own_run.path)
     assert found["run_dir"] == own_run.path.resolve() and found["iteration"] == 20
     assert stage_config(found["run_dir"]).data == own_run.config().data
+
+
+def test_difflm_eval_of_a_run_and_of_its_export_uses_the_recorded_data(own_run, capsys):
+    """The trial as a new user typed it: `difflm eval RUN` with no data overrides, then `difflm eval RUN/hf`."""
+    from flows.cli import main
+
+    for source in (own_run.path, own_run.hf):
+        assert main(["eval", str(source), "eval.task_items=4", "eval.mc_samples=2"]) == 0
+        assert f"results in {own_run.path / 'eval'}" in capsys.readouterr().out
+        results = json.loads((own_run.path / "eval" / "results.json").read_text())
+        assert results["data_hash"] == own_run.data_hash() and results["task_settings"]["items"] == 4
+    before = (own_run.path / "eval" / "results.json").read_bytes()
+    assert main(["eval", str(own_run.path), "data.sources=[demo:enwiki]", "data.max_documents=40",
+                 "data.min_chars=200", "eval.task_items=4", "eval.mc_samples=2"]) == 0
+    out = capsys.readouterr().out
+    assert "not the data its run was trained on" in out and f"{own_run.path}/eval-" in out
+    assert (own_run.path / "eval" / "results.json").read_bytes() == before
