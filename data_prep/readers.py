@@ -53,8 +53,16 @@ _LENIENT_JSON = json.JSONDecoder(strict=False)
 # EOFError/OSError, deflate zlib.error, xz LZMAError, zstd via pyarrow OSError, Parquet/Arrow ArrowException)
 _FILE_ERRORS = (OSError, EOFError, zlib.error, lzma.LZMAError, pa.ArrowException)
 _CANNOT_OPEN = (PermissionError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
-_KINDS = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list",
-          dict: "an object", bytes: "binary data", type(None): "null"}
+_KINDS = {
+    bool: "a boolean",
+    int: "a number",
+    float: "a number",
+    str: "a string",
+    list: "a list",
+    dict: "an object",
+    bytes: "binary data",
+    type(None): "null",
+}
 
 
 class DamagedFileError(UserError, ValueError):
@@ -86,8 +94,13 @@ def unknown_files(path: Path, fmt: str) -> list[Path]:
     Hidden files and the metadata of a saved HF dataset are not data, so they are not listed."""
     if not path.is_dir() or fmt == "hf_disk":
         return []
-    return sorted(p for p in path.rglob("*") if p.is_file() and not _matches(p.name, _SUFFIXES[fmt])
-                  and not any(part.startswith(".") for part in p.relative_to(path).parts))
+    return sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file()
+        and not _matches(p.name, _SUFFIXES[fmt])
+        and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
 
 
 def _one_line(err: BaseException) -> str:
@@ -158,8 +171,8 @@ class _ZstdRaw(io.RawIOBase):
         if self._tail is not None:
             if not self._tail:
                 raise self._error
-            data, self._tail = self._tail[:len(buf)], self._tail[len(buf):]
-        buf[:len(data)] = data
+            data, self._tail = self._tail[: len(buf)], self._tail[len(buf) :]
+        buf[: len(data)] = data
         self._pos += len(data)
         return len(data)
 
@@ -231,8 +244,9 @@ class _AllFilesMixin:
             return
         self.stat_update(f"skipped_{problem}_file")  # type: ignore[attr-defined]
         if self.report_dir:
-            save_fault(self.report_dir, {"file": path, "problem": problem, "error": _one_line(err),
-                                         "records_read": read})
+            save_fault(
+                self.report_dir, {"file": path, "problem": problem, "error": _one_line(err), "records_read": read}
+            )
 
     def _count(self, key: str) -> None:
         if self._counting:
@@ -267,8 +281,10 @@ class _AllFilesMixin:
 def strict_message(path: str, problem: str, error: str) -> str:
     if problem == "unreadable":
         return f"{path} cannot be read ({error}): fix or remove it, or set data.strict=false to skip it"
-    return (f"{path} is damaged ({error}): repair or remove it, or set data.strict=false to keep the records "
-            f"before the damage")
+    return (
+        f"{path} is damaged ({error}): repair or remove it, or set data.strict=false to keep the records "
+        f"before the damage"
+    )
 
 
 def save_fault(report_dir: str, fault: dict) -> None:
@@ -291,8 +307,9 @@ class JsonlSource(_AllFilesMixin, BaseDiskReader):
 
     name = "🐿 Jsonl (tolerant)"
 
-    def __init__(self, data_folder, glob_pattern: str | None = None, text_key: str = "text", source: str = "",
-                 **kwargs):
+    def __init__(
+        self, data_folder, glob_pattern: str | None = None, text_key: str = "text", source: str = "", **kwargs
+    ):
         super().__init__(data_folder, glob_pattern=glob_pattern, text_key=text_key, **kwargs)
         self.source = source
 
@@ -315,7 +332,7 @@ class JsonlSource(_AllFilesMixin, BaseDiskReader):
     def _text_of_line(self, raw: bytes, where: str) -> str | None:
         """The (repaired) text of one line, or None for a blank line or a counted skip."""
         if raw.startswith(_BOM):  # opens the file, or a file concatenated into this one
-            raw = raw[len(_BOM):]
+            raw = raw[len(_BOM) :]
         raw = raw.rstrip(b"\r\n")  # LF or CRLF; a cut-off record then reads as "unexpected end of data"
         if not raw.strip():
             return None
@@ -370,8 +387,9 @@ def _tabular(reader_cls, source: str, text_key: str):
             text = self._usable_text(data, where)
             if text is None:
                 return None
-            return Document(text=self._repaired(text), id=f"{source}:{source_file}:{id_in_file}",
-                            metadata={"source": source})
+            return Document(
+                text=self._repaired(text), id=f"{source}:{source_file}:{id_in_file}", metadata={"source": source}
+            )
 
     Tabular.__name__ = f"{reader_cls.__name__}Source"
     return Tabular
@@ -381,21 +399,23 @@ def make_reader(path: Path, fmt: str, text_key: str, source: str, progress: bool
     """The reader step for one source."""
     folder, glob = (path, None) if path.is_dir() else (path.parent, path.name)
     if fmt == "jsonl":
-        reader = JsonlSource(str(folder), glob_pattern=glob or "**/*.json*", text_key=text_key, source=source,
-                             doc_progress=progress)
+        reader = JsonlSource(
+            str(folder), glob_pattern=glob or "**/*.json*", text_key=text_key, source=source, doc_progress=progress
+        )
     elif fmt == "text":
-        reader = TextFolderSource(str(folder), glob_pattern=glob or "**/*.txt", source=source,
-                                  doc_progress=progress)
+        reader = TextFolderSource(str(folder), glob_pattern=glob or "**/*.txt", source=source, doc_progress=progress)
     elif fmt == "parquet":
         from datatrove.pipeline.readers import ParquetReader
 
-        reader = _tabular(ParquetReader, source, text_key)(str(folder), glob_pattern=glob or "**/*.parquet",
-                                                           text_key=text_key, doc_progress=progress)
+        reader = _tabular(ParquetReader, source, text_key)(
+            str(folder), glob_pattern=glob or "**/*.parquet", text_key=text_key, doc_progress=progress
+        )
     elif fmt == "hf_disk":  # `datasets.save_to_disk` writes Arrow IPC streams
         from datatrove.pipeline.readers.ipc import IpcReader
 
-        reader = _tabular(IpcReader, source, text_key)(str(folder), glob_pattern=glob or "**/*.arrow",
-                                                       stream=True, text_key=text_key, doc_progress=progress)
+        reader = _tabular(IpcReader, source, text_key)(
+            str(folder), glob_pattern=glob or "**/*.arrow", stream=True, text_key=text_key, doc_progress=progress
+        )
     else:
         raise ValueError(f"unknown format {fmt!r}; one of {FORMATS}")
     if glob is None:  # a folder: its files of other formats are listed by unknown_files, not read

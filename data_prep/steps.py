@@ -93,8 +93,16 @@ class SplitSourceWriter(PipelineStep):
     name = "✍️ split/source writer"
     type = "🔢 - TOKENIZER"
 
-    def __init__(self, output_folder: str, tokenizer_file: str, eos_token: str, valid_fraction: float,
-                 test_fraction: float, salt: int, batch_size: int = 512):
+    def __init__(
+        self,
+        output_folder: str,
+        tokenizer_file: str,
+        eos_token: str,
+        valid_fraction: float,
+        test_fraction: float,
+        salt: int,
+        batch_size: int = 512,
+    ):
         super().__init__()
         self.output_folder, self.tokenizer_file, self.eos_token = output_folder, tokenizer_file, eos_token
         self.valid_fraction, self.test_fraction, self.salt = valid_fraction, test_fraction, salt
@@ -106,7 +114,9 @@ class SplitSourceWriter(PipelineStep):
 
         tok = Tokenizer.from_file(self.tokenizer_file)
         eos_id = tok.token_to_id(self.eos_token)
-        tok.post_processor = TemplateProcessing(single=f"$A {self.eos_token}", special_tokens=[(self.eos_token, eos_id)])
+        tok.post_processor = TemplateProcessing(
+            single=f"$A {self.eos_token}", special_tokens=[(self.eos_token, eos_id)]
+        )
         return tok
 
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
@@ -125,8 +135,9 @@ class SplitSourceWriter(PipelineStep):
                 split = split_of(doc.text, self.valid_fraction, self.salt, self.test_fraction)
                 key = (split, doc.metadata.get("source", "data"))
                 if key not in writers:
-                    writers[key] = MegatronTokenizedFile(folder, f"{split}/{key[1]}/{rank:05d}_tokens",
-                                                         token_size=token_size)
+                    writers[key] = MegatronTokenizedFile(
+                        folder, f"{split}/{key[1]}/{rank:05d}_tokens", token_size=token_size
+                    )
                 writers[key].write(enc.ids)
                 self.stat_update(f"{split}.documents")
                 self.stat_update(f"{split}.tokens", value=len(enc.ids))

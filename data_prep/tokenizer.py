@@ -8,9 +8,9 @@ says how to add them.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 from difflm.config import TokenizerConfig
 from difflm.errors import UserError

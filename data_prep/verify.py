@@ -60,8 +60,9 @@ def verify_shard(prefix: str, vocab_size: int) -> tuple[int, int]:
         tokens = np.memmap(bin_, dtype=dtype, mode="r")
         top, low = int(tokens.max()), int(tokens.min())
         if top >= vocab_size or low < 0:
-            raise DataVerificationError(f"{bin_}: token id {top if top >= vocab_size else low} is outside the "
-                                        f"vocabulary [0, {vocab_size})")
+            raise DataVerificationError(
+                f"{bin_}: token id {top if top >= vocab_size else low} is outside the vocabulary [0, {vocab_size})"
+            )
     return len(lengths), n_tokens
 
 

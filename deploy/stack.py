@@ -37,18 +37,19 @@ IMAGE_ENV = OFFLINE_ENV  # the Dockerfile's ENV: what a native start gives every
 @dataclass
 class Stack:
     """Where the services listen and how they reach each other; passwords are values or `${VAR}` placeholders."""
+
     secrets: dict[str, str]
-    host: str = "127.0.0.1"          # what the servers bind to
-    db_host: str = "127.0.0.1"       # how the servers reach PostgreSQL
+    host: str = "127.0.0.1"  # what the servers bind to
+    db_host: str = "127.0.0.1"  # how the servers reach PostgreSQL
     db_port: int = 5432
-    mlflow_host: str = "127.0.0.1"   # how the worker reaches the servers
+    mlflow_host: str = "127.0.0.1"  # how the worker reaches the servers
     mlflow_port: int = 5000
     prefect_host: str = "127.0.0.1"
     prefect_port: int = 4200
     artifacts: str = ".difflm-stack/mlartifacts"
     cache: str = ".difflm-stack/cache"
     mlflow_allowed_hosts: str | None = None  # MLflow accepts only loopback/private-IP Host headers by default
-    mlflow_workers: int = 1          # uvicorn processes (MLflow's default, 4, costs ~1 GB for one pipeline)
+    mlflow_workers: int = 1  # uvicorn processes (MLflow's default, 4, costs ~1 GB for one pipeline)
     extra_env: dict[str, str] = field(default_factory=dict)
 
     def db_url(self, scheme: str, name: str) -> str:
@@ -66,33 +67,62 @@ class Service:
 def services(s: Stack) -> dict[str, Service]:
     """Command line and environment of each server (PostgreSQL is started by its image or by `up`)."""
     # psycopg2 named: SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3; the URL in env keeps it out of `ps`
-    mlflow_env = {"MLFLOW_BACKEND_STORE_URI": s.db_url("postgresql+psycopg2", "mlflow"),
-                  "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # 7 job workers (~2 GB) we do not use
+    mlflow_env = {
+        "MLFLOW_BACKEND_STORE_URI": s.db_url("postgresql+psycopg2", "mlflow"),
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    }  # 7 job workers (~2 GB) we do not use
     if s.mlflow_allowed_hosts:
         mlflow_env["MLFLOW_SERVER_ALLOWED_HOSTS"] = s.mlflow_allowed_hosts
     prefect_api = f"http://{s.prefect_host}:{s.prefect_port}/api"
     return {
-        "mlflow": Service(["mlflow", "server", "--host", s.host, "--port", str(s.mlflow_port),
-                           "--workers", str(s.mlflow_workers),
-                           "--artifacts-destination", s.artifacts, "--serve-artifacts"], mlflow_env),
+        "mlflow": Service(
+            [
+                "mlflow",
+                "server",
+                "--host",
+                s.host,
+                "--port",
+                str(s.mlflow_port),
+                "--workers",
+                str(s.mlflow_workers),
+                "--artifacts-destination",
+                s.artifacts,
+                "--serve-artifacts",
+            ],
+            mlflow_env,
+        ),
         "prefect-server": Service(
             ["prefect", "server", "start", "--host", s.host, "--port", str(s.prefect_port)],
-            {"PREFECT_SERVER_DATABASE_CONNECTION_URL": s.db_url("postgresql+asyncpg", "prefect"),
-             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-             "PREFECT_UI_API_URL": f"http://127.0.0.1:{s.prefect_port}/api"}),
+            {
+                "PREFECT_SERVER_DATABASE_CONNECTION_URL": s.db_url("postgresql+asyncpg", "prefect"),
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_UI_API_URL": f"http://127.0.0.1:{s.prefect_port}/api",
+            },
+        ),
         "worker": Service(
             ["prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"],
-            {"PREFECT_API_URL": prefect_api, "MLFLOW_TRACKING_URI": f"http://{s.mlflow_host}:{s.mlflow_port}",
-             "DIFFLM_CACHE": s.cache, **s.extra_env}),
+            {
+                "PREFECT_API_URL": prefect_api,
+                "MLFLOW_TRACKING_URI": f"http://{s.mlflow_host}:{s.mlflow_port}",
+                "DIFFLM_CACHE": s.cache,
+                **s.extra_env,
+            },
+        ),
     }
 
 
 def compose_stack() -> Stack:
     """The stack as docker-compose.yml runs it: service names as hosts, secrets interpolated from .env."""
-    return Stack(secrets={k: f"${{{k}:?set in .env, see deploy/stack.env.example}}" for k in SECRETS},
-                 host="0.0.0.0", db_host="db", mlflow_host="mlflow", prefect_host="prefect-server",
-                 artifacts="/mlartifacts", cache="/data/cache",
-                 mlflow_allowed_hosts="mlflow:5000,localhost:*,127.0.0.1:*")
+    return Stack(
+        secrets={k: f"${{{k}:?set in .env, see deploy/stack.env.example}}" for k in SECRETS},
+        host="0.0.0.0",
+        db_host="db",
+        mlflow_host="mlflow",
+        prefect_host="prefect-server",
+        artifacts="/mlartifacts",
+        cache="/data/cache",
+        mlflow_allowed_hosts="mlflow:5000,localhost:*,127.0.0.1:*",
+    )
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -107,6 +137,7 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 
 # ----- native start --------------------------------------------------------------------------------------------
+
 
 def _pg_bin() -> Path:
     if os.environ.get("PG_BIN"):
@@ -159,6 +190,7 @@ def _http_ok(url: str):
                 return r.status == 200
         except OSError:
             return False
+
     return check
 
 
@@ -167,8 +199,14 @@ MARKER = "DIFFLM_STACK"  # in the environment of every process `up` starts: `dow
 
 def _start(name: str, argv: list[str], env: dict[str, str], state: Path, cwd: Path) -> subprocess.Popen:
     log = state / "logs" / f"{name}.log"
-    proc = subprocess.Popen(argv, env={**os.environ, **env, MARKER: str(state)}, cwd=cwd, stdout=log.open("ab"),
-                            stderr=subprocess.STDOUT, start_new_session=True)  # own group: `down` stops it whole
+    proc = subprocess.Popen(
+        argv,
+        env={**os.environ, **env, MARKER: str(state)},
+        cwd=cwd,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # own group: `down` stops it whole
     pids = _pids(state)
     pids[name] = proc.pid
     (state / "pids.json").write_text(json.dumps(pids))
@@ -194,8 +232,16 @@ def stack_processes(state: Path) -> list[int]:
     return found
 
 
-def up(state: Path, secrets: dict[str, str], host: str = "127.0.0.1", db_port: int = 5432,
-       mlflow_port: int = 5000, prefect_port: int = 4200, cache: Path | None = None, timeout: float = 180) -> Stack:
+def up(
+    state: Path,
+    secrets: dict[str, str],
+    host: str = "127.0.0.1",
+    db_port: int = 5432,
+    mlflow_port: int = 5000,
+    prefect_port: int = 4200,
+    cache: Path | None = None,
+    timeout: float = 180,
+) -> Stack:
     """Start PostgreSQL, MLflow, Prefect and a worker natively under `state`; return when all are healthy and the
     worker has created its work pool. `cache`: the worker's DIFFLM_CACHE (default: this user's corpus cache)."""
     missing = [k for k in SECRETS if not secrets.get(k)]
@@ -211,42 +257,95 @@ def up(state: Path, secrets: dict[str, str], host: str = "127.0.0.1", db_port: i
     bin_ = _pg_bin()
     pg, data = state / "pg", state / "pg" / "data"
     _db_user_owns(pg)
-    env = {"PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}", "PGHOST": "127.0.0.1", "PGPORT": str(db_port),
-           "PGPASSWORD": secrets["POSTGRES_PASSWORD"], "PGUSER": "postgres", **secrets}
+    env = {
+        "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}",
+        "PGHOST": "127.0.0.1",
+        "PGPORT": str(db_port),
+        "PGPASSWORD": secrets["POSTGRES_PASSWORD"],
+        "PGUSER": "postgres",
+        **secrets,
+    }
     fresh = not (data / "PG_VERSION").exists()
     if fresh:
         (pg / "pwfile").write_text(secrets["POSTGRES_PASSWORD"] + "\n")
         _db_user_owns(pg / "pwfile")
-        subprocess.run(_as_db_user([str(bin_ / "initdb"), "-D", str(data), "-U", "postgres", "--auth=scram-sha-256",
-                                    f"--pwfile={pg / 'pwfile'}"]), check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            _as_db_user(
+                [
+                    str(bin_ / "initdb"),
+                    "-D",
+                    str(data),
+                    "-U",
+                    "postgres",
+                    "--auth=scram-sha-256",
+                    f"--pwfile={pg / 'pwfile'}",
+                ]
+            ),
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         (pg / "pwfile").unlink()
-    db = _start("postgres", _as_db_user([str(bin_ / "postgres"), "-D", str(data), "-h", host, "-p", str(db_port),
-                                         "-k", str(pg)]), {}, state, pg)
+    db = _start(
+        "postgres",
+        _as_db_user([str(bin_ / "postgres"), "-D", str(data), "-h", host, "-p", str(db_port), "-k", str(pg)]),
+        {},
+        state,
+        pg,
+    )
     ready = lambda: subprocess.run([str(bin_ / "pg_isready"), "-q"], env={**os.environ, **env}).returncode == 0  # noqa: E731
     _wait(ready, "postgres", db, state / "logs" / "postgres.log", timeout)
     if fresh:
         subprocess.run(["sh", str(INIT_SCRIPT)], env={**os.environ, **env}, check=True, stdout=subprocess.DEVNULL)
 
-    stack = Stack(secrets, host=host, db_host="127.0.0.1", db_port=db_port, mlflow_host=host, mlflow_port=mlflow_port,
-                  prefect_host=host, prefect_port=prefect_port, artifacts=str(state / "mlartifacts"),
-                  cache=str(Path(cache or corpus.cache_dir()).resolve()),
-                  extra_env={"PREFECT_HOME": str(state / "prefect-worker"), **IMAGE_ENV})
+    stack = Stack(
+        secrets,
+        host=host,
+        db_host="127.0.0.1",
+        db_port=db_port,
+        mlflow_host=host,
+        mlflow_port=mlflow_port,
+        prefect_host=host,
+        prefect_port=prefect_port,
+        artifacts=str(state / "mlartifacts"),
+        cache=str(Path(cache or corpus.cache_dir()).resolve()),
+        extra_env={"PREFECT_HOME": str(state / "prefect-worker"), **IMAGE_ENV},
+    )
     svc = services(stack)
     bin_dir = Path(sys.executable).parent  # the servers of this environment, as in the image
     runs = {}
     for name in ("mlflow", "prefect-server"):
         s = svc[name]
-        runs[name] = _start(name, [str(bin_dir / s.argv[0]), *s.argv[1:]],
-                            {**s.env, "PREFECT_HOME": str(state / f"{name}-home")}, state, state)
-    _wait(_http_ok(f"http://{host}:{mlflow_port}/health"), "mlflow", runs["mlflow"],
-          state / "logs" / "mlflow.log", timeout)
-    _wait(_http_ok(f"http://{host}:{prefect_port}/api/health"), "prefect-server", runs["prefect-server"],
-          state / "logs" / "prefect-server.log", timeout)
+        runs[name] = _start(
+            name,
+            [str(bin_dir / s.argv[0]), *s.argv[1:]],
+            {**s.env, "PREFECT_HOME": str(state / f"{name}-home")},
+            state,
+            state,
+        )
+    _wait(
+        _http_ok(f"http://{host}:{mlflow_port}/health"),
+        "mlflow",
+        runs["mlflow"],
+        state / "logs" / "mlflow.log",
+        timeout,
+    )
+    _wait(
+        _http_ok(f"http://{host}:{prefect_port}/api/health"),
+        "prefect-server",
+        runs["prefect-server"],
+        state / "logs" / "prefect-server.log",
+        timeout,
+    )
     w = svc["worker"]
     worker = _start("worker", [str(bin_dir / w.argv[0]), *w.argv[1:]], w.env, state, state)
     # the worker creates its pool when it is missing; deployments of the pool can be registered from then on
-    _wait(_http_ok(f"http://{host}:{prefect_port}/api/work_pools/{WORK_POOL}"), "worker", worker,
-          state / "logs" / "worker.log", timeout)
+    _wait(
+        _http_ok(f"http://{host}:{prefect_port}/api/work_pools/{WORK_POOL}"),
+        "worker",
+        worker,
+        state / "logs" / "worker.log",
+        timeout,
+    )
     return stack
 
 
@@ -337,7 +436,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--db-port", type=int, default=5432)
     p.add_argument("--mlflow-port", type=int, default=5000)
     p.add_argument("--prefect-port", type=int, default=4200)
-    p.add_argument("--cache", type=Path, help="the worker's DIFFLM_CACHE (default: $DIFFLM_CACHE or ~/.cache/difflm-pipeline)")
+    p.add_argument(
+        "--cache", type=Path, help="the worker's DIFFLM_CACHE (default: $DIFFLM_CACHE or ~/.cache/difflm-pipeline)"
+    )
     a = p.parse_args(argv)
     if a.action == "down":
         if not (a.dir / "pids.json").exists():
@@ -346,16 +447,20 @@ def main(argv: list[str] | None = None) -> int:
         stopped = down(a.dir)
         print(f"stopped {', '.join(reversed(stopped))}" if stopped else f"nothing was running in {a.dir}")
         return 0
-    secrets = {**(read_env_file(a.env_file) if a.env_file.exists() else {}),
-               **{k: os.environ[k] for k in SECRETS if k in os.environ}}
+    secrets = {
+        **(read_env_file(a.env_file) if a.env_file.exists() else {}),
+        **{k: os.environ[k] for k in SECRETS if k in os.environ},
+    }
     try:
         s = up(a.dir, secrets, a.host, a.db_port, a.mlflow_port, a.prefect_port, a.cache)
     except BaseException:
         down(a.dir)
         raise
-    print(f"MLflow  http://{s.host}:{s.mlflow_port}\nPrefect http://{s.host}:{s.prefect_port}  "
-          f"(export PREFECT_API_URL=http://{s.host}:{s.prefect_port}/api MLFLOW_TRACKING_URI=http://{s.host}:{s.mlflow_port})\n"
-          f"worker polling pool '{WORK_POOL}'; logs in {a.dir}/logs; stop: python -m deploy.stack down --dir {a.dir}")
+    print(
+        f"MLflow  http://{s.host}:{s.mlflow_port}\nPrefect http://{s.host}:{s.prefect_port}  "
+        f"(export PREFECT_API_URL=http://{s.host}:{s.prefect_port}/api MLFLOW_TRACKING_URI=http://{s.host}:{s.mlflow_port})\n"
+        f"worker polling pool '{WORK_POOL}'; logs in {a.dir}/logs; stop: python -m deploy.stack down --dir {a.dir}"
+    )
     return 0
 
 

@@ -41,12 +41,17 @@ class _Section(BaseModel):
 
 
 class SourceConfig(_Section):
-    path: str = Field(description="'demo:enwiki', a file, or a folder (JSONL[.gz|.zst], Parquet, .txt, saved HF dataset).")
+    path: str = Field(
+        description="'demo:enwiki', a file, or a folder (JSONL[.gz|.zst], Parquet, .txt, saved HF dataset)."
+    )
     format: Literal["auto", "jsonl", "parquet", "text", "hf_disk"] = "auto"
     text_key: str | None = Field(None, description="Field with the text (None: data.text_key).")
     weight: float | None = Field(
-        None, gt=0.0, description="Share of this source in training (None: in proportion to its tokens, "
-        "if every source leaves it unset; otherwise 1).")
+        None,
+        gt=0.0,
+        description="Share of this source in training (None: in proportion to its tokens, "
+        "if every source leaves it unset; otherwise 1).",
+    )
     name: str | None = Field(None, description="Name in outputs and the manifest (None: from the path).")
 
     @property
@@ -65,8 +70,9 @@ class SlurmBase(_Section):
     partition: str | None = Field(None, description="#SBATCH --partition (None: the cluster's default).")
     time: str = Field("04:00:00", description="#SBATCH --time: the time limit of one job.")
     sbatch_args: dict[str, str] = Field(
-        default_factory=dict, description="More #SBATCH options, e.g. {account: proj, qos: high, "
-        "cpus-per-task: '32', mem: 0}.")
+        default_factory=dict,
+        description="More #SBATCH options, e.g. {account: proj, qos: high, cpus-per-task: '32', mem: 0}.",
+    )
 
 
 class SlurmConfig(SlurmBase):
@@ -80,18 +86,28 @@ class SlurmConfig(SlurmBase):
 class SlurmLaunchConfig(SlurmBase):
     """How training is submitted to Slurm: `train.launcher=slurm` and `difflm launch --target slurm`."""
 
-    time: str = Field("24:00:00", description="Time limit of one allocation; 2 minutes before it the job "
-                      "checkpoints and requeues itself, so a long run spans several allocations.")
+    time: str = Field(
+        "24:00:00",
+        description="Time limit of one allocation; 2 minutes before it the job "
+        "checkpoints and requeues itself, so a long run spans several allocations.",
+    )
     gpus_per_node: int | None = Field(
-        None, ge=0, description="#SBATCH --gpus-per-node (None: train.nproc_per_node; 0: no GPU request, for "
-        "CPU nodes).")
+        None,
+        ge=0,
+        description="#SBATCH --gpus-per-node (None: train.nproc_per_node; 0: no GPU request, for CPU nodes).",
+    )
     python: str | None = Field(
-        None, description="Python on the compute nodes, with this project installed (None: the interpreter "
-        "that submits, which must then live on the filesystem the nodes share).")
+        None,
+        description="Python on the compute nodes, with this project installed (None: the interpreter "
+        "that submits, which must then live on the filesystem the nodes share).",
+    )
     poll_seconds: float = Field(30.0, gt=0.0, description="How often the launcher asks squeue about the job.")
     wait_hours: float | None = Field(
-        None, gt=0.0, description="Stop waiting after this long (the job keeps running and a rerun reattaches "
-        "to it); None: wait for as long as the job lasts, queueing and requeues included.")
+        None,
+        gt=0.0,
+        description="Stop waiting after this long (the job keeps running and a rerun reattaches "
+        "to it); None: wait for as long as the job lasts, queueing and requeues included.",
+    )
 
 
 class KubernetesLaunchConfig(_Section):
@@ -99,21 +115,31 @@ class KubernetesLaunchConfig(_Section):
     `difflm launch --target k8s`."""
 
     image: str = Field("difflm-pipeline:latest", description="Container image with this project installed.")
-    pvc: str = Field("difflm-data", description="PersistentVolumeClaim holding the workdir (ReadWriteMany for "
-                     "several nodes).")
+    pvc: str = Field(
+        "difflm-data", description="PersistentVolumeClaim holding the workdir (ReadWriteMany for several nodes)."
+    )
     mount: str = Field(
-        "/data", description="Where the pods mount the claim. The workdir must lie under it, and the worker that "
-        "submits must see the claim at the same path (mount it there), so run directories have one name.")
+        "/data",
+        description="Where the pods mount the claim. The workdir must lie under it, and the worker that "
+        "submits must see the claim at the same path (mount it there), so run directories have one name.",
+    )
     namespace: str | None = Field(None, description="Namespace of the job (None: kubectl's current one).")
     gpus_per_pod: int | None = Field(
-        None, ge=0, description="nvidia.com/gpu limit per pod (None: train.nproc_per_node; 0: none, CPU pods).")
+        None, ge=0, description="nvidia.com/gpu limit per pod (None: train.nproc_per_node; 0: none, CPU pods)."
+    )
     poll_seconds: float = Field(30.0, gt=0.0, description="How often the launcher reads the job's status.")
     start_timeout_minutes: float | None = Field(
-        60.0, gt=0.0, description="Fail when the job is not Running after this long (pods unschedulable, image "
-        "not pulled); the job is left in place for `kubectl describe`. None: wait.")
+        60.0,
+        gt=0.0,
+        description="Fail when the job is not Running after this long (pods unschedulable, image "
+        "not pulled); the job is left in place for `kubectl describe`. None: wait.",
+    )
     wait_hours: float | None = Field(
-        None, gt=0.0, description="Stop waiting after this long (the job keeps running and a rerun reattaches "
-        "to it); None: wait for as long as the job lasts.")
+        None,
+        gt=0.0,
+        description="Stop waiting after this long (the job keeps running and a rerun reattaches "
+        "to it); None: wait for as long as the job lasts.",
+    )
 
 
 class DataConfig(_Section):
@@ -127,8 +153,10 @@ class DataConfig(_Section):
     max_chars: int | None = Field(None, ge=1, description="Drop documents longer than this (None: off).")
     dedup: bool = Field(False, description="Remove exact-duplicate documents.")
     strict: bool = Field(
-        False, description="Fail on a damaged or unreadable input file (truncated/corrupt .gz/.zst, I/O error) "
-        "instead of keeping its readable records; reads every input once more, up front, before any work.")
+        False,
+        description="Fail on a damaged or unreadable input file (truncated/corrupt .gz/.zst, I/O error) "
+        "instead of keeping its readable records; reads every input once more, up front, before any work.",
+    )
     unicode_normalization: Literal["NFC", "NFKC"] | None = Field(None, description="Normalise text (None: off).")
     valid_fraction: float = Field(0.05, ge=0.0, lt=0.5, description="Share of documents held out for validation.")
     test_fraction: float = Field(0.0, ge=0.0, lt=0.5, description="Share of documents held out for test.")
@@ -146,7 +174,7 @@ class DataConfig(_Section):
         return [{"path": x} if isinstance(x, str) else x for x in v]
 
     @model_validator(mode="after")
-    def _unique_names(self) -> "DataConfig":
+    def _unique_names(self) -> DataConfig:
         labels = [s.label for s in self.sources]
         if len(set(labels)) != len(labels):
             raise ValueError(f"data.sources: two sources share a name ({labels}); give each a distinct `name`")
@@ -177,8 +205,13 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "350m": {"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16},
     "1b": {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "num_query_groups": 8},
     "3b": {"num_layers": 32, "hidden_size": 2560, "num_attention_heads": 32, "num_query_groups": 8},
-    "7b": {"num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "num_query_groups": 8,
-           "ffn_hidden_size": 11008},
+    "7b": {
+        "num_layers": 32,
+        "hidden_size": 4096,
+        "num_attention_heads": 32,
+        "num_query_groups": 8,
+        "ffn_hidden_size": 11008,
+    },
 }
 
 
@@ -187,11 +220,12 @@ class ModelConfig(_Section):
         None, description="Architecture preset; fields given alongside override it."
     )
     backend: Literal["auto", "torch", "local", "te"] = Field(
-        "auto", description="Layer spec. auto: 'te' on CUDA with Transformer Engine installed, 'torch' on CUDA "
+        "auto",
+        description="Layer spec. auto: 'te' on CUDA with Transformer Engine installed, 'torch' on CUDA "
         "without it, 'local' on the CPU. torch: megatron-core's layers with PyTorch scaled_dot_product_attention "
         "(flash/cuDNN kernels on GPUs; FlexAttention block masks for document_attention) and norms that support "
         "sequence parallelism. local: megatron-core's reference spec (unfused softmax). te: Transformer Engine "
-        "(fused attention, fp8)."
+        "(fused attention, fp8).",
     )
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=8)
@@ -218,14 +252,16 @@ class ModelConfig(_Section):
         return data
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "ModelConfig":
+    def _heads_divide(self) -> ModelConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({self.num_attention_heads})"
             )
         groups = self.num_query_groups or self.num_attention_heads
         if self.num_attention_heads % groups:
-            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups ({groups})")
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by num_query_groups ({groups})"
+            )
         return self
 
     @property
@@ -247,12 +283,14 @@ class DiffusionConfig(_Section):
     )
     eps: float = Field(1e-3, gt=0.0, lt=1.0, description="t ~ U(eps, 1): lower bound of the noise level.")
     loss_weighting: Literal["inverse_t", "masked_fraction", "none"] = Field(
-        "inverse_t", description="Weight of masked-token CE: inverse_t (LLaDA: Bernoulli(t) masks, weight 1/t); "
+        "inverse_t",
+        description="Weight of masked-token CE: inverse_t (LLaDA: Bernoulli(t) masks, weight 1/t); "
         "masked_fraction (MegaDLMs-style L/#masked, with exactly ceil(tL) masks so it stays an unbiased ELBO); "
         "none (not a bound).",
     )
     uniform_loss: Literal["elbo", "x0_ce"] = Field(
-        "elbo", description="difflm-noshift-uniform only. elbo: UDLM's continuous-time ELBO (a bound, the "
+        "elbo",
+        description="difflm-noshift-uniform only. elbo: UDLM's continuous-time ELBO (a bound, the "
         "default); x0_ce: plain cross-entropy of the clean token at every position (UDLM's simple-CE ablation, "
         "a denoiser surrogate, not a bound).",
     )
@@ -261,12 +299,16 @@ class DiffusionConfig(_Section):
     )
     antithetic_t: bool = Field(False, description="Stratify t across the global batch (lower-variance loss).")
     varilen_prob: float = Field(
-        0.0, ge=0.0, le=1.0, description="difflm_varilen_prob: chance that a micro-batch trains on a random "
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="difflm_varilen_prob: chance that a micro-batch trains on a random "
         "shorter length in [2, seq_length] (diffusion modes only; MegaDLMs' default is 0.01).",
     )
     time_embedding: bool = Field(False, description="difflm_time_embedding: condition the network on t.")
     time_conditioning: Literal["adaln", "input"] = Field(
-        "adaln", description="How t enters when time_embedding is on. adaln: every layer norm is modulated by "
+        "adaln",
+        description="How t enters when time_embedding is on. adaln: every layer norm is modulated by "
         "t (DiT-style, as UDLM/DUO; needs model.backend=torch or local: Transformer Engine fuses the norms into its layers); input: an MLP of t added to the token "
         "embeddings (the first layer only; any backend).",
     )
@@ -281,18 +323,29 @@ class TrainConfig(_Section):
     min_lr: float = Field(3e-4, ge=0.0)
     warmup_iters: int = Field(20, ge=0)
     lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
-        "cosine", description="After warmup: cosine or linear decay to min_lr over the run, constant at lr, or "
-        "wsd (warmup-stable-decay): constant at lr, then decay to min_lr over the last wsd_decay_fraction.")
+        "cosine",
+        description="After warmup: cosine or linear decay to min_lr over the run, constant at lr, or "
+        "wsd (warmup-stable-decay): constant at lr, then decay to min_lr over the last wsd_decay_fraction.",
+    )
     wsd_decay_fraction: float = Field(0.2, gt=0.0, le=1.0, description="wsd: share of train_iters spent decaying.")
     wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = Field(
-        "linear", description="wsd: shape of the final decay (megatron's lr_wsd_decay_style).")
+        "linear", description="wsd: shape of the final decay (megatron's lr_wsd_decay_style)."
+    )
     on_nonfinite: Literal["skip", "stop"] = Field(
-        "skip", json_schema_extra=OPERATIONAL, description="A NaN/Inf loss or gradient: skip the update and count it, or stop (the last good "
-        "checkpoint is kept and the message names the step).")
-    max_nonfinite_skips: int = Field(10, ge=1, json_schema_extra=OPERATIONAL, description="Consecutive skipped steps before training stops anyway.")
+        "skip",
+        json_schema_extra=OPERATIONAL,
+        description="A NaN/Inf loss or gradient: skip the update and count it, or stop (the last good "
+        "checkpoint is kept and the message names the step).",
+    )
+    max_nonfinite_skips: int = Field(
+        10, ge=1, json_schema_extra=OPERATIONAL, description="Consecutive skipped steps before training stops anyway."
+    )
     preempt_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]] = Field(
-        default_factory=lambda: ["SIGTERM", "SIGUSR1"], json_schema_extra=OPERATIONAL, description="Signals on which the trainer finishes the "
-        "current step, writes a checkpoint and exits as preempted (rerun / requeue resumes).")
+        default_factory=lambda: ["SIGTERM", "SIGUSR1"],
+        json_schema_extra=OPERATIONAL,
+        description="Signals on which the trainer finishes the "
+        "current step, writes a checkpoint and exits as preempted (rerun / requeue resumes).",
+    )
     weight_decay: float = Field(0.01, ge=0.0)
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(0.98, ge=0.0, lt=1.0)
@@ -304,25 +357,33 @@ class TrainConfig(_Section):
     nproc_per_node: int = Field(1, ge=1, description="torchrun processes per node (GPUs per node; CPU: gloo ranks).")
     nnodes: int = Field(1, ge=1, description="Nodes (cluster launches: `difflm launch`).")
     init_from: str | None = Field(
-        None, description="Megatron checkpoint (model weights, any TP/PP) to start from, e.g. from "
-        "`difflm convert HF_DIR --out CKPT`."
+        None,
+        description="Megatron checkpoint (model weights, any TP/PP) to start from, e.g. from "
+        "`difflm convert HF_DIR --out CKPT`.",
     )
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: bf16 params/compute, fp32 main weights.")
     fp8: Literal["hybrid", "e4m3"] | None = Field(None, description="FP8 recipe (Transformer Engine on GPU only).")
     torch_threads: int | None = Field(None, ge=1, description="Intra-op threads per rank (None: cores / ranks).")
     peak_tflops: float | None = Field(
-        None, gt=0.0, json_schema_extra=OPERATIONAL, description="Peak dense bf16 TFLOP/s of one device for MFU (None: looked up by device name "
-        "in models/megatron/flops.py; MFU is not reported for an unknown device or the CPU).")
+        None,
+        gt=0.0,
+        json_schema_extra=OPERATIONAL,
+        description="Peak dense bf16 TFLOP/s of one device for MFU (None: looked up by device name "
+        "in models/megatron/flops.py; MFU is not reported for an unknown device or the CPU).",
+    )
     launcher: Literal["local", "slurm", "kubernetes"] = Field(
-        "local", json_schema_extra=OPERATIONAL, description="Who runs torchrun. local: a subprocess here (one node); slurm: an sbatch job "
+        "local",
+        json_schema_extra=OPERATIONAL,
+        description="Who runs torchrun. local: a subprocess here (one node); slurm: an sbatch job "
         "(train.slurm); kubernetes: a Kubeflow PyTorchJob (train.kubernetes). Cluster launchers write the same "
         "launch file as `difflm launch`, submit it, wait for the job and read the run directory, which must be "
-        "on storage the nodes share. Operational: any launcher resumes any other's run.")
+        "on storage the nodes share. Operational: any launcher resumes any other's run.",
+    )
     slurm: SlurmLaunchConfig = Field(default_factory=SlurmLaunchConfig, json_schema_extra=OPERATIONAL)
     kubernetes: KubernetesLaunchConfig = Field(default_factory=KubernetesLaunchConfig, json_schema_extra=OPERATIONAL)
 
     @model_validator(mode="after")
-    def _schedule(self) -> "TrainConfig":
+    def _schedule(self) -> TrainConfig:
         if self.warmup_iters >= self.train_iters:
             raise ValueError(f"warmup_iters ({self.warmup_iters}) must be below train_iters ({self.train_iters})")
         if self.min_lr > self.lr:
@@ -344,9 +405,17 @@ class CheckpointConfig(_Section):
 
 # The sampler's fields before eval.sampler existed (eval.<old> -> eval.sampler.<new>): still read, so the
 # config.yaml of a run trained then loads as it was written.
-FLAT_SAMPLER_FIELDS = {"sampler_steps": "steps", "block_length": "block_length", "remasking": "remasking",
-                       "threshold": "threshold", "temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-                       "cfg_scale": "cfg_scale", "stop_at_eos": "stop_at_eos"}
+FLAT_SAMPLER_FIELDS = {
+    "sampler_steps": "steps",
+    "block_length": "block_length",
+    "remasking": "remasking",
+    "threshold": "threshold",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "cfg_scale": "cfg_scale",
+    "stop_at_eos": "stop_at_eos",
+}
 
 
 class SamplerConfig(_Section):
@@ -355,19 +424,26 @@ class SamplerConfig(_Section):
     whatever `steps` says."""
 
     steps: int = Field(24, ge=1, description="Denoising steps (split across blocks; ignored with threshold).")
-    block_length: int | None = Field(None, ge=1, description="Semi-autoregressive blocks of this many tokens "
-                                     "(LLaDA); None: one block.")
+    block_length: int | None = Field(
+        None, ge=1, description="Semi-autoregressive blocks of this many tokens (LLaDA); None: one block."
+    )
     remasking: Literal["low_confidence", "margin", "entropy", "random"] = Field(
-        "low_confidence", description="Which masked positions each step commits (confidence is untempered).")
-    threshold: float | None = Field(None, ge=0.0, le=1.0, description="Fast-dLLM parallel decoding: commit "
-                                    "every position more confident than this, at least one per step.")
+        "low_confidence", description="Which masked positions each step commits (confidence is untempered)."
+    )
+    threshold: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="Fast-dLLM parallel decoding: commit "
+        "every position more confident than this, at least one per step.",
+    )
     temperature: float = Field(0.0, ge=0.0, description="0: greedy; >0: sample from softmax(logits/T).")
     top_k: int | None = Field(None, ge=1)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    cfg_scale: float = Field(0.0, ge=0.0, description="Classifier-free guidance (prompt masked for the "
-                             "unconditional pass); 0: off.")
-    stop_at_eos: bool = Field(True, description="A row stops once it committed an EOS with nothing masked "
-                              "before it.")
+    cfg_scale: float = Field(
+        0.0, ge=0.0, description="Classifier-free guidance (prompt masked for the unconditional pass); 0: off."
+    )
+    stop_at_eos: bool = Field(True, description="A row stops once it committed an EOS with nothing masked before it.")
 
 
 def nest_sampler_fields(eval_section: dict[str, Any]) -> dict[str, Any]:
@@ -380,38 +456,54 @@ def nest_sampler_fields(eval_section: dict[str, Any]) -> dict[str, Any]:
     sampler = dict(sampler) if isinstance(sampler, dict) else {}
     for old in flat:
         if FLAT_SAMPLER_FIELDS[old] in sampler:
-            raise ValueError(f"eval.{old} is the old spelling of eval.sampler.{FLAT_SAMPLER_FIELDS[old]}, which "
-                             f"is also given: set only eval.sampler.{FLAT_SAMPLER_FIELDS[old]}")
+            raise ValueError(
+                f"eval.{old} is the old spelling of eval.sampler.{FLAT_SAMPLER_FIELDS[old]}, which "
+                f"is also given: set only eval.sampler.{FLAT_SAMPLER_FIELDS[old]}"
+            )
     sampler.update({FLAT_SAMPLER_FIELDS[k]: v for k, v in flat.items()})
     return {**{k: v for k, v in eval_section.items() if k not in flat}, "sampler": sampler}
 
 
 class EvalConfig(_Section):
     max_sequences: int = Field(
-        32, ge=1, description="Held-out windows of train.seq_length tokens (consecutive, across document "
-        "boundaries) scored by the likelihood report.")
+        32,
+        ge=1,
+        description="Held-out windows of train.seq_length tokens (consecutive, across document "
+        "boundaries) scored by the likelihood report.",
+    )
     t_samples: int = Field(8, ge=1, description="Monte-Carlo noise levels per window for the ELBO.")
     num_samples: int = Field(3, ge=0, description="Texts generated by the diffusion sampler.")
     sample_length: int = Field(48, ge=1)
-    sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="The diffusion sampler of samples, "
-                                   "generation and the steps sweep: MaskedSampler's own fields.")
-    prompts: list[str] = Field(default_factory=list, description="Prompts for samples (empty: the first words "
-                               "of held-out documents of the run's own data).")
+    sampler: SamplerConfig = Field(
+        default_factory=SamplerConfig,
+        description="The diffusion sampler of samples, generation and the steps sweep: MaskedSampler's own fields.",
+    )
+    prompts: list[str] = Field(
+        default_factory=list,
+        description="Prompts for samples (empty: the first words of held-out documents of the run's own data).",
+    )
     prompt_words: int = Field(12, ge=1, description="Words of each held-out document used as a default prompt.")
-    task_items: int = Field(64, ge=0, description="Items per task (cloze, choice) built from the held-out split; "
-                            "0: no tasks.")
+    task_items: int = Field(
+        64, ge=0, description="Items per task (cloze, choice) built from the held-out split; 0: no tasks."
+    )
     mc_samples: int = Field(32, ge=1, description="Monte-Carlo draws of the conditional ELBO per task request.")
-    steps_sweep: list[int] = Field(default_factory=list, description="Sampler steps to sweep in the evaluate "
-                                   "flow (quality and speed against steps); empty: none.")
+    steps_sweep: list[int] = Field(
+        default_factory=list,
+        description="Sampler steps to sweep in the evaluate flow (quality and speed against steps); empty: none.",
+    )
     seed: int = 0
     device: str = Field(
-        "auto", description="Where the export is evaluated (`difflm eval`, `difflm generate`, the evaluate flow). "
+        "auto",
+        description="Where the export is evaluated (`difflm eval`, `difflm generate`, the evaluate flow). "
         "auto: CUDA (the current device) when torch sees a GPU, else the CPU; or cpu, cuda, cuda:<index>. "
-        "Checked when the model is loaded, not here, so a config written on a GPU machine still loads on a laptop.")
+        "Checked when the model is loaded, not here, so a config written on a GPU machine still loads on a laptop.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        "auto", description="Weights and activations of the evaluated model. auto: bfloat16 on CUDA (as LLaDA and "
+        "auto",
+        description="Weights and activations of the evaluated model. auto: bfloat16 on CUDA (as LLaDA and "
         "Dream are evaluated), float32 on the CPU. The ELBO noise is drawn on the CPU, so only the model's "
-        "arithmetic differs between dtypes and devices.")
+        "arithmetic differs between dtypes and devices.",
+    )
 
     @field_validator("device")
     @classmethod
@@ -425,8 +517,10 @@ class EvalConfig(_Section):
     @classmethod
     def _renamed(cls, data: Any) -> Any:
         if isinstance(data, dict) and "max_documents" in data:
-            raise ValueError("eval.max_documents was renamed eval.max_sequences: it counts seq_length windows, "
-                             "not documents. Rename the key (same value).")
+            raise ValueError(
+                "eval.max_documents was renamed eval.max_sequences: it counts seq_length windows, "
+                "not documents. Rename the key (same value)."
+            )
         return nest_sampler_fields(data) if isinstance(data, dict) else data
 
 
@@ -434,19 +528,29 @@ class TrackingConfig(_Section):
     enabled: bool = True
     tracking_uri: str | None = Field(None, description="MLflow URI (None: sqlite store in the workdir).")
     experiment: str = "difflm"
-    registry: bool = Field(True, description="Register the HF export as a version of a registered model "
-                           "(false: it is only logged as an artifact of the run).")
+    registry: bool = Field(
+        True,
+        description="Register the HF export as a version of a registered model "
+        "(false: it is only logged as an artifact of the run).",
+    )
     registered_model: str | None = Field(
-        None, description="Registered model name (None: difflm-<preset name>-<mode>, so each preset and mode has "
-        "its own model and champion; an empty string disables registration, as registry: false does).")
+        None,
+        description="Registered model name (None: difflm-<preset name>-<mode>, so each preset and mode has "
+        "its own model and champion; an empty string disables registration, as registry: false does).",
+    )
     champion_metric: str = Field(
-        "eval.trained.nll_per_token", description="Run metric that decides the `champion` alias: a new version "
-        "takes it only when strictly better than the champion's (default: the validation ELBO/NLL in nats/token).")
+        "eval.trained.nll_per_token",
+        description="Run metric that decides the `champion` alias: a new version "
+        "takes it only when strictly better than the champion's (default: the validation ELBO/NLL in nats/token).",
+    )
     champion_higher_is_better: bool = Field(
-        False, description="True for scores (e.g. eval.cloze.acc); False for losses and bounds.")
+        False, description="True for scores (e.g. eval.cloze.acc); False for losses and bounds."
+    )
     system_metrics: bool = Field(
-        True, description="Sample CPU, memory, disk, network (and GPU) utilisation into the training stage's "
-        "MLflow run while it trains (MLflow's system metrics, every 10 s).")
+        True,
+        description="Sample CPU, memory, disk, network (and GPU) utilisation into the training stage's "
+        "MLflow run while it trains (MLflow's system metrics, every 10 s).",
+    )
 
 
 class PipelineConfig(_Section):
@@ -463,7 +567,7 @@ class PipelineConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
 
     @model_validator(mode="after")
-    def _parallel_layout(self) -> "PipelineConfig":
+    def _parallel_layout(self) -> PipelineConfig:
         p, t, m = self.parallel, self.train, self.model
         model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
         world = t.nproc_per_node * t.nnodes
@@ -514,10 +618,14 @@ class PipelineConfig(_Section):
 def _identity(section: BaseModel) -> dict[str, Any]:
     """`section` as JSON (`model_dump(mode="json")`), without the OPERATIONAL fields of it and of every section
     nested in it."""
+
     def prune(value: Any, dumped: Any) -> Any:
         if isinstance(value, BaseModel):
-            return {name: prune(getattr(value, name), dumped[name])
-                    for name, field in type(value).model_fields.items() if is_identity(field)}
+            return {
+                name: prune(getattr(value, name), dumped[name])
+                for name, field in type(value).model_fields.items()
+                if is_identity(field)
+            }
         if isinstance(value, (list, tuple)):
             return [prune(v, d) for v, d in zip(value, dumped)]
         return dumped
@@ -557,7 +665,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         problem = str(err).splitlines()[0]
         raise ConfigError(
             f"override {text!r}: the value is not valid YAML ({problem}). Quote the whole override for the shell, "
-            f"e.g. \"data.sources=[{{path: a.jsonl}}, b/]\""
+            f'e.g. "data.sources=[{{path: a.jsonl}}, b/]"'
         ) from None
 
 

@@ -44,6 +44,7 @@ EVAL_KEY = ".cache_key"  # in an evaluation folder: what the pipeline's results 
 
 # ---- checkpoints/ (no megatron needed to read which one is complete) ---------------------------------------
 
+
 def iter_dir(root: Path, iteration: int) -> Path:
     """The folder of `iteration` in a checkpoints/ folder."""
     return Path(root) / f"iter_{iteration:07d}"
@@ -65,6 +66,7 @@ def iteration_of(checkpoint: Path) -> int | None:
 
 
 # ---- exports --------------------------------------------------------------------------------------------
+
 
 def exported_from(folder: Path) -> str | None:
     """The checkpoint an HF export was written from (its difflm_export.json), or None for any other folder."""
@@ -203,7 +205,7 @@ class RunDir:
         return None
 
     @classmethod
-    def holding(cls, folder: str | Path) -> "RunDir | None":
+    def holding(cls, folder: str | Path) -> RunDir | None:
         """The run directory that `folder` belongs to: a run itself, its checkpoints/, one checkpoint, or an export
         (followed to the checkpoint it names, wherever the export lies); None if none."""
         folder = Path(folder)

@@ -14,9 +14,10 @@ import json
 import os
 import sys
 import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -65,22 +66,39 @@ def cmd_run(cfg: PipelineConfig, args) -> int:
 
     kind = KIND_LABELS[b["trained"]["kind"]]
     print("\n=== pretrain-difflm done ===")
-    print(f"validation {kind}: trained {b['trained']['ppl']:.1f}  untrained {b['untrained']['ppl']:.1f}"
-          f"  ({b['trained']['nll_per_token']:.3f} vs {b['untrained']['nll_per_token']:.3f} nats/token)")
+    print(
+        f"validation {kind}: trained {b['trained']['ppl']:.1f}  untrained {b['untrained']['ppl']:.1f}"
+        f"  ({b['trained']['nll_per_token']:.3f} vs {b['untrained']['nll_per_token']:.3f} nats/token)"
+    )
     for name, scores in summary.get("tasks", {}).items():
-        print(f"task {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items() if isinstance(v, float)
-                                           and k != "chance") + f"  ({scores['items']} items)")
+        print(
+            f"task {name}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in scores.items() if isinstance(v, float) and k != "chance")
+            + f"  ({scores['items']} items)"
+        )
     for s in summary["samples"]:
         print(f"sample: {s['prompt']!r} -> {s['completion'][:160]!r}")
     if summary.get("stages"):  # what this execution computed, and what the Prefect cache let it skip
         print("stages: " + ", ".join(f"{k} {v}" for k, v in summary["stages"].items()))
-    for key in ("data_dir", "run_dir", "hf_dir", "report", "mlflow_uri", "mlflow_run_id", "mlflow_run_url",
-                "registered_model", "version", "promotion"):
+    for key in (
+        "data_dir",
+        "run_dir",
+        "hf_dir",
+        "report",
+        "mlflow_uri",
+        "mlflow_run_id",
+        "mlflow_run_url",
+        "registered_model",
+        "version",
+        "promotion",
+    ):
         if summary.get(key) is not None:
             print(f"{key:>16}: {summary[key]}")
     if summary.get("mlflow_uri"):
-        print(f"MLflow UI: {Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {summary['mlflow_uri']} "
-              f"--host 127.0.0.1 --port 5000")
+        print(
+            f"MLflow UI: {Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {summary['mlflow_uri']} "
+            f"--host 127.0.0.1 --port 5000"
+        )
     Path(cfg.workdir, "last_run.json").write_text(json.dumps(summary, indent=2))
     return 0
 
@@ -179,8 +197,11 @@ def cmd_convert(cfg: PipelineConfig, args) -> int:
     if info["to"] == "megatron":
         print(f"megatron checkpoint: {out}\nstart training from it with: train.init_from={out}")
     else:
-        print(f"Hugging Face export: {out}" + (" (reused)" if info["reused"] else "")
-              + (f"\n  from iteration {info['iteration']} of {info['run_dir']}" if info["run_dir"] else ""))
+        print(
+            f"Hugging Face export: {out}"
+            + (" (reused)" if info["reused"] else "")
+            + (f"\n  from iteration {info['iteration']} of {info['run_dir']}" if info["run_dir"] else "")
+        )
     return 0
 
 
@@ -188,14 +209,27 @@ def cmd_eval_latest(cfg: PipelineConfig, args) -> int:
     from flows.evaluate_latest import evaluate_latest
     from tasks.runs import training_run_dir
 
-    res = evaluate_latest(run_dir=str(training_run_dir(args.run_dir)), preset=args.preset, overrides=args.overrides,
-                          max_sequences=args.max_sequences, force=args.force)
+    res = evaluate_latest(
+        run_dir=str(training_run_dir(args.run_dir)),
+        preset=args.preset,
+        overrides=args.overrides,
+        max_sequences=args.max_sequences,
+        force=args.force,
+    )
     if res.get("skipped"):
-        print(f"skipped: {res['skipped']}" + (f" (iteration {res['iteration']}, score {res['score']:.4f}; "
-                                              f"--force scores it again)" if res.get("iteration") is not None else ""))
+        print(
+            f"skipped: {res['skipped']}"
+            + (
+                f" (iteration {res['iteration']}, score {res['score']:.4f}; --force scores it again)"
+                if res.get("iteration") is not None
+                else ""
+            )
+        )
     else:
-        print(f"iteration {res['iteration']}: {res['kind']} {res['score']:.4f} nats/token (ppl {res['ppl']:.2f})"
-              + (f"; MLflow run {res['mlflow_run_id']}" if res.get("mlflow_run_id") else ""))
+        print(
+            f"iteration {res['iteration']}: {res['kind']} {res['score']:.4f} nats/token (ppl {res['ppl']:.2f})"
+            + (f"; MLflow run {res['mlflow_run_id']}" if res.get("mlflow_run_id") else "")
+        )
     return 0
 
 
@@ -210,23 +244,29 @@ def cmd_eval(cfg: PipelineConfig, args) -> int:
     if args.flow:
         from flows.evaluate import evaluate
 
-        found = {s: evaluate(source=s, preset=args.preset, overrides=args.overrides, out_dir=args.out)
-                 for s in args.sources}
+        found = {
+            s: evaluate(source=s, preset=args.preset, overrides=args.overrides, out_dir=args.out) for s in args.sources
+        }
     else:
         found = {}
         for source in args.sources:
-            plan = evaluation_source(source, args.preset, args.overrides, args.tracking_uri or tracking_uri(cfg),
-                                     args.out)
+            plan = evaluation_source(
+                source, args.preset, args.overrides, args.tracking_uri or tracking_uri(cfg), args.out
+            )
             c, manifest, hf_dir, out = plan["config"], plan["manifest"], plan["hf_dir"], plan["out_dir"]
             found[source] = evaluate_export(c, manifest, hf_dir, out, untrained=False)
             found[source]["sweep"] = sweep_export(c, manifest, hf_dir, out)
-            print(f"{source}: results in {out}" + (f" (data {manifest['hash']}: not the data its run was trained "
-                                                   f"on)" if plan["other_data"] else ""))
+            print(
+                f"{source}: results in {out}"
+                + (f" (data {manifest['hash']}: not the data its run was trained on)" if plan["other_data"] else "")
+            )
     print(comparison_table(found))
     for source, res in found.items():
         for row in res.get("sweep") or []:
-            print(f"{source} steps {row['steps']:>3}: cloze accuracy {row['accuracy']:.3f}, "
-                  f"{row['tokens_per_s']:.1f} tokens/s")
+            print(
+                f"{source} steps {row['steps']:>3}: cloze accuracy {row['accuracy']:.3f}, "
+                f"{row['tokens_per_s']:.1f} tokens/s"
+            )
         if res.get("samples"):
             s = res["samples"][0]
             print(f"{source} sample: {s['prompt']!r} -> {s['completion'][:160]!r}")
@@ -237,10 +277,10 @@ def cmd_eval(cfg: PipelineConfig, args) -> int:
 
 
 def cmd_generate(cfg: PipelineConfig, args) -> int:
+    from difflm.tracking import tracking_uri
     from models.evaluation.generation import default_prompts, sampler_settings
     from models.evaluation.report import placement_label
     from models.evaluation.scoring import Scorer
-    from difflm.tracking import tracking_uri
     from models.evaluation.sources import resolve_export
     from models.evaluation.stages import eval_device, load_model, load_tokenizer, placement
 
@@ -251,16 +291,19 @@ def cmd_generate(cfg: PipelineConfig, args) -> int:
         from data_prep.pipeline import prepare_data
         from models.evaluation.tasks import heldout_documents
 
-        prompts = default_prompts(heldout_documents(prepare_data(cfg), tok), cfg.eval.num_samples or 3,
-                                  cfg.eval.prompt_words)
+        prompts = default_prompts(
+            heldout_documents(prepare_data(cfg), tok), cfg.eval.num_samples or 3, cfg.eval.prompt_words
+        )
     scorer = Scorer(model, tok, seed=cfg.eval.seed)
     records = scorer.generate(prompts, args.max_new_tokens or cfg.eval.sample_length, sampler_settings(cfg.eval))
     if args.json:
         print(json.dumps(records, indent=2))
         return 0
     for r in records:
-        print(f"--- {r['prompt']!r}\n{r['completion']}\n    [{r['tokens']} tokens, {r['model_calls']} model calls, "
-              f"{r['seconds']:.2f} s]")
+        print(
+            f"--- {r['prompt']!r}\n{r['completion']}\n    [{r['tokens']} tokens, {r['model_calls']} model calls, "
+            f"{r['seconds']:.2f} s]"
+        )
     settings = {k: v for k, v in records[0]["sampler"].items() if v is not None} if records else {}
     print(f"sampler: {json.dumps(settings)}\ndevice / dtype: {placement_label(placement(model))}")
     return 0
@@ -280,28 +323,38 @@ def cmd_serve(cfg: PipelineConfig, args) -> int:
         from tasks.runs import training_run_dir
 
         if not args.run_dir:
-            raise UserError("difflm serve evaluate-latest needs --run-dir <workdir>/runs/<run> (the run to score "
-                            "while it trains)")
-        params = {"run_dir": str(training_run_dir(args.run_dir)), "max_sequences": args.max_sequences,
-                  "overrides": args.overrides}
+            raise UserError(
+                "difflm serve evaluate-latest needs --run-dir <workdir>/runs/<run> (the run to score while it trains)"
+            )
+        params = {
+            "run_dir": str(training_run_dir(args.run_dir)),
+            "max_sequences": args.max_sequences,
+            "overrides": args.overrides,
+        }
         if args.preset:  # else the run's own config.yaml
             params["preset"] = args.preset
-        print(f"serving evaluate-latest/{args.name} on {params['run_dir']}"
-              + (f" every {args.interval:g} s" if args.interval and not args.cron else ""), flush=True)
+        print(
+            f"serving evaluate-latest/{args.name} on {params['run_dir']}"
+            + (f" every {args.interval:g} s" if args.interval and not args.cron else ""),
+            flush=True,
+        )
         evaluate_latest.serve(name=args.name, parameters=params, limit=1, **schedule)  # one at a time
         return 0
     from flows.pretrain import pretrain_difflm
 
-    pretrain_difflm.serve(name=args.name, parameters={"preset": args.preset or DEFAULT_PRESET,
-                                                      "overrides": args.overrides}, **schedule)
+    pretrain_difflm.serve(
+        name=args.name, parameters={"preset": args.preset or DEFAULT_PRESET, "overrides": args.overrides}, **schedule
+    )
     return 0
 
 
 # ---- the command table ------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Arg:
     """One argparse argument; `sets`: the config field an option sets (validated with the rest of the config)."""
+
     flags: tuple[str, ...]
     options: dict[str, Any]
     sets: str | None = None
@@ -323,7 +376,7 @@ def flow_flag(flow: str) -> Arg:
 @dataclass(frozen=True)
 class Command:
     name: str
-    help: str         # one line in `difflm --help`
+    help: str  # one line in `difflm --help`
     description: str  # `difflm NAME --help`
     handler: Callable[[PipelineConfig, argparse.Namespace], int]
     args: tuple[Arg, ...] = ()
@@ -369,50 +422,79 @@ SOURCE_HELP = "export folder, run directory, or models:/<name>/<version> | model
 
 COMMANDS = (
     Command(
-        "run", "run the pretrain-difflm flow end to end (data, train, export, eval, MLflow)",
+        "run",
+        "run the pretrain-difflm flow end to end (data, train, export, eval, MLflow)",
         "Run the Prefect flow pretrain-difflm: data prep, torchrun training, HF export, evaluation, MLflow tracking "
         "and model registration. Finished stages are reused; an interrupted run resumes. With no Prefect API "
         "configured a temporary local server is used.",
-        cmd_run),
+        cmd_run,
+    ),
     Command(
-        "config", "show the resolved configuration, list presets, or print the JSON schema",
+        "config",
+        "show the resolved configuration, list presets, or print the JSON schema",
         "Print the configuration the other commands would use with the same --preset and overrides (show), the "
         "preset files (presets), or the JSON schema of every field (schema).",
         cmd_config,
-        (arg("action", nargs="?", default="show", choices=["show", "presets", "schema"],
-             help="show (default): the resolved config; presets: the preset files; schema: JSON schema"),)),
+        (
+            arg(
+                "action",
+                nargs="?",
+                default="show",
+                choices=["show", "presets", "schema"],
+                help="show (default): the resolved config; presets: the preset files; schema: JSON schema",
+            ),
+        ),
+    ),
     Command(
-        "prep", "data prep only: datatrove -> tokenized Megatron .bin/.idx + manifest",
+        "prep",
+        "data prep only: datatrove -> tokenized Megatron .bin/.idx + manifest",
         "Read the configured sources (data.sources), clean, split, tokenize and write verified Megatron datasets. "
         "Reruns finish interrupted work; a changed config writes to a new folder.",
-        cmd_prep, (flow_flag("data-prep"),)),
+        cmd_prep,
+        (flow_flag("data-prep"),),
+    ),
     Command(
-        "verify", "re-read and check every shard of the config's finished data prep",
+        "verify",
+        "re-read and check every shard of the config's finished data prep",
         "Re-read every shard of the data prep this config names and check it against its manifest (document and "
         "token counts, checksums).",
-        cmd_verify),
+        cmd_verify,
+    ),
     Command(
-        "train", "data prep (reused) + training only, no Prefect/MLflow",
+        "train",
+        "data prep (reused) + training only, no Prefect/MLflow",
         "Prepare the data (reused when done), then train with train.launcher: torchrun here (local), or a Slurm "
         "job or Kubernetes PyTorchJob that it submits and waits for. Prints the run directory and checkpoint.",
-        cmd_train),
+        cmd_train,
+    ),
     Command(
-        "launch", "write a Slurm script or Kubernetes PyTorchJob that trains this config",
+        "launch",
+        "write a Slurm script or Kubernetes PyTorchJob that trains this config",
         "Prepare the data (reused when done), then write a cluster launch file for torchrun on train.nnodes nodes "
         "x train.nproc_per_node GPUs into the run directory, to submit yourself. The workdir must be on storage "
         "every node sees. train.launcher=slurm|kubernetes also submits it and waits (difflm train, difflm run, "
         "the pretrain-difflm flow). The options below set the config fields they name.",
         cmd_launch,
-        (arg("--target", choices=["slurm", "k8s", "kubernetes"], default="slurm", help="default: slurm"),
-         arg("--partition", sets="train.slurm.partition", help="Slurm partition (sets train.slurm.partition)"),
-         arg("--time", sets="train.slurm.time", help="Slurm time limit (sets train.slurm.time)"),
-         arg("--python", sets="train.slurm.python", help="python on the nodes (sets train.slurm.python; default: "
-             "this one)"),
-         arg("--image", sets="train.kubernetes.image", help="container image (sets train.kubernetes.image)"),
-         arg("--pvc", sets="train.kubernetes.pvc", help="PersistentVolumeClaim holding the workdir (sets "
-             "train.kubernetes.pvc)"))),
+        (
+            arg("--target", choices=["slurm", "k8s", "kubernetes"], default="slurm", help="default: slurm"),
+            arg("--partition", sets="train.slurm.partition", help="Slurm partition (sets train.slurm.partition)"),
+            arg("--time", sets="train.slurm.time", help="Slurm time limit (sets train.slurm.time)"),
+            arg(
+                "--python",
+                sets="train.slurm.python",
+                help="python on the nodes (sets train.slurm.python; default: this one)",
+            ),
+            arg("--image", sets="train.kubernetes.image", help="container image (sets train.kubernetes.image)"),
+            arg(
+                "--pvc",
+                sets="train.kubernetes.pvc",
+                help="PersistentVolumeClaim holding the workdir (sets train.kubernetes.pvc)",
+            ),
+        ),
+    ),
     Command(
-        "convert", "megatron checkpoint <-> Hugging Face folder; the direction follows from SOURCE",
+        "convert",
+        "megatron checkpoint <-> Hugging Face folder; the direction follows from SOURCE",
         "Convert between megatron and Hugging Face. The direction follows from SOURCE, which is never ambiguous:\n"
         "  a run directory   -> its newest complete checkpoint -> HF export (<run>/exports/iter_XXXXXXX)\n"
         "  a megatron checkpoint (iter_XXXXXXX, with metadata.json) -> HF export (<name>-hf beside it)\n"
@@ -422,13 +504,21 @@ COMMANDS = (
         "megatron, parallel.* sets the vocabulary padding of the target layout. An --out folder holding anything "
         "else is never replaced.",
         cmd_convert,
-        (arg("source", metavar="SOURCE", help="run directory, megatron checkpoint folder, or HF export folder"),
-         arg("--out", default=None, help="output folder (default: <run>/exports/iter_XXXXXXX, or next to the source "
-             "as <name>-hf / <name>-megatron)"),
-         flow_flag("convert-checkpoint")),
-        run_of=_run_of_conversion),
+        (
+            arg("source", metavar="SOURCE", help="run directory, megatron checkpoint folder, or HF export folder"),
+            arg(
+                "--out",
+                default=None,
+                help="output folder (default: <run>/exports/iter_XXXXXXX, or next to the source "
+                "as <name>-hf / <name>-megatron)",
+            ),
+            flow_flag("convert-checkpoint"),
+        ),
+        run_of=_run_of_conversion,
+    ),
     Command(
-        "eval", "score exports, run directories or registered versions on the data's tasks",
+        "eval",
+        "score exports, run directories or registered versions on the data's tasks",
         "For each SOURCE: the likelihood bound (exact NLL for ar) on held-out windows, the cloze / multiple-choice "
         "/ document tasks built from the held-out split, and samples, on the data and config the source's run "
         "recorded (config.yaml, data_manifest.json). Prints one table; results and lm-eval task files go to "
@@ -436,67 +526,102 @@ COMMANDS = (
         "tokenizer, into <run>/eval-<data hash>: never over the run's own results. eval.* overrides set the items, "
         "Monte-Carlo samples and sampler; eval.steps_sweep=[4,8,16] adds a quality/speed sweep.",
         cmd_eval,
-        (arg("sources", nargs="+", metavar="SOURCE", help=SOURCE_HELP),
-         arg("--out", default=None, help="results folder (default: <run>/eval, <run>/eval-<data hash> on other "
-             "data, or <workdir>/evals/<source>)"),
-         arg("--tracking-uri", default=None, help="MLflow store for models:/ sources (default: the config's)"),
-         flow_flag("evaluate")),
-        run_of=_run_of_sources),
+        (
+            arg("sources", nargs="+", metavar="SOURCE", help=SOURCE_HELP),
+            arg(
+                "--out",
+                default=None,
+                help="results folder (default: <run>/eval, <run>/eval-<data hash> on other "
+                "data, or <workdir>/evals/<source>)",
+            ),
+            arg("--tracking-uri", default=None, help="MLflow store for models:/ sources (default: the config's)"),
+            flow_flag("evaluate"),
+        ),
+        run_of=_run_of_sources,
+    ),
     Command(
-        "eval-latest", "score a training run's newest checkpoint, while it trains, into MLflow",
+        "eval-latest",
+        "score a training run's newest checkpoint, while it trains, into MLflow",
         "Run the Prefect flow evaluate-latest once: export the newest complete checkpoint of RUN_DIR (it may still "
         "be training), score its held-out likelihood bound on a few windows and log it to MLflow at that iteration "
         "(the training's MLflow run when found). A checkpoint scored before is skipped "
         "(<run>/eval_latest/scores.json). On a schedule: difflm serve evaluate-latest, or prefect.yaml.",
         cmd_eval_latest,
-        (arg("run_dir", metavar="RUN_DIR", help="training run directory (<workdir>/runs/<run>)"),
-         arg("--max-sequences", type=int, default=16,
-             help="held-out windows to score (default: 16; at most eval.max_sequences of the config)"),
-         arg("--force", action="store_true", help="score the newest checkpoint even if scored before")),
-        run_of=_run_of_run_dir),
+        (
+            arg("run_dir", metavar="RUN_DIR", help="training run directory (<workdir>/runs/<run>)"),
+            arg(
+                "--max-sequences",
+                type=int,
+                default=16,
+                help="held-out windows to score (default: 16; at most eval.max_sequences of the config)",
+            ),
+            arg("--force", action="store_true", help="score the newest checkpoint even if scored before"),
+        ),
+        run_of=_run_of_run_dir,
+    ),
     Command(
-        "generate", "sample from an export with the configured sampler",
+        "generate",
+        "sample from an export with the configured sampler",
         "Generate after each --prompt (default: the first words of held-out documents). The sampler is "
         "eval.sampler.*: steps, block_length, remasking (low_confidence | margin | entropy | random), threshold (Fast-dLLM "
         "parallel decoding), temperature, top_k, top_p, cfg_scale, stop_at_eos. ar exports decode token by token "
         "with a KV cache.",
         cmd_generate,
-        (arg("source", metavar="SOURCE", help=SOURCE_HELP),
-         arg("--prompt", action="append", help="a prompt (repeat for a batch)"),
-         arg("--max-new-tokens", type=int, default=None, help="tokens to generate (default: eval.sample_length)"),
-         arg("--json", action="store_true", help="print the records (completion, settings, timing) as JSON"),
-         arg("--tracking-uri", default=None, help="MLflow store for models:/ sources (default: the config's)")),
-        run_of=_run_of_sources),
+        (
+            arg("source", metavar="SOURCE", help=SOURCE_HELP),
+            arg("--prompt", action="append", help="a prompt (repeat for a batch)"),
+            arg("--max-new-tokens", type=int, default=None, help="tokens to generate (default: eval.sample_length)"),
+            arg("--json", action="store_true", help="print the records (completion, settings, timing) as JSON"),
+            arg("--tracking-uri", default=None, help="MLflow store for models:/ sources (default: the config's)"),
+        ),
+        run_of=_run_of_sources,
+    ),
     Command(
-        "serve", "serve a flow (pretrain-difflm or evaluate-latest) as a Prefect deployment, optionally scheduled",
+        "serve",
+        "serve a flow (pretrain-difflm or evaluate-latest) as a Prefect deployment, optionally scheduled",
         "Register a deployment of FLOW and run its flow runs in this process until stopped (Ctrl-C). "
         "pretrain-difflm takes the config (--preset and overrides); evaluate-latest scores the newest checkpoint "
         "of --run-dir on every scheduled run (default: every 600 s) and logs it to MLflow at that step. For a "
         "work pool and a worker instead, see prefect.yaml (`prefect deploy`).",
         cmd_serve,
-        (arg("served", metavar="FLOW", choices=["pretrain-difflm", "evaluate-latest"],
-             help="the flow to serve: pretrain-difflm | evaluate-latest"),
-         arg("--name", default="demo", help="deployment name (run it: prefect deployment run 'FLOW/NAME')"),
-         arg("--cron", default=None, help="cron schedule, e.g. '0 3 * * *'"),
-         arg("--interval", type=float, default=None, help="interval schedule in seconds (evaluate-latest default: "
-             "600)"),
-         arg("--run-dir", default=None, help="evaluate-latest: the training run directory to score"),
-         arg("--max-sequences", type=int, default=16,
-             help="evaluate-latest: held-out windows per score (default: 16; at most eval.max_sequences)")),
-        run_of=_run_of_served),
+        (
+            arg(
+                "served",
+                metavar="FLOW",
+                choices=["pretrain-difflm", "evaluate-latest"],
+                help="the flow to serve: pretrain-difflm | evaluate-latest",
+            ),
+            arg("--name", default="demo", help="deployment name (run it: prefect deployment run 'FLOW/NAME')"),
+            arg("--cron", default=None, help="cron schedule, e.g. '0 3 * * *'"),
+            arg(
+                "--interval",
+                type=float,
+                default=None,
+                help="interval schedule in seconds (evaluate-latest default: 600)",
+            ),
+            arg("--run-dir", default=None, help="evaluate-latest: the training run directory to score"),
+            arg(
+                "--max-sequences",
+                type=int,
+                default=16,
+                help="evaluate-latest: held-out windows per score (default: 16; at most eval.max_sequences)",
+            ),
+        ),
+        run_of=_run_of_served,
+    ),
 )
 BY_NAME = {c.name: c for c in COMMANDS}
 
 # spellings that are gone, and what to type instead
 REMOVED = {
     "import-hf": "`difflm import-hf` is gone: use `difflm convert HF_DIR --out CKPT` (the direction follows from "
-                 "the source)",
+    "the source)",
 }
 REMOVED_OPTIONS = {
     ("convert", "--to"): "convert takes no --to: the direction follows from SOURCE (a run directory or megatron "
-                         "checkpoint converts to HF, an HF export to megatron); see `difflm convert --help`",
+    "checkpoint converts to HF, an HF export to megatron); see `difflm convert --help`",
     ("serve", "--flow"): "serve takes the flow as its first argument: `difflm serve pretrain-difflm` or "
-                         "`difflm serve evaluate-latest --run-dir RUN`",
+    "`difflm serve evaluate-latest --run-dir RUN`",
 }
 
 
@@ -513,18 +638,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="difflm",
         description="Pretrain diffusion language models on megatron-core, data to registered checkpoint.",
-        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for cmd in COMMANDS:
-        p = sub.add_parser(cmd.name, help=cmd.help, description=_wrap(cmd.description),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            cmd.name,
+            help=cmd.help,
+            description=_wrap(cmd.description),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         for a in cmd.args:
             p.add_argument(*a.flags, **a.options)
-        p.add_argument("--preset", default=None,
-                       help=f"preset name in configs/ or a YAML file (default: {preset_default(cmd)})")
-        p.add_argument("overrides", nargs="*", metavar="key.sub=value",
-                       help="configuration overrides (`difflm config show` lists every field)")
+        p.add_argument(
+            "--preset", default=None, help=f"preset name in configs/ or a YAML file (default: {preset_default(cmd)})"
+        )
+        p.add_argument(
+            "overrides",
+            nargs="*",
+            metavar="key.sub=value",
+            help="configuration overrides (`difflm config show` lists every field)",
+        )
     return parser
 
 
@@ -542,8 +677,11 @@ def _parse(argv: list[str] | None):
             parser.error(REMOVED_OPTIONS[args.command, x.split("=", 1)[0]])
     if stray:
         dashed = [x.lstrip("-") for x in stray if x.startswith("--") and "=" in x]
-        hint = (f" (configuration overrides take no dashes: {' '.join(dashed)}; `difflm config show` lists every "
-                f"field)") if dashed else ""
+        hint = (
+            (f" (configuration overrides take no dashes: {' '.join(dashed)}; `difflm config show` lists every field)")
+            if dashed
+            else ""
+        )
         parser.error(f"unrecognized arguments: {' '.join(stray)}{hint}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
     if getattr(args, "sources", None):  # nargs="+" also swallows the key=value overrides that follow
@@ -600,8 +738,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"difflm: {err}", file=sys.stderr)
         return err.exit_code  # 1; 2 for a bad config; 75 (EX_TEMPFAIL) when rerunning resumes
     except KeyboardInterrupt:
-        print("difflm: interrupted; rerun the same command to resume (finished stages and checkpoints are kept)",
-              file=sys.stderr)
+        print(
+            "difflm: interrupted; rerun the same command to resume (finished stages and checkpoints are kept)",
+            file=sys.stderr,
+        )
         return 130
 
 

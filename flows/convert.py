@@ -4,7 +4,7 @@ deployment: prefect.yaml's `convert` (entrypoint flows.convert:convert_checkpoin
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from prefect import flow
 
@@ -16,11 +16,11 @@ from tasks.stages import convert_source_task
 @flow(name="convert-checkpoint", log_prints=True)
 def convert_checkpoint(
     source: str,
-    to: Optional[Literal["hf", "megatron"]] = None,
-    out_dir: Optional[str] = None,
-    preset: Optional[str] = None,
-    overrides: Optional[list[str]] = None,
-    config: Optional[PipelineConfig] = None,
+    to: Literal["hf", "megatron"] | None = None,
+    out_dir: str | None = None,
+    preset: str | None = None,
+    overrides: list[str] | None = None,
+    config: PipelineConfig | None = None,
 ) -> dict:
     """Convert a checkpoint between megatron and Hugging Face.
 

@@ -1,7 +1,5 @@
 """The `data-prep` flow: raw text -> verified Megatron datasets, statistics in MLflow."""
 
-from typing import Optional
-
 from prefect import flow
 
 from difflm import tracking
@@ -11,8 +9,9 @@ from tasks.stages import data_prep_task
 
 
 @flow(name="data-prep", log_prints=True)
-def data_prep(preset: str = "tiny-cpu", overrides: Optional[list[str]] = None,
-              config: Optional[PipelineConfig] = None) -> dict:
+def data_prep(
+    preset: str = "tiny-cpu", overrides: list[str] | None = None, config: PipelineConfig | None = None
+) -> dict:
     """Tokenize and pack the configured sources into Megatron .bin/.idx with a manifest.
 
     Args:

@@ -3,7 +3,6 @@ data (bound, tasks, samples, optional sampler sweep), tracked in its own MLflow 
 config its run recorded; other data is explicit and its results go elsewhere (`tasks.runs.source_config`)."""
 
 from pathlib import Path
-from typing import Optional
 
 from prefect import flow
 
@@ -21,10 +20,10 @@ from tasks.stages import data_prep_task, evaluate_task, sweep_task
 @flow(name="evaluate", log_prints=True)
 def evaluate(
     source: str,
-    preset: Optional[str] = None,
-    overrides: Optional[list[str]] = None,
-    config: Optional[PipelineConfig] = None,
-    out_dir: Optional[str] = None,
+    preset: str | None = None,
+    overrides: list[str] | None = None,
+    config: PipelineConfig | None = None,
+    out_dir: str | None = None,
 ) -> dict:
     """Evaluate a model on the held-out split of its run's data (or of the data the config names).
 

@@ -6,7 +6,6 @@ skipped. From the command line: `difflm eval-latest RUN_DIR` (once) or `difflm s
 from __future__ import annotations
 
 import time
-from typing import Optional
 
 from prefect import flow, get_run_logger
 
@@ -19,9 +18,9 @@ from tasks.stages import export_newest_task, score_bound_task
 @flow(name="evaluate-latest", log_prints=True)
 def evaluate_latest(
     run_dir: str,
-    preset: Optional[str] = None,
-    overrides: Optional[list[str]] = None,
-    config: Optional[PipelineConfig] = None,
+    preset: str | None = None,
+    overrides: list[str] | None = None,
+    config: PipelineConfig | None = None,
     max_sequences: int = 16,
     force: bool = False,
 ) -> dict:
@@ -52,9 +51,16 @@ def evaluate_latest(
     iteration, hf_dir = export_newest_task(cfg, manifest, str(rdir))
     score = score_bound_task(cfg, manifest, hf_dir, max_sequences)
     run_id = log_latest_score(cfg, rdir, manifest, iteration, score)
-    record = {"iteration": iteration, "score": score["nll_per_token"], **score, "mlflow_run_id": run_id,
-              "time": time.time()}
+    record = {
+        "iteration": iteration,
+        "score": score["nll_per_token"],
+        **score,
+        "mlflow_run_id": run_id,
+        "time": time.time(),
+    }
     remember_score(rdir, record)
-    logger.info(f"{rdir.name}: iteration {iteration} scored {record['score']:.4f} nats/token"
-                + (f" (MLflow run {run_id}, step {iteration})" if run_id else ""))
+    logger.info(
+        f"{rdir.name}: iteration {iteration} scored {record['score']:.4f} nats/token"
+        + (f" (MLflow run {run_id}, step {iteration})" if run_id else "")
+    )
     return record

@@ -2,14 +2,11 @@
 evaluation. One MLflow run per execution with a nested run per stage; each stage cached by Prefect under the
 hash that names its output; a markdown summary per stage as a Prefect artifact."""
 
-
-from typing import Optional
-
 from prefect import flow, get_run_logger
 
+from data_prep.pipeline import MANIFEST, data_dir
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
-from data_prep.pipeline import MANIFEST, data_dir
 from difflm.rundir import RunDir, is_export_of
 from models.launch.torchrun import is_finished, read_metrics, run_dir
 from tasks import artifacts
@@ -26,8 +23,8 @@ def resolve(config: PipelineConfig | dict | None, preset: str, overrides: list[s
 @flow(name="pretrain-difflm", log_prints=True)
 def pretrain_difflm(
     preset: str = "tiny-cpu",
-    overrides: Optional[list[str]] = None,
-    config: Optional[PipelineConfig] = None,
+    overrides: list[str] | None = None,
+    config: PipelineConfig | None = None,
 ) -> dict:
     """Pretrain a diffusion LM end to end.
 
@@ -60,8 +57,9 @@ def pretrain_difflm(
         with tracking.stage_run("train", system_metrics=cfg.tracking.system_metrics and not trained) as sid:
             if sid:
                 tracking.log_data_stats(manifest)
-            train_info, cached = run_stage(train_task, cache_key("train", rdir), trained, cfg,
-                                           manifest, tracking.child_env(cfg, sid or run_id))
+            train_info, cached = run_stage(
+                train_task, cache_key("train", rdir), trained, cfg, manifest, tracking.child_env(cfg, sid or run_id)
+            )
             records = read_metrics(train_info["run_dir"])
             tracking.log_stage(sid, cached)
             if sid:
@@ -69,25 +67,40 @@ def pretrain_difflm(
         stages["train"] = "cached" if cached else "ran"
         if run_id:  # the parent's first charts: the training curves (and, below, the evaluation)
             tracking.log_training(train_info, records, live=sid is None)
-        curves = (artifacts.mlflow_artifact_url(tracking.tracking_uri(cfg), run_id, "train/curves.png")
-                  if RunDir(train_info["run_dir"]).curves.exists() else None)
-        artifacts.publish("train-summary", artifacts.training_markdown(train_info, records, cached, curves),
-                          "training", link)
+        curves = (
+            artifacts.mlflow_artifact_url(tracking.tracking_uri(cfg), run_id, "train/curves.png")
+            if RunDir(train_info["run_dir"]).curves.exists()
+            else None
+        )
+        artifacts.publish(
+            "train-summary", artifacts.training_markdown(train_info, records, cached, curves), "training", link
+        )
 
         hf_path = RunDir(train_info["run_dir"]).hf
         with tracking.stage_run("convert") as sid:
-            hf_dir, cached = run_stage(convert_task, cache_key("convert", hf_path, train_info["checkpoint"]),
-                                       is_export_of(hf_path, train_info["checkpoint"]), cfg, manifest, train_info)
+            hf_dir, cached = run_stage(
+                convert_task,
+                cache_key("convert", hf_path, train_info["checkpoint"]),
+                is_export_of(hf_path, train_info["checkpoint"]),
+                cfg,
+                manifest,
+                train_info,
+            )
             tracking.log_stage(sid, cached, **{"export.hf_dir": hf_dir, "train.checkpoint": train_info["checkpoint"]})
         stages["convert"] = "cached" if cached else "ran"
-        artifacts.publish("convert-summary", artifacts.conversion_markdown(hf_dir, train_info["checkpoint"], cached),
-                          "conversion", link)
+        artifacts.publish(
+            "convert-summary",
+            artifacts.conversion_markdown(hf_dir, train_info["checkpoint"], cached),
+            "conversion",
+            link,
+        )
 
         key = eval_key(cfg, manifest, hf_dir)
         out_dir = RunDir(train_info["run_dir"]).eval_dir()  # the run's own data: <run>/eval
         with tracking.stage_run("evaluate") as sid:
-            results, cached = run_stage(evaluate_task, key, eval_done(out_dir, key), cfg, manifest, hf_dir,
-                                        str(out_dir))
+            results, cached = run_stage(
+                evaluate_task, key, eval_done(out_dir, key), cfg, manifest, hf_dir, str(out_dir)
+            )
             mark_eval_done(out_dir, key)
             tracking.log_stage(sid, cached)
             if sid:
@@ -98,11 +111,16 @@ def pretrain_difflm(
         if run_id:
             tracking.log_evaluation(results)
             tracking.set_tags({f"stage.{k}": v for k, v in stages.items()})
-            registered = tracking.log_and_register_model(cfg, hf_dir, run_id, train_info["checkpoint"],
-                                                         manifest=manifest, results=results) or {}
+            registered = (
+                tracking.log_and_register_model(
+                    cfg, hf_dir, run_id, train_info["checkpoint"], manifest=manifest, results=results
+                )
+                or {}
+            )
             if registered.get("version"):
-                logger.info(f"registered {registered['registered_model']} v{registered['version']}: "
-                            f"{registered['promotion']}")
+                logger.info(
+                    f"registered {registered['registered_model']} v{registered['version']}: {registered['promotion']}"
+                )
     summary = {
         "workdir": cfg.workdir,
         "data_dir": manifest["dir"],

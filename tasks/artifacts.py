@@ -22,8 +22,11 @@ def sparkline(values: list[float], width: int = 40) -> str:
 
 
 def _table(header: list[str], rows: list[list]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(str(c) for c in row) + " |" for row in rows),
+    ]
 
 
 def _ran(cached: bool) -> str:
@@ -36,27 +39,42 @@ def data_markdown(manifest: dict, cached: bool = False) -> str:
         rows.append([split, "all", f"{s['documents']:,}", f"{s['tokens']:,}"])
         rows += [[split, src, f"{c['documents']:,}", f"{c['tokens']:,}"] for src, c in s.get("sources", {}).items()]
     skipped = ", ".join(f"{k} {n:,}" for k, n in manifest.get("skipped", {}).items() if n) or "nothing"
-    return "\n".join([
-        f"# Data `{manifest['hash']}`", "",
-        f"Stage {_ran(cached)}. Folder: `{manifest['dir']}`; tokenizer vocabulary "
-        f"{manifest['tokenizer']['vocab_size']:,}.", "",
-        *_table(["split", "source", "documents", "tokens"], rows), "",
-        f"Skipped while cleaning: {skipped}.",
-    ])
+    return "\n".join(
+        [
+            f"# Data `{manifest['hash']}`",
+            "",
+            f"Stage {_ran(cached)}. Folder: `{manifest['dir']}`; tokenizer vocabulary "
+            f"{manifest['tokenizer']['vocab_size']:,}.",
+            "",
+            *_table(["split", "source", "documents", "tokens"], rows),
+            "",
+            f"Skipped while cleaning: {skipped}.",
+        ]
+    )
 
 
-def training_markdown(train_info: dict, records: list[dict], cached: bool = False,
-                      curves_url: str | None = None) -> str:
+def training_markdown(
+    train_info: dict, records: list[dict], cached: bool = False, curves_url: str | None = None
+) -> str:
     """`curves_url`: where a browser can fetch the run's curves.png (the MLflow server), shown as the figure."""
     loss = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
-    lines = [f"# Training `{train_info['run_dir'].rstrip('/').split('/')[-1]}`", "",
-             f"Stage {_ran(cached)}" + (" (the run directory already held the final checkpoint)"
-                                        if train_info.get("reused") and not cached else "") + ".",
-             f"Final checkpoint: `{train_info['checkpoint']}`", ""]
+    lines = [
+        f"# Training `{train_info['run_dir'].rstrip('/').split('/')[-1]}`",
+        "",
+        f"Stage {_ran(cached)}"
+        + (" (the run directory already held the final checkpoint)" if train_info.get("reused") and not cached else "")
+        + ".",
+        f"Final checkpoint: `{train_info['checkpoint']}`",
+        "",
+    ]
     if loss:
-        lines += [f"loss {loss[0][1]:.4f} → {loss[-1][1]:.4f} over {loss[-1][0]} steps", "",
-                  f"`{sparkline([v for _, v in loss])}`", ""]
+        lines += [
+            f"loss {loss[0][1]:.4f} → {loss[-1][1]:.4f} over {loss[-1][0]} steps",
+            "",
+            f"`{sparkline([v for _, v in loss])}`",
+            "",
+        ]
     if curves_url:
         lines += [f"![training curves]({curves_url})", ""]
     if val:
@@ -64,27 +82,43 @@ def training_markdown(train_info: dict, records: list[dict], cached: bool = Fals
     speed = [r for r in records if r.get("tokens_per_s_per_device")]
     if speed:
         last = speed[-1]
-        lines.append(f"Throughput: {last['tokens_per_s_per_device']:,.0f} tokens/s per device"
-                     + (f", MFU {last['mfu']:.1%}" if last.get("mfu") else "") + ".")
+        lines.append(
+            f"Throughput: {last['tokens_per_s_per_device']:,.0f} tokens/s per device"
+            + (f", MFU {last['mfu']:.1%}" if last.get("mfu") else "")
+            + "."
+        )
     lines.append("Curves: `curves.png` and `metrics.jsonl` in the run directory and the MLflow run.")
     return "\n".join(lines)
 
 
 def conversion_markdown(hf_dir: str, checkpoint: str, cached: bool = False) -> str:
-    return "\n".join(["# Hugging Face export", "", f"Stage {_ran(cached)}.", f"- from `{checkpoint}`",
-                      f"- to `{hf_dir}` (loads with `AutoModel.from_pretrained(..., trust_remote_code=True)`)"])
+    return "\n".join(
+        [
+            "# Hugging Face export",
+            "",
+            f"Stage {_ran(cached)}.",
+            f"- from `{checkpoint}`",
+            f"- to `{hf_dir}` (loads with `AutoModel.from_pretrained(..., trust_remote_code=True)`)",
+        ]
+    )
 
 
 def evaluation_markdown(results: dict, cached: bool = False) -> str:
     b = results["bounds"]
     rows = [[name, r.get("kind", ""), f"{r['nll_per_token']:.4f}", f"{r['ppl']:.2f}"] for name, r in b.items()]
-    lines = [f"# Evaluation `{results.get('mode', '')}`", "", f"Stage {_ran(cached)}; on "
-             f"{results.get('device', '?')} ({results.get('dtype', '?')}).", "",
-             *_table(["model", "bound", "nats/token", "perplexity"], rows), ""]
+    lines = [
+        f"# Evaluation `{results.get('mode', '')}`",
+        "",
+        f"Stage {_ran(cached)}; on {results.get('device', '?')} ({results.get('dtype', '?')}).",
+        "",
+        *_table(["model", "bound", "nats/token", "perplexity"], rows),
+        "",
+    ]
     tasks = results.get("tasks", {})
     if tasks:
-        rows = [[name, ", ".join(f"{k} {v:.3f}" for k, v in s.items() if isinstance(v, float))]
-                for name, s in tasks.items()]
+        rows = [
+            [name, ", ".join(f"{k} {v:.3f}" for k, v in s.items() if isinstance(v, float))] for name, s in tasks.items()
+        ]
         lines += _table(["task", "scores"], rows) + [""]
     for s in results.get("samples", [])[:2]:
         lines += [f"> **{s['prompt']}** {s['completion']}", ""]
@@ -114,7 +148,8 @@ def publish(key: str, markdown: str, description: str, link: str | None = None) 
 
         create_markdown_artifact(key=key, markdown=markdown, description=description)
         if link:
-            create_link_artifact(key=f"{key}-mlflow", link=link, link_text="MLflow run",
-                                 description=f"{description}: the MLflow run")
+            create_link_artifact(
+                key=f"{key}-mlflow", link=link, link_text="MLflow run", description=f"{description}: the MLflow run"
+            )
     except Exception as err:  # no flow context or no API: the stage's result matters, its view does not
         print(f"Prefect artifact {key} not created ({type(err).__name__}: {err})", flush=True)

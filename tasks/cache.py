@@ -30,8 +30,9 @@ def cache_key(stage: str, *parts) -> str:
 def run_stage(task, key: str, done: bool, *args, **kwargs):
     """Run `task` under the cache `key`: (result, cached). `done`: the stage's output is complete on disk (a
     cache hit is allowed); otherwise the stage runs whatever the cache holds."""
-    state = task.with_options(cache_policy=CacheKeyFnPolicy(cache_key_fn=lambda *_: key), refresh_cache=not done,
-                              persist_result=True)(*args, return_state=True, **kwargs)
+    state = task.with_options(
+        cache_policy=CacheKeyFnPolicy(cache_key_fn=lambda *_: key), refresh_cache=not done, persist_result=True
+    )(*args, return_state=True, **kwargs)
     return state.result(), state.name == "Cached"
 
 

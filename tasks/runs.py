@@ -12,10 +12,11 @@ from data_prep.pipeline import MANIFEST, prepare_data
 from difflm.config import PipelineConfig
 from difflm.rundir import EVAL_LATEST, HF, RunDir, is_export_of, iteration_of
 
-
-CONVERT_HINT = ("pass a run directory (<workdir>/runs/<run>: its newest complete checkpoint), a megatron checkpoint "
-                "(<run>/checkpoints/iter_XXXXXXX, with metadata.json) or a Hugging Face export (config.json and "
-                "model.safetensors, e.g. <run>/hf)")
+CONVERT_HINT = (
+    "pass a run directory (<workdir>/runs/<run>: its newest complete checkpoint), a megatron checkpoint "
+    "(<run>/checkpoints/iter_XXXXXXX, with metadata.json) or a Hugging Face export (config.json and "
+    "model.safetensors, e.g. <run>/hf)"
+)
 EVAL_LATEST_DIR = EVAL_LATEST  # <run>/eval_latest/: hf/ (the export being scored) and scores.json
 
 
@@ -40,21 +41,27 @@ def conversion_source(source: str | Path, to: str | None = None) -> dict:
     if run.checkpoints.is_dir():
         it = run.latest_iteration()
         if it is None:
-            raise ConversionError(f"{path} is a run directory without a complete checkpoint yet (no checkpoints/"
-                                  f"latest): wait for the first save (checkpoint.save_interval), or pass a checkpoint")
+            raise ConversionError(
+                f"{path} is a run directory without a complete checkpoint yet (no checkpoints/"
+                f"latest): wait for the first save (checkpoint.save_interval), or pass a checkpoint"
+            )
         found = {"to": "hf", "path": run.checkpoint(it), "run_dir": path, "iteration": it}
     elif (path / "metadata.json").exists():
         found = {"to": "hf", "path": path, "run_dir": _run_of(path), "iteration": iteration_of(path)}
     elif (path / "config.json").exists() and (path / "model.safetensors").exists():
         found = {"to": "megatron", "path": path, "run_dir": _run_of(path), "iteration": None}
     else:
-        raise ConversionError(f"{source}: neither a run directory (checkpoints/), a megatron checkpoint "
-                              f"(metadata.json) nor a Hugging Face export (config.json + model.safetensors); "
-                              f"{CONVERT_HINT}")
+        raise ConversionError(
+            f"{source}: neither a run directory (checkpoints/), a megatron checkpoint "
+            f"(metadata.json) nor a Hugging Face export (config.json + model.safetensors); "
+            f"{CONVERT_HINT}"
+        )
     if to and to != found["to"]:
         what = "a Hugging Face export" if found["to"] == "megatron" else "a megatron checkpoint (or a run)"
-        raise ConversionError(f"{source} is {what}: it converts to {found['to']}, not {to}; for {to}, pass "
-                              + ("a run directory or a megatron checkpoint" if to == "hf" else "an HF export"))
+        raise ConversionError(
+            f"{source} is {what}: it converts to {found['to']}, not {to}; for {to}, pass "
+            + ("a run directory or a megatron checkpoint" if to == "hf" else "an HF export")
+        )
     return found
 
 
@@ -79,12 +86,14 @@ def run_manifest(run_dir: Path) -> dict:
 # data.* / tokenizer.* overrides on top of the run's config are other data, read through the model's own tokenizer;
 # results on other data go to <run>/eval-<data hash>/ (default_out_dir), never over the run's own <run>/eval/.
 
+
 def _data_hash(cfg: PipelineConfig) -> str:
     return cfg.stage_hash("data", "tokenizer")
 
 
-def source_config(source: str | Path, preset: str | None = None,
-                  overrides: list[str] | None = None) -> tuple[PipelineConfig, RunDir | None]:
+def source_config(
+    source: str | Path, preset: str | None = None, overrides: list[str] | None = None
+) -> tuple[PipelineConfig, RunDir | None]:
     """(config, run) of a command on `source`, the run being the one it belongs to (None outside any run).
     `preset` given: preset + overrides. Else the config the run recorded + overrides; when these change its data
     and name no tokenizer.* field, tokenizer.path is the model's own tokenizer (the export's folder), so the other
@@ -97,7 +106,9 @@ def source_config(source: str | Path, preset: str | None = None,
     cfg = run.config(overrides)
     names_tokenizer = any(o.split("=", 1)[0].strip().startswith("tokenizer.") for o in overrides or [])
     if not names_tokenizer and is_other_data(cfg, run):
-        tokenizer = Path(source) if (Path(source) / "tokenizer.json").exists() else Path(run.manifest()["tokenizer"]["path"])
+        tokenizer = (
+            Path(source) if (Path(source) / "tokenizer.json").exists() else Path(run.manifest()["tokenizer"]["path"])
+        )
         cfg = run.config([*(overrides or []), f"tokenizer.path={tokenizer.resolve()}"])
     return cfg, run
 
@@ -118,8 +129,13 @@ def recorded_data(cfg: PipelineConfig, run: RunDir | None) -> dict | None:
     return manifest if (Path(manifest["dir"]) / MANIFEST).exists() else None
 
 
-def evaluation_source(source: str, preset: str | None = None, overrides: list[str] | None = None,
-                      tracking_uri: str | None = None, out_dir: str | Path | None = None) -> dict:
+def evaluation_source(
+    source: str,
+    preset: str | None = None,
+    overrides: list[str] | None = None,
+    tracking_uri: str | None = None,
+    out_dir: str | Path | None = None,
+) -> dict:
     """What `difflm eval SOURCE` evaluates: {'config', 'hf_dir', 'run_dir' (or None), 'manifest', 'out_dir',
     'other_data'}; data is prepared when it is not the run's recorded one (see `source_config`)."""
     from difflm.tracking import tracking_uri as store_of
@@ -134,8 +150,14 @@ def evaluation_source(source: str, preset: str | None = None, overrides: list[st
     cfg, run = source_config(hf_dir, preset, overrides)
     manifest = recorded_data(cfg, run) or prepare_data(cfg)
     out = Path(out_dir) if out_dir else default_out_dir(cfg, source, hf_dir, manifest["hash"])
-    return {"config": cfg, "hf_dir": hf_dir, "run_dir": run.path if run else None, "manifest": manifest,
-            "out_dir": out, "other_data": is_other_data(cfg, run)}
+    return {
+        "config": cfg,
+        "hf_dir": hf_dir,
+        "run_dir": run.path if run else None,
+        "manifest": manifest,
+        "out_dir": out,
+        "other_data": is_other_data(cfg, run),
+    }
 
 
 def export_checkpoint(cfg: PipelineConfig, manifest: dict, ckpt: Path, out: Path, iteration: int | None) -> bool:
@@ -150,12 +172,16 @@ def export_checkpoint(cfg: PipelineConfig, manifest: dict, ckpt: Path, out: Path
         export_hf(cfg, manifest["tokenizer"], ckpt, out, provenance)
     except Exception as err:
         if not ckpt.exists():
-            raise FileNotFoundError(f"{ckpt} was removed while being read (the trainer keeps only "
-                                    f"checkpoint.keep_last checkpoints): run again for the newer one") from err
+            raise FileNotFoundError(
+                f"{ckpt} was removed while being read (the trainer keeps only "
+                f"checkpoint.keep_last checkpoints): run again for the newer one"
+            ) from err
         if isinstance(err, RuntimeError) and "size mismatch" in str(err):
-            raise ConversionError(f"{ckpt} does not fit the model of this config ({cfg.name}: hidden "
-                                  f"{cfg.model.hidden_size}, {cfg.model.num_layers} layers): pass the preset and "
-                                  f"overrides it was trained with") from err
+            raise ConversionError(
+                f"{ckpt} does not fit the model of this config ({cfg.name}: hidden "
+                f"{cfg.model.hidden_size}, {cfg.model.num_layers} layers): pass the preset and "
+                f"overrides it was trained with"
+            ) from err
         raise
     return False
 
@@ -175,16 +201,28 @@ def convert_source(cfg: PipelineConfig, found: dict, out_dir: str | Path | None 
     src, run = Path(found["path"]), found["run_dir"]
     done = existing_export(run, src) if run is not None and found["to"] == "hf" and not out_dir else None
     if done is not None:  # e.g. the run's own hf/ of its final checkpoint: no second copy of the same weights
-        return {"to": "hf", "source": str(src), "run_dir": str(run), "iteration": found["iteration"],
-                "out_dir": str(done), "reused": True}
+        return {
+            "to": "hf",
+            "source": str(src),
+            "run_dir": str(run),
+            "iteration": found["iteration"],
+            "out_dir": str(done),
+            "reused": True,
+        }
     if out_dir:
         out = Path(out_dir).expanduser().resolve()
     elif found["to"] == "hf" and run is not None and found["iteration"] is not None:
         out = RunDir(run).export_dir(src)
     else:
         out = src.with_name(f"{src.name}-{found['to']}")
-    info = {"to": found["to"], "source": str(src), "run_dir": str(run) if run else None,
-            "iteration": found["iteration"], "out_dir": str(out), "reused": False}
+    info = {
+        "to": found["to"],
+        "source": str(src),
+        "run_dir": str(run) if run else None,
+        "iteration": found["iteration"],
+        "out_dir": str(out),
+        "reused": False,
+    }
     if found["to"] == "megatron":
         import_hf(cfg, src, out, describe(src, cfg.tokenizer).to_dict())
         return info
@@ -201,8 +239,10 @@ def training_run_dir(run_dir: str | Path) -> Path:
     if not RunDir(path).has_inputs():
         run = RunDir.holding(path)
         hint = f" (this is inside one: pass {run.path})" if run else ""
-        raise EvaluationError(f"{run_dir}: not a training run directory (config.yaml, data_manifest.json, "
-                              f"checkpoints/){hint}; pass <workdir>/runs/<run>, the run_dir `difflm run` and `difflm train` print")
+        raise EvaluationError(
+            f"{run_dir}: not a training run directory (config.yaml, data_manifest.json, "
+            f"checkpoints/){hint}; pass <workdir>/runs/<run>, the run_dir `difflm run` and `difflm train` print"
+        )
     return path
 
 
@@ -251,8 +291,11 @@ def score_export_bound(cfg: PipelineConfig, manifest: dict, hf_dir: Path, max_se
 
     model = load_model(hf_dir, *eval_device(cfg.eval))
     check_tokenizer(model, manifest, hf_dir)
-    windows = validation_windows(manifest, min(cfg.train.seq_length, model.config.max_position_embeddings),
-                                 min(cfg.eval.max_sequences, max_sequences))
+    windows = validation_windows(
+        manifest,
+        min(cfg.train.seq_length, model.config.max_position_embeddings),
+        min(cfg.eval.max_sequences, max_sequences),
+    )
     return {**likelihood_bound(model, windows, cfg).to_dict(), **placement(model)}
 
 
@@ -266,8 +309,10 @@ def _experiment(cfg: PipelineConfig) -> str:
     if exp is not None:
         return exp.experiment_id
     local = tracking_uri(cfg).startswith("sqlite:///")  # artifacts beside the store, not in ./mlruns
-    return mlflow.create_experiment(cfg.tracking.experiment, artifact_location=(
-        (Path(cfg.workdir) / "mlartifacts").resolve().as_uri() if local else None))
+    return mlflow.create_experiment(
+        cfg.tracking.experiment,
+        artifact_location=((Path(cfg.workdir) / "mlartifacts").resolve().as_uri() if local else None),
+    )
 
 
 def training_mlflow_run(cfg: PipelineConfig, run_dir: Path, manifest: dict) -> str | None:
@@ -286,15 +331,24 @@ def training_mlflow_run(cfg: PipelineConfig, run_dir: Path, manifest: dict) -> s
     client, newest = MlflowClient(), ["attributes.start_time DESC"]
     # the parent (not its stage runs) of the FIRST execution that trained this run directory: the run its
     # registered version links to; later executions that found the stages cached only point at it
-    tagged = client.search_runs([exp.experiment_id], f"tags.`train.run_dir` = '{run_dir}' and tags.flow = "
-                                f"'pretrain-difflm'", max_results=1, order_by=["attributes.start_time ASC"])
+    tagged = client.search_runs(
+        [exp.experiment_id],
+        f"tags.`train.run_dir` = '{run_dir}' and tags.flow = 'pretrain-difflm'",
+        max_results=1,
+        order_by=["attributes.start_time ASC"],
+    )
     if tagged:
         return tagged[0].info.run_id
-    for run in client.search_runs([exp.experiment_id], f"tags.flow = 'pretrain-difflm' and tags.`data.hash` = "
-                                  f"'{manifest['hash']}'", max_results=20, order_by=newest):
+    for run in client.search_runs(
+        [exp.experiment_id],
+        f"tags.flow = 'pretrain-difflm' and tags.`data.hash` = '{manifest['hash']}'",
+        max_results=20,
+        order_by=newest,
+    ):
         try:
-            their = PipelineConfig.model_validate(yaml.safe_load(mlflow.artifacts.load_text(
-                f"{run.info.artifact_uri}/config/resolved.yaml")))
+            their = PipelineConfig.model_validate(
+                yaml.safe_load(mlflow.artifacts.load_text(f"{run.info.artifact_uri}/config/resolved.yaml"))
+            )
         except Exception:  # no config artifact (tracking degraded then): not provably this run
             continue
         name = f"{their.diffusion.model_running_mode}-{manifest['hash']}-{their.stage_hash(*TRAIN_SECTIONS)}"
@@ -319,12 +373,18 @@ def log_latest_score(cfg: PipelineConfig, run_dir: Path, manifest: dict, iterati
         run_id = training_mlflow_run(cfg, run_dir, manifest)
         if run_id is None:
             exp = _experiment(cfg)
-            mine = client.search_runs([exp], f"tags.flow = 'evaluate-latest' and tags.`difflm.run_dir` = "
-                                      f"'{run_dir}'", max_results=1)
-            run_id = mine[0].info.run_id if mine else client.create_run(
-                exp, run_name=f"evaluate-latest-{run_dir.name}",
-                tags={"flow": "evaluate-latest", "difflm.run_dir": str(run_dir), "data.hash": manifest["hash"]},
-            ).info.run_id
+            mine = client.search_runs(
+                [exp], f"tags.flow = 'evaluate-latest' and tags.`difflm.run_dir` = '{run_dir}'", max_results=1
+            )
+            run_id = (
+                mine[0].info.run_id
+                if mine
+                else client.create_run(
+                    exp,
+                    run_name=f"evaluate-latest-{run_dir.name}",
+                    tags={"flow": "evaluate-latest", "difflm.run_dir": str(run_dir), "data.hash": manifest["hash"]},
+                ).info.run_id
+            )
             client.set_terminated(run_id)  # each scheduled call adds points; the run is never left RUNNING
         for key in ("nll_per_token", "ppl", "bits_per_token"):
             client.log_metric(run_id, f"eval_latest.{key}", float(score[key]), step=int(iteration))

@@ -13,13 +13,13 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from data_prep.pipeline import prepare_data
 from difflm.config import PipelineConfig
 from difflm.errors import DiffLMError
-from data_prep.pipeline import prepare_data
-from models.launch.cluster import submit_kubernetes, submit_slurm
-from models.launch.torchrun import launch_training
 from models.evaluation.likelihood import KIND_LABELS
 from models.evaluation.stages import convert_checkpoint, evaluate_export, sweep_export
+from models.launch.cluster import submit_kubernetes, submit_slurm
+from models.launch.torchrun import launch_training
 from tasks.runs import convert_source, export_newest, score_export_bound
 
 
@@ -63,8 +63,9 @@ def convert_task(cfg: PipelineConfig, manifest: dict, train_info: dict) -> str:
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate_task(cfg: PipelineConfig, manifest: dict, hf_dir: str, out_dir: str | None = None,
-                  untrained: bool = True) -> dict:
+def evaluate_task(
+    cfg: PipelineConfig, manifest: dict, hf_dir: str, out_dir: str | None = None, untrained: bool = True
+) -> dict:
     results = evaluate_export(cfg, manifest, Path(hf_dir), Path(out_dir) if out_dir else None, untrained)
     b = results["bounds"]
     kind = KIND_LABELS[b["trained"]["kind"]]
@@ -74,8 +75,9 @@ def evaluate_task(cfg: PipelineConfig, manifest: dict, hf_dir: str, out_dir: str
         + f" (on {results['device']}, {results['dtype']})"
     )
     for name, scores in results["tasks"].items():
-        get_run_logger().info(f"task {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()
-                                                           if isinstance(v, float)))
+        get_run_logger().info(
+            f"task {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items() if isinstance(v, float))
+        )
     return results
 
 
@@ -87,8 +89,10 @@ def sweep_task(cfg: PipelineConfig, manifest: dict, hf_dir: str, out_dir: str) -
 @task(name="convert-checkpoint", cache_policy=NO_CACHE)
 def convert_source_task(cfg: PipelineConfig, found: dict, out_dir: str | None = None) -> dict:
     info = convert_source(cfg, found, out_dir)
-    get_run_logger().info(f"{info['source']} -> {info['to']}: {info['out_dir']}"
-                          + (" (reused: already exported from this checkpoint)" if info["reused"] else ""))
+    get_run_logger().info(
+        f"{info['source']} -> {info['to']}: {info['out_dir']}"
+        + (" (reused: already exported from this checkpoint)" if info["reused"] else "")
+    )
     return info
 
 
@@ -101,6 +105,8 @@ def export_newest_task(cfg: PipelineConfig, manifest: dict, run_dir: str) -> tup
 @task(name="score-bound", cache_policy=NO_CACHE)
 def score_bound_task(cfg: PipelineConfig, manifest: dict, hf_dir: str, max_sequences: int) -> dict:
     score = score_export_bound(cfg, manifest, Path(hf_dir), max_sequences)
-    get_run_logger().info(f"validation {KIND_LABELS[score['kind']]}: {score['ppl']:.2f} ({score['nll_per_token']:.4f} "
-                          f"nats/token, {score['sequences']} windows, on {score['device']})")
+    get_run_logger().info(
+        f"validation {KIND_LABELS[score['kind']]}: {score['ppl']:.2f} ({score['nll_per_token']:.4f} "
+        f"nats/token, {score['sequences']} windows, on {score['device']})"
+    )
     return score

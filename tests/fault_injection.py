@@ -41,8 +41,10 @@ def fault_launch(nan_iters: set[int]) -> dict:
     """`launch_training` keyword arguments that run this module, with its injector, on every rank."""
     here = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    return {"trainer": Path(__file__).stem,
-            "env": {NAN_ITERS: ",".join(str(i) for i in sorted(nan_iters)), "PYTHONPATH": path}}
+    return {
+        "trainer": Path(__file__).stem,
+        "env": {NAN_ITERS: ",".join(str(i) for i in sorted(nan_iters)), "PYTHONPATH": path},
+    }
 
 
 if __name__ == "__main__":  # dist_checkpointing spawns helpers: the guard is required

@@ -5,11 +5,16 @@ from pathlib import Path
 from tasks import artifacts
 from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
 
-MANIFEST = {"hash": "abc123", "dir": "/w/data/abc123", "tokenizer": {"vocab_size": 512},
-            "splits": {"train": {"documents": 1200, "tokens": 345678, "sources": {"enwiki": {"documents": 1200,
-                                                                                             "tokens": 345678}}},
-                       "valid": {"documents": 12, "tokens": 3456}},
-            "skipped": {"empty": 3, "too_short": 0}}
+MANIFEST = {
+    "hash": "abc123",
+    "dir": "/w/data/abc123",
+    "tokenizer": {"vocab_size": 512},
+    "splits": {
+        "train": {"documents": 1200, "tokens": 345678, "sources": {"enwiki": {"documents": 1200, "tokens": 345678}}},
+        "valid": {"documents": 12, "tokens": 3456},
+    },
+    "skipped": {"empty": 3, "too_short": 0},
+}
 
 
 def test_sparkline_follows_the_curve_and_resamples():
@@ -23,16 +28,24 @@ def test_sparkline_follows_the_curve_and_resamples():
 def test_summaries_show_what_a_user_checks_first():
     data = artifacts.data_markdown(MANIFEST)
     assert "| train | enwiki | 1,200 | 345,678 |" in data and "empty 3" in data and "too_short" not in data
-    records = [{"step": s, "loss": 6.0 - s / 10, **({"val_loss": 6.1 - s / 10} if s % 5 == 0 else {})}
-               for s in range(1, 21)]
-    train = artifacts.training_markdown({"run_dir": "/w/runs/difflm-noshift-abc", "checkpoint": "/c", "reused": False},
-                                        records, cached=True)
+    records = [
+        {"step": s, "loss": 6.0 - s / 10, **({"val_loss": 6.1 - s / 10} if s % 5 == 0 else {})} for s in range(1, 21)
+    ]
+    train = artifacts.training_markdown(
+        {"run_dir": "/w/runs/difflm-noshift-abc", "checkpoint": "/c", "reused": False}, records, cached=True
+    )
     assert "difflm-noshift-abc" in train and "loss 5.9000 → 4.0000 over 20 steps" in train
     assert "| 20 | 4.1000 |" in train and "Prefect cache" in train
-    ev = artifacts.evaluation_markdown({"mode": "difflm-noshift", "device": "cpu", "dtype": "float32",
-                                        "bounds": {"trained": {"kind": "elbo", "nll_per_token": 4.5, "ppl": 90.0}},
-                                        "tasks": {"cloze": {"acc": 0.25, "items": 8}},
-                                        "samples": [{"prompt": "The river", "completion": "flows"}]})
+    ev = artifacts.evaluation_markdown(
+        {
+            "mode": "difflm-noshift",
+            "device": "cpu",
+            "dtype": "float32",
+            "bounds": {"trained": {"kind": "elbo", "nll_per_token": 4.5, "ppl": 90.0}},
+            "tasks": {"cloze": {"acc": 0.25, "items": 8}},
+            "samples": [{"prompt": "The river", "completion": "flows"}],
+        }
+    )
     assert "| trained | elbo | 4.5000 | 90.00 |" in ev and "acc 0.250" in ev and "**The river** flows" in ev
 
 
@@ -46,8 +59,10 @@ def test_training_figure_from_the_mlflow_server():
 
 def test_mlflow_links_only_for_a_server():
     assert artifacts.mlflow_run_url("sqlite:///x.db", "1", "r") is None
-    assert artifacts.mlflow_run_url("http://h:5000/", "1", "r") == \
-        "http://h:5000/#/experiments/1/runs/r?workflowType=machine_learning"
+    assert (
+        artifacts.mlflow_run_url("http://h:5000/", "1", "r")
+        == "http://h:5000/#/experiments/1/runs/r?workflowType=machine_learning"
+    )
 
 
 def test_cache_keys_follow_the_inputs(tmp_path):

@@ -34,11 +34,14 @@ def test_every_command_of_the_table_explains_itself(capsys, monkeypatch):
     assert all(name in out for name in names)
 
 
-@pytest.mark.parametrize("argv, hint", [
-    (["import-hf", "x", "--out", "y"], "use `difflm convert HF_DIR --out CKPT`"),
-    (["convert", "x", "--to", "megatron"], "convert takes no --to: the direction follows from SOURCE"),
-    (["serve", "--flow", "evaluate-latest"], "serve takes the flow as its first argument"),
-])
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["import-hf", "x", "--out", "y"], "use `difflm convert HF_DIR --out CKPT`"),
+        (["convert", "x", "--to", "megatron"], "convert takes no --to: the direction follows from SOURCE"),
+        (["serve", "--flow", "evaluate-latest"], "serve takes the flow as its first argument"),
+    ],
+)
 def test_old_spellings_say_what_to_type_instead(argv, hint, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(argv)
@@ -47,9 +50,11 @@ def test_old_spellings_say_what_to_type_instead(argv, hint, capsys):
 
 def test_help_loads_no_framework():
     """Handlers import their stages lazily: `difflm --help` loads argparse and the config only."""
-    code = ("import sys\nfrom flows.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-            "heavy = {'torch', 'prefect', 'mlflow', 'megatron', 'transformers', 'datatrove'}\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))")
+    code = (
+        "import sys\nfrom flows.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = {'torch', 'prefect', 'mlflow', 'megatron', 'transformers', 'datatrove'}\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
@@ -73,8 +78,11 @@ def test_exit_code_follows_the_error_type(error, code, monkeypatch, capsys):
     from difflm.errors import TrainingPreempted
     from models.evaluation.sources import SourceError
 
-    err = {"TrainingPreempted": TrainingPreempted("preempted at 4: rerun to resume", 4),
-           "ConfigError": ConfigError("bad field"), "SourceError": SourceError("no such export")}[error]
+    err = {
+        "TrainingPreempted": TrainingPreempted("preempted at 4: rerun to resume", 4),
+        "ConfigError": ConfigError("bad field"),
+        "SourceError": SourceError("no such export"),
+    }[error]
 
     def handler(cfg, args):
         raise err

@@ -15,17 +15,29 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import tiny_config
-from models.launch.cluster import (ClusterError, pytorchjob_name, slurm_script, submit_kubernetes, submit_slurm,
-                                   write_launch_file)
+
+from models.launch.cluster import (
+    ClusterError,
+    pytorchjob_name,
+    slurm_script,
+    submit_kubernetes,
+    submit_slurm,
+    write_launch_file,
+)
 from models.launch.torchrun import TrainingError, launch_training, run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
-SHORT = ["train.train_iters=4", "train.warmup_iters=1", "checkpoint.save_interval=2", "train.eval_interval=2",
-         "train.log_interval=2", "train.eval_iters=1"]
+SHORT = [
+    "train.train_iters=4",
+    "train.warmup_iters=1",
+    "checkpoint.save_interval=2",
+    "train.eval_interval=2",
+    "train.log_interval=2",
+    "train.eval_iters=1",
+]
 
-FAKE_SLURM = r'''
+FAKE_SLURM = r"""
 import json, os, random, socket, subprocess, sys, time
 from pathlib import Path
 
@@ -97,9 +109,9 @@ elif prog == "srun":  # one task on the one node: the command itself
     except OSError as err:
         print(f"slurmstepd: error: execve(): {args[0]}: {err.strerror}", file=sys.stderr)
         sys.exit(2)
-'''
+"""
 
-FAKE_KUBECTL = r'''
+FAKE_KUBECTL = r"""
 import json, os, signal, socket, subprocess, sys
 from pathlib import Path
 
@@ -198,7 +210,7 @@ elif verb == "logs":
 else:
     print(f"fake kubectl: {verb} not supported", file=sys.stderr)
     sys.exit(1)
-'''
+"""
 
 
 @pytest.fixture
@@ -261,8 +273,9 @@ def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, cluster,
     log = (rdir / f"slurm-{job_id}.out").read_text()
     assert "[train] mode=difflm-noshift start_iter=0" in log
     script = (rdir / "launch.sbatch").read_text()
-    assert script == slurm_script(cfg, rdir / "config.yaml", rdir / "data_manifest.json", rdir,
-                                  env={"DIFFLM_TEST_ENV": "through sbatch"})
+    assert script == slurm_script(
+        cfg, rdir / "config.yaml", rdir / "data_manifest.json", rdir, env={"DIFFLM_TEST_ENV": "through sbatch"}
+    )
     assert "#SBATCH --gpus-per-node" not in script and "export DIFFLM_TEST_ENV='through sbatch'" in script
 
     # a local launch of the same config reuses it, and so does the slurm launcher, without submitting
@@ -272,13 +285,19 @@ def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, cluster,
 
 
 @pytest.mark.slow
-def test_kubernetes_launcher_trains_the_same_run_as_a_local_launch(tmp_path, cluster, tiny_manifest,
-                                                                   prefect_harness, monkeypatch):
+def test_kubernetes_launcher_trains_the_same_run_as_a_local_launch(
+    tmp_path, cluster, tiny_manifest, prefect_harness, monkeypatch
+):
     from tasks.stages import train_task
 
     work = tmp_path / "pvc" / "difflm"  # the claim is mounted at tmp_path/pvc in the worker and the pods
-    k8s = [*SHORT, "train.launcher=kubernetes", f"train.kubernetes.mount={tmp_path / 'pvc'}",
-           "train.kubernetes.gpus_per_pod=0", "train.kubernetes.poll_seconds=0.3"]
+    k8s = [
+        *SHORT,
+        "train.launcher=kubernetes",
+        f"train.kubernetes.mount={tmp_path / 'pvc'}",
+        "train.kubernetes.gpus_per_pod=0",
+        "train.kubernetes.poll_seconds=0.3",
+    ]
     cfg, local = tiny_config(work, *k8s), tiny_config(work, *SHORT)
     rdir = run_dir(local, tiny_manifest)
     name = pytorchjob_name(rdir)
@@ -347,14 +366,20 @@ def test_slurm_reattaches_to_the_job_of_its_run(tmp_path, cluster):
 
     threading.Thread(target=run_then_end, daemon=True).start()
     lines: list[str] = []
-    with pytest.raises(TrainingError, match=r"job 4242 ended COMPLETED \(exit 0:0\) without the final checkpoint "
-                                            r"\(no checkpoint yet, of 20\); log: .*slurm-4242.out"):
+    with pytest.raises(
+        TrainingError,
+        match=r"job 4242 ended COMPLETED \(exit 0:0\) without the final checkpoint "
+        r"\(no checkpoint yet, of 20\); log: .*slurm-4242.out",
+    ):
         submit_slurm(cfg, MANIFEST, echo=lines.append)
     assert not _calls(cluster, "sbatch")
     assert "[slurm] job 4242 of this run is still PENDING: waiting for it instead of submitting another" in lines
     assert "[train] iter 2/20 loss 6.1" in lines and not any("old line" in x for x in lines)
     assert [x for x in lines if x.startswith("[slurm] job 4242: ")] == [
-        "[slurm] job 4242: PENDING", "[slurm] job 4242: RUNNING", "[slurm] job 4242: COMPLETED"]
+        "[slurm] job 4242: PENDING",
+        "[slurm] job 4242: RUNNING",
+        "[slurm] job 4242: COMPLETED",
+    ]
 
 
 def test_kubernetes_problems_are_cluster_errors(tmp_path, cluster):
@@ -365,12 +390,20 @@ def test_kubernetes_problems_are_cluster_errors(tmp_path, cluster):
     assert not _calls(cluster, "kubectl")
 
     # a job whose pods never start (the image cannot be pulled): a clear error after start_timeout_minutes
-    cfg = tiny_config(mount / "difflm", "train.launcher=kubernetes", f"train.kubernetes.mount={mount}",
-                      "train.kubernetes.image=registry.example/unpullable:1", "train.kubernetes.poll_seconds=0.1",
-                      "train.kubernetes.start_timeout_minutes=0.01")
+    cfg = tiny_config(
+        mount / "difflm",
+        "train.launcher=kubernetes",
+        f"train.kubernetes.mount={mount}",
+        "train.kubernetes.image=registry.example/unpullable:1",
+        "train.kubernetes.poll_seconds=0.1",
+        "train.kubernetes.start_timeout_minutes=0.01",
+    )
     name = pytorchjob_name(run_dir(cfg, MANIFEST))
-    with pytest.raises(ClusterError, match=rf"PyTorchJob {name} is not Running after .*start_timeout_minutes=0.01 "
-                                           rf"\(still Created\): .*kubectl describe pods"):
+    with pytest.raises(
+        ClusterError,
+        match=rf"PyTorchJob {name} is not Running after .*start_timeout_minutes=0.01 "
+        rf"\(still Created\): .*kubectl describe pods",
+    ):
         submit_kubernetes(cfg, MANIFEST, echo=lambda _: None)
 
     # a job of that name that trains another run directory is not taken for this run's

@@ -84,7 +84,7 @@ def exact_conditional_nll(cont: tuple[int, ...]) -> float:
 def _estimate(cont, samples: int, seed: int) -> float:
     x0 = torch.cat([CTX, torch.tensor(cont)])[None]
     target = torch.zeros_like(x0, dtype=torch.bool)
-    target[0, len(CTX):] = True
+    target[0, len(CTX) :] = True
     gen = torch.Generator().manual_seed(seed)
     return conditional_masked_nll(lambda x, m, d: MODEL(x, m), x0, target, MASK, samples, [gen]).item()
 
@@ -128,8 +128,9 @@ def test_conditional_estimate_of_a_row_does_not_depend_on_its_batch():
     target[:, 3:] = True
     gens = lambda: [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]  # noqa: E731
     both = conditional_masked_nll(lambda x, m, d: MODEL(x, m), rows, target, MASK, 8, gens(), max_rows=5)
-    alone = conditional_masked_nll(lambda x, m, d: MODEL(x, m), rows[1:], target[1:], MASK, 8,
-                                   [torch.Generator().manual_seed(8)])
+    alone = conditional_masked_nll(
+        lambda x, m, d: MODEL(x, m), rows[1:], target[1:], MASK, 8, [torch.Generator().manual_seed(8)]
+    )
     assert both[1].item() == pytest.approx(alone[0].item(), rel=1e-6)
 
 
@@ -190,7 +191,7 @@ def test_sampler_respects_blocks():
         block = call // 2
         gen = x[0, 2:]
         assert not (gen[: 4 * block] == MASK).any()  # earlier blocks are finished
-        assert (gen[4 * (block + 1):] == MASK).all()  # later blocks not started
+        assert (gen[4 * (block + 1) :] == MASK).all()  # later blocks not started
     assert not (out == MASK).any()
 
 
@@ -215,8 +216,9 @@ def test_sampler_stops_at_eos():
             return logits
 
     fn, seen = _spy(EosAtThird())
-    out = sample_masked_diffusion(fn, torch.tensor([[1, 2]]), 10, MASK, 10,
-                                  settings=MaskedSampler(steps=10), eos_id=EOS)
+    out = sample_masked_diffusion(
+        fn, torch.tensor([[1, 2]]), 10, MASK, 10, settings=MaskedSampler(steps=10), eos_id=EOS
+    )
     assert len(seen) == 3  # EOS first, then the two tokens before it: done
     assert (out[0, 4:] == EOS).all() and not (out == MASK).any()
 
@@ -238,8 +240,11 @@ def _reference_decode(logits_of, prompt, length, steps, remasking="low_confidenc
         logits[..., MASK] = -math.inf
         probs = torch.softmax(logits, -1)
         top = probs.topk(2, -1).values
-        conf = {"low_confidence": top[..., 0], "margin": top[..., 0] - top[..., 1],
-                "entropy": (probs * probs.clamp(min=1e-30).log()).sum(-1)}[remasking]
+        conf = {
+            "low_confidence": top[..., 0],
+            "margin": top[..., 0] - top[..., 1],
+            "entropy": (probs * probs.clamp(min=1e-30).log()).sum(-1),
+        }[remasking]
         for i in range(len(x)):
             masked = (x[i] == MASK).nonzero().flatten().tolist()
             n = base + (1 if step < rem else 0)
@@ -248,8 +253,9 @@ def _reference_decode(logits_of, prompt, length, steps, remasking="low_confidenc
     return x
 
 
-@pytest.mark.parametrize("remasking, cfg_scale", [("low_confidence", 0.0), ("margin", 0.0), ("entropy", 0.0),
-                                                  ("low_confidence", 2.0)])
+@pytest.mark.parametrize(
+    "remasking, cfg_scale", [("low_confidence", 0.0), ("margin", 0.0), ("entropy", 0.0), ("low_confidence", 2.0)]
+)
 def test_sampler_rules_match_a_reference_decoder(remasking, cfg_scale):
     """Each remasking rule and guidance decode as their definitions say (the test used to check only that no
     mask was left: it passed with the rule ignored or the guidance sign flipped)."""
@@ -259,24 +265,38 @@ def test_sampler_rules_match_a_reference_decoder(remasking, cfg_scale):
     ours = sample_masked_diffusion(lambda x: model(x), prompt, 12, MASK, 6, settings=settings)
     assert torch.equal(ours, _reference_decode(lambda x: model(x), prompt, 12, 6, remasking, cfg_scale))
     if remasking != "low_confidence" or cfg_scale:  # the setting changes the result: ignoring it would be seen
-        plain = sample_masked_diffusion(lambda x: model(x), prompt, 12, MASK, 6,
-                                        settings=MaskedSampler(steps=6, stop_at_eos=False))
+        plain = sample_masked_diffusion(
+            lambda x: model(x), prompt, 12, MASK, 6, settings=MaskedSampler(steps=6, stop_at_eos=False)
+        )
         assert not torch.equal(ours, plain)
 
 
 def test_sampler_settings_variants_run_and_record():
     prompt = torch.tensor([[1, 2], [3, 4]])
     greedy = sample_masked_diffusion(lambda x: MODEL(x), prompt, 6, MASK, 6)
-    out = sample_masked_diffusion(lambda x: MODEL(x), prompt, 6, MASK, 6,
-                                  settings=MaskedSampler(steps=6, remasking="random"),
-                                  generator=torch.Generator().manual_seed(0))
+    out = sample_masked_diffusion(
+        lambda x: MODEL(x),
+        prompt,
+        6,
+        MASK,
+        6,
+        settings=MaskedSampler(steps=6, remasking="random"),
+        generator=torch.Generator().manual_seed(0),
+    )
     assert not (out == MASK).any()
-    top1 = sample_masked_diffusion(lambda x: MODEL(x), prompt, 6, MASK, 6,
-                                   settings=MaskedSampler(steps=6, temperature=1.0, top_k=1, stop_at_eos=False),
-                                   generator=torch.Generator().manual_seed(0))
+    top1 = sample_masked_diffusion(
+        lambda x: MODEL(x),
+        prompt,
+        6,
+        MASK,
+        6,
+        settings=MaskedSampler(steps=6, temperature=1.0, top_k=1, stop_at_eos=False),
+        generator=torch.Generator().manual_seed(0),
+    )
     assert torch.equal(top1, greedy)  # top-k 1 sampling is greedy
-    cfg0 = sample_masked_diffusion(lambda x: MODEL(x), prompt, 6, MASK, 6,
-                                   settings=MaskedSampler(steps=6, cfg_scale=0.0, stop_at_eos=False))
+    cfg0 = sample_masked_diffusion(
+        lambda x: MODEL(x), prompt, 6, MASK, 6, settings=MaskedSampler(steps=6, cfg_scale=0.0, stop_at_eos=False)
+    )
     assert torch.equal(cfg0, greedy)
     with pytest.raises(ValueError, match="remasking"):
         MaskedSampler(remasking="best")

@@ -13,8 +13,16 @@ def test_every_preset_validates(preset):
 
 
 def test_overrides_are_typed():
-    cfg = load_config("tiny-cpu", ["train.lr=1e-3", "model.num_layers=6", "model.qk_layernorm=true",
-                                   "data.sources=[a.jsonl, b.jsonl]", "data.max_documents=null"])
+    cfg = load_config(
+        "tiny-cpu",
+        [
+            "train.lr=1e-3",
+            "model.num_layers=6",
+            "model.qk_layernorm=true",
+            "data.sources=[a.jsonl, b.jsonl]",
+            "data.max_documents=null",
+        ],
+    )
     assert cfg.train.lr == 1e-3 and cfg.model.num_layers == 6 and cfg.model.qk_layernorm is True
     assert [s.path for s in cfg.data.sources] == ["a.jsonl", "b.jsonl"] and cfg.data.max_documents is None
 
@@ -72,8 +80,9 @@ def test_roundtrip_through_yaml(tmp_path):
 
 
 def test_cli_rejects_bad_override_with_exit_code_2():
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "config", "show", "model.num_layers=zero"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "config", "show", "model.num_layers=zero"], capture_output=True, text=True
+    )
     assert proc.returncode == 2 and "model.num_layers" in proc.stderr
 
 
@@ -98,8 +107,20 @@ def test_model_presets_fill_fields_and_explicit_fields_win():
 
 
 def test_cli_reports_bad_input_without_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--preset", "test-tiny", f"workdir={tmp_path}",
-                           f"data.sources=[{tmp_path / 'missing.jsonl'}]"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "train",
+            "--preset",
+            "test-tiny",
+            f"workdir={tmp_path}",
+            f"data.sources=[{tmp_path / 'missing.jsonl'}]",
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
@@ -109,8 +130,15 @@ def test_cluster_launch_files(tmp_path):
 
     from models.launch.cluster import k8s_pytorchjob, slurm_script
 
-    cfg = load_config("tiny-cpu", ["train.nnodes=4", "train.nproc_per_node=8", "train.global_batch_size=512",
-                                   "parallel.tensor_model_parallel_size=2"])
+    cfg = load_config(
+        "tiny-cpu",
+        [
+            "train.nnodes=4",
+            "train.nproc_per_node=8",
+            "train.global_batch_size=512",
+            "parallel.tensor_model_parallel_size=2",
+        ],
+    )
     paths = (tmp_path / "config.yaml", tmp_path / "manifest.json", tmp_path / "run dir")
     script = slurm_script(cfg, *paths, partition="gpu")
     assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=8" in script

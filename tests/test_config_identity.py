@@ -9,34 +9,80 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from difflm.config import (OPERATIONAL, ConfigError, PipelineConfig, SamplerConfig, SlurmBase, SlurmConfig,
-                           SlurmLaunchConfig, apply_overrides, is_identity, load_config, validate)
+from difflm.config import (
+    OPERATIONAL,
+    ConfigError,
+    PipelineConfig,
+    SamplerConfig,
+    SlurmBase,
+    SlurmConfig,
+    SlurmLaunchConfig,
+    apply_overrides,
+    is_identity,
+    load_config,
+    validate,
+)
 
 TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")  # models.launch.torchrun's
 
 # configs/tiny-cpu.yaml and configs/test-tiny.yaml as they were at commit 8347fab (the main of before the marks)
 TINY_CPU = {
-    "name": "tiny-cpu", "workdir": ".difflm",
+    "name": "tiny-cpu",
+    "workdir": ".difflm",
     "data": {"sources": ["demo:enwiki"], "min_chars": 200, "valid_fraction": 0.05},
     "tokenizer": {"vocab_size": 4096},
     "model": {"preset": "tiny", "swiglu": True, "normalization": "RMSNorm"},
     "diffusion": {"model_running_mode": "difflm-noshift", "antithetic_t": True},
-    "train": {"seq_length": 128, "micro_batch_size": 16, "global_batch_size": 16, "train_iters": 1200, "lr": 0.003,
-              "min_lr": 0.0003, "warmup_iters": 60, "log_interval": 20, "eval_interval": 200, "eval_iters": 4},
+    "train": {
+        "seq_length": 128,
+        "micro_batch_size": 16,
+        "global_batch_size": 16,
+        "train_iters": 1200,
+        "lr": 0.003,
+        "min_lr": 0.0003,
+        "warmup_iters": 60,
+        "log_interval": 20,
+        "eval_interval": 200,
+        "eval_iters": 4,
+    },
     "checkpoint": {"save_interval": 200},
-    "eval": {"max_sequences": 64, "t_samples": 8, "num_samples": 3, "sample_length": 48, "sampler_steps": 24,
-             "temperature": 1.0, "task_items": 48, "mc_samples": 16},
+    "eval": {
+        "max_sequences": 64,
+        "t_samples": 8,
+        "num_samples": 3,
+        "sample_length": 48,
+        "sampler_steps": 24,
+        "temperature": 1.0,
+        "task_items": 48,
+        "mc_samples": 16,
+    },
 }
 TEST_TINY = {
-    "name": "test-tiny", "workdir": ".difflm-test",
+    "name": "test-tiny",
+    "workdir": ".difflm-test",
     "data": {"sources": ["demo:enwiki"], "min_chars": 200, "max_documents": 40, "valid_fraction": 0.1},
     "tokenizer": {"vocab_size": 512},
     "model": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 2},
-    "train": {"seq_length": 32, "micro_batch_size": 4, "global_batch_size": 4, "train_iters": 20, "warmup_iters": 2,
-              "log_interval": 5, "eval_interval": 10, "eval_iters": 2},
+    "train": {
+        "seq_length": 32,
+        "micro_batch_size": 4,
+        "global_batch_size": 4,
+        "train_iters": 20,
+        "warmup_iters": 2,
+        "log_interval": 5,
+        "eval_interval": 10,
+        "eval_iters": 2,
+    },
     "checkpoint": {"save_interval": 10},
-    "eval": {"max_sequences": 8, "t_samples": 2, "num_samples": 1, "sample_length": 8, "sampler_steps": 4,
-             "task_items": 6, "mc_samples": 4},
+    "eval": {
+        "max_sequences": 8,
+        "t_samples": 2,
+        "num_samples": 1,
+        "sample_length": 8,
+        "sampler_steps": 4,
+        "task_items": 6,
+        "mc_samples": 4,
+    },
 }
 # (config, overrides) -> <workdir>/runs/<name>, as computed by `stage_hash` at 8347fab (its deny-list in code)
 OLD_RUN_NAMES = [
@@ -44,13 +90,29 @@ OLD_RUN_NAMES = [
     (TINY_CPU, [], "difflm-noshift-8d89e3005212-a35d9ca55136"),
     (TEST_TINY, [], "difflm-noshift-ae93725590ed-fec8076e2812"),
     (TEST_TINY, ["diffusion.model_running_mode=ar", "train.train_iters=30"], "ar-ae93725590ed-ba7c344586d7"),
-    (TEST_TINY, ["data.sources=[/data/my.jsonl]", "tokenizer.vocab_size=300", "model.preset=small"],
-     "difflm-noshift-caa374701e45-c9b250129646"),
-    (TEST_TINY, ["diffusion.model_running_mode=difflm-noshift-uniform", "diffusion.time_embedding=true",
-                 "train.on_nonfinite=stop", "train.max_nonfinite_skips=3", "train.preempt_signals=[SIGUSR2]",
-                 "train.peak_tflops=100", "train.launcher=slurm", "train.slurm.partition=gpu",
-                 "train.kubernetes.pvc=x", "eval.remasking=margin", "data.executor=slurm", "data.slurm.partition=cpu"],
-     "difflm-noshift-uniform-ed07276bb60b-4b0a2608d773"),
+    (
+        TEST_TINY,
+        ["data.sources=[/data/my.jsonl]", "tokenizer.vocab_size=300", "model.preset=small"],
+        "difflm-noshift-caa374701e45-c9b250129646",
+    ),
+    (
+        TEST_TINY,
+        [
+            "diffusion.model_running_mode=difflm-noshift-uniform",
+            "diffusion.time_embedding=true",
+            "train.on_nonfinite=stop",
+            "train.max_nonfinite_skips=3",
+            "train.preempt_signals=[SIGUSR2]",
+            "train.peak_tflops=100",
+            "train.launcher=slurm",
+            "train.slurm.partition=gpu",
+            "train.kubernetes.pvc=x",
+            "eval.remasking=margin",
+            "data.executor=slurm",
+            "data.slurm.partition=cpu",
+        ],
+        "difflm-noshift-uniform-ed07276bb60b-4b0a2608d773",
+    ),
 ]
 
 
@@ -65,7 +127,8 @@ def test_run_directories_of_before_the_marks_keep_their_names(data, overrides, n
 
 
 def test_the_run_directory_name_is_what_torchrun_names_it():
-    from models.launch.torchrun import TRAIN_SECTIONS as used, run_dir
+    from models.launch.torchrun import TRAIN_SECTIONS as used
+    from models.launch.torchrun import run_dir
 
     cfg = validate(copy.deepcopy(TEST_TINY))
     assert used == TRAIN_SECTIONS
@@ -89,25 +152,100 @@ def _identity_fields(model: type, prefix: str = "") -> set[str]:
 # to one of these sections forks every existing directory unless the field is marked OPERATIONAL: update this
 # list only when the new field does change what the stage computes.
 IDENTITY = {
-    "data": {"sources", "text_key", "max_documents", "min_chars", "max_chars", "dedup", "strict",
-             "unicode_normalization", "valid_fraction", "test_fraction", "split_seed", "tasks", "workers", "executor",
-             "slurm.partition", "slurm.time", "slurm.sbatch_args", "slurm.cpus_per_task", "slurm.mem_per_cpu_gb"},
+    "data": {
+        "sources",
+        "text_key",
+        "max_documents",
+        "min_chars",
+        "max_chars",
+        "dedup",
+        "strict",
+        "unicode_normalization",
+        "valid_fraction",
+        "test_fraction",
+        "split_seed",
+        "tasks",
+        "workers",
+        "executor",
+        "slurm.partition",
+        "slurm.time",
+        "slurm.sbatch_args",
+        "slurm.cpus_per_task",
+        "slurm.mem_per_cpu_gb",
+    },
     "tokenizer": {"path", "vocab_size", "mask_token", "eos_token", "pad_token"},
-    "model": {"preset", "backend", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-              "ffn_hidden_size", "swiglu", "normalization", "rotary_base", "qk_layernorm", "tie_embeddings", "dropout",
-              "init_method_std", "norm_epsilon", "document_attention"},
-    "diffusion": {"model_running_mode", "eps", "loss_weighting", "uniform_loss", "normalize_by", "antithetic_t",
-                  "varilen_prob", "time_embedding", "time_conditioning"},
-    "train": {"seq_length", "micro_batch_size", "global_batch_size", "train_iters", "lr", "min_lr", "warmup_iters",
-              "lr_schedule", "wsd_decay_fraction", "wsd_decay_style", "weight_decay", "adam_beta1", "adam_beta2",
-              "clip_grad", "seed", "log_interval", "eval_interval", "eval_iters", "nproc_per_node", "nnodes",
-              "init_from", "precision", "fp8", "torch_threads"},
-    "parallel": {"tensor_model_parallel_size", "pipeline_model_parallel_size", "use_distributed_optimizer",
-                 "sequence_parallel"},
+    "model": {
+        "preset",
+        "backend",
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "ffn_hidden_size",
+        "swiglu",
+        "normalization",
+        "rotary_base",
+        "qk_layernorm",
+        "tie_embeddings",
+        "dropout",
+        "init_method_std",
+        "norm_epsilon",
+        "document_attention",
+    },
+    "diffusion": {
+        "model_running_mode",
+        "eps",
+        "loss_weighting",
+        "uniform_loss",
+        "normalize_by",
+        "antithetic_t",
+        "varilen_prob",
+        "time_embedding",
+        "time_conditioning",
+    },
+    "train": {
+        "seq_length",
+        "micro_batch_size",
+        "global_batch_size",
+        "train_iters",
+        "lr",
+        "min_lr",
+        "warmup_iters",
+        "lr_schedule",
+        "wsd_decay_fraction",
+        "wsd_decay_style",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "clip_grad",
+        "seed",
+        "log_interval",
+        "eval_interval",
+        "eval_iters",
+        "nproc_per_node",
+        "nnodes",
+        "init_from",
+        "precision",
+        "fp8",
+        "torch_threads",
+    },
+    "parallel": {
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "use_distributed_optimizer",
+        "sequence_parallel",
+    },
     "checkpoint": {"save_interval", "keep_last"},
 }
-OPERATIONAL_TRAIN = {"on_nonfinite", "max_nonfinite_skips", "preempt_signals", "peak_tflops", "launcher", "slurm",
-                     "kubernetes"}
+OPERATIONAL_TRAIN = {
+    "on_nonfinite",
+    "max_nonfinite_skips",
+    "preempt_signals",
+    "peak_tflops",
+    "launcher",
+    "slurm",
+    "kubernetes",
+}
 
 
 @pytest.mark.parametrize("section", sorted(IDENTITY))
@@ -116,7 +254,8 @@ def test_the_identity_fields_are_the_declared_ones(section):
     found = _identity_fields(model)
     assert found == IDENTITY[section], (
         f"{section}: fields {sorted(found ^ IDENTITY[section])} changed whether they name the {section} stage's "
-        f"directory; a field that does not change what the stage computes gets json_schema_extra=OPERATIONAL")
+        f"directory; a field that does not change what the stage computes gets json_schema_extra=OPERATIONAL"
+    )
 
 
 def test_operational_fields_are_marked_where_they_are_declared():
@@ -129,13 +268,21 @@ def test_operational_fields_are_marked_where_they_are_declared():
 
 def test_an_operational_field_does_not_fork_the_run_directory():
     base = validate(copy.deepcopy(TEST_TINY))
-    for override in ("train.on_nonfinite=stop", "train.launcher=kubernetes", "train.slurm.time=01:00:00",
-                     "train.kubernetes.namespace=ml", "train.peak_tflops=989", "eval.sampler.steps=99",
-                     "tracking.enabled=false", "workdir=/elsewhere"):
+    for override in (
+        "train.on_nonfinite=stop",
+        "train.launcher=kubernetes",
+        "train.slurm.time=01:00:00",
+        "train.kubernetes.namespace=ml",
+        "train.peak_tflops=989",
+        "eval.sampler.steps=99",
+        "tracking.enabled=false",
+        "workdir=/elsewhere",
+    ):
         other = validate(apply_overrides(copy.deepcopy(TEST_TINY), [override]))
         assert other.stage_hash(*TRAIN_SECTIONS) == base.stage_hash(*TRAIN_SECTIONS), override
     assert validate(apply_overrides(copy.deepcopy(TEST_TINY), ["train.lr=1e-2"])).stage_hash(
-        *TRAIN_SECTIONS) != base.stage_hash(*TRAIN_SECTIONS)
+        *TRAIN_SECTIONS
+    ) != base.stage_hash(*TRAIN_SECTIONS)
 
 
 def test_identity_leaves_out_the_operational_fields_only():
@@ -147,13 +294,15 @@ def test_identity_leaves_out_the_operational_fields_only():
 
 # ---- the sampler: one nested section, MaskedSampler's own fields --------------------------------------------
 
+
 def test_the_sampler_section_has_exactly_the_samplers_fields():
     from models.diffusion import MaskedSampler
     from models.evaluation.generation import sampler_settings
 
     assert set(SamplerConfig.model_fields) == {f.name for f in dataclasses.fields(MaskedSampler)}
-    cfg = load_config("test-tiny", ["eval.sampler.remasking=margin", "eval.sampler.block_length=4",
-                                    "eval.sampler.top_p=0.9"])
+    cfg = load_config(
+        "test-tiny", ["eval.sampler.remasking=margin", "eval.sampler.block_length=4", "eval.sampler.top_p=0.9"]
+    )
     built = sampler_settings(cfg.eval)
     assert dataclasses.asdict(built) == cfg.eval.sampler.model_dump()
     assert built.steps == 4 and built.remasking == "margin" and built.block_length == 4
@@ -180,13 +329,21 @@ def test_a_sampler_setting_given_both_ways_names_the_one_spelling():
 
 # ---- one Slurm schema --------------------------------------------------------------------------------------
 
+
 def test_both_slurm_sections_share_one_schema():
     shared = set(SlurmBase.model_fields)
     assert shared == {"partition", "time", "sbatch_args"}
     assert issubclass(SlurmConfig, SlurmBase) and issubclass(SlurmLaunchConfig, SlurmBase)
     assert shared <= set(SlurmConfig.model_fields) and shared <= set(SlurmLaunchConfig.model_fields)
-    cfg = load_config("test-tiny", ["data.slurm.partition=cpu", "data.slurm.sbatch_args={account: a}",
-                                    "train.slurm.partition=gpu", "train.slurm.sbatch_args={qos: high}"])
+    cfg = load_config(
+        "test-tiny",
+        [
+            "data.slurm.partition=cpu",
+            "data.slurm.sbatch_args={account: a}",
+            "train.slurm.partition=gpu",
+            "train.slurm.sbatch_args={qos: high}",
+        ],
+    )
     assert (cfg.data.slurm.partition, cfg.train.slurm.partition) == ("cpu", "gpu")
     assert (cfg.data.slurm.time, cfg.train.slurm.time) == ("04:00:00", "24:00:00")  # each its own default
 

@@ -22,7 +22,7 @@ def test_wiki_markup_is_stripped():
 
 def test_wiki_documents_skip_redirects_and_other_namespaces():
     xml = (
-        "<mediawiki><page><title>A</title><ns>0</ns><revision><text xml:space=\"preserve\">Alpha text.</text>"
+        '<mediawiki><page><title>A</title><ns>0</ns><revision><text xml:space="preserve">Alpha text.</text>'
         "</revision></page><page><title>B</title><ns>0</ns><revision><text>#REDIRECT [[A]]</text></revision></page>"
         "<page><title>Talk:A</title><ns>1</ns><revision><text>chat</text></revision></page></mediawiki>"
     )
@@ -47,8 +47,11 @@ def test_checksum_mismatch_is_refused(tmp_path, monkeypatch):
     raw = tmp_path / "enwiki" / "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
     raw.parent.mkdir(parents=True)
     raw.write_bytes(b"not the real dump")
-    monkeypatch.setattr(corpus, "_fetch_member", lambda s, dest: (_ for _ in ()).throw(
-        corpus.CorpusError(f"checksum mismatch for {s.member}")))
+    monkeypatch.setattr(
+        corpus,
+        "_fetch_member",
+        lambda s, dest: (_ for _ in ()).throw(corpus.CorpusError(f"checksum mismatch for {s.member}")),
+    )
     with pytest.raises(corpus.CorpusError, match="checksum mismatch"):
         corpus.demo_corpus("enwiki")
 

@@ -15,8 +15,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import tiny_config
+
 from data_prep.pipeline import DataPrepError, data_dir, prepare_data
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -107,13 +107,29 @@ def _jsonl_folder(c: Corpus) -> None:
     lone, pair = g("lone surrogate"), g("surrogate pair")
     c.texts -= {lone, pair}
     c.texts |= {lone + " \ufffd end", pair + " \U0001f600 end"}
-    c.write("surrogates.jsonl", b'{"text": "' + lone.encode() + b' \\ud800 end"}\n'
-            + b'{"text": "' + pair.encode() + b' \\ud83d\\ude00 end"}\n')
+    c.write(
+        "surrogates.jsonl",
+        b'{"text": "'
+        + lone.encode()
+        + b' \\ud800 end"}\n'
+        + b'{"text": "'
+        + pair.encode()
+        + b' \\ud83d\\ude00 end"}\n',
+    )
     c.expect("replaced_lone_surrogates")
     c.write("latin1.jsonl", _line(g("utf8")) + '{"text": "caf\u00e9 latin-1"}\n'.encode("latin-1"))
     c.expect("skipped_invalid_utf8")
-    wrong = [b"[1, 2]", b"42", b'"a bare string"', b'{"text": null}', b'{"text": 7}', b'{"text": ["a", "b"]}',
-             b'{"body": "no text field"}', b'{"text": "cut off', b"[" * 5000 + b"]" * 5000]
+    wrong = [
+        b"[1, 2]",
+        b"42",
+        b'"a bare string"',
+        b'{"text": null}',
+        b'{"text": 7}',
+        b'{"text": ["a", "b"]}',
+        b'{"body": "no text field"}',
+        b'{"text": "cut off',
+        b"[" * 5000 + b"]" * 5000,
+    ]
     c.write("types.jsonl", _line(g("types")) + b"\n".join(wrong) + b"\n\n")
     c.expect("skipped_not_an_object", 3)
     c.expect("skipped_null_text")
@@ -205,8 +221,14 @@ def _kept_texts(manifest: dict) -> list[str]:
 
 def _cfg(workdir: Path, tiny_manifest: dict, *overrides: str):
     """The demo tokenizer (no BPE training per test), no length or count limits."""
-    return tiny_config(workdir, f"tokenizer.path={tiny_manifest['tokenizer']['path']}", "data.min_chars=0",
-                       "data.max_documents=null", "data.valid_fraction=0.25", *overrides)
+    return tiny_config(
+        workdir,
+        f"tokenizer.path={tiny_manifest['tokenizer']['path']}",
+        "data.min_chars=0",
+        "data.max_documents=null",
+        "data.valid_fraction=0.25",
+        *overrides,
+    )
 
 
 def test_every_readable_record_is_kept_and_every_other_counted(tmp_path, tiny_manifest, capsys):
@@ -243,8 +265,9 @@ def test_every_readable_record_is_kept_and_every_other_counted(tmp_path, tiny_ma
     assert problems["d.parquet"]["problem"] == "damaged"
 
     (summary,) = [line for line in out.splitlines() if line.startswith("data prep: ")]
-    removed = sum(v for k, v in expected_skipped.items() if k.startswith(("skipped_", "dropped_"))
-                  and not k.endswith("_file"))
+    removed = sum(
+        v for k, v in expected_skipped.items() if k.startswith(("skipped_", "dropped_")) and not k.endswith("_file")
+    )
     assert f"data prep: {len(expected_texts)} documents kept" in summary
     assert f"; {removed} records skipped or dropped (" in summary
     assert "files skipped (" in summary and "texts changed (" in summary
@@ -285,29 +308,43 @@ def test_strict_fails_on_a_damaged_file_with_one_line(tmp_path, tiny_manifest, c
 
 def _cli_prep(workdir: Path, *overrides: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "prep", "--preset", "test-tiny",
-                             f"workdir={workdir}", *overrides], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, **kwargs)
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "prep", "--preset", "test-tiny", f"workdir={workdir}", *overrides],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kwargs,
+    )
 
 
 def test_cli_strict_error_is_one_line_without_traceback(tmp_path, tiny_manifest):
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.jsonl.gz").write_bytes(_cut_off(gzip.compress))
-    proc = _cli_prep(tmp_path / "w", f"data.sources=[{src}]", "data.strict=true",
-                     f"tokenizer.path={tiny_manifest['tokenizer']['path']}")
+    proc = _cli_prep(
+        tmp_path / "w",
+        f"data.sources=[{src}]",
+        "data.strict=true",
+        f"tokenizer.path={tiny_manifest['tokenizer']['path']}",
+    )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
     assert "Traceback" not in err
     assert err.strip().splitlines()[-1] == (
         f"difflm: data.strict: {src / 'a.jsonl.gz'} is damaged (EOFError: Compressed file ended before the "
         f"end-of-stream marker was reached): repair or remove it, or set data.strict=false to keep the records "
-        f"before the damage")
+        f"before the damage"
+    )
 
 
 def _shard_digests(folder: Path) -> dict[str, str]:
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.suffix in (".bin", ".idx")}
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.suffix in (".bin", ".idx")
+    }
 
 
 def test_prep_killed_with_sigkill_resumes_byte_identically(tmp_path):

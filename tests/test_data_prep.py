@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import tiny_config
+
 from data_prep.pipeline import DataPrepError, data_dir, prepare_data
 from data_prep.split import split_of
 from data_prep.tokenizer import TokenizerError
@@ -23,8 +23,13 @@ def _docs(n: int, tag: str) -> list[str]:
 
 def _cfg(tmp_path, tiny_manifest, *overrides):
     """Small user-data configs reuse the demo tokenizer (no BPE training per test)."""
-    return tiny_config(tmp_path, f"tokenizer.path={tiny_manifest['tokenizer']['path']}", "data.min_chars=0",
-                       "data.valid_fraction=0.25", *overrides)
+    return tiny_config(
+        tmp_path,
+        f"tokenizer.path={tiny_manifest['tokenizer']['path']}",
+        "data.min_chars=0",
+        "data.valid_fraction=0.25",
+        *overrides,
+    )
 
 
 def test_manifest_matches_written_shards(tiny_manifest):
@@ -43,7 +48,10 @@ def test_manifest_matches_written_shards(tiny_manifest):
         assert doc.max() < tok["vocab_size"] and tok["mask_id"] not in doc
     assert tiny_manifest["splits"]["train"]["documents"] + tiny_manifest["splits"]["valid"]["documents"] == 40
     assert verify(tiny_manifest)["documents"] == 40
-    assert tiny_manifest["sources"][0]["license"].startswith("CC BY-SA") and "gensim" in tiny_manifest["sources"][0]["carrier"]
+    assert (
+        tiny_manifest["sources"][0]["license"].startswith("CC BY-SA")
+        and "gensim" in tiny_manifest["sources"][0]["carrier"]
+    )
 
 
 def test_split_is_a_stable_function_of_text():
@@ -84,14 +92,18 @@ def test_every_reader_and_blending(tmp_path, tiny_manifest):
     for i, t in enumerate(_docs(8, "text")):
         (src / "txt" / f"{i}.txt").write_text(t)
     datasets.Dataset.from_dict({"text": _docs(9, "hfdisk")}).save_to_disk(str(src / "hf"))
-    sources = (f"data.sources=[{{path: {src / 'a.jsonl.gz'}, text_key: body, weight: 3}}, "
-               f"{{path: {src / 'b.parquet'}, text_key: content}}, {{path: {src / 'txt'}}}, "
-               f"{{path: {src / 'hf'}, name: hfdisk}}]")
+    sources = (
+        f"data.sources=[{{path: {src / 'a.jsonl.gz'}, text_key: body, weight: 3}}, "
+        f"{{path: {src / 'b.parquet'}, text_key: content}}, {{path: {src / 'txt'}}}, "
+        f"{{path: {src / 'hf'}, name: hfdisk}}]"
+    )
     m = prepare_data(_cfg(tmp_path, tiny_manifest, sources))
     fmts = {s["name"]: s["format"] for s in m["sources"]}
     assert fmts == {"a": "jsonl", "b": "parquet", "txt": "text", "hfdisk": "hf_disk"}
-    per = {k: m["splits"]["train"]["sources"][k]["documents"] + m["splits"]["valid"]["sources"][k]["documents"]
-           for k in fmts}
+    per = {
+        k: m["splits"]["train"]["sources"][k]["documents"] + m["splits"]["valid"]["sources"][k]["documents"]
+        for k in fmts
+    }
     assert per == {"a": 12, "b": 10, "txt": 8, "hfdisk": 9}
     w = dict(zip((Path(p).parent.name for p in m["splits"]["train"]["prefixes"]), m["splits"]["train"]["weights"]))
     assert w["a"] == pytest.approx(3 * w["b"]) and sum(w.values()) == pytest.approx(1.0)
@@ -108,6 +120,7 @@ def test_splits_do_not_depend_on_worker_count(tmp_path, tiny_manifest):
     tr = two["splits"]["train"]
     tokens = [tr["sources"]["docs"]["tokens"] * w for w in tr["weights"]]  # no weights set: mix by size
     from megatron.core.datasets.indexed_dataset import IndexedDataset
+
     shards = [IndexedDataset(p) for p in tr["prefixes"]]  # keep them alive: their arrays are views of an mmap
     assert tokens == pytest.approx([int(d.sequence_lengths.sum()) for d in shards])
     assert _split_texts(one, one["tokenizer"]["path"]) == _split_texts(two, two["tokenizer"]["path"])
@@ -168,13 +181,26 @@ def test_verification_catches_corruption(tmp_path, tiny_manifest):
 def test_bad_records_are_counted_skips(tmp_path, tiny_manifest):
     good = _docs(12, "ok")
     lines = [json.dumps({"text": t}).encode() for t in good]
-    lines += [b'{"text": "truncated', b'["not", "an object"]', b'{"title": "no text"}', b'{"text": "   \\n "}',
-              '{"text": "caf\u00e9"}'.encode("latin-1"), json.dumps({"text": good[0]}).encode(), b""]
+    lines += [
+        b'{"text": "truncated',
+        b'["not", "an object"]',
+        b'{"title": "no text"}',
+        b'{"text": "   \\n "}',
+        '{"text": "caf\u00e9"}'.encode("latin-1"),
+        json.dumps({"text": good[0]}).encode(),
+        b"",
+    ]
     src = tmp_path / "bad.jsonl"
     src.write_bytes(b"\n".join(lines) + b"\n")
     m = prepare_data(_cfg(tmp_path, tiny_manifest, f"data.sources=[{src}]", "data.dedup=true"))
-    assert m["skipped"] == {"skipped_malformed_json": 1, "skipped_not_an_object": 1, "skipped_missing_text": 1,
-                            "skipped_invalid_utf8": 1, "dropped_empty": 1, "dropped_duplicate": 1}
+    assert m["skipped"] == {
+        "skipped_malformed_json": 1,
+        "skipped_not_an_object": 1,
+        "skipped_missing_text": 1,
+        "skipped_invalid_utf8": 1,
+        "dropped_empty": 1,
+        "dropped_duplicate": 1,
+    }
     assert m["splits"]["train"]["documents"] + m["splits"]["valid"]["documents"] == 12
 
 
@@ -182,8 +208,16 @@ def test_cleaning_steps_are_counted(tmp_path, tiny_manifest):
     texts = ["Cafe\u0301 " + "x" * 50, "short", "y" * 5000] + _docs(10, "c")
     src = tmp_path / "c.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    m = prepare_data(_cfg(tmp_path, tiny_manifest, f"data.sources=[{src}]", "data.min_chars=20",
-                          "data.max_chars=2000", "data.unicode_normalization=NFC"))
+    m = prepare_data(
+        _cfg(
+            tmp_path,
+            tiny_manifest,
+            f"data.sources=[{src}]",
+            "data.min_chars=20",
+            "data.max_chars=2000",
+            "data.unicode_normalization=NFC",
+        )
+    )
     assert m["skipped"] == {"normalized": 1, "dropped_too_short": 1, "dropped_too_long": 1}
 
 
@@ -194,11 +228,14 @@ def test_rerun_reuses_and_leftovers_resume(session_dir, tiny_manifest):
     assert prepare_data(cfg) == tiny_manifest and manifest_file.stat().st_mtime_ns == mtime
 
 
-@pytest.mark.parametrize("make, fragment", [
-    (lambda p: p / "nope.jsonl", "does not exist"),
-    (lambda p: (p / "empty").mkdir() or p / "empty", "no .jsonl"),
-    (lambda p: (p / "x.csv").write_text("a,b") and p / "x.csv", "unknown format"),
-])
+@pytest.mark.parametrize(
+    "make, fragment",
+    [
+        (lambda p: p / "nope.jsonl", "does not exist"),
+        (lambda p: (p / "empty").mkdir() or p / "empty", "no .jsonl"),
+        (lambda p: (p / "x.csv").write_text("a,b") and p / "x.csv", "unknown format"),
+    ],
+)
 def test_bad_paths_are_clear_errors(tmp_path, tiny_manifest, make, fragment):
     path = make(tmp_path)
     with pytest.raises(DataPrepError, match=fragment):

@@ -50,19 +50,41 @@ def _stop(proc: subprocess.Popen) -> None:
 @pytest.mark.slow
 def test_deployment_run_from_the_cli(tmp_path):
     port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+    }
     (tmp_path / "prefect").mkdir()
-    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     serve = None
     try:
         _wait_healthy(f"http://127.0.0.1:{port}/api/health", server)
         workdir = tmp_path / "work"
         serve = subprocess.Popen(
-            [str(BIN / "difflm"), "serve", "pretrain-difflm", "--preset", "test-tiny", "--name", "ci",
-             f"workdir={workdir}", "train.train_iters=6", "train.warmup_iters=1", "checkpoint.save_interval=6", "tracking.enabled=false"],
-            env=env, stdout=(tmp_path / "serve.log").open("w"), stderr=subprocess.STDOUT,
+            [
+                str(BIN / "difflm"),
+                "serve",
+                "pretrain-difflm",
+                "--preset",
+                "test-tiny",
+                "--name",
+                "ci",
+                f"workdir={workdir}",
+                "train.train_iters=6",
+                "train.warmup_iters=1",
+                "checkpoint.save_interval=6",
+                "tracking.enabled=false",
+            ],
+            env=env,
+            stdout=(tmp_path / "serve.log").open("w"),
+            stderr=subprocess.STDOUT,
         )
         deadline, out = time.time() + 60, None
         while time.time() < deadline:  # wait until `serve` has registered the deployment
@@ -71,22 +93,42 @@ def test_deployment_run_from_the_cli(tmp_path):
                 break
             time.sleep(1)
         assert out is not None and "pretrain-difflm/ci" in out.stdout, out.stdout if out else None
-        run = subprocess.run([str(BIN / "prefect"), "deployment", "run", "pretrain-difflm/ci", "--watch",
-                              "--watch-timeout", "400"], env=env, capture_output=True, text=True, timeout=450)
+        run = subprocess.run(
+            [str(BIN / "prefect"), "deployment", "run", "pretrain-difflm/ci", "--watch", "--watch-timeout", "400"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=450,
+        )
         assert run.returncode == 0, run.stdout + run.stderr + (tmp_path / "serve.log").read_text()[-5000:]
         assert "Completed" in run.stdout
         exports = list(workdir.glob("runs/*/hf/model.safetensors"))
         assert len(exports) == 1
 
         # prefect.yaml's deployments for the work pool register on the same server, as the README says
-        pool = subprocess.run([str(BIN / "prefect"), "work-pool", "create", "difflm", "--type", "process"], env=env,
-                              capture_output=True, text=True, cwd=ROOT)
+        pool = subprocess.run(
+            [str(BIN / "prefect"), "work-pool", "create", "difflm", "--type", "process"],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         assert pool.returncode == 0, pool.stdout + pool.stderr
-        deploy = subprocess.run([str(BIN / "prefect"), "--no-prompt", "deploy", "--all"], env=env,
-                                capture_output=True, text=True, cwd=ROOT, timeout=120)
+        deploy = subprocess.run(
+            [str(BIN / "prefect"), "--no-prompt", "deploy", "--all"],
+            env=env,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
         assert deploy.returncode == 0, deploy.stdout + deploy.stderr
-        listed = subprocess.run([str(BIN / "prefect"), "deployment", "inspect", "evaluate-latest/every-10-minutes",
-                                 "--output", "json"], env=env, capture_output=True, text=True)
+        listed = subprocess.run(
+            [str(BIN / "prefect"), "deployment", "inspect", "evaluate-latest/every-10-minutes", "--output", "json"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
         scheduled = json.loads(listed.stdout)
         assert [s["schedule"]["interval"] for s in scheduled["schedules"]] == [600.0]
         assert scheduled["global_concurrency_limit"]["limit"] == 1
@@ -115,10 +157,17 @@ def test_prefect_yaml_deployments_load_and_validate():
         assert "/" not in module and (ROOT / (module.replace(".", "/") + ".py")).exists(), dep.entrypoint
         fl = getattr(importlib.import_module(module), name)
         fl.validate_parameters(dep.parameters)  # raises on a parameter the flow does not take or a wrong type
-        flows[f"{fl.name}/{dep.name}"] = [_schedule_config_to_deployment_schedule(s) for s in entry.get("schedules", [])]
+        flows[f"{fl.name}/{dep.name}"] = [
+            _schedule_config_to_deployment_schedule(s) for s in entry.get("schedules", [])
+        ]
         assert dep.work_pool and dep.work_pool.name == "difflm"
-    assert {"pretrain-difflm/tiny-cpu", "pretrain-difflm/nightly-end-to-end", "pretrain-difflm/slurm",
-            "pretrain-difflm/kubernetes", "convert-checkpoint/convert",
-            "evaluate-latest/every-10-minutes"} <= flows.keys()
+    assert {
+        "pretrain-difflm/tiny-cpu",
+        "pretrain-difflm/nightly-end-to-end",
+        "pretrain-difflm/slurm",
+        "pretrain-difflm/kubernetes",
+        "convert-checkpoint/convert",
+        "evaluate-latest/every-10-minutes",
+    } <= flows.keys()
     (every,) = flows["evaluate-latest/every-10-minutes"]
     assert isinstance(every["schedule"], IntervalSchedule) and every["schedule"].interval.total_seconds() == 600

@@ -36,8 +36,9 @@ def test_loss_weighting_and_normalisation_exact():
     # all tokens: (1/0.5*(1+3) + 1/0.25*8) / 8 = (8 + 32) / 8
     assert math.isclose(diffusion.masked_diffusion_loss(ce, masked, t).item(), 5.0)
     # masked tokens: 40 / 3
-    assert math.isclose(diffusion.masked_diffusion_loss(ce, masked, t, normalize_by="masked_tokens").item(), 40 / 3,
-                        rel_tol=1e-6)
+    assert math.isclose(
+        diffusion.masked_diffusion_loss(ce, masked, t, normalize_by="masked_tokens").item(), 40 / 3, rel_tol=1e-6
+    )
     # no weighting: (1+3+8)/8
     assert math.isclose(diffusion.masked_diffusion_loss(ce, masked, t, weighting="none").item(), 1.5)
 
@@ -46,8 +47,7 @@ def test_elbo_of_uniform_model_is_log_vocab():
     vocab = 50
     uniform = lambda x: torch.zeros(*x.shape, vocab)  # noqa: E731
     x0 = torch.randint(2, vocab, (64, 32))
-    nll = diffusion.elbo_nll_per_token(uniform, x0, mask_id=1, t_samples=16,
-                                       generator=torch.Generator().manual_seed(0))
+    nll = diffusion.elbo_nll_per_token(uniform, x0, mask_id=1, t_samples=16, generator=torch.Generator().manual_seed(0))
     # the discrete-form estimator has zero variance here: every sample gives exactly log V
     assert torch.allclose(nll, torch.full_like(nll, math.log(vocab)), rtol=1e-5)
 
@@ -87,8 +87,9 @@ def test_sampler_keeps_prompt_and_fills_every_mask():
     vocab, mask_id = 30, 1
     prompt = torch.tensor([[5, 6, 7]])
     logits_fn = lambda x: torch.randn(*x.shape, vocab, generator=torch.Generator().manual_seed(x.sum().item()))  # noqa
-    out = sample_masked_diffusion(logits_fn, prompt, length=9, mask_id=mask_id, steps=3, vocab_limit=vocab,
-                                  forbidden_ids=(0,))
+    out = sample_masked_diffusion(
+        logits_fn, prompt, length=9, mask_id=mask_id, steps=3, vocab_limit=vocab, forbidden_ids=(0,)
+    )
     assert out.shape == (1, 12)
     assert torch.equal(out[:, :3], prompt)
     assert not (out == mask_id).any() and not (out[:, 3:] == 0).any()
@@ -96,16 +97,20 @@ def test_sampler_keeps_prompt_and_fills_every_mask():
 
 def test_sampler_commits_most_confident_first():
     vocab, mask_id = 10, 1
+
     # position 2 of the continuation is very confident about token 7; others are unsure
     def logits_fn(x):
         logits = torch.zeros(*x.shape, vocab)
         logits[:, 3, 7] = 10.0
         return logits
+
     prompt = torch.tensor([[4]])
     seen = []
+
     def recording(x):
         seen.append(x.clone())
         return logits_fn(x)
+
     sample_masked_diffusion(recording, prompt, length=4, mask_id=mask_id, steps=4)
     assert seen[1][0, 3].item() == 7  # committed at the first step
 
@@ -139,15 +144,24 @@ def test_masked_fraction_weighting():
 
 def test_noise_does_not_depend_on_the_micro_batch_split():
     from conftest import tiny_config
+
     from models.megatron.forward_step import SpecialTokens, corrupt
 
-    cfg = tiny_config("/tmp/unused", "train.global_batch_size=4", "train.micro_batch_size=2",
-                      "diffusion.antithetic_t=true")
+    cfg = tiny_config(
+        "/tmp/unused", "train.global_batch_size=4", "train.micro_batch_size=2", "diffusion.antithetic_t=true"
+    )
     special = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2))
     x0 = torch.randint(3, 50, (4, 16))
     whole = corrupt({"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=5)
-    halves = [corrupt({"tokens": x0[i:i + 2], "labels": x0[i:i + 2], "positions": torch.arange(i, i + 2)},
-                      cfg, special, step=5) for i in (0, 2)]
+    halves = [
+        corrupt(
+            {"tokens": x0[i : i + 2], "labels": x0[i : i + 2], "positions": torch.arange(i, i + 2)},
+            cfg,
+            special,
+            step=5,
+        )
+        for i in (0, 2)
+    ]
     assert torch.equal(whole["inputs"], torch.cat([h["inputs"] for h in halves]))
     assert torch.equal(whole["t"], torch.cat([h["t"] for h in halves]))
     assert sorted((whole["t"] * 4).floor().long().tolist()) == [0, 1, 2, 3]  # antithetic over the global batch
@@ -178,6 +192,7 @@ def test_document_ids_and_mask():
 
 def test_evaluation_noise_masks_exact_counts_and_scores_the_elbo():
     from conftest import tiny_config
+
     from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
 
     cfg = tiny_config("/tmp/unused", "train.global_batch_size=4", "train.micro_batch_size=4")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_config
 from pydantic import ValidationError
 
-from conftest import tiny_config
 from difflm.config import ConfigError, EvalConfig, load_config
 from models.evaluation.stages import EvaluationError, eval_device, resolve_device
 from tests.test_evaluation import exports  # noqa: F401  (the fixture: random-weight exports per mode)
@@ -42,7 +42,9 @@ def test_auto_is_the_cpu_in_float32_without_cuda(no_cuda):
 @pytest.mark.parametrize("device", ["cuda", "cuda:1"])
 def test_cuda_without_cuda_is_an_error_that_says_what_to_set(no_cuda, device):
     cfg = load_config("test-tiny", [f"eval.device={device}"])  # a GPU machine's config loads anywhere...
-    with pytest.raises(EvaluationError, match=rf"eval\.device={device}, but .*set eval\.device=auto .* eval\.device=cpu"):
+    with pytest.raises(
+        EvaluationError, match=rf"eval\.device={device}, but .*set eval\.device=auto .* eval\.device=cpu"
+    ):
         eval_device(cfg.eval)  # ...and fails where the model would be loaded
 
 
@@ -54,10 +56,26 @@ def test_the_cli_prints_the_error_without_a_traceback(exports, tmp_path):  # noq
 
     from tests.test_evaluation import ROOT
 
-    run = subprocess.run([sys.executable, "-m", "flows.cli", "generate", str(exports["difflm-noshift"]),
-                          "--prompt", "The river", "--preset", "test-tiny", f"workdir={tmp_path}", "eval.device=cuda"],
-                         capture_output=True, text=True, cwd=ROOT, timeout=300,
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "generate",
+            str(exports["difflm-noshift"]),
+            "--prompt",
+            "The river",
+            "--preset",
+            "test-tiny",
+            f"workdir={tmp_path}",
+            "eval.device=cuda",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
     assert "eval.device=cuda, but" in run.stderr and "set eval.device=auto" in run.stderr
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,8 +29,12 @@ def exports(tmp_path_factory, tiny_manifest) -> dict[str, Path]:
         cfg = tiny_config(root, f"diffusion.model_running_mode={mode}")
         torch.manual_seed(0)
         model = DiffLMForMaskedLM(hf_config(cfg, tiny_manifest["tokenizer"])).eval()
-        out[mode] = save_export(model, Path(tiny_manifest["tokenizer"]["path"]), root / mode,
-                                {"checkpoint": None, "mode": mode, "data_hash": tiny_manifest["hash"]})
+        out[mode] = save_export(
+            model,
+            Path(tiny_manifest["tokenizer"]["path"]),
+            root / mode,
+            {"checkpoint": None, "mode": mode, "data_hash": tiny_manifest["hash"]},
+        )
     return out
 
 
@@ -92,15 +95,29 @@ def test_scorer_tasks_and_generation_on_every_mode(exports, items):
 
 
 def _difflm(*args: str, workdir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args, "--preset", "test-tiny", f"workdir={workdir}"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args, "--preset", "test-tiny", f"workdir={workdir}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
 
 
 @pytest.mark.slow
 def test_difflm_eval_and_generate_commands(exports, session_dir, tmp_path):
     workdir = session_dir / "shared"  # the tiny_manifest's data: reused, not prepared again
-    out = _difflm("eval", str(exports["difflm-noshift"]), str(exports["ar"]), "eval.task_items=4",
-                  "eval.mc_samples=2", "eval.steps_sweep=[1,2]", "--out", str(tmp_path / "ev"), workdir=workdir)
+    out = _difflm(
+        "eval",
+        str(exports["difflm-noshift"]),
+        str(exports["ar"]),
+        "eval.task_items=4",
+        "eval.mc_samples=2",
+        "eval.steps_sweep=[1,2]",
+        "--out",
+        str(tmp_path / "ev"),
+        workdir=workdir,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| difflm-noshift |" in out.stdout and "| ar |" in out.stdout and "cloze acc" in out.stdout
     assert "steps   2: cloze accuracy" in out.stdout
@@ -108,10 +125,22 @@ def test_difflm_eval_and_generate_commands(exports, session_dir, tmp_path):
     assert res["mode"] == "ar" and res["task_settings"]["mc_samples"] == 2
     assert (tmp_path / "ev" / "lm_eval_tasks" / "difflm_choice.yaml").exists()
 
-    gen = _difflm("generate", str(exports["difflm-noshift"]), "--prompt", "The river", "--prompt", "A",
-                  "--json", "eval.threshold=0.5", "eval.block_length=4", "--max-new-tokens", "8", workdir=workdir)
+    gen = _difflm(
+        "generate",
+        str(exports["difflm-noshift"]),
+        "--prompt",
+        "The river",
+        "--prompt",
+        "A",
+        "--json",
+        "eval.threshold=0.5",
+        "eval.block_length=4",
+        "--max-new-tokens",
+        "8",
+        workdir=workdir,
+    )
     assert gen.returncode == 0, gen.stderr[-3000:]
-    records = json.loads(gen.stdout[gen.stdout.index("["):])
+    records = json.loads(gen.stdout[gen.stdout.index("[") :])
     assert [r["prompt"] for r in records] == ["The river", "A"]
     assert records[0]["sampler"]["threshold"] == 0.5 and records[0]["sampler"]["block_length"] == 4
 
@@ -129,10 +158,23 @@ def test_lm_eval_runs_difflm_through_its_own_entry_point(exports, items, tmp_pat
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     for mode, folder in exports.items():
         out = tmp_path / f"out-{mode}"
-        cmd = [sys.executable, "-m", "models.evaluation.lm_eval_adapter", "--model", "difflm",
-               "--model_args", f"pretrained={folder},mc_samples=2,steps=2,block_length=2",
-               "--tasks", "difflm_cloze,difflm_choice,difflm_documents,difflm_cloze_gen",
-               "--include_path", str(task_dir), "--batch_size", "4", "--output_path", str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "models.evaluation.lm_eval_adapter",
+            "--model",
+            "difflm",
+            "--model_args",
+            f"pretrained={folder},mc_samples=2,steps=2,block_length=2",
+            "--tasks",
+            "difflm_cloze,difflm_choice,difflm_documents,difflm_cloze_gen",
+            "--include_path",
+            str(task_dir),
+            "--batch_size",
+            "4",
+            "--output_path",
+            str(out),
+        ]
         run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
         assert run.returncode == 0, run.stderr[-4000:]
         results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
@@ -144,9 +186,26 @@ def test_lm_eval_runs_difflm_through_its_own_entry_point(exports, items, tmp_pat
 
 def test_generate_benchmark_runs(exports, session_dir, tmp_path):
     """benchmarks/generate.py on a tiny export: every sampler runs and is compared with the baseline."""
-    out = subprocess.run([sys.executable, "benchmarks/generate.py", str(exports["difflm-noshift"]), "--preset",
-                          "test-tiny", "--items", "3", "--new-tokens", "8", "--json", str(tmp_path / "g.json"),
-                          f"workdir={session_dir / 'shared'}"], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/generate.py",
+            str(exports["difflm-noshift"]),
+            "--preset",
+            "test-tiny",
+            "--items",
+            "3",
+            "--new-tokens",
+            "8",
+            "--json",
+            str(tmp_path / "g.json"),
+            f"workdir={session_dir / 'shared'}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "g.json").read_text())["rows"]
     assert rows[0]["agreement"] == 1.0 and len(rows) == 10

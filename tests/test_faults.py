@@ -17,13 +17,19 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
 from conftest import tiny_config
 from fault_injection import fault_launch
+
 from models.launch.torchrun import TrainingError, TrainingPreempted, launch_training, read_metrics, run_dir
 
-FAST = ("train.train_iters=16", "checkpoint.save_interval=4", "train.log_interval=1", "train.eval_interval=8",
-        "checkpoint.keep_last=10", "train.warmup_iters=2")
+FAST = (
+    "train.train_iters=16",
+    "checkpoint.save_interval=4",
+    "train.log_interval=1",
+    "train.eval_interval=8",
+    "checkpoint.keep_last=10",
+    "train.warmup_iters=2",
+)
 
 
 def _weights(info: dict) -> dict[str, torch.Tensor]:
@@ -84,8 +90,9 @@ def _in_background(fn):
 
 
 @pytest.mark.slow
-def test_kill9_during_training_and_during_a_save_then_rerun_gives_identical_weights(session_dir, tiny_manifest,
-                                                                                    reference):
+def test_kill9_during_training_and_during_a_save_then_rerun_gives_identical_weights(
+    session_dir, tiny_manifest, reference
+):
     cfg = tiny_config(session_dir / "faults-kill9", *FAST)
     rdir = run_dir(cfg, tiny_manifest)
     me = os.getpid()
@@ -177,8 +184,9 @@ def test_lr_schedules():
         param_groups = [{}]
 
     def curve(*over):
-        cfg = tiny_config(Path("/tmp"), "train.train_iters=100", "train.warmup_iters=10", "train.lr=1.0",
-                          "train.min_lr=0.1", *over)
+        cfg = tiny_config(
+            Path("/tmp"), "train.train_iters=100", "train.warmup_iters=10", "train.lr=1.0", "train.min_lr=0.1", *over
+        )
         sched = OptimizerParamScheduler(Opt(), **scheduler_kwargs(cfg))
         out = []
         for _ in range(100):
@@ -204,10 +212,28 @@ def _free_port() -> int:
 
 def _mlflow_server(store: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                             "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
-                             "--default-artifact-root", str(store / "artifacts"), "--workers", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{store / 'mlflow.db'}",
+            "--default-artifact-root",
+            str(store / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     import urllib.request
 
     def up():
@@ -243,11 +269,20 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(session_dir, t
     uri = f"http://127.0.0.1:{port}"
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("faults")).info.run_id
-    cfg = tiny_config(session_dir / "faults-mlflow", "train.train_iters=150", "train.log_interval=1",
-                      "train.eval_interval=50", "checkpoint.save_interval=50")
+    cfg = tiny_config(
+        session_dir / "faults-mlflow",
+        "train.train_iters=150",
+        "train.log_interval=1",
+        "train.eval_interval=50",
+        "checkpoint.save_interval=50",
+    )
     rdir = run_dir(cfg, tiny_manifest)
-    env = {"MLFLOW_TRACKING_URI": uri, "DIFFLM_MLFLOW_RUN_ID": run_id, "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-           "MLFLOW_HTTP_REQUEST_TIMEOUT": "2"}
+    env = {
+        "MLFLOW_TRACKING_URI": uri,
+        "DIFFLM_MLFLOW_RUN_ID": run_id,
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "2",
+    }
     lines: list[str] = []
     thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, env=env, echo=lines.append))
     try:

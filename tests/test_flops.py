@@ -25,9 +25,15 @@ def _cfg(*overrides: str):
 
 
 def _hand_cfg(mode: str, *overrides: str):
-    return _cfg("model.num_layers=2", "model.hidden_size=16", "model.num_attention_heads=2",
-                "model.num_query_groups=1", "model.ffn_hidden_size=32", f"diffusion.model_running_mode={mode}",
-                *overrides)
+    return _cfg(
+        "model.num_layers=2",
+        "model.hidden_size=16",
+        "model.num_attention_heads=2",
+        "model.num_query_groups=1",
+        "model.ffn_hidden_size=32",
+        f"diffusion.model_running_mode={mode}",
+        *overrides,
+    )
 
 
 def test_hand_checked_tiny_config():
@@ -128,11 +134,22 @@ def test_variable_length_steps_add_up():
     assert training_flops(cfg, v, [], mbs) == 0
 
 
-@pytest.mark.parametrize("name, tflops", [
-    ("NVIDIA H200", 989), ("NVIDIA H100 80GB HBM3", 989), ("NVIDIA H100 PCIe", 756), ("NVIDIA H100 NVL", 835),
-    ("NVIDIA GH200 480GB", 989), ("NVIDIA A100-SXM4-80GB", 312), ("NVIDIA A100-PCIE-40GB", 312),
-    ("NVIDIA L40S", 362), ("NVIDIA L4", 121), ("NVIDIA A10G", 70), ("NVIDIA B200", 2250),
-])
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        ("NVIDIA H200", 989),
+        ("NVIDIA H100 80GB HBM3", 989),
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA GH200 480GB", 989),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA A100-PCIE-40GB", 312),
+        ("NVIDIA L40S", 362),
+        ("NVIDIA L4", 121),
+        ("NVIDIA A10G", 70),
+        ("NVIDIA B200", 2250),
+    ],
+)
 def test_peak_by_device_name(name, tflops):
     assert peak_flops(name) == pytest.approx(tflops * 1e12)
 
@@ -155,12 +172,18 @@ def test_efficiency_arithmetic():
     assert efficiency(1e12, 1.0, 1, None) == {"tflops_per_device": pytest.approx(1.0), "mfu": None}
 
 
-@pytest.mark.parametrize("preset, doc_len, overstated", [("125m", 256, 1.257), ("125m", 512, 1.213), ("1b", 512, 1.120)])
+@pytest.mark.parametrize(
+    "preset, doc_len, overstated", [("125m", 256, 1.257), ("125m", 512, 1.213), ("1b", 512, 1.120)]
+)
 def test_packed_documents_count_the_attention_they_keep(preset, doc_len, overstated):
     """r6: with document attention the kernels (FlexAttention, THD) skip the cross-document blocks and Megatron-LM
     counts sum L_i^2; counting s^2 overstated MFU by the review's factors."""
-    cfg = _cfg(f"model.preset={preset}", "diffusion.model_running_mode=difflm-noshift", "train.seq_length=2048",
-               "model.document_attention=true")
+    cfg = _cfg(
+        f"model.preset={preset}",
+        "diffusion.model_running_mode=difflm-noshift",
+        "train.seq_length=2048",
+        "model.document_attention=true",
+    )
     dense = training_flops(cfg, 50257, [2048], 1)
     packed = training_flops(cfg, 50257, [2048], 1, pairs=[2048 * doc_len])  # 2048/doc_len documents of doc_len
     assert dense / packed == pytest.approx(overstated, abs=5e-4)
@@ -178,6 +201,7 @@ def test_document_pairs_sum_the_squared_document_lengths_of_every_row():
 def test_a_training_step_counts_the_document_pairs_of_its_batches(megatron_single_process, tiny_manifest, tmp_path):
     """The trainer hands the FLOPs count each micro-batch's pairs within its documents (fewer than s^2 a row)."""
     from conftest import tiny_config
+
     from models.diffusion.documents import document_ids, document_pairs
     from models.megatron.data import build_datasets, micro_batch
     from models.megatron.forward_step import SpecialTokens
@@ -199,5 +223,6 @@ def test_a_training_step_counts_the_document_pairs_of_its_batches(megatron_singl
     assert pairs == [document_pairs(document_ids(x, tok["eos_id"])) for x in micro(step)]
     assert all(p <= t.micro_batch_size * t.seq_length**2 for p in pairs)
     assert any(p < t.micro_batch_size * t.seq_length**2 for p in pairs)
-    assert training_flops(cfg, tok["vocab_size"], [t.seq_length] * n_micro, t.micro_batch_size, pairs) < \
-        training_flops(cfg, tok["vocab_size"], [t.seq_length] * n_micro, t.micro_batch_size)
+    assert training_flops(cfg, tok["vocab_size"], [t.seq_length] * n_micro, t.micro_batch_size, pairs) < training_flops(
+        cfg, tok["vocab_size"], [t.seq_length] * n_micro, t.micro_batch_size
+    )

@@ -4,15 +4,14 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import tiny_config
 
 
 @pytest.mark.slow
 def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness, monkeypatch):
     import mlflow
-    from prefect.artifacts import Artifact
     from mlflow.tracking import MlflowClient
+    from prefect.artifacts import Artifact
 
     from difflm.tracking import tracking_uri
     from flows.pretrain import pretrain_difflm
@@ -28,7 +27,10 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness, monk
     assert (Path(summary["data_dir"]) / "manifest.json").exists()
     assert (Path(summary["run_dir"]) / "checkpoints" / "iter_0000030" / "metadata.json").exists()
     model = load_hf(Path(summary["hf_dir"]))
-    assert model.config.mask_token_id == json.loads((Path(summary["data_dir"]) / "manifest.json").read_text())["tokenizer"]["mask_id"]
+    assert (
+        model.config.mask_token_id
+        == json.loads((Path(summary["data_dir"]) / "manifest.json").read_text())["tokenizer"]["mask_id"]
+    )
 
     # training helped: the bound of the trained model is below the untrained one
     v = summary["validation"]
@@ -44,8 +46,11 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness, monk
     assert len(client.get_metric_history(run.info.run_id, "loss")) >= 3
     assert len(client.get_metric_history(run.info.run_id, "val_loss")) >= 2
     # the data as a dataset input (digest = data hash, counts as input tags), not as single-point metrics
-    (data_input,) = [d for d in run.inputs.dataset_inputs
-                     if {t.key: t.value for t in d.tags}.get("mlflow.data.context") == "training"]
+    (data_input,) = [
+        d
+        for d in run.inputs.dataset_inputs
+        if {t.key: t.value for t in d.tags}.get("mlflow.data.context") == "training"
+    ]
     manifest = json.loads((Path(summary["data_dir"]) / "manifest.json").read_text())
     assert data_input.dataset.digest == manifest["hash"] == run.data.tags["data.hash"]
     counts = {t.key: t.value for t in data_input.tags}
@@ -55,8 +60,10 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness, monk
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the model-training view
     assert run.data.tags["prefect.flow_run_id"] and run.data.tags["mlflow.source.git.commit"]
     # a nested run per stage: live training curves and system metrics in the train stage's run
-    children = {r.data.tags["stage"]: r for r in client.search_runs(
-        [run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")}
+    children = {
+        r.data.tags["stage"]: r
+        for r in client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+    }
     assert set(children) == {"data-prep", "train", "convert", "evaluate"}
     assert all(c.info.status == "FINISHED" and c.data.tags["cached"] == "false" for c in children.values())
     train_run = children["train"]
@@ -93,12 +100,11 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness, monk
     assert "Prefect cache" in Artifact.get("train-summary").data
 
     # a changed input reruns only the stages that depend on it
-    changed_eval = pretrain_difflm(config=tiny_config(session_dir / "flow", "train.train_iters=30", "train.lr=5e-3",
-                                                      "eval.task_items=2"))
-    assert changed_eval["stages"] == {"data-prep": "cached", "train": "cached", "convert": "cached",
-                                      "evaluate": "ran"}
-    changed_train = pretrain_difflm(config=tiny_config(session_dir / "flow", "train.train_iters=20",
-                                                       "train.lr=5e-3"))
+    changed_eval = pretrain_difflm(
+        config=tiny_config(session_dir / "flow", "train.train_iters=30", "train.lr=5e-3", "eval.task_items=2")
+    )
+    assert changed_eval["stages"] == {"data-prep": "cached", "train": "cached", "convert": "cached", "evaluate": "ran"}
+    changed_train = pretrain_difflm(config=tiny_config(session_dir / "flow", "train.train_iters=20", "train.lr=5e-3"))
     assert changed_train["stages"] == {"data-prep": "cached", "train": "ran", "convert": "ran", "evaluate": "ran"}
     assert changed_train["run_dir"] != summary["run_dir"]
 
@@ -126,8 +132,9 @@ def test_data_prep_flow_logs_statistics(session_dir, prefect_harness, tiny_manif
     manifest = data_prep(config=cfg)
     assert manifest["hash"] == tiny_manifest["hash"]
     mlflow.set_tracking_uri(tracking_uri(cfg))
-    runs = MlflowClient().search_runs([mlflow.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
-                                      filter_string="tags.flow = 'data-prep'")
+    runs = MlflowClient().search_runs(
+        [mlflow.get_experiment_by_name(cfg.tracking.experiment).experiment_id], filter_string="tags.flow = 'data-prep'"
+    )
     (data_input,) = runs[0].inputs.dataset_inputs
     assert data_input.dataset.digest == manifest["hash"] and data_input.dataset.name == "enwiki"
     counts = {t.key: t.value for t in data_input.tags}

@@ -22,8 +22,10 @@ def _left_pad(rows: list[list[int]], pad: int = 2) -> tuple[torch.Tensor, torch.
 PROMPTS = [[5, 9, 11, 40, 7], [12, 13], [30, 31, 32]]
 
 
-@pytest.mark.parametrize("settings", [MaskedSampler(steps=8), MaskedSampler(steps=8, block_length=4),
-                                      MaskedSampler(threshold=0.05, block_length=4)])
+@pytest.mark.parametrize(
+    "settings",
+    [MaskedSampler(steps=8), MaskedSampler(steps=8, block_length=4), MaskedSampler(threshold=0.05, block_length=4)],
+)
 def test_batched_left_padded_generation_equals_one_by_one(settings):
     model = _model()
     ids, mask = _left_pad(PROMPTS)
@@ -31,7 +33,7 @@ def test_batched_left_padded_generation_equals_one_by_one(settings):
     for row, prompt in enumerate(PROMPTS):
         alone = model.diffusion_generate(torch.tensor([prompt]), 8, 8, settings=settings)
         assert batched[row, -8:].tolist() == alone[0, -8:].tolist()
-        assert batched[row, ids.shape[1] - len(prompt): ids.shape[1]].tolist() == prompt
+        assert batched[row, ids.shape[1] - len(prompt) : ids.shape[1]].tolist() == prompt
 
 
 def test_ar_generation_with_cache_equals_full_recompute():
@@ -44,8 +46,9 @@ def test_ar_generation_with_cache_equals_full_recompute():
         for _ in range(6):  # no cache: the whole prefix every step
             x = torch.cat([x, model(x).logits[:, -1, : model.config.real_vocab_size].argmax(-1, keepdim=True)], 1)
         assert fast[row, -6:].tolist() == x[0, -6:].tolist()
-    sampled = model.ar_generate(ids, 6, temperature=0.8, top_p=0.9, attention_mask=mask,
-                                generator=torch.Generator().manual_seed(0))
+    sampled = model.ar_generate(
+        ids, 6, temperature=0.8, top_p=0.9, attention_mask=mask, generator=torch.Generator().manual_seed(0)
+    )
     assert sampled.shape == (3, ids.shape[1] + 6)
 
 
@@ -85,7 +88,9 @@ def test_uniform_conditional_nll_bounds_the_exact_value_and_greedy_match():
     ids = torch.randint(3, V, (16, 28), generator=torch.Generator().manual_seed(0))
     target = torch.zeros_like(ids, dtype=torch.bool)
     target[:, 4:] = True
-    nll = model.conditional_nll(ids, target, mc_samples=64, generators=[torch.Generator().manual_seed(i) for i in range(16)])
+    nll = model.conditional_nll(
+        ids, target, mc_samples=64, generators=[torch.Generator().manual_seed(i) for i in range(16)]
+    )
     assert float(nll.mean()) / 24 == pytest.approx(math.log(len(model.uniform_states())), abs=0.25)
     ids, target = _cond_batch("u")
     masked = _model()

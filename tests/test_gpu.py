@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +36,10 @@ def _pair(tmp_path, mode: str, over: list[str], device: str, dtype=torch.float32
     """The same weights in the local spec and the torch spec."""
     from models.megatron.gpt import build_model
 
-    cfgs = [tiny_config(tmp_path, f"diffusion.model_running_mode={mode}", f"model.backend={b}", *over)
-            for b in ("local", "torch")]
+    cfgs = [
+        tiny_config(tmp_path, f"diffusion.model_running_mode={mode}", f"model.backend={b}", *over)
+        for b in ("local", "torch")
+    ]
     torch.manual_seed(0)
     local = build_model(cfgs[0], 512).to(device=device, dtype=dtype).eval()
     torched = build_model(cfgs[1], 512).to(device=device, dtype=dtype).eval()
@@ -104,8 +105,13 @@ class _Recorder(torch.nn.Module):
         if packed is not None:  # THD: the boundaries are tensors too
             kwargs["cu_seqlens"] = packed.cu_seqlens_q
         self.shapes = {"input_ids": input_ids.shape, "labels": None if labels is None else labels.shape}
-        for name, value in {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": mask,
-                            "labels": labels, **kwargs}.items():
+        for name, value in {
+            "input_ids": input_ids,
+            "position_ids": position_ids,
+            "attention_mask": mask,
+            "labels": labels,
+            **kwargs,
+        }.items():
             if value is not None:
                 self.devices[name] = value.device
         return torch.zeros(input_ids.shape, device=self.weight.device)
@@ -118,16 +124,28 @@ def test_forward_step_inputs_land_on_the_model_device(tmp_path, mode, backend):
     device. The meta device stands in for a GPU here (a CPU tensor left behind stays on 'cpu')."""
     from models.megatron.forward_step import SpecialTokens, make_forward_step
 
-    cfg = tiny_config(tmp_path, f"diffusion.model_running_mode={mode}", f"model.backend={backend}",
-                      "model.document_attention=true", "diffusion.time_embedding=true")
+    cfg = tiny_config(
+        tmp_path,
+        f"diffusion.model_running_mode={mode}",
+        f"model.backend={backend}",
+        "model.document_attention=true",
+        "diffusion.time_embedding=true",
+    )
     special = SpecialTokens(mask_id=1, vocab_size=512, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
     x = torch.randint(3, 500, (4, 32))
-    batch = {"tokens": x, "labels": torch.roll(x, -1, 1), "loss_mask": torch.ones_like(x, dtype=torch.float),
-             "positions": torch.arange(4)}
+    batch = {
+        "tokens": x,
+        "labels": torch.roll(x, -1, 1),
+        "loss_mask": torch.ones_like(x, dtype=torch.float),
+        "positions": torch.arange(4),
+    }
     model = _Recorder("meta")
     output, loss_func = make_forward_step(cfg, special, step=3)(iter([batch]), model)
-    expected = {"input_ids", "position_ids", "attention_mask"} | ({"t"} if mode != "ar" else set()) | (
-        {"labels"} if mode != "difflm-noshift-uniform" else set())
+    expected = (
+        {"input_ids", "position_ids", "attention_mask"}
+        | ({"t"} if mode != "ar" else set())
+        | ({"labels"} if mode != "difflm-noshift-uniform" else set())
+    )
     assert set(model.devices) == expected
     assert all(d.type == "meta" for d in model.devices.values()), model.devices
     assert loss_func.args[0]["scored"].device.type == "meta"  # what the loss reads is there too
@@ -159,15 +177,23 @@ def test_gpu_check_dry_run(tmp_path):
     absent = tmp_path / "absent"
     absent.mkdir()
     (absent / "sitecustomize.py").write_text(
-        "import sys\nfor name in %r:\n    sys.modules[name] = None\n" % (ABSENT_ON_THE_GPU_IMAGE,))
+        f"import sys\nfor name in {ABSENT_ON_THE_GPU_IMAGE!r}:\n    sys.modules[name] = None\n"
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(absent), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out), "--dry-run"],
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     report = json.loads((out / "report.json").read_text())
     sections = report["sections"]
-    assert {n: s["status"] for n, s in sections.items()} == {n: "ok" for n in (
-        "data", "gpu-tests", "train-difflm", "microbatch-1b", "train-ar", "export", "spec-parity")}
+    assert {n: s["status"] for n, s in sections.items()} == {
+        n: "ok" for n in ("data", "gpu-tests", "train-difflm", "microbatch-1b", "train-ar", "export", "spec-parity")
+    }
     for mode in ("difflm", "ar"):
         trained = sections[f"train-{mode}"]["result"]
         assert trained["tokens_per_s_per_device"] > 0 and trained["tflops_per_device"] > 0
@@ -196,18 +222,26 @@ def _packed_batch() -> dict:
     x = torch.randint(3, 500, (3, 24), generator=g)
     x[0, 9] = x[0, 23] = 0
     x[2, 0] = x[2, 15] = 0
-    return {"tokens": x, "labels": torch.roll(x, -1, 1), "loss_mask": torch.ones_like(x, dtype=torch.float),
-            "positions": torch.arange(3)}
+    return {
+        "tokens": x,
+        "labels": torch.roll(x, -1, 1),
+        "loss_mask": torch.ones_like(x, dtype=torch.float),
+        "positions": torch.arange(3),
+    }
 
 
 def test_packed_documents_cu_seqlens():
     from models import diffusion
     from models.megatron.forward_step import packed_documents
 
-    x = torch.tensor([[5, 5, 0, 6, 6, 6],   # EOS inside: [5 5 EOS] [6 6 6]
-                      [7, 7, 7, 7, 7, 7],   # no EOS: the row is one sequence
-                      [8, 0, 9, 9, 9, 0],   # EOS as the last token ends its document, nothing empty follows
-                      [0, 4, 4, 0, 0, 4]])  # EOS first, two EOS in a row: one-token documents
+    x = torch.tensor(
+        [
+            [5, 5, 0, 6, 6, 6],  # EOS inside: [5 5 EOS] [6 6 6]
+            [7, 7, 7, 7, 7, 7],  # no EOS: the row is one sequence
+            [8, 0, 9, 9, 9, 0],  # EOS as the last token ends its document, nothing empty follows
+            [0, 4, 4, 0, 0, 4],
+        ]
+    )  # EOS first, two EOS in a row: one-token documents
     cu, longest = packed_documents(diffusion.document_ids(x, 0))
     assert cu.dtype == torch.int32
     assert cu.tolist() == [0, 3, 6, 12, 14, 18, 19, 22, 23, 24]
@@ -233,7 +267,8 @@ def test_document_form_per_backend(tmp_path):
 
     def mask(backend, bidirectional, documents=None):
         return layer_spec(model, bidirectional, backend, documents=documents).submodules.self_attention.params[
-            "attn_mask_type"]
+            "attn_mask_type"
+        ]
 
     assert mask("local", True) == AttnMaskType.arbitrary  # the dense [b, 1, s, s] mask
     assert mask("torch", True, "dense") == AttnMaskType.arbitrary
@@ -243,8 +278,13 @@ def test_document_form_per_backend(tmp_path):
 
 
 TIME_INPUT = ["diffusion.time_embedding=true", "diffusion.time_conditioning=input"]
-THD_CASES = [("difflm-noshift", []), ("difflm-noshift", TIME_INPUT), ("ar", []), ("ar", TIME_INPUT),
-             ("difflm-noshift-uniform", TIME_INPUT)]  # uniform: the step gets logits [1, b*s, V], not CE
+THD_CASES = [
+    ("difflm-noshift", []),
+    ("difflm-noshift", TIME_INPUT),
+    ("ar", []),
+    ("ar", TIME_INPUT),
+    ("difflm-noshift-uniform", TIME_INPUT),
+]  # uniform: the step gets logits [1, b*s, V], not CE
 
 
 def _document_models(tmp_path, mode: str, over: list[str], device: str = "cpu", dtype=torch.float32):
@@ -303,8 +343,13 @@ def test_thd_logits_equal_the_dense_mask_logits(megatron_single_process, tmp_pat
     kw = {"t": torch.tensor([0.2, 0.5, 0.9])} if over else {}
     with torch.no_grad():
         want = local(x, pos, diffusion.document_attention_mask(doc, causal=mode == "ar"), **kw)
-        got = torched(x.reshape(1, -1), pos.reshape(1, -1), None,
-                      packed_seq_params=packed_seq_params(doc, torch.device("cpu")), **kw)
+        got = torched(
+            x.reshape(1, -1),
+            pos.reshape(1, -1),
+            None,
+            packed_seq_params=packed_seq_params(doc, torch.device("cpu")),
+            **kw,
+        )
     assert got.shape == (1, b * s, want.shape[-1])
     assert (got.reshape(want.shape) - want).abs().max().item() < 1e-5
 
@@ -379,8 +424,12 @@ def test_cuda_forward_step_runs_on_the_gpu(megatron_single_process, tmp_path):
     model = build_model(cfg, 512).cuda()
     special = SpecialTokens(mask_id=1, vocab_size=512, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
     x = torch.randint(3, 500, (4, 32))
-    batch = {"tokens": x, "labels": torch.roll(x, -1, 1), "loss_mask": torch.ones_like(x, dtype=torch.float),
-             "positions": torch.arange(4)}
+    batch = {
+        "tokens": x,
+        "labels": torch.roll(x, -1, 1),
+        "loss_mask": torch.ones_like(x, dtype=torch.float),
+        "positions": torch.arange(4),
+    }
     output, loss_func = make_forward_step(cfg, special, step=0)(iter([batch]), model)
     total, count, _ = loss_func(output)
     assert output.is_cuda and torch.isfinite(total) and count > 0
@@ -418,18 +467,27 @@ def test_cuda_te_thd_keeps_documents_apart(megatron_single_process, tmp_path, mo
     from models.megatron.forward_step import packed_seq_params
     from models.megatron.gpt import build_model
 
-    cfg = tiny_config(tmp_path, f"diffusion.model_running_mode={mode}", "model.backend=te",
-                      "model.document_attention=true", "train.precision=bf16")
+    cfg = tiny_config(
+        tmp_path,
+        f"diffusion.model_running_mode={mode}",
+        "model.backend=te",
+        "model.document_attention=true",
+        "train.precision=bf16",
+    )
     model = build_model(cfg, 512).cuda().eval()
     batch = _packed_batch()
     x = batch["tokens"].cuda()
     b, s = x.shape
     with torch.no_grad():
-        packed = model(x.reshape(1, -1), torch.arange(s, device="cuda").repeat(b)[None], None,
-                       packed_seq_params=packed_seq_params(diffusion.document_ids(batch["tokens"], 0), x.device))
+        packed = model(
+            x.reshape(1, -1),
+            torch.arange(s, device="cuda").repeat(b)[None],
+            None,
+            packed_seq_params=packed_seq_params(diffusion.document_ids(batch["tokens"], 0), x.device),
+        )
         packed = packed.reshape(b, s, -1).float()
         for row, (start, end) in [(0, (0, 10)), (0, (10, 24)), (1, (0, 24)), (2, (1, 16))]:
-            alone = model(x[row:row + 1, start:end], torch.arange(end - start, device="cuda")[None], None).float()
+            alone = model(x[row : row + 1, start:end], torch.arange(end - start, device="cuda")[None], None).float()
             assert (packed[row, start:end] - alone[0]).abs().max().item() < 0.15, (row, start, end)
     _, _, total, count = _step_outputs(cfg, model, "thd", batch)
     assert torch.isfinite(total) and count > 0

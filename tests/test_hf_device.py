@@ -27,9 +27,13 @@ FP16_TOL = 0.005
 # that wrote this), so twice the CPU bound.
 CUDA_BF16_TOL = 0.04
 
-MODES = [("difflm-noshift", {}), ("difflm-shift", {}), ("ar", {}),
-         ("difflm-noshift-uniform", {"time_embedding": True}),
-         ("difflm-noshift", {"time_embedding": True, "time_conditioning": "adaln"})]
+MODES = [
+    ("difflm-noshift", {}),
+    ("difflm-shift", {}),
+    ("ar", {}),
+    ("difflm-noshift-uniform", {"time_embedding": True}),
+    ("difflm-noshift", {"time_embedding": True, "time_conditioning": "adaln"}),
+]
 MODE_IDS = ["masked", "shift", "ar", "uniform", "adaln"]
 
 
@@ -48,42 +52,51 @@ def _relative_gap(got: torch.Tensor, ref: torch.Tensor) -> float:
 # ---- the device rule, on the CPU --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def models() -> dict:
-    return {"masked": _model(), "shift": _model("difflm-shift"), "ar": _model("ar"),
-            "uniform": _model("difflm-noshift-uniform", time_embedding=True),
-            "adaln": _model(time_embedding=True, time_conditioning="adaln"),
-            "docs": _model(document_attention=True)}
+    return {
+        "masked": _model(),
+        "shift": _model("difflm-shift"),
+        "ar": _model("ar"),
+        "uniform": _model("difflm-noshift-uniform", time_embedding=True),
+        "adaln": _model(time_embedding=True, time_conditioning="adaln"),
+        "docs": _model(document_attention=True),
+    }
 
 
 X = torch.randint(3, V, (2, 8), generator=_gen())
 ATTN = torch.tensor([[1] * 8, [0, 0] + [1] * 6])  # row 1 left-padded
 TARGET = torch.tensor([[False] * 4 + [True] * 4] * 2)
-SAMPLED = MaskedSampler(steps=4, block_length=2, remasking="random", temperature=1.0, top_k=5, top_p=0.9,
-                        cfg_scale=1.0)
+SAMPLED = MaskedSampler(steps=4, block_length=2, remasking="random", temperature=1.0, top_k=5, top_p=0.9, cfg_scale=1.0)
 
 # name -> helper call on the models; every branch that draws noise or builds a tensor of its own
 HELPERS = {
     "forward": lambda m: m["masked"](X, attention_mask=ATTN).logits,
     "forward_adaln_docs": lambda m: m["adaln"](X).logits + m["docs"](X).logits,
     "diffusion_generate": lambda m: m["masked"].diffusion_generate(X[:, 4:], 4, 4, attention_mask=ATTN[:, 4:]),
-    "diffusion_generate_sampled": lambda m: m["masked"].diffusion_generate(X[:, :4], 4, 4, generator=_gen(),
-                                                                            settings=SAMPLED),
+    "diffusion_generate_sampled": lambda m: m["masked"].diffusion_generate(
+        X[:, :4], 4, 4, generator=_gen(), settings=SAMPLED
+    ),
     "diffusion_generate_eos": lambda m: m["masked"].diffusion_generate(
-        X[:, :4], 4, 4, settings=MaskedSampler(steps=4, threshold=0.5, stop_at_eos=True)),
+        X[:, :4], 4, 4, settings=MaskedSampler(steps=4, threshold=0.5, stop_at_eos=True)
+    ),
     "diffusion_generate_shift": lambda m: m["shift"].diffusion_generate(X[:, :4], 4, 4),
-    "diffusion_generate_uniform": lambda m: m["uniform"].diffusion_generate(X[:, :4], 4, 4, temperature=1.0,
-                                                                            generator=_gen()),
+    "diffusion_generate_uniform": lambda m: m["uniform"].diffusion_generate(
+        X[:, :4], 4, 4, temperature=1.0, generator=_gen()
+    ),
     "ar_generate": lambda m: m["ar"].ar_generate(X[:, 4:], 4, attention_mask=ATTN[:, 4:]),
-    "ar_generate_sampled": lambda m: m["ar"].ar_generate(X[:, :4], 4, temperature=1.0, top_k=5, top_p=0.9,
-                                                         generator=_gen()),
+    "ar_generate_sampled": lambda m: m["ar"].ar_generate(
+        X[:, :4], 4, temperature=1.0, top_k=5, top_p=0.9, generator=_gen()
+    ),
     "elbo_nll": lambda m: m["masked"].elbo_nll(X, ATTN, t_samples=2, generator=_gen(), prefix_len=1),
     "elbo_nll_shift": lambda m: m["shift"].elbo_nll(X, t_samples=2, generator=_gen()),
     "elbo_nll_uniform": lambda m: m["uniform"].elbo_nll(X, ATTN, t_samples=2, generator=_gen()),
     "ar_nll": lambda m: m["ar"].ar_nll(X, ATTN),
-    "conditional_nll": lambda m: m["masked"].conditional_nll(X, TARGET, ATTN, mc_samples=4,
-                                                             generators=[_gen(0), _gen(1)]),
+    "conditional_nll": lambda m: m["masked"].conditional_nll(
+        X, TARGET, ATTN, mc_samples=4, generators=[_gen(0), _gen(1)]
+    ),
     "conditional_nll_ar": lambda m: m["ar"].conditional_nll(X, TARGET, ATTN),
-    "conditional_nll_uniform": lambda m: m["uniform"].conditional_nll(X, TARGET, ATTN, mc_samples=2,
-                                                                      generators=[_gen(0), _gen(1)]),
+    "conditional_nll_uniform": lambda m: m["uniform"].conditional_nll(
+        X, TARGET, ATTN, mc_samples=2, generators=[_gen(0), _gen(1)]
+    ),
     "greedy_match": lambda m: m["masked"].greedy_match(X, TARGET, ATTN),
     "greedy_match_ar": lambda m: m["ar"].greedy_match(X, TARGET, ATTN),
     "uniform_states": lambda m: m["uniform"].uniform_states(),
@@ -114,8 +127,9 @@ def test_the_guard_catches_a_factory_call_without_a_device():
 
 
 # the fields of PipelineConfig that `likelihood_bound` reads
-EVAL_CFG = types.SimpleNamespace(eval=types.SimpleNamespace(seed=0, t_samples=2),
-                                 diffusion=types.SimpleNamespace(eps=1e-3))
+EVAL_CFG = types.SimpleNamespace(
+    eval=types.SimpleNamespace(seed=0, t_samples=2), diffusion=types.SimpleNamespace(eps=1e-3)
+)
 
 
 class _CharTokenizer:
@@ -177,13 +191,18 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def _run_helpers(model, x: torch.Tensor) -> dict:
     """Every helper of the model's mode once, on x's device: {name: result}."""
     if model.config.model_running_mode == "ar":
-        return {"ar_nll": model.ar_nll(x), "ar_generate": model.ar_generate(x[:, :4], 4, temperature=1.0,
-                                                                             generator=_gen()),
-                "conditional_nll": model.conditional_nll(x[:, :8], TARGET[:1].expand(4, 8).to(x.device))}
-    out = {"elbo_nll": model.elbo_nll(x, t_samples=2, generator=_gen(), prefix_len=1),
-           "diffusion_generate": model.diffusion_generate(x[:, :4], 4, 4, temperature=1.0, generator=_gen()),
-           "conditional_nll": model.conditional_nll(x[:, :8], TARGET[:1].expand(4, 8).to(x.device), mc_samples=2,
-                                                    generators=[_gen(i) for i in range(4)])}
+        return {
+            "ar_nll": model.ar_nll(x),
+            "ar_generate": model.ar_generate(x[:, :4], 4, temperature=1.0, generator=_gen()),
+            "conditional_nll": model.conditional_nll(x[:, :8], TARGET[:1].expand(4, 8).to(x.device)),
+        }
+    out = {
+        "elbo_nll": model.elbo_nll(x, t_samples=2, generator=_gen(), prefix_len=1),
+        "diffusion_generate": model.diffusion_generate(x[:, :4], 4, 4, temperature=1.0, generator=_gen()),
+        "conditional_nll": model.conditional_nll(
+            x[:, :8], TARGET[:1].expand(4, 8).to(x.device), mc_samples=2, generators=[_gen(i) for i in range(4)]
+        ),
+    }
     if model.config.model_running_mode != "difflm-noshift-uniform":
         out["sampled"] = model.diffusion_generate(x[:, :4], 4, 4, generator=_gen(), settings=SAMPLED)
         out["greedy_match"] = model.greedy_match(x[:, :8], TARGET[:1].expand(4, 8).to(x.device))

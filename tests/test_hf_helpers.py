@@ -20,9 +20,21 @@ V = 64  # ids 0 eos, 1 mask, 2 pad
 
 def _model(mode: str = "difflm-noshift", **over) -> DiffLMForMaskedLM:
     torch.manual_seed(0)
-    cfg = DiffLMConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                       bidirectional=mode != "ar", model_running_mode=mode, mask_token_id=1, eos_token_id=0,
-                       pad_token_id=2, special_ids=[0, 1, 2], max_position_embeddings=64, **over)
+    cfg = DiffLMConfig(
+        vocab_size=V,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        bidirectional=mode != "ar",
+        model_running_mode=mode,
+        mask_token_id=1,
+        eos_token_id=0,
+        pad_token_id=2,
+        special_ids=[0, 1, 2],
+        max_position_embeddings=64,
+        **over,
+    )
     model = DiffLMForMaskedLM(cfg).eval()
     with torch.no_grad():  # trained (non-zero) time conditioning: t changes the output
         for name, p in model.named_parameters():
@@ -109,8 +121,11 @@ def test_ar_and_diffusion_reports_score_the_same_tokens():
     oracle = lambda tokens, **_: types.SimpleNamespace(logits=table.expand(*tokens.shape, V))  # noqa: E731
     x0 = torch.randint(4, V, (3, 10), generator=torch.Generator().manual_seed(1))
     x0[:, 0] = 3
-    ce = torch.nn.functional.cross_entropy(table.expand(3, 9, V).reshape(-1, V), x0[:, 1:].reshape(-1),
-                                           reduction="none").view(3, 9).mean(-1)
+    ce = (
+        torch.nn.functional.cross_entropy(table.expand(3, 9, V).reshape(-1, V), x0[:, 1:].reshape(-1), reduction="none")
+        .view(3, 9)
+        .mean(-1)
+    )
     ar = _model("ar")
     ar.forward = oracle
     assert torch.allclose(ar.ar_nll(x0), ce, atol=1e-5)
@@ -138,11 +153,11 @@ def test_batched_left_padded_generation_equals_one_prompt_at_a_time():
     """M6: prompts of different lengths, left-padded with their attention mask, generate what each alone does."""
     model = _model()
     prompts = [torch.randint(3, V, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 6)]
-    alone = [model.diffusion_generate(p, length=5, steps=5)[:, p.shape[1]:] for p in prompts]
+    alone = [model.diffusion_generate(p, length=5, steps=5)[:, p.shape[1] :] for p in prompts]
     ids = torch.full((2, 6), 2)
     mask = torch.zeros(2, 6, dtype=torch.long)
     for i, p in enumerate(prompts):
-        ids[i, 6 - p.shape[1]:], mask[i, 6 - p.shape[1]:] = p[0], 1
+        ids[i, 6 - p.shape[1] :], mask[i, 6 - p.shape[1] :] = p[0], 1
     batched = model.diffusion_generate(ids, length=5, steps=5, attention_mask=mask)[:, 6:]
     assert torch.equal(batched, torch.cat(alone))
     with pytest.raises(ValueError, match="LEFT-padded"):
@@ -168,8 +183,14 @@ def test_elbo_estimator_is_unchanged_for_unpadded_inputs():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("mode, over", [("difflm-noshift", {"time_embedding": True, "time_conditioning": "adaln"}),
-                                        ("difflm-noshift-uniform", {"time_embedding": True}), ("ar", {})])
+@pytest.mark.parametrize(
+    "mode, over",
+    [
+        ("difflm-noshift", {"time_embedding": True, "time_conditioning": "adaln"}),
+        ("difflm-noshift-uniform", {"time_embedding": True}),
+        ("ar", {}),
+    ],
+)
 def test_the_export_runs_in_bf16(mode, over):
     """Review F6: LLaDA/Dream/MegaDLMs users load with torch_dtype=torch.bfloat16; fp32 RoPE tables made SDPA
     raise. The bf16 model's logits track the fp32 ones and every helper runs."""

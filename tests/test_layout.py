@@ -58,19 +58,50 @@ def _files(pattern: str) -> list[Path]:
 RULES = {
     "diffusion is pure torch": ("models/diffusion/*.py", ("torch", "models.diffusion"), ()),
     "exported model code: diffusion + transformers": (
-        "models/hf/*_difflm.py", ("torch", "transformers", "models.diffusion", "models.hf.configuration_difflm"), ()),
+        "models/hf/*_difflm.py",
+        ("torch", "transformers", "models.diffusion", "models.hf.configuration_difflm"),
+        (),
+    ),
     "megatron never reaches up": (
-        "models/megatron/*.py", None,
-        ("models.hf", "models.evaluation", "models.launch", "transformers", "prefect", "flows", "tasks", "data_prep",
-         "deploy", "difflm.tracking")),
-    "hf: no orchestration": ("models/hf/*.py", None,
-                             ("models.evaluation", "models.launch", "prefect", "mlflow", "flows", "tasks", "data_prep")),
+        "models/megatron/*.py",
+        None,
+        (
+            "models.hf",
+            "models.evaluation",
+            "models.launch",
+            "transformers",
+            "prefect",
+            "flows",
+            "tasks",
+            "data_prep",
+            "deploy",
+            "difflm.tracking",
+        ),
+    ),
+    "hf: no orchestration": (
+        "models/hf/*.py",
+        None,
+        ("models.evaluation", "models.launch", "prefect", "mlflow", "flows", "tasks", "data_prep"),
+    ),
     "evaluation scores the export, not megatron": (
-        "models/evaluation/*.py", None, ("models.megatron", "models.launch", "prefect", "mlflow", "flows", "tasks")),
+        "models/evaluation/*.py",
+        None,
+        ("models.megatron", "models.launch", "prefect", "mlflow", "flows", "tasks"),
+    ),
     "launch: config and checkpoints only": (
-        "models/launch/*.py", ("yaml", "psutil", "difflm.config", "difflm.errors", "difflm.rundir", "difflm.tracking.plots",
-                               "models.launch", "models.megatron.checkpointing"),
-        ()),
+        "models/launch/*.py",
+        (
+            "yaml",
+            "psutil",
+            "difflm.config",
+            "difflm.errors",
+            "difflm.rundir",
+            "difflm.tracking.plots",
+            "models.launch",
+            "models.megatron.checkpointing",
+        ),
+        (),
+    ),
     "difflm is the ground floor": ("difflm/**/*.py", None, ("models", "flows", "tasks", "data_prep", "deploy")),
     "data_prep stands on difflm only": ("data_prep/*.py", None, ("models", "flows", "tasks", "deploy")),
     "tasks never import flows": ("tasks/*.py", None, ("flows", "deploy")),
@@ -141,9 +172,11 @@ def _expected():
 
 def _outputs(model, exp):
     x, t = exp["input_ids"], exp["t"]
-    return (model(x, t=t).logits,
-            model.elbo_nll(x, generator=torch.Generator().manual_seed(0), t_samples=4),
-            model.diffusion_generate(x[:, :5], length=8, steps=4))
+    return (
+        model(x, t=t).logits,
+        model.elbo_nll(x, generator=torch.Generator().manual_seed(0), t_samples=4),
+        model.diffusion_generate(x[:, :5], length=8, steps=4),
+    )
 
 
 def test_export_made_before_the_layout_move_still_loads():
@@ -172,7 +205,23 @@ def test_todays_model_code_computes_what_the_old_export_did():
 @pytest.mark.slow
 def test_train_step_benchmark_still_runs():
     """benchmarks/ import the trainer's internals: a tiny run keeps them from rotting unnoticed."""
-    out = subprocess.run([sys.executable, "benchmarks/train_step.py", "--presets", "tiny", "--steps", "1", "--seq", "32",
-                          "--batch", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/train_step.py",
+            "--presets",
+            "tiny",
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--batch",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "difflm-noshift" in out.stdout and "tokens/s" in out.stdout

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from difflm.config import load_config
 
 
@@ -51,8 +51,16 @@ def _save_model_only(model, path: Path):
         ("difflm-noshift", {"diffusion.time_embedding": "true"}),  # adaLN in every layer (the default)
         ("difflm-noshift-uniform", {"diffusion.time_embedding": "true", "model.normalization": "LayerNorm"}),
         ("difflm-noshift", {"diffusion.time_embedding": "true", "diffusion.time_conditioning": "input"}),
-        ("difflm-noshift", {"model.num_query_groups": 1, "model.qk_layernorm": "true", "model.swiglu": "false",
-                            "model.normalization": "LayerNorm", "model.tie_embeddings": "false"}),
+        (
+            "difflm-noshift",
+            {
+                "model.num_query_groups": 1,
+                "model.qk_layernorm": "true",
+                "model.swiglu": "false",
+                "model.normalization": "LayerNorm",
+                "model.tie_embeddings": "false",
+            },
+        ),
     ],
 )
 def test_hf_export_gives_megatron_logits(megatron_single_process, tmp_path, tiny_manifest, mode, over):
@@ -83,8 +91,9 @@ def test_hf_export_gives_megatron_logits(megatron_single_process, tmp_path, tiny
 
 @pytest.mark.parametrize("conditioning", ["adaln", "input"])
 def test_time_embedding_conditions_the_output(megatron_single_process, tmp_path, conditioning):
-    cfg, model = _model("difflm-noshift", tmp_path, **{"diffusion.time_embedding": "true",
-                                                       "diffusion.time_conditioning": conditioning})
+    cfg, model = _model(
+        "difflm-noshift", tmp_path, **{"diffusion.time_embedding": "true", "diffusion.time_conditioning": conditioning}
+    )
     modulated = [n for n, _ in model.named_parameters() if "modulation" in n]
     assert bool(modulated) == (conditioning == "adaln") and (model.time_embedding is None) == bool(modulated)
     x = torch.randint(3, 500, (1, 16))
@@ -136,8 +145,15 @@ def test_packed_documents_do_not_see_each_other(megatron_single_process, tmp_pat
 def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_process, tmp_path):
     from models.megatron.gpt import build_model
 
-    cfg = load_config("test-tiny", [f"workdir={tmp_path}", "parallel.tensor_model_parallel_size=2",
-                                    "train.nproc_per_node=2", "parallel.sequence_parallel=true"])
+    cfg = load_config(
+        "test-tiny",
+        [
+            f"workdir={tmp_path}",
+            "parallel.tensor_model_parallel_size=2",
+            "train.nproc_per_node=2",
+            "parallel.sequence_parallel=true",
+        ],
+    )
     with pytest.raises(RuntimeError, match="model.backend=torch"):
         build_model(cfg, 512)
 
@@ -160,7 +176,9 @@ def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_proc
     source = model.embedding.word_embeddings.weight.detach()
     assert source.shape[0] == 3904
     for tp, rows in [(2, 3968), (1, 3904)]:
-        target = tiny_config(tmp_path, f"parallel.tensor_model_parallel_size={tp}", f"train.nproc_per_node={tp}", *extra)
+        target = tiny_config(
+            tmp_path, f"parallel.tensor_model_parallel_size={tp}", f"train.nproc_per_node={tp}", *extra
+        )
         ckpt = import_hf(target, hf, tmp_path / f"tp{tp}", tok)
         meta = dist_checkpointing.load_tensors_metadata(str(ckpt))
         assert meta["embedding.word_embeddings.weight"].global_shape[0] == rows

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_config
+from test_conditional import MASK, TinyBidirectional
+from test_hf_helpers import V, _model
+
 from difflm.config import DiffusionConfig
 from models.diffusion.modes import MODES, Objective, objective_class
 from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
-from test_conditional import MASK, TinyBidirectional
-from test_hf_helpers import V, _model
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECIAL = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
@@ -38,8 +38,19 @@ def _batch(x0: torch.Tensor, loss_mask: torch.Tensor | None = None) -> dict:
 def test_every_configurable_mode_is_one_objective_class_with_its_facts():
     modes = typing.get_args(DiffusionConfig.model_fields["model_running_mode"].annotation)
     assert set(modes) == set(MODES)
-    facts = {m: (c.bidirectional, c.uses_t, c.requires_t, c.shifted, c.full_logits, c.exact, c.has_greedy,
-                 c.attention_flops_factor()) for m, c in MODES.items()}
+    facts = {
+        m: (
+            c.bidirectional,
+            c.uses_t,
+            c.requires_t,
+            c.shifted,
+            c.full_logits,
+            c.exact,
+            c.has_greedy,
+            c.attention_flops_factor(),
+        )
+        for m, c in MODES.items()
+    }
     assert facts == {
         "difflm-noshift": (True, True, False, False, False, False, True, 1.0),
         "difflm-shift": (True, True, False, False, False, False, True, 1.0),
@@ -71,7 +82,11 @@ def test_no_code_outside_the_objectives_compares_the_mode_string():
     bad = []
     for path in sorted(ROOT.rglob("*.py")):
         rel = path.relative_to(ROOT)
-        if rel.parts[0] in ("tests", ".venv") or rel.parts[:2] == ("models", "diffusion") or str(rel) == "difflm/config.py":
+        if (
+            rel.parts[0] in ("tests", ".venv")
+            or rel.parts[:2] == ("models", "diffusion")
+            or str(rel) == "difflm/config.py"
+        ):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if _compares_a_mode(node):
@@ -89,8 +104,12 @@ def test_the_mode_comparison_finder_finds_one():
 
 def test_shift_training_never_scores_the_first_padding_token():
     """r11: position 20 was scored on target x0[21], the first padding token, in 34 of 64 rows."""
-    cfg = tiny_config("/tmp/unused", "diffusion.model_running_mode=difflm-shift", "train.global_batch_size=64",
-                      "train.micro_batch_size=64")
+    cfg = tiny_config(
+        "/tmp/unused",
+        "diffusion.model_running_mode=difflm-shift",
+        "train.global_batch_size=64",
+        "train.micro_batch_size=64",
+    )
     x0 = torch.randint(3, 50, (64, 32), generator=torch.Generator().manual_seed(0))
     loss_mask = torch.ones(64, 32, dtype=torch.bool)
     loss_mask[:, 20:] = False  # labels 20.. (tokens 21..) are padding
@@ -107,8 +126,13 @@ def test_shift_validation_conditions_on_token_zero():
     """r13: copy data (every token equals token 0) and a perfect model: validation read log K / L = 0.48, because
     token 0, which no logit predicts, was masked in 58% of the rows. Kept clean, the bound is 0, as the export's."""
     k, length, b = 47, 8, 512
-    cfg = tiny_config("/tmp/unused", "diffusion.model_running_mode=difflm-shift", f"train.global_batch_size={b}",
-                      f"train.micro_batch_size={b}", f"train.seq_length={length}")
+    cfg = tiny_config(
+        "/tmp/unused",
+        "diffusion.model_running_mode=difflm-shift",
+        f"train.global_batch_size={b}",
+        f"train.micro_batch_size={b}",
+        f"train.seq_length={length}",
+    )
     x0 = torch.randint(3, 3 + k, (b, 1), generator=torch.Generator().manual_seed(0)).expand(b, length).clone()
     for step in (-1, -2, -3):
         prep = corrupt(_batch(x0), cfg, SPECIAL, step=step, evaluation=True)
@@ -126,9 +150,15 @@ def test_uniform_validation_includes_the_last_step_and_bounds_the_nll():
     """r1: validation integrated the NELBO over [eps, 1] only, below the NLL it claims to bound. A model predicting
     uniform over the N states has NLL exactly log N; at eps = 0.2 the missing reconstruction term is 0.54 nats."""
     vocab, b, length, eps = 8, 4096, 8, 0.2
-    cfg = tiny_config("/tmp/unused", "diffusion.model_running_mode=difflm-noshift-uniform",
-                      "diffusion.time_embedding=true", f"diffusion.eps={eps}", f"train.global_batch_size={b}",
-                      f"train.micro_batch_size={b}", f"train.seq_length={length}")
+    cfg = tiny_config(
+        "/tmp/unused",
+        "diffusion.model_running_mode=difflm-noshift-uniform",
+        "diffusion.time_embedding=true",
+        f"diffusion.eps={eps}",
+        f"train.global_batch_size={b}",
+        f"train.micro_batch_size={b}",
+        f"train.seq_length={length}",
+    )
     special = SpecialTokens(mask_id=1, vocab_size=vocab, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
     states = objective_class("difflm-noshift-uniform")(mask_id=1, vocab_size=vocab, pad_id=2).states()
     n = len(states)
@@ -144,8 +174,13 @@ def test_uniform_validation_includes_the_last_step_and_bounds_the_nll():
 
 
 def test_uniform_training_loss_has_no_last_step_term():
-    cfg = tiny_config("/tmp/unused", "diffusion.model_running_mode=difflm-noshift-uniform",
-                      "diffusion.time_embedding=true", "train.global_batch_size=16", "train.micro_batch_size=16")
+    cfg = tiny_config(
+        "/tmp/unused",
+        "diffusion.model_running_mode=difflm-noshift-uniform",
+        "diffusion.time_embedding=true",
+        "train.global_batch_size=16",
+        "train.micro_batch_size=16",
+    )
     special = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
     prep = corrupt(_batch(torch.randint(3, 50, (16, 32))), cfg, special, step=3)
     assert not prep["last_step"].any() and (prep["t"] >= cfg.diffusion.eps).all()
@@ -159,6 +194,7 @@ def _oracle(seq):
         out = torch.full((*tokens.shape, V), -30.0)
         out[..., torch.arange(tokens.shape[1]), torch.tensor(seq[: tokens.shape[1]])] = 30.0
         return types.SimpleNamespace(logits=out)
+
     return forward
 
 
@@ -173,7 +209,7 @@ def test_uniform_is_greedy_is_not_measured_rather_than_false():
     for mode, kw in (("difflm-noshift", {}), ("difflm-noshift-uniform", {"time_embedding": True})):
         model = _model(mode, **kw)
         model.forward = _oracle(ctx + cont)
-        (ll, greedy), = Scorer(model, tokenizer=None, mc_samples=4).loglikelihood_tokens([(ctx, cont)])
+        ((ll, greedy),) = Scorer(model, tokenizer=None, mc_samples=4).loglikelihood_tokens([(ctx, cont)])
         got[mode] = greedy
     assert got == {"difflm-noshift": True, "difflm-noshift-uniform": None}
     fake = types.SimpleNamespace(loglikelihood=lambda pairs: [(-1.0, None)] * len(pairs))
@@ -266,8 +302,15 @@ def test_model_calls_are_counted_as_made():
     model, calls = TinyBidirectional(), []
     fn = lambda x: calls.append(1) or model(x)  # noqa: E731
     stats: dict = {}
-    sample_masked_diffusion(fn, torch.zeros(1, 0, dtype=torch.long), 6, MASK, 6,
-                            settings=MaskedSampler(steps=6, cfg_scale=2.0, stop_at_eos=False), stats=stats)
+    sample_masked_diffusion(
+        fn,
+        torch.zeros(1, 0, dtype=torch.long),
+        6,
+        MASK,
+        6,
+        settings=MaskedSampler(steps=6, cfg_scale=2.0, stop_at_eos=False),
+        stats=stats,
+    )
     assert stats["nfe"] == len(calls) == 6
     uniform = _model("difflm-noshift-uniform", time_embedding=True)
     stats = {}

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
 
 SPECIAL = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
@@ -23,8 +23,13 @@ def _batch(x0: torch.Tensor, first: int = 0, loss_mask: torch.Tensor | None = No
 def test_masked_tokens_normalisation_does_not_depend_on_the_split():
     """F5: (sum, count) pairs summed over micro-batches give the one-micro-batch loss exactly (6.88 vs 7.88
     before: the mean of per-micro-batch ratios)."""
-    cfg = tiny_config("/tmp/unused", "train.global_batch_size=4", "train.micro_batch_size=2",
-                      "diffusion.normalize_by=masked_tokens", "diffusion.antithetic_t=true")
+    cfg = tiny_config(
+        "/tmp/unused",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "diffusion.normalize_by=masked_tokens",
+        "diffusion.antithetic_t=true",
+    )
     x0 = torch.randint(3, 50, (4, 32), generator=torch.Generator().manual_seed(0))
     ce = torch.rand(4, 32, generator=torch.Generator().manual_seed(1)) * 5
 
@@ -43,8 +48,12 @@ def test_masked_tokens_normalisation_does_not_depend_on_the_split():
 def test_masked_fraction_weighting_is_an_unbiased_elbo(length):
     """M4: a context-free model with CE 2 at every position has ELBO exactly 2; Bernoulli masking with
     L/#masked weights gave L/(L+1) * 2 (1.60 at L = 4). Exact counts make every row exactly 2."""
-    cfg = tiny_config("/tmp/unused", "train.global_batch_size=64", "train.micro_batch_size=64",
-                      "diffusion.loss_weighting=masked_fraction")
+    cfg = tiny_config(
+        "/tmp/unused",
+        "train.global_batch_size=64",
+        "train.micro_batch_size=64",
+        "diffusion.loss_weighting=masked_fraction",
+    )
     x0 = torch.randint(3, 50, (64, length), generator=torch.Generator().manual_seed(0))
     prep = corrupt(_batch(x0), cfg, SPECIAL, step=11)
     total, count = loss_terms(torch.full((64, length), 2.0), prep, cfg)
@@ -55,8 +64,12 @@ def test_masked_fraction_weighting_is_an_unbiased_elbo(length):
 @pytest.mark.parametrize("evaluation", [False, True])
 def test_the_datasets_loss_mask_is_never_scored_nor_counted(evaluation):
     """M8: positions megatron padded (loss_mask 0) carry no data: the loss of a row is that of its valid part."""
-    cfg = tiny_config("/tmp/unused", "train.global_batch_size=8", "train.micro_batch_size=8",
-                      "diffusion.loss_weighting=masked_fraction")
+    cfg = tiny_config(
+        "/tmp/unused",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=8",
+        "diffusion.loss_weighting=masked_fraction",
+    )
     x0 = torch.randint(3, 50, (8, 32), generator=torch.Generator().manual_seed(0))
     loss_mask = torch.ones(8, 32, dtype=torch.bool)
     loss_mask[:, 20:] = False  # megatron's mask is on labels = x[1:]: tokens 21.. are padding, token 20 is data
@@ -87,8 +100,13 @@ def test_varilen_draws_a_length_per_micro_batch_for_diffusion_modes_only():
     assert any(len(set(lengths)) > 1 for lengths in per_step) and all(2 <= n <= 64 for s in per_step for n in s)
     ar = tiny_config("/tmp/unused", "diffusion.varilen_prob=1.0", "diffusion.model_running_mode=ar")
     assert micro_lengths(ar, 3, 4) == [ar.train.seq_length] * 4
-    pp = tiny_config("/tmp/unused", "diffusion.varilen_prob=1.0", "train.seq_length=64", "train.nproc_per_node=2",
-                     "parallel.pipeline_model_parallel_size=2")
+    pp = tiny_config(
+        "/tmp/unused",
+        "diffusion.varilen_prob=1.0",
+        "train.seq_length=64",
+        "train.nproc_per_node=2",
+        "parallel.pipeline_model_parallel_size=2",
+    )
     assert all(len(set(micro_lengths(pp, step, 4))) == 1 for step in range(20))
 
 

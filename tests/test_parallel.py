@@ -8,10 +8,10 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import tiny_config
-from models.launch.torchrun import free_port
+
 from difflm.config import save_config
+from models.launch.torchrun import free_port
 
 LAYOUTS = {  # name: (processes, overrides)
     "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),
@@ -22,27 +22,47 @@ LAYOUTS = {  # name: (processes, overrides)
 }
 TORCH_SPEC = {  # megatron-core layers on torch's attention kernels, and sequence parallelism on them
     "torch-spec": (1, ["model.backend=torch"]),
-    "tp2-sp-torch": (2, ["model.backend=torch", "parallel.tensor_model_parallel_size=2",
-                         "parallel.sequence_parallel=true"]),
+    "tp2-sp-torch": (
+        2,
+        ["model.backend=torch", "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true"],
+    ),
 }
 # case: (config overrides of the reference run, the layouts compared with it)
 CASES = {
     "difflm-noshift": ([], LAYOUTS),
     "ar": (["diffusion.model_running_mode=ar"], LAYOUTS),
-    "uniform-elbo": (["diffusion.model_running_mode=difflm-noshift-uniform", "diffusion.time_embedding=true"],
-                     {**{k: LAYOUTS[k] for k in ("tp2", "pp2", "dp2")}, **TORCH_SPEC}),
+    "uniform-elbo": (
+        ["diffusion.model_running_mode=difflm-noshift-uniform", "diffusion.time_embedding=true"],
+        {**{k: LAYOUTS[k] for k in ("tp2", "pp2", "dp2")}, **TORCH_SPEC},
+    ),
     # review F4: under SP the time embedding's gradients must be all-reduced across TP, or step 2 differs
-    "time-input-sp": (["diffusion.time_embedding=true", "diffusion.time_conditioning=input"],
-                      {"tp2-sp-torch": TORCH_SPEC["tp2-sp-torch"]}),
+    "time-input-sp": (
+        ["diffusion.time_embedding=true", "diffusion.time_conditioning=input"],
+        {"tp2-sp-torch": TORCH_SPEC["tp2-sp-torch"]},
+    ),
     # the reference runs ONE micro-batch of 4; the others split it (review F5: 6.88 vs 7.88 before)
-    "masked-tokens": (["diffusion.normalize_by=masked_tokens", "train.micro_batch_size=4"],
-                      {"mbs2": (1, ["train.micro_batch_size=2"]), "dp2-mbs2": (2, ["train.micro_batch_size=2"])}),
+    "masked-tokens": (
+        ["diffusion.normalize_by=masked_tokens", "train.micro_batch_size=4"],
+        {"mbs2": (1, ["train.micro_batch_size=2"]), "dp2-mbs2": (2, ["train.micro_batch_size=2"])},
+    ),
 }
 
 
 def _torchrun(nproc: int, args: list[str], tmp_path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
-           "127.0.0.1", "--master_port", str(free_port()), "-m", "models.megatron.parity", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "models.megatron.parity",
+        *args,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
@@ -52,8 +72,13 @@ def _torchrun(nproc: int, args: list[str], tmp_path) -> None:
 def test_parallel_layouts_match_single_process(session_dir, tiny_manifest, tmp_path, case):
     # 2 layers (PP=2 splits them), 2 heads (TP=2 splits them), global batch 4 = 2 micro-batches of 2
     overrides, layouts = CASES[case]
-    cfg = tiny_config(session_dir / "parallel", "train.micro_batch_size=2", "train.global_batch_size=4",
-                      "diffusion.antithetic_t=true", *overrides)
+    cfg = tiny_config(
+        session_dir / "parallel",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",
+        "diffusion.antithetic_t=true",
+        *overrides,
+    )
     config = save_config(cfg, tmp_path / "config.yaml")
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps(tiny_manifest))

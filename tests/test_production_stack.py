@@ -67,10 +67,15 @@ def test_compose_runs_the_services_of_difflm_stack():
     # started in order, each when what it needs is healthy
     for name in ("db", "mlflow", "prefect-server"):
         assert compose[name]["healthcheck"]["test"], name
-    assert compose["mlflow"]["depends_on"] == compose["prefect-server"]["depends_on"] == \
-        {"db": {"condition": "service_healthy"}}
-    assert compose["worker"]["depends_on"] == {"prefect-server": {"condition": "service_healthy"},
-                                               "mlflow": {"condition": "service_healthy"}}
+    assert (
+        compose["mlflow"]["depends_on"]
+        == compose["prefect-server"]["depends_on"]
+        == {"db": {"condition": "service_healthy"}}
+    )
+    assert compose["worker"]["depends_on"] == {
+        "prefect-server": {"condition": "service_healthy"},
+        "mlflow": {"condition": "service_healthy"},
+    }
     # the image's ENV is what a native start gives every service
     dockerfile = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
     env_line = next(line for line in dockerfile.splitlines() if line.startswith("ENV "))
@@ -80,8 +85,12 @@ def test_compose_runs_the_services_of_difflm_stack():
 
 def _repository_files() -> list[Path]:
     """What git would commit: tracked files and untracked ones that are not ignored."""
-    out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return [ROOT / f for f in out.split("\0") if f and (ROOT / f).is_file()]
 
 
@@ -93,8 +102,11 @@ def test_no_secrets_in_the_repository():
 
     credentials = re.compile(r"\b[a-z][a-z0-9+.-]*://[\w.-]+:([^\s/@'\"]+)@")  # a password in a URL
     assignment = re.compile(r"\b(\w*PASSWORD\w*)[\"']?\s*(?:=|:\s)\s*[\"']?([^\s\"',;#)]+)")  # K=v, K: v
-    local = {v for k, v in (stack.read_env_file(ROOT / ".env").items() if (ROOT / ".env").exists() else [])
-             if k in stack.SECRETS and len(v) >= 8}
+    local = {
+        v
+        for k, v in (stack.read_env_file(ROOT / ".env").items() if (ROOT / ".env").exists() else [])
+        if k in stack.SECRETS and len(v) >= 8
+    }
     found = []
     for path in _repository_files():
         try:
@@ -102,10 +114,16 @@ def test_no_secrets_in_the_repository():
         except (UnicodeDecodeError, OSError):
             continue
         rel = path.relative_to(ROOT)
-        found += [f"{rel}: url password {m.group(1)}" for m in credentials.finditer(text)
-                  if not m.group(1).startswith(("${", "{", "<", "$"))]
-        found += [f"{rel}: {m.group(1)}={m.group(2)}" for m in assignment.finditer(text)  # in configuration files
-                  if path.suffix != ".py" and not m.group(2).startswith(("${", "{", "<", "$", "change-me"))]
+        found += [
+            f"{rel}: url password {m.group(1)}"
+            for m in credentials.finditer(text)
+            if not m.group(1).startswith(("${", "{", "<", "$"))
+        ]
+        found += [
+            f"{rel}: {m.group(1)}={m.group(2)}"
+            for m in assignment.finditer(text)  # in configuration files
+            if path.suffix != ".py" and not m.group(2).startswith(("${", "{", "<", "$", "change-me"))
+        ]
         found += [f"{rel}: a value of .env" for v in local if v in text]
     assert not found, found
 
@@ -116,11 +134,16 @@ def test_prefect_yaml_entrypoints_load_as_a_worker_loads_them():
     a module path (`flows.x:f`) does not. Each in a fresh interpreter, as in a flow run."""
     entrypoints = sorted({d["entrypoint"] for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]})
     code = "import sys; from prefect.utilities.importtools import import_object; import_object(sys.argv[1])"
-    procs = {ep: subprocess.Popen([sys.executable, "-c", code, ep], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True) for ep in entrypoints}
+    procs = {
+        ep: subprocess.Popen(
+            [sys.executable, "-c", code, ep], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for ep in entrypoints
+    }
     failed = {ep: p.communicate(timeout=120)[0].strip().splitlines()[-1:] for ep, p in procs.items()}
-    assert not {ep: out for ep, out in failed.items() if procs[ep].returncode}, \
+    assert not {ep: out for ep, out in failed.items() if procs[ep].returncode}, (
         "use module entrypoints in prefect.yaml (flows.pretrain:pretrain_difflm)"
+    )
 
 
 def test_up_refuses_missing_or_template_secrets(tmp_path):
@@ -132,6 +155,7 @@ def test_up_refuses_missing_or_template_secrets(tmp_path):
 
 
 # ----- the stack, started for real -----------------------------------------------------------------------------
+
 
 def _postgres_or_skip() -> None:
     try:
@@ -196,12 +220,17 @@ def test_pretrain_deployment_runs_on_the_production_stack():
     times, left = {}, []
     t0 = time.time()
     try:
-        s = stack.up(state, pw, db_port=db_port, mlflow_port=mlflow_port, prefect_port=prefect_port,
-                     cache=cache_dir())  # the corpus the suite already fetched, not a new download
+        stack.up(
+            state, pw, db_port=db_port, mlflow_port=mlflow_port, prefect_port=prefect_port, cache=cache_dir()
+        )  # the corpus the suite already fetched, not a new download
         times["up"] = time.time() - t0
         mlflow_url = f"http://127.0.0.1:{mlflow_port}"
-        env = {**os.environ, "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
-               "PREFECT_HOME": str(base / "cli-home"), "PWD": str(ROOT)}  # `{{ $PWD }}`: where the code is
+        env = {
+            **os.environ,
+            "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+            "PREFECT_HOME": str(base / "cli-home"),
+            "PWD": str(ROOT),
+        }  # `{{ $PWD }}`: where the code is
 
         t = time.time()
         deploy = _sh([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "local"], env, 180, cwd=ROOT)
@@ -209,10 +238,31 @@ def test_pretrain_deployment_runs_on_the_production_stack():
         times["deploy"] = time.time() - t
 
         t = time.time()
-        params = {"preset": "test-tiny", "overrides": [f"workdir={workdir}", "train.train_iters=6",
-                                                        "train.warmup_iters=1", "checkpoint.save_interval=6"]}
-        run = _sh([str(BIN / "prefect"), "deployment", "run", "pretrain-difflm/local", "--params", json.dumps(params),
-                   "--watch", "--watch-timeout", "400"], env, 450, cwd=base)
+        params = {
+            "preset": "test-tiny",
+            "overrides": [
+                f"workdir={workdir}",
+                "train.train_iters=6",
+                "train.warmup_iters=1",
+                "checkpoint.save_interval=6",
+            ],
+        }
+        run = _sh(
+            [
+                str(BIN / "prefect"),
+                "deployment",
+                "run",
+                "pretrain-difflm/local",
+                "--params",
+                json.dumps(params),
+                "--watch",
+                "--watch-timeout",
+                "400",
+            ],
+            env,
+            450,
+            cwd=base,
+        )
         times["flow run"] = time.time() - t
         logs = "".join(f"\n--- {f.name}\n" + f.read_text()[-4000:] for f in sorted((state / "logs").glob("*.log")))
         assert run.returncode == 0 and "Completed" in run.stdout, run.stdout + run.stderr + logs
@@ -242,8 +292,12 @@ def test_pretrain_deployment_runs_on_the_production_stack():
 
         # both servers keep their state in PostgreSQL
         def query(db: str, sql: str, *args) -> list[tuple]:
-            with psycopg2.connect(host="127.0.0.1", port=db_port, user=db, dbname=db,
-                                  password=pw[f"{db.upper()}_DB_PASSWORD"]) as conn, conn.cursor() as cur:
+            with (
+                psycopg2.connect(
+                    host="127.0.0.1", port=db_port, user=db, dbname=db, password=pw[f"{db.upper()}_DB_PASSWORD"]
+                ) as conn,
+                conn.cursor() as cur,
+            ):
                 cur.execute(sql, args)
                 return cur.fetchall()
 
@@ -259,12 +313,15 @@ def test_pretrain_deployment_runs_on_the_production_stack():
         # the flow run's stage summaries in Prefect, linking to the MLflow run, its training figure served
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
         with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as pc:
-            arts = {a.key: a for a in pc.read_artifacts(artifact_filter=ArtifactFilter(
-                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))}
+            arts = {
+                a.key: a
+                for a in pc.read_artifacts(
+                    artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
+                )
+            }
         assert {"data-prep-summary", "train-summary", "evaluate-summary", "train-summary-mlflow"} <= arts.keys()
         assert f"{mlflow_url}/#/experiments/{parent.info.experiment_id}/runs/{rid}" in arts["train-summary-mlflow"].data
         figure = re.search(r"!\[training curves\]\((\S+)\)", arts["train-summary"].data)
@@ -277,7 +334,8 @@ def test_pretrain_deployment_runs_on_the_production_stack():
         stack.down(state)
         times["down"] = time.time() - t
         left = _left_behind(state, pids)
-        print("production stack times (s):", {k: round(v, 1) for k, v in times.items()},
-              f"total {time.time() - t0:.0f}")
+        print(
+            "production stack times (s):", {k: round(v, 1) for k, v in times.items()}, f"total {time.time() - t0:.0f}"
+        )
         shutil.rmtree(base, ignore_errors=True)
     assert not left, left

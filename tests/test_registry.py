@@ -10,17 +10,23 @@ from pathlib import Path
 import pytest
 
 from difflm import tracking
-from difflm.tracking import registry
 from difflm.config import load_config
+from difflm.tracking import registry
 
 METRIC = "eval.trained.nll_per_token"
-MANIFEST = {"hash": "abc123def456", "dir": "/data/abc123def456", "sources": [{"name": "enwiki"}],
-            "splits": {"train": {"tokens": 1000}, "valid": {"tokens": 100}}}
+MANIFEST = {
+    "hash": "abc123def456",
+    "dir": "/data/abc123def456",
+    "sources": [{"name": "enwiki"}],
+    "splits": {"train": {"tokens": 1000}, "valid": {"tokens": 100}},
+}
 
 
 def results(nll: float) -> dict:
-    return {"bounds": {"trained": {"nll_per_token": nll, "ppl": 2.718 ** nll, "bound": True, "kind": "elbo"}},
-            "tasks": {"cloze": {"acc": 0.25, "nll": 3.5, "items": 6}}}
+    return {
+        "bounds": {"trained": {"nll_per_token": nll, "ppl": 2.718**nll, "bound": True, "kind": "elbo"}},
+        "tasks": {"cloze": {"acc": 0.25, "nll": 3.5, "items": 6}},
+    }
 
 
 @pytest.fixture
@@ -39,8 +45,12 @@ def store(tmp_path, monkeypatch):
 def fake_export(folder: Path) -> Path:
     """An HF-like folder whose safetensors header says 10*4 + 4 = 44 parameters (no tensor data needed)."""
     folder.mkdir(parents=True)
-    header = json.dumps({"w": {"dtype": "F32", "shape": [10, 4], "data_offsets": [0, 160]},
-                         "b": {"dtype": "F32", "shape": [4], "data_offsets": [160, 176]}}).encode()
+    header = json.dumps(
+        {
+            "w": {"dtype": "F32", "shape": [10, 4], "data_offsets": [0, 160]},
+            "b": {"dtype": "F32", "shape": [4], "data_offsets": [160, 176]},
+        }
+    ).encode()
     (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(176))
     (folder / "config.json").write_text("{}")
     return folder
@@ -57,9 +67,17 @@ def register(store, cfg, tmp_path, value: float | None, checkpoint: str) -> dict
     client.log_artifacts(run.info.run_id, str(hf), "hf_model")
     client.set_terminated(run.info.run_id)
     name = registry.registered_model_name(cfg)
-    return registry.register_version(cfg, name, source=f"{run.info.artifact_uri}/hf_model", run_id=run.info.run_id,
-                                     checkpoint=checkpoint, uri=uri, hf_dir=hf, manifest=MANIFEST,
-                                     results=results(value or 0.0))
+    return registry.register_version(
+        cfg,
+        name,
+        source=f"{run.info.artifact_uri}/hf_model",
+        run_id=run.info.run_id,
+        checkpoint=checkpoint,
+        uri=uri,
+        hf_dir=hf,
+        manifest=MANIFEST,
+        results=results(value or 0.0),
+    )
 
 
 def aliases(client, name: str) -> dict[str, str]:
@@ -68,8 +86,10 @@ def aliases(client, name: str) -> dict[str, str]:
 
 def test_default_name_per_preset_and_mode_and_an_explicit_override():
     assert registry.registered_model_name(load_config("tiny-cpu")) == "difflm-tiny-cpu-difflm-noshift"
-    assert (registry.registered_model_name(load_config("test-tiny", ["diffusion.model_running_mode=ar"]))
-            == "difflm-test-tiny-ar")
+    assert (
+        registry.registered_model_name(load_config("test-tiny", ["diffusion.model_running_mode=ar"]))
+        == "difflm-test-tiny-ar"
+    )
     odd = load_config("test-tiny", ["name=my run/v2"])  # sanitised to MLflow-safe characters
     assert registry.registered_model_name(odd) == "difflm-my-run-v2-difflm-noshift"
     assert registry.registered_model_name(load_config("test-tiny", ["tracking.registered_model=mine"])) == "mine"
@@ -107,8 +127,15 @@ def test_champion_moves_only_to_a_strictly_better_version(store, tmp_path):
 
 def test_higher_is_better_reverses_the_comparison(store, tmp_path):
     _, client, _ = store
-    cfg = load_config("test-tiny", [f"workdir={tmp_path}", "tracking.champion_metric=eval.cloze.acc",
-                                    "tracking.champion_higher_is_better=true", "tracking.registered_model=acc-model"])
+    cfg = load_config(
+        "test-tiny",
+        [
+            f"workdir={tmp_path}",
+            "tracking.champion_metric=eval.cloze.acc",
+            "tracking.champion_higher_is_better=true",
+            "tracking.registered_model=acc-model",
+        ],
+    )
     assert register(store, cfg, tmp_path, 0.50, "a")["promoted"]
     lower = register(store, cfg, tmp_path, 0.40, "b")
     assert not lower["promoted"] and lower["promotion"] == "kept champion v1 (eval.cloze.acc 0.4 <= 0.5)"
@@ -169,8 +196,9 @@ def test_the_flow_wrapper_registers_under_the_derived_name(store, tmp_path):
     mlflow.set_tracking_uri(uri)
     with mlflow.start_run(experiment_id=exp) as run:
         mlflow.log_metric(METRIC, 6.5)
-        out = tracking.log_and_register_model(cfg, fake_export(tmp_path / "hf"), run.info.run_id, "ckpt",
-                                              manifest=MANIFEST, results=results(6.5))
+        out = tracking.log_and_register_model(
+            cfg, fake_export(tmp_path / "hf"), run.info.run_id, "ckpt", manifest=MANIFEST, results=results(6.5)
+        )
     assert out["registered_model"] == "difflm-test-tiny-difflm-noshift" and out["promoted"]
     assert client.get_run(run.info.run_id).data.tags["registered_model_version"] == "difflm-test-tiny-difflm-noshift/1"
     assert str(client.get_model_version_by_alias(out["registered_model"], "champion").version) == "1"

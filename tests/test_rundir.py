@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from difflm.rundir import RunDir, exported_from, is_export_of, iteration_of, latest_iteration
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- the layout, alone -----------------------------------------------------------------------------------
+
 
 def _fake_run(root: Path, iterations=(4, 8), latest: int | None = 8, data_hash: str = "abc") -> RunDir:
     run = RunDir(root / "runs" / "difflm-noshift-abc-def")
@@ -63,7 +64,10 @@ def test_latest_iteration_is_the_newest_complete_checkpoint(tmp_path):
 def test_megatron_checkpointing_reads_the_same_layout():
     from models.megatron import checkpointing
 
-    assert checkpointing.latest_iteration is latest_iteration and checkpointing.iter_dir is RunDir.checkpoint.__globals__["iter_dir"]
+    assert (
+        checkpointing.latest_iteration is latest_iteration
+        and checkpointing.iter_dir is RunDir.checkpoint.__globals__["iter_dir"]
+    )
 
 
 def test_which_folder_is_the_export_of_which_checkpoint(tmp_path):
@@ -96,8 +100,10 @@ def test_results_on_other_data_go_beside_the_runs_own(tmp_path):
 def test_the_layout_is_spelt_in_one_module():
     """No other module spells the run layout's folder names or markers (the conversion direction "hf" is a word
     of the convert command, not a folder)."""
-    layout = re.compile(r"""["'](checkpoints|difflm_export\.json|data_manifest\.json|preempted\.json|stopped\.json|"""
-                        r"""eval_latest)["']|/ ["']hf["']""")
+    layout = re.compile(
+        r"""["'](checkpoints|difflm_export\.json|data_manifest\.json|preempted\.json|stopped\.json|"""
+        r"""eval_latest)["']|/ ["']hf["']"""
+    )
     offenders = []
     for folder in ("difflm", "models", "tasks", "flows", "data_prep"):
         for path in sorted((ROOT / folder).rglob("*.py")):
@@ -111,8 +117,24 @@ def test_the_layout_is_spelt_in_one_module():
 
 # ---- a run trained on the user's own corpus ---------------------------------------------------------------
 
-WORDS = ("harbour", "lantern", "quarry", "meadow", "copper", "violin", "orchard", "glacier", "ferry", "saddle",
-         "thistle", "beacon", "marble", "canyon", "willow", "falcon")
+WORDS = (
+    "harbour",
+    "lantern",
+    "quarry",
+    "meadow",
+    "copper",
+    "violin",
+    "orchard",
+    "glacier",
+    "ferry",
+    "saddle",
+    "thistle",
+    "beacon",
+    "marble",
+    "canyon",
+    "willow",
+    "falcon",
+)
 
 
 @pytest.fixture(scope="module")
@@ -129,10 +151,16 @@ def own_run(tmp_path_factory) -> RunDir:
     root = tmp_path_factory.mktemp("own-corpus")
     rng = np.random.default_rng(0)
     corpus = root / "notes.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"note {i}. " + " ".join(rng.choice(WORDS, 80))}) + "\n"
-                              for i in range(80)))
-    cfg = tiny_config(root / "work", f"data.sources=[{corpus}]", "tokenizer.vocab_size=300", "data.min_chars=0",
-                      "data.valid_fraction=0.2")
+    corpus.write_text(
+        "".join(json.dumps({"text": f"note {i}. " + " ".join(rng.choice(WORDS, 80))}) + "\n" for i in range(80))
+    )
+    cfg = tiny_config(
+        root / "work",
+        f"data.sources=[{corpus}]",
+        "tokenizer.vocab_size=300",
+        "data.min_chars=0",
+        "data.valid_fraction=0.2",
+    )
     manifest = prepare_data(cfg)
     run = RunDir(run_dir(cfg, manifest))
     write_run_inputs(cfg, manifest, run.path)
@@ -142,8 +170,12 @@ def own_run(tmp_path_factory) -> RunDir:
     (run.checkpoints / "latest").write_text(str(cfg.train.train_iters))
     torch.manual_seed(0)
     model = DiffLMForMaskedLM(hf_config(cfg, manifest["tokenizer"])).eval()
-    save_export(model, Path(manifest["tokenizer"]["path"]), run.hf,
-                {"checkpoint": str(final), "data_hash": manifest["hash"], "mode": cfg.diffusion.model_running_mode})
+    save_export(
+        model,
+        Path(manifest["tokenizer"]["path"]),
+        run.hf,
+        {"checkpoint": str(final), "data_hash": manifest["hash"], "mode": cfg.diffusion.model_running_mode},
+    )
     return run
 
 
@@ -168,12 +200,15 @@ def test_eval_on_other_data_is_explicit_and_writes_elsewhere(own_run):
     own = evaluation_source(str(own_run.path))
     mine = evaluate_export(own["config"], own["manifest"], own["hf_dir"], own["out_dir"], untrained=False)
     results = own_run.path / "eval" / "results.json"
-    assert mine["data_hash"] == own_run.data_hash() and json.loads(results.read_text())["data_hash"] == own_run.data_hash()
+    assert (
+        mine["data_hash"] == own_run.data_hash() and json.loads(results.read_text())["data_hash"] == own_run.data_hash()
+    )
     before = {p: p.read_bytes() for p in (own_run.path / "eval").rglob("*") if p.is_file()}
     assert any("lm_eval_tasks" in str(p) for p in before)
 
-    other = evaluation_source(str(own_run.path), overrides=["data.sources=[demo:enwiki]", "data.max_documents=40",
-                                                              "data.min_chars=200"])
+    other = evaluation_source(
+        str(own_run.path), overrides=["data.sources=[demo:enwiki]", "data.max_documents=40", "data.min_chars=200"]
+    )
     assert other["other_data"] and other["manifest"]["hash"] != own_run.data_hash()
     assert other["out_dir"] == own_run.path / f"eval-{other['manifest']['hash']}"
     # read through the model's own tokenizer, not a new one trained on the other data
@@ -237,8 +272,20 @@ def test_difflm_eval_of_a_run_and_of_its_export_uses_the_recorded_data(own_run, 
         results = json.loads((own_run.path / "eval" / "results.json").read_text())
         assert results["data_hash"] == own_run.data_hash() and results["task_settings"]["items"] == 4
     before = (own_run.path / "eval" / "results.json").read_bytes()
-    assert main(["eval", str(own_run.path), "data.sources=[demo:enwiki]", "data.max_documents=40",
-                 "data.min_chars=200", "eval.task_items=4", "eval.mc_samples=2"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                str(own_run.path),
+                "data.sources=[demo:enwiki]",
+                "data.max_documents=40",
+                "data.min_chars=200",
+                "eval.task_items=4",
+                "eval.mc_samples=2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "not the data its run was trained on" in out and f"{own_run.path}/eval-" in out
     assert (own_run.path / "eval" / "results.json").read_bytes() == before

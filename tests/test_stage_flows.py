@@ -9,11 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_config
 
-ITERS = ("train.train_iters=8", "checkpoint.save_interval=4", "checkpoint.keep_last=10", "train.eval_interval=8",
-         "train.warmup_iters=1")
+ITERS = (
+    "train.train_iters=8",
+    "checkpoint.save_interval=4",
+    "checkpoint.keep_last=10",
+    "train.eval_interval=8",
+    "train.warmup_iters=1",
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +40,11 @@ def _copy_run(run: Path, workdir: Path, latest: int) -> Path:
 def _model_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
     from models.hf.convert import load_megatron_weights
 
-    return {k: v for k, v in load_megatron_weights(ckpt).items()
-            if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")}
+    return {
+        k: v
+        for k, v in load_megatron_weights(ckpt).items()
+        if isinstance(v, torch.Tensor) and not k.endswith("_extra_state")
+    }
 
 
 def test_convert_checkpoint_flow_both_ways(trained_run, prefect_harness, tmp_path):
@@ -56,13 +63,17 @@ def test_convert_checkpoint_flow_both_ways(trained_run, prefect_harness, tmp_pat
     back = convert_checkpoint(source=to_hf["out_dir"])
     assert back["to"] == "megatron" and back["run_dir"] == str(trained_run)
     assert Path(back["out_dir"]) == trained_run / "exports" / "iter_0000008-megatron"
-    original, again = _model_tensors(trained_run / "checkpoints" / "iter_0000008"), _model_tensors(Path(back["out_dir"]))
+    original, again = (
+        _model_tensors(trained_run / "checkpoints" / "iter_0000008"),
+        _model_tensors(Path(back["out_dir"])),
+    )
     assert again.keys() and again.keys() <= original.keys()
     assert all(torch.equal(original[k], again[k]) for k in again)
 
     # an older checkpoint folder, explicit direction and output folder
-    older = convert_checkpoint(source=str(trained_run / "checkpoints" / "iter_0000004"), to="hf",
-                               out_dir=str(tmp_path / "hf4"))
+    older = convert_checkpoint(
+        source=str(trained_run / "checkpoints" / "iter_0000004"), to="hf", out_dir=str(tmp_path / "hf4")
+    )
     assert older["iteration"] == 4 and (tmp_path / "hf4" / "model.safetensors").exists()
 
 
@@ -131,7 +142,10 @@ def test_evaluate_latest_scores_each_new_checkpoint_once(trained_run, prefect_ha
     mine = client.get_run(newer["mlflow_run_id"])
     assert first["mlflow_run_id"] == mine.info.run_id and mine.data.tags["difflm.run_dir"] == str(run)
     history = client.get_metric_history(mine.info.run_id, "eval_latest.nll_per_token")
-    assert [(m.step, m.value) for m in history] == [(4, pytest.approx(first["score"])), (8, pytest.approx(newer["score"]))]
+    assert [(m.step, m.value) for m in history] == [
+        (4, pytest.approx(first["score"])),
+        (8, pytest.approx(newer["score"])),
+    ]
 
     # while pretrain-difflm trains this run (its MLflow run RUNNING, train.run_dir not tagged yet), the score
     # goes into that run, found through its resolved config
@@ -169,19 +183,28 @@ def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained
 
     import mlflow
     from mlflow.tracking import MlflowClient
+    from test_deployment import BIN, _free_port, _stop, _wait_healthy
 
     from difflm import tracking
     from tasks.runs import evaluated_scores, stage_config
-    from test_deployment import BIN, _free_port, _stop, _wait_healthy
 
     run = _copy_run(trained_run, tmp_path / "work", latest=4)  # only iteration 4 saved so far
     port = _free_port()
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-           "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
+        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+    }
     (tmp_path / "prefect").mkdir()
-    server = subprocess.Popen([str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     serve, log = None, tmp_path / "serve.log"
 
     def wait_for(iteration: int, timeout: float = 180) -> None:
@@ -193,14 +216,33 @@ def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained
 
     try:
         _wait_healthy(f"http://127.0.0.1:{port}/api/health", server)
-        serve = subprocess.Popen([str(BIN / "difflm"), "serve", "evaluate-latest", "--name", "ci",
-                                  "--run-dir", str(run), "--interval", "10", "--max-sequences", "4"],
-                                 env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        serve = subprocess.Popen(
+            [
+                str(BIN / "difflm"),
+                "serve",
+                "evaluate-latest",
+                "--name",
+                "ci",
+                "--run-dir",
+                str(run),
+                "--interval",
+                "10",
+                "--max-sequences",
+                "4",
+            ],
+            env=env,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
         wait_for(4)
         (run / "checkpoints" / "latest").write_text("8")  # training saved a newer checkpoint
         wait_for(8)
-        runs = subprocess.run([str(BIN / "prefect"), "flow-run", "ls", "--flow-name", "evaluate-latest",
-                               "--state", "COMPLETED"], env={**env, "COLUMNS": "250"}, capture_output=True, text=True)
+        runs = subprocess.run(
+            [str(BIN / "prefect"), "flow-run", "ls", "--flow-name", "evaluate-latest", "--state", "COMPLETED"],
+            env={**env, "COLUMNS": "250"},
+            capture_output=True,
+            text=True,
+        )
         assert runs.stdout.count("COMPLETED") >= 2, runs.stdout  # runs the schedule created, each finished
     finally:
         if serve:
@@ -208,7 +250,8 @@ def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained
         _stop(server)
     cfg = stage_config(run)
     mlflow.set_tracking_uri(tracking.tracking_uri(cfg))
-    (mine,) = MlflowClient().search_runs([mlflow.get_experiment_by_name(cfg.tracking.experiment).experiment_id],
-                                         "tags.flow = 'evaluate-latest'")
+    (mine,) = MlflowClient().search_runs(
+        [mlflow.get_experiment_by_name(cfg.tracking.experiment).experiment_id], "tags.flow = 'evaluate-latest'"
+    )
     steps = [m.step for m in MlflowClient().get_metric_history(mine.info.run_id, "eval_latest.nll_per_token")]
     assert steps == [4, 8]  # each checkpoint once, although the schedule ran more often

@@ -2,7 +2,6 @@
 without tracking, and a stage run is a child of the pipeline run in the same experiment."""
 
 import pytest
-
 from conftest import tiny_config
 
 
@@ -41,8 +40,10 @@ def test_stage_runs_nest_and_fail_with_their_stage(tmp_path, monkeypatch):
                 raise StageFailed
     client = MlflowClient()
     parent = client.get_run(run_id)
-    children = {r.data.tags["stage"]: r for r in client.search_runs(
-        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")}
+    children = {
+        r.data.tags["stage"]: r
+        for r in client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{run_id}'")
+    }
     assert set(children) == {"data-prep", "train"} and children["train"].info.run_id == bad_id
     assert children["data-prep"].info.status == "FINISHED" and children["data-prep"].data.tags["cached"] == "true"
     assert children["train"].info.status == "FAILED" and parent.info.status == "FAILED"

@@ -21,13 +21,17 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
-from difflm.config import load_config
 from test_registry import fake_export  # an HF-like folder, 44 parameters, no weights
 
-MANIFEST = {"hash": "feedc0ffee42", "dir": "/data/feedc0ffee42", "sources": [{"name": "enwiki"}],
-            "tokenizer": {"vocab_size": 512},
-            "splits": {"train": {"documents": 40, "tokens": 9000}, "valid": {"documents": 4, "tokens": 900}}}
+from difflm.config import load_config
+
+MANIFEST = {
+    "hash": "feedc0ffee42",
+    "dir": "/data/feedc0ffee42",
+    "sources": [{"name": "enwiki"}],
+    "tokenizer": {"vocab_size": 512},
+    "splits": {"train": {"documents": 40, "tokens": 9000}, "valid": {"documents": 4, "tokens": 900}},
+}
 CHECKPOINT = "runs/ui-browser/iter_0000020"
 
 
@@ -51,10 +55,28 @@ def _free_port() -> int:
 def _mlflow_server(store: Path, port: int) -> subprocess.Popen:
     """A real `mlflow server` on loopback (sqlite + a local artifact root), once /health answers."""
     env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # no job workers: ~0.5 GB, not ~2.4
-    proc = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-                             "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}",
-                             "--default-artifact-root", str(store / "artifacts"), "--workers", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mlflow",
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--backend-store-uri",
+            f"sqlite:///{store / 'mlflow.db'}",
+            "--default-artifact-root",
+            str(store / "artifacts"),
+            "--workers",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+    )
     deadline = time.monotonic() + 120  # ~10 s here; a fresh sqlite store is migrated first, slow when loaded
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -93,10 +115,21 @@ def _render(chromium: str, url: str, out: Path, ready: tuple[str, ...]) -> tuple
     answered; retried with a larger budget on a slow machine while a `ready` string is not in the DOM yet."""
     dom = ""
     for budget in (10000, 30000, 60000):
-        cmd = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
-               "--disable-dev-shm-usage",
-               f"--user-data-dir={out.parent / 'chromium-profile'}", "--window-size=1600,1400",
-               f"--virtual-time-budget={budget}", f"--screenshot={out.with_suffix('.png')}", "--dump-dom", url]
+        cmd = [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--no-first-run",
+            "--disable-dev-shm-usage",
+            f"--user-data-dir={out.parent / 'chromium-profile'}",
+            "--window-size=1600,1400",
+            f"--virtual-time-budget={budget}",
+            f"--screenshot={out.with_suffix('.png')}",
+            "--dump-dom",
+            url,
+        ]
         try:
             dom = subprocess.run(cmd, capture_output=True, text=True, timeout=90).stdout
         except subprocess.TimeoutExpired as err:
@@ -123,16 +156,19 @@ def test_run_and_model_version_pages_show_metrics_aliases_and_lineage(tmp_path, 
     server = _mlflow_server(tmp_path / "mlflow", port)
     base = f"http://127.0.0.1:{port}"
     try:
-        cfg = load_config("test-tiny", [f"workdir={tmp_path / 'work'}", f"tracking.tracking_uri={base}",
-                                        "tracking.experiment=ui-browser"])
+        cfg = load_config(
+            "test-tiny",
+            [f"workdir={tmp_path / 'work'}", f"tracking.tracking_uri={base}", "tracking.experiment=ui-browser"],
+        )
         reg = _trained_and_registered(cfg, fake_export(tmp_path / "hf"))
         run_id, exp, name, version = reg["run_id"], reg["experiment_id"], reg["registered_model"], reg["version"]
         assert sorted(reg["aliases"]) == ["candidate", "champion"], reg
 
         run_url = f"{base}/#/experiments/{exp}/runs/{run_id}"
         mv_link = f"#/models/{name}/versions/{version}"
-        dom, text = _render(chromium, run_url, tmp_path / "run_page",
-                            ready=("eval.trained.nll_per_token", MANIFEST["dir"], mv_link))
+        dom, text = _render(
+            chromium, run_url, tmp_path / "run_page", ready=("eval.trained.nll_per_token", MANIFEST["dir"], mv_link)
+        )
         where = f"on {run_url} (DOM and screenshot: {tmp_path / 'run_page'}.html/.png)"
         for metric in ("loss", "val_loss", "eval.trained.nll_per_token"):  # the training and evaluation metrics
             assert re.search(rf"(^|\s){re.escape(metric)}\s", text), f"metric {metric} not shown {where}"
@@ -141,18 +177,22 @@ def test_run_and_model_version_pages_show_metrics_aliases_and_lineage(tmp_path, 
         assert re.search(rf"Datasets enwiki \({MANIFEST['hash']}\) training", text, re.I), f"no dataset {where}"
         assert f"data.hash : {MANIFEST['hash']}" in text, f"no data.hash tag {where}"
         # lineage: the run links to its registered version
-        assert re.search(rf"Registered models {re.escape(name)} v{version}\b", text) and mv_link in dom, \
+        assert re.search(rf"Registered models {re.escape(name)} v{version}\b", text) and mv_link in dom, (
             f"no link to the registered version {where}"
+        )
 
         mv_url = f"{base}/{mv_link}"
-        dom, text = _render(chromium, mv_url, tmp_path / "version_page",
-                            ready=("candidate", "manifest.json", CHECKPOINT))
+        dom, text = _render(
+            chromium, mv_url, tmp_path / "version_page", ready=("candidate", "manifest.json", CHECKPOINT)
+        )
         where = f"on {mv_url} (DOM and screenshot: {tmp_path / 'version_page'}.html/.png)"
         aliases = re.search(r"Aliases\s*:(.{0,120})", text)
         assert aliases and all(f"@ {a}" in aliases[1] for a in ("candidate", "champion")), f"no aliases {where}"
         assert f'href="#/experiments/{exp}/runs/{run_id}' in dom, f"no source run link {where}"
         # the description's lineage: the run (and its UI page), the data with its manifest, the checkpoint
-        assert f"run: runs:/{run_id}" in text and f'href="{run_url}?workflowType=machine_learning"' in dom, f"no run in the description {where}"
+        assert f"run: runs:/{run_id}" in text and f'href="{run_url}?workflowType=machine_learning"' in dom, (
+            f"no run in the description {where}"
+        )
         assert f"data: {MANIFEST['hash']} from enwiki" in text, f"no data in the description {where}"
         assert f"dataset: runs:/{run_id}/data/manifest.json" in text, f"no manifest link {where}"
         assert f"checkpoint: {CHECKPOINT}" in text and "final val_loss 4.1000" in text, f"no checkpoint {where}"

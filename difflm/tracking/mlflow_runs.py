@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
-from difflm.tracking import registry
 from difflm.config import PipelineConfig
+from difflm.tracking import registry
 
 
 def tracking_uri(cfg: PipelineConfig) -> str:
@@ -57,10 +57,15 @@ def lineage_tags() -> dict[str, str]:
         pass
     root = Path(__file__).resolve().parents[1]
     try:
-        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=5).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = dirty = ""
     if commit:
@@ -88,8 +93,7 @@ def _start_pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]
         os.environ.setdefault(key, val)  # an unreachable server costs seconds, not MLflow's default minutes
     try:
         mlflow.set_tracking_uri(tracking_uri(cfg))
-        run = mlflow.start_run(experiment_id=_experiment_id(cfg), run_name=run_name,
-                               tags={**lineage_tags(), **tags})
+        run = mlflow.start_run(experiment_id=_experiment_id(cfg), run_name=run_name, tags={**lineage_tags(), **tags})
         mlflow.log_params(cfg.flat())
         mlflow.log_dict(cfg.model_dump(mode="json"), "config/resolved.yaml")
         return run
@@ -117,9 +121,13 @@ def _start_stage_run(name: str, system_metrics: bool):
         parent = mlflow.active_run()
         if parent is None:
             return None
-        return mlflow.start_run(run_name=f"{parent.info.run_name}/{name}", nested=True,
-                                experiment_id=parent.info.experiment_id,  # else the default experiment
-                                tags={"stage": name, **lineage_tags()}, log_system_metrics=system_metrics)
+        return mlflow.start_run(
+            run_name=f"{parent.info.run_name}/{name}",
+            nested=True,
+            experiment_id=parent.info.experiment_id,  # else the default experiment
+            tags={"stage": name, **lineage_tags()},
+            log_system_metrics=system_metrics,
+        )
     except Exception as err:
         degrade(f"could not start the MLflow run of stage {name}", err)
         return None
@@ -174,8 +182,12 @@ def child_env(cfg: PipelineConfig, run_id: str | None) -> dict[str, str]:
         return {}
     # the trainer sends metrics from a background thread: short HTTP timeouts and few retries per attempt let
     # it notice an outage quickly (it retries on its own, with backoff, and training never waits for it)
-    return {"MLFLOW_TRACKING_URI": tracking_uri(cfg), "DIFFLM_MLFLOW_RUN_ID": run_id,
-            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+    return {
+        "MLFLOW_TRACKING_URI": tracking_uri(cfg),
+        "DIFFLM_MLFLOW_RUN_ID": run_id,
+        "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    }
 
 
 def experiment_of(run_id: str | None) -> str | None:
@@ -226,9 +238,9 @@ def dataset(manifest: dict):
     with warnings.catch_warnings():  # MLflow registers the local source twice and warns the URI is ambiguous
         warnings.simplefilter("ignore", UserWarning)
         source = resolve_dataset_source(Path(manifest["dir"]).resolve().as_uri())
-    return MetaDataset(source,
-                       name="+".join(names), digest=manifest["hash"],
-                       schema=Schema([TensorSpec(dtype, (-1,), "token_ids")]))
+    return MetaDataset(
+        source, name="+".join(names), digest=manifest["hash"], schema=Schema([TensorSpec(dtype, (-1,), "token_ids")])
+    )
 
 
 def data_counts(manifest: dict) -> dict[str, str]:
@@ -253,8 +265,12 @@ def reconcile_metrics(run_id: str, records: list[dict]) -> int:
     client = MlflowClient()
     keys = {k for rec in records for k in rec if k not in ("step", "time")}
     have = {k: {m.step for m in client.get_metric_history(run_id, k)} for k in keys}
-    last = {(k, int(rec["step"])): Metric(k, float(v), int(rec.get("time", 0) * 1000), int(rec["step"]))
-            for rec in records for k, v in rec.items() if k not in ("step", "time") and v is not None}
+    last = {
+        (k, int(rec["step"])): Metric(k, float(v), int(rec.get("time", 0) * 1000), int(rec["step"]))
+        for rec in records
+        for k, v in rec.items()
+        if k not in ("step", "time") and v is not None
+    }
     missing = [m for (k, step), m in last.items() if step not in have[k]]
     for i in range(0, len(missing), 500):
         client.log_batch(run_id, metrics=missing[i : i + 500])
@@ -290,14 +306,26 @@ def log_evaluation(results: dict, prefix: str = "eval") -> None:
     for name, res in results["bounds"].items():
         mlflow.log_metrics({f"{prefix}.{name}.nll_per_token": res["nll_per_token"], f"{prefix}.{name}.ppl": res["ppl"]})
     for task, scores in results.get("tasks", {}).items():
-        mlflow.log_metrics({f"{prefix}.{task}.{k}": float(v) for k, v in scores.items()
-                            if isinstance(v, (int, float)) and k not in ("items", "chance")})
+        mlflow.log_metrics(
+            {
+                f"{prefix}.{task}.{k}": float(v)
+                for k, v in scores.items()
+                if isinstance(v, (int, float)) and k not in ("items", "chance")
+            }
+        )
     mlflow.log_dict(results, f"{prefix}/results.json")
     samples = results.get("samples", [])
     if samples:
-        mlflow.log_table({"prompt": [s["prompt"] for s in samples], "completion": [s["completion"] for s in samples],
-                          "tokens": [s["tokens"] for s in samples], "model_calls": [s["model_calls"] for s in samples],
-                          "sampler": [json.dumps(s["sampler"]) for s in samples]}, f"{prefix}/samples.json")
+        mlflow.log_table(
+            {
+                "prompt": [s["prompt"] for s in samples],
+                "completion": [s["completion"] for s in samples],
+                "tokens": [s["tokens"] for s in samples],
+                "model_calls": [s["model_calls"] for s in samples],
+                "sampler": [json.dumps(s["sampler"]) for s in samples],
+            },
+            f"{prefix}/samples.json",
+        )
     text = "\n\n".join(f"PROMPT: {s['prompt']}\nCOMPLETION: {s['completion']}" for s in samples)
     mlflow.log_text(text or "(no samples)", f"{prefix}/samples.txt")
     if results.get("report") and Path(results["report"]).exists():
@@ -310,15 +338,22 @@ def log_sweep(rows: list[dict], plot: Path) -> None:
     import mlflow
 
     for r in rows:
-        mlflow.log_metrics({"sweep.cloze_gen_accuracy": r["accuracy"], "sweep.tokens_per_s": r["tokens_per_s"]},
-                           step=int(r["steps"]))
+        mlflow.log_metrics(
+            {"sweep.cloze_gen_accuracy": r["accuracy"], "sweep.tokens_per_s": r["tokens_per_s"]}, step=int(r["steps"])
+        )
     if rows and plot.exists():
         mlflow.log_artifact(str(plot), "eval")
 
 
 @tolerant
-def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str, checkpoint: str,
-                           manifest: dict | None = None, results: dict | None = None) -> dict:
+def log_and_register_model(
+    cfg: PipelineConfig,
+    hf_dir: Path,
+    run_id: str,
+    checkpoint: str,
+    manifest: dict | None = None,
+    results: dict | None = None,
+) -> dict:
     """Upload the HF folder as an artifact and register it (see difflm.tracking.registry): one model version per
     trained checkpoint (a rerun that reuses the checkpoint points at the existing version instead of adding a
     copy), alias `candidate`, `champion` when its `tracking.champion_metric` beats the champion's, and a
@@ -335,9 +370,19 @@ def log_and_register_model(cfg: PipelineConfig, hf_dir: Path, run_id: str, check
         mlflow.log_artifacts(str(hf_dir), "hf_model")
         out = {"artifact_uri": mlflow.get_artifact_uri("hf_model")}
     if name:
-        out.update(registry.register_version(cfg, name, source=out["artifact_uri"], run_id=run_id,
-                                             checkpoint=checkpoint, uri=tracking_uri(cfg), hf_dir=hf_dir,
-                                             manifest=manifest, results=results))
+        out.update(
+            registry.register_version(
+                cfg,
+                name,
+                source=out["artifact_uri"],
+                run_id=run_id,
+                checkpoint=checkpoint,
+                uri=tracking_uri(cfg),
+                hf_dir=hf_dir,
+                manifest=manifest,
+                results=results,
+            )
+        )
         mlflow.set_tag("registered_model_version", f"{name}/{out['version']}")
     return out
 
@@ -350,7 +395,7 @@ def download_model_version(uri: str, store: str) -> Path:
 
     mlflow.set_tracking_uri(store)
     client = MlflowClient()
-    ref = uri[len("models:/"):]
+    ref = uri[len("models:/") :]
     try:
         if "@" in ref:
             name, alias = ref.split("@", 1)

@@ -16,7 +16,11 @@ from difflm.config import PipelineConfig
 CANDIDATE, CHAMPION = "candidate", "champion"
 # version tags: what was compared, its value, and what the registration decided (read back for the next one)
 TAG_CHECKPOINT, TAG_METRIC, TAG_VALUE, TAG_PROMOTION = (
-    "difflm.checkpoint", "champion_metric", "champion_metric_value", "promotion")
+    "difflm.checkpoint",
+    "champion_metric",
+    "champion_metric_value",
+    "promotion",
+)
 
 
 def registered_model_name(cfg: PipelineConfig) -> str | None:
@@ -35,8 +39,11 @@ def ensure_model(client, name: str) -> None:
     try:
         client.get_registered_model(name)
     except Exception:  # MlflowException RESOURCE_DOES_NOT_EXIST
-        client.create_registered_model(name, description="Diffusion LMs trained by difflm-pipeline (HF folders). "
-                                       "Alias `candidate`: the newest version; `champion`: the best evaluated one.")
+        client.create_registered_model(
+            name,
+            description="Diffusion LMs trained by difflm-pipeline (HF folders). "
+            "Alias `candidate`: the newest version; `champion`: the best evaluated one.",
+        )
 
 
 def version_of_checkpoint(client, name: str, checkpoint: str):
@@ -62,8 +69,9 @@ def champion_of(client, name: str):
         return None
 
 
-def decide(value: float | None, champ_value: float | None, champ_version: str | None, metric: str,
-           higher_is_better: bool) -> tuple[bool, str]:
+def decide(
+    value: float | None, champ_value: float | None, champ_version: str | None, metric: str, higher_is_better: bool
+) -> tuple[bool, str]:
     """(promote?, the decision in words): strictly better than the champion, or the first with a value."""
     if value is None:
         return False, (f"kept champion v{champ_version}" if champ_version else "no champion") + f": no {metric} logged"
@@ -88,20 +96,42 @@ def promote(client, name: str, version: str, metric: str, higher_is_better: bool
     if champ is not None and str(champ.version) == version:
         promoted, text = False, "already champion"
     else:
-        promoted, text = decide(value, version_metric(client, champ, metric) if champ else None,
-                                str(champ.version) if champ else None, metric, higher_is_better)
+        promoted, text = decide(
+            value,
+            version_metric(client, champ, metric) if champ else None,
+            str(champ.version) if champ else None,
+            metric,
+            higher_is_better,
+        )
     if promoted:
         client.set_registered_model_alias(name, CHAMPION, version)
-    for key, val in {TAG_METRIC: metric, TAG_VALUE: "" if value is None else repr(float(value)),
-                     TAG_PROMOTION: text}.items():
+    for key, val in {
+        TAG_METRIC: metric,
+        TAG_VALUE: "" if value is None else repr(float(value)),
+        TAG_PROMOTION: text,
+    }.items():
         client.set_model_version_tag(name, version, key, val)
     champion = version if promoted else (str(champ.version) if champ else None)
-    return {"promotion": text, "promoted": promoted, "champion_version": champion,
-            "aliases": [CANDIDATE] + ([CHAMPION] if champion == version else [])}
+    return {
+        "promotion": text,
+        "promoted": promoted,
+        "champion_version": champion,
+        "aliases": [CANDIDATE] + ([CHAMPION] if champion == version else []),
+    }
 
 
-def register_version(cfg: PipelineConfig, name: str, *, source: str, run_id: str, checkpoint: str, uri: str,
-                     hf_dir: Path | None = None, manifest: dict | None = None, results: dict | None = None) -> dict:
+def register_version(
+    cfg: PipelineConfig,
+    name: str,
+    *,
+    source: str,
+    run_id: str,
+    checkpoint: str,
+    uri: str,
+    hf_dir: Path | None = None,
+    manifest: dict | None = None,
+    results: dict | None = None,
+) -> dict:
     """A version of `name` for `source` (logged by run `run_id` in the store at `uri`), described and promoted;
     or the version already registered from `checkpoint`, left as it is once its promotion was decided.
     Returns {registered_model, version, promotion, promoted, champion_version, aliases}."""
@@ -113,21 +143,40 @@ def register_version(cfg: PipelineConfig, name: str, *, source: str, run_id: str
     mv = version_of_checkpoint(client, name, checkpoint)
     if mv is not None and TAG_PROMOTION in mv.tags:
         champ = champion_of(client, name)
-        return {**out, "version": str(mv.version), "promoted": False,
-                "champion_version": str(champ.version) if champ else None,
-                "promotion": f"reused v{mv.version} (same checkpoint; was: {mv.tags[TAG_PROMOTION]})",
-                "aliases": sorted(client.get_model_version(name, mv.version).aliases)}
+        return {
+            **out,
+            "version": str(mv.version),
+            "promoted": False,
+            "champion_version": str(champ.version) if champ else None,
+            "promotion": f"reused v{mv.version} (same checkpoint; was: {mv.tags[TAG_PROMOTION]})",
+            "aliases": sorted(client.get_model_version(name, mv.version).aliases),
+        }
     if mv is None:
         run = client.get_run(run_id)
         links = run_links(uri, run.info.experiment_id, run_id)
-        description = describe(cfg, links=links, checkpoint=checkpoint, source=source, metrics=run.data.metrics,
-                               manifest=manifest, results=results, params=parameter_count(hf_dir) if hf_dir else None)
-        tags = {TAG_CHECKPOINT: checkpoint, "mode": cfg.diffusion.model_running_mode, "preset": cfg.name,
-                **({"data.hash": manifest["hash"]} if manifest and "hash" in manifest else {})}
+        description = describe(
+            cfg,
+            links=links,
+            checkpoint=checkpoint,
+            source=source,
+            metrics=run.data.metrics,
+            manifest=manifest,
+            results=results,
+            params=parameter_count(hf_dir) if hf_dir else None,
+        )
+        tags = {
+            TAG_CHECKPOINT: checkpoint,
+            "mode": cfg.diffusion.model_running_mode,
+            "preset": cfg.name,
+            **({"data.hash": manifest["hash"]} if manifest and "hash" in manifest else {}),
+        }
         mv = client.create_model_version(name, source=source, run_id=run_id, tags=tags, description=description)
     t = cfg.tracking
-    return {**out, "version": str(mv.version),
-            **promote(client, name, mv.version, t.champion_metric, t.champion_higher_is_better)}
+    return {
+        **out,
+        "version": str(mv.version),
+        **promote(client, name, mv.version, t.champion_metric, t.champion_higher_is_better),
+    }
 
 
 def parameter_count(hf_dir: Path) -> int | None:
@@ -160,34 +209,52 @@ def run_links(uri: str, experiment_id: str, run_id: str) -> dict[str, str]:
     return links
 
 
-def describe(cfg: PipelineConfig, *, links: dict[str, str], checkpoint: str, source: str,
-             metrics: dict[str, float], manifest: dict | None = None, results: dict | None = None,
-             params: int | None = None) -> str:
+def describe(
+    cfg: PipelineConfig,
+    *,
+    links: dict[str, str],
+    checkpoint: str,
+    source: str,
+    metrics: dict[str, float],
+    manifest: dict | None = None,
+    results: dict | None = None,
+    params: int | None = None,
+) -> str:
     """The version's markdown description: what was trained on what, how well it did, where it all lives."""
     m, t = cfg.model, cfg.train
     size = f"{m.num_layers} layers x {m.hidden_size} hidden, {m.num_attention_heads} heads"
-    lines = [f"**{cfg.diffusion.model_running_mode}** LM, preset `{cfg.name}`: {size}"
-             + (f", {params / 1e6:.2f}M parameters" if params else ""), ""]
+    lines = [
+        f"**{cfg.diffusion.model_running_mode}** LM, preset `{cfg.name}`: {size}"
+        + (f", {params / 1e6:.2f}M parameters" if params else ""),
+        "",
+    ]
     if manifest:
         splits = manifest.get("splits", {})
         sources = ", ".join(s.get("name", "?") for s in manifest.get("sources", [])) or "?"
         tokens = ", ".join(f"{k} {v.get('tokens', 0):,}" for k, v in splits.items())
         lines.append(f"- data: `{manifest.get('hash', '?')}` from {sources}; tokens {tokens}")
-    lines.append(f"- training: {t.train_iters} steps x {t.global_batch_size} x {t.seq_length} tokens"
-                 + (f"; final val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else ""))
+    lines.append(
+        f"- training: {t.train_iters} steps x {t.global_batch_size} x {t.seq_length} tokens"
+        + (f"; final val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
+    )
     bound = (results or {}).get("bounds", {}).get("trained")
     if bound:
         what = "ELBO (upper bound)" if bound.get("bound") else "exact NLL"
         lines.append(f"- validation {what}: {bound['nll_per_token']:.4f} nats/token, ppl {bound['ppl']:.1f}")
     for task, scores in (results or {}).get("tasks", {}).items():
-        shown = ", ".join(f"{k} {v:.3f}" for k, v in scores.items()
-                          if isinstance(v, (int, float)) and k not in ("items", "chance"))
+        shown = ", ".join(
+            f"{k} {v:.3f}" for k, v in scores.items() if isinstance(v, (int, float)) and k not in ("items", "chance")
+        )
         lines.append(f"- task {task}: {shown} ({scores.get('items', '?')} items)")
     metric = cfg.tracking.champion_metric
     better = "higher" if cfg.tracking.champion_higher_is_better else "lower"
     value = f"{metrics[metric]:.4g}" if metric in metrics else "not logged"
-    lines += [f"- champion metric `{metric}` ({better} is better): {value}", "", "Links:",
-              f"- run: `{links['run']}`" + (f" ([MLflow UI]({links['ui']}))" if "ui" in links else "")]
+    lines += [
+        f"- champion metric `{metric}` ({better} is better): {value}",
+        "",
+        "Links:",
+        f"- run: `{links['run']}`" + (f" ([MLflow UI]({links['ui']}))" if "ui" in links else ""),
+    ]
     if manifest:
         lines.append(f"- dataset: `{links['run']}/data/manifest.json`, on disk `{manifest.get('dir', '?')}`")
     lines += [f"- checkpoint: `{checkpoint}`", f"- model files: `{source}`"]

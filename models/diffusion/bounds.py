@@ -8,7 +8,7 @@ Every function scores the positions where `valid` is True and conditions on the 
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -13,7 +13,7 @@ batched with it (a request scores the same whatever else is in the batch).
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -22,8 +22,8 @@ from .objectives import token_cross_entropy
 
 # (tokens [n, s], attention_mask [n, s] bool or None, document_ids [n, s] or None) -> logits [n, s, v], aligned
 # with the positions they predict; the document ids are training's segmentation of those rows (None: one document)
-PaddedLogitsFn = Callable[[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]], torch.Tensor]
-Generators = Union[torch.Generator, Sequence[Optional[torch.Generator]], None]
+PaddedLogitsFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 
 def _per_row(generators, b: int) -> list:
@@ -99,9 +99,13 @@ def conditional_masked_nll(
 
 
 @torch.no_grad()
-def conditional_ar_nll(logits_fn: PaddedLogitsFn, x0: torch.Tensor, target: torch.Tensor,
-                       attention_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+def conditional_ar_nll(
+    logits_fn: PaddedLogitsFn,
+    x0: torch.Tensor,
+    target: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Exact -log p(continuation | context) of a causal model, per row [b] (float64). Position 0 has no
     logit, so a target there is an error (prepend a context token, e.g. EOS, as lm-eval does)."""
     if target[:, 0].any():
@@ -111,9 +115,15 @@ def conditional_ar_nll(logits_fn: PaddedLogitsFn, x0: torch.Tensor, target: torc
 
 
 @torch.no_grad()
-def masked_greedy_match(logits_fn: PaddedLogitsFn, x0: torch.Tensor, target: torch.Tensor, mask_id: int,
-                        attention_mask: torch.Tensor | None = None, vocab_limit: int | None = None,
-                        document_ids: torch.Tensor | None = None) -> torch.Tensor:
+def masked_greedy_match(
+    logits_fn: PaddedLogitsFn,
+    x0: torch.Tensor,
+    target: torch.Tensor,
+    mask_id: int,
+    attention_mask: torch.Tensor | None = None,
+    vocab_limit: int | None = None,
+    document_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Would greedy decoding reproduce the continuation? [b] bool. The continuation starts fully masked and
     is decoded one token per step, most confident position first (the greedy low-confidence sampler):
     lm-eval's `is_greedy` for a diffusion model."""

@@ -27,6 +27,7 @@ def document_attention_mask(doc_ids: torch.Tensor, causal: bool) -> torch.Tensor
 def document_pairs(doc_ids: torch.Tensor) -> int:
     """(query, key) pairs attention keeps with packed documents: the sum over rows and documents of the squared
     document lengths (the FLOPs count's attention core; s^2 per row without documents)."""
-    _, counts = torch.unique_consecutive(doc_ids + doc_ids.new_tensor(range(len(doc_ids)))[:, None] * doc_ids.numel(),
-                                         return_counts=True)
+    _, counts = torch.unique_consecutive(
+        doc_ids + doc_ids.new_tensor(range(len(doc_ids)))[:, None] * doc_ids.numel(), return_counts=True
+    )
     return int((counts.long() ** 2).sum())

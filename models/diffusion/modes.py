@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Optional
+from typing import ClassVar
 
 import torch
 
@@ -46,10 +47,9 @@ from .uniform import (
     uniform_states,
 )
 
-TimedLogitsFn = Callable[[torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+TimedLogitsFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (tokens [n, s], attention_mask [n, s] or None, document_ids [n, s] or None, t [n] or None) -> logits [n, s, V]
-RowLogitsFn = Callable[[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]],
-                       torch.Tensor]
+RowLogitsFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None], torch.Tensor]
 GeneratorFor = Callable[[int], torch.Generator]  # the position of a sequence in the global batch -> its generator
 
 
@@ -57,10 +57,10 @@ GeneratorFor = Callable[[int], torch.Generator]  # the position of a sequence in
 class Objective(ABC):
     """The settings every objective may read (each uses those of its family); facts are class attributes."""
 
-    mask_id: Optional[int] = None
-    vocab_size: Optional[int] = None  # the tokenizer's (real) vocabulary: uniform noise draws among it
-    pad_id: Optional[int] = None
-    eos_id: Optional[int] = None
+    mask_id: int | None = None
+    vocab_size: int | None = None  # the tokenizer's (real) vocabulary: uniform noise draws among it
+    pad_id: int | None = None
+    eos_id: int | None = None
     eps: float = 1e-3  # the smallest noise level
     loss_weighting: str = "inverse_t"  # masked training: inverse_t | masked_fraction | none
     normalize_by: str = "all_tokens"  # masked training: all_tokens | masked_tokens
@@ -83,12 +83,16 @@ class Objective(ABC):
         return 1.0 if cls.bidirectional else 0.5
 
     @classmethod
-    def from_hf_config(cls, config) -> "Objective":
+    def from_hf_config(cls, config) -> Objective:
         """The objective of an exported model, from its config (exports made before `diffusion_eps` was recorded
         used eps = 1e-3)."""
         return objective_class(config.model_running_mode)(
-            mask_id=config.mask_token_id, vocab_size=getattr(config, "real_vocab_size", None) or config.vocab_size,
-            pad_id=config.pad_token_id, eos_id=config.eos_token_id, eps=getattr(config, "diffusion_eps", 1e-3))
+            mask_id=config.mask_token_id,
+            vocab_size=getattr(config, "real_vocab_size", None) or config.vocab_size,
+            pad_id=config.pad_token_id,
+            eos_id=config.eos_token_id,
+            eps=getattr(config, "diffusion_eps", 1e-3),
+        )
 
     # ---- positions -------------------------------------------------------------------------------------
     def align_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -102,7 +106,7 @@ class Objective(ABC):
             scored[:, :prefix_len] = False
         return scored
 
-    def default_t(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def default_t(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """The noise level of inputs given without one: the share of mask tokens among the real positions (the
         quantity training's t is the expectation of)."""
         masks = (input_ids == self.mask_id).float()
@@ -113,8 +117,17 @@ class Objective(ABC):
 
     # ---- training and validation -----------------------------------------------------------------------
     @abstractmethod
-    def prepare(self, tokens: torch.Tensor, labels: torch.Tensor, label_ok: torch.Tensor, positions: list[int],
-                generator_for: GeneratorFor, batch_size: int, antithetic: bool, evaluation: bool) -> dict:
+    def prepare(
+        self,
+        tokens: torch.Tensor,
+        labels: torch.Tensor,
+        label_ok: torch.Tensor,
+        positions: list[int],
+        generator_for: GeneratorFor,
+        batch_size: int,
+        antithetic: bool,
+        evaluation: bool,
+    ) -> dict:
         """Model inputs, targets, scored positions and t of one micro-batch: {'inputs', 'targets', 'scored',
         'valid', 't'} (and what `loss_terms` needs besides). `label_ok` [b, s] is megatron's loss_mask
         (labels[i] = tokens[i + 1] is data); `positions` are the sequences' places in the global batch of
@@ -127,21 +140,40 @@ class Objective(ABC):
 
     # ---- evaluation and generation -----------------------------------------------------------------------
     @abstractmethod
-    def nll_per_token(self, logits_fn: TimedLogitsFn, x0: torch.Tensor, scored: torch.Tensor, t_samples: int,
-                      generator: Optional[torch.Generator]) -> torch.Tensor:
+    def nll_per_token(
+        self,
+        logits_fn: TimedLogitsFn,
+        x0: torch.Tensor,
+        scored: torch.Tensor,
+        t_samples: int,
+        generator: torch.Generator | None,
+    ) -> torch.Tensor:
         """The NLL per scored token [b] (nats) of each row of x0: an upper bound (ELBO), or exact where `exact`.
         A row with nothing to score has no per-token value: NaN."""
 
     @abstractmethod
-    def conditional_nll(self, logits_fn: RowLogitsFn, x0: torch.Tensor, target: torch.Tensor,
-                        attention_mask: Optional[torch.Tensor], document_ids: Optional[torch.Tensor],
-                        mc_samples: int, generators, max_rows: int) -> torch.Tensor:
+    def conditional_nll(
+        self,
+        logits_fn: RowLogitsFn,
+        x0: torch.Tensor,
+        target: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+        mc_samples: int,
+        generators,
+        max_rows: int,
+    ) -> torch.Tensor:
         """-log p(continuation | context) in total nats per row [b] (float64, CPU); `target` marks the
         continuation."""
 
-    def greedy_match(self, logits_fn: RowLogitsFn, x0: torch.Tensor, target: torch.Tensor,
-                     attention_mask: Optional[torch.Tensor], document_ids: Optional[torch.Tensor]
-                     ) -> Optional[torch.Tensor]:
+    def greedy_match(
+        self,
+        logits_fn: RowLogitsFn,
+        x0: torch.Tensor,
+        target: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
+    ) -> torch.Tensor | None:
         """Would greedy decoding reproduce the continuation? [b] bool, or None where the mode has no greedy order."""
         return None
 
@@ -190,40 +222,87 @@ class MaskedDiffusion(Objective):
                 return (*mask_exactly(row, count, self.mask_id, g, ok), t)
             return (*mask_tokens(row, t, self.mask_id, g), t)
 
-        xt, t, masked = _exact_noise_rows(tokens, self._noisable(valid), positions, generator_for, batch_size,
-                                          self.eps, antithetic or evaluation, draw)
+        xt, t, masked = _exact_noise_rows(
+            tokens,
+            self._noisable(valid),
+            positions,
+            generator_for,
+            batch_size,
+            self.eps,
+            antithetic or evaluation,
+            draw,
+        )
         return self._targets(tokens, xt, masked, valid, label_ok, t)
 
     def _targets(self, x0, xt, masked, valid, label_ok, t) -> dict:
         return {"inputs": xt, "targets": x0, "scored": masked & valid, "valid": valid, "t": t}
 
     def loss_terms(self, output, prepared, evaluation):
-        weighting, normalize_by = (("masked_fraction", "all_tokens") if evaluation  # the ELBO, whatever the training
-                                   else (self.loss_weighting, self.normalize_by))
-        return masked_diffusion_loss_terms(output.float(), prepared["scored"], prepared["t"], weighting, normalize_by,
-                                           prepared["valid"])
+        weighting, normalize_by = (
+            ("masked_fraction", "all_tokens")
+            if evaluation  # the ELBO, whatever the training
+            else (self.loss_weighting, self.normalize_by)
+        )
+        return masked_diffusion_loss_terms(
+            output.float(), prepared["scored"], prepared["t"], weighting, normalize_by, prepared["valid"]
+        )
 
     def nll_per_token(self, logits_fn, x0, scored, t_samples, generator):
-        return _nan_if_empty(elbo_nll_per_token(lambda x: logits_fn(x, None), x0, self.mask_id, t_samples, generator,
-                                                scored), scored)
+        return _nan_if_empty(
+            elbo_nll_per_token(lambda x: logits_fn(x, None), x0, self.mask_id, t_samples, generator, scored), scored
+        )
 
     def conditional_nll(self, logits_fn, x0, target, attention_mask, document_ids, mc_samples, generators, max_rows):
-        return conditional_masked_nll(lambda x, m, d: logits_fn(x, m, d, None), x0, target, self.mask_id, mc_samples,
-                                      generators, attention_mask, max_rows, document_ids)
+        return conditional_masked_nll(
+            lambda x, m, d: logits_fn(x, m, d, None),
+            x0,
+            target,
+            self.mask_id,
+            mc_samples,
+            generators,
+            attention_mask,
+            max_rows,
+            document_ids,
+        )
 
     def greedy_match(self, logits_fn, x0, target, attention_mask, document_ids):
-        return masked_greedy_match(lambda x, m, d: logits_fn(x, m, d, None), x0, target, self.mask_id,
-                                   attention_mask, self.vocab_size, document_ids)
+        return masked_greedy_match(
+            lambda x, m, d: logits_fn(x, m, d, None),
+            x0,
+            target,
+            self.mask_id,
+            attention_mask,
+            self.vocab_size,
+            document_ids,
+        )
 
-    def sample(self, logits_fn: TimedLogitsFn, prompt: torch.Tensor, length: int, settings: MaskedSampler,
-               generator=None, forbidden_ids: tuple[int, ...] = (), stats: Optional[dict] = None) -> torch.Tensor:
+    def sample(
+        self,
+        logits_fn: TimedLogitsFn,
+        prompt: torch.Tensor,
+        length: int,
+        settings: MaskedSampler,
+        generator=None,
+        forbidden_ids: tuple[int, ...] = (),
+        stats: dict | None = None,
+    ) -> torch.Tensor:
         """Iterative unmasking (LLaDA and its extensions, see `MaskedSampler`). Returns [b, p + length]."""
         if self.mask_id is None:
             raise ValueError("config.mask_token_id is not set: this export cannot run the diffusion sampler")
-        return sample_masked_diffusion(lambda x: logits_fn(x, None), prompt, length, self.mask_id, settings.steps,
-                                       vocab_limit=self.vocab_size, temperature=settings.temperature,
-                                       generator=generator, forbidden_ids=forbidden_ids, settings=settings,
-                                       eos_id=self.eos_id, stats=stats)
+        return sample_masked_diffusion(
+            lambda x: logits_fn(x, None),
+            prompt,
+            length,
+            self.mask_id,
+            settings.steps,
+            vocab_limit=self.vocab_size,
+            temperature=settings.temperature,
+            generator=generator,
+            forbidden_ids=forbidden_ids,
+            settings=settings,
+            eos_id=self.eos_id,
+            stats=stats,
+        )
 
 
 class ShiftedMaskedDiffusion(MaskedDiffusion):
@@ -255,8 +334,9 @@ class ShiftedMaskedDiffusion(MaskedDiffusion):
     def conditional_nll(self, logits_fn, x0, target, attention_mask, document_ids, mc_samples, generators, max_rows):
         if target[:, 0].any():
             raise ValueError("a difflm-shift model cannot score token 0: give it at least one context token")
-        return super().conditional_nll(logits_fn, x0, target, attention_mask, document_ids, mc_samples, generators,
-                                       max_rows)
+        return super().conditional_nll(
+            logits_fn, x0, target, attention_mask, document_ids, mc_samples, generators, max_rows
+        )
 
     def sample(self, logits_fn, prompt, length, settings, generator=None, forbidden_ids=(), stats=None):
         if prompt.shape[1] == 0:
@@ -279,8 +359,10 @@ class UniformDiffusion(Objective):
         return uniform_states(self.vocab_size, self.mask_id, self.pad_id, device or "cpu")
 
     def default_t(self, input_ids, attention_mask):
-        raise ValueError("a time-conditioned uniform-noise model needs the noise level: pass t=[b] "
-                         "(elbo_nll and diffusion_generate do)")
+        raise ValueError(
+            "a time-conditioned uniform-noise model needs the noise level: pass t=[b] "
+            "(elbo_nll and diffusion_generate do)"
+        )
 
     def prepare(self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation):
         valid = _data_positions(label_ok)
@@ -299,10 +381,18 @@ class UniformDiffusion(Objective):
             weight.append(1.0 / share if last_step else float(mixture_weight(t, self.eps)) / (1 - share))
             return (*uniform_corrupt(row, t, states, g), t)
 
-        xt, t, corrupted = _exact_noise_rows(tokens, valid, positions, generator_for, batch_size, self.eps,
-                                             antithetic or evaluation, draw)
-        return {"inputs": xt, "targets": tokens, "scored": corrupted & valid, "valid": valid, "t": t,
-                "last_step": torch.tensor(recon), "weight": torch.tensor(weight, dtype=torch.float64)}
+        xt, t, corrupted = _exact_noise_rows(
+            tokens, valid, positions, generator_for, batch_size, self.eps, antithetic or evaluation, draw
+        )
+        return {
+            "inputs": xt,
+            "targets": tokens,
+            "scored": corrupted & valid,
+            "valid": valid,
+            "t": t,
+            "last_step": torch.tensor(recon),
+            "weight": torch.tensor(weight, dtype=torch.float64),
+        }
 
     def loss_terms(self, output, prepared, evaluation):
         states = self.states(output.device)
@@ -324,8 +414,10 @@ class UniformDiffusion(Objective):
         return total.to(torch.float32), valid.sum().to(torch.int)
 
     def nll_per_token(self, logits_fn, x0, scored, t_samples, generator):
-        return _nan_if_empty(uniform_elbo_nll_per_token(logits_fn, x0, self.states(x0.device), t_samples, self.eps,
-                                                        generator, scored), scored)
+        return _nan_if_empty(
+            uniform_elbo_nll_per_token(logits_fn, x0, self.states(x0.device), t_samples, self.eps, generator, scored),
+            scored,
+        )
 
     def conditional_nll(self, logits_fn, x0, target, attention_mask, document_ids, mc_samples, generators, max_rows):
         gens = generators if isinstance(generators, (list, tuple)) else [generators] * len(x0)
@@ -334,8 +426,15 @@ class UniformDiffusion(Objective):
             rows = slice(i, i + 1)
             m = None if attention_mask is None else attention_mask[rows]
             d = None if document_ids is None else document_ids[rows]
-            per_tok = uniform_elbo_nll_per_token(lambda x, t: logits_fn(x, m, d, t), x0[rows],
-                                                 self.states(x0.device), mc_samples, self.eps, g, target[rows])
+            per_tok = uniform_elbo_nll_per_token(
+                lambda x, t, m=m, d=d: logits_fn(x, m, d, t),
+                x0[rows],
+                self.states(x0.device),
+                mc_samples,
+                self.eps,
+                g,
+                target[rows],
+            )
             out.append(per_tok.double() * int(target[i].sum()))
         return torch.cat(out)
 
@@ -343,8 +442,15 @@ class UniformDiffusion(Objective):
         """The ancestral sampler of the reverse chain (`settings.steps` steps at `settings.temperature`)."""
         if stats is not None:
             stats["nfe"] = max(1, settings.steps)  # one model call per step
-        return sample_uniform_diffusion(logits_fn, prompt, length, settings.steps, self.states(prompt.device),
-                                        temperature=settings.temperature, generator=generator)
+        return sample_uniform_diffusion(
+            logits_fn,
+            prompt,
+            length,
+            settings.steps,
+            self.states(prompt.device),
+            temperature=settings.temperature,
+            generator=generator,
+        )
 
 
 class Autoregressive(Objective):
@@ -382,8 +488,9 @@ def _nan_if_empty(per_token: torch.Tensor, scored: torch.Tensor) -> torch.Tensor
     return torch.where(empty, torch.full_like(per_token, math.nan), per_token)
 
 
-MODES: dict[str, type[Objective]] = {cls.name: cls for cls in (MaskedDiffusion, ShiftedMaskedDiffusion,
-                                                               UniformDiffusion, Autoregressive)}
+MODES: dict[str, type[Objective]] = {
+    cls.name: cls for cls in (MaskedDiffusion, ShiftedMaskedDiffusion, UniformDiffusion, Autoregressive)
+}
 
 
 def objective_class(mode: str) -> type[Objective]:

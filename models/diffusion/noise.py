@@ -41,8 +41,13 @@ def mask_tokens(
     return torch.where(masked, torch.full_like(x0, mask_id), x0), masked
 
 
-def mask_exactly(x0: torch.Tensor, counts: torch.Tensor, mask_id: int, generator: torch.Generator | None = None,
-                 valid: torch.Tensor | None = None):
+def mask_exactly(
+    x0: torch.Tensor,
+    counts: torch.Tensor,
+    mask_id: int,
+    generator: torch.Generator | None = None,
+    valid: torch.Tensor | None = None,
+):
     """Mask exactly counts[i] uniformly chosen positions of row i of x0 [b, s] (only among `valid`
     positions when given): (x_t, masked) on x0's device. The ranking stays with the draws, on the CPU: a
     tie between two draws then breaks the same way whatever the device."""

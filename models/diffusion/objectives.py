@@ -27,8 +27,9 @@ def shift_targets(x0: torch.Tensor, masked: torch.Tensor) -> tuple[torch.Tensor,
     return targets, scored
 
 
-def loss_weights(t: torch.Tensor, masked: torch.Tensor, weighting: str, lengths: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+def loss_weights(
+    t: torch.Tensor, masked: torch.Tensor, weighting: str, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-sequence weight [b]: 1/t, L/#masked (L: `lengths`, the valid tokens per row, default s), or 1.
 
     `masked_fraction` is unbiased only with exact mask counts l ~ U{1..L} (LLaDA's discrete ELBO, Eq. 6 of its
@@ -78,7 +79,9 @@ def masked_diffusion_loss(
     return total / count.clamp(min=1)
 
 
-def x0_cross_entropy_terms(token_ce: torch.Tensor, valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def x0_cross_entropy_terms(
+    token_ce: torch.Tensor, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum, count) of plain cross-entropy over every (valid) position: the AR loss, and the uniform mode's
     `loss=x0_ce` option (UDLM's simple-CE ablation: a denoiser surrogate, not a bound)."""
     if valid is None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
 
 import torch
 
@@ -11,10 +11,9 @@ from .bounds import LogitsFn, TimedLogitsFn
 from .noise import NOISE_DEVICE
 from .uniform import posterior_log_probs, state_log_probs
 
-
 # One generator for the batch, or one per row: per-row generators make a row's sample independent of the rows
 # batched with it (the scorer seeds each by its prompt). Draws are made on the CPU either way.
-Generators = Union[torch.Generator, Sequence[Optional[torch.Generator]], None]
+Generators = torch.Generator | Sequence[torch.Generator | None] | None
 
 
 def draw_multinomial(probs: torch.Tensor, generator: Generators) -> torch.Tensor:
@@ -163,8 +162,10 @@ def sample_masked_diffusion(
             nfe += 1 + (cfg.cfg_scale > 0 and p > 0)  # guidance needs a prompt to drop: one call without
             # draws only over the generated positions: a row's draws then do not depend on its (left) padding
             pred, conf = _predict(logits[:, p:], mask_id, vocab_limit, forbidden_ids, cfg, generator)
-            pred, conf = torch.cat([x[:, :p], pred], dim=1), torch.cat([torch.zeros_like(x[:, :p], dtype=conf.dtype),
-                                                                         conf], dim=1)
+            pred, conf = (
+                torch.cat([x[:, :p], pred], dim=1),
+                torch.cat([torch.zeros_like(x[:, :p], dtype=conf.dtype), conf], dim=1),
+            )
             conf = torch.where(masked, conf, torch.full_like(conf, float("-inf")))
             for i in range(b):
                 avail = int(masked[i].sum())
@@ -213,8 +214,9 @@ def _finish_at_eos(x: torch.Tensor, p: int, mask_id: int, eos_id: int) -> torch.
     """Rows whose generated part has a committed EOS with nothing masked before it: fill the rest with EOS."""
     gen = x[:, p:]
     is_eos = gen == eos_id
-    first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1), torch.full_like(is_eos[:, 0], gen.shape[1],
-                                                                                   dtype=torch.long))
+    first = torch.where(
+        is_eos.any(-1), is_eos.float().argmax(-1), torch.full_like(is_eos[:, 0], gen.shape[1], dtype=torch.long)
+    )
     pos = torch.arange(gen.shape[1], device=x.device)[None]
     before = pos < first[:, None]
     finished = is_eos.any(-1) & ~((gen == mask_id) & before).any(-1)

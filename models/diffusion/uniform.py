@@ -22,8 +22,9 @@ import math
 import torch
 
 
-def uniform_states(vocab_size: int, mask_id: int | None, pad_id: int | None,
-                   device: torch.device | str = "cpu") -> torch.Tensor:
+def uniform_states(
+    vocab_size: int, mask_id: int | None, pad_id: int | None, device: torch.device | str = "cpu"
+) -> torch.Tensor:
     """The N states of uniform-noise diffusion: every token id the data can hold (EOS included, as a training
     target must be reachable), without the mask and pad tokens. Training and the export both call this."""
     keep = torch.ones(vocab_size, dtype=torch.bool, device=device)
@@ -105,8 +106,10 @@ def posterior_log_probs(log_p: torch.Tensor, xt: torch.Tensor, t: float, s: floa
     if alpha_s >= 1.0:  # s = 0: the clean token, x_theta itself times the transition
         log_prior = log_p.float()
     else:
-        log_prior = torch.logaddexp(log_p.float() + _f32(torch.log, n * alpha_s),
-                                    torch.full_like(log_p, _f32(torch.log1p, -alpha_s), dtype=torch.float32))
+        log_prior = torch.logaddexp(
+            log_p.float() + _f32(torch.log, n * alpha_s),
+            torch.full_like(log_p, _f32(torch.log1p, -alpha_s), dtype=torch.float32),
+        )
     joint = log_keep + log_prior
     return joint - torch.logsumexp(joint, dim=-1, keepdim=True)
 

@@ -20,7 +20,6 @@ import torch
 from difflm.config import PipelineConfig
 from models import diffusion
 
-
 # What the validation number of each kind is, for logs and the CLI summary.
 KIND_LABELS = {
     "elbo": "perplexity upper bound (diffusion ELBO)",
@@ -69,8 +68,9 @@ def likelihood_bound(model, windows: torch.Tensor, cfg: PipelineConfig, batch_si
     nlls = []
     for i in range(0, len(windows), batch_size):  # the same tokens for every family: 1.. given token 0
         x0 = windows[i : i + batch_size].to(device)
-        nlls.append(model.nll_per_token(x0, t_samples=cfg.eval.t_samples, generator=gen, prefix_len=1,
-                                        eps=cfg.diffusion.eps))
+        nlls.append(
+            model.nll_per_token(x0, t_samples=cfg.eval.t_samples, generator=gen, prefix_len=1, eps=cfg.diffusion.eps)
+        )
     nll = float(torch.cat(nlls).mean())
     return EvalResult(
         nll_per_token=nll,

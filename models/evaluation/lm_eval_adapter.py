@@ -34,9 +34,19 @@ SAMPLER_ARGS = ("steps", "block_length", "remasking", "threshold", "temperature"
 
 @register_model("difflm")
 class DiffLMEval(LM):
-    def __init__(self, pretrained: str, mc_samples: int = 32, batch_size: int | str = 8, seed: int = 0,
-                 device: str | None = None, dtype: str = "float32", max_length: int | None = None,
-                 greedy: bool = True, tracking_uri: str | None = None, **kwargs):
+    def __init__(
+        self,
+        pretrained: str,
+        mc_samples: int = 32,
+        batch_size: int | str = 8,
+        seed: int = 0,
+        device: str | None = None,
+        dtype: str = "float32",
+        max_length: int | None = None,
+        greedy: bool = True,
+        tracking_uri: str | None = None,
+        **kwargs,
+    ):
         super().__init__()
         from models.evaluation.stages import load_model, load_tokenizer, resolve_device
 
@@ -46,21 +56,32 @@ class DiffLMEval(LM):
         model = load_model(folder, *resolve_device(str(device), dtype, setting="model_args "))
         unknown = set(kwargs) - set(SAMPLER_ARGS) - {"max_batch_size"}
         if unknown:
-            raise ValueError(f"unknown model_args {sorted(unknown)} for difflm: see `python -m "
-                             f"models.evaluation.lm_eval_adapter --help` and this module's docstring")
+            raise ValueError(
+                f"unknown model_args {sorted(unknown)} for difflm: see `python -m "
+                f"models.evaluation.lm_eval_adapter --help` and this module's docstring"
+            )
         self.sampler = {k: kwargs[k] for k in SAMPLER_ARGS if kwargs.get(k) is not None}
         bs = 8 if str(batch_size).startswith("auto") else int(batch_size)
-        self.scorer = Scorer(model, load_tokenizer(folder), mc_samples=int(mc_samples), batch_size=bs,
-                             seed=int(seed), max_length=max_length, greedy=bool(greedy))
+        self.scorer = Scorer(
+            model,
+            load_tokenizer(folder),
+            mc_samples=int(mc_samples),
+            batch_size=bs,
+            seed=int(seed),
+            max_length=max_length,
+            greedy=bool(greedy),
+        )
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
         bar = tqdm(total=len(requests), disable=disable_tqdm, desc="difflm loglikelihood")
         out = self.scorer.loglikelihood([r.args for r in requests], progress=bar.update)
         bar.close()
         if any(greedy is None for _, greedy in out):  # lm-eval wants a bool; say that it was not measured
-            warnings.warn(f"a {self.scorer.mode} model has no greedy order: is_greedy is not defined, reported as "
-                          "False; metrics built on it (e.g. LAMBADA's acc) are not measured for this model",
-                          stacklevel=2)
+            warnings.warn(
+                f"a {self.scorer.mode} model has no greedy order: is_greedy is not defined, reported as "
+                "False; metrics built on it (e.g. LAMBADA's acc) are not measured for this model",
+                stacklevel=2,
+            )
             out = [(ll, bool(greedy)) for ll, greedy in out]
         return out
 

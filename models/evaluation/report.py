@@ -31,8 +31,11 @@ def comparison_table(results: dict[str, dict]) -> str:
     for name, res in sorted(results.items()):
         cells = [("-" if (v := _get(res, path)) is None else fmt.format(v)) for _, path, fmt in COLUMNS]
         ts = res.get("task_settings", {})
-        rows.append(f"| {name} | {res.get('mode', '?')} | " + " | ".join(cells)
-                    + f" | {ts.get('items', '-')} / {ts.get('mc_samples', '-')} | {placement_label(res)} |")
+        rows.append(
+            f"| {name} | {res.get('mode', '?')} | "
+            + " | ".join(cells)
+            + f" | {ts.get('items', '-')} / {ts.get('mc_samples', '-')} | {placement_label(res)} |"
+        )
     return "\n".join(rows)
 
 
@@ -54,7 +57,9 @@ def write_comparison(workdir: Path, data_hash: str) -> Path:
             found[path.parent.parent.name] = res
     out = workdir / "reports" / f"data-{data_hash}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
-    note = ("Bounds: upper bounds on nats/token for diffusion modes (ELBO), exact for ar. Task NLLs are "
-            "conditional (MC ELBO for diffusion, exact for ar); every run is scored on the same items.")
+    note = (
+        "Bounds: upper bounds on nats/token for diffusion modes (ELBO), exact for ar. Task NLLs are "
+        "conditional (MC ELBO for diffusion, exact for ar); every run is scored on the same items."
+    )
     out.write_text(f"# Runs on data {data_hash}\n\n{comparison_table(found)}\n\n{note}\n")
     return out

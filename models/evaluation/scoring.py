@@ -71,14 +71,15 @@ class Scorer:
         ctx = self.encode(context)
         if whole[: len(ctx)] != ctx:  # the tokenizer merged across the boundary: encode apart
             return ctx or [self.eos], self.encode(continuation)
-        return ctx or [self.eos], whole[len(ctx):]
+        return ctx or [self.eos], whole[len(ctx) :]
 
     # ---- log-likelihood ------------------------------------------------------------------------------
     def loglikelihood(self, pairs: list[tuple[str, str]], progress=None) -> list[tuple[float, bool]]:
         return self.loglikelihood_tokens([self.split_tokens(c, x) for c, x in pairs], progress)
 
-    def loglikelihood_tokens(self, requests: list[tuple[list[int], list[int]]], progress=None
-                             ) -> list[tuple[float, bool | None]]:
+    def loglikelihood_tokens(
+        self, requests: list[tuple[list[int], list[int]]], progress=None
+    ) -> list[tuple[float, bool | None]]:
         """[(log p(cont | ctx), is_greedy)] for (context ids, continuation ids) requests, longest first in
         batches. A request longer than max_length keeps its newest context tokens; a continuation that does
         not fit at all is scored in windows (`rolling_windows`), each given the tokens before it: the chain
@@ -88,7 +89,7 @@ class Scorer:
             if not cont:
                 raise ValueError("empty continuation: nothing to score")
             if len(cont) < self.max_length:
-                parts.append((ctx[-(self.max_length - len(cont)):], cont))
+                parts.append((ctx[-(self.max_length - len(cont)) :], cont))
                 owner.append(k)
                 continue
             ids = ctx + cont
@@ -117,8 +118,9 @@ class Scorer:
         dev = self.device
         ids = torch.tensor([c + x + [self.pad] * k for (c, x), k in zip(rows, pads)], device=dev)
         attn = torch.tensor([[1] * (len(c) + len(x)) + [0] * k for (c, x), k in zip(rows, pads)], device=dev)
-        target = torch.tensor([[False] * len(c) + [True] * len(x) + [False] * k for (c, x), k in zip(rows, pads)],
-                              device=dev)
+        target = torch.tensor(
+            [[False] * len(c) + [True] * len(x) + [False] * k for (c, x), k in zip(rows, pads)], device=dev
+        )
         gens = [request_generator(self.seed, c, x) for c, x in rows]
         nll = self.model.conditional_nll(ids, target, attn, mc_samples=self.mc_samples, generators=gens)
         if self.greedy and self.objective.has_greedy:
@@ -148,8 +150,9 @@ class Scorer:
         return totals
 
     # ---- generation ----------------------------------------------------------------------------------
-    def generate(self, prompts: list[str], max_new_tokens: int, settings: MaskedSampler,
-                 until: list[str] | None = None) -> list[dict]:
+    def generate(
+        self, prompts: list[str], max_new_tokens: int, settings: MaskedSampler, until: list[str] | None = None
+    ) -> list[dict]:
         """A completion per prompt (batched, left-padded), cut at EOS and at the first `until` string.
         Each record carries the sampler settings, the model calls and the wall time of its batch.
 
@@ -157,22 +160,25 @@ class Scorer:
         each prompt keeps its newest max_length - max_new_tokens tokens. Each row draws from a generator seeded
         by (seed, its prompt tokens), so a sampled completion does not depend on the prompts batched with it."""
         if max_new_tokens >= self.max_length:
-            warnings.warn(f"max_new_tokens={max_new_tokens} does not fit the model's max_length {self.max_length} "
-                          f"with a prompt: generating {self.max_length - 1} tokens (pass a smaller max_gen_toks)",
-                          stacklevel=2)
+            warnings.warn(
+                f"max_new_tokens={max_new_tokens} does not fit the model's max_length {self.max_length} "
+                f"with a prompt: generating {self.max_length - 1} tokens (pass a smaller max_gen_toks)",
+                stacklevel=2,
+            )
             max_new_tokens = self.max_length - 1
         out = []
         for a in range(0, len(prompts), self.batch_size):
             batch = prompts[a : a + self.batch_size]
-            encoded = [self.encode(p)[-(self.max_length - max_new_tokens):] or [self.eos] for p in batch]
+            encoded = [self.encode(p)[-(self.max_length - max_new_tokens) :] or [self.eos] for p in batch]
             width = max(map(len, encoded))
             ids = torch.tensor([[self.pad] * (width - len(e)) + e for e in encoded], device=self.device)
             attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=self.device)
             gens = [request_generator(self.seed, e) for e in encoded]  # noise is drawn on the CPU, per row
             stats: dict = {}
             t0 = time.perf_counter()
-            seq = self.model.generate_continuation(ids, max_new_tokens, settings, gens, attention_mask=attn,
-                                                   forbidden_ids=(self.pad,), stats=stats)
+            seq = self.model.generate_continuation(
+                ids, max_new_tokens, settings, gens, attention_mask=attn, forbidden_ids=(self.pad,), stats=stats
+            )
             seconds = time.perf_counter() - t0
             for row, prompt in enumerate(batch):
                 new = seq[row, width:].tolist()
@@ -181,8 +187,19 @@ class Scorer:
                 for stop in until or []:
                     if stop and stop in text:
                         text = text[: text.index(stop)]
-                out.append({"prompt": prompt, "completion": text, "tokens": len(tokens),
-                            "model_calls": stats.get("nfe"), "seconds": seconds / len(batch),
-                            "sampler": {**asdict(settings), "max_new_tokens": max_new_tokens,
-                                        "mode": self.mode, "seed": self.seed}})
+                out.append(
+                    {
+                        "prompt": prompt,
+                        "completion": text,
+                        "tokens": len(tokens),
+                        "model_calls": stats.get("nfe"),
+                        "seconds": seconds / len(batch),
+                        "sampler": {
+                            **asdict(settings),
+                            "max_new_tokens": max_new_tokens,
+                            "mode": self.mode,
+                            "seed": self.seed,
+                        },
+                    }
+                )
         return out

@@ -28,9 +28,11 @@ def resolve_export(source: str, tracking_uri: str | None = None) -> Path:
     if (run.hf / "config.json").exists():
         return run.hf
     if run.checkpoints.is_dir():
-        raise SourceError(f"{path} is a run directory without an HF export (hf/): finish it with `difflm run` "
-                          "and the same preset and overrides, which exports the last checkpoint, or export its newest "
-                          f"checkpoint with `difflm convert {path}` and evaluate that folder")
+        raise SourceError(
+            f"{path} is a run directory without an HF export (hf/): finish it with `difflm run` "
+            "and the same preset and overrides, which exports the last checkpoint, or export its newest "
+            f"checkpoint with `difflm convert {path}` and evaluate that folder"
+        )
     raise SourceError(f"{source}: not an export folder (config.json), a run directory (hf/) or models:/name/version")
 
 

@@ -36,8 +36,9 @@ class EvaluationError(UserError, ValueError):
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_device(device: str = "auto", dtype: str = "auto",
-                   setting: str = "eval.") -> tuple[torch.device, torch.dtype]:
+def resolve_device(
+    device: str = "auto", dtype: str = "auto", setting: str = "eval."
+) -> tuple[torch.device, torch.dtype]:
     """(device, dtype) to evaluate on, from eval.device and eval.dtype: auto is CUDA when torch sees a GPU,
     else the CPU; dtype auto is bfloat16 on CUDA, float32 on the CPU. EvaluationError for a GPU that this
     machine does not have: raised when a model is loaded, so one config serves GPU and CPU machines alike.
@@ -47,13 +48,20 @@ def resolve_device(device: str = "auto", dtype: str = "auto",
     has_cuda = torch.cuda.is_available()
     dev = torch.device(("cuda" if has_cuda else "cpu") if device == "auto" else device)
     if dev.type == "cuda" and not has_cuda:
-        why = ("this torch build has no CUDA (a CPU wheel)" if torch.version.cuda is None
-               else "torch sees no GPU (driver, CUDA_VISIBLE_DEVICES?)")
-        raise EvaluationError(f"{setting}device={device}, but {why}: set {setting}device=auto (the GPU when "
-                              f"there is one, else the CPU) or {setting}device=cpu")
+        why = (
+            "this torch build has no CUDA (a CPU wheel)"
+            if torch.version.cuda is None
+            else "torch sees no GPU (driver, CUDA_VISIBLE_DEVICES?)"
+        )
+        raise EvaluationError(
+            f"{setting}device={device}, but {why}: set {setting}device=auto (the GPU when "
+            f"there is one, else the CPU) or {setting}device=cpu"
+        )
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise EvaluationError(f"{setting}device={device}, but torch sees {torch.cuda.device_count()} GPU(s): "
-                              f"set {setting}device=cuda (the current one) or cuda:<index below the count>")
+        raise EvaluationError(
+            f"{setting}device={device}, but torch sees {torch.cuda.device_count()} GPU(s): "
+            f"set {setting}device=cuda (the current one) or cuda:<index below the count>"
+        )
     if dtype == "auto":
         return dev, torch.bfloat16 if dev.type == "cuda" else torch.float32
     return dev, DTYPES[dtype]
@@ -98,11 +106,13 @@ def check_tokenizer(model, manifest: dict, hf_dir: Path) -> None:
             f"{hf_dir} was trained with another tokenizer (vocab {model.config.real_vocab_size}, mask id "
             f"{model.config.mask_token_id}) than this config's data (vocab {tok['vocab_size']}, mask id "
             f"{tok['mask_id']}): evaluate it on its run's own data (no --preset: the run's config.yaml), or read "
-            f"other data through its tokenizer (tokenizer.path={hf_dir})")
+            f"other data through its tokenizer (tokenizer.path={hf_dir})"
+        )
 
 
-def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: Path | None = None,
-                    untrained: bool = True) -> dict:
+def evaluate_export(
+    cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: Path | None = None, untrained: bool = True
+) -> dict:
     """Likelihood bound of the trained (and an untrained, freshly initialised) model, the tasks built from
     the held-out split, and samples; written to `out_dir` (default: `default_out_dir`) with the lm-eval task
     files of the same items, and the comparison report of every run on the same data updated."""
@@ -112,8 +122,9 @@ def evaluate_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: 
     device, dtype = eval_device(e)
     model, tok = load_model(hf_dir, device, dtype), load_tokenizer(hf_dir)
     check_tokenizer(model, manifest, hf_dir)
-    windows = validation_windows(manifest, min(cfg.train.seq_length, model.config.max_position_embeddings),
-                                 e.max_sequences)
+    windows = validation_windows(
+        manifest, min(cfg.train.seq_length, model.config.max_position_embeddings), e.max_sequences
+    )
     bounds = {"trained": likelihood_bound(model, windows, cfg).to_dict()}
     if untrained:
         torch.manual_seed(cfg.train.seed)  # the same init distribution as training, weights never updated
@@ -168,12 +179,21 @@ def sweep_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: Pat
     if not e.steps_sweep or not model.objective.unmasks:
         return []
     items = build_items(heldout_documents(manifest, tok), e.task_items or 32, e.seed)["cloze"]
-    rows = sweep_steps(Scorer(model, tok, seed=e.seed), items, sampler_settings(e), sorted(e.steps_sweep),
-                       new_tokens=max(e.steps_sweep))
+    rows = sweep_steps(
+        Scorer(model, tok, seed=e.seed),
+        items,
+        sampler_settings(e),
+        sorted(e.steps_sweep),
+        new_tokens=max(e.steps_sweep),
+    )
     where = placement(model)
     rows = [{**r, **where} for r in rows]  # tokens/s means nothing without the hardware and precision
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "sweep.json").write_text(json.dumps(rows, indent=2))
-    plot_sweep(rows, out_dir / "sweep.png", f"{model.config.model_running_mode} on {where['device_name']} "
-               f"({where['dtype']}): quality and speed against steps")
+    plot_sweep(
+        rows,
+        out_dir / "sweep.png",
+        f"{model.config.model_running_mode} on {where['device_name']} "
+        f"({where['dtype']}): quality and speed against steps",
+    )
     return rows

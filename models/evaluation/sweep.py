@@ -28,12 +28,20 @@ def measure_sampler(scorer, items: list[dict], settings: MaskedSampler, new_toke
     hits = [first_word(r["completion"]) == it["target"].lower() for r, it in zip(records, items)]
     calls = [r["model_calls"] or 0 for r in records]
     # model_calls is per batch; every item of a batch shares it
-    return {"accuracy": sum(hits) / max(len(hits), 1), "tokens_per_s": len(items) * new_tokens / seconds,
-            "model_calls": sum(calls) / max(len(calls), 1), "seconds": seconds, "items": len(items),
-            "new_tokens": new_tokens, "sampler": asdict(settings)}
+    return {
+        "accuracy": sum(hits) / max(len(hits), 1),
+        "tokens_per_s": len(items) * new_tokens / seconds,
+        "model_calls": sum(calls) / max(len(calls), 1),
+        "seconds": seconds,
+        "items": len(items),
+        "new_tokens": new_tokens,
+        "sampler": asdict(settings),
+    }
 
 
 def sweep_steps(scorer, items: list[dict], base: MaskedSampler, steps: list[int], new_tokens: int = 4) -> list[dict]:
     """measure_sampler at each number of steps (threshold off: the steps are what varies)."""
-    return [{"steps": k, **measure_sampler(scorer, items, replace(base, steps=k, threshold=None), new_tokens)}
-            for k in steps]
+    return [
+        {"steps": k, **measure_sampler(scorer, items, replace(base, steps=k, threshold=None), new_tokens)}
+        for k in steps
+    ]

@@ -64,8 +64,9 @@ def cloze_items(docs: list[str], n: int, seed: int, context_words: int = 40, min
     return items
 
 
-def choice_items(docs: list[str], n: int, seed: int, context_words: int = 32, continuation_words: int = 8,
-                 choices: int = 4) -> list[dict]:
+def choice_items(
+    docs: list[str], n: int, seed: int, context_words: int = 32, continuation_words: int = 8, choices: int = 4
+) -> list[dict]:
     """Up to n items {context, choices, gold}: the true continuation among `choices` - 1 from other documents."""
     rng = random.Random(seed)
     span = context_words + continuation_words
@@ -113,8 +114,11 @@ def document_items(docs: list[str], n: int, max_words: int = 200) -> list[dict]:
 
 
 def build_items(docs: list[str], n_items: int, seed: int) -> dict[str, list[dict]]:
-    return {"cloze": cloze_items(docs, n_items, seed), "choice": choice_items(docs, n_items, seed),
-            "documents": document_items(docs, min(n_items, 16))}
+    return {
+        "cloze": cloze_items(docs, n_items, seed),
+        "choice": choice_items(docs, n_items, seed),
+        "documents": document_items(docs, min(n_items, 16)),
+    }
 
 
 # ---- scoring ------------------------------------------------------------------------------------------
@@ -144,8 +148,13 @@ def score_choice(scorer, items: list[dict]) -> dict:
         acc.append(int(np.argmax(ll)) == it["gold"])
         acc_norm.append(int(np.argmax(per_byte)) == it["gold"])
         nll.append(-ll[it["gold"]])
-    return {"acc": float(np.mean(acc)), "acc_norm": float(np.mean(acc_norm)), "nll": float(np.mean(nll)),
-            "items": len(items), "chance": 1.0 / len(items[0]["choices"]) if items else math.nan}
+    return {
+        "acc": float(np.mean(acc)),
+        "acc_norm": float(np.mean(acc_norm)),
+        "nll": float(np.mean(nll)),
+        "items": len(items),
+        "chance": 1.0 / len(items[0]["choices"]) if items else math.nan,
+    }
 
 
 def score_documents(scorer, items: list[dict]) -> dict:
@@ -154,8 +163,11 @@ def score_documents(scorer, items: list[dict]) -> dict:
     lls = scorer.loglikelihood_rolling(texts)
     n_bytes = sum(len(t.encode()) for t in texts)
     n_tokens = sum(len(scorer.encode(t)) for t in texts)
-    return {"bits_per_byte": -sum(lls) / math.log(2) / n_bytes, "nll_per_token": -sum(lls) / n_tokens,
-            "items": len(items)}
+    return {
+        "bits_per_byte": -sum(lls) / math.log(2) / n_bytes,
+        "nll_per_token": -sum(lls) / n_tokens,
+        "items": len(items),
+    }
 
 
 SCORERS = {"cloze": score_cloze, "choice": score_choice, "documents": score_documents}
@@ -167,24 +179,57 @@ def score_tasks(scorer, tasks: dict[str, list[dict]]) -> dict[str, dict]:
 
 # ---- the same items for lm-eval -------------------------------------------------------------------------
 
+
 def _task_yaml(task: str, data: Path) -> dict:
     """lm-eval task configs over our JSONL items (lm-eval adds target_delimiter " " before targets/choices)."""
-    base = {"task": f"difflm_{task}", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(data)}},
-            "test_split": "test", "doc_to_text": "{{context}}"}
+    base = {
+        "task": f"difflm_{task}",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}},
+        "test_split": "test",
+        "doc_to_text": "{{context}}",
+    }
     acc = {"metric": "acc", "aggregation": "mean", "higher_is_better": True}
     if task == "cloze":
-        return {**base, "output_type": "loglikelihood", "doc_to_target": "{{target}}", "metric_list": [
-            acc, {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False}]}
+        return {
+            **base,
+            "output_type": "loglikelihood",
+            "doc_to_target": "{{target}}",
+            "metric_list": [acc, {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False}],
+        }
     if task == "cloze_gen":
-        return {**base, "output_type": "generate_until", "doc_to_target": "{{target}}", "target_delimiter": " ",
-                "generation_kwargs": {"until": [".", "\n", ",", ";"], "max_gen_toks": 6},
-                "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
-                                 "ignore_case": True, "ignore_punctuation": True, "regexes_to_ignore": ["\\s"]}]}
+        return {
+            **base,
+            "output_type": "generate_until",
+            "doc_to_target": "{{target}}",
+            "target_delimiter": " ",
+            "generation_kwargs": {"until": [".", "\n", ",", ";"], "max_gen_toks": 6},
+            "metric_list": [
+                {
+                    "metric": "exact_match",
+                    "aggregation": "mean",
+                    "higher_is_better": True,
+                    "ignore_case": True,
+                    "ignore_punctuation": True,
+                    "regexes_to_ignore": ["\\s"],
+                }
+            ],
+        }
     if task == "documents":
-        return {**base, "output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
-                "metric_list": [{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")]}
-    return {**base, "output_type": "multiple_choice", "doc_to_choice": "{{choices}}", "doc_to_target": "gold",
-            "metric_list": [acc, {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]}
+        return {
+            **base,
+            "output_type": "loglikelihood_rolling",
+            "doc_to_text": "",
+            "doc_to_target": "{{text}}",
+            "metric_list": [{"metric": m} for m in ("word_perplexity", "byte_perplexity", "bits_per_byte")],
+        }
+    return {
+        **base,
+        "output_type": "multiple_choice",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "gold",
+        "metric_list": [acc, {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}],
+    }
 
 
 def write_lm_eval_tasks(tasks: dict[str, list[dict]], out_dir: Path) -> Path:
@@ -195,5 +240,7 @@ def write_lm_eval_tasks(tasks: dict[str, list[dict]], out_dir: Path) -> Path:
         data = out_dir / f"{name}.jsonl"
         data.write_text("".join(json.dumps(it) + "\n" for it in items))
         for task in [name, *(["cloze_gen"] if name == "cloze" else [])]:
-            (out_dir / f"difflm_{task}.yaml").write_text(yaml.safe_dump(_task_yaml(task, data.resolve()), sort_keys=False))
+            (out_dir / f"difflm_{task}.yaml").write_text(
+                yaml.safe_dump(_task_yaml(task, data.resolve()), sort_keys=False)
+            )
     return out_dir

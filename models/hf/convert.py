@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from models.diffusion.modes import objective_class
 from difflm.config import PipelineConfig
 from difflm.errors import UserError
 from difflm.rundir import EXPORT_MARKER
+from models.diffusion.modes import objective_class
 
 
 class ConversionError(UserError, RuntimeError):
@@ -30,14 +30,16 @@ class ConversionError(UserError, RuntimeError):
 # adaLN norms: megatron's local spec renames "input_layernorm." to "self_attention.linear_qkv.layer_norm_" (TE
 # naming) in checkpoints, so their modulation MLPs land under that prefix too
 _ADALN_PREFIXES = ("input_layernorm.modulation.", "pre_mlp_layernorm.modulation.")
-_ADALN_RENAMES = {"self_attention.linear_qkv.layer_norm_modulation.": "input_layernorm.modulation.",
-                  "mlp.linear_fc1.layer_norm_modulation.": "pre_mlp_layernorm.modulation."}
+_ADALN_RENAMES = {
+    "self_attention.linear_qkv.layer_norm_modulation.": "input_layernorm.modulation.",
+    "mlp.linear_fc1.layer_norm_modulation.": "pre_mlp_layernorm.modulation.",
+}
 
 
 def _adaln_key(sub: str) -> str:
     for theirs, ours in _ADALN_RENAMES.items():
         if sub.startswith(theirs):
-            return ours + sub[len(theirs):]
+            return ours + sub[len(theirs) :]
     return sub
 
 
@@ -111,7 +113,7 @@ def to_hf_state_dict(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         elif key.startswith("time_embedding."):  # same module, same names on both sides
             out[key] = tensor
         elif key.startswith("decoder.layers."):
-            sub = _adaln_key(key[len("decoder.layers."):])
+            sub = _adaln_key(key[len("decoder.layers.") :])
             if sub not in _LAYER_KEYS and not sub.startswith(_ADALN_PREFIXES):
                 raise ConversionError(f"no mapping for megatron tensor {key!r}")
             for i in range(tensor.shape[0]):
@@ -159,7 +161,9 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
     )
 
 
-def export_hf(cfg: PipelineConfig, tokenizer: dict, ckpt_dir: Path, out_dir: Path, provenance: dict | None = None) -> Path:
+def export_hf(
+    cfg: PipelineConfig, tokenizer: dict, ckpt_dir: Path, out_dir: Path, provenance: dict | None = None
+) -> Path:
     """Write the HF folder for `ckpt_dir` into `out_dir` (replaced atomically); returns out_dir."""
     from models.hf.modeling_difflm import DiffLMForMaskedLM
 
@@ -181,8 +185,10 @@ def check_replaceable(out_dir: Path, kind: str) -> None:
     if out_dir.is_dir() and (out_dir / marker).exists():
         return
     what = "an HF export" if kind == "hf" else "a megatron checkpoint"
-    raise ConversionError(f"{out_dir} exists and is not {what} written before (no {marker}): it would be "
-                          f"replaced, so nothing was written; pass a new or empty folder as the output")
+    raise ConversionError(
+        f"{out_dir} exists and is not {what} written before (no {marker}): it would be "
+        f"replaced, so nothing was written; pass a new or empty folder as the output"
+    )
 
 
 def save_export(model, tokenizer_dir: Path, out_dir: Path, meta: dict) -> Path:
@@ -227,7 +233,7 @@ def _local_key(hf_key: str) -> str:
         _, idx, rest = hf_key.split(".", 2)
         for ours, theirs in _HF_TO_LOCAL.items():
             if rest.startswith(ours + "."):
-                rest = theirs + rest[len(ours):]
+                rest = theirs + rest[len(ours) :]
         return f"decoder.layers.{idx}.{rest}"
     return hf_key  # output_layer.*, time_embedding.*
 
@@ -235,17 +241,33 @@ def _local_key(hf_key: str) -> str:
 def _check_compatible(cfg: PipelineConfig, hf_cfg: dict, tokenizer: dict) -> None:
     want = hf_config(cfg, tokenizer).to_dict()
     # the TRUE vocabulary, not the padded one: padding depends on the TP size of the run that wrote it
-    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-            "gated_mlp", "normalization", "qk_layernorm", "tie_word_embeddings", "time_embedding", "real_vocab_size",
-            "time_conditioning")
+    keys = (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "gated_mlp",
+        "normalization",
+        "qk_layernorm",
+        "tie_word_embeddings",
+        "time_embedding",
+        "real_vocab_size",
+        "time_conditioning",
+    )
     if not want.get("time_embedding"):  # how t would enter matters only when it does
         keys = keys[:-1]
-    diff = {k: (hf_cfg.get(k, "input" if k == "time_conditioning" else None), want.get(k))
-            for k in keys if hf_cfg.get(k, "input" if k == "time_conditioning" else None) != want.get(k)}
+    diff = {
+        k: (hf_cfg.get(k, "input" if k == "time_conditioning" else None), want.get(k))
+        for k in keys
+        if hf_cfg.get(k, "input" if k == "time_conditioning" else None) != want.get(k)
+    }
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
-        raise ConversionError(f"the HF checkpoint does not match the model config ({detail}); set the model.* / "
-                              f"diffusion.* fields to the checkpoint's values")
+        raise ConversionError(
+            f"the HF checkpoint does not match the model config ({detail}); set the model.* / "
+            f"diffusion.* fields to the checkpoint's values"
+        )
 
 
 def repad_vocab(weights: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
@@ -286,8 +308,13 @@ def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict)
         if owned:
             parallel_state.initialize_model_parallel(1, 1)
             tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
-        single = cfg.model_copy(update={"parallel": cfg.parallel.model_copy(
-            update={"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})})
+        single = cfg.model_copy(
+            update={
+                "parallel": cfg.parallel.model_copy(
+                    update={"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}
+                )
+            }
+        )
         try:
             _save_megatron(build_model(single, tokenizer["vocab_size"], padded_vocab=rows), weights, out_dir)
         finally:  # its groups die with this process group: leave no parallel state pointing at them
@@ -302,8 +329,9 @@ def _save_megatron(model, weights: dict, out_dir: Path) -> None:
     expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     missing, unexpected = expected - weights.keys(), weights.keys() - expected
     if missing or unexpected:
-        raise ConversionError(f"HF weights do not fit the megatron model: missing {sorted(missing)}, "
-                              f"unexpected {sorted(unexpected)}")
+        raise ConversionError(
+            f"HF weights do not fit the megatron model: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+        )
     model.load_state_dict(weights, strict=False)
     tmp = out_dir.with_name(out_dir.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -16,14 +16,15 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
 
-from .configuration_difflm import DiffLMConfig
 # In an export folder these read `from .bounds import ...` and so on: `convert.export_code` rewrites the
 # `..diffusion.` prefix when it copies this file next to the diffusion modules.
-from ..diffusion.documents import document_attention_mask, document_ids as eos_document_ids
+from ..diffusion.documents import document_attention_mask
+from ..diffusion.documents import document_ids as eos_document_ids
 from ..diffusion.modes import Objective
 from ..diffusion.samplers import MaskedSampler, draw_multinomial, filter_logits
 from ..diffusion.time_embedding import AdaLNorm, TimeEmbedding
 from ..diffusion.uniform import uniform_states
+from .configuration_difflm import DiffLMConfig
 
 
 def _norm(config: DiffLMConfig, dim: int) -> nn.Module:
@@ -57,8 +58,14 @@ class Attention(nn.Module):
         self.q_norm = _norm(config, self.head_dim) if config.qk_layernorm else None
         self.k_norm = _norm(config, self.head_dim) if config.qk_layernorm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None,
-                cache: dict | None = None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        cache: dict | None = None,
+    ):
         b, s, _ = x.shape
         per_group = self.n_heads // self.n_groups
         qkv = self.linear_qkv(x).view(b, s, self.n_groups, (per_group + 2) * self.head_dim)
@@ -104,8 +111,11 @@ class Block(nn.Module):
     def __init__(self, config: DiffLMConfig):
         super().__init__()
         self.adaln = _uses_adaln(config)
-        norm = (lambda: AdaLNorm(config.hidden_size, config.norm_eps, config.normalization)) if self.adaln else (
-            lambda: _norm(config, config.hidden_size))
+        norm = (
+            (lambda: AdaLNorm(config.hidden_size, config.norm_eps, config.normalization))
+            if self.adaln
+            else (lambda: _norm(config, config.hidden_size))
+        )
         self.input_layernorm = norm()
         self.self_attention = Attention(config)
         self.pre_mlp_layernorm = norm()
@@ -131,8 +141,9 @@ class DiffLMForMaskedLM(PreTrainedModel):
     def __init__(self, config: DiffLMConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.time_embedding = (TimeEmbedding(config.hidden_size)
-                               if config.time_embedding and not _uses_adaln(config) else None)
+        self.time_embedding = (
+            TimeEmbedding(config.hidden_size) if config.time_embedding and not _uses_adaln(config) else None
+        )
         self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
         self.final_layernorm = _norm(config, config.hidden_size)
         # Tied: logits reuse the embedding matrix, so there is no lm_head parameter to keep in sync.
@@ -146,9 +157,15 @@ class DiffLMForMaskedLM(PreTrainedModel):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=std)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                t: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
-                past_key_values: list[dict] | None = None, **_) -> MaskedLMOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        t: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        past_key_values: list[dict] | None = None,
+        **_,
+    ) -> MaskedLMOutput:
         """Logits [b, s, v]. `t` [b] is the noise level for time-conditioned models: required in uniform
         mode (its inputs do not reveal t); masked modes default to the fraction of mask tokens among the
         non-padding positions (the quantity t is the expectation of in training). `document_ids` [b, s]
@@ -162,8 +179,9 @@ class DiffLMForMaskedLM(PreTrainedModel):
             t = (self._default_t(input_ids, attention_mask) if t is None else t).to(x.device)
         if self.time_embedding is not None:
             x = x + self.time_embedding(t)[:, None].to(x.dtype)
-        cos, sin = _rope(offset + s, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta,
-                         x.device)
+        cos, sin = _rope(
+            offset + s, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta, x.device
+        )
         cos, sin = cos[offset:], sin[offset:]
         # computed in fp32, applied in the activation dtype as megatron's local RoPE does (bit-identical in fp32);
         # fp32 tables in a bf16 model would promote q and k but not v, and SDPA refuses mixed dtypes
@@ -205,17 +223,24 @@ class DiffLMForMaskedLM(PreTrainedModel):
             return eos_document_ids(tokens, self.config.eos_token_id)
         return document_ids
 
-    def _logits(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None, t: torch.Tensor | None = None,
-                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def _logits(
+        self,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        t: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits aligned with the positions they predict (the objective undoes difflm-shift's shift, so position
         0 of a shifted model has no logit of its own: callers never mask or score it)."""
         return self.objective.align_logits(
-            self(tokens, attention_mask=attention_mask, t=t, document_ids=document_ids).logits)
+            self(tokens, attention_mask=attention_mask, t=t, document_ids=document_ids).logits
+        )
 
     def uniform_states(self) -> torch.Tensor:
         """Token ids uniform noise draws from (the same function training uses), on the model's device."""
-        return uniform_states(self.config.real_vocab_size, self.config.mask_token_id, self.config.pad_token_id,
-                              self.device)
+        return uniform_states(
+            self.config.real_vocab_size, self.config.mask_token_id, self.config.pad_token_id, self.device
+        )
 
     def _on_device(self, *tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         """The helpers' inputs on the model's device: every tensor they derive then lands there too."""
@@ -226,53 +251,98 @@ class DiffLMForMaskedLM(PreTrainedModel):
             raise ValueError(f"{what} does not apply to a {self.mode!r} model: {instead}")
 
     @torch.no_grad()
-    def diffusion_generate(self, prompt_ids: torch.Tensor, length: int, steps: int, temperature: float = 0.0,
-                           generator: torch.Generator | None = None, forbidden_ids: tuple[int, ...] = (),
-                           attention_mask: torch.Tensor | None = None, document_ids: torch.Tensor | None = None,
-                           settings: MaskedSampler | None = None, stats: dict | None = None):
+    def diffusion_generate(
+        self,
+        prompt_ids: torch.Tensor,
+        length: int,
+        steps: int,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+        forbidden_ids: tuple[int, ...] = (),
+        attention_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        settings: MaskedSampler | None = None,
+        stats: dict | None = None,
+    ):
         """Diffusion generation of `length` tokens after `prompt_ids` [b, p]: iterative unmasking for
         masked modes, the posterior (ancestral) sampler for difflm-noshift-uniform. Prompts of different
         lengths go LEFT-padded with their `attention_mask` (padding is never attended to; RoPE is relative,
         so the shift changes nothing). `settings` (masked modes): blocks, remasking rule, threshold decoding,
         top-k/top-p, guidance, stop at EOS (then `steps` and `temperature` are taken from it). `stats`
         receives the number of model calls. Returns [b, p + length]."""
-        self._require("diffusion_generate", self.objective.bidirectional,
-                      "sample an autoregressive model token by token (ar_generate; `generate_continuation` picks)")
+        self._require(
+            "diffusion_generate",
+            self.objective.bidirectional,
+            "sample an autoregressive model token by token (ar_generate; `generate_continuation` picks)",
+        )
         prompt_ids, attention_mask, document_ids = self._on_device(prompt_ids, attention_mask, document_ids)
         b, p = prompt_ids.shape
         mask = None
         if attention_mask is not None:
             if p and not attention_mask[:, -1].bool().all():
                 raise ValueError("prompts must be LEFT-padded for generation: set tokenizer.padding_side = 'left'")
-            mask = torch.cat([attention_mask.bool(), torch.ones(b, length, dtype=torch.bool,
-                                                                 device=attention_mask.device)], dim=1)
+            mask = torch.cat(
+                [attention_mask.bool(), torch.ones(b, length, dtype=torch.bool, device=attention_mask.device)], dim=1
+            )
         docs = self._documents(prompt_ids, document_ids) if p else None
         if docs is not None:  # the continuation belongs to the prompt's last document
             docs = torch.cat([docs, docs[:, -1:].expand(b, length)], dim=1)
         settings = settings or MaskedSampler(steps=steps, temperature=temperature, stop_at_eos=False)
-        return self.objective.sample(lambda x, t: self._logits(x, mask, t, docs), prompt_ids, length, settings,
-                                     generator, forbidden_ids, stats)
+        return self.objective.sample(
+            lambda x, t: self._logits(x, mask, t, docs), prompt_ids, length, settings, generator, forbidden_ids, stats
+        )
 
     @torch.no_grad()
-    def generate_continuation(self, prompt_ids: torch.Tensor, max_new_tokens: int, settings: MaskedSampler,
-                              generator: torch.Generator | None = None, attention_mask: torch.Tensor | None = None,
-                              forbidden_ids: tuple[int, ...] = (), stats: dict | None = None) -> torch.Tensor:
+    def generate_continuation(
+        self,
+        prompt_ids: torch.Tensor,
+        max_new_tokens: int,
+        settings: MaskedSampler,
+        generator: torch.Generator | None = None,
+        attention_mask: torch.Tensor | None = None,
+        forbidden_ids: tuple[int, ...] = (),
+        stats: dict | None = None,
+    ) -> torch.Tensor:
         """`max_new_tokens` after LEFT-padded prompts with this model's own sampler: token by token with a cache
         for a causal model, the objective's diffusion sampler otherwise. `stats` gets the model calls (`nfe`)."""
         if self.objective.bidirectional:
-            return self.diffusion_generate(prompt_ids, max_new_tokens, settings.steps, settings.temperature, generator,
-                                           forbidden_ids=forbidden_ids, attention_mask=attention_mask,
-                                           settings=settings, stats=stats)
-        seq = self.ar_generate(prompt_ids, max_new_tokens, settings.temperature, settings.top_k, settings.top_p,
-                               generator, attention_mask=attention_mask, stop_at_eos=settings.stop_at_eos)
+            return self.diffusion_generate(
+                prompt_ids,
+                max_new_tokens,
+                settings.steps,
+                settings.temperature,
+                generator,
+                forbidden_ids=forbidden_ids,
+                attention_mask=attention_mask,
+                settings=settings,
+                stats=stats,
+            )
+        seq = self.ar_generate(
+            prompt_ids,
+            max_new_tokens,
+            settings.temperature,
+            settings.top_k,
+            settings.top_p,
+            generator,
+            attention_mask=attention_mask,
+            stop_at_eos=settings.stop_at_eos,
+        )
         if stats is not None:
             stats["nfe"] = seq.shape[1] - prompt_ids.shape[1]
         return seq
 
     @torch.no_grad()
-    def ar_generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 0.0,
-                    top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
-                    attention_mask: torch.Tensor | None = None, stop_at_eos: bool = True) -> torch.Tensor:
+    def ar_generate(
+        self,
+        prompt_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        generator: torch.Generator | None = None,
+        attention_mask: torch.Tensor | None = None,
+        stop_at_eos: bool = True,
+    ) -> torch.Tensor:
         """Token-by-token decoding of an `ar` model with a key/value cache: greedy (temperature 0) or sampled
         with top-k/top-p. LEFT-padded prompts with their `attention_mask`. Rows that produced EOS continue
         with EOS; decoding ends when every row has (stop_at_eos). Returns [b, p + n], n <= max_new_tokens."""
@@ -310,8 +380,15 @@ class DiffLMForMaskedLM(PreTrainedModel):
         return self._logits(x, m, t, d)
 
     @torch.no_grad()
-    def conditional_nll(self, input_ids: torch.Tensor, target: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                        mc_samples: int = 32, generators=None, max_rows: int = 64) -> torch.Tensor:
+    def conditional_nll(
+        self,
+        input_ids: torch.Tensor,
+        target: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        mc_samples: int = 32,
+        generators=None,
+        max_rows: int = 64,
+    ) -> torch.Tensor:
         """-log p(continuation | context) in nats per row [b] (float64): `target` [b, s] marks the continuation,
         the other attended positions are its context. Exact for ar; for masked modes the Monte-Carlo
         conditional ELBO (an upper bound, `mc_samples` draws; pass one seeded generator per row for
@@ -319,23 +396,40 @@ class DiffLMForMaskedLM(PreTrainedModel):
         trained with document attention is scored with training's document segmentation."""
         input_ids, target, attention_mask = self._on_device(input_ids, target, attention_mask)
         target = target.bool() & (attention_mask.bool() if attention_mask is not None else True)
-        return self.objective.conditional_nll(self._row_logits, input_ids, target, attention_mask,
-                                              self._documents(input_ids, None), mc_samples, generators, max_rows)
+        return self.objective.conditional_nll(
+            self._row_logits,
+            input_ids,
+            target,
+            attention_mask,
+            self._documents(input_ids, None),
+            mc_samples,
+            generators,
+            max_rows,
+        )
 
     @torch.no_grad()
-    def greedy_match(self, input_ids: torch.Tensor, target: torch.Tensor,
-                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def greedy_match(
+        self, input_ids: torch.Tensor, target: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Would greedy decoding produce the continuation (`target` positions) from the context? [b] bool.
         ar: the argmax at every step; masked modes: greedy low-confidence decoding, one token per step."""
         self._require("greedy_match", self.objective.has_greedy, "uniform-noise models have no greedy order")
         input_ids, target, attention_mask = self._on_device(input_ids, target, attention_mask)
-        return self.objective.greedy_match(self._row_logits, input_ids, target.bool(), attention_mask,
-                                           self._documents(input_ids, None))
+        return self.objective.greedy_match(
+            self._row_logits, input_ids, target.bool(), attention_mask, self._documents(input_ids, None)
+        )
 
     @torch.no_grad()
-    def elbo_nll(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, t_samples: int = 8,
-                 generator: torch.Generator | None = None, prefix_len: int = 0,
-                 document_ids: torch.Tensor | None = None, eps: float | None = None):
+    def elbo_nll(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        t_samples: int = 8,
+        generator: torch.Generator | None = None,
+        prefix_len: int = 0,
+        document_ids: torch.Tensor | None = None,
+        eps: float | None = None,
+    ):
         """Upper bound of the NLL per scored token (nats) of each sequence [b], for any diffusion mode.
 
         Padding (attention_mask 0) is neither scored nor attended to; the first `prefix_len` tokens are
@@ -343,26 +437,45 @@ class DiffLMForMaskedLM(PreTrainedModel):
         always conditions on token 0. `eps` (uniform noise): the smallest noise level, default the trained one.
         A Monte-Carlo estimate: pass a seeded `generator` to make it reproducible. NaN for a row with nothing
         to score."""
-        self._require("elbo_nll", not self.objective.exact,
-                      "its exact likelihood is model.ar_nll(input_ids, attention_mask)")
+        self._require(
+            "elbo_nll", not self.objective.exact, "its exact likelihood is model.ar_nll(input_ids, attention_mask)"
+        )
         return self.nll_per_token(input_ids, attention_mask, t_samples, generator, prefix_len, document_ids, eps)
 
     @torch.no_grad()
-    def ar_nll(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               document_ids: torch.Tensor | None = None):
+    def ar_nll(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ):
         """Exact NLL per scored token (nats) of each sequence [b] for an `ar` model: tokens 1.. given their
         prefix (right padding, attention_mask 0, is not scored)."""
-        self._require("ar_nll", self.objective.exact, "its likelihood bound is model.elbo_nll(input_ids, attention_mask)")
+        self._require(
+            "ar_nll", self.objective.exact, "its likelihood bound is model.elbo_nll(input_ids, attention_mask)"
+        )
         return self.nll_per_token(input_ids, attention_mask, document_ids=document_ids)
 
     @torch.no_grad()
-    def nll_per_token(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, t_samples: int = 8,
-                      generator: torch.Generator | None = None, prefix_len: int = 0,
-                      document_ids: torch.Tensor | None = None, eps: float | None = None) -> torch.Tensor:
+    def nll_per_token(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        t_samples: int = 8,
+        generator: torch.Generator | None = None,
+        prefix_len: int = 0,
+        document_ids: torch.Tensor | None = None,
+        eps: float | None = None,
+    ) -> torch.Tensor:
         """The likelihood of this model's mode per scored token [b]: exact for ar (tokens 1..), the ELBO otherwise."""
         input_ids, attention_mask, document_ids = self._on_device(input_ids, attention_mask, document_ids)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         objective = self.objective if eps is None else dataclasses.replace(self.objective, eps=eps)
         docs = self._documents(input_ids, document_ids)
-        return objective.nll_per_token(lambda x, t: self._logits(x, attention_mask, t, docs), input_ids,
-                                       objective.scored_positions(valid, prefix_len), t_samples, generator)
+        return objective.nll_per_token(
+            lambda x, t: self._logits(x, attention_mask, t, docs),
+            input_ids,
+            objective.scored_positions(valid, prefix_len),
+            t_samples,
+            generator,
+        )

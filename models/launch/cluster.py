@@ -21,8 +21,8 @@ import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import yaml
 
@@ -45,9 +45,23 @@ SLURM_RECORD = "slurm-job.json"  # <run>/slurm-job.json: the job submitted for t
 LAUNCH_FILES = {"slurm": "launch.sbatch", "kubernetes": "pytorchjob.yaml"}
 
 # squeue states of a job that is not over yet (a requeued job passes through REQUEUED and PENDING again)
-SLURM_ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD",
-                "RESIZING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "SPECIAL_EXIT", "RESV_DEL_HOLD",
-                "POWER_UP_NODE"}
+SLURM_ACTIVE = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_FED",
+    "REQUEUE_HOLD",
+    "RESIZING",
+    "SUSPENDED",
+    "STOPPED",
+    "SIGNALING",
+    "STAGE_OUT",
+    "SPECIAL_EXIT",
+    "RESV_DEL_HOLD",
+    "POWER_UP_NODE",
+}
 K8S_FINAL = {"Succeeded", "Failed"}
 
 
@@ -57,11 +71,28 @@ class ClusterError(TrainingError):
 
 
 def _train_args(config: Path, manifest: Path, run_dir: Path) -> list[str]:
-    return ["-m", "models.megatron.train", "--config", str(config), "--manifest", str(manifest), "--run-dir", str(run_dir)]
+    return [
+        "-m",
+        "models.megatron.train",
+        "--config",
+        str(config),
+        "--manifest",
+        str(manifest),
+        "--run-dir",
+        str(run_dir),
+    ]
 
 
-def slurm_script(cfg: PipelineConfig, config: Path, manifest: Path, run_dir: Path, partition: str | None = None,
-                 time: str | None = None, python: str | None = None, env: dict[str, str] | None = None) -> str:
+def slurm_script(
+    cfg: PipelineConfig,
+    config: Path,
+    manifest: Path,
+    run_dir: Path,
+    partition: str | None = None,
+    time: str | None = None,
+    python: str | None = None,
+    env: dict[str, str] | None = None,
+) -> str:
     """An sbatch script: one torchrun per node, `train.nproc_per_node` ranks each, `train.nnodes` nodes.
     partition/time/python default to `train.slurm.*` (python: else this interpreter)."""
     t, s = cfg.train, cfg.train.slurm
@@ -94,12 +125,26 @@ def slurm_script(cfg: PipelineConfig, config: Path, manifest: Path, run_dir: Pat
         *(f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()),
         "preempted=0",
         'trap \'preempted=1; echo "difflm: preemption signal: checkpointing"; kill -TERM "$trainer" 2>/dev/null\' USR1 TERM',
-        "srun " + " ".join([
-            shlex.quote(python), "-m", "torch.distributed.run",
-            "--nnodes", "$SLURM_NNODES", "--nproc_per_node", str(t.nproc_per_node),
-            "--rdzv_backend", "c10d", "--rdzv_endpoint", "$MASTER_ADDR:$MASTER_PORT", "--rdzv_id", "$SLURM_JOB_ID",
-            *(shlex.quote(a) for a in _train_args(config, manifest, run_dir)),
-        ]) + " &",
+        "srun "
+        + " ".join(
+            [
+                shlex.quote(python),
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "$SLURM_NNODES",
+                "--nproc_per_node",
+                str(t.nproc_per_node),
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                "$MASTER_ADDR:$MASTER_PORT",
+                "--rdzv_id",
+                "$SLURM_JOB_ID",
+                *(shlex.quote(a) for a in _train_args(config, manifest, run_dir)),
+            ]
+        )
+        + " &",
         "trainer=$!",
         'wait "$trainer"; status=$?',
         'while kill -0 "$trainer" 2>/dev/null; do wait "$trainer"; status=$?; done  # a trap interrupts wait',
@@ -118,8 +163,16 @@ def pytorchjob_name(run_dir: Path) -> str:
     return ("difflm-" + (f"{parts[1][:8]}-{parts[2]}" if len(parts) == 3 else run_dir.name[-12:])).lower()
 
 
-def k8s_pytorchjob(cfg: PipelineConfig, config: Path, manifest: Path, run_dir: Path, image: str | None = None,
-                   pvc: str | None = None, mount: str | None = None, env: dict[str, str] | None = None) -> str:
+def k8s_pytorchjob(
+    cfg: PipelineConfig,
+    config: Path,
+    manifest: Path,
+    run_dir: Path,
+    image: str | None = None,
+    pvc: str | None = None,
+    mount: str | None = None,
+    env: dict[str, str] | None = None,
+) -> str:
     """A Kubeflow PyTorchJob: 1 master + (nnodes - 1) workers, `train.nproc_per_node` ranks per pod.
     image/pvc/mount default to `train.kubernetes.*`."""
     t, k = cfg.train, cfg.train.kubernetes
@@ -127,17 +180,31 @@ def k8s_pytorchjob(cfg: PipelineConfig, config: Path, manifest: Path, run_dir: P
     container = {
         "name": "pytorch",
         "image": image or k.image,
-        "command": ["torchrun", "--nnodes", str(t.nnodes), "--nproc_per_node", str(t.nproc_per_node),
-                    *_train_args(config, manifest, run_dir)],
-        "env": [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "PYTHONUNBUFFERED", "value": "1"},
-                *({"name": key, "value": value} for key, value in (env or {}).items())],
+        "command": [
+            "torchrun",
+            "--nnodes",
+            str(t.nnodes),
+            "--nproc_per_node",
+            str(t.nproc_per_node),
+            *_train_args(config, manifest, run_dir),
+        ],
+        "env": [
+            {"name": "HF_HUB_OFFLINE", "value": "1"},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            *({"name": key, "value": value} for key, value in (env or {}).items()),
+        ],
         **({"resources": {"limits": {"nvidia.com/gpu": gpus}}} if gpus else {}),
         "volumeMounts": [{"name": "data", "mountPath": mount or k.mount}],
     }
     # on eviction Kubernetes sends SIGTERM and waits this long: the trainer checkpoints, and the restarted
     # pod (restartPolicy OnFailure) resumes from it
-    pod = {"spec": {"containers": [container], "terminationGracePeriodSeconds": 180,
-                    "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": pvc or k.pvc}}]}}
+    pod = {
+        "spec": {
+            "containers": [container],
+            "terminationGracePeriodSeconds": 180,
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": pvc or k.pvc}}],
+        }
+    }
     replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
     if t.nnodes > 1:
         replicas["Worker"] = {"replicas": t.nnodes - 1, "restartPolicy": "OnFailure", "template": pod}
@@ -169,12 +236,15 @@ def mount_problem(cfg: PipelineConfig, rdir: Path) -> str | None:
     mount = Path(cfg.train.kubernetes.mount)
     if mount in rdir.parents:
         return None
-    return (f"the run directory {rdir} is not under train.kubernetes.mount={mount}, where the pods mount the "
-            f"claim {cfg.train.kubernetes.pvc}: set workdir under it (e.g. workdir={mount / 'difflm'}), with the "
-            f"claim mounted at that path wherever the pipeline runs")
+    return (
+        f"the run directory {rdir} is not under train.kubernetes.mount={mount}, where the pods mount the "
+        f"claim {cfg.train.kubernetes.pvc}: set workdir under it (e.g. workdir={mount / 'difflm'}), with the "
+        f"claim mounted at that path wherever the pipeline runs"
+    )
 
 
 # ---- running commands ---------------------------------------------------------------------------------------
+
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
     """`cmd` with captured text output; a missing program gives returncode 127, a hung one 124."""
@@ -187,8 +257,10 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 
 def _missing(program: str, launcher: str, where: str) -> ClusterError:
-    return ClusterError(f"`{program}` is not on the PATH of this process: train.launcher={launcher} submits from "
-                        f"{where}. Run the flow (its Prefect worker) there, or train.launcher=local")
+    return ClusterError(
+        f"`{program}` is not on the PATH of this process: train.launcher={launcher} submits from "
+        f"{where}. Run the flow (its Prefect worker) there, or train.launcher=local"
+    )
 
 
 def _output(proc: subprocess.CompletedProcess) -> str:
@@ -242,19 +314,24 @@ def _echo_metrics(follower: _Follower, echo: Callable[[str], None]) -> None:
         except ValueError:
             continue
         if "loss" in rec:
-            echo(f"[train] iter {rec['step']}: loss {rec['loss']:.4f}"
-                 + (f" lr {rec['lr']:.2e}" if isinstance(rec.get("lr"), float) else ""))
+            echo(
+                f"[train] iter {rec['step']}: loss {rec['loss']:.4f}"
+                + (f" lr {rec['lr']:.2e}" if isinstance(rec.get("lr"), float) else "")
+            )
         elif "val_loss" in rec:
             echo(f"[train] iter {rec['step']}: val_loss {rec['val_loss']:.4f}")
 
 
 def _not_finished(cfg: PipelineConfig, rdir: Path) -> str:
     last = RunDir(rdir).latest_iteration()
-    return (f"without the final checkpoint ({'latest: iteration ' + str(last) if last else 'no checkpoint yet'}, "
-            f"of {cfg.train.train_iters})")
+    return (
+        f"without the final checkpoint ({'latest: iteration ' + str(last) if last else 'no checkpoint yet'}, "
+        f"of {cfg.train.train_iters})"
+    )
 
 
 # ---- Slurm --------------------------------------------------------------------------------------------------
+
 
 def _left_running(err: BaseException, echo: Callable[[str], None], what: str, stop: str) -> None:
     """Waiting for a job ended by something else than the job (Ctrl-C, a cancelled flow): the job goes on."""
@@ -298,8 +375,9 @@ def _slurm_reattach(rdir: Path) -> tuple[str, str] | None:
     return (job_id, state) if state in SLURM_ACTIVE else None
 
 
-def submit_slurm(cfg: PipelineConfig, manifest: dict, echo: Callable[[str], None] = print,
-                 env: dict[str, str] | None = None) -> dict:
+def submit_slurm(
+    cfg: PipelineConfig, manifest: dict, echo: Callable[[str], None] = print, env: dict[str, str] | None = None
+) -> dict:
     """Train the run of `cfg` as a Slurm job (`train.slurm`): reuse a finished run, reattach to its job when one is
     still queued or running, else write `launch.sbatch` (as `difflm launch`) and submit it; wait, echo progress
     and return {'run_dir', 'checkpoint', 'reused'} as `launch_training`. The run directory must be on a
@@ -320,13 +398,19 @@ def submit_slurm(cfg: PipelineConfig, manifest: dict, echo: Callable[[str], None
         if sub.returncode == 127:
             raise _missing("sbatch", "slurm", "a Slurm login node")
         if sub.returncode != 0 or not sub.stdout.strip():
-            raise ClusterError(f"sbatch did not take {script}: {_output(sub)}\nFix train.slurm.* (partition, time, "
-                               f"gpus_per_node, sbatch_args) and rerun; `difflm launch --target slurm` writes the same "
-                               f"script to try by hand")
+            raise ClusterError(
+                f"sbatch did not take {script}: {_output(sub)}\nFix train.slurm.* (partition, time, "
+                f"gpus_per_node, sbatch_args) and rerun; `difflm launch --target slurm` writes the same "
+                f"script to try by hand"
+            )
         job_id = sub.stdout.strip().splitlines()[-1].split(";")[0]
-        (rdir / SLURM_RECORD).write_text(json.dumps({"job_id": job_id, "script": str(script), "submitted": time.time()}))
-        echo(f"[slurm] submitted job {job_id} ({'resuming from iteration ' + str(resumed) if resumed else 'starting'})"
-             f": {script}")
+        (rdir / SLURM_RECORD).write_text(
+            json.dumps({"job_id": job_id, "script": str(script), "submitted": time.time()})
+        )
+        echo(
+            f"[slurm] submitted job {job_id} ({'resuming from iteration ' + str(resumed) if resumed else 'starting'})"
+            f": {script}"
+        )
     log = rdir / f"slurm-{job_id}.out"
     echo(f"[slurm] job log: {log}")
     follower, deadline = _Follower(log, from_end=bool(found)), _Deadline(s.wait_hours)
@@ -337,18 +421,24 @@ def submit_slurm(cfg: PipelineConfig, manifest: dict, echo: Callable[[str], None
             _echo_training_lines(follower, echo)
             unanswered = unanswered + 1 if state is None else 0
             if state is not None and state != shown:
-                echo(f"[slurm] job {job_id}: {state}" + (f" (held: scontrol release {job_id})"
-                                                         if state in ("REQUEUE_HOLD", "SPECIAL_EXIT") else ""))
+                echo(
+                    f"[slurm] job {job_id}: {state}"
+                    + (f" (held: scontrol release {job_id})" if state in ("REQUEUE_HOLD", "SPECIAL_EXIT") else "")
+                )
                 shown = state
             if state is not None and state not in SLURM_ACTIVE:
                 break
             if unanswered * s.poll_seconds > 3600:
-                raise ClusterError(f"Slurm has not answered squeue about job {job_id} for an hour: check the "
-                                   f"controller; the job may still run (log: {log}); a rerun reattaches to it")
+                raise ClusterError(
+                    f"Slurm has not answered squeue about job {job_id} for an hour: check the "
+                    f"controller; the job may still run (log: {log}); a rerun reattaches to it"
+                )
             if deadline.passed():
-                raise ClusterError(f"Slurm job {job_id} is still {shown} after train.slurm.wait_hours="
-                                   f"{s.wait_hours}; it keeps running (log: {log}). Rerun to wait again (reattaches) "
-                                   f"or stop it: scancel {job_id}")
+                raise ClusterError(
+                    f"Slurm job {job_id} is still {shown} after train.slurm.wait_hours="
+                    f"{s.wait_hours}; it keeps running (log: {log}). Rerun to wait again (reattaches) "
+                    f"or stop it: scancel {job_id}"
+                )
             time.sleep(s.poll_seconds)
     except BaseException as err:
         _left_running(err, echo, f"[slurm] stopped waiting; job {job_id}", f"scancel {job_id}")
@@ -365,6 +455,7 @@ def submit_slurm(cfg: PipelineConfig, manifest: dict, echo: Callable[[str], None
 
 
 # ---- Kubernetes ---------------------------------------------------------------------------------------------
+
 
 def _kubectl(cfg: PipelineConfig, *args: str) -> subprocess.CompletedProcess:
     ns = cfg.train.kubernetes.namespace
@@ -411,8 +502,9 @@ def _job_run_dir(job: dict) -> str | None:
 
 def _save_pod_logs(cfg: PipelineConfig, name: str, rdir: Path) -> tuple[Path, str]:
     """The job's pod logs (all replicas) appended to <run>/k8s-<name>.log; (that file, the last lines)."""
-    proc = _kubectl(cfg, "logs", "-l", f"training.kubeflow.org/job-name={name}", "--prefix", "--tail=2000",
-                    "--all-containers")
+    proc = _kubectl(
+        cfg, "logs", "-l", f"training.kubeflow.org/job-name={name}", "--prefix", "--tail=2000", "--all-containers"
+    )
     path = rdir / f"k8s-{name}.log"
     with path.open("a") as fh:
         fh.write(proc.stdout if proc.returncode == 0 else f"kubectl logs failed: {_output(proc)}\n")
@@ -421,8 +513,9 @@ def _save_pod_logs(cfg: PipelineConfig, name: str, rdir: Path) -> tuple[Path, st
     return path, "\n".join((errors or lines)[-15:])
 
 
-def submit_kubernetes(cfg: PipelineConfig, manifest: dict, echo: Callable[[str], None] = print,
-                      env: dict[str, str] | None = None) -> dict:
+def submit_kubernetes(
+    cfg: PipelineConfig, manifest: dict, echo: Callable[[str], None] = print, env: dict[str, str] | None = None
+) -> dict:
     """Train the run of `cfg` as a Kubeflow PyTorchJob (`train.kubernetes`): reuse a finished run, reattach to its
     job when one is still active, else (deleting a finished job of the same name) write `pytorchjob.yaml` (as
     `difflm launch --target k8s`) and `kubectl apply` it; wait, echo progress and return {'run_dir',
@@ -442,8 +535,10 @@ def submit_kubernetes(cfg: PipelineConfig, manifest: dict, echo: Callable[[str],
     if job is not None:
         theirs, phase = _job_run_dir(job), pytorchjob_phase(job)
         if theirs != str(rdir):
-            raise ClusterError(f"a PyTorchJob {name} exists for another run directory ({theirs}): delete it "
-                               f"(kubectl delete pytorchjob {name}) or set train.kubernetes.namespace")
+            raise ClusterError(
+                f"a PyTorchJob {name} exists for another run directory ({theirs}): delete it "
+                f"(kubectl delete pytorchjob {name}) or set train.kubernetes.namespace"
+            )
         if phase in K8S_FINAL:
             echo(f"[k8s] deleting the earlier PyTorchJob {name} ({phase}) to submit a new one")
             gone = _kubectl(cfg, "delete", "pytorchjob", name, "--wait=true")
@@ -457,10 +552,14 @@ def submit_kubernetes(cfg: PipelineConfig, manifest: dict, echo: Callable[[str],
         path = write_launch_file(cfg, manifest, "kubernetes", env)
         applied = _kubectl(cfg, "apply", "-f", str(path))
         if applied.returncode != 0:
-            raise ClusterError(f"kubectl apply -f {path} failed: {_output(applied)}\nIs the Kubeflow training "
-                               f"operator installed (the PyTorchJob kind) and train.kubernetes.* right?")
-        echo(f"[k8s] submitted PyTorchJob {name} ({'resuming from iteration ' + str(resumed) if resumed else 'starting'})"
-             f": {path}")
+            raise ClusterError(
+                f"kubectl apply -f {path} failed: {_output(applied)}\nIs the Kubeflow training "
+                f"operator installed (the PyTorchJob kind) and train.kubernetes.* right?"
+            )
+        echo(
+            f"[k8s] submitted PyTorchJob {name} ({'resuming from iteration ' + str(resumed) if resumed else 'starting'})"
+            f": {path}"
+        )
     follower = _Follower(RunDir(rdir).metrics_file, from_end=attached)
     deadline, started = _Deadline(k.wait_hours), _Deadline(k.start_timeout_minutes and k.start_timeout_minutes / 60)
     shown, running = None, False
@@ -476,14 +575,18 @@ def submit_kubernetes(cfg: PipelineConfig, manifest: dict, echo: Callable[[str],
                 break
             running = running or phase in ("Running", "Restarting")
             if not running and started.passed():
-                raise ClusterError(f"PyTorchJob {name} is not Running after train.kubernetes.start_timeout_minutes="
-                                   f"{k.start_timeout_minutes} (still {phase}): see why its pods wait (kubectl describe "
-                                   f"pods -l training.kubeflow.org/job-name={name}: scheduling, image pull, claim "
-                                   f"{k.pvc}). The job is left in place; a rerun reattaches, or delete it")
+                raise ClusterError(
+                    f"PyTorchJob {name} is not Running after train.kubernetes.start_timeout_minutes="
+                    f"{k.start_timeout_minutes} (still {phase}): see why its pods wait (kubectl describe "
+                    f"pods -l training.kubeflow.org/job-name={name}: scheduling, image pull, claim "
+                    f"{k.pvc}). The job is left in place; a rerun reattaches, or delete it"
+                )
             if deadline.passed():
-                raise ClusterError(f"PyTorchJob {name} is still {phase} after train.kubernetes.wait_hours="
-                                   f"{k.wait_hours}; it keeps running. Rerun to wait again (reattaches) or delete it: "
-                                   f"kubectl delete pytorchjob {name}")
+                raise ClusterError(
+                    f"PyTorchJob {name} is still {phase} after train.kubernetes.wait_hours="
+                    f"{k.wait_hours}; it keeps running. Rerun to wait again (reattaches) or delete it: "
+                    f"kubectl delete pytorchjob {name}"
+                )
             time.sleep(k.poll_seconds)
     except BaseException as err:
         _left_running(err, echo, f"[k8s] stopped waiting; PyTorchJob {name}", f"kubectl delete pytorchjob {name}")
@@ -498,4 +601,3 @@ def submit_kubernetes(cfg: PipelineConfig, manifest: dict, echo: Callable[[str],
         f"pod logs: {log}; details: {described}. Rerunning deletes this job and submits a new one that resumes "
         f"from the latest checkpoint. Last lines of the logs:\n{last}"
     )
-

@@ -15,8 +15,8 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from difflm.config import PipelineConfig, save_config
 from difflm.errors import InvalidSetup, NonFiniteStop, TrainingError, TrainingPreempted
@@ -29,7 +29,11 @@ __all__ = ["InvalidSetup", "NonFiniteStop", "TrainingError", "TrainingPreempted"
 
 
 def run_dir(cfg: PipelineConfig, manifest: dict) -> Path:
-    return Path(cfg.workdir).resolve() / "runs" / f"{cfg.diffusion.model_running_mode}-{manifest['hash']}-{cfg.stage_hash(*TRAIN_SECTIONS)}"
+    return (
+        Path(cfg.workdir).resolve()
+        / "runs"
+        / f"{cfg.diffusion.model_running_mode}-{manifest['hash']}-{cfg.stage_hash(*TRAIN_SECTIONS)}"
+    )
 
 
 def is_finished(cfg: PipelineConfig, rdir: Path) -> bool:
@@ -54,28 +58,46 @@ def free_port() -> int:
 TRAINER = "models.megatron.train"  # the module torchrun runs on every rank
 
 
-def torchrun_command(cfg: PipelineConfig, config_path: Path, manifest_path: Path, rdir: Path,
-                     trainer: str = TRAINER) -> list[str]:
+def torchrun_command(
+    cfg: PipelineConfig, config_path: Path, manifest_path: Path, rdir: Path, trainer: str = TRAINER
+) -> list[str]:
     return [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", str(cfg.train.nproc_per_node),
-        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-        "-m", trainer,
-        "--config", str(config_path), "--manifest", str(manifest_path), "--run-dir", str(rdir),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(cfg.train.nproc_per_node),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        trainer,
+        "--config",
+        str(config_path),
+        "--manifest",
+        str(manifest_path),
+        "--run-dir",
+        str(rdir),
     ]
 
 
 def launch_training(
-    cfg: PipelineConfig, manifest: dict, env: dict[str, str] | None = None, echo: Callable[[str], None] = print,
+    cfg: PipelineConfig,
+    manifest: dict,
+    env: dict[str, str] | None = None,
+    echo: Callable[[str], None] = print,
     trainer: str = TRAINER,
 ) -> dict:
     """Train (or reuse/resume) the run of `cfg`; returns {'run_dir', 'checkpoint', 'reused'}. `trainer`: the
     module torchrun runs, the trainer or an entry module that calls its `main` with more hooks (as tests do)."""
     rdir = run_dir(cfg, manifest)
     if cfg.train.nnodes > 1:
-        raise InvalidSetup(f"train.nnodes={cfg.train.nnodes}: multi-node runs are launched on the cluster: "
-                            f"train.launcher=slurm|kubernetes, or write the launch file with `difflm launch "
-                            f"--target slurm|k8s` (same overrides)")
+        raise InvalidSetup(
+            f"train.nnodes={cfg.train.nnodes}: multi-node runs are launched on the cluster: "
+            f"train.launcher=slurm|kubernetes, or write the launch file with `difflm launch "
+            f"--target slurm|k8s` (same overrides)"
+        )
     if is_finished(cfg, rdir):
         echo(f"[train] reusing finished run {rdir}")
         return train_info(cfg, rdir, reused=True)
@@ -88,9 +110,12 @@ def launch_training(
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     # when a rank dies (kill -9, OOM), helper processes it spawned (checkpoint writers, in the rank's own
     # session) outlive it, holding the log pipe open: every descendant seen is killed once torchrun exits
-    with RunDir(rdir).train_log.open("a") as log, subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
-    ) as proc:
+    with (
+        RunDir(rdir).train_log.open("a") as log,
+        subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
+        ) as proc,
+    ):
         pump = threading.Thread(target=_pump, args=(proc.stdout, log, tail, errors, echo), daemon=True)
         pump.start()
         family = _Descendants(proc.pid)
@@ -146,7 +171,7 @@ def _pump(stream, log, tail: deque, errors: deque, echo) -> None:
             log.write(line)
             log.flush()
             tail.append(line.rstrip())
-            if line.startswith("[rank") and ("Error" in line or "error:" in line or "File \"" in line):
+            if line.startswith("[rank") and ("Error" in line or "error:" in line or 'File "' in line):
                 errors.append(line.rstrip())
             if line.startswith("[train]"):
                 echo(line.rstrip())
@@ -193,9 +218,12 @@ def raise_for_markers(rdir: Path, code: int | str | None, log: Path | None = Non
     preempted, stopped = RunDir(rdir).markers
     if preempted.exists():
         info = json.loads(preempted.read_text())
-        raise TrainingPreempted(f"training preempted by {info.get('signal') or 'a signal'} at iteration "
-                                f"{info['iteration']}{f' (exit {code})' if code is not None else ''}; its checkpoint "
-                                f"is saved: rerun the same command to resume", info["iteration"])
+        raise TrainingPreempted(
+            f"training preempted by {info.get('signal') or 'a signal'} at iteration "
+            f"{info['iteration']}{f' (exit {code})' if code is not None else ''}; its checkpoint "
+            f"is saved: rerun the same command to resume",
+            info["iteration"],
+        )
     if stopped.exists():
         raise NonFiniteStop(json.loads(stopped.read_text())["message"] + f"; full log: {log or RunDir(rdir).train_log}")
 

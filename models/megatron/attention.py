@@ -113,9 +113,17 @@ def use_flex(device: torch.device, dropout_p: float) -> bool:
 class TorchCoreAttention(MegatronModule):
     """megatron's `DotProductAttention` contract ([s, b, n, d] in, [s, b, n*d] out) on torch's kernels."""
 
-    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
-                 attention_dropout: float | None = None, softmax_scale: float | None = None,
-                 cp_comm_type: str | None = None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
             raise RuntimeError("context parallelism needs model.backend=te")
@@ -129,8 +137,9 @@ class TorchCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if attention_bias is not None:
             raise RuntimeError("attention biases need model.backend=te")
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -151,8 +160,12 @@ class TorchCoreAttention(MegatronModule):
         """TE's reading of THD: sequences apart, causal within one under a causal spec, else bidirectional."""
         if packed_seq_params.qkv_format != "thd":
             raise RuntimeError(f"packed sequences in {packed_seq_params.qkv_format!r} need model.backend=te")
-        if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal, AttnMaskType.no_mask,
-                             AttnMaskType.padding):
+        if mask_type not in (
+            AttnMaskType.causal,
+            AttnMaskType.padding_causal,
+            AttnMaskType.no_mask,
+            AttnMaskType.padding,
+        ):
             raise RuntimeError(f"THD packed sequences need a causal or no_mask spec, not {mask_type.name}")
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         return thd_document_mask(packed_seq_params, causal, total)
@@ -160,8 +173,9 @@ class TorchCoreAttention(MegatronModule):
     def _attend(self, q, k, v, attention_mask, mask_type, dropout_p: float):
         grouped = q.shape[1] != k.shape[1]
         if isinstance(attention_mask, DocumentMask) and use_flex(q.device, dropout_p):
-            return _flex_attention()(q, k, v, block_mask=attention_mask.block_mask(), scale=self.softmax_scale,
-                                     enable_gqa=grouped)
+            return _flex_attention()(
+                q, k, v, block_mask=attention_mask.block_mask(), scale=self.softmax_scale, enable_gqa=grouped
+            )
         if isinstance(attention_mask, DocumentMask):
             keep = attention_mask.dense_keep()
         elif attention_mask is not None:
@@ -175,8 +189,15 @@ class TorchCoreAttention(MegatronModule):
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             grouped = False
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=keep, dropout_p=dropout_p, scale=self.softmax_scale, enable_gqa=grouped,
-            is_causal=keep is None and mask_type == self.causal_type)
+            q,
+            k,
+            v,
+            attn_mask=keep,
+            dropout_p=dropout_p,
+            scale=self.softmax_scale,
+            enable_gqa=grouped,
+            is_causal=keep is None and mask_type == self.causal_type,
+        )
 
 
 class TorchNorm:
@@ -207,5 +228,6 @@ def block_spec(layer, config):
     """A transformer-block spec with `layer` repeated and our final norm (megatron's default final norm is
     `WrappedTorchNorm` without apex or TE, which refuses sequence parallelism)."""
     layers = [layer] * get_num_layers_to_build(config)
-    return ModuleSpec(module=TransformerBlock,
-                      submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=TorchNorm))
+    return ModuleSpec(
+        module=TransformerBlock, submodules=TransformerBlockSubmodules(layer_specs=layers, layer_norm=TorchNorm)
+    )

@@ -15,7 +15,6 @@ import torch
 # the run layout's owner (reading which checkpoint is complete needs no megatron); re-exported for callers here
 from difflm.rundir import LATEST, iter_dir, latest_iteration  # noqa: F401
 
-
 # The distributed optimizer's default sharding type cannot be saved on this stack
 # ("flattened_range is not supported"); dp_reshardable can, and reloads at another DP size.
 _OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
@@ -89,8 +88,11 @@ def load_checkpoint(root: Path, iteration: int, model, optimizer=None, scheduler
 def _layout() -> dict:
     from megatron.core import parallel_state
 
-    return {"world": torch.distributed.get_world_size(), "tp": parallel_state.get_tensor_model_parallel_world_size(),
-            "pp": parallel_state.get_pipeline_model_parallel_world_size()}
+    return {
+        "world": torch.distributed.get_world_size(),
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+    }
 
 
 def _rng_file(path: Path) -> Path:
@@ -102,8 +104,11 @@ def _rng_state() -> dict:
     (attention dropout, per TP rank) and CUDA's."""
     from megatron.core import tensor_parallel
 
-    state = {"layout": _layout(), "torch": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    state = {
+        "layout": _layout(),
+        "torch": torch.get_rng_state(),
+        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -118,8 +123,11 @@ def _restore_rng(path: Path) -> None:
     state = torch.load(file, weights_only=False)
     if state["layout"] != _layout():
         if torch.distributed.get_rank() == 0:
-            print(f"[train] resuming at another parallel layout ({state['layout']} -> {_layout()}): dropout "
-                  "masks will differ from an uninterrupted run", flush=True)
+            print(
+                f"[train] resuming at another parallel layout ({state['layout']} -> {_layout()}): dropout "
+                "masks will differ from an uninterrupted run",
+                flush=True,
+            )
         return
     torch.set_rng_state(state["torch"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
@@ -152,8 +160,11 @@ def _init_adam_state(optimizer) -> None:
         for group in torch_opt.param_groups:
             for p in group["params"]:
                 if p not in torch_opt.state or not torch_opt.state[p]:
-                    torch_opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                          "exp_avg_sq": torch.zeros_like(p)}
+                    torch_opt.state[p] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(p),
+                        "exp_avg_sq": torch.zeros_like(p),
+                    }
 
 
 def _restore_adam_steps(optimizer, iteration: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-_ACTIVE: "_CpuDeviceMode | None" = None
+_ACTIVE: _CpuDeviceMode | None = None
 
 
 def _cpu_device(value: Any) -> Any:

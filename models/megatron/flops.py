@@ -88,8 +88,9 @@ def forward_flops_per_sequence(cfg: PipelineConfig, vocab_size: int, seq_len: in
     return float(layers + lm_head + _time_conditioning_flops(cfg))
 
 
-def training_flops(cfg: PipelineConfig, vocab_size: int, lengths: list[int], micro_batch_size: int,
-                   pairs: list[float] | None = None) -> float:
+def training_flops(
+    cfg: PipelineConfig, vocab_size: int, lengths: list[int], micro_batch_size: int, pairs: list[float] | None = None
+) -> float:
     """Forward + backward model FLOPs of micro-batches of `micro_batch_size` sequences, one per entry of
     `lengths` (variable-length steps give each micro-batch its own length). `pairs` (packed documents): per
     micro-batch, the sum over its sequences of their squared document lengths (`document_pairs`); the attention
@@ -102,8 +103,10 @@ def training_flops(cfg: PipelineConfig, vocab_size: int, lengths: list[int], mic
     if pairs is None:
         return 3.0 * sum(dense)
     layers = cfg.model.num_layers
-    return 3.0 * sum(f - layers * (micro_batch_size * _attention_core_flops(cfg, n) - _attention_core_flops(cfg, n, p))
-                     for f, n, p in zip(dense, lengths, pairs))
+    return 3.0 * sum(
+        f - layers * (micro_batch_size * _attention_core_flops(cfg, n) - _attention_core_flops(cfg, n, p))
+        for f, n, p in zip(dense, lengths, pairs)
+    )
 
 
 # Peak dense (no 2:4 sparsity) bf16 tensor-core FLOP/s from the vendors' datasheets. Checked in order,

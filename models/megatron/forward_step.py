@@ -29,7 +29,7 @@ class SpecialTokens:
     pad_id: int | None = None
 
     @classmethod
-    def from_manifest(cls, tok: dict) -> "SpecialTokens":
+    def from_manifest(cls, tok: dict) -> SpecialTokens:
         special = tok.get("special_ids") or [tok["eos_id"], tok["mask_id"], tok["pad_id"]]
         return cls(tok["mask_id"], tok["vocab_size"], tuple(sorted(set(special))), tok["eos_id"], tok.get("pad_id"))
 
@@ -62,8 +62,15 @@ def objective_of(cfg: PipelineConfig, special: SpecialTokens) -> Objective:
     """The objective of `cfg`'s mode with its training settings and the tokenizer's special tokens."""
     d = cfg.diffusion
     return objective_class(d.model_running_mode)(
-        mask_id=special.mask_id, vocab_size=special.vocab_size, pad_id=special.pad_id, eos_id=special.eos_id,
-        eps=d.eps, loss_weighting=d.loss_weighting, normalize_by=d.normalize_by, uniform_loss=d.uniform_loss)
+        mask_id=special.mask_id,
+        vocab_size=special.vocab_size,
+        pad_id=special.pad_id,
+        eos_id=special.eos_id,
+        eps=d.eps,
+        loss_weighting=d.loss_weighting,
+        normalize_by=d.normalize_by,
+        uniform_loss=d.uniform_loss,
+    )
 
 
 def corrupt(batch: dict, cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False) -> dict:
@@ -75,12 +82,24 @@ def corrupt(batch: dict, cfg: PipelineConfig, special: SpecialTokens, step: int,
     x0 = batch["tokens"]
     label_ok = batch.get("loss_mask", torch.ones_like(x0)).bool()  # megatron's: labels[i] = x[i + 1] is data
     return objective_of(cfg, special).prepare(
-        x0, batch["labels"], label_ok, batch["positions"].tolist(), lambda pos: noise_generator(cfg.train.seed, step, pos),
-        cfg.train.global_batch_size, cfg.diffusion.antithetic_t, evaluation)
+        x0,
+        batch["labels"],
+        label_ok,
+        batch["positions"].tolist(),
+        lambda pos: noise_generator(cfg.train.seed, step, pos),
+        cfg.train.global_batch_size,
+        cfg.diffusion.antithetic_t,
+        evaluation,
+    )
 
 
-def loss_terms(output: torch.Tensor, prepared: dict, cfg: PipelineConfig, special: SpecialTokens | None = None,
-               evaluation: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def loss_terms(
+    output: torch.Tensor,
+    prepared: dict,
+    cfg: PipelineConfig,
+    special: SpecialTokens | None = None,
+    evaluation: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum, count) of the objective's loss from megatron's output (per-token cross-entropy [b, s], or the full
     logits [b, s, V] for objectives that need them): loss = sum / count over the global batch."""
     objective = objective_of(cfg, special or _NO_SPECIAL)
@@ -119,8 +138,12 @@ def to_device(tensors: dict, device: torch.device) -> dict:
     (the noise from CPU generators, so every device and layout draws the same numbers); to a GPU they go
     through pinned memory as non-blocking copies, as Megatron-LM's get_batch does."""
     cuda = device.type == "cuda"
-    return {k: (v.pin_memory().to(device, non_blocking=True) if cuda else v.to(device))
-            if isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
+    return {
+        k: (v.pin_memory().to(device, non_blocking=True) if cuda else v.to(device))
+        if isinstance(v, torch.Tensor)
+        else v
+        for k, v in tensors.items()
+    }
 
 
 DOCUMENT_FORMS = ("dense", "flex", "thd")
@@ -147,8 +170,9 @@ def configured_document_form(cfg: PipelineConfig) -> str | None:
         return None
     from models.megatron.backend import resolve_backend
 
-    return document_form(resolve_backend(cfg.model.backend), cfg.parallel.pipeline_model_parallel_size,
-                         cfg.train.micro_batch_size)
+    return document_form(
+        resolve_backend(cfg.model.backend), cfg.parallel.pipeline_model_parallel_size, cfg.train.micro_batch_size
+    )
 
 
 def packed_documents(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -170,8 +194,9 @@ def packed_seq_params(doc_ids: torch.Tensor, device: torch.device):
 
     cu_seqlens, longest = packed_documents(doc_ids)
     cu_seqlens = to_device({"cu": cu_seqlens}, device)["cu"]
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+    return PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
 
 
 def attention_mask_for(tokens: torch.Tensor, cfg: PipelineConfig, special: SpecialTokens, form: str | None):
@@ -188,8 +213,9 @@ def attention_mask_for(tokens: torch.Tensor, cfg: PipelineConfig, special: Speci
     return diffusion.document_attention_mask(doc, causal=causal)
 
 
-def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False,
-                      documents: str | None = None):
+def make_forward_step(
+    cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False, documents: str | None = None
+):
     """A megatron `forward_step_func(data_iterator, model)` for training step `step`.
 
     `documents` overrides the form of packed documents (`document_form`; the tests run every form on one spec)."""
@@ -207,8 +233,9 @@ def make_forward_step(cfg: PipelineConfig, special: SpecialTokens, step: int, ev
         # With labels, megatron returns the per-token (vocab-parallel) cross-entropy [b, s]; without, logits.
         labels = None if objective.full_logits else prepared["targets"]
         if form == "thd":  # one row [1, b*s]; RoPE restarts per document, equal to global positions (relative)
-            extra["packed_seq_params"] = packed_seq_params(diffusion.document_ids(batch["tokens"], special.eos_id),
-                                                           device)
+            extra["packed_seq_params"] = packed_seq_params(
+                diffusion.document_ids(batch["tokens"], special.eos_id), device
+            )
             inputs, position_ids = inputs.reshape(1, -1), position_ids.reshape(1, -1)
             labels = None if labels is None else labels.reshape(1, -1)
             attention_mask = None

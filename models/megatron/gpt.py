@@ -48,8 +48,9 @@ class MegatronAdaLNorm(AdaLNorm):
         return super().forward(hidden_states, self.time.t, seq_dim=0)  # megatron's [s, b, h]
 
 
-def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local", adaln: bool = False,
-               documents: str | None = None):
+def layer_spec(
+    model: ModelConfig, bidirectional: bool, backend: str = "local", adaln: bool = False, documents: str | None = None
+):
     """Megatron's own layer spec with the attention mask kind chosen by the objective; with `adaln`, its two
     norms swapped for t-modulated ones (a spec change, megatron's TransformerLayer is untouched).
 
@@ -72,8 +73,10 @@ def layer_spec(model: ModelConfig, bidirectional: bool, backend: str = "local", 
     spec.submodules.self_attention.params["attn_mask_type"] = mask
     if adaln:
         if backend == "te":
-            raise RuntimeError("diffusion.time_conditioning=adaln needs model.backend=torch or local: Transformer Engine fuses "
-                               "the input norm into the QKV projection. Or set diffusion.time_conditioning=input.")
+            raise RuntimeError(
+                "diffusion.time_conditioning=adaln needs model.backend=torch or local: Transformer Engine fuses "
+                "the input norm into the QKV projection. Or set diffusion.time_conditioning=input."
+            )
         spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = MegatronAdaLNorm
     return spec
 
@@ -167,16 +170,23 @@ class DiffusionGPTModel(GPTModel):
         return time[row].unsqueeze(1)
 
 
-def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, post_process: bool = True,
-                padded_vocab: int | None = None) -> DiffusionGPTModel:
+def build_model(
+    cfg: PipelineConfig,
+    vocab_size: int,
+    pre_process: bool = True,
+    post_process: bool = True,
+    padded_vocab: int | None = None,
+) -> DiffusionGPTModel:
     """One pipeline stage of the megatron GPTModel for `cfg` (the whole model when PP=1).
 
     `padded_vocab` overrides the embedding rows (conversion builds a TP=1 model with the padding of the
     layout it writes for)."""
     backend = resolve_backend(cfg.model.backend)
     if cfg.train.fp8 and backend != "te":
-        raise RuntimeError("train.fp8 needs the Transformer Engine backend on a GPU (pip install "
-                           "'difflm-pipeline[gpu]'); set train.fp8=null here.")
+        raise RuntimeError(
+            "train.fp8 needs the Transformer Engine backend on a GPU (pip install "
+            "'difflm-pipeline[gpu]'); set train.fp8=null here."
+        )
     if cfg.parallel.sequence_parallel and backend == "local":
         raise RuntimeError(
             "parallel.sequence_parallel needs model.backend=torch or te: megatron-core's local spec uses torch "
@@ -185,8 +195,13 @@ def build_model(cfg: PipelineConfig, vocab_size: int, pre_process: bool = True, 
     tcfg = transformer_config(cfg, backend)
     from models.megatron.forward_step import configured_document_form
 
-    spec = layer_spec(cfg.model, objective_class(cfg.diffusion.model_running_mode).bidirectional, backend, uses_adaln(cfg),
-                      configured_document_form(cfg))
+    spec = layer_spec(
+        cfg.model,
+        objective_class(cfg.diffusion.model_running_mode).bidirectional,
+        backend,
+        uses_adaln(cfg),
+        configured_document_form(cfg),
+    )
     if backend == "torch":  # the final norm as well must accept sequence parallelism
         from models.megatron.attention import block_spec
 

@@ -64,8 +64,9 @@ class BackgroundMlflow:
     BATCH = 500  # MLflow's log_batch takes at most 1000 metrics
     BACKOFF_S = (1, 2, 5, 10, 30)
 
-    def __init__(self, run_id: str, max_pending: int = 200_000, say=print,
-                 maybe_sent: dict[str, set[int]] | None = None):
+    def __init__(
+        self, run_id: str, max_pending: int = 200_000, say=print, maybe_sent: dict[str, set[int]] | None = None
+    ):
         from mlflow.tracking import MlflowClient
 
         self.run_id, self.say, self.max_pending = run_id, say, max_pending
@@ -110,9 +111,11 @@ class BackgroundMlflow:
             except Exception as err:  # any transport or server error: keep the batch, try again later
                 if not self.degraded:
                     self.degraded = True
-                    self.say(f"[train] tracking degraded: MLflow did not take metrics ({type(err).__name__}: "
-                             f"{str(err)[:160]}); training goes on, every metric stays in metrics.jsonl and is "
-                             f"sent when the server answers again")
+                    self.say(
+                        f"[train] tracking degraded: MLflow did not take metrics ({type(err).__name__}: "
+                        f"{str(err)[:160]}); training goes on, every metric stays in metrics.jsonl and is "
+                        f"sent when the server answers again"
+                    )
                 time.sleep(self.BACKOFF_S[min(failures, len(self.BACKOFF_S) - 1)])
                 failures += 1
                 continue
@@ -127,8 +130,12 @@ class BackgroundMlflow:
 
     def _on_server(self) -> set[tuple[str, int]]:
         """The (key, step) pairs of `maybe_sent` that the run already holds."""
-        return {(key, m.step) for key, steps in self.maybe_sent.items()
-                for m in self.client.get_metric_history(self.run_id, key) if m.step in steps}
+        return {
+            (key, m.step)
+            for key, steps in self.maybe_sent.items()
+            for m in self.client.get_metric_history(self.run_id, key)
+            if m.step in steps
+        }
 
     def close(self, timeout_s: float = 10.0) -> int:
         """Flush for at most timeout_s; returns the number of metrics left unsent (backfilled later)."""
@@ -147,8 +154,7 @@ class MetricsWriter:
     What an interrupted attempt logged from there on is dropped, as this one logs those steps again; None
     appends to the file as it is."""
 
-    def __init__(self, path: Path, active: bool, run_id: str | None = None, say=print,
-                 first_step: int | None = None):
+    def __init__(self, path: Path, active: bool, run_id: str | None = None, say=print, first_step: int | None = None):
         self.active, self.path, self.say = active, path, say
         stale = drop_from(path, first_step) if active and first_step is not None else []
         self.mlflow = BackgroundMlflow(run_id, say=say, maybe_sent=key_steps(stale)) if active and run_id else None
@@ -167,5 +173,7 @@ class MetricsWriter:
         if self.mlflow:
             left = self.mlflow.close()
             if left:
-                self.say(f"[train] tracking: {left} metrics not yet in MLflow; they are in {self.path.name} and "
-                         f"the pipeline backfills them")
+                self.say(
+                    f"[train] tracking: {left} metrics not yet in MLflow; they are in {self.path.name} and "
+                    f"the pipeline backfills them"
+                )

@@ -30,8 +30,9 @@ def replica_spread(model) -> float:
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
-    replicated = [p.detach().float().flatten() for p in model.parameters()
-                  if not getattr(p, "tensor_model_parallel", False)]
+    replicated = [
+        p.detach().float().flatten() for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)
+    ]
     if not replicated or dist.get_world_size(group) == 1:
         return 0.0
     hi = torch.cat(replicated)
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from models.megatron.data import build_datasets
     from models.megatron.forward_step import SpecialTokens
-    from models.megatron.train import init_distributed, build_training, run_global_batch
+    from models.megatron.train import build_training, init_distributed, run_global_batch
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(args.config, [*args.overrides, f"train.nproc_per_node={world}"])
@@ -82,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(run_global_batch(cfg, ddp, train_ds, special, step, step, False))
         opt.step()
     spread = replica_spread(ddp.module)
-    reporting = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0 \
+    reporting = (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
         and parallel_state.get_data_parallel_rank() == 0
+    )
     if reporting:
         Path(args.out).write_text(json.dumps({"losses": losses, "replica_spread": spread}))
     dist.barrier()

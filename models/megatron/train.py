@@ -28,14 +28,14 @@ import torch.distributed as dist
 from difflm.config import PipelineConfig, load_config
 from difflm.errors import NonFiniteStop, TrainingPreempted
 from difflm.rundir import RunDir
+from models.diffusion.documents import document_ids, document_pairs
 from models.diffusion.modes import objective_class
 from models.megatron import checkpointing
 from models.megatron.data import build_datasets, micro_batch
-from models.diffusion.documents import document_ids, document_pairs
 from models.megatron.flops import efficiency, peak_flops, training_flops
+from models.megatron.forward_step import SpecialTokens, make_forward_step, varilen_length
 from models.megatron.gpt import build_model
 from models.megatron.metrics import MetricsWriter
-from models.megatron.forward_step import SpecialTokens, make_forward_step, varilen_length
 
 
 def init_distributed(cfg: PipelineConfig) -> None:
@@ -86,9 +86,15 @@ def build_training(cfg: PipelineConfig, vocab_size: int):
     t = cfg.train
     opt = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1, adam_beta2=t.adam_beta2, clip_grad=t.clip_grad,
-            bf16=t.precision == "bf16", fp16=False,
+            optimizer="adam",
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=t.adam_beta1,
+            adam_beta2=t.adam_beta2,
+            clip_grad=t.clip_grad,
+            bf16=t.precision == "bf16",
+            fp16=False,
             use_distributed_optimizer=dist_opt,
         ),
         [ddp],
@@ -105,9 +111,19 @@ def scheduler_kwargs(cfg: PipelineConfig) -> dict:
     if style == "WSD":  # the decay phase takes the last fraction, never the warmup
         decay = max(1, min(round(t.wsd_decay_fraction * t.train_iters), t.train_iters - t.warmup_iters))
         extra = {"wsd_decay_steps": decay, "lr_wsd_decay_style": t.wsd_decay_style}
-    return dict(init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_iters,
-                lr_decay_steps=t.train_iters, lr_decay_style=style, start_wd=t.weight_decay, end_wd=t.weight_decay,
-                wd_incr_steps=t.train_iters, wd_incr_style="constant", **extra)
+    return dict(
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.warmup_iters,
+        lr_decay_steps=t.train_iters,
+        lr_decay_style=style,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.train_iters,
+        wd_incr_style="constant",
+        **extra,
+    )
 
 
 class IntervalMeter:
@@ -142,8 +158,10 @@ class IntervalMeter:
     def efficiency(self, now: float) -> dict:
         """tokens_per_s_per_device, tflops_per_device, mfu (None without a known device peak)."""
         seconds = self._seconds(now)
-        return {"tokens_per_s_per_device": self.tokens / seconds / self.n_devices,
-                **efficiency(self.flops, seconds, self.n_devices, self.peak)}
+        return {
+            "tokens_per_s_per_device": self.tokens / seconds / self.n_devices,
+            **efficiency(self.flops, seconds, self.n_devices, self.peak),
+        }
 
 
 def device_peak(cfg: PipelineConfig) -> float | None:
@@ -166,13 +184,25 @@ def micro_lengths(cfg: PipelineConfig, step: int, n_micro: int) -> list[int]:
     if d.varilen_prob <= 0 or not objective_class(d.model_running_mode).varilen:
         return [t.seq_length] * n_micro
     one = cfg.parallel.pipeline_model_parallel_size > 1
-    return [varilen_length(t.seed, step, t.seq_length, d.varilen_prob, cfg.parallel.tensor_model_parallel_size,
-                           0 if one else m) for m in range(n_micro)]
+    return [
+        varilen_length(
+            t.seed, step, t.seq_length, d.varilen_prob, cfg.parallel.tensor_model_parallel_size, 0 if one else m
+        )
+        for m in range(n_micro)
+    ]
 
 
-def run_global_batch(cfg, ddp, dataset, special: SpecialTokens, step: int, noise_step: int,
-                     forward_only: bool, lengths: list[int] | None = None,
-                     attention_pairs: list[int] | None = None) -> float | None:
+def run_global_batch(
+    cfg,
+    ddp,
+    dataset,
+    special: SpecialTokens,
+    step: int,
+    noise_step: int,
+    forward_only: bool,
+    lengths: list[int] | None = None,
+    attention_pairs: list[int] | None = None,
+) -> float | None:
     """One global batch through megatron's forward-backward schedule; its loss on the last stage.
 
     `step` picks the data, `noise_step` keys the noise (evaluation uses fixed negative keys so that
@@ -328,16 +358,20 @@ class NonFiniteGuard(Hook):
         t = trainer.cfg.train
         if t.on_nonfinite == "stop" or self.in_a_row > t.max_nonfinite_skips:
             self._stop(trainer, step.it)
-        trainer.log(f"[train] iter {step.it}: non-finite loss or gradients (loss {step.loss}); update skipped "
-                    f"({self.in_a_row} in a row, limit {t.max_nonfinite_skips}; train.on_nonfinite=skip)")
+        trainer.log(
+            f"[train] iter {step.it}: non-finite loss or gradients (loss {step.loss}); update skipped "
+            f"({self.in_a_row} in a row, limit {t.max_nonfinite_skips}; train.on_nonfinite=skip)"
+        )
 
     def _stop(self, trainer: Trainer, it: int) -> None:
         t = trainer.cfg.train
         last = checkpointing.latest_iteration(trainer.run.checkpoints)
         where = f"the last good checkpoint, iteration {last}, is kept" if last else "no checkpoint was written yet"
-        msg = (f"training stopped at iteration {it}: non-finite loss or gradients ({self.in_a_row} step(s) in a "
-               f"row; train.on_nonfinite={t.on_nonfinite}, max_nonfinite_skips={t.max_nonfinite_skips}); "
-               f"{where}. Lower train.lr, raise warmup, or check the data; train.on_nonfinite=skip skips such steps")
+        msg = (
+            f"training stopped at iteration {it}: non-finite loss or gradients ({self.in_a_row} step(s) in a "
+            f"row; train.on_nonfinite={t.on_nonfinite}, max_nonfinite_skips={t.max_nonfinite_skips}); "
+            f"{where}. Lower train.lr, raise warmup, or check the data; train.on_nonfinite=skip skips such steps"
+        )
         if trainer.reporting:  # one rank writes: the run directory is shared
             trainer.run.stopped.write_text(json.dumps({"iteration": it, "message": msg}))
         trainer.log(f"[train] {msg}")
@@ -365,14 +399,22 @@ class IntervalLogger(Hook):
         eff = self.meter.efficiency(now)
         lr = trainer.opt.param_groups[0]["lr"]
         memory = peak_memory_gb()
-        trainer.metrics.log(step.it, loss=mean_loss, lr=lr,
-                            grad_norm=None if step.grad_norm is None else float(step.grad_norm),
-                            tokens_per_s=tok_s, **eff, peak_memory_gb=memory)
+        trainer.metrics.log(
+            step.it,
+            loss=mean_loss,
+            lr=lr,
+            grad_norm=None if step.grad_norm is None else float(step.grad_norm),
+            tokens_per_s=tok_s,
+            **eff,
+            peak_memory_gb=memory,
+        )
         mfu = f" MFU {eff['mfu']:.1%}" if eff["mfu"] is not None else ""
         mem = f" {memory:.1f} GB" if memory is not None else ""
-        trainer.log(f"[train] iter {step.it:>6}/{t.train_iters} loss {mean_loss or 0:.4f} lr {lr:.2e} "
-                    f"grad_norm {float(step.grad_norm or 0):.3f} {tok_s:,.0f} tok/s "
-                    f"{eff['tflops_per_device']:.3g} TFLOP/s/device{mfu}{mem}")
+        trainer.log(
+            f"[train] iter {step.it:>6}/{t.train_iters} loss {mean_loss or 0:.4f} lr {lr:.2e} "
+            f"grad_norm {float(step.grad_norm or 0):.3f} {tok_s:,.0f} tok/s "
+            f"{eff['tflops_per_device']:.3g} TFLOP/s/device{mfu}{mem}"
+        )
         self.meter.restart(now)
         self.excluded_at = trainer.excluded_s
 
@@ -421,8 +463,10 @@ class PreemptionWatcher(Hook):
             trainer.save(step.it)
         if trainer.reporting:
             trainer.run.preempted.write_text(json.dumps({"iteration": step.it, "signal": self.flag.signal}))
-        trainer.log(f"[train] preempted ({self.flag.signal or 'another rank'}) at iter {step.it}: checkpoint saved; "
-                    f"rerunning the same command resumes from it")
+        trainer.log(
+            f"[train] preempted ({self.flag.signal or 'another rank'}) at iter {step.it}: checkpoint saved; "
+            f"rerunning the same command resumes from it"
+        )
         raise TrainingPreempted(f"training preempted at iteration {step.it}", step.it)
 
 
@@ -437,8 +481,14 @@ class Trainer:
     """One rank's part of a run: process groups, data, model, optimizer and the resumed checkpoint, built on
     construction; `train()` runs `train_step()` for each remaining iteration and the hooks around it."""
 
-    def __init__(self, cfg: PipelineConfig, manifest: dict, run_dir: Path, hooks: Sequence[Hook],
-                 clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        cfg: PipelineConfig,
+        manifest: dict,
+        run_dir: Path,
+        hooks: Sequence[Hook],
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         from megatron.core import parallel_state
 
         init_distributed(cfg)
@@ -453,8 +503,9 @@ class Trainer:
         self.start = 0
         latest = checkpointing.latest_iteration(self.run.checkpoints)
         if latest is not None:
-            self.start = checkpointing.load_checkpoint(self.run.checkpoints, latest, self.ddp.module, self.opt,
-                                                       self.sched)
+            self.start = checkpointing.load_checkpoint(
+                self.run.checkpoints, latest, self.ddp.module, self.opt, self.sched
+            )
         elif t.init_from:
             checkpointing.load_model_weights(Path(t.init_from), self.ddp.module)
         self.reporting = (
@@ -465,9 +516,13 @@ class Trainer:
         self.log = (lambda msg: print(msg, flush=True)) if self.reporting else (lambda msg: None)
         # this attempt logs from its first step on (iteration 0 from scratch): an interrupted attempt's records
         # from there on are dropped, or metrics.jsonl and MLflow would hold two values per step
-        self.metrics = MetricsWriter(self.run.metrics_file, self.reporting,
-                                     os.environ.get("DIFFLM_MLFLOW_RUN_ID"), self.log,
-                                     first_step=0 if latest is None else self.start + 1)
+        self.metrics = MetricsWriter(
+            self.run.metrics_file,
+            self.reporting,
+            os.environ.get("DIFFLM_MLFLOW_RUN_ID"),
+            self.log,
+            first_step=0 if latest is None else self.start + 1,
+        )
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.n_micro = t.global_batch_size // (t.micro_batch_size * self.dp_size)
         self.n_devices, self.peak = dist.get_world_size(), device_peak(cfg)
@@ -476,8 +531,10 @@ class Trainer:
 
     def train(self) -> None:
         t = self.cfg.train
-        self.log(f"[train] mode={self.cfg.diffusion.model_running_mode} start_iter={self.start} train_iters={t.train_iters} "
-                 f"params/rank={sum(p.numel() for p in self.ddp.module.parameters()):,}")
+        self.log(
+            f"[train] mode={self.cfg.diffusion.model_running_mode} start_iter={self.start} train_iters={t.train_iters} "
+            f"params/rank={sum(p.numel() for p in self.ddp.module.parameters()):,}"
+        )
         self.run_hooks("on_start")
         for done in range(self.start, t.train_iters):
             self.run_hooks("pre_step", done)
@@ -504,8 +561,9 @@ class Trainer:
         return evaluate(self.cfg, self.ddp, self.valid_ds, self.special)
 
     def save(self, it: int) -> None:
-        checkpointing.save_checkpoint(self.run.checkpoints, it, self.ddp.module, self.opt, self.sched,
-                                      self.cfg.checkpoint.keep_last)
+        checkpointing.save_checkpoint(
+            self.run.checkpoints, it, self.ddp.module, self.opt, self.sched, self.cfg.checkpoint.keep_last
+        )
         self.saved = it
 
     def run_hooks(self, method: str, *args) -> None:
