@@ -606,6 +606,11 @@ class PipelineConfig(_Section):
         payload = {s: self.identity(s) for s in sections}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
+    def data_label(self) -> str:
+        """Which data, in words, for names people read (registered model, MLflow runs): the sources' labels. The
+        data hash (`data.hash` tags) says exactly which, tokenizer included."""
+        return "+".join(s.label for s in self.data.sources)
+
     def flat(self) -> dict[str, Any]:
         """`section.field -> value`, the form MLflow params take."""
         out: dict[str, Any] = {}
