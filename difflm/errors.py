@@ -37,6 +37,13 @@ class TrainingPreempted(TrainingError):
         self.iteration = iteration
 
 
+class Interrupted(TrainingPreempted):
+    """Ctrl-C: the trainer saved a checkpoint and stopped. Exit 75 as for a preemption, but never retried by
+    the flow (the user asked it to stop); rerunning the same command resumes."""
+
+    retryable = False
+
+
 class NonFiniteStop(TrainingError):
     """Training stopped on non-finite loss or gradients: the same data would fail the same way."""
 

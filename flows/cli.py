@@ -733,7 +733,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = resolve_config(cmd, args)
         _offline_env(cfg)  # Prefect's state beside the config's workdir (a run's own, for a command on a run)
-        return cmd.handler(cfg, args)
+        from flows.prefect_api import prefect_api
+
+        with prefect_api(needed=cmd.name == "run" or bool(getattr(args, "flow", False))):
+            return cmd.handler(cfg, args)
     except UserError as err:  # the message already says what to do: no traceback
         print(f"difflm: {err}", file=sys.stderr)
         return err.exit_code  # 1; 2 for a bad config; 75 (EX_TEMPFAIL) when rerunning resumes

@@ -22,6 +22,8 @@ from fault_injection import fault_launch
 
 from models.launch.torchrun import TrainingError, TrainingPreempted, launch_training, read_metrics, run_dir
 
+ROOT = Path(__file__).resolve().parents[1]
+
 FAST = (
     "train.train_iters=16",
     "checkpoint.save_interval=4",
@@ -339,3 +341,35 @@ def test_prefect_retry_after_a_crash_resumes_training(session_dir, tiny_manifest
     info = train_only()
     log = (rdir / "train.log").read_text()
     assert re.search(r"start_iter=[1-9]", log) and info["checkpoint"].endswith("iter_0000016")
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_difflm_run_exits_75_with_one_line_and_resumes(session_dir, tiny_manifest, tmp_path):
+    """Tried as a new user would: Ctrl-C during `difflm run` saved a checkpoint, then the command hung for minutes
+    (Prefect's temporary server shared the terminal's process group and died first) and a second Ctrl-C printed
+    about 120 lines of tracebacks. Now: one line naming the checkpoint, exit 75, within seconds."""
+    workdir = session_dir / "shared"  # the prepared data of tiny_manifest is reused
+    args = [f"workdir={workdir}", "train.train_iters=400", "train.log_interval=1", "train.warmup_iters=2"]
+    args += ["checkpoint.save_interval=1000", "tracking.registry=false"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    cli = [sys.executable, "-m", "flows.cli", "run", "--preset", "test-tiny", *args]
+    proc = subprocess.Popen(
+        cli, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )  # its own process group, as a shell gives a command
+    runs = workdir / "runs"
+    _when(lambda: any(_last_step(r) >= 3 for r in runs.glob("*-*") if (r / "metrics.jsonl").exists()), 300)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at a terminal does: the whole foreground group
+    t0 = time.time()
+    _, err = proc.communicate(timeout=300)
+    took = time.time() - t0
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 75, err[-3000:]
+    assert last.startswith("difflm: interrupted at iteration") and "rerun the same command" in last, err[-3000:]
+    assert "Traceback" not in err, err[-5000:]
+    assert took < 90, took  # the checkpoint is written, then the command ends (it hung for minutes before)
+    iteration = int(re.search(r"interrupted at iteration (\d+)", last).group(1))
+    rdir = next(r for r in runs.glob("*-*") if (r / "checkpoints" / f"iter_{iteration:07d}").is_dir())
+    from difflm.rundir import RunDir
+
+    assert RunDir(rdir).latest_iteration() == iteration  # where a rerun resumes (resume exactness: tests above)

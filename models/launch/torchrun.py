@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from difflm.config import PipelineConfig, save_config
-from difflm.errors import InvalidSetup, NonFiniteStop, TrainingError, TrainingPreempted
+from difflm.errors import Interrupted, InvalidSetup, NonFiniteStop, TrainingError, TrainingPreempted
 from difflm.rundir import RunDir
 
 TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")
@@ -121,13 +121,16 @@ def launch_training(
         family = _Descendants(proc.pid)
         try:
             code = proc.wait()
-        except BaseException:  # Ctrl-C or a cancelled task: the trainer checkpoints on SIGTERM, then stops
+        except BaseException as stop:  # Ctrl-C or a cancelled task: the trainer checkpoints on SIGTERM, then stops
             proc.send_signal(signal.SIGTERM)
+            echo(f"[train] stopping: the trainer saves a checkpoint first (up to 120 s); {rdir}")
             try:
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 pass
             family.kill_leftovers()
+            if isinstance(stop, KeyboardInterrupt):  # one line with where to resume, not a traceback
+                interrupted(rdir)
             raise
         family.kill_leftovers()
         pump.join(timeout=10)
@@ -226,6 +229,18 @@ def raise_for_markers(rdir: Path, code: int | str | None, log: Path | None = Non
         )
     if stopped.exists():
         raise NonFiniteStop(json.loads(stopped.read_text())["message"] + f"; full log: {log or RunDir(rdir).train_log}")
+
+
+def interrupted(rdir: Path) -> None:
+    """After Ctrl-C: raise Interrupted naming the checkpoint the trainer saved (exit 75; rerun to resume)."""
+    preempted, _ = RunDir(rdir).markers
+    if preempted.exists():
+        iteration = json.loads(preempted.read_text())["iteration"]
+        raise Interrupted(
+            f"interrupted at iteration {iteration}; checkpoint saved: {RunDir(rdir).checkpoint(iteration)}; "
+            f"rerun the same command to resume",
+            iteration,
+        )
 
 
 def read_metrics(rdir: Path) -> list[dict]:

@@ -1,0 +1,83 @@
+"""The Prefect API a CLI command talks to: the configured one (PREFECT_API_URL), else a temporary local server
+that this process starts in its own session.
+
+Why not Prefect's own temporary server: it is a child in the terminal's process group, so Ctrl-C stops it at
+once while the flow still has states to report; the flow then retried a dead API for minutes and printed
+tracebacks (tried as a new user would). In its own session the server outlives the interrupt long enough for
+the flow to record where training stopped, and is stopped when the command ends.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import subprocess
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from difflm.errors import UserError
+
+
+class _NoTracebackForUserErrors(logging.Filter):
+    """On the console, a UserError from a task or flow is its message: it already says what to do. (The
+    Prefect API still gets the full record.)"""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], UserError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+@contextmanager
+def prefect_api(needed: bool) -> Iterator[None]:
+    """Within: a reachable Prefect API when `needed` (a flow will run), and tracebacks of user errors kept off
+    the console; nothing changes otherwise."""
+    if not needed:
+        yield
+        return
+    import prefect.main  # noqa: F401 - configures logging, whose console handler gets the filter
+
+    quiet = _NoTracebackForUserErrors()
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(quiet)
+    try:
+        with _temporary_server_unless_configured():
+            yield
+    finally:
+        for handler in logging.getLogger().handlers:
+            handler.removeFilter(quiet)
+
+
+@contextmanager
+def _temporary_server_unless_configured() -> Iterator[None]:
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    if PREFECT_API_URL.value():  # the environment, a profile, or a test harness's temporary settings
+        yield
+        return
+    from prefect.logging.handlers import APILogHandler
+    from prefect.server.api import server as prefect_server
+
+    class OwnSessionServer(prefect_server.SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            # Prefect builds the server's command line and environment; only the session is ours
+            own_session = types.SimpleNamespace(Popen=functools.partial(subprocess.Popen, start_new_session=True))
+            prefect_server.subprocess, saved = own_session, prefect_server.subprocess
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                prefect_server.subprocess = saved
+
+    server = OwnSessionServer()
+    server.start()
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            try:
+                yield
+            finally:  # the flow's last log lines reach the server before it stops
+                for handler in logging.getLogger("prefect.flow_runs").handlers:
+                    if isinstance(handler, APILogHandler):
+                        handler.flush()
+    finally:
+        server.stop()
