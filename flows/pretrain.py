@@ -20,6 +20,11 @@ def resolve(config: PipelineConfig | dict | None, preset: str, overrides: list[s
     return load_config(preset, overrides or [])
 
 
+def status(cached: bool, done: bool) -> str:
+    """What a stage did: `cached` (Prefect skipped it), `reused` (it found its finished output), or `ran`."""
+    return "cached" if cached else "reused" if done else "ran"
+
+
 @flow(name="pretrain-difflm", log_prints=True)
 def pretrain_difflm(
     preset: str = "tiny-cpu",
@@ -44,11 +49,12 @@ def pretrain_difflm(
 
         ddir = data_dir(cfg)
         with tracking.stage_run("data-prep") as sid:
-            manifest, cached = run_stage(data_prep_task, cache_key("data-prep", ddir), (ddir / MANIFEST).exists(), cfg)
+            done = (ddir / MANIFEST).exists()
+            manifest, cached = run_stage(data_prep_task, cache_key("data-prep", ddir), done, cfg)
             tracking.log_stage(sid, cached)
             if sid:
                 tracking.log_data_stats(manifest, context="output")
-        stages["data-prep"] = "cached" if cached else "ran"
+        stages["data-prep"] = status(cached, done)
         artifacts.publish("data-prep-summary", artifacts.data_markdown(manifest, cached), "data prep", link)
         if run_id:
             tracking.log_data_stats(manifest)
@@ -65,7 +71,7 @@ def pretrain_difflm(
             tracking.log_stage(sid, cached)
             if sid:
                 tracking.log_training(train_info, records, live=not (cached or trained))
-        stages["train"] = "cached" if cached else "ran"
+        stages["train"] = status(cached, trained)
         if run_id:  # the parent's first charts: the training curves (and, below, the evaluation)
             tracking.log_training(train_info, records, live=sid is None)
         curves = (
@@ -79,16 +85,17 @@ def pretrain_difflm(
 
         hf_path = RunDir(train_info["run_dir"]).hf
         with tracking.stage_run("convert") as sid:
+            done = is_export_of(hf_path, train_info["checkpoint"])
             hf_dir, cached = run_stage(
                 convert_task,
                 cache_key("convert", hf_path, train_info["checkpoint"]),
-                is_export_of(hf_path, train_info["checkpoint"]),
+                done,
                 cfg,
                 manifest,
                 train_info,
             )
             tracking.log_stage(sid, cached, **{"export.hf_dir": hf_dir, "train.checkpoint": train_info["checkpoint"]})
-        stages["convert"] = "cached" if cached else "ran"
+        stages["convert"] = status(cached, done)
         artifacts.publish(
             "convert-summary",
             artifacts.conversion_markdown(hf_dir, train_info["checkpoint"], cached),
@@ -99,14 +106,13 @@ def pretrain_difflm(
         key = eval_key(cfg, manifest, hf_dir)
         out_dir = RunDir(train_info["run_dir"]).eval_dir()  # the run's own data: <run>/eval
         with tracking.stage_run("evaluate") as sid:
-            results, cached = run_stage(
-                evaluate_task, key, eval_done(out_dir, key), cfg, manifest, hf_dir, str(out_dir)
-            )
+            done = eval_done(out_dir, key)
+            results, cached = run_stage(evaluate_task, key, done, cfg, manifest, hf_dir, str(out_dir), reuse_key=key)
             mark_eval_done(out_dir, key)
             tracking.log_stage(sid, cached)
             if sid:
                 tracking.log_evaluation(results)
-        stages["evaluate"] = "cached" if cached else "ran"
+        stages["evaluate"] = status(cached, done)
         artifacts.publish("evaluate-summary", artifacts.evaluation_markdown(results, cached), "evaluation", link)
         registered = {}
         if run_id:

@@ -8,6 +8,7 @@ also reuses its finished folder on its own, so wiping Prefect's state costs noth
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -17,9 +18,11 @@ from data_prep.pipeline import prepare_data
 from difflm.config import PipelineConfig
 from difflm.errors import DiffLMError
 from models.evaluation.likelihood import KIND_LABELS
+from models.evaluation.report import write_comparison
 from models.evaluation.stages import convert_checkpoint, evaluate_export, sweep_export
 from models.launch.cluster import submit_kubernetes, submit_slurm
 from models.launch.torchrun import launch_training
+from tasks.cache import eval_done
 from tasks.runs import convert_source, export_newest, score_export_bound
 
 
@@ -64,8 +67,21 @@ def convert_task(cfg: PipelineConfig, manifest: dict, train_info: dict) -> str:
 
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate_task(
-    cfg: PipelineConfig, manifest: dict, hf_dir: str, out_dir: str | None = None, untrained: bool = True
+    cfg: PipelineConfig,
+    manifest: dict,
+    hf_dir: str,
+    out_dir: str | None = None,
+    untrained: bool = True,
+    reuse_key: str | None = None,
 ) -> dict:
+    """Evaluate the export; with `reuse_key`, results already in `out_dir` for that key are read back instead
+    (as training reuses a finished run: a Prefect cache in another place, e.g. a deployment's worker, must not
+    cost a new evaluation)."""
+    if reuse_key and out_dir and eval_done(Path(out_dir), reuse_key):
+        get_run_logger().info(f"reusing the evaluation in {out_dir} (same export, data and eval settings)")
+        results = json.loads((Path(out_dir) / "results.json").read_text())
+        results["report"] = str(write_comparison(Path(cfg.workdir).resolve(), manifest["hash"]))
+        return results
     results = evaluate_export(cfg, manifest, Path(hf_dir), Path(out_dir) if out_dir else None, untrained)
     b = results["bounds"]
     kind = KIND_LABELS[b["trained"]["kind"]]

@@ -5,6 +5,8 @@ prefect.yaml read the way `prefect deploy` reads it."""
 import importlib
 import json
 import os
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -55,6 +57,7 @@ def test_deployment_run_from_the_cli(tmp_path):
         "PREFECT_HOME": str(tmp_path / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),  # Prefect's task results (its cache)
     }
     (tmp_path / "prefect").mkdir()
     server = subprocess.Popen(
@@ -104,6 +107,26 @@ def test_deployment_run_from_the_cli(tmp_path):
         assert "Completed" in run.stdout
         exports = list(workdir.glob("runs/*/hf/model.safetensors"))
         assert len(exports) == 1
+
+        # a second run of the deployment reuses every stage, the evaluation included, and says so, also when
+        # Prefect's cache is elsewhere (a worker on another host, a wiped PREFECT_HOME): tried as a new user
+        # would, every run evaluated again (3 minutes) and labelled every stage "ran"
+        assert (tmp_path / "results").is_dir()
+        shutil.rmtree(tmp_path / "results")
+        (results,) = workdir.glob("runs/*/eval/results.json")
+        before, logged = results.stat().st_mtime_ns, len((tmp_path / "serve.log").read_text())
+        again = subprocess.run(
+            [str(BIN / "prefect"), "deployment", "run", "pretrain-difflm/ci", "--watch", "--watch-timeout", "400"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=450,
+        )
+        assert again.returncode == 0 and "Completed" in again.stdout, again.stdout + again.stderr
+        second = (tmp_path / "serve.log").read_text()[logged:]
+        finished = re.search(r"pretrain-difflm finished \(([^)]*)\)", second)
+        assert finished and "ran" not in finished.group(1), second[-3000:]
+        assert results.stat().st_mtime_ns == before  # not evaluated again
 
         # prefect.yaml's deployments for the work pool register on the same server, as the README says
         pool = subprocess.run(
