@@ -82,7 +82,9 @@ def evaluate_task(
         results = json.loads((Path(out_dir) / "results.json").read_text())
         results["report"] = str(write_comparison(Path(cfg.workdir).resolve(), manifest["hash"]))
         return results
-    results = evaluate_export(cfg, manifest, Path(hf_dir), Path(out_dir) if out_dir else None, untrained)
+    results = evaluate_export(
+        cfg, manifest, Path(hf_dir), Path(out_dir) if out_dir else None, untrained, echo=get_run_logger().info
+    )
     b = results["bounds"]
     kind = KIND_LABELS[b["trained"]["kind"]]
     get_run_logger().info(

@@ -93,7 +93,11 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, 
     vals = [r["val_loss"] for r in read_metrics(info["run_dir"]) if "val_loss" in r]
     assert len(vals) == 2 and vals[-1] < vals[0], vals
     hf_dir = convert_checkpoint(cfg, tiny_manifest, info)
-    results = evaluate_export(cfg, tiny_manifest, hf_dir)
+    lines: list[str] = []
+    results = evaluate_export(cfg, tiny_manifest, hf_dir, echo=lines.append)
+    # minutes on 2 cores are not silent: a line per part, with the time so far (tried as a new user would)
+    assert [line.split(":")[0] for line in lines[:1]] == ["[eval] bound of the trained model"], lines
+    assert any(line.startswith("[eval] tasks: cloze") for line in lines) and lines[-1].startswith("[eval] done")
     b = results["bounds"]
     assert b["trained"]["nll_per_token"] < b["untrained"]["nll_per_token"]
     assert b["trained"]["kind"] == ("exact" if mode == "ar" else "elbo")
