@@ -30,6 +30,7 @@ from difflm.errors import UserError
 # Prefect and MLflow take seconds to import).
 
 DEFAULT_PRESET = "tiny-cpu"
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store (the line cmd_run prints)
 
 EPILOG = """examples:
   difflm run                                   # the demo: tiny-cpu preset, every stage
@@ -94,10 +95,13 @@ def cmd_run(cfg: PipelineConfig, args) -> int:
     ):
         if summary.get(key) is not None:
             print(f"{key:>16}: {summary[key]}")
-    if summary.get("mlflow_uri"):
+    if summary.get("mlflow_uri") and not summary.get("mlflow_run_url"):  # a local store: no server to link to yet
+        from tasks.artifacts import mlflow_run_url
+
         print(
             f"MLflow UI: {Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {summary['mlflow_uri']} "
-            f"--host 127.0.0.1 --port 5000"
+            f"--host 127.0.0.1 --port 5000\n"
+            f"     then open: {mlflow_run_url(LOCAL_UI, summary.get('mlflow_experiment_id'), summary['mlflow_run_id'])}"
         )
     Path(cfg.workdir, "last_run.json").write_text(json.dumps(summary, indent=2))
     return 0

@@ -45,7 +45,8 @@ def pretrain_difflm(
     stages: dict[str, str] = {}
     run_name = f"{cfg.name}-{cfg.diffusion.model_running_mode}-{cfg.data_label()}"  # says which data
     with tracking.pipeline_run(cfg, run_name, tags) as run_id:
-        link = artifacts.mlflow_run_url(tracking.tracking_uri(cfg), tracking.experiment_of(run_id), run_id)
+        experiment_id = tracking.experiment_of(run_id)
+        link = artifacts.mlflow_run_url(tracking.tracking_uri(cfg), experiment_id, run_id)
 
         ddir = data_dir(cfg)
         with tracking.stage_run("data-prep") as sid:
@@ -137,6 +138,7 @@ def pretrain_difflm(
         "mlflow_run_id": run_id,
         "mlflow_uri": tracking.tracking_uri(cfg) if run_id else None,
         "mlflow_run_url": link,
+        "mlflow_experiment_id": experiment_id,
         "validation": results["bounds"],
         "tasks": results["tasks"],
         "report": results.get("report"),

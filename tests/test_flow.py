@@ -58,6 +58,7 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness, monk
     assert not [k for k in run.data.metrics if k.startswith("data.")]
     exp = client.get_experiment(run.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the model-training view
+    assert summary["mlflow_experiment_id"] == run.info.experiment_id  # `difflm run` prints the run's UI link
     assert run.data.tags["prefect.flow_run_id"] and run.data.tags["mlflow.source.git.commit"]
     # a nested run per stage: live training curves and system metrics in the train stage's run
     children = {
