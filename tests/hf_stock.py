@@ -16,17 +16,20 @@ KINDS = {  # name -> (model_type, config fields): MHA and GQA, tied and untied, 
 }
 
 
-def tiny_tokenizer(folder: Path, vocab: int = VOCAB) -> None:
+def tiny_tokenizer(folder: Path, vocab: int = VOCAB, reserved: str | None = None) -> None:
+    """A word-level tokenizer of `vocab` tokens (EOS `</s>`); `reserved` names its last token (a spare id)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     words = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, vocab)}}
+    if reserved:
+        words = {**{w: i for w, i in words.items() if i != vocab - 1}, reserved: vocab - 1}
     tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="<unk>").save_pretrained(str(folder))
 
 
-def tiny_stock(kind: str, folder: Path, seed: int = 0, **save) -> Path:
+def tiny_stock(kind: str, folder: Path, seed: int = 0, reserved: str | None = None, **save) -> Path:
     """A random stock model of `kind` (KINDS) saved with its tokenizer into `folder`; norms and biases moved off
     their ones/zeros init so a mapping that swaps or drops them shows in the logits."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -54,5 +57,5 @@ def tiny_stock(kind: str, folder: Path, seed: int = 0, **save) -> Path:
             if name.endswith("bias") or "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     model.save_pretrained(str(folder), **save)
-    tiny_tokenizer(folder)
+    tiny_tokenizer(folder, reserved=reserved)
     return folder
