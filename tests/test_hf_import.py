@@ -162,3 +162,23 @@ def test_sharded_folders_gguf_files_and_another_architecture_config(tmp_path):
     with pytest.raises(ConversionError, match="is a GGUF file, not an HF folder"):
         import_pretrained(cfg, gguf, tmp_path / "mg3")
     assert not list(tmp_path.glob("mg2*")) and not list(tmp_path.glob("mg3*")) and not (tmp_path / "other").exists()
+
+
+def test_difflm_convert_imports_a_stock_folder(tmp_path):
+    """`difflm convert HF_DIR --out CKPT` on a stock folder: the checkpoint, its tokenizer with a mask token, and
+    the overrides that train from it, which make a valid config; a GGUF file gets its one line."""
+    from difflm.config import load_config
+
+    src = tiny_stock("qwen3-qknorm-hd", tmp_path / "src")
+    cli = [sys.executable, "-m", "flows.cli", "convert"]
+    proc = subprocess.run([*cli, str(src), "--out", str(tmp_path / "mg")], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    use = proc.stdout.split("start training from it with: ")[1].split()
+    assert f"train.init_from={tmp_path / 'mg'}" in use and "model.kv_channels=12" in use
+    assert "tokenizer.mask_token=<|mask|>" in use and (tmp_path / "mg" / "tokenizer" / "tokenizer.json").exists()
+    cfg = load_config("test-tiny", use)
+    assert cfg.model.qk_layernorm and cfg.model.hf_architecture == "qwen3"
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    proc = subprocess.run([*cli, str(tmp_path / "m.gguf")], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode != 0 and "is a GGUF file, not an HF folder" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -302,7 +302,9 @@ def import_pretrained(
             "source": str(folder),
             "architecture": arch.hf_class,
             "model": fields,
-            "tokenizer": {k: tok.get(k) for k in ("path", "vocab_size", "mask_id", "eos_id", "pad_id", "mask_added")},
+            "tokenizer": {
+                k: tok.get(k) for k in ("path", "vocab_size", "mask_id", "eos_id", "pad_id", "mask_added", "tokens")
+            },
             "parity": {"rel_max_logit_diff": rel, "tolerance": PARITY_TOLERANCE, "tokens": list(ids.shape)},
         }
         if tokenizer is None:  # into the checkpoint folder after megatron's save (it wants an empty folder)
