@@ -3,6 +3,7 @@
 transformers' logits at every TP/PP layout, the stock export gives them back, and bad input says what to do."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -182,3 +183,34 @@ def test_difflm_convert_imports_a_stock_folder(tmp_path):
     proc = subprocess.run([*cli, str(tmp_path / "m.gguf")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode != 0 and "is a GGUF file, not an HF folder" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
+def test_an_ar_run_exports_the_stock_class_that_lm_eval_scores(megatron_single_process, tmp_path, tiny_manifest):
+    """The pipeline's export stage of an `ar` run also writes <run>/hf-stock: a Llama (trained here, so no recorded
+    architecture) that AutoModelForCausalLM loads without remote code, giving the megatron model's logits (checked
+    inside), and that lm-eval's stock `hf` model scores; a diffusion run writes none."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from megatron.core import dist_checkpointing
+    from transformers import AutoModelForCausalLM
+
+    from models.evaluation.stages import export_stock_class
+    from models.megatron.gpt import build_model
+
+    cfg = tiny_config(tmp_path, "diffusion.model_running_mode=ar", "model.num_query_groups=1")
+    torch.manual_seed(0)
+    model = build_model(cfg, tiny_manifest["tokenizer"]["vocab_size"])
+    ckpt = tmp_path / "run" / "checkpoints" / "iter_0000001"
+    ckpt.mkdir(parents=True)
+    dist_checkpointing.save(model.sharded_state_dict(prefix=""), str(ckpt))
+    info = {"run_dir": str(tmp_path / "run"), "checkpoint": str(ckpt)}
+    stock = export_stock_class(cfg, tiny_manifest, info)
+    assert stock == tmp_path / "run" / "hf-stock"
+    assert type(AutoModelForCausalLM.from_pretrained(str(stock))).__name__ == "LlamaForCausalLM"
+    assert json.loads((stock / "difflm_export.json").read_text())["parity"] <= 1e-4
+    lm = HFLM(pretrained=str(stock), device="cpu", batch_size=1)
+    req = Instance(request_type="loglikelihood", doc={}, arguments=("The history of", " the city"), idx=0)
+    ((logp, _greedy),) = lm.loglikelihood([req])
+    assert logp < 0 and math.isfinite(logp)
+    diffusion = tiny_config(tmp_path, "diffusion.model_running_mode=difflm-noshift")
+    assert export_stock_class(diffusion, tiny_manifest, info) is None

@@ -220,13 +220,23 @@ def stock_config(model_cfg, vocab_rows: int, max_positions: int, special: dict):
     return AutoConfig.for_model(arch.name, **kwargs)
 
 
-def check_exportable(model_cfg) -> None:
-    """A model the stock classes compute: SwiGLU, RMSNorm, no adaLN; the features of its class only."""
+def stock_problem(model_cfg) -> str | None:
+    """Why no stock class computes this model, or None: they are SwiGLU + RMSNorm decoders with the features
+    of their class (document attention is not theirs either: packed documents would see each other)."""
     m, arch = model_cfg, architecture_of(model_cfg)
     if not m.swiglu or m.normalization != "RMSNorm":
-        raise ConversionError("the stock classes are SwiGLU + RMSNorm models: this model is not; export it as ours")
+        return "the stock classes are SwiGLU + RMSNorm models: this model is not"
+    if m.document_attention:
+        return "model.document_attention: the stock classes attend across packed documents"
     if m.qkv_bias != arch.qkv_bias or m.qk_layernorm != arch.qk_norm:
-        raise ConversionError(
+        return (
             f"model.hf_architecture={arch.name} has qkv_bias={arch.qkv_bias}, qk_norm={arch.qk_norm}; the model "
             f"has {m.qkv_bias}, {m.qk_layernorm}: unset model.hf_architecture"
         )
+    return None
+
+
+def check_exportable(model_cfg) -> None:
+    problem = stock_problem(model_cfg)
+    if problem:
+        raise ConversionError(f"{problem}; export it with this project's class (difflm convert)")
