@@ -4,6 +4,7 @@ transformers' logits at every TP/PP layout, the stock export gives them back, an
 
 import json
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -174,7 +175,7 @@ def test_difflm_convert_imports_a_stock_folder(tmp_path):
     cli = [sys.executable, "-m", "flows.cli", "convert"]
     proc = subprocess.run([*cli, str(src), "--out", str(tmp_path / "mg")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    use = proc.stdout.split("start training from it with: ")[1].split()
+    use = shlex.split(proc.stdout.split("start training from it with: ")[1])  # quoted for the shell
     assert f"train.init_from={tmp_path / 'mg'}" in use and "model.kv_channels=12" in use
     assert "tokenizer.mask_token=<|mask|>" in use and (tmp_path / "mg" / "tokenizer" / "tokenizer.json").exists()
     cfg = load_config("test-tiny", use)
