@@ -74,6 +74,7 @@ def test_import_then_stock_export_give_the_source_logits(tmp_path, kind):
         assert _rel(ref, ours(ids).logits) <= 1e-4
 
 
+@pytest.mark.slow
 def test_import_at_tp_and_pp_gives_the_source_logits(tmp_path):
     """One torchrun of 4 ranks: every case at TP in {1,2} x PP in {1,2} gives transformers' logits."""
     from models.hf.importer import import_pretrained, import_record, source_overrides
@@ -215,3 +216,33 @@ def test_an_ar_run_exports_the_stock_class_that_lm_eval_scores(megatron_single_p
     assert logp < 0 and math.isfinite(logp)
     diffusion = tiny_config(tmp_path, "diffusion.model_running_mode=difflm-noshift")
     assert export_stock_class(diffusion, tiny_manifest, info) is None
+
+
+@pytest.mark.slow
+def test_training_starts_from_an_imported_qwen2(tmp_path):
+    """The two steps a user takes: `difflm convert HF_DIR --out CKPT`, then training with the overrides it printed
+    (data prep reads through the imported tokenizer with its mask token); the ar run's export stage writes the
+    stock Qwen2 class back. Step 0's validation loss is the imported model's, so it differs from a fresh init's."""
+    from data_prep.pipeline import prepare_data
+    from models.evaluation.stages import convert_checkpoint
+    from models.launch.torchrun import launch_training, read_metrics
+
+    src = tiny_stock("qwen2-bias", tmp_path / "src")
+    cli = [sys.executable, "-m", "flows.cli", "convert", str(src), "--out", str(tmp_path / "mg")]
+    proc = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    use = shlex.split(proc.stdout.split("start training from it with: ")[1].splitlines()[0])
+    run = ["diffusion.model_running_mode=ar", "train.train_iters=2", "train.warmup_iters=1"]
+    run += ["train.eval_interval=2", "checkpoint.save_interval=2", "tracking.enabled=false"]
+    starts = []
+    for init in (use, [u for u in use if not u.startswith("train.init_from=")]):
+        cfg = tiny_config(tmp_path / f"wd{len(starts)}", *init, *run)
+        manifest = prepare_data(cfg)
+        assert manifest["tokenizer"]["mask_id"] == VOCAB  # the added mask token
+        info = launch_training(cfg, manifest, echo=lambda _: None)
+        starts.append([r["val_loss"] for r in read_metrics(info["run_dir"]) if r["step"] == 0 and "val_loss" in r][0])
+        if len(starts) == 1:
+            convert_checkpoint(cfg, manifest, info)
+            config = json.loads((Path(info["run_dir"]) / "hf-stock" / "config.json").read_text())
+            assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert starts[0] != pytest.approx(starts[1], rel=1e-3)

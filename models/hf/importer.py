@@ -282,7 +282,13 @@ def import_pretrained(
                 f"the tokenizer is not this model's"
             )
         vocab, tied = tok["vocab_size"], fields["tie_embeddings"]
-        ours = _resize_vocab(stock_to_ours(sd, Shape.of(cfg.model), fields["num_layers"], tied), vocab, tied)
+        try:
+            ours = _resize_vocab(stock_to_ours(sd, Shape.of(cfg.model), fields["num_layers"], tied), vocab, tied)
+        except KeyError as err:
+            raise ConversionError(
+                f"{folder}: the weights lack {err.args[0]!r} (expected the *ForCausalLM names: model.layers.N..., "
+                f"lm_head.weight unless tie_word_embeddings)"
+            ) from None
         rows = padded_vocab_size(vocab, cfg.parallel.tensor_model_parallel_size)
         weights = repad_vocab({_local_key(k): v for k, v in ours.items()}, rows)
         ids = probe_tokens(cfg, min(rows_src, vocab))
