@@ -148,13 +148,16 @@ def test_bad_input_says_what_to_do_and_writes_nothing(tmp_path, bad):
 
 
 def test_sharded_folders_gguf_files_and_another_architecture_config(tmp_path):
-    from models.hf.importer import import_pretrained, import_record
+    from models.hf.importer import import_pretrained, import_record, prepare_tokenizer
 
     src = tiny_stock("qwen2-bias", tmp_path / "src", max_shard_size="20KB")
     shards = sorted(src.glob("model-*.safetensors"))
     assert len(shards) > 1 and (src / "model.safetensors.index.json").exists()
     cfg = _cfg(tmp_path, src)
-    assert import_record(import_pretrained(cfg, src, tmp_path / "mg"))["parity"]["rel_max_logit_diff"] <= 1e-4
+    tok = prepare_tokenizer(src, tmp_path / "tok")  # as a data manifest records it (the adaptation flow's path)
+    rec = import_record(import_pretrained(cfg, src, tmp_path / "mg", tokenizer=tok))
+    assert rec["parity"]["rel_max_logit_diff"] <= 1e-4 and rec["tokenizer"]["path"] == str(tmp_path / "tok")
+    assert not (tmp_path / "mg" / "tokenizer").exists()  # the caller's tokenizer is not copied
     with pytest.raises(ConversionError, match="the model config differs from the checkpoint .*qkv_bias"):
         import_pretrained(tiny_config(tmp_path), src, tmp_path / "other")  # no source overrides
     shards[0].unlink()
