@@ -72,6 +72,12 @@ def test_import_then_stock_export_give_the_source_logits(tmp_path, kind):
     ours = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours"))
     with torch.no_grad():
         assert _rel(ref, ours(ids).logits) <= 1e-4
+    if kind == "mistral":  # a diffusion target with adaLN: the source's weights plus its own new parameters
+        from megatron.core import dist_checkpointing
+
+        timed = _cfg(tmp_path, src, "diffusion.model_running_mode=difflm-shift", "diffusion.time_embedding=true")
+        meta = dist_checkpointing.load_tensors_metadata(str(import_pretrained(timed, src, tmp_path / "mg-t")))
+        assert any("modulation" in k for k in meta) and "decoder.final_layernorm.weight" in meta
 
 
 @pytest.mark.slow

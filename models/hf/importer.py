@@ -267,6 +267,8 @@ def import_pretrained(
     _check_model(cfg, fields, folder)
     check_replaceable(out_dir, "megatron")
     sd = load_stock_weights(folder)
+    if "model.embed_tokens.weight" not in sd:
+        raise ConversionError(f"{folder}: no model.embed_tokens.weight: not the weights of a *ForCausalLM")
     rows_src = sd["model.embed_tokens.weight"].shape[0]
     if c.get("vocab_size", rows_src) != rows_src:
         raise ConversionError(f"{folder}: config.json says vocab_size {c['vocab_size']}, the weights have {rows_src}")
@@ -289,8 +291,10 @@ def import_pretrained(
                 f"{folder}: the weights lack {err.args[0]!r} (expected the *ForCausalLM names: model.layers.N..., "
                 f"lm_head.weight unless tie_word_embeddings)"
             ) from None
+        del sd  # the host holds one copy of the weights at a time, plus the models built from it
         rows = padded_vocab_size(vocab, cfg.parallel.tensor_model_parallel_size)
         weights = repad_vocab({_local_key(k): v for k, v in ours.items()}, rows)
+        del ours
         ids = probe_tokens(cfg, min(rows_src, vocab))
         hf = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -299,9 +303,15 @@ def import_pretrained(
         with single_megatron(cfg.train.seed):
             from megatron.core import dist_checkpointing
 
-            target = megatron_model(_single(cfg), vocab, rows, weights, strict=False)  # + its own new params
             check = megatron_model(_single(cfg, causal=True), vocab, rows, weights)
             rel = parity(ref, megatron_logits(check, ids), min(rows_src, vocab), f"import of {folder}")
+            # the same parameters unless the target conditions on t (its time embedding starts at its own init)
+            target = (
+                megatron_model(_single(cfg), vocab, rows, weights, strict=False)
+                if cfg.diffusion.time_embedding
+                else check
+            )
+            del weights
             tmp.mkdir(parents=True)
             dist_checkpointing.save(target.sharded_state_dict(prefix=""), str(tmp))
         record = {
