@@ -172,14 +172,16 @@ def single_megatron(seed: int):
 
 
 def _single(cfg: PipelineConfig, causal: bool = False) -> PipelineConfig:
-    """`cfg` at TP=PP=1 (conversion runs in one process); `causal`: as the `ar` model of the same weights."""
+    """`cfg` at TP=PP=1 on the local spec (conversion runs in one process, with the local spec's parameter
+    names on any machine); `causal`: as the `ar` model of the same weights."""
     update = {
         "parallel": cfg.parallel.model_copy(update={"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
     }
     update["train"] = cfg.train.model_copy(update={"nproc_per_node": 1, "nnodes": 1, "precision": "fp32"})
+    update["model"] = cfg.model.model_copy(update={"backend": "local"})
     if causal:
         update["diffusion"] = cfg.diffusion.model_copy(update={"model_running_mode": "ar", "time_embedding": False})
-        update["model"] = cfg.model.model_copy(update={"document_attention": False})
+        update["model"] = update["model"].model_copy(update={"document_attention": False})
     return cfg.model_copy(update=update)
 
 
@@ -199,9 +201,11 @@ def megatron_model(cfg: PipelineConfig, vocab_size: int, rows: int, weights: dic
 
 
 def megatron_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    """[b, s, v] on the CPU (megatron builds on the GPU when there is one)."""
+    ids = ids.to(next(model.parameters()).device)
+    pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
     with torch.no_grad():
-        return model(ids, pos, None).float()  # [b, s, v]
+        return model(ids, pos, None).float().cpu()
 
 
 def parity(reference: torch.Tensor, got: torch.Tensor, columns: int, what: str) -> float:
