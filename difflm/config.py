@@ -28,8 +28,11 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # (`PipelineConfig.stage_hash`): every field is part of that name unless it is marked OPERATIONAL, i.e. it
 # changes how a run is carried out (who launches it, how it reacts to faults) but not what it computes, so
 # any setting of it resumes and reuses the same directory. A new field forks every existing run directory
-# unless it is OPERATIONAL: tests/test_config.py lists the identity fields, so adding one is a decision.
+# unless it is OPERATIONAL or IF_SET: tests/test_config.py lists the identity fields, so adding one is a decision.
+# IF_SET marks an identity field added later whose default computes what runs made before it computed: it joins
+# the name only when set to another value, so those runs keep their directories.
 OPERATIONAL = {"identity": False}
+IF_SET = {"identity": "if_set"}
 
 
 def is_identity(field: FieldInfo) -> bool:
@@ -243,6 +246,22 @@ class ModelConfig(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     init_method_std: float = Field(0.02, gt=0.0)
     norm_epsilon: float = Field(1e-5, gt=0.0)
+    qkv_bias: bool = Field(
+        False, json_schema_extra=IF_SET, description="Biases on the Q, K and V projections (Qwen2); none elsewhere."
+    )
+    kv_channels: int | None = Field(
+        None,
+        ge=1,
+        json_schema_extra=IF_SET,
+        description="Width of one attention head (HF head_dim; Qwen3 sets it apart from hidden/heads). "
+        "None: hidden_size / num_attention_heads.",
+    )
+    hf_architecture: Literal["llama", "qwen2", "qwen3", "mistral"] | None = Field(
+        None,
+        json_schema_extra=OPERATIONAL,
+        description="The stock transformers class an `ar` export takes (recorded by `difflm convert HF_DIR`); "
+        "None: Qwen3 with qk_layernorm, Qwen2 with qkv_bias, else Llama. Exports only: training is the same.",
+    )
     document_attention: bool = Field(
         False, description="Packed documents attend only within themselves (explicit mask on the local spec)."
     )
@@ -256,7 +275,7 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({self.num_attention_heads})"
             )
@@ -635,13 +654,18 @@ def _identity(section: BaseModel) -> dict[str, Any]:
             return {
                 name: prune(getattr(value, name), dumped[name])
                 for name, field in type(value).model_fields.items()
-                if is_identity(field)
+                if is_identity(field) and not (_if_set(field) and getattr(value, name) == field.default)
             }
         if isinstance(value, (list, tuple)):
             return [prune(v, d) for v, d in zip(value, dumped)]
         return dumped
 
     return prune(section, section.model_dump(mode="json"))
+
+
+def _if_set(field: FieldInfo) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and extra.get("identity") == "if_set"
 
 
 class ConfigError(UserError, ValueError):
