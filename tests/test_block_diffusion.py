@@ -410,3 +410,84 @@ def test_decoding_stops_at_eos_and_routes_through_generate_continuation():
 def test_settings_validate_via_the_objective():
     obj = dataclasses.replace(_objective(), clean_attention="token_causal")
     assert obj.token_causal and obj.model_tokens(10) == 20
+
+
+# ---- megatron -------------------------------------------------------------------------------------------------
+
+
+def _megatron(tmp_path, backend: str, *over: str):
+    from models.megatron.gpt import build_model
+
+    cfg = tiny_config(
+        tmp_path,
+        "diffusion.model_running_mode=difflm-block",
+        "diffusion.block_size=4",
+        f"model.backend={backend}",
+        *over,
+    )
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab_size=512).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return cfg, model
+
+
+@pytest.mark.parametrize("backend", ["local", "torch"])
+@pytest.mark.parametrize("clean", ["block_causal", "token_causal"])
+def test_megatron_two_stream_forward_matches_the_export(
+    megatron_single_process, tmp_path, tiny_manifest, backend, clean
+):
+    from models.hf.convert import export_hf, load_hf
+    from models.megatron.forward_step import SpecialTokens, objective_of, two_stream_mask
+
+    cfg, model = _megatron(tmp_path, backend, f"diffusion.clean_attention={clean}")
+    special = SpecialTokens.from_manifest(tiny_manifest["tokenizer"])
+    x0 = torch.randint(3, 500, (2, 12))
+    xt = torch.where(torch.rand(2, 12) < 0.5, torch.full_like(x0, special.mask_id), x0)
+    inputs = torch.cat([xt, x0], dim=1)
+    pos = (torch.arange(24) % 12)[None].expand(2, -1)
+    mask = two_stream_mask(x0, cfg, special, objective_of(cfg, special))
+    with torch.no_grad():
+        ref = model(inputs, pos, mask, two_stream=True)
+    ckpt = tmp_path / f"ckpt-{backend}-{clean}"
+    _save_ckpt(model, ckpt)
+    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / f"hf-{backend}-{clean}"))
+    assert hf.config.block_size == 4 and hf.config.clean_attention == clean
+    got = hf(xt, clean_ids=x0).logits
+    assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
+
+
+def _save_ckpt(model, path):
+    from megatron.core import dist_checkpointing
+
+    path.mkdir(parents=True)
+    dist_checkpointing.save({"model": model.sharded_state_dict(prefix="")}, str(path))
+
+
+def test_megatron_forward_step_loss_is_the_objective(megatron_single_process, tmp_path, tiny_manifest):
+    from models.megatron.forward_step import SpecialTokens, make_forward_step
+
+    cfg, model = _megatron(tmp_path, "local", "diffusion.clean_attention=token_causal", "diffusion.ar_loss_weight=1.0")
+    special = SpecialTokens.from_manifest(tiny_manifest["tokenizer"])
+    x0 = torch.randint(3, 500, (2, 16))
+    batch = {
+        "tokens": x0,
+        "labels": torch.cat([x0[:, 1:], x0[:, :1]], 1),
+        "loss_mask": torch.ones(2, 16),
+        "positions": torch.tensor([0, 1]),
+    }
+    step = make_forward_step(cfg, special, step=3)
+    output, loss_fn = step(iter([batch]), model)
+    assert output.shape == (2, 32)  # per-token CE of both halves
+    total, count, report = loss_fn(output)
+    assert torch.isfinite(total) and int(count) == 32 and total > 0
+
+
+def test_transformer_engine_is_refused_with_a_clear_line(tmp_path):
+    from difflm.config import load_config
+    from models.megatron.gpt import layer_spec
+
+    cfg = load_config("test-tiny", [f"workdir={tmp_path}"])
+    with pytest.raises(RuntimeError, match="needs model.backend=torch or local"):
+        layer_spec(cfg.model, True, "te", two_stream=True)
