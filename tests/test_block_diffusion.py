@@ -355,7 +355,7 @@ def test_kv_cached_decoding_gives_the_uncached_tokens(clean, temperature):
         out[cache] = model.block_generate(
             prompt, 10, settings, torch.Generator().manual_seed(5), use_cache=cache, stats=stats
         )
-        assert stats["kv_cache"] == cache and stats["block_size"] == 4
+        assert stats["settings"]["kv_cache"] == cache and stats["settings"]["block_size"] == 4
     assert out[True].shape == (2, 16) and torch.equal(out[True][:, :6], prompt)
     assert torch.equal(out[True], out[False])
     assert not (out[True] == 1).any()  # nothing left masked
@@ -404,7 +404,7 @@ def test_decoding_stops_at_eos_and_routes_through_generate_continuation():
     first = (out[:, 4:] == 0).float().argmax(-1)
     for r in range(2):
         assert (out[r, 4 + first[r] :] == 0).all()
-    assert stats["block_size"] == 4 and stats["nfe"] >= 1
+    assert stats["settings"]["block_size"] == 4 and stats["nfe"] >= 1
 
 
 def test_settings_validate_via_the_objective():

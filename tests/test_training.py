@@ -75,6 +75,7 @@ def test_failed_training_reports_the_log(session_dir, tiny_manifest):
         ("difflm-noshift-uniform", ["diffusion.time_embedding=true"]),
         ("difflm-shift", []),
         ("ar", []),
+        ("difflm-block", ["diffusion.block_size=8", "diffusion.varilen_prob=0.5"]),
     ],
 )
 def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, extra):
@@ -99,6 +100,8 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, 
     assert b["trained"]["kind"] == ("exact" if mode == "ar" else "elbo")
     sample = results["samples"][0]
     assert sample["sampler"]["mode"] == mode and sample["sampler"]["steps"] == cfg.eval.sampler.steps
+    if objective_class(mode).two_stream:  # the block decoder records its own settings
+        assert sample["sampler"]["block_size"] == 8 and sample["sampler"]["kv_cache"]
     cloze = results["tasks"]["cloze"]
     assert cloze["items"] > 0
     if objective_class(mode).has_greedy:

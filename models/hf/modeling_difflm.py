@@ -441,7 +441,12 @@ class DiffLMForMaskedLM(PreTrainedModel):
                 self(x[:, start:], attention_mask=keys, past_key_values=cache, attention_keep=keep)
                 nfe += 1
         if stats is not None:
-            stats.update(nfe=nfe, block_size=size, clean_attention=objective.clean_attention, kv_cache=use_cache)
+            stats["nfe"] = nfe
+            stats["settings"] = {
+                "block_size": size,
+                "clean_attention": objective.clean_attention,
+                "kv_cache": use_cache,
+            }
         return x
 
     @torch.no_grad()
