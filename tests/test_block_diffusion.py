@@ -491,3 +491,24 @@ def test_transformer_engine_is_refused_with_a_clear_line(tmp_path):
     cfg = load_config("test-tiny", [f"workdir={tmp_path}"])
     with pytest.raises(RuntimeError, match="needs model.backend=torch or local"):
         layer_spec(cfg.model, True, "te", two_stream=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_flex_attention_two_stream_mask_matches_dense_with_gradients():
+    """The compiled FlexAttention path the torch spec takes on GPUs: the block mask skips tiles (no dense 2L x 2L
+    tensor) and gives the dense mask's outputs and gradients."""
+    from models.megatron.attention import TwoStreamMask, _flex_attention
+
+    length = 512
+    for token_causal in (False, True):
+        mask = TwoStreamMask(length, 128, token_causal, device=torch.device("cuda"))
+        block = mask.block_mask()
+        assert block.sparsity() > 0  # tiles of later clean blocks and other noisy blocks are skipped
+        q, k, v = (torch.randn(2, 4, 2 * length, 64, device="cuda", requires_grad=True) for _ in range(3))
+        got = _flex_attention()(q, k, v, block_mask=block)
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense_keep())
+        assert (got - want).abs().max().item() < 1e-4
+        grads = torch.autograd.grad(got.sum(), (q, k, v))
+        ref = torch.autograd.grad(want.sum(), (q, k, v))
+        assert all((a - b).abs().max().item() < 1e-3 for a, b in zip(grads, ref))

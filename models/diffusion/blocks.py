@@ -47,12 +47,14 @@ def two_stream_keep(
     token_causal: bool = False,
     document_ids: torch.Tensor | None = None,
     real: torch.Tensor | None = None,
+    device=None,
 ) -> torch.Tensor:
     """[b or 1, 1, 2L, 2L] bool, True where attention is allowed (SDPA's convention), of the `[x_t | x_0]` layout.
 
     `document_ids` [b, L] keeps attention within packed documents (both halves carry the same ids); `real`
     [b, L] (False at padding) removes padding keys, every token keeping at least itself (no empty row)."""
-    noisy, block, pos = two_stream_index(length, block_size, None if real is None else real.device)
+    device = next((x.device for x in (real, document_ids) if x is not None), device)
+    noisy, block, pos = two_stream_index(length, block_size, device)
     keep = allowed(noisy[:, None], block[:, None], pos[:, None], noisy[None], block[None], pos[None], token_causal)[
         None
     ]  # [1, 2L, 2L]

@@ -80,15 +80,20 @@ class TwoStreamMask:
     the tiles of later clean blocks and of other noisy blocks are skipped), elsewhere the dense keep mask.
     Packed documents (`doc_ids` [b, L]) restrict it further. Built once per forward, shared by every layer."""
 
-    def __init__(self, length: int, block_size: int, token_causal: bool, doc_ids: torch.Tensor | None = None):
+    def __init__(
+        self, length: int, block_size: int, token_causal: bool, doc_ids: torch.Tensor | None = None, device=None
+    ):
         self.length, self.block_size, self.token_causal, self.doc_ids = length, block_size, token_causal, doc_ids
+        self.device = doc_ids.device if doc_ids is not None else device
         self._dense: torch.Tensor | None = None
         self._block = None
 
     def dense_keep(self) -> torch.Tensor:
         """[b or 1, 1, 2L, 2L] bool, True where attention is ALLOWED."""
         if self._dense is None:
-            self._dense = two_stream_keep(self.length, self.block_size, self.token_causal, self.doc_ids)
+            self._dense = two_stream_keep(
+                self.length, self.block_size, self.token_causal, self.doc_ids, device=self.device
+            )
         return self._dense
 
     def mask_mod(self):
@@ -110,7 +115,7 @@ class TwoStreamMask:
 
             b = None if self.doc_ids is None else self.doc_ids.shape[0]
             n = 2 * self.length
-            dev = device if device is not None else (self.doc_ids.device if self.doc_ids is not None else "cuda")
+            dev = device if device is not None else self.device
             self._block = create_block_mask(self.mask_mod(), B=b, H=None, Q_LEN=n, KV_LEN=n, device=dev)
         return self._block
 

@@ -226,10 +226,10 @@ def two_stream_mask(tokens: torch.Tensor, cfg: PipelineConfig, special: SpecialT
     from models.megatron.backend import resolve_backend
 
     doc = diffusion.document_ids(tokens, special.eos_id) if cfg.model.document_attention else None
-    mask = TwoStreamMask(tokens.shape[1], objective.block_size, objective.token_causal, doc)
+    mask = TwoStreamMask(tokens.shape[1], objective.block_size, objective.token_causal, doc, tokens.device)
     if resolve_backend(cfg.model.backend, True) == "torch":
         return mask
-    return ~mask.dense_keep().to(tokens.device)
+    return ~mask.dense_keep()
 
 
 def make_forward_step(
