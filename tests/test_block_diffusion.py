@@ -336,7 +336,21 @@ def test_hf_bound_and_conditional_use_the_block_elbo():
     both = model.conditional_nll(x0, target, mc_samples=4, generators=gens)
     alone = model.conditional_nll(x0[1:], target[1:], mc_samples=4, generators=[torch.Generator().manual_seed(2)])
     assert both[1].item() == pytest.approx(alone[0].item(), rel=1e-5)  # a row does not depend on its batch
-    assert model.greedy_match is not None and not model.objective.has_greedy
+
+
+@torch.no_grad()
+def test_greedy_match_is_what_block_decoding_produces():
+    """The continuation greedy block decoding (1 token per step, most confident first) writes is a greedy match;
+    changing one of its tokens is not (the context is one whole block, so both use the same blocks)."""
+    model = _model(size=4)
+    prompt = torch.randint(3, V, (3, 4))
+    seq = model.block_generate(prompt, 8, MaskedSampler(steps=8, stop_at_eos=False))
+    target = torch.zeros_like(seq, dtype=torch.bool)
+    target[:, 4:] = True
+    assert model.greedy_match(seq, target).all()
+    other = seq.clone()
+    other[:, 9] = torch.where(other[:, 9] == 3, 4, 3)
+    assert not model.greedy_match(other, target).any()
 
 
 # ---- decoding -------------------------------------------------------------------------------------------------

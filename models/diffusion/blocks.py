@@ -161,3 +161,35 @@ def block_elbo_terms(
         ce = token_cross_entropy(logits_fn(xt, clean, rows), clean)
         total.index_add_(0, owner[sl], ((ce * m).double().to(NOISE_DEVICE) * weight[sl]).sum(-1))
     return total / samples
+
+
+@torch.no_grad()
+def block_greedy_match(
+    logits_fn, x0: torch.Tensor, target: torch.Tensor, mask_id: int, block_size: int, vocab_limit: int | None = None
+) -> torch.Tensor:
+    """Would greedy block decoding reproduce the `target` tokens of x0 [b, s]? [b] bool. Each block is decoded
+    one token per step, most confident position first, given the earlier blocks clean. Every block is decoded at
+    once: a noisy block sees only itself and the earlier clean blocks, which decoding has made equal to x0 as
+    long as it matches, and one mismatch makes the row False whatever follows. `logits_fn(x_t, x_0)` -> logits of
+    the noisy half."""
+    b, s = x0.shape
+    nb = -(-s // block_size)
+    x = torch.where(target, torch.full_like(x0, mask_id), x0)
+    steps = int(block_counts(target, block_size).max()) if s else 0
+    for _ in range(steps):
+        masked = x == mask_id
+        if not masked.any():
+            break
+        logits = logits_fn(x, x0).float()
+        if vocab_limit is not None:
+            logits = logits[..., :vocab_limit]
+        logits[..., mask_id] = float("-inf")
+        conf, pred = torch.softmax(logits, -1).max(-1)
+        conf = torch.where(masked, conf, torch.full_like(conf, -1.0))
+        padded = torch.full((b, nb * block_size), -2.0, device=conf.device)
+        padded[:, :s] = conf
+        per_block = padded.view(b, nb, block_size)
+        rows, blocks = (per_block > -1.0).any(-1).nonzero(as_tuple=True)  # blocks with a masked position
+        pos = blocks * block_size + per_block.argmax(-1)[rows, blocks]
+        x[rows, pos] = pred[rows, pos]
+    return (x == x0).all(-1)

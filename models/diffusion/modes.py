@@ -36,6 +36,7 @@ from .blocks import (
     attention_pairs,
     block_counts,
     block_elbo_terms,
+    block_greedy_match,
     mask_per_block,
     two_stream_keep,
 )
@@ -516,7 +517,6 @@ class BlockDiffusion(Objective):
     name = "difflm-block"
     uses_t = False  # one t per block: no per-sequence time conditioning
     unmasks = True
-    has_greedy = False
     two_stream = True
 
     @property
@@ -619,6 +619,16 @@ class BlockDiffusion(Objective):
                 )
             )
         return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+    def greedy_match(self, logits_fn, x0, target, attention_mask, document_ids):
+        return block_greedy_match(
+            lambda x, clean: logits_fn(x, attention_mask, document_ids, None, clean=clean),
+            x0,
+            target,
+            self.mask_id,
+            self.block_size,
+            self.vocab_size,
+        )
 
 
 def _nan_if_empty(per_token: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
