@@ -148,3 +148,26 @@ def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, tmp_path)
     wrong = tiny_config(session_dir / "import", "model.hidden_size=64")
     with pytest.raises(ConversionError, match="hidden_size: checkpoint 32 vs config 64"):
         import_hf(wrong, hf_dir, tmp_path / "nope", tiny_manifest["tokenizer"])
+
+
+@pytest.mark.slow
+def test_an_ar_checkpoint_adapts_to_block_diffusion(session_dir, tiny_manifest):
+    """AR -> block diffusion (SDAR / Megatron-Bridge): the block run starts from the AR run's weights, and its
+    first validation bound is already below a block run from scratch (the AR model knows the data)."""
+    common = ["train.eval_interval=10", "checkpoint.save_interval=10", "train.warmup_iters=1"]
+    ar = tiny_config(session_dir / "adapt", "diffusion.model_running_mode=ar", "train.train_iters=30", *common)
+    info = launch_training(ar, tiny_manifest, echo=lambda _: None)
+    ckpt = Path(info["run_dir"]) / "checkpoints" / "iter_0000030"
+    block = [
+        "diffusion.model_running_mode=difflm-block",
+        "diffusion.clean_attention=token_causal",
+        "diffusion.ar_loss_weight=1.0",
+        "train.train_iters=10",
+        *common,
+    ]
+    starts = {}
+    for name, extra in (("scratch", []), ("adapted", [f"train.init_from={ckpt}"])):
+        cfg = tiny_config(session_dir / "adapt", *block, *extra)
+        run = launch_training(cfg, tiny_manifest, echo=lambda _: None)
+        starts[name] = [r["val_loss"] for r in read_metrics(run["run_dir"]) if r["step"] == 0][0]
+    assert starts["adapted"] < starts["scratch"], starts
