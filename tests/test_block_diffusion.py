@@ -526,3 +526,29 @@ def test_cuda_flex_attention_two_stream_mask_matches_dense_with_gradients():
         grads = torch.autograd.grad(got.sum(), (q, k, v))
         ref = torch.autograd.grad(want.sum(), (q, k, v))
         assert all((a - b).abs().max().item() < 1e-3 for a, b in zip(grads, ref))
+
+
+class _CharTokenizer:
+    def encode(self, text, add_special_tokens=False):
+        return [3 + ord(c) % 40 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+@torch.no_grad()
+def test_lm_eval_scoring_and_generation_go_through_the_block_objective():
+    """The scorer behind `difflm eval` and the lm-eval adapter: log-likelihood (with is_greedy), rolling
+    log-likelihood over windows, and generation with the block decoder's settings recorded per sample."""
+    from models.evaluation.scoring import Scorer
+
+    scorer = Scorer(_model(size=4), _CharTokenizer(), mc_samples=4, max_length=24)
+    scores = scorer.loglikelihood([("the cat", " sat"), ("a dog", " ran far")])
+    assert all(math.isfinite(ll) and ll < 0 and isinstance(greedy, bool) for ll, greedy in scores)
+    rolling = scorer.loglikelihood_rolling(["a text long enough to need more than one window of 24 tokens"])
+    assert math.isfinite(rolling[0]) and rolling[0] < 0
+    rec = scorer.generate(["the cat", "a"], 8, MaskedSampler(steps=8, stop_at_eos=False))
+    assert [r["sampler"]["block_size"] for r in rec] == [4, 4] and rec[0]["sampler"]["kv_cache"]
+    assert rec[0]["sampler"]["mode"] == "difflm-block" and rec[0]["model_calls"] >= 8
+    empty = _model(size=4).block_generate(torch.zeros(2, 0, dtype=torch.long), 6, MaskedSampler(steps=6))
+    assert empty.shape == (2, 6) and not (empty == 1).any()  # no prompt: decoding starts at block 0
