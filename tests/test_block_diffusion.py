@@ -81,9 +81,9 @@ def test_flex_attention_mask_mod_gives_the_dense_mask():
         plain = TwoStreamMask(length, size, token_causal).dense_keep()[0, 0]
         assert torch.equal(plain, brute_force_keep(length, size, token_causal))
     try:
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import flex_attention
 
-        bm = create_block_mask(TwoStreamMask(length, size, False).mask_mod(), None, None, 24, 24, device="cpu")
+        bm = TwoStreamMask(length, size, False, device=torch.device("cpu")).block_mask()
         qkv = torch.randn(3, 1, 2, 24, 8)
         got = flex_attention(*qkv, block_mask=bm)
     except Exception as e:  # a torch without FlexAttention on the CPU: the dense equality above still holds

@@ -115,8 +115,11 @@ class TwoStreamMask:
 
             b = None if self.doc_ids is None else self.doc_ids.shape[0]
             n = 2 * self.length
-            dev = device if device is not None else self.device
-            self._block = create_block_mask(self.mask_mod(), B=b, H=None, Q_LEN=n, KV_LEN=n, device=dev)
+            dev = torch.device(device if device is not None else self.device)
+            # compiled on GPUs: the mask_mod is evaluated tile by tile, never as a [2L, 2L] tensor
+            self._block = create_block_mask(
+                self.mask_mod(), B=b, H=None, Q_LEN=n, KV_LEN=n, device=dev, _compile=dev.type == "cuda"
+            )
         return self._block
 
 
