@@ -356,12 +356,15 @@ def test_greedy_match_is_what_block_decoding_produces():
 # ---- decoding -------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("documents", [False, True])
 @pytest.mark.parametrize("clean", ["block_causal", "token_causal"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @torch.no_grad()
-def test_kv_cached_decoding_gives_the_uncached_tokens(clean, temperature):
+def test_kv_cached_decoding_gives_the_uncached_tokens(clean, temperature, documents):
     model = _model(size=4, clean=clean)
+    model.config.document_attention = documents
     prompt = torch.randint(3, V, (2, 6))
+    prompt[:, 2] = 0  # an EOS: with document attention the continuation sees only the last document
     settings = MaskedSampler(steps=8, temperature=temperature, stop_at_eos=False)
     out = {}
     for cache in (True, False):
@@ -373,6 +376,11 @@ def test_kv_cached_decoding_gives_the_uncached_tokens(clean, temperature):
     assert out[True].shape == (2, 16) and torch.equal(out[True][:, :6], prompt)
     assert torch.equal(out[True], out[False])
     assert not (out[True] == 1).any()  # nothing left masked
+    if documents:  # the first document of the prompt is not seen: changing it changes nothing
+        other = prompt.clone()
+        other[:, :2] = 5
+        again = model.block_generate(other, 10, settings, torch.Generator().manual_seed(5))
+        assert torch.equal(again[:, 6:], out[True][:, 6:])
 
 
 @torch.no_grad()
@@ -447,28 +455,43 @@ def _megatron(tmp_path, backend: str, *over: str):
     return cfg, model
 
 
-@pytest.mark.parametrize("backend", ["local", "torch"])
-@pytest.mark.parametrize("clean", ["block_causal", "token_causal"])
+@pytest.mark.parametrize(
+    "backend, clean, documents",
+    [
+        ("local", "block_causal", False),
+        ("torch", "block_causal", False),
+        ("local", "token_causal", False),
+        ("torch", "token_causal", False),
+        ("local", "block_causal", True),
+        ("torch", "token_causal", True),
+    ],
+)
 def test_megatron_two_stream_forward_matches_the_export(
-    megatron_single_process, tmp_path, tiny_manifest, backend, clean
+    megatron_single_process, tmp_path, tiny_manifest, backend, clean, documents
 ):
+    from models import diffusion
     from models.hf.convert import export_hf, load_hf
     from models.megatron.forward_step import SpecialTokens, objective_of, two_stream_mask
 
-    cfg, model = _megatron(tmp_path, backend, f"diffusion.clean_attention={clean}")
+    over = [f"diffusion.clean_attention={clean}", f"model.document_attention={str(documents).lower()}"]
+    cfg, model = _megatron(tmp_path, backend, *over)
     special = SpecialTokens.from_manifest(tiny_manifest["tokenizer"])
     x0 = torch.randint(3, 500, (2, 12))
+    x0[:, 5] = special.eos_id  # two packed documents per row
     xt = torch.where(torch.rand(2, 12) < 0.5, torch.full_like(x0, special.mask_id), x0)
     inputs = torch.cat([xt, x0], dim=1)
     pos = (torch.arange(24) % 12)[None].expand(2, -1)
     mask = two_stream_mask(x0, cfg, special, objective_of(cfg, special))
     with torch.no_grad():
         ref = model(inputs, pos, mask, two_stream=True)
-    ckpt = tmp_path / f"ckpt-{backend}-{clean}"
+    ckpt = tmp_path / f"ckpt-{backend}-{clean}-{documents}"
     _save_ckpt(model, ckpt)
-    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / f"hf-{backend}-{clean}"))
+    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / f"hf-{backend}-{clean}-{documents}"))
     assert hf.config.block_size == 4 and hf.config.clean_attention == clean
-    got = hf(xt, clean_ids=x0).logits
+    docs = diffusion.document_ids(x0, special.eos_id) if documents else None
+    got = hf(xt, clean_ids=x0, document_ids=docs).logits
+    if documents:  # the documents matter: without them the logits differ
+        assert not torch.allclose(hf(xt, clean_ids=x0).logits, ref, atol=1e-4)
     assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
 
 

@@ -381,14 +381,20 @@ class DiffLMForMaskedLM(PreTrainedModel):
         spans = [(a, min(a + size, max_new_tokens)) for a in range(0, max_new_tokens, size)]
         steps = unmask_schedule(max(settings.steps, len(spans)), len(spans)) if spans else []
         cache = [{} for _ in self.layers] if use_cache else None
+        docs = self._documents(prompt_ids, None) if p else None
+        if docs is not None:  # trained with document attention: the continuation belongs to the last document
+            docs = torch.cat([docs, docs[:, -1:].expand(b, max_new_tokens)], dim=1)
+
+        def rule(n_keys: int, n_queries: int, noisy_from: int) -> torch.Tensor:
+            keep = decode_keep(n_keys, n_queries, p, noisy_from, size, causal, self.device)
+            if docs is None:
+                return keep
+            d = docs[:, :n_keys]
+            return keep & (d[:, n_keys - n_queries :, None] == d[:, None, :])[:, None]
+
         nfe = 0
         if use_cache and p:  # the prompt's keys and values, once
-            self(
-                prompt_ids,
-                attention_mask=real,
-                past_key_values=cache,
-                attention_keep=decode_keep(p, p, p, p, size, causal, self.device),
-            )
+            self(prompt_ids, attention_mask=real, past_key_values=cache, attention_keep=rule(p, p, p))
             nfe += 1
         x, eos = prompt_ids, objective.eos_id
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
@@ -398,7 +404,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
             if use_cache:
 
                 def logits_fn(seq, start=start, n=n, keys=keys):
-                    keep = decode_keep(start + n, n, p, start, size, causal, self.device)
+                    keep = rule(start + n, n, start)
                     out = self(
                         seq[:, start:],
                         attention_mask=keys,
@@ -410,8 +416,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
             else:
 
                 def logits_fn(seq, start=start, n=n, keys=keys):
-                    keep = decode_keep(start + n, start + n, p, start, size, causal, self.device)
-                    return self(seq, attention_mask=keys, attention_keep=keep).logits
+                    return self(seq, attention_mask=keys, attention_keep=rule(start + n, start + n, start)).logits
 
             block_stats: dict = {}
             x = sample_masked_diffusion(
@@ -437,8 +442,12 @@ class DiffLMForMaskedLM(PreTrainedModel):
                     x = torch.cat([x, fill], dim=1)
                     break
             if use_cache and z < max_new_tokens:  # the finished block, as clean tokens, into the cache
-                keep = decode_keep(start + n, n, p, start + n, size, causal, self.device)
-                self(x[:, start:], attention_mask=keys, past_key_values=cache, attention_keep=keep)
+                self(
+                    x[:, start:],
+                    attention_mask=keys,
+                    past_key_values=cache,
+                    attention_keep=rule(start + n, n, start + n),
+                )
                 nfe += 1
         if stats is not None:
             stats["nfe"] = nfe
