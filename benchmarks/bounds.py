@@ -1,5 +1,6 @@
 """Likelihood of each model family trained on the same data, side by side: masked diffusion (MDLM/LLaDA
-ELBO), uniform-state diffusion (UDLM continuous-time ELBO) and the autoregressive baseline (exact NLL).
+ELBO), uniform-state diffusion (UDLM continuous-time ELBO), block diffusion (BD3-LM block ELBO) and the
+autoregressive baseline (exact NLL).
 
     .venv/bin/python benchmarks/bounds.py [--preset tiny-cpu] [--iters 1200] [--modes difflm-noshift ...]
 
@@ -18,6 +19,7 @@ import time
 MODES = {  # mode: (what it is, extra overrides)
     "difflm-noshift": ("masked diffusion: LLaDA/MDLM discrete ELBO", []),
     "difflm-noshift-uniform": ("uniform diffusion: UDLM continuous-time ELBO", ["diffusion.time_embedding=true"]),
+    "difflm-block": ("block diffusion (blocks of 4): BD3-LM block ELBO", ["diffusion.block_size=4"]),
     "ar": ("autoregressive baseline: exact NLL", []),
 }
 

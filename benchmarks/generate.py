@@ -9,6 +9,12 @@ context up to the last word of a sentence): each sampler continues every context
 `accuracy` is the share whose first generated word is the target, `agreement` the share of generated
 tokens equal to the baseline's. Greedy everywhere (temperature 0), so differences come from the sampler.
 Goal (issue 12): threshold decoding >= 3x the baseline's tokens/s at <= 1 point of accuracy lost.
+
+`--block SOURCE` and `--ar SOURCE` (or the newest difflm-block / ar exports of the workdir, when there are any)
+add rows for block diffusion (block by block with an exact KV cache, issue 21) and for AR decoding with its
+cache, on the same items: tokens/s, model calls per generated token, and agreement with the baseline (other
+models: agreement is only indicative). Train them at the same size to compare decoders, e.g.
+`difflm run --preset tiny-cpu diffusion.model_running_mode=difflm-block`.
 """
 
 from __future__ import annotations
@@ -37,11 +43,21 @@ def samplers(n: int) -> dict[str, dict]:
     }
 
 
-def newest_run(workdir: Path) -> str:
-    runs = sorted((workdir / "runs").glob("difflm-noshift-*/hf/config.json"), key=lambda p: p.stat().st_mtime)
+def newest_run(workdir: Path, mode: str = "difflm-noshift", required: bool = True) -> str | None:
+    runs = sorted((workdir / "runs").glob(f"{mode}-*/hf/config.json"), key=lambda p: p.stat().st_mtime)
     if not runs:
-        sys.exit(f"no difflm-noshift export under {workdir}/runs: run `make demo` first or pass SOURCE")
+        if not required:
+            return None
+        sys.exit(f"no {mode} export under {workdir}/runs: run `make demo` first or pass SOURCE")
     return str(runs[-1].parent)
+
+
+def other_decoders(n: int) -> dict[str, dict]:
+    """name -> MaskedSampler fields of the block-diffusion export's rows (its blocks come from the model)."""
+    return {
+        "block diffusion + KV cache, 1 token/step": dict(steps=n),
+        "block diffusion + KV cache, threshold 0.9": dict(threshold=0.9),
+    }
 
 
 def main() -> None:
@@ -52,6 +68,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    p.add_argument("--block", help="a difflm-block export, run or models:/ URI (default: the workdir's newest)")
+    p.add_argument("--ar", help="an ar export, run or models:/ URI (default: the workdir's newest)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = p.parse_intermixed_args()
 
@@ -77,8 +95,10 @@ def main() -> None:
     contexts = [it["context"] for it in items]
     n = args.new_tokens
     rows, baseline = [], None
-    scorer.generate(contexts[: args.batch_size], n, MaskedSampler(steps=n))  # warm-up, not timed
-    for name, fields in samplers(n).items():
+    n_batches = max(1, -(-len(items) // args.batch_size))
+
+    def measure(scorer, name: str, fields: dict) -> None:
+        nonlocal baseline
         settings = replace(MaskedSampler(stop_at_eos=False), **fields)
         t0 = time.perf_counter()
         recs = scorer.generate(contexts, n, settings)
@@ -94,24 +114,49 @@ def main() -> None:
                 "sampler": name,
                 "tokens_per_s": len(items) * n / seconds,
                 "seconds": seconds,
-                "model_calls_per_batch": calls / max(1, -(-len(items) // args.batch_size)),
+                "model_calls_per_batch": calls / n_batches,
+                "model_calls_per_token": calls / n_batches / n,
                 "accuracy": sum(first_word(r["completion"]) == it["target"].lower() for r, it in zip(recs, items))
                 / len(items),
                 "agreement": agree / total,
-                "settings": fields,
+                "settings": {
+                    **fields,
+                    **{k: v for k, v in recs[0]["sampler"].items() if k in ("block_size", "kv_cache")},
+                },
             }
         )
+
+    scorer.generate(contexts[: args.batch_size], n, MaskedSampler(steps=n))  # warm-up, not timed
+    for name, fields in samplers(n).items():
+        measure(scorer, name, fields)
+    for mode, source, decoders in (
+        ("difflm-block", args.block, other_decoders(n)),
+        ("ar", args.ar, {"autoregressive + KV cache (greedy)": {}}),
+    ):
+        source = source or newest_run(Path(cfg.workdir), mode, required=False)
+        if source is None:
+            continue
+        other = load_model(resolve_export(source))
+        other_scorer = Scorer(
+            other, load_tokenizer(resolve_export(source)), batch_size=args.batch_size, seed=cfg.eval.seed
+        )
+        other_scorer.generate(contexts[: args.batch_size], n, MaskedSampler(steps=n))  # warm-up
+        for name, fields in decoders.items():
+            measure(other_scorer, name, fields)
     base = rows[0]
     print(
         f"\nexport: {folder}\n{len(items)} cloze items, {n} new tokens each, batch {args.batch_size}, "
         f"{torch.get_num_threads()} CPU threads\n"
     )
-    print("| sampler | tokens/s | speed-up | model calls / batch | cloze accuracy | agreement with baseline |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| sampler | tokens/s | speed-up | model calls / batch | calls / token | cloze accuracy | agreement with baseline |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['sampler']} | {r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
-            f"{r['model_calls_per_batch']:.1f} | {r['accuracy']:.3f} | {r['agreement']:.3f} |"
+            f"{r['model_calls_per_batch']:.1f} | {r['model_calls_per_token']:.2f} | {r['accuracy']:.3f} | "
+            f"{r['agreement']:.3f} |"
         )
     if args.json:
         args.json.write_text(json.dumps({"export": str(folder), "rows": rows}, indent=2))

@@ -296,12 +296,30 @@ class ModelConfig(_Section):
 
 
 class DiffusionConfig(_Section):
-    model_running_mode: Literal["difflm-noshift", "difflm-noshift-uniform", "difflm-shift", "ar"] = Field(
-        "difflm-noshift",
-        description="difflm-noshift: masked diffusion, bidirectional (MegaDLMs' mode of that name; LLaDA/MDLM); "
-        "difflm-noshift-uniform: uniform-state diffusion (UDLM/DUO, this project's name); difflm-shift: masked "
-        "diffusion with shifted prediction to adapt AR checkpoints (DiffuLLaMA/Dream, this project's name); "
-        "ar: the causal autoregressive baseline (MegaDLMs' `vanilla`).",
+    model_running_mode: Literal["difflm-noshift", "difflm-noshift-uniform", "difflm-shift", "ar", "difflm-block"] = (
+        Field(
+            "difflm-noshift",
+            description="difflm-noshift: masked diffusion, bidirectional (MegaDLMs' mode of that name; LLaDA/MDLM); "
+            "difflm-noshift-uniform: uniform-state diffusion (UDLM/DUO, this project's name); difflm-shift: masked "
+            "diffusion with shifted prediction to adapt AR checkpoints (DiffuLLaMA/Dream, this project's name); "
+            "ar: the causal autoregressive baseline (MegaDLMs' `vanilla`); difflm-block: block diffusion (BD3-LM: "
+            "trained on [x_t | x_0] with the block mask, decoded block by block with an exact KV cache).",
+        )
+    )
+    block_size: int = Field(
+        4, ge=1, description="difflm-block: tokens per block (BD3-LM 4-16, SDAR 4, Fast-dLLM v2 32)."
+    )
+    clean_attention: Literal["block_causal", "token_causal"] = Field(
+        "block_causal",
+        description="difflm-block: attention within the clean half. block_causal (BD3-LM): a clean token sees "
+        "its own block and the earlier ones; token_causal (Megatron-Bridge's sbd_block_diff): the clean half is "
+        "causal, an AR model (needed by ar_loss_weight).",
+    )
+    ar_loss_weight: float = Field(
+        0.0,
+        ge=0.0,
+        description="difflm-block: weight of the next-token loss on the clean half, added to the diffusion loss "
+        "(Megatron-Bridge's 0.3 DLM + 1.0 AR is about 3.3 here, up to scale); needs clean_attention=token_causal.",
     )
     eps: float = Field(1e-3, gt=0.0, lt=1.0, description="t ~ U(eps, 1): lower bound of the noise level.")
     loss_weighting: Literal["inverse_t", "masked_fraction", "none"] = Field(
@@ -613,6 +631,31 @@ class PipelineConfig(_Section):
             raise ValueError("train.seq_length must be divisible by tensor_model_parallel_size with sequence_parallel")
         if m.num_layers % p.pipeline_model_parallel_size:
             raise ValueError("model.num_layers must be divisible by parallel.pipeline_model_parallel_size")
+        return self
+
+    @model_validator(mode="after")
+    def _block_diffusion(self) -> PipelineConfig:
+        d = self.diffusion
+        if d.model_running_mode != "difflm-block":
+            return self
+        if d.ar_loss_weight and d.clean_attention != "token_causal":
+            raise ValueError(
+                "diffusion.ar_loss_weight needs diffusion.clean_attention=token_causal: under block_causal a clean "
+                "token sees the next token of its block, so a next-token loss would be trivial"
+            )
+        if d.ar_loss_weight and d.normalize_by != "all_tokens":
+            raise ValueError(
+                "diffusion.ar_loss_weight shares the diffusion loss's token count: normalize_by=all_tokens"
+            )
+        if d.time_embedding:
+            raise ValueError(
+                "difflm-block draws one t per block: diffusion.time_embedding (one t per sequence) does not apply"
+            )
+        if self.model.backend == "te":
+            raise ValueError(
+                "difflm-block needs model.backend=torch (FlexAttention block mask on GPUs) or local (dense mask): "
+                "Transformer Engine takes causal / padding masks and THD sequences, not the two-stream block mask"
+            )
         return self
 
     # ---- identity of stage outputs -------------------------------------------------------------

@@ -56,6 +56,7 @@ def test_every_configurable_mode_is_one_objective_class_with_its_facts():
         "difflm-shift": (True, True, False, False, False, False, True, 1.0),
         "difflm-noshift-uniform": (True, True, True, False, True, False, False, 1.0),
         "ar": (False, False, False, False, False, True, True, 0.5),
+        "difflm-block": (True, False, False, False, False, False, True, 1.0),
     }
     assert all(issubclass(c, Objective) and c.name == m for m, c in MODES.items())
     with pytest.raises(ValueError, match="unknown model_running_mode 'difflm-typo'"):

@@ -1,7 +1,7 @@
 """TP=2, PP=2 and DP=2 (torchrun, gloo, CPU) give the loss of the single-process run on the same
 weights and batch, for masked diffusion, uniform diffusion (its ELBO needs the full vocabulary: TP
 gathers it) and the autoregressive baseline, over two optimizer steps; and the masked-token
-normalisation gives the same loss whatever the micro-batch / data-parallel split."""
+normalisation gives the same loss whatever the micro-batch / data-parallel split. Block diffusion as well."""
 
 import json
 import subprocess
@@ -39,6 +39,16 @@ CASES = {
     "time-input-sp": (
         ["diffusion.time_embedding=true", "diffusion.time_conditioning=input"],
         {"tp2-sp-torch": TORCH_SPEC["tp2-sp-torch"]},
+    ),
+    # block diffusion: [x_t | x_0] activations of 2L through the pipeline, its mask on both specs, AR term on TP
+    "block": (
+        [
+            "diffusion.model_running_mode=difflm-block",
+            "diffusion.block_size=4",
+            "diffusion.clean_attention=token_causal",
+            "diffusion.ar_loss_weight=1.0",
+        ],
+        {**{k: LAYOUTS[k] for k in ("tp2", "pp2", "dp2")}, **TORCH_SPEC},
     ),
     # the reference runs ONE micro-batch of 4; the others split it (review F5: 6.88 vs 7.88 before)
     "masked-tokens": (

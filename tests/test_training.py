@@ -75,6 +75,7 @@ def test_failed_training_reports_the_log(session_dir, tiny_manifest):
         ("difflm-noshift-uniform", ["diffusion.time_embedding=true"]),
         ("difflm-shift", []),
         ("ar", []),
+        ("difflm-block", ["diffusion.block_size=8", "diffusion.varilen_prob=0.5"]),
     ],
 )
 def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, extra):
@@ -103,6 +104,8 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, 
     assert b["trained"]["kind"] == ("exact" if mode == "ar" else "elbo")
     sample = results["samples"][0]
     assert sample["sampler"]["mode"] == mode and sample["sampler"]["steps"] == cfg.eval.sampler.steps
+    if objective_class(mode).two_stream:  # the block decoder records its own settings
+        assert sample["sampler"]["block_size"] == 8 and sample["sampler"]["kv_cache"]
     cloze = results["tasks"]["cloze"]
     assert cloze["items"] > 0
     if objective_class(mode).has_greedy:
@@ -149,3 +152,26 @@ def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, tmp_path)
     wrong = tiny_config(session_dir / "import", "model.hidden_size=64")
     with pytest.raises(ConversionError, match="hidden_size: checkpoint 32 vs config 64"):
         import_hf(wrong, hf_dir, tmp_path / "nope", tiny_manifest["tokenizer"])
+
+
+@pytest.mark.slow
+def test_an_ar_checkpoint_adapts_to_block_diffusion(session_dir, tiny_manifest):
+    """AR -> block diffusion (SDAR / Megatron-Bridge): the block run starts from the AR run's weights, and its
+    first validation bound is already below a block run from scratch (the AR model knows the data)."""
+    common = ["train.eval_interval=10", "checkpoint.save_interval=10", "train.warmup_iters=1"]
+    ar = tiny_config(session_dir / "adapt", "diffusion.model_running_mode=ar", "train.train_iters=30", *common)
+    info = launch_training(ar, tiny_manifest, echo=lambda _: None)
+    ckpt = Path(info["run_dir"]) / "checkpoints" / "iter_0000030"
+    block = [
+        "diffusion.model_running_mode=difflm-block",
+        "diffusion.clean_attention=token_causal",
+        "diffusion.ar_loss_weight=1.0",
+        "train.train_iters=10",
+        *common,
+    ]
+    starts = {}
+    for name, extra in (("scratch", []), ("adapted", [f"train.init_from={ckpt}"])):
+        cfg = tiny_config(session_dir / "adapt", *block, *extra)
+        run = launch_training(cfg, tiny_manifest, echo=lambda _: None)
+        starts[name] = [r["val_loss"] for r in read_metrics(run["run_dir"]) if r["step"] == 0][0]
+    assert starts["adapted"] < starts["scratch"], starts

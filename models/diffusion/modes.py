@@ -32,6 +32,14 @@ from typing import ClassVar
 
 import torch
 
+from .blocks import (
+    attention_pairs,
+    block_counts,
+    block_elbo_terms,
+    block_greedy_match,
+    mask_per_block,
+    two_stream_keep,
+)
 from .bounds import ar_nll_per_token, elbo_nll_per_token, uniform_elbo_nll_per_token
 from .conditional import conditional_ar_nll, conditional_masked_nll, masked_greedy_match
 from .noise import mask_exactly, mask_tokens, stratified_t, uniform_corrupt
@@ -65,6 +73,9 @@ class Objective(ABC):
     loss_weighting: str = "inverse_t"  # masked training: inverse_t | masked_fraction | none
     normalize_by: str = "all_tokens"  # masked training: all_tokens | masked_tokens
     uniform_loss: str = "elbo"  # uniform training: elbo | x0_ce
+    block_size: int = 4  # block diffusion: tokens per block
+    clean_attention: str = "block_causal"  # block diffusion: the clean half's attention (block_causal | token_causal)
+    ar_loss_weight: float = 0.0  # block diffusion: weight of the next-token loss on the clean half
 
     name: ClassVar[str] = ""
     bidirectional: ClassVar[bool] = True
@@ -76,11 +87,20 @@ class Objective(ABC):
     has_greedy: ClassVar[bool] = True
     unmasks: ClassVar[bool] = False  # its sampler unmasks step by step: the masked sampler's settings apply
     varilen: ClassVar[bool] = True
+    two_stream: ClassVar[bool] = False  # the model runs on [x_t | x_0] (2L tokens) under `two_stream_keep`
 
     @classmethod
     def attention_flops_factor(cls) -> float:
         """Causal kernels skip the tiles above the diagonal (about half of s x s); bidirectional ones do all."""
         return 1.0 if cls.bidirectional else 0.5
+
+    def model_tokens(self, seq_len: int) -> int:
+        """Tokens the network processes for a sequence of `seq_len` (its matmuls and LM head count these)."""
+        return seq_len
+
+    def attention_pairs(self, seq_len: int) -> float:
+        """(query, key) pairs the attention kernel computes for a sequence of `seq_len`."""
+        return seq_len * seq_len * self.attention_flops_factor()
 
     @classmethod
     def from_hf_config(cls, config) -> Objective:
@@ -92,6 +112,8 @@ class Objective(ABC):
             pad_id=config.pad_token_id,
             eos_id=config.eos_token_id,
             eps=getattr(config, "diffusion_eps", 1e-3),
+            block_size=getattr(config, "block_size", None) or 4,
+            clean_attention=getattr(config, "clean_attention", None) or "block_causal",
         )
 
     # ---- positions -------------------------------------------------------------------------------------
@@ -482,6 +504,133 @@ class Autoregressive(Objective):
         return ((pred == x0[:, 1:]) | ~target[:, 1:]).all(-1)
 
 
+class BlockDiffusion(Objective):
+    """Block diffusion (BD3-LM; SDAR, Fast-dLLM v2 and Megatron-Bridge's variants): the model runs on
+    `[x_t | x_0]` under `blocks.two_stream_keep` (a noisy block sees itself and the earlier clean blocks), noise
+    is drawn per block (t_j ~ U(eps, 1), stratified over every block of the global batch with antithetic_t), and
+    the masked-diffusion loss is taken on the noisy half (no shift; 1/t, L/#masked or no weighting). With
+    `ar_loss_weight` (token-causal clean half only: block-causal would let a token see its successor), the clean
+    half adds the next-token loss, so one checkpoint decodes both ways (Megatron-Bridge: 0.3 / 1.0). Validation
+    and evaluation report the block ELBO: the discrete masked ELBO of each block given the earlier clean blocks.
+    Decoding (the HF export's `block_generate`) goes block by block with an exact KV cache of finished blocks."""
+
+    name = "difflm-block"
+    uses_t = False  # one t per block: no per-sequence time conditioning
+    unmasks = True
+    two_stream = True
+
+    @property
+    def token_causal(self) -> bool:
+        return self.clean_attention == "token_causal"
+
+    def model_tokens(self, seq_len):
+        return 2 * seq_len
+
+    def attention_pairs(self, seq_len):
+        return float(attention_pairs(seq_len, self.block_size, self.token_causal))
+
+    def keep(self, length: int, document_ids=None, real=None) -> torch.Tensor:
+        """[b or 1, 1, 2L, 2L] bool, True = may attend: the two-stream rule of this objective's settings."""
+        return two_stream_keep(length, self.block_size, self.token_causal, document_ids, real)
+
+    def prepare(self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation):
+        valid = _data_positions(label_ok)
+        b, length = tokens.shape
+        size = self.block_size
+        nb = -(-length // size)
+        exact = evaluation or self.loss_weighting == "masked_fraction"
+        masks, weights = [], []
+        for ok, pos in zip(valid, positions):
+            g = generator_for(pos)
+            # block j of sequence pos takes bin j * batch + pos: a sequence's blocks spread over the range
+            index = torch.arange(nb) * batch_size + pos
+            t = stratified_t(torch.rand(nb, generator=g), index, batch_size * nb, self.eps, antithetic or evaluation)
+            if exact:  # exactly ceil(t n_j) of a block's n_j tokens, weight n_j / count (the discrete ELBO)
+                n = block_counts(ok[None], size)[0]
+                counts = torch.minimum((t * n).ceil().clamp(min=1), n.clamp(min=1)).long() * (n > 0)
+                masked = mask_per_block(ok[None], counts[None], size, g)[0]
+                weight = n / counts.clamp(min=1)
+            else:  # each token at its block's rate, weight 1/t
+                rate = t.repeat_interleave(size)[:length]
+                masked = (torch.rand(length, generator=g) < rate) & ok
+                weight = 1.0 / t
+            if self.loss_weighting == "none" and not evaluation:
+                weight = torch.ones_like(weight)
+            masks.append(masked)
+            weights.append(weight.float().repeat_interleave(size)[:length])
+        masked = torch.stack(masks).to(tokens.device)
+        xt = torch.where(masked, torch.full_like(tokens, self.mask_id), tokens)
+        return {
+            "inputs": torch.cat([xt, tokens], dim=1),  # [b, 2L]: noisy half, clean half
+            "targets": torch.cat([tokens, labels], dim=1),  # noisy: the clean token there; clean: the next one
+            "scored": masked & valid,
+            "valid": valid,
+            "ar_valid": label_ok.bool(),
+            "weight": torch.stack(weights).to(tokens.device),
+            "t": None,
+        }
+
+    def loss_terms(self, output, prepared, evaluation):
+        length = prepared["valid"].shape[1]
+        output = output.float()
+        scored, valid = prepared["scored"], prepared["valid"]
+        total = (output[:, :length] * scored * prepared["weight"]).sum()
+        by_masked = self.normalize_by == "masked_tokens" and not evaluation
+        count = (scored if by_masked else valid).sum()
+        if self.ar_loss_weight and not evaluation:  # per token of the same count (full windows: the same tokens)
+            total = total + self.ar_loss_weight * (output[:, length:] * prepared["ar_valid"]).sum()
+        return total.to(torch.float32), count.to(torch.int)
+
+    def nll_per_token(self, logits_fn, x0, scored, t_samples, generator):
+        total = block_elbo_terms(
+            lambda xt, clean, rows: logits_fn(xt, None, clean=clean),
+            x0,
+            scored.bool(),
+            self.mask_id,
+            self.block_size,
+            t_samples,
+            generator,
+            max_rows=max(len(x0), 1),  # one call per draw on the caller's rows (its padding mask fits them)
+        )
+        n = scored.sum(-1).clamp(min=1).to(total.device)
+        return _nan_if_empty((total / n).float(), scored)
+
+    def conditional_nll(self, logits_fn, x0, target, attention_mask, document_ids, mc_samples, generators, max_rows):
+        gens = generators if isinstance(generators, (list, tuple)) else [generators] * len(x0)
+        out = []
+        for i, g in enumerate(gens):  # one row at a time: each row's draws come from its own generator
+            m = None if attention_mask is None else attention_mask[i : i + 1]
+            d = None if document_ids is None else document_ids[i : i + 1]
+
+            def row_logits(xt, clean, rows, m=m, d=d):
+                pick = torch.zeros_like(rows)  # every row here is a copy of row i
+                return logits_fn(xt, None if m is None else m[pick], None if d is None else d[pick], None, clean=clean)
+
+            out.append(
+                block_elbo_terms(
+                    row_logits,
+                    x0[i : i + 1],
+                    target[i : i + 1].bool(),
+                    self.mask_id,
+                    self.block_size,
+                    mc_samples,
+                    g,
+                    max_rows,
+                )
+            )
+        return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+    def greedy_match(self, logits_fn, x0, target, attention_mask, document_ids):
+        return block_greedy_match(
+            lambda x, clean: logits_fn(x, attention_mask, document_ids, None, clean=clean),
+            x0,
+            target,
+            self.mask_id,
+            self.block_size,
+            self.vocab_size,
+        )
+
+
 def _nan_if_empty(per_token: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
     """A row with no scored token has no per-token bound: NaN, rather than a number for a position it never saw."""
     empty = ~scored.bool().any(-1).to(per_token.device)
@@ -489,7 +638,7 @@ def _nan_if_empty(per_token: torch.Tensor, scored: torch.Tensor) -> torch.Tensor
 
 
 MODES: dict[str, type[Objective]] = {
-    cls.name: cls for cls in (MaskedDiffusion, ShiftedMaskedDiffusion, UniformDiffusion, Autoregressive)
+    cls.name: cls for cls in (MaskedDiffusion, ShiftedMaskedDiffusion, UniformDiffusion, Autoregressive, BlockDiffusion)
 }
 
 

@@ -196,6 +196,7 @@ class Scorer:
                         "seconds": seconds / len(batch),
                         "sampler": {
                             **asdict(settings),
+                            **stats.get("settings", {}),  # what the model's own decoder adds (block diffusion)
                             "max_new_tokens": max_new_tokens,
                             "mode": self.mode,
                             "seed": self.seed,

@@ -31,6 +31,8 @@ class DiffLMConfig(PretrainedConfig):
         time_conditioning: str = "input",
         document_attention: bool = False,
         diffusion_eps: float = 1e-3,
+        block_size: int | None = None,
+        clean_attention: str | None = None,
         special_ids: list[int] | None = None,
         tie_word_embeddings: bool = True,
         initializer_range: float = 0.02,
@@ -59,6 +61,8 @@ class DiffLMConfig(PretrainedConfig):
         self.time_conditioning = time_conditioning  # "input": embedding added to tokens; "adaln": every norm
         self.document_attention = document_attention  # attention kept within EOS-separated documents
         self.diffusion_eps = diffusion_eps  # the smallest noise level of training (uniform noise's bound starts there)
+        self.block_size = block_size  # block diffusion: tokens per block (None for the other modes)
+        self.clean_attention = clean_attention  # block diffusion: block_causal | token_causal
         self.special_ids = list(special_ids or [])
         self.initializer_range = initializer_range
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

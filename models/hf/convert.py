@@ -154,6 +154,8 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
         time_embedding=cfg.diffusion.time_embedding and objective.uses_t,
         document_attention=cfg.model.document_attention,
         diffusion_eps=cfg.diffusion.eps,
+        block_size=cfg.diffusion.block_size if objective.two_stream else None,
+        clean_attention=cfg.diffusion.clean_attention if objective.two_stream else None,
         time_conditioning=cfg.diffusion.time_conditioning,
         special_ids=tokenizer.get("special_ids") or [tokenizer["eos_id"], tokenizer["mask_id"], tokenizer["pad_id"]],
         eos_token_id=tokenizer["eos_id"],

@@ -18,10 +18,17 @@ from transformers.modeling_outputs import MaskedLMOutput
 
 # In an export folder these read `from .bounds import ...` and so on: `convert.export_code` rewrites the
 # `..diffusion.` prefix when it copies this file next to the diffusion modules.
+from ..diffusion.blocks import decode_keep
 from ..diffusion.documents import document_attention_mask
 from ..diffusion.documents import document_ids as eos_document_ids
 from ..diffusion.modes import Objective
-from ..diffusion.samplers import MaskedSampler, draw_multinomial, filter_logits
+from ..diffusion.samplers import (
+    MaskedSampler,
+    draw_multinomial,
+    filter_logits,
+    sample_masked_diffusion,
+    unmask_schedule,
+)
 from ..diffusion.time_embedding import AdaLNorm, TimeEmbedding
 from ..diffusion.uniform import uniform_states
 from .configuration_difflm import DiffLMConfig
@@ -69,6 +76,7 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         mask: torch.Tensor | None,
         cache: dict | None = None,
+        update_cache: bool = True,
     ):
         b, s, _ = x.shape
         per_group = self.n_heads // self.n_groups
@@ -79,10 +87,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos[:, None] + _rotate_half(q) * sin[:, None]
         k = k * cos[:, None] + _rotate_half(k) * sin[:, None]
-        if cache is not None:  # ar decoding: keys and values of the earlier positions (after RoPE)
+        if cache is not None:  # decoding: keys and values of the earlier positions (after RoPE)
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], dim=1), torch.cat([cache["v"], v], dim=1)
-            cache["k"], cache["v"] = k, v
+            if update_cache:  # block decoding reads the cache for a noisy block without keeping it
+                cache["k"], cache["v"] = k, v
         k = k.repeat_interleave(per_group, dim=2)
         v = v.repeat_interleave(per_group, dim=2)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
@@ -125,11 +134,21 @@ class Block(nn.Module):
         self.pre_mlp_layernorm = norm()
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, mask, t=None, cache=None):
+    def forward(self, x, cos, sin, mask, t=None, cache=None, update_cache=True):
         h = self.input_layernorm(x, t) if self.adaln else self.input_layernorm(x)
-        x = x + self.self_attention(h, cos, sin, mask, cache)
+        x = x + self.self_attention(h, cos, sin, mask, cache, update_cache)
         h = self.pre_mlp_layernorm(x, t) if self.adaln else self.pre_mlp_layernorm(x)
         return x + self.mlp(h)
+
+
+def _with_padding(keep: torch.Tensor, attention_mask: torch.Tensor | None, offset: int) -> torch.Tensor:
+    """`keep` [b or 1, 1, s, offset + s] without padding keys; every query keeps its own key (no empty row)."""
+    if attention_mask is None:
+        return keep
+    s = keep.shape[-2]
+    own = torch.zeros(s, offset + s, dtype=torch.bool, device=keep.device)
+    own[:, offset:] = torch.eye(s, dtype=torch.bool, device=keep.device)
+    return keep & (attention_mask.bool()[:, None, None, :] | own)
 
 
 def _uses_adaln(config: DiffLMConfig) -> bool:
@@ -170,6 +189,9 @@ class DiffLMForMaskedLM(PreTrainedModel):
         t: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
         past_key_values: list[dict] | None = None,
+        clean_ids: torch.Tensor | None = None,
+        attention_keep: torch.Tensor | None = None,
+        update_cache: bool = True,
         **_,
     ) -> MaskedLMOutput:
         """Logits [b, s, v]. `t` [b] is the noise level for time-conditioned models: required in uniform
@@ -177,7 +199,14 @@ class DiffLMForMaskedLM(PreTrainedModel):
         non-padding positions (the quantity t is the expectation of in training). `document_ids` [b, s]
         restricts attention to each packed document, as in training. `past_key_values` (ar only): one dict per
         layer, filled in place, holding the earlier positions' keys and values (`ar_generate` uses it); then
-        `attention_mask` covers the earlier and the new positions."""
+        `attention_mask` covers the earlier and the new positions.
+
+        Block diffusion: `clean_ids` [b, L] runs the two-stream forward on [input_ids | clean_ids] (RoPE positions
+        0..L-1 in both halves, the block mask; logits [b, 2L, v]); `attention_keep` [b or 1, 1, s, offset + s]
+        (True = may attend) replaces the direction of attention (block decoding, `blocks.decode_keep`), and
+        `update_cache=False` reads the cache without appending the new positions to it."""
+        if clean_ids is not None:
+            return self._two_stream(input_ids, clean_ids, attention_mask, document_ids)
         b, s = input_ids.shape
         offset = past_key_values[0]["k"].shape[1] if past_key_values and "k" in past_key_values[0] else 0
         x = self.embed_tokens(input_ids)
@@ -191,7 +220,9 @@ class DiffLMForMaskedLM(PreTrainedModel):
         # fp32 tables in a bf16 model would promote q and k but not v, and SDPA refuses mixed dtypes
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         mask = None
-        if attention_mask is not None:  # [b, s] 1 = real token: keys that are padding get no attention
+        if attention_keep is not None:
+            mask = _with_padding(attention_keep, attention_mask, offset)
+        elif attention_mask is not None:  # [b, s] 1 = real token: keys that are padding get no attention
             mask = attention_mask[:, None, None, :].bool()
             if not self.config.bidirectional:  # query i sits at position offset + i of the keys
                 mask = mask & torch.ones(s, offset + s, dtype=torch.bool, device=x.device).tril(offset)
@@ -200,10 +231,26 @@ class DiffLMForMaskedLM(PreTrainedModel):
             mask = allowed if mask is None else mask & allowed
         caches = past_key_values if past_key_values is not None else [None] * len(self.layers)
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, cos, sin, mask, t, cache)
+            x = layer(x, cos, sin, mask, t, cache, update_cache)
+        return MaskedLMOutput(logits=self._head(x))
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
         x = self.final_layernorm(x)
         weight = self.embed_tokens.weight if self.output_layer is None else self.output_layer.weight
-        return MaskedLMOutput(logits=F.linear(x, weight))
+        return F.linear(x, weight)
+
+    def _two_stream(self, xt, x0, attention_mask, document_ids) -> MaskedLMOutput:
+        """Logits [b, 2L, v] of block diffusion's [x_t | x_0] (training's layout and mask)."""
+        length = xt.shape[1]
+        x = self.embed_tokens(torch.cat([xt, x0], dim=1))
+        cos, sin = _rope(
+            length, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta, x.device
+        )
+        cos, sin = cos.repeat(2, 1).to(x.dtype), sin.repeat(2, 1).to(x.dtype)
+        mask = self.objective.keep(length, document_ids, attention_mask).to(x.device)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return MaskedLMOutput(logits=self._head(x))
 
     # ---- diffusion helpers: the mode's objective (models/diffusion/modes.py), shared with training ------------
     # Any device, any dtype: inputs go to the model's device, logits are scored in fp32, and noise is drawn on
@@ -233,9 +280,14 @@ class DiffLMForMaskedLM(PreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         t: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
+        clean: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits aligned with the positions they predict (the objective undoes difflm-shift's shift, so position
-        0 of a shifted model has no logit of its own: callers never mask or score it)."""
+        0 of a shifted model has no logit of its own: callers never mask or score it). With `clean` (block
+        diffusion): the logits of the noisy half of [tokens | clean]."""
+        if clean is not None:
+            out = self(tokens, attention_mask=attention_mask, document_ids=document_ids, clean_ids=clean).logits
+            return out[:, : tokens.shape[1]]
         return self.objective.align_logits(
             self(tokens, attention_mask=attention_mask, t=t, document_ids=document_ids).logits
         )
@@ -279,6 +331,9 @@ class DiffLMForMaskedLM(PreTrainedModel):
             self.objective.bidirectional,
             "sample an autoregressive model token by token (ar_generate; `generate_continuation` picks)",
         )
+        if self.objective.two_stream:
+            settings = settings or MaskedSampler(steps=steps, temperature=temperature, stop_at_eos=False)
+            return self.block_generate(prompt_ids, length, settings, generator, attention_mask, forbidden_ids, stats)
         prompt_ids, attention_mask, document_ids = self._on_device(prompt_ids, attention_mask, document_ids)
         b, p = prompt_ids.shape
         mask = None
@@ -295,6 +350,117 @@ class DiffLMForMaskedLM(PreTrainedModel):
         return self.objective.sample(
             lambda x, t: self._logits(x, mask, t, docs), prompt_ids, length, settings, generator, forbidden_ids, stats
         )
+
+    @torch.no_grad()
+    def block_generate(
+        self,
+        prompt_ids: torch.Tensor,
+        max_new_tokens: int,
+        settings: MaskedSampler,
+        generator: torch.Generator | None = None,
+        attention_mask: torch.Tensor | None = None,
+        forbidden_ids: tuple[int, ...] = (),
+        stats: dict | None = None,
+        use_cache: bool = True,
+    ) -> torch.Tensor:
+        """Block diffusion decoding (BD3-LM): blocks of `config.block_size` after the LEFT-padded prompts, one at a
+        time; inside a block the masked sampler's rules (`settings`: remasking, threshold, top-k/top-p;
+        `settings.block_length` below the block size decodes it in sub-blocks, as Fast-dLLM v2), `settings.steps`
+        split over the blocks. Blocks are anchored at the end of the prompt. With `use_cache` the prompt and every
+        finished block are run once as clean tokens and their keys and values kept: exact, since no clean token
+        attends a noisy one (the same tokens as `use_cache=False`, which recomputes the prefix at every step).
+        Rows stop at EOS (`settings.stop_at_eos`): later blocks are EOS. `stats` gets the model calls and the
+        settings. Returns [b, p + max_new_tokens]."""
+        objective = self.objective
+        if objective.mask_id is None:
+            raise ValueError("config.mask_token_id is not set: this export cannot run the diffusion sampler")
+        if settings.cfg_scale > 0:
+            raise ValueError("classifier-free guidance is not implemented for block decoding: set cfg_scale=0")
+        prompt_ids, attention_mask = self._on_device(prompt_ids, attention_mask)
+        b, p = prompt_ids.shape
+        real = torch.ones_like(prompt_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        if p and not real[:, -1].all():
+            raise ValueError("prompts must be LEFT-padded for generation: set tokenizer.padding_side = 'left'")
+        size, causal = objective.block_size, objective.token_causal
+        spans = [(a, min(a + size, max_new_tokens)) for a in range(0, max_new_tokens, size)]
+        steps = unmask_schedule(max(settings.steps, len(spans)), len(spans)) if spans else []
+        cache = [{} for _ in self.layers] if use_cache else None
+        docs = self._documents(prompt_ids, None) if p else None
+        if docs is not None:  # trained with document attention: the continuation belongs to the last document
+            docs = torch.cat([docs, docs[:, -1:].expand(b, max_new_tokens)], dim=1)
+
+        def rule(n_keys: int, n_queries: int, noisy_from: int) -> torch.Tensor:
+            keep = decode_keep(n_keys, n_queries, p, noisy_from, size, causal, self.device)
+            if docs is None:
+                return keep
+            d = docs[:, :n_keys]
+            return keep & (d[:, n_keys - n_queries :, None] == d[:, None, :])[:, None]
+
+        nfe = 0
+        if use_cache and p:  # the prompt's keys and values, once
+            self(prompt_ids, attention_mask=real, past_key_values=cache, attention_keep=rule(p, p, p))
+            nfe += 1
+        x, eos = prompt_ids, objective.eos_id
+        done = torch.zeros(b, dtype=torch.bool, device=self.device)
+        for (a, z), block_steps in zip(spans, steps):
+            start, n = p + a, z - a
+            keys = torch.cat([real, torch.ones(b, a + n, dtype=torch.bool, device=self.device)], dim=1)
+            if use_cache:
+
+                def logits_fn(seq, start=start, n=n, keys=keys):
+                    keep = rule(start + n, n, start)
+                    out = self(
+                        seq[:, start:],
+                        attention_mask=keys,
+                        past_key_values=cache,
+                        attention_keep=keep,
+                        update_cache=False,
+                    ).logits
+                    return torch.cat([out.new_zeros(b, start, out.shape[-1]), out], dim=1)  # the sampler reads [start:]
+            else:
+
+                def logits_fn(seq, start=start, n=n, keys=keys):
+                    return self(seq, attention_mask=keys, attention_keep=rule(start + n, start + n, start)).logits
+
+            block_stats: dict = {}
+            x = sample_masked_diffusion(
+                logits_fn,
+                x,
+                n,
+                objective.mask_id,
+                block_steps,
+                vocab_limit=objective.vocab_size,
+                temperature=settings.temperature,
+                generator=generator,
+                forbidden_ids=forbidden_ids,
+                settings=dataclasses.replace(settings, steps=block_steps),
+                eos_id=eos,
+                stats=block_stats,
+            )
+            nfe += block_stats["nfe"]
+            if eos is not None and settings.stop_at_eos:
+                x[:, start:] = torch.where(done[:, None], torch.full_like(x[:, start:], eos), x[:, start:])
+                done |= (x[:, start:] == eos).any(-1)
+                if done.all():
+                    fill = torch.full((b, max_new_tokens - z), eos, dtype=x.dtype, device=x.device)
+                    x = torch.cat([x, fill], dim=1)
+                    break
+            if use_cache and z < max_new_tokens:  # the finished block, as clean tokens, into the cache
+                self(
+                    x[:, start:],
+                    attention_mask=keys,
+                    past_key_values=cache,
+                    attention_keep=rule(start + n, n, start + n),
+                )
+                nfe += 1
+        if stats is not None:
+            stats["nfe"] = nfe
+            stats["settings"] = {
+                "block_size": size,
+                "clean_attention": objective.clean_attention,
+                "kv_cache": use_cache,
+            }
+        return x
 
     @torch.no_grad()
     def generate_continuation(
@@ -380,8 +546,8 @@ class DiffLMForMaskedLM(PreTrainedModel):
                 break
         return ids
 
-    def _row_logits(self, x, m, d, t):
-        return self._logits(x, m, t, d)
+    def _row_logits(self, x, m, d, t, clean=None):
+        return self._logits(x, m, t, d, clean)
 
     @torch.no_grad()
     def conditional_nll(
@@ -477,7 +643,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
         objective = self.objective if eps is None else dataclasses.replace(self.objective, eps=eps)
         docs = self._documents(input_ids, document_ids)
         return objective.nll_per_token(
-            lambda x, t: self._logits(x, attention_mask, t, docs),
+            lambda x, t, clean=None: self._logits(x, attention_mask, t, docs, clean),
             input_ids,
             objective.scored_positions(valid, prefix_len),
             t_samples,

@@ -37,6 +37,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.utils import divide
 
+from models.diffusion.blocks import allowed, two_stream_keep
 from models.diffusion.documents import document_attention_mask
 
 
@@ -70,6 +71,55 @@ class DocumentMask:
 
             b, s = doc.shape
             self._block = create_block_mask(same_document, B=b, H=None, Q_LEN=s, KV_LEN=s, device=doc.device)
+        return self._block
+
+
+class TwoStreamMask:
+    """Block diffusion's `[x_t | x_0]` attention (`models.diffusion.blocks`) for one micro-batch of L tokens:
+    on CUDA a FlexAttention `BlockMask` built from the rule as a mask_mod (block-sparse, no [2L, 2L] tensor:
+    the tiles of later clean blocks and of other noisy blocks are skipped), elsewhere the dense keep mask.
+    Packed documents (`doc_ids` [b, L]) restrict it further. Built once per forward, shared by every layer."""
+
+    def __init__(
+        self, length: int, block_size: int, token_causal: bool, doc_ids: torch.Tensor | None = None, device=None
+    ):
+        self.length, self.block_size, self.token_causal, self.doc_ids = length, block_size, token_causal, doc_ids
+        self.device = doc_ids.device if doc_ids is not None else device
+        self._dense: torch.Tensor | None = None
+        self._block = None
+
+    def dense_keep(self) -> torch.Tensor:
+        """[b or 1, 1, 2L, 2L] bool, True where attention is ALLOWED."""
+        if self._dense is None:
+            self._dense = two_stream_keep(
+                self.length, self.block_size, self.token_causal, self.doc_ids, device=self.device
+            )
+        return self._dense
+
+    def mask_mod(self):
+        """FlexAttention's mask_mod(b, h, q, k) of the rule: index arithmetic only."""
+        length, size, token_causal, doc = self.length, self.block_size, self.token_causal, self.doc_ids
+
+        def two_stream(b, h, q, k):
+            q_noisy, k_noisy = q < length, k < length
+            q_pos = torch.where(q_noisy, q, q - length)
+            k_pos = torch.where(k_noisy, k, k - length)
+            keep = allowed(q_noisy, q_pos // size, q_pos, k_noisy, k_pos // size, k_pos, token_causal)
+            return keep & (doc[b, q_pos] == doc[b, k_pos]) if doc is not None else keep
+
+        return two_stream
+
+    def block_mask(self, device=None):
+        if self._block is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            b = None if self.doc_ids is None else self.doc_ids.shape[0]
+            n = 2 * self.length
+            dev = torch.device(device if device is not None else self.device)
+            # compiled on GPUs: the mask_mod is evaluated tile by tile, never as a [2L, 2L] tensor
+            self._block = create_block_mask(
+                self.mask_mod(), B=b, H=None, Q_LEN=n, KV_LEN=n, device=dev, _compile=dev.type == "cuda"
+            )
         return self._block
 
 
@@ -172,11 +222,15 @@ class TorchCoreAttention(MegatronModule):
 
     def _attend(self, q, k, v, attention_mask, mask_type, dropout_p: float):
         grouped = q.shape[1] != k.shape[1]
-        if isinstance(attention_mask, DocumentMask) and use_flex(q.device, dropout_p):
-            return _flex_attention()(
-                q, k, v, block_mask=attention_mask.block_mask(), scale=self.softmax_scale, enable_gqa=grouped
+        masks = (DocumentMask, TwoStreamMask)
+        if isinstance(attention_mask, masks) and use_flex(q.device, dropout_p):
+            block_mask = (
+                attention_mask.block_mask(q.device)
+                if isinstance(attention_mask, TwoStreamMask)
+                else attention_mask.block_mask()
             )
-        if isinstance(attention_mask, DocumentMask):
+            return _flex_attention()(q, k, v, block_mask=block_mask, scale=self.softmax_scale, enable_gqa=grouped)
+        if isinstance(attention_mask, masks):
             keep = attention_mask.dense_keep()
         elif attention_mask is not None:
             keep = ~attention_mask.bool()  # megatron's masks are True where attention is blocked

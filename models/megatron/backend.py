@@ -23,13 +23,14 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def resolve_backend(requested: str) -> str:
+def resolve_backend(requested: str, two_stream: bool = False) -> str:
     """'auto' -> 'te' on CUDA with Transformer Engine, 'torch' on CUDA without it, 'local' on the CPU.
-    An explicit choice is kept; 'te' without its requirements is an error that says what to install."""
+    An explicit choice is kept; 'te' without its requirements is an error that says what to install.
+    `two_stream` (block diffusion's [x_t | x_0] mask, which TE cannot take): 'auto' never picks 'te'."""
     if requested in ("torch", "local"):
         return requested
     cuda = torch.cuda.is_available()
-    te_ok = cuda and transformer_engine_available()
+    te_ok = cuda and transformer_engine_available() and not (two_stream and requested == "auto")
     if requested == "te" and not te_ok:
         raise RuntimeError(
             "model backend 'te' needs CUDA and Transformer Engine: pip install 'difflm-pipeline[gpu]' "

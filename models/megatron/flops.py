@@ -15,6 +15,9 @@ Counting convention (as PaLM's MFU, megatron's `num_floating_point_operations`, 
   core counts the sum of squared document lengths, not s^2 (as Megatron-LM counts THD packed sequences); a
   kernel that computes the masked-out blocks anyway (the dense CPU mask) does work the model does not need.
 - Causal attention (ar) counts half of the pairs (kernels skip the tiles above the diagonal).
+- Block diffusion runs the network on [x_t | x_0] (2L tokens) and its attention computes the pairs its block mask
+  allows (`Objective.attention_pairs`: own noisy block, earlier clean blocks, the clean half's rule), as the
+  block-sparse FlexAttention kernel skips the rest (at its tile granularity; the dense CPU mask computes all).
 """
 
 from __future__ import annotations
@@ -55,13 +58,21 @@ def _attention_core_flops(cfg: PipelineConfig, seq_len: int, pairs: float | None
     meet in `pairs` (query, key) pairs: s^2 by default, the sum of squared document lengths with packed
     documents. Causal: flash / cuDNN / TE kernels skip the tiles above the diagonal, so half of them (the usual
     convention; the diagonal tiles make it a little more at small s)."""
-    from models.diffusion.modes import objective_class
-
     m = cfg.model
     head_dim = m.hidden_size // m.num_attention_heads
-    pairs = seq_len * seq_len if pairs is None else pairs
-    full = 2 * 2 * m.num_attention_heads * pairs * head_dim  # two [s, d] x [d, s]-sized products
-    return full * objective_class(cfg.diffusion.model_running_mode).attention_flops_factor()
+    objective = _objective(cfg)
+    if pairs is None:
+        pairs = objective.attention_pairs(seq_len)  # s^2, halved when causal; the block mask's own count
+    else:
+        pairs = pairs * objective.attention_flops_factor()
+    return 2 * 2 * m.num_attention_heads * pairs * head_dim  # two [s, d] x [d, s]-sized products
+
+
+def _objective(cfg: PipelineConfig):
+    from models.diffusion.modes import objective_class
+
+    d = cfg.diffusion
+    return objective_class(d.model_running_mode)(block_size=d.block_size, clean_attention=d.clean_attention)
 
 
 def _time_conditioning_flops(cfg: PipelineConfig) -> int:
@@ -83,8 +94,9 @@ def forward_flops_per_sequence(cfg: PipelineConfig, vocab_size: int, seq_len: in
     `vocab_size` is the tokenizer's (padded here as megatron pads it; a padded size is kept as is)."""
     m = cfg.model
     vocab = padded_vocab(vocab_size, cfg.parallel.tensor_model_parallel_size)
-    layers = m.num_layers * (seq_len * _layer_matmul_flops_per_token(cfg) + _attention_core_flops(cfg, seq_len))
-    lm_head = 2 * seq_len * m.hidden_size * vocab  # logits over every (padded) row, tied or not
+    tokens = _objective(cfg).model_tokens(seq_len)  # block diffusion: the network runs on 2L tokens
+    layers = m.num_layers * (tokens * _layer_matmul_flops_per_token(cfg) + _attention_core_flops(cfg, seq_len))
+    lm_head = 2 * tokens * m.hidden_size * vocab  # logits over every (padded) row, tied or not
     return float(layers + lm_head + _time_conditioning_flops(cfg))
 
 

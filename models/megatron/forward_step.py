@@ -70,6 +70,9 @@ def objective_of(cfg: PipelineConfig, special: SpecialTokens) -> Objective:
         loss_weighting=d.loss_weighting,
         normalize_by=d.normalize_by,
         uniform_loss=d.uniform_loss,
+        block_size=d.block_size,
+        clean_attention=d.clean_attention,
+        ar_loss_weight=d.ar_loss_weight,
     )
 
 
@@ -170,8 +173,11 @@ def configured_document_form(cfg: PipelineConfig) -> str | None:
         return None
     from models.megatron.backend import resolve_backend
 
+    two_stream = objective_class(cfg.diffusion.model_running_mode).two_stream
     return document_form(
-        resolve_backend(cfg.model.backend), cfg.parallel.pipeline_model_parallel_size, cfg.train.micro_batch_size
+        resolve_backend(cfg.model.backend, two_stream),
+        cfg.parallel.pipeline_model_parallel_size,
+        cfg.train.micro_batch_size,
     )
 
 
@@ -213,6 +219,19 @@ def attention_mask_for(tokens: torch.Tensor, cfg: PipelineConfig, special: Speci
     return diffusion.document_attention_mask(doc, causal=causal)
 
 
+def two_stream_mask(tokens: torch.Tensor, cfg: PipelineConfig, special: SpecialTokens, objective: Objective):
+    """Block diffusion's attention for the [x_t | x_0] inputs of clean `tokens` [b, L]: a `TwoStreamMask` for the
+    torch spec (FlexAttention on GPUs), megatron's dense mask (True = blocked) [b or 1, 1, 2L, 2L] for local."""
+    from models.megatron.attention import TwoStreamMask
+    from models.megatron.backend import resolve_backend
+
+    doc = diffusion.document_ids(tokens, special.eos_id) if cfg.model.document_attention else None
+    mask = TwoStreamMask(tokens.shape[1], objective.block_size, objective.token_causal, doc, tokens.device)
+    if resolve_backend(cfg.model.backend, True) == "torch":
+        return mask
+    return ~mask.dense_keep()
+
+
 def make_forward_step(
     cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False, documents: str | None = None
 ):
@@ -230,6 +249,12 @@ def make_forward_step(
         inputs = prepared["inputs"]
         position_ids = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
         extra = {"t": prepared["t"]} if cfg.diffusion.time_embedding and objective.uses_t else {}
+        if objective.two_stream:  # [x_t | x_0]: positions 0..L-1 twice, the block mask
+            tokens = batch["tokens"].to(device)
+            position_ids = position_ids % tokens.shape[1]
+            mask = two_stream_mask(tokens, cfg, special, objective)
+            output = model(inputs, position_ids, mask, labels=prepared["targets"], two_stream=True, **extra)
+            return output, partial(_loss_func, prepared, objective, evaluation)
         # With labels, megatron returns the per-token (vocab-parallel) cross-entropy [b, s]; without, logits.
         labels = None if objective.full_logits else prepared["targets"]
         if form == "thd":  # one row [1, b*s]; RoPE restarts per document, equal to global positions (relative)

@@ -49,14 +49,26 @@ class MegatronAdaLNorm(AdaLNorm):
 
 
 def layer_spec(
-    model: ModelConfig, bidirectional: bool, backend: str = "local", adaln: bool = False, documents: str | None = None
+    model: ModelConfig,
+    bidirectional: bool,
+    backend: str = "local",
+    adaln: bool = False,
+    documents: str | None = None,
+    two_stream: bool = False,
 ):
     """Megatron's own layer spec with the attention mask kind chosen by the objective; with `adaln`, its two
     norms swapped for t-modulated ones (a spec change, megatron's TransformerLayer is untouched).
 
-    `documents` is the form packed documents take (`forward_step.document_form`, by default the backend's)."""
+    `documents` is the form packed documents take (`forward_step.document_form`, by default the backend's).
+    `two_stream` (block diffusion): the local spec takes the dense [b, 1, 2L, 2L] mask (arbitrary); the torch
+    spec a `TwoStreamMask` that carries its own rule; Transformer Engine is refused."""
     from models.megatron.forward_step import document_form
 
+    if two_stream and backend == "te":
+        raise RuntimeError(
+            "block diffusion (difflm-block) needs model.backend=torch or local: Transformer Engine's attention "
+            "takes causal / padding masks and THD sequences, not the [x_t | x_0] block mask"
+        )
     if backend == "te":
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
     else:
@@ -65,7 +77,8 @@ def layer_spec(
         from models.megatron.attention import torch_layer_spec
 
         spec = torch_layer_spec(spec)
-    if model.document_attention and (documents or document_form(backend)) == "dense":
+    dense = backend == "local" and two_stream
+    if dense or (model.document_attention and (documents or document_form(backend)) == "dense"):
         mask = AttnMaskType.arbitrary  # the [b, 1, s, s] mask is built per batch from document boundaries
     else:  # a DocumentMask carries its own direction; under THD, TE takes causal / no_mask as
         # padding_causal / padding within each sequence (megatron's TEDotProductAttention maps them)
@@ -142,7 +155,11 @@ class DiffusionGPTModel(GPTModel):
             if isinstance(module, AdaLNorm):
                 module.time = self.time
 
-    def forward(self, input_ids, position_ids, attention_mask, labels=None, t=None, **kwargs):
+    def forward(self, input_ids, position_ids, attention_mask, labels=None, t=None, two_stream=False, **kwargs):
+        """megatron's forward; `two_stream` (block diffusion): the input is [x_t | x_0] and RoPE gives both halves
+        positions 0..L-1 (megatron's RoPE ignores position_ids: its table is swapped for this forward)."""
+        if two_stream:
+            return self._two_stream_forward(input_ids, position_ids, attention_mask, labels, t, **kwargs)
         if (self.time_embedding is not None or self.adaln) and t is None:
             raise ValueError("this model was built with diffusion.time_embedding=true: pass t")
         packed = kwargs.get("packed_seq_params")
@@ -159,6 +176,22 @@ class DiffusionGPTModel(GPTModel):
             return super().forward(input_ids, position_ids, attention_mask, labels=labels, **kwargs)
         finally:
             self.time.t = None
+
+    def _two_stream_forward(self, input_ids, position_ids, attention_mask, labels, t, **kwargs):
+        rope = getattr(self, "rotary_pos_emb", None)
+        if rope is None:
+            raise RuntimeError("block diffusion needs RoPE positions")
+        table = rope.forward
+
+        def halves(seq_len, *args, **kw):  # [2L, 1, 1, d]: positions 0..L-1 twice
+            emb = table(seq_len // 2, *args, **kw)
+            return torch.cat([emb, emb], dim=0)
+
+        rope.forward = halves
+        try:
+            return self.forward(input_ids, position_ids, attention_mask, labels, t, **kwargs)
+        finally:
+            del rope.forward
 
     def _per_token(self, time: torch.Tensor, local_tokens: int) -> torch.Tensor:
         """[t_local, 1, h]: each token of a THD row [1, b*s] gets the time embedding of its row ([b, h]).
@@ -183,7 +216,8 @@ def build_model(
 
     `padded_vocab` overrides the embedding rows (conversion builds a TP=1 model with the padding of the
     layout it writes for)."""
-    backend = resolve_backend(cfg.model.backend)
+    objective = objective_class(cfg.diffusion.model_running_mode)
+    backend = resolve_backend(cfg.model.backend, objective.two_stream)
     if cfg.train.fp8 and backend != "te":
         raise RuntimeError(
             "train.fp8 needs the Transformer Engine backend on a GPU (pip install "
@@ -203,6 +237,7 @@ def build_model(
         backend,
         uses_adaln(cfg),
         configured_document_form(cfg),
+        objective.two_stream,
     )
     if backend == "torch":  # the final norm as well must accept sequence parallelism
         from models.megatron.attention import block_spec

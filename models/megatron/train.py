@@ -33,7 +33,7 @@ from models.diffusion.modes import objective_class
 from models.megatron import checkpointing
 from models.megatron.data import build_datasets, micro_batch
 from models.megatron.flops import efficiency, peak_flops, training_flops
-from models.megatron.forward_step import SpecialTokens, make_forward_step, varilen_length
+from models.megatron.forward_step import SpecialTokens, make_forward_step, objective_of, varilen_length
 from models.megatron.gpt import build_model
 from models.megatron.metrics import MetricsWriter
 
@@ -227,7 +227,7 @@ def run_global_batch(
         data_iterator=batches,
         model=[ddp],
         num_microbatches=n_micro,
-        seq_length=max(lengths),
+        seq_length=objective_of(cfg, special).model_tokens(max(lengths)),  # block diffusion: [x_t | x_0]
         micro_batch_size=cfg.train.micro_batch_size,
         forward_only=forward_only,
     )
