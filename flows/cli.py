@@ -15,7 +15,8 @@ import os
 import shlex
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -344,14 +345,54 @@ def cmd_serve(cfg: PipelineConfig, args) -> int:
             + (f" every {args.interval:g} s" if args.interval and not args.cron else ""),
             flush=True,
         )
-        evaluate_latest.serve(name=args.name, parameters=params, limit=1, **schedule)  # one at a time
+        with _stops_on_ctrl_c():
+            evaluate_latest.serve(name=args.name, parameters=params, limit=1, **schedule)  # one at a time
         return 0
     from flows.pretrain import pretrain_difflm
 
-    pretrain_difflm.serve(
-        name=args.name, parameters={"preset": args.preset or DEFAULT_PRESET, "overrides": args.overrides}, **schedule
-    )
+    with _stops_on_ctrl_c():
+        pretrain_difflm.serve(
+            name=args.name,
+            parameters={"preset": args.preset or DEFAULT_PRESET, "overrides": args.overrides},
+            **schedule,
+        )
     return 0
+
+
+SERVE_GRACE_SECONDS = 10.0
+
+
+@contextmanager
+def _stops_on_ctrl_c() -> Iterator[None]:
+    """Ctrl-C stops `serve` within SERVE_GRACE_SECONDS. Prefect's runner shuts down through the API; when the
+    server stopped first, it retried for over a minute and ended in a traceback (tried as a new user would).
+    A clean shutdown still gets the grace period; after it, one line and exit 130."""
+    import signal
+    import threading
+
+    def give_up() -> None:
+        from prefect.settings import PREFECT_API_URL
+
+        print(
+            f"difflm: serve stopped without deregistering: the Prefect API at {PREFECT_API_URL.value()} did not "
+            f"answer within {SERVE_GRACE_SECONDS:g} s (start the server and serve again)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(130)
+
+    def on_interrupt(signum, frame) -> None:
+        timer = threading.Timer(SERVE_GRACE_SECONDS, give_up)
+        timer.daemon = True
+        timer.start()
+        signal.signal(signal.SIGINT, lambda *_: give_up())  # a second Ctrl-C: now
+        signal.default_int_handler(signum, frame)
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 # ---- the command table ------------------------------------------------------------------------------------------

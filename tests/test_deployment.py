@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -194,3 +195,55 @@ def test_prefect_yaml_deployments_load_and_validate():
     } <= flows.keys()
     (every,) = flows["evaluate-latest/every-10-minutes"]
     assert isinstance(every["schedule"], IntervalSchedule) and every["schedule"].interval.total_seconds() == 600
+
+
+@pytest.mark.slow
+def test_serve_stops_within_seconds_on_ctrl_c_after_its_server_stopped(tmp_path):
+    """Tried as a new user would: with the Prefect server gone first, Ctrl-C on `difflm serve` hung for over a
+    minute and ended in a traceback. Now: one line and exit 130 within the grace period."""
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+    }
+    (tmp_path / "prefect").mkdir()
+    server = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    serve = None
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/api/health", server)
+        serve = subprocess.Popen(
+            [str(BIN / "difflm"), "serve", "pretrain-difflm", "--preset", "test-tiny", "--name", "stop"]
+            + [f"workdir={tmp_path / 'work'}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own group: the SIGINT below reaches it alone, as a terminal's would
+        )
+        deadline = time.time() + 90
+        while time.time() < deadline:  # registered: the runner is polling its server
+            out = subprocess.run([str(BIN / "prefect"), "deployment", "ls"], env=env, capture_output=True, text=True)
+            if "pretrain-difflm/stop" in out.stdout:
+                break
+            time.sleep(1)
+        _stop(server)
+        time.sleep(3)
+        t0 = time.time()
+        os.killpg(serve.pid, signal.SIGINT)
+        _, err = serve.communicate(timeout=120)
+        took = time.time() - t0
+        last = err.strip().splitlines()[-1]
+        assert serve.returncode == 130 and last.startswith("difflm: serve stopped"), err[-3000:]
+        assert took < 40, took  # the grace period (10 s) and some slack for a loaded machine
+    finally:
+        if serve and serve.poll() is None:
+            serve.kill()
+        if server.poll() is None:
+            _stop(server)
