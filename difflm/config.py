@@ -307,10 +307,14 @@ class DiffusionConfig(_Section):
         )
     )
     block_size: int = Field(
-        4, ge=1, description="difflm-block: tokens per block (BD3-LM 4-16, SDAR 4, Fast-dLLM v2 32)."
+        4,
+        ge=1,
+        json_schema_extra=IF_SET,
+        description="difflm-block: tokens per block (BD3-LM 4-16, SDAR 4, Fast-dLLM v2 32).",
     )
     clean_attention: Literal["block_causal", "token_causal"] = Field(
         "block_causal",
+        json_schema_extra=IF_SET,
         description="difflm-block: attention within the clean half. block_causal (BD3-LM): a clean token sees "
         "its own block and the earlier ones; token_causal (Megatron-Bridge's sbd_block_diff): the clean half is "
         "causal, an AR model (needed by ar_loss_weight).",
@@ -318,6 +322,7 @@ class DiffusionConfig(_Section):
     ar_loss_weight: float = Field(
         0.0,
         ge=0.0,
+        json_schema_extra=IF_SET,
         description="difflm-block: weight of the next-token loss on the clean half, added to the diffusion loss "
         "(Megatron-Bridge's 0.3 DLM + 1.0 AR is about 3.3 here, up to scale); needs clean_attention=token_causal.",
     )

@@ -204,6 +204,9 @@ IDENTITY = {
         "varilen_prob",
         "time_embedding",
         "time_conditioning",
+        "block_size",  # IF_SET: difflm-block's fields name a run only when set
+        "clean_attention",
+        "ar_loss_weight",
     },
     "train": {
         "seq_length",
