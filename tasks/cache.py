@@ -31,7 +31,12 @@ def run_stage(task, key: str, done: bool, *args, **kwargs):
     """Run `task` under the cache `key`: (result, cached). `done`: the stage's output is complete on disk (a
     cache hit is allowed); otherwise the stage runs whatever the cache holds."""
     state = task.with_options(
-        cache_policy=CacheKeyFnPolicy(cache_key_fn=lambda *_: key), refresh_cache=not done, persist_result=True
+        cache_policy=CacheKeyFnPolicy(cache_key_fn=lambda *_: key),
+        refresh_cache=not done,
+        persist_result=True,
+        # JSON, not Prefect's default pickle: the stored results live in the (shared) workdir, and a pickle
+        # there would run whatever a writer of that folder put in it when the cache is read
+        result_serializer="json",
     )(*args, return_state=True, **kwargs)
     return state.result(), state.name == "Cached"
 

@@ -56,3 +56,145 @@ def test_script_refuses_unsafe_run_dirs_arguments_and_env_keys():
         slurm_script(cfg, RUN / "c.yaml", RUN / "m.json", RUN, env={"BAD;touch $SCRATCH/PWNED_envkey;X": "v"})
     script = slurm_script(cfg, RUN / "c.yaml", RUN / "m.json", RUN, env={"MLFLOW_TRACKING_URI": "http://x;id"})
     assert "export MLFLOW_TRACKING_URI='http://x;id'\n" in script
+
+
+# ---- deleting only our own folders (review M1) ------------------------------------------------------------------
+
+
+def _dataset(root: Path) -> Path:
+    ds = root / "mydataset"
+    (ds / "images").mkdir(parents=True)
+    (ds / "metadata.json").write_text("{}")  # a common name: no proof the folder is ours
+    (ds / "labels.csv").write_text("id,label\n1,cat\n")
+    (ds / "images" / "0001.png").write_bytes(b"\x89PNG")
+    return ds
+
+
+def test_convert_out_never_replaces_a_folder_without_our_marker(tmp_path):
+    from difflm.errors import UserError
+    from models.hf.convert import check_replaceable, import_hf
+
+    ds = _dataset(tmp_path)
+    for kind in ("hf", "megatron"):
+        with pytest.raises(UserError, match="nothing deleted"):
+            check_replaceable(ds, kind)
+    hf = tmp_path / "hf_export"
+    hf.mkdir()
+    (hf / "model.safetensors").write_bytes(b"")
+    (hf / "config.json").write_text("{}")
+    cfg = load_config("test-tiny", [f"workdir={tmp_path / 'work'}"])
+    with pytest.raises(UserError, match="mydataset exists and is not a megatron checkpoint import"):
+        import_hf(cfg, hf, ds, {"vocab_size": 512, "mask_id": 1, "eos_id": 0, "pad_id": 2})
+    assert (ds / "labels.csv").exists() and (ds / "images" / "0001.png").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf_export", "mydataset"]  # no .part left behind
+
+
+def test_staged_output_replaces_only_marked_folders_and_cleans_up(tmp_path):
+    from difflm.outputs import OutputInTheWay, staged_output
+
+    out = tmp_path / "export"
+    with staged_output(out, "difflm_export.json") as tmp:
+        (tmp / "difflm_export.json").write_text("{}")
+        (tmp / "v1").write_text("1")
+    with staged_output(out, "difflm_export.json") as tmp:  # an earlier export of ours: replaced
+        (tmp / "difflm_export.json").write_text("{}")
+        (tmp / "v2").write_text("2")
+    assert sorted(p.name for p in out.iterdir()) == ["difflm_export.json", "v2"]
+    with pytest.raises(ZeroDivisionError), staged_output(out, "difflm_export.json") as tmp:
+        (tmp / "half").write_text("")
+        1 / 0  # a failed write leaves the earlier output and no partial folder
+    assert sorted(p.name for p in out.iterdir()) == ["difflm_export.json", "v2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+    stale = tmp_path / "export.part"  # a folder named like our old temporary one is not deleted either
+    stale.mkdir()
+    (stale / "keep").write_text("")
+    ds = _dataset(tmp_path)
+    with pytest.raises(OutputInTheWay), staged_output(ds, "difflm_export.json"):
+        pass
+    assert (stale / "keep").exists() and (ds / "labels.csv").exists()
+
+
+# ---- no blind unpickling of shared folders (review H4) ----------------------------------------------------------
+
+
+class _Payload:
+    def __init__(self, mark: Path):
+        self.mark = mark
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"id > {self.mark}",))
+
+
+def _crafted_checkpoint(root: Path, mark: Path) -> Path:
+    import json
+    import pickle
+
+    ck = root / "evil_ckpt" / "iter_0000020"
+    ck.mkdir(parents=True)
+    backends = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch"}
+    (ck / "metadata.json").write_text(json.dumps({**backends, "common_backend_version": 1}))
+    (ck / ".metadata").write_bytes(pickle.dumps(_Payload(mark)))
+    return ck
+
+
+def test_crafted_dcp_metadata_is_refused_without_running_code(tmp_path):
+    from models.hf.convert import load_megatron_weights
+    from models.megatron.safe_pickle import UnsafeCheckpoint
+
+    mark = tmp_path / "PWNED_dcp_metadata"
+    ck = _crafted_checkpoint(tmp_path, mark)
+    with pytest.raises(UnsafeCheckpoint, match="posix.system.*refused without running it.*checkpoints you trust"):
+        load_megatron_weights(ck)
+    assert not mark.exists()
+
+
+def test_convert_cli_refuses_a_crafted_checkpoint_in_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    mark = tmp_path / "PWNED_cli"
+    ck = _crafted_checkpoint(tmp_path, mark)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "convert", str(ck), "--out", str(tmp_path / "out"),
+         f"workdir={tmp_path / 'work'}"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0 and not mark.exists(), proc.stderr
+    assert "Traceback" not in proc.stderr and "refused without running it" in proc.stderr, proc.stderr
+
+
+def test_real_dcp_metadata_loads_through_the_restricted_unpickler(tmp_path, megatron_single_process):
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from models.megatron.safe_pickle import guard_dcp
+
+    guard_dcp()
+    state = {"w": torch.arange(6.0).reshape(2, 3)}
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    sharded = {"w": ShardedTensor.from_rank_offsets("w", state["w"], replica_id=0)}
+    dist_checkpointing.save(sharded, str(tmp_path))
+    empty = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), replica_id=0)}
+    assert torch.equal(dist_checkpointing.load(empty, str(tmp_path))["w"], state["w"])
+
+
+def test_crafted_rng_file_is_refused(tmp_path, megatron_single_process):
+    import pickle
+
+    import torch
+
+    from models.megatron import checkpointing
+
+    mark = tmp_path / "PWNED_rng"
+    (tmp_path / "rng").mkdir()
+    (tmp_path / "rng" / "rank00000.pt").write_bytes(pickle.dumps(_Payload(mark)))
+    with pytest.raises(pickle.UnpicklingError, match="[Ww]eights only load failed"):
+        checkpointing._restore_rng(tmp_path)
+    assert not mark.exists()
+    torch.save(checkpointing._rng_state(), tmp_path / "rng" / "rank00000.pt")  # a real one loads weights-only
+    checkpointing._restore_rng(tmp_path)
