@@ -34,7 +34,7 @@ def check_replaceable(out_dir: Path, marker: str, what: str) -> None:
             return
     raise OutputInTheWay(
         f"{out_dir} exists and is not {what} written by difflm (no {marker} in it): it would be replaced, so "
-        f"nothing was written and nothing deleted; pass a new or empty folder as the output (or move it away)"
+        f"nothing was written; pass a new or empty folder as the output (nothing in it was deleted)"
     )
 
 

@@ -76,7 +76,7 @@ def test_convert_out_never_replaces_a_folder_without_our_marker(tmp_path):
 
     ds = _dataset(tmp_path)
     for kind in ("hf", "megatron"):
-        with pytest.raises(UserError, match="nothing deleted"):
+        with pytest.raises(UserError, match="nothing in it was deleted"):
             check_replaceable(ds, kind)
     hf = tmp_path / "hf_export"
     hf.mkdir()
