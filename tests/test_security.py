@@ -102,7 +102,7 @@ def test_staged_output_replaces_only_marked_folders_and_cleans_up(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["difflm_export.json", "v2"]
     with pytest.raises(ZeroDivisionError), staged_output(out, "difflm_export.json") as tmp:
         (tmp / "half").write_text("")
-        1 / 0  # a failed write leaves the earlier output and no partial folder
+        raise ZeroDivisionError  # a failed write leaves the earlier output and no partial folder
     assert sorted(p.name for p in out.iterdir()) == ["difflm_export.json", "v2"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
     stale = tmp_path / "export.part"  # a folder named like our old temporary one is not deleted either
