@@ -198,3 +198,43 @@ def test_crafted_rng_file_is_refused(tmp_path, megatron_single_process):
     assert not mark.exists()
     torch.save(checkpointing._rng_state(), tmp_path / "rng" / "rank00000.pt")  # a real one loads weights-only
     checkpointing._restore_rng(tmp_path)
+
+
+# ---- bounded reading (review M4) ---------------------------------------------------------------------------------
+
+_READ_PEAK = """
+import resource, sys
+from data_prep.readers import JsonlSource
+r = JsonlSource(sys.argv[1], glob_pattern="big.jsonl.gz", text_key="text", source="t")
+r._logged = 0
+skips = []
+r.stat_update = lambda key, *a, **k: skips.append(key)
+texts = [doc.text for doc in r.read_file("big.jsonl.gz")]
+print(texts, skips, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+"""
+
+
+def test_a_huge_line_in_a_tiny_gzip_is_a_counted_skip_in_bounded_memory(tmp_path):
+    import gzip
+    import os
+    import subprocess
+    import sys
+
+    path = tmp_path / "big.jsonl.gz"
+    with gzip.open(path, "wb", compresslevel=1) as f:
+        f.write(b'{"text": "before"}\n{"text": "')
+        chunk = b"a" * (1 << 20)
+        for _ in range(256):  # one 256 MiB line
+            f.write(chunk)
+        f.write(b'"}\n{"text": "after"}\n')
+    assert path.stat().st_size < 2 << 20
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _READ_PEAK, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    texts, skips, peak_mib = proc.stdout.strip().rsplit(" ", 1)[0], proc.stdout, int(proc.stdout.split()[-1])
+    assert "['before', 'after']" in texts and "skipped_oversize_record" in skips
+    assert "big.jsonl.gz:2" in proc.stderr and "oversize record" in proc.stderr  # where, in the log
+    print("peak RSS MiB", peak_mib)
+    assert peak_mib < 600, f"peak RSS {peak_mib} MiB reading a 256 MiB line (unbounded: ~1.45 GB)"
