@@ -23,7 +23,7 @@ import yaml
 
 from difflm import set_offline_env
 from difflm.config import CONFIG_DIR, PipelineConfig, load_config, validate
-from difflm.errors import UserError
+from difflm.errors import UserError, disk_full, is_disk_full
 
 # Flows, stages and models are imported inside the handlers (and in `_run_of_*`): `difflm --help` then loads
 # argparse and the config only (well under a second), and a command loads only what it runs (torch, megatron,
@@ -737,6 +737,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:  # the message already says what to do: no traceback
         print(f"difflm: {err}", file=sys.stderr)
         return err.exit_code  # 1; 2 for a bad config; 75 (EX_TEMPFAIL) when rerunning resumes
+    except OSError as err:  # a full disk anywhere else: the same one line
+        if not is_disk_full(err):
+            raise
+        where = Path(err.filename).parent if err.filename else Path.cwd()
+        doing = f"writing {err.filename}" if err.filename else "writing its output"
+        print(f"difflm: {disk_full(where, doing)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(
             "difflm: interrupted; rerun the same command to resume (finished stages and checkpoints are kept)",
