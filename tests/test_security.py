@@ -238,3 +238,58 @@ def test_a_huge_line_in_a_tiny_gzip_is_a_counted_skip_in_bounded_memory(tmp_path
     assert "big.jsonl.gz:2" in proc.stderr and "oversize record" in proc.stderr  # where, in the log
     print("peak RSS MiB", peak_mib)
     assert peak_mib < 600, f"peak RSS {peak_mib} MiB reading a 256 MiB line (unbounded: ~1.45 GB)"
+
+
+# ---- a full disk is one line (review L5) ---------------------------------------------------------------------------
+
+
+def _enospc(*_args, **_kwargs):
+    import errno
+    import os
+
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/shard_00001.bin")
+
+
+def test_disk_full_during_data_prep_is_one_line(tmp_path, tiny_manifest, monkeypatch, capsys):
+    from data_prep import pipeline
+    from difflm.errors import DiskFull
+    from flows.cli import main
+
+    cfg = load_config("test-tiny", [f"workdir={tmp_path}"])
+    monkeypatch.setattr(pipeline, "run_pipeline", _enospc)
+    with pytest.raises(DiskFull, match=r"no space left on the device of .*/data/\w+ while preparing data: free"):
+        pipeline.prepare_data(cfg)
+    assert main(["prep", f"workdir={tmp_path}"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("difflm: no space left") and "\n" not in err and "Traceback" not in err
+    assert "rerun the same command: data prep starts again where it stopped" in err
+
+
+def test_disk_full_anywhere_under_the_cli_is_one_line(tmp_path, monkeypatch, capsys):
+    from flows import cli
+
+    monkeypatch.setattr(cli, "resolve_config", _enospc)
+    assert cli.main(["config", "show"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("difflm: no space left on the device of /data while writing /data/shard_00001.bin")
+    assert "\n" not in err
+
+
+@pytest.mark.slow
+def test_disk_full_during_a_checkpoint_save_is_one_line_and_the_rerun_resumes(tmp_path, tiny_manifest):
+    from fault_injection import fault_launch
+
+    from difflm.errors import DiskFull
+    from models.launch.torchrun import launch_training, run_dir
+
+    cfg = load_config(
+        "test-tiny",
+        [f"workdir={tmp_path}", "train.train_iters=8", "checkpoint.save_interval=4", "train.warmup_iters=1"],
+    )
+    with pytest.raises(DiskFull) as err:
+        launch_training(cfg, tiny_manifest, echo=lambda _: None, **fault_launch(disk_full_at=8))
+    assert "\n" not in str(err.value) and "while training (saving a checkpoint" in str(err.value)
+    assert "training resumes from iteration 4" in str(err.value)
+    info = launch_training(cfg, tiny_manifest, echo=lambda _: None)  # space freed: resumes and finishes
+    assert "start_iter=4" in (run_dir(cfg, tiny_manifest) / "train.log").read_text()
+    assert info["checkpoint"].endswith("iter_0000008")
