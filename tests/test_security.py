@@ -293,3 +293,29 @@ def test_disk_full_during_a_checkpoint_save_is_one_line_and_the_rerun_resumes(tm
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)  # space freed: resumes and finishes
     assert "start_iter=4" in (run_dir(cfg, tiny_manifest) / "train.log").read_text()
     assert info["checkpoint"].endswith("iter_0000008")
+
+
+# ---- difflm eval never runs an export's code (review H2) --------------------------------------------------------
+
+
+def test_the_pipeline_loader_never_runs_an_exports_code(tmp_path):
+    import runpy
+
+    from models.evaluation.stages import load_model
+    from models.hf.convert import hf_config, save_export
+    from models.hf.modeling_difflm import DiffLMForMaskedLM
+
+    cfg = load_config("test-tiny", [])
+    model = DiffLMForMaskedLM(hf_config(cfg, {"vocab_size": 64, "mask_id": 1, "eos_id": 0, "pad_id": 2}))
+    (tmp_path / "tokenizer").mkdir()
+    hf = save_export(model, tmp_path / "tokenizer", tmp_path / "hf", {})
+    mark = tmp_path / "PWNED_remote_code"
+    payload = f"\nimport pathlib\npathlib.Path({str(mark)!r}).write_text('ran')\n"
+    for name in ("modeling_difflm.py", "configuration_difflm.py"):
+        with (hf / name).open("a") as fh:
+            fh.write(payload)
+    runpy.run_path(str(hf / "configuration_difflm.py"))  # the payload works when the file runs ...
+    assert mark.exists()
+    mark.unlink()
+    loaded = load_model(hf)  # ... and `difflm eval`'s loader never runs it: this project's class, the weights
+    assert type(loaded) is DiffLMForMaskedLM and not mark.exists()
