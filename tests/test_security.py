@@ -203,14 +203,16 @@ def test_crafted_rng_file_is_refused(tmp_path, megatron_single_process):
 # ---- bounded reading (review M4) ---------------------------------------------------------------------------------
 
 _READ_PEAK = """
-import resource, sys
+import sys
 from data_prep.readers import JsonlSource
 r = JsonlSource(sys.argv[1], glob_pattern="big.jsonl.gz", text_key="text", source="t")
 r._logged = 0
 skips = []
 r.stat_update = lambda key, *a, **k: skips.append(key)
 texts = [doc.text for doc in r.read_file("big.jsonl.gz")]
-print(texts, skips, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+# VmHWM: this process's own peak (ru_maxrss keeps the forking parent's across exec)
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(texts, skips, hwm // 1024)
 """
 
 
