@@ -730,6 +730,17 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
     args = _parse(argv)
     cmd = BY_NAME[args.command]
+    # what the pipeline writes (data, checkpoints, exports, Prefect state) is not for other users of the host:
+    # no access for others (group keeps read), also in the trainers it starts
+    umask = os.umask(0o027)
+    os.umask(umask | 0o027)
+    try:
+        return _main(cmd, args)
+    finally:
+        os.umask(umask)
+
+
+def _main(cmd, args) -> int:
     try:
         cfg = resolve_config(cmd, args)
         _offline_env(cfg)  # Prefect's state beside the config's workdir (a run's own, for a command on a run)

@@ -321,3 +321,26 @@ def test_the_pipeline_loader_never_runs_an_exports_code(tmp_path):
     mark.unlink()
     loaded = load_model(hf)  # ... and `difflm eval`'s loader never runs it: this project's class, the weights
     assert type(loaded) is DiffLMForMaskedLM and not mark.exists()
+
+
+def test_the_cli_writes_with_a_private_umask(monkeypatch):
+    import os
+
+    from difflm.errors import UserError
+    from flows import cli
+
+    seen = []
+
+    def resolve(*_):
+        mask = os.umask(0)
+        os.umask(mask)
+        seen.append(mask)
+        raise UserError("stop here")
+
+    monkeypatch.setattr(cli, "resolve_config", resolve)
+    before = os.umask(0o002)
+    try:
+        assert cli.main(["config", "show"]) == 1
+        assert seen == [0o027] and os.umask(0o002) == 0o002  # restored after the command
+    finally:
+        os.umask(before)
