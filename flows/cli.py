@@ -46,12 +46,29 @@ EPILOG = """examples:
 """
 
 
+TEMPORARY_SERVER_AUTH = (
+    "PREFECT_SERVER_API_AUTH_STRING",
+    "PREFECT_API_AUTH_STRING",
+    "PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED",
+)
+
+
 def _offline_env(cfg: PipelineConfig) -> None:
     """Local state and no phoning home; set before Prefect/MLflow/transformers are imported."""
     workdir = Path(cfg.workdir).resolve()
     (workdir / ".prefect").mkdir(parents=True, exist_ok=True)  # Prefect does not create parents
     os.environ.setdefault("PREFECT_HOME", str(workdir / ".prefect"))
     set_offline_env()
+    if not os.environ.get("PREFECT_API_URL") and "prefect" not in sys.modules:
+        # no server configured: Prefect starts a temporary one on 127.0.0.1 for this command, which other users
+        # of the host could reach; it gets a fresh credential (this process and the server share it; Prefect
+        # reads its settings when imported, hence only before that)
+        import secrets
+
+        auth = f"difflm:{secrets.token_hex(16)}"
+        os.environ.setdefault("PREFECT_SERVER_API_AUTH_STRING", auth)
+        os.environ.setdefault("PREFECT_API_AUTH_STRING", os.environ["PREFECT_SERVER_API_AUTH_STRING"])
+        os.environ.setdefault("PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED", "true")
 
 
 def cmd_run(cfg: PipelineConfig, args) -> int:
@@ -734,10 +751,16 @@ def main(argv: list[str] | None = None) -> int:
     # no access for others (group keeps read), also in the trainers it starts
     umask = os.umask(0o027)
     os.umask(umask | 0o027)
+    before = {k: os.environ.get(k) for k in TEMPORARY_SERVER_AUTH}
     try:
         return _main(cmd, args)
     finally:
         os.umask(umask)
+        for key, value in before.items():  # an in-process caller (tests) keeps its own environment
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _main(cmd, args) -> int:
