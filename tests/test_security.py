@@ -344,3 +344,44 @@ def test_the_cli_writes_with_a_private_umask(monkeypatch):
         assert seen == [0o027] and os.umask(0o002) == 0o002  # restored after the command
     finally:
         os.umask(before)
+
+
+class _Boom:
+    def __init__(self, mark: str):
+        self.mark = mark
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.mark}",))
+
+
+def test_a_planted_pickle_result_is_never_read(tmp_path, prefect_harness):
+    from prefect import flow, task
+    from prefect.results import ResultRecord, ResultRecordMetadata
+    from prefect.serializers import PickleSerializer
+    from prefect.settings import get_current_settings
+
+    from tasks.cache import run_stage
+
+    @task
+    def stage(x: int) -> dict:
+        return {"x": x, "path": str(tmp_path)}
+
+    key = "security-test-" + tmp_path.name
+    storage = Path(get_current_settings().results.local_storage_path)
+    storage.mkdir(parents=True, exist_ok=True)
+    mark = tmp_path / "PWNED_result"
+    record = ResultRecord(
+        result=_Boom(str(mark)),
+        metadata=ResultRecordMetadata(storage_key=str(storage / key), serializer=PickleSerializer()),
+    )
+    (storage / key).write_bytes(record.serialize())  # a record naming `pickle`, written into the workdir
+
+    @flow
+    def pipeline() -> tuple:
+        return run_stage(stage, key, True, 3)  # done=True: a cache hit would be taken
+
+    result, cached = pipeline()
+    assert not mark.exists() and result == {"x": 3, "path": str(tmp_path)} and not cached
+    assert pipeline() == (result, True)  # our own JSON record is a cache hit
