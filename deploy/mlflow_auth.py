@@ -45,7 +45,9 @@ def main(argv: list[str]) -> None:
     os.environ["MLFLOW_AUTH_CONFIG_PATH"] = str(write_config(uri, default_permission="READ"))
     del os.environ["MLFLOW_AUTH_DATABASE_URI"]  # in the file now; not in the environment of every child
     beside = Path(sys.executable).parent / argv[0]  # this environment's `mlflow`, also when not on PATH
-    os.execv(str(beside), argv) if beside.exists() else os.execvp(argv[0], argv)
+    if beside.exists():
+        os.execv(str(beside), argv)
+    os.execvp(argv[0], argv)
 
 
 if __name__ == "__main__":

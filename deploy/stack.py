@@ -415,13 +415,14 @@ def up(
         if has.stdout.strip() != "1":
             subprocess.run([*psql, "CREATE DATABASE mlflow_auth OWNER mlflow"], env={**os.environ, **env}, check=True)
 
+    mlflow_at = host if mlflow_bind in (None, "0.0.0.0", "::") else mlflow_bind  # where this host reaches it
     stack = Stack(
         secrets,
         host=host,
         mlflow_bind=mlflow_bind,
         db_host="127.0.0.1",
         db_port=db_port,
-        mlflow_host=host,
+        mlflow_host=mlflow_at,
         mlflow_port=mlflow_port,
         prefect_host=host,
         prefect_port=prefect_port,
@@ -442,7 +443,7 @@ def up(
             state,
         )
     _wait(
-        _http_ok(f"http://{host}:{mlflow_port}/health"),
+        _http_ok(f"http://{mlflow_at}:{mlflow_port}/health"),
         "mlflow",
         runs["mlflow"],
         state / "logs" / "mlflow.log",
