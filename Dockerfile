@@ -15,6 +15,7 @@ COPY tasks tasks
 COPY flows flows
 COPY configs configs
 COPY prefect.yaml ./
+COPY deploy deploy
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
  && pip install -e '.[stack]'
 CMD ["difflm", "--help"]

@@ -316,7 +316,19 @@ def data_dir(cfg: PipelineConfig) -> Path:
 
 
 def prepare_data(cfg: PipelineConfig) -> dict:
-    """Run data prep for `cfg` (finishing an interrupted run, or reusing a finished one); the manifest."""
+    """Run data prep for `cfg` (finishing an interrupted run, or reusing a finished one); the manifest. A full
+    disk is one DiskFull line (nothing half-written is taken for done: the manifest is written last)."""
+    from difflm.errors import disk_full, is_disk_full
+
+    try:
+        return _prepare_data(cfg)
+    except OSError as err:
+        if is_disk_full(err):
+            raise disk_full(data_dir(cfg), "preparing data", "data prep starts again where it stopped") from None
+        raise
+
+
+def _prepare_data(cfg: PipelineConfig) -> dict:
     from data_prep.readers import load_faults
     from data_prep.verify import verify
 

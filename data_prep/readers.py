@@ -301,6 +301,29 @@ def load_faults(report_dir: Path) -> list[dict]:
     return sorted((json.loads(p.read_text()) for p in report_dir.glob("*.json")), key=lambda f: f["file"])
 
 
+# One record (a JSONL line, a .txt file) is read into memory at most this long: a longer one is a counted skip
+# (`skipped_oversize_record`, logged with file and line), read past in 1 MiB pieces. A small compressed file
+# can hold a huge line (256 MiB of one line gzip to 255 KB); without a bound, reading it took 1.45 GB per task.
+MAX_RECORD_BYTES = 32 << 20
+
+
+def _bounded_lines(f, limit: int):
+    """The lines of binary file `f`, each read with at most `limit` bytes in memory: a longer line is yielded
+    as None once its rest has been read past."""
+    while True:
+        line = f.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not line.endswith(b"\n"):
+            while True:  # skip to the end of this line without keeping it
+                rest = f.readline(1 << 20)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield None
+        else:
+            yield line
+
+
 class JsonlSource(_AllFilesMixin, BaseDiskReader):
     """JSON lines (optionally .gz/.zst/.bz2/.xz): invalid UTF-8, malformed JSON, non-objects and records
     without a string text field are counted skips."""
@@ -324,7 +347,10 @@ class JsonlSource(_AllFilesMixin, BaseDiskReader):
 
     def _records(self, filepath: str) -> DocumentsPipeline:
         with self._open(filepath) as f:
-            for li, raw in enumerate(f, start=1):
+            for li, raw in enumerate(_bounded_lines(f, MAX_RECORD_BYTES), start=1):
+                if raw is None:
+                    self._skip("oversize_record", f"{filepath}:{li}", f"(a line over {MAX_RECORD_BYTES >> 20} MiB)")
+                    continue
                 text = self._text_of_line(raw, f"{filepath}:{li}")
                 if text is not None:
                     yield Document(text=text, id=f"{self.source}:{filepath}:{li}", metadata={"source": self.source})
@@ -364,7 +390,10 @@ class TextFolderSource(_AllFilesMixin, BaseDiskReader):
 
     def _records(self, filepath: str) -> DocumentsPipeline:
         with self.data_folder.open(filepath, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_RECORD_BYTES + 1)
+        if len(raw) > MAX_RECORD_BYTES:
+            self._skip("oversize_record", filepath, f"(a file over {MAX_RECORD_BYTES >> 20} MiB)")
+            return
         try:
             text = raw.decode("utf-8-sig")  # a byte-order mark is not text
         except UnicodeDecodeError as err:

@@ -58,18 +58,15 @@ def _special_ids(tok, cfg: TokenizerConfig, where: str) -> tuple[int, int, int]:
 
 def _save_hf_folder(tok, cfg: TokenizerConfig, folder: Path) -> None:
     """Save as an HF tokenizer folder, atomically: an interrupted save never looks like a tokenizer."""
-    import shutil
-
     from transformers import PreTrainedTokenizerFast
 
-    tmp = folder.with_name(folder.name + ".part")
-    shutil.rmtree(tmp, ignore_errors=True)
+    from difflm.outputs import staged_output
+
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=cfg.eos_token, mask_token=cfg.mask_token, pad_token=cfg.pad_token
     )
-    hf.save_pretrained(str(tmp))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.replace(folder)
+    with staged_output(folder) as tmp:  # the folder is this stage's own (content-addressed in the workdir)
+        hf.save_pretrained(str(tmp))
 
 
 def describe(folder: Path, cfg: TokenizerConfig) -> TokenizerInfo:

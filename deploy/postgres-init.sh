@@ -7,6 +7,7 @@ psql -v ON_ERROR_STOP=1 --username "${POSTGRES_USER:-postgres}" --dbname postgre
      -v mlflow_pw="$MLFLOW_DB_PASSWORD" -v prefect_pw="$PREFECT_DB_PASSWORD" <<'SQL'
 CREATE ROLE mlflow LOGIN PASSWORD :'mlflow_pw';
 CREATE DATABASE mlflow OWNER mlflow;
+CREATE DATABASE mlflow_auth OWNER mlflow;
 CREATE ROLE prefect LOGIN PASSWORD :'prefect_pw';
 CREATE DATABASE prefect OWNER prefect;
 SQL

@@ -2,18 +2,26 @@
 PostgreSQL (one cluster, databases `mlflow` and `prefect`), an MLflow server on PostgreSQL with served
 artifacts, a Prefect server on PostgreSQL, and a process worker polling the work pool `difflm`.
 
+    python -m deploy.stack secrets [--env-file .env]   # generate the secrets (mode 0600), for Compose too
     python -m deploy.stack up   [--dir .difflm-stack] [--env-file .env] [--mlflow-port 5000] ...
     python -m deploy.stack down [--dir .difflm-stack]
 
-Secrets come from an env file (`.env`, git-ignored; template deploy/stack.env.example). tests/test_production_stack.py
-checks that docker-compose.yml runs the commands and environments `services()` gives for its network.
+Secrets come from an env file (`.env`, git-ignored, mode 0600; template deploy/stack.env.example); `up` generates
+the missing ones into it. Secure by default: the Prefect API requires its auth string (root-equivalent on the
+worker: Prefect OSS has no roles), checks CSRF tokens and allows only the UI's origin; MLflow runs its basic-auth
+app (admin password generated, users in PostgreSQL); PostgreSQL and Prefect listen on loopback, MLflow on
+--mlflow-host (the cluster nodes log to it). `up` writes `<dir>/client.env` (0600) for clients to source.
+tests/test_production_stack.py checks that docker-compose.yml runs the commands and environments `services()`
+gives for its network.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
+import secrets as _secrets
 import shutil
 import signal
 import subprocess
@@ -29,7 +37,12 @@ from difflm import OFFLINE_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 INIT_SCRIPT = ROOT / "deploy" / "postgres-init.sh"
-SECRETS = ("POSTGRES_PASSWORD", "MLFLOW_DB_PASSWORD", "PREFECT_DB_PASSWORD")
+DB_SECRETS = ("POSTGRES_PASSWORD", "MLFLOW_DB_PASSWORD", "PREFECT_DB_PASSWORD")
+# the API credentials: the Prefect auth string (user:password, sent as HTTP basic auth by every client and the
+# worker), MLflow's admin password and its Flask session secret
+AUTH_SECRETS = ("PREFECT_AUTH_STRING", "MLFLOW_ADMIN_PASSWORD", "MLFLOW_SECRET_KEY")
+SECRETS = DB_SECRETS + AUTH_SECRETS
+MLFLOW_ADMIN = "admin"
 WORK_POOL = "difflm"
 IMAGE_ENV = OFFLINE_ENV  # the Dockerfile's ENV: what a native start gives every service too
 
@@ -39,7 +52,8 @@ class Stack:
     """Where the services listen and how they reach each other; passwords are values or `${VAR}` placeholders."""
 
     secrets: dict[str, str]
-    host: str = "127.0.0.1"  # what the servers bind to
+    host: str = "127.0.0.1"  # what PostgreSQL and the Prefect server bind to
+    mlflow_bind: str | None = None  # what the MLflow server binds to (None: host); cluster nodes log to it
     db_host: str = "127.0.0.1"  # how the servers reach PostgreSQL
     db_port: int = 5432
     mlflow_host: str = "127.0.0.1"  # how the worker reaches the servers
@@ -52,10 +66,14 @@ class Stack:
     mlflow_workers: int = 1  # uvicorn processes (MLflow's default, 4, costs ~1 GB for one pipeline)
     extra_env: dict[str, str] = field(default_factory=dict)
 
-    def db_url(self, scheme: str, name: str) -> str:
+    def db_url(self, scheme: str, name: str, database: str | None = None) -> str:
         pw = self.secrets[f"{name.upper()}_DB_PASSWORD"]
         pw = pw if pw.startswith("${") else quote(pw, safe="")  # a compose placeholder stays as written
-        return f"{scheme}://{name}:{pw}@{self.db_host}:{self.db_port}/{name}"
+        return f"{scheme}://{name}:{pw}@{self.db_host}:{self.db_port}/{database or name}"
+
+    @property
+    def prefect_ui_origin(self) -> str:
+        return f"http://127.0.0.1:{self.prefect_port}"  # the UI as published (loopback) and reached by users
 
 
 @dataclass
@@ -69,18 +87,28 @@ def services(s: Stack) -> dict[str, Service]:
     # psycopg2 named: SQLAlchemy 2.1 maps a bare postgresql:// to psycopg 3; the URL in env keeps it out of `ps`
     mlflow_env = {
         "MLFLOW_BACKEND_STORE_URI": s.db_url("postgresql+psycopg2", "mlflow"),
-        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-    }  # 7 job workers (~2 GB) we do not use
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",  # 7 job workers (~2 GB) we do not use
+        # the basic-auth app: users in their own database, admin password and session secret generated
+        "MLFLOW_AUTH_DATABASE_URI": s.db_url("postgresql+psycopg2", "mlflow", "mlflow_auth"),
+        "MLFLOW_AUTH_ADMIN_PASSWORD": s.secrets["MLFLOW_ADMIN_PASSWORD"],
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": s.secrets["MLFLOW_SECRET_KEY"],
+        "MLFLOW_SERVER_CORS_ALLOWED_ORIGINS": f"http://127.0.0.1:{s.mlflow_port},http://localhost:{s.mlflow_port}",
+    }
     if s.mlflow_allowed_hosts:
         mlflow_env["MLFLOW_SERVER_ALLOWED_HOSTS"] = s.mlflow_allowed_hosts
     prefect_api = f"http://{s.prefect_host}:{s.prefect_port}/api"
     return {
         "mlflow": Service(
             [
+                "python",
+                "-m",
+                "deploy.mlflow_auth",
                 "mlflow",
                 "server",
+                "--app-name",
+                "basic-auth",
                 "--host",
-                s.host,
+                s.mlflow_bind or s.host,
                 "--port",
                 str(s.mlflow_port),
                 "--workers",
@@ -97,13 +125,20 @@ def services(s: Stack) -> dict[str, Service]:
                 "PREFECT_SERVER_DATABASE_CONNECTION_URL": s.db_url("postgresql+asyncpg", "prefect"),
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                 "PREFECT_UI_API_URL": f"http://127.0.0.1:{s.prefect_port}/api",
+                # anyone who reaches an open Prefect API runs code on the worker: credentials, CSRF, one origin
+                "PREFECT_SERVER_API_AUTH_STRING": s.secrets["PREFECT_AUTH_STRING"],
+                "PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED": "true",
+                "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": s.prefect_ui_origin,
             },
         ),
         "worker": Service(
             ["prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process"],
             {
                 "PREFECT_API_URL": prefect_api,
+                "PREFECT_API_AUTH_STRING": s.secrets["PREFECT_AUTH_STRING"],
                 "MLFLOW_TRACKING_URI": f"http://{s.mlflow_host}:{s.mlflow_port}",
+                "MLFLOW_TRACKING_USERNAME": MLFLOW_ADMIN,
+                "MLFLOW_TRACKING_PASSWORD": s.secrets["MLFLOW_ADMIN_PASSWORD"],
                 "DIFFLM_CACHE": s.cache,
                 **s.extra_env,
             },
@@ -123,6 +158,47 @@ def compose_stack() -> Stack:
         cache="/data/cache",
         mlflow_allowed_hosts="mlflow:5000,localhost:*,127.0.0.1:*",
     )
+
+
+def generate_secrets() -> dict[str, str]:
+    """Fresh values for every secret (hex: they go into URLs unquoted)."""
+    out = {k: _secrets.token_hex(24) for k in SECRETS}
+    out["PREFECT_AUTH_STRING"] = f"admin:{_secrets.token_hex(24)}"
+    out["MLFLOW_SECRET_KEY"] = _secrets.token_hex(32)
+    return out
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to `path` readable by its owner only (0600 from creation on, also when it existed)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
+def ensure_secrets(env_file: Path, present: dict[str, str]) -> dict[str, str]:
+    """Every secret: those in `present` (the env file, the environment), the missing ones generated and appended
+    to `env_file`, which is left at mode 0600. Template values (change-me...) are refused."""
+    template = [k for k in SECRETS if present.get(k, "").startswith("change-me")]
+    if template:
+        raise SystemExit(
+            f"{env_file}: replace the change-me values ({', '.join(template)}): delete those lines and rerun, "
+            f"and `up` generates them (or python -m deploy.stack secrets --env-file {env_file})"
+        )
+    missing = [k for k in SECRETS if not present.get(k)]
+    env_file = Path(env_file)
+    old = env_file.read_text() if env_file.exists() else ""
+    if missing:
+        fresh = generate_secrets()
+        lines = [f"{k}={fresh[k]}" for k in missing]
+        note = "# generated by python -m deploy.stack (keep this file mode 0600: these are root-equivalent)\n"
+        write_private(env_file, (old.rstrip("\n") + "\n" if old.strip() else "") + note + "\n".join(lines) + "\n")
+        present = {**present, **{k: fresh[k] for k in missing}}
+    elif env_file.exists() and env_file.stat().st_mode & 0o077:
+        os.chmod(env_file, 0o600)
+    return present
 
 
 def read_env_file(path: Path) -> dict[str, str]:
@@ -183,10 +259,13 @@ def _wait(check, what: str, proc: subprocess.Popen, log: Path, timeout: float) -
     raise SystemExit(f"{what} not ready after {timeout:.0f} s; see {log}")
 
 
-def _http_ok(url: str):
+def _http_ok(url: str, auth: str | None = None):
+    """A readiness check of `url` (`auth`: user:password for HTTP basic auth)."""
+    headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
+
     def check() -> bool:
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as r:
                 return r.status == 200
         except OSError:
             return False
@@ -207,15 +286,38 @@ def _start(name: str, argv: list[str], env: dict[str, str], state: Path, cwd: Pa
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # own group: `down` stops it whole
-    pids = _pids(state)
-    pids[name] = proc.pid
-    (state / "pids.json").write_text(json.dumps(pids))
+    records = _records(state)
+    records[name] = {"pid": proc.pid, "start": _start_time(proc.pid)}
+    (state / "pids.json").write_text(json.dumps(records))
     return proc
 
 
-def _pids(state: Path) -> dict[str, int]:
+def _records(state: Path) -> dict[str, dict]:
+    """pids.json: {service: {"pid", "start" (its start time in clock ticks since boot, /proc/PID/stat)}}."""
     f = state / "pids.json"
-    return json.loads(f.read_text()) if f.exists() else {}
+    data = json.loads(f.read_text()) if f.exists() else {}
+    return {k: v if isinstance(v, dict) else {"pid": int(v), "start": None} for k, v in data.items()}
+
+
+def _pids(state: Path) -> dict[str, int]:
+    return {k: v["pid"] for k, v in _records(state).items()}
+
+
+def _start_time(pid: int) -> int | None:
+    st = _stat(pid)
+    return int(st[19]) if len(st) > 19 else None  # field 22 of /proc/PID/stat, the 20th after the name
+
+
+def _is_ours(pid: int, start: int | None, state: Path) -> bool:
+    """Whether `pid` is still the process `up` started: the same start time as recorded (a reused pid has
+    another), or, for records without one, the stack's marker in its environment."""
+    if start is not None:
+        return _start_time(pid) == start
+    try:
+        tag = f"{MARKER}={Path(state).resolve()}".encode()
+        return tag in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
 
 
 def stack_processes(state: Path) -> list[int]:
@@ -241,6 +343,7 @@ def up(
     prefect_port: int = 4200,
     cache: Path | None = None,
     timeout: float = 180,
+    mlflow_bind: str | None = None,
 ) -> Stack:
     """Start PostgreSQL, MLflow, Prefect and a worker natively under `state`; return when all are healthy and the
     worker has created its work pool. `cache`: the worker's DIFFLM_CACHE (default: this user's corpus cache)."""
@@ -250,10 +353,12 @@ def up(
     if any(secrets[k].startswith("change-me") for k in SECRETS):
         raise SystemExit("replace the change-me values of .env (openssl rand -hex 24 each)")
     state = state.resolve()
-    if _pids(state) and any(_alive(pid) for pid in _pids(state).values()):
+    if any(_alive(r["pid"]) and _is_ours(r["pid"], r["start"], state) for r in _records(state).values()):
         raise SystemExit(f"a stack is already running under {state}: python -m deploy.stack down --dir {state}")
     for sub in ("logs", "mlartifacts", "pg"):
         (state / sub).mkdir(parents=True, exist_ok=True)
+    for private in ("logs", "mlartifacts"):  # models, configs, logs: this user's (the servers run as this user)
+        os.chmod(state / private, 0o700)
     bin_ = _pg_bin()
     pg, data = state / "pg", state / "pg" / "data"
     _db_user_owns(pg)
@@ -267,24 +372,27 @@ def up(
     }
     fresh = not (data / "PG_VERSION").exists()
     if fresh:
-        (pg / "pwfile").write_text(secrets["POSTGRES_PASSWORD"] + "\n")
-        _db_user_owns(pg / "pwfile")
-        subprocess.run(
-            _as_db_user(
-                [
-                    str(bin_ / "initdb"),
-                    "-D",
-                    str(data),
-                    "-U",
-                    "postgres",
-                    "--auth=scram-sha-256",
-                    f"--pwfile={pg / 'pwfile'}",
-                ]
-            ),
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        (pg / "pwfile").unlink()
+        pwfile = pg / "pwfile"
+        try:  # readable by its owner only from the start, and gone however initdb ends
+            write_private(pwfile, secrets["POSTGRES_PASSWORD"] + "\n")
+            _db_user_owns(pwfile)
+            subprocess.run(
+                _as_db_user(
+                    [
+                        str(bin_ / "initdb"),
+                        "-D",
+                        str(data),
+                        "-U",
+                        "postgres",
+                        "--auth=scram-sha-256",
+                        f"--pwfile={pwfile}",
+                    ]
+                ),
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
+        finally:
+            pwfile.unlink(missing_ok=True)
     db = _start(
         "postgres",
         _as_db_user([str(bin_ / "postgres"), "-D", str(data), "-h", host, "-p", str(db_port), "-k", str(pg)]),
@@ -296,13 +404,25 @@ def up(
     _wait(ready, "postgres", db, state / "logs" / "postgres.log", timeout)
     if fresh:
         subprocess.run(["sh", str(INIT_SCRIPT)], env={**os.environ, **env}, check=True, stdout=subprocess.DEVNULL)
+    else:  # a cluster from before MLflow's auth app: its user database
+        psql = [str(bin_ / "psql"), "-tA", "-d", "postgres", "-c"]
+        has = subprocess.run(
+            [*psql, "SELECT 1 FROM pg_database WHERE datname = 'mlflow_auth'"],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+        )
+        if has.stdout.strip() != "1":
+            subprocess.run([*psql, "CREATE DATABASE mlflow_auth OWNER mlflow"], env={**os.environ, **env}, check=True)
 
+    mlflow_at = host if mlflow_bind in (None, "0.0.0.0", "::") else mlflow_bind  # where this host reaches it
     stack = Stack(
         secrets,
         host=host,
+        mlflow_bind=mlflow_bind,
         db_host="127.0.0.1",
         db_port=db_port,
-        mlflow_host=host,
+        mlflow_host=mlflow_at,
         mlflow_port=mlflow_port,
         prefect_host=host,
         prefect_port=prefect_port,
@@ -318,12 +438,12 @@ def up(
         runs[name] = _start(
             name,
             [str(bin_dir / s.argv[0]), *s.argv[1:]],
-            {**s.env, "PREFECT_HOME": str(state / f"{name}-home")},
+            {**s.env, "PREFECT_HOME": str(state / f"{name}-home"), "PYTHONPATH": str(ROOT)},  # deploy.mlflow_auth
             state,
             state,
         )
     _wait(
-        _http_ok(f"http://{host}:{mlflow_port}/health"),
+        _http_ok(f"http://{mlflow_at}:{mlflow_port}/health"),
         "mlflow",
         runs["mlflow"],
         state / "logs" / "mlflow.log",
@@ -340,13 +460,26 @@ def up(
     worker = _start("worker", [str(bin_dir / w.argv[0]), *w.argv[1:]], w.env, state, state)
     # the worker creates its pool when it is missing; deployments of the pool can be registered from then on
     _wait(
-        _http_ok(f"http://{host}:{prefect_port}/api/work_pools/{WORK_POOL}"),
+        _http_ok(f"http://{host}:{prefect_port}/api/work_pools/{WORK_POOL}", secrets["PREFECT_AUTH_STRING"]),
         "worker",
         worker,
         state / "logs" / "worker.log",
         timeout,
     )
+    write_private(state / "client.env", client_env(stack))
     return stack
+
+
+def client_env(s: Stack) -> str:
+    """What a client of the stack exports (CLI, `prefect deploy`, trainers on cluster nodes): an env file."""
+    values = {
+        "PREFECT_API_URL": f"http://{s.prefect_host}:{s.prefect_port}/api",
+        "PREFECT_API_AUTH_STRING": s.secrets["PREFECT_AUTH_STRING"],
+        "MLFLOW_TRACKING_URI": f"http://{s.mlflow_host}:{s.mlflow_port}",
+        "MLFLOW_TRACKING_USERNAME": MLFLOW_ADMIN,
+        "MLFLOW_TRACKING_PASSWORD": s.secrets["MLFLOW_ADMIN_PASSWORD"],
+    }
+    return "".join(f"export {k}={v}\n" for k, v in values.items())
 
 
 def _alive(pid: int) -> bool:
@@ -363,9 +496,12 @@ def down(state: Path, grace: float = 20) -> list[str]:
     """Stop what `up` started, newest first, each whole process group (PostgreSQL last, fast shutdown), then
     whatever the services started outside their groups (flow runs). Returns the services it found running."""
     state = Path(state).resolve()
-    pids, stopped = _pids(state), []
-    for name, pid in reversed(list(pids.items())):
+    records, stopped = _records(state), []
+    for name, rec in reversed(list(records.items())):
+        pid = rec["pid"]
         sig = signal.SIGINT if name == "postgres" else signal.SIGTERM  # SIGTERM would wait for clients
+        if not _is_ours(pid, rec["start"], state):
+            continue  # gone, or the pid now names another process (a reboot, reuse): never signalled
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
@@ -378,7 +514,8 @@ def down(state: Path, grace: float = 20) -> list[str]:
             time.sleep(0.2)
         else:  # a Prefect worker may ignore SIGTERM for a while
             try:
-                os.killpg(pid, signal.SIGKILL)
+                if _is_ours(pid, rec["start"], state):
+                    os.killpg(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
     for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -429,10 +566,11 @@ def _group_alive(pgid: int) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m deploy.stack", description=__doc__.split("\n\n")[0])
-    p.add_argument("action", choices=["up", "down"])
+    p.add_argument("action", choices=["up", "down", "secrets"])
     p.add_argument("--dir", type=Path, default=Path(".difflm-stack"), help="state: database, artifacts, logs")
     p.add_argument("--env-file", type=Path, default=Path(".env"), help="the secrets (see deploy/stack.env.example)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="where PostgreSQL and Prefect listen (keep loopback)")
+    p.add_argument("--mlflow-host", help="where MLflow listens (default: --host); e.g. 0.0.0.0 for cluster nodes")
     p.add_argument("--db-port", type=int, default=5432)
     p.add_argument("--mlflow-port", type=int, default=5000)
     p.add_argument("--prefect-port", type=int, default=4200)
@@ -451,14 +589,20 @@ def main(argv: list[str] | None = None) -> int:
         **(read_env_file(a.env_file) if a.env_file.exists() else {}),
         **{k: os.environ[k] for k in SECRETS if k in os.environ},
     }
+    secrets = ensure_secrets(a.env_file, secrets)
+    if a.action == "secrets":
+        print(f"{a.env_file}: every secret set (mode 0600); docker compose and `up` read it")
+        return 0
     try:
-        s = up(a.dir, secrets, a.host, a.db_port, a.mlflow_port, a.prefect_port, a.cache)
+        s = up(a.dir, secrets, a.host, a.db_port, a.mlflow_port, a.prefect_port, a.cache, mlflow_bind=a.mlflow_host)
     except BaseException:
         down(a.dir)
         raise
     print(
-        f"MLflow  http://{s.host}:{s.mlflow_port}\nPrefect http://{s.host}:{s.prefect_port}  "
-        f"(export PREFECT_API_URL=http://{s.host}:{s.prefect_port}/api MLFLOW_TRACKING_URI=http://{s.host}:{s.mlflow_port})\n"
+        f"MLflow  http://{s.mlflow_bind or s.host}:{s.mlflow_port} (user {MLFLOW_ADMIN}, password "
+        f"MLFLOW_ADMIN_PASSWORD in {a.env_file})\nPrefect http://{s.host}:{s.prefect_port} (log in with "
+        f"PREFECT_AUTH_STRING of {a.env_file})\n"
+        f"clients: source {a.dir}/client.env (URLs and credentials, mode 0600)\n"
         f"worker polling pool '{WORK_POOL}'; logs in {a.dir}/logs; stop: python -m deploy.stack down --dir {a.dir}"
     )
     return 0

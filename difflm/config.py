@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -69,6 +70,25 @@ class SourceConfig(_Section):
         return Path(self.path.rstrip("/")).name.split(".")[0] or "data"
 
 
+# What may reach an sbatch script. Every value lands in a `#SBATCH --key=value` line, so a newline would start
+# a shell line and whitespace would end the option: one token of these characters, validated here (a config
+# error names the field) and checked again where the script is written (models/launch/cluster.py).
+SBATCH_VALUE = re.compile(r"[\w.:,=@+/%&|!*\[\]()^-]*")
+SBATCH_KEY = re.compile(r"[a-z][a-z0-9-]*")
+PARTITION = re.compile(r"[\w.,-]+")
+# Slurm's --time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes,
+# days-hours:minutes:seconds; or UNLIMITED / INFINITE
+SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE", re.IGNORECASE)
+
+
+def shell_safe_problem(value: str) -> str | None:
+    """Why `value` may not go into a generated script unquoted (a control character or whitespace), or None."""
+    bad = [c for c in value if c.isspace() or ord(c) < 32 or ord(c) == 127]
+    if bad:
+        return f"contains {bad[0]!r} (no whitespace or control characters: the value goes into a job script)"
+    return None
+
+
 class SlurmBase(_Section):
     """What every Slurm job of the pipeline is given: the data-prep jobs (`data.slurm`) and training
     (`train.slurm`) add their own fields to these."""
@@ -77,8 +97,42 @@ class SlurmBase(_Section):
     time: str = Field("04:00:00", description="#SBATCH --time: the time limit of one job.")
     sbatch_args: dict[str, str] = Field(
         default_factory=dict,
-        description="More #SBATCH options, e.g. {account: proj, qos: high, cpus-per-task: '32', mem: 0}.",
+        description="More #SBATCH options, e.g. {account: proj, qos: high, cpus-per-task: '32', mem: 0}. "
+        "One token each: no whitespace, quotes, '$', ';' or newlines.",
     )
+
+    @field_validator("partition")
+    @classmethod
+    def _partition(cls, value: str | None) -> str | None:
+        if value is not None and not PARTITION.fullmatch(value):
+            raise ValueError(f"{value!r} is not a Slurm partition name (letters, digits, '_', '-', '.', ',')")
+        return value
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _time(cls, value: Any) -> Any:
+        value = str(value) if isinstance(value, int) and not isinstance(value, bool) else value  # time=30: minutes
+        if isinstance(value, str) and not SLURM_TIME.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not a Slurm time limit: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED"
+            )
+        return value
+
+    @field_validator("sbatch_args", mode="before")
+    @classmethod
+    def _sbatch_args(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        out = {}
+        for key, val in value.items():
+            key, val = str(key), "" if val is None else str(val)
+            if not SBATCH_KEY.fullmatch(key.removeprefix("--")):
+                raise ValueError(f"option {key!r} is not an sbatch option name (e.g. account, cpus-per-task)")
+            if not SBATCH_VALUE.fullmatch(val):
+                why = shell_safe_problem(val) or "contains a quote, '$', ';', '<', '>' or a backslash"
+                raise ValueError(f"{key}={val!r} {why}: give one token, e.g. account=proj")
+            out[key.removeprefix("--")] = val
+        return out
 
 
 class SlurmConfig(SlurmBase):
@@ -604,6 +658,14 @@ class TrackingConfig(_Section):
 class PipelineConfig(_Section):
     name: str = "tiny-cpu"
     workdir: str = Field(".difflm", description="Where every stage writes (data, runs, MLflow, Prefect state).")
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir(cls, value: str) -> str:
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ValueError(f"{value!r} contains a control character (a newline?): give a plain path")
+        return value
+
     data: DataConfig = Field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)

@@ -9,6 +9,8 @@ Callers decide by type, never by matching message text:
 
 from __future__ import annotations
 
+import errno
+
 
 class DiffLMError(Exception):
     """Base of every error the pipeline raises on purpose."""
@@ -19,6 +21,24 @@ class DiffLMError(Exception):
 
 class UserError(DiffLMError):
     """Bad input or a state the user can fix: the message names the input and what to do."""
+
+
+class DiskFull(UserError):
+    """No space left on a device (or the quota spent) while writing a stage's output: rerunning after freeing
+    space resumes (finished stages are reused, training resumes from its latest checkpoint)."""
+
+
+def is_disk_full(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def disk_full(where, doing: str, resume: str = "finished stages are reused") -> DiskFull:
+    """The one line for a full disk under `where` while `doing`: what to free, and that a rerun resumes."""
+    return DiskFull(
+        f"no space left on the device of {where} while {doing}: free space there (old runs under "
+        f"<workdir>/runs and their exports, unused prepared data under <workdir>/data, fewer checkpoints with "
+        f"checkpoint.keep_last; `df -h {where}` shows what is left) and rerun the same command: {resume}"
+    )
 
 
 class TrainingError(UserError, RuntimeError):

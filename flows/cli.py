@@ -25,7 +25,7 @@ import yaml
 
 from difflm import set_offline_env
 from difflm.config import CONFIG_DIR, PipelineConfig, load_config, validate
-from difflm.errors import UserError
+from difflm.errors import UserError, disk_full, is_disk_full
 
 # Flows, stages and models are imported inside the handlers (and in `_run_of_*`): `difflm --help` then loads
 # argparse and the config only (well under a second), and a command loads only what it runs (torch, megatron,
@@ -49,12 +49,29 @@ EPILOG = """examples:
 """
 
 
+TEMPORARY_SERVER_AUTH = (
+    "PREFECT_SERVER_API_AUTH_STRING",
+    "PREFECT_API_AUTH_STRING",
+    "PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED",
+)
+
+
 def _offline_env(cfg: PipelineConfig) -> None:
     """Local state and no phoning home; set before Prefect/MLflow/transformers are imported."""
     workdir = Path(cfg.workdir).resolve()
     (workdir / ".prefect").mkdir(parents=True, exist_ok=True)  # Prefect does not create parents
     os.environ.setdefault("PREFECT_HOME", str(workdir / ".prefect"))
     set_offline_env()
+    if not os.environ.get("PREFECT_API_URL") and "prefect" not in sys.modules:
+        # no server configured: Prefect starts a temporary one on 127.0.0.1 for this command, which other users
+        # of the host could reach; it gets a fresh credential (this process and the server share it; Prefect
+        # reads its settings when imported, hence only before that)
+        import secrets
+
+        auth = f"difflm:{secrets.token_hex(16)}"
+        os.environ.setdefault("PREFECT_SERVER_API_AUTH_STRING", auth)
+        os.environ.setdefault("PREFECT_API_AUTH_STRING", os.environ["PREFECT_SERVER_API_AUTH_STRING"])
+        os.environ.setdefault("PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED", "true")
 
 
 def cmd_run(cfg: PipelineConfig, args) -> int:
@@ -779,6 +796,23 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
     args = _parse(argv)
     cmd = BY_NAME[args.command]
+    # what the pipeline writes (data, checkpoints, exports, Prefect state) is not for other users of the host:
+    # no access for others (group keeps read), also in the trainers it starts
+    umask = os.umask(0o027)
+    os.umask(umask | 0o027)
+    before = {k: os.environ.get(k) for k in TEMPORARY_SERVER_AUTH}
+    try:
+        return _main(cmd, args)
+    finally:
+        os.umask(umask)
+        for key, value in before.items():  # an in-process caller (tests) keeps its own environment
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _main(cmd, args) -> int:
     try:
         cfg = resolve_config(cmd, args)
         _offline_env(cfg)  # Prefect's state beside the config's workdir (a run's own, for a command on a run)
@@ -789,6 +823,13 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:  # the message already says what to do: no traceback
         print(f"difflm: {err}", file=sys.stderr)
         return err.exit_code  # 1; 2 for a bad config; 75 (EX_TEMPFAIL) when rerunning resumes
+    except OSError as err:  # a full disk anywhere else: the same one line
+        if not is_disk_full(err):
+            raise
+        where = Path(err.filename).parent if err.filename else Path.cwd()
+        doing = f"writing {err.filename}" if err.filename else "writing its output"
+        print(f"difflm: {disk_full(where, doing)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(
             "difflm: interrupted; rerun the same command to resume (finished stages and checkpoints are kept)",

@@ -27,11 +27,36 @@ def cache_key(stage: str, *parts) -> str:
     return f"{stage}-{hashlib.sha256(blob.encode()).hexdigest()[:32]}"
 
 
+def drop_foreign_record(key: str) -> bool:
+    """Remove the stored result of `key` unless it is a JSON record (as `run_stage` writes): Prefect decodes a
+    record with the serializer named in the record itself, so a file planted in the workdir naming `pickle`
+    would run its code. Removing it only costs running the stage again. Returns whether one was removed."""
+    from prefect.settings import get_current_settings
+
+    path = Path(get_current_settings().results.local_storage_path) / key
+    if not path.is_file():
+        return False
+    try:
+        kind = json.loads(path.read_bytes())["metadata"]["serializer"]["type"]
+    except (ValueError, KeyError, TypeError):
+        kind = None
+    if kind == "json":
+        return False
+    path.unlink(missing_ok=True)
+    return True
+
+
 def run_stage(task, key: str, done: bool, *args, **kwargs):
     """Run `task` under the cache `key`: (result, cached). `done`: the stage's output is complete on disk (a
     cache hit is allowed); otherwise the stage runs whatever the cache holds."""
+    drop_foreign_record(key)
     state = task.with_options(
-        cache_policy=CacheKeyFnPolicy(cache_key_fn=lambda *_: key), refresh_cache=not done, persist_result=True
+        cache_policy=CacheKeyFnPolicy(cache_key_fn=lambda *_: key),
+        refresh_cache=not done,
+        persist_result=True,
+        # JSON, not Prefect's default pickle: the stored results live in the (shared) workdir, and a pickle
+        # there would run whatever a writer of that folder put in it when the cache is read
+        result_serializer="json",
     )(*args, return_state=True, **kwargs)
     return state.result(), state.name == "Cached"
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from models.megatron.train import Hook, Step, Trainer, main
 
 NAN_ITERS = "FAULT_NAN_ITERS"  # read only by this entry module, in the ranks it starts
+DISK_FULL_AT = "FAULT_DISK_FULL_AT"  # the checkpoint save at this iteration fails: no space left on the device
 
 
 class FaultInjector(Hook):
@@ -37,16 +38,36 @@ class FaultInjector(Hook):
             buf.grad_data.fill_(float("nan"))
 
 
-def fault_launch(nan_iters: set[int]) -> dict:
+def fault_launch(nan_iters: set[int] = frozenset(), disk_full_at: int | None = None) -> dict:
     """`launch_training` keyword arguments that run this module, with its injector, on every rank."""
     here = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    return {
-        "trainer": Path(__file__).stem,
-        "env": {NAN_ITERS: ",".join(str(i) for i in sorted(nan_iters)), "PYTHONPATH": path},
-    }
+    env = {NAN_ITERS: ",".join(str(i) for i in sorted(nan_iters)), "PYTHONPATH": path}
+    if disk_full_at is not None:
+        env[DISK_FULL_AT] = str(disk_full_at)
+    return {"trainer": Path(__file__).stem, "env": env}
+
+
+def _fill_disk_at(iteration: int) -> None:
+    """The save at `iteration` writes part of its folder, then fails as a full disk does."""
+    import errno
+
+    from models.megatron import checkpointing
+
+    real = checkpointing.save_checkpoint
+
+    def save_checkpoint(root, it, *args, **kwargs):
+        if it != iteration:
+            return real(root, it, *args, **kwargs)
+        checkpointing.iter_dir(root, it).mkdir(parents=True, exist_ok=True)
+        (checkpointing.iter_dir(root, it) / "__0_0.distcp").write_bytes(b"\0" * 100)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(checkpointing.iter_dir(root, it)))
+
+    checkpointing.save_checkpoint = save_checkpoint
 
 
 if __name__ == "__main__":  # dist_checkpointing spawns helpers: the guard is required
+    if os.environ.get(DISK_FULL_AT):
+        _fill_disk_at(int(os.environ[DISK_FULL_AT]))
     iters = {int(x) for x in os.environ.get(NAN_ITERS, "").split(",") if x.strip()}
     sys.exit(main(hooks=[FaultInjector(iters)]))

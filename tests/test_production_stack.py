@@ -15,13 +15,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -51,7 +51,8 @@ def test_compose_runs_the_services_of_difflm_stack():
     s = stack.compose_stack()
     db = compose["db"]
     assert db["image"] == "postgres:15"
-    assert db["environment"] == s.secrets == {k: PLACEHOLDER.format(k) for k in stack.SECRETS}
+    assert s.secrets == {k: PLACEHOLDER.format(k) for k in stack.SECRETS}
+    assert db["environment"] == {k: PLACEHOLDER.format(k) for k in stack.DB_SECRETS}
     init = [v for v in db["volumes"] if v.startswith("./deploy/postgres-init.sh:/docker-entrypoint-initdb.d/")]
     assert len(init) == 1 and init[0].endswith(".sh:ro")
     assert os.access(stack.INIT_SCRIPT, os.X_OK)  # the image's entrypoint runs an executable script, else sources it
@@ -98,10 +99,10 @@ def test_no_secrets_in_the_repository():
     for ignored in (".env", ".difflm-stack/"):
         assert subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", ignored]).returncode == 0, ignored
     example = stack.read_env_file(ROOT / "deploy" / "stack.env.example")
-    assert set(example) == set(stack.SECRETS) and all(v.startswith("change-me") for v in example.values())
+    assert set(example) == set(stack.SECRETS) and not any(example.values())  # empty: compose refuses to start
 
     credentials = re.compile(r"\b[a-z][a-z0-9+.-]*://[\w.-]+:([^\s/@'\"]+)@")  # a password in a URL
-    assignment = re.compile(r"\b(\w*PASSWORD\w*)[\"']?\s*(?:=|:\s)\s*[\"']?([^\s\"',;#)]+)")  # K=v, K: v
+    assignment = re.compile(r"\b(\w*PASSWORD\w*)[\"']?[ \t]*(?:=|:\s)[ \t]*[\"']?([^\s\"',;#)]+)")  # K=v, K: v
     local = {
         v
         for k, v in (stack.read_env_file(ROOT / ".env").items() if (ROOT / ".env").exists() else [])
@@ -149,9 +150,56 @@ def test_prefect_yaml_entrypoints_load_as_a_worker_loads_them():
 def test_up_refuses_missing_or_template_secrets(tmp_path):
     with pytest.raises(SystemExit, match="missing"):
         stack.up(tmp_path, {"POSTGRES_PASSWORD": "x"})
-    with pytest.raises(SystemExit, match="change-me"):
+    with pytest.raises(SystemExit, match="missing"):
         stack.up(tmp_path, stack.read_env_file(ROOT / "deploy" / "stack.env.example"))
+    with pytest.raises(SystemExit, match="change-me"):
+        stack.up(tmp_path, {**stack.generate_secrets(), "POSTGRES_PASSWORD": "change-me-postgres"})
     assert not (tmp_path / "pg").exists()
+
+
+def test_secrets_are_generated_into_a_private_env_file(tmp_path):
+    env = tmp_path / ".env"
+    shutil.copy(ROOT / "deploy" / "stack.env.example", env)
+    os.chmod(env, 0o644)
+    assert stack.main(["secrets", "--env-file", str(env)]) == 0
+    values = stack.read_env_file(env)
+    assert all(len(values[k]) >= 48 for k in stack.SECRETS) and values["PREFECT_AUTH_STRING"].startswith("admin:")
+    assert env.stat().st_mode & 0o777 == 0o600
+    stack.main(["secrets", "--env-file", str(env)])
+    assert stack.read_env_file(env) == values  # kept, not regenerated
+    with pytest.raises(SystemExit, match="change-me"):
+        stack.ensure_secrets(env, {**values, "MLFLOW_DB_PASSWORD": "change-me-mlflow"})
+
+
+def test_failed_up_leaves_no_readable_password_file(tmp_path, monkeypatch):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "initdb").write_text("#!/bin/sh\nexit 1\n")  # initdb failing after the password file is written
+    os.chmod(fake / "initdb", 0o755)
+    monkeypatch.setenv("PG_BIN", str(fake))
+    monkeypatch.setattr(stack, "_db_user_owns", lambda path: None)
+    state = tmp_path / "stack"
+    with pytest.raises(subprocess.CalledProcessError):
+        stack.up(state, stack.generate_secrets())
+    assert not (state / "pg" / "pwfile").exists()
+
+
+def test_down_never_signals_a_process_it_did_not_start(tmp_path):
+    state = tmp_path / "stack"
+    state.mkdir()
+    other = subprocess.Popen(["sleep", "60"], start_new_session=True)  # not the stack's: a reused pid
+    try:
+        (state / "pids.json").write_text(json.dumps({"worker": other.pid}))  # a stale record of the old format
+        assert stack.down(state, grace=1) == []
+        start = stack._start_time(other.pid)
+        (state / "pids.json").write_text(json.dumps({"worker": {"pid": other.pid, "start": start - 1}}))
+        assert stack.down(state, grace=1) == []
+        assert other.poll() is None  # still running
+        (state / "pids.json").write_text(json.dumps({"worker": {"pid": other.pid, "start": start}}))
+        assert stack.down(state, grace=5) == ["worker"]  # the recorded process itself is stopped
+        assert other.wait(timeout=10) is not None
+    finally:
+        other.kill()
 
 
 # ----- the stack, started for real -----------------------------------------------------------------------------
@@ -201,6 +249,56 @@ def _sh(argv: list[str], env: dict, timeout: float, **kw) -> subprocess.Complete
     return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, **kw)
 
 
+def _request(url: str, auth: str | None = None, method: str = "GET", headers: dict | None = None, data=None):
+    import base64
+
+    h = {**(headers or {}), **({"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {})}
+    return urllib.request.Request(url, method=method, headers=h, data=data)
+
+
+def _status(req: urllib.request.Request) -> int:
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
+def _secured(prefect_api: str, mlflow_url: str, pw: dict) -> None:
+    """The review's reproductions against the stack: no anonymous API, no cross-site requests."""
+    auth = pw["PREFECT_AUTH_STRING"]
+    body = json.dumps({"name": "evil", "flow_id": "00000000-0000-0000-0000-000000000000"}).encode()
+    json_h = {"Content-Type": "application/json"}
+    # anonymous Prefect: 401 (registering a deployment with a shell pull step included); health stays open
+    assert _status(_request(f"{prefect_api}/work_pools/{stack.WORK_POOL}")) == 401
+    # (a POST without a CSRF token is refused first: 403)
+    assert _status(_request(f"{prefect_api}/deployments/", method="POST", headers=json_h, data=body)) in (401, 403)
+    assert _status(_request(f"{prefect_api}/health")) == 200
+    assert _status(_request(f"{prefect_api}/work_pools/{stack.WORK_POOL}", auth)) == 200
+    # with the credentials but without a CSRF token (a browser tricked into a request): 403
+    assert _status(_request(f"{prefect_api}/flows/filter", auth, "POST", json_h, b"{}")) == 403
+    # a foreign origin gets no CORS grant
+    pre = _request(
+        f"{prefect_api}/flows/filter",
+        method="OPTIONS",
+        headers={"Origin": "http://evil.example", "Access-Control-Request-Method": "POST"},
+    )
+    try:
+        with urllib.request.urlopen(pre, timeout=10) as r:
+            allowed = r.headers.get("access-control-allow-origin")
+    except urllib.error.HTTPError as err:
+        allowed = err.headers.get("access-control-allow-origin")
+    assert allowed in (None, "") or allowed != "*" and "evil" not in allowed
+    # anonymous MLflow: 401, an artifact upload too; the admin gets in
+    admin = f"admin:{pw['MLFLOW_ADMIN_PASSWORD']}"
+    search = f"{mlflow_url}/api/2.0/mlflow/experiments/search?max_results=1"
+    assert _status(_request(search)) == 401
+    put = f"{mlflow_url}/api/2.0/mlflow-artifacts/artifacts/0/evil/modeling_difflm.py"
+    assert _status(_request(put, method="PUT", data=b"import os")) == 401
+    assert _status(_request(search, admin)) == 200
+    assert _status(_request(search, "admin:wrong")) == 401
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_pretrain_deployment_runs_on_the_production_stack():
@@ -216,7 +314,7 @@ def test_pretrain_deployment_runs_on_the_production_stack():
     os.chmod(base, 0o755)
     state, workdir = base / "stack", base / "work"
     db_port, mlflow_port, prefect_port = _free_ports(3)
-    pw = {k: secrets.token_hex(24) for k in stack.SECRETS}
+    pw = stack.generate_secrets()
     times, left = {}, []
     t0 = time.time()
     try:
@@ -225,12 +323,19 @@ def test_pretrain_deployment_runs_on_the_production_stack():
         )  # the corpus the suite already fetched, not a new download
         times["up"] = time.time() - t0
         mlflow_url = f"http://127.0.0.1:{mlflow_port}"
+        prefect_api = f"http://127.0.0.1:{prefect_port}/api"
+        _secured(prefect_api, mlflow_url, pw)
+        client = stack.read_env_file(state / "client.env")  # what `up` gives clients, mode 0600
+        assert (state / "client.env").stat().st_mode & 0o777 == 0o600
+        client = {k.removeprefix("export "): v for k, v in client.items()}
         env = {
             **os.environ,
-            "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
+            **client,
             "PREFECT_HOME": str(base / "cli-home"),
             "PWD": str(ROOT),
         }  # `{{ $PWD }}`: where the code is
+        assert env["PREFECT_API_URL"] == prefect_api
+        os.environ.update({k: client[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")})
 
         t = time.time()
         deploy = _sh([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "local"], env, 180, cwd=ROOT)
@@ -313,9 +418,12 @@ def test_pretrain_deployment_runs_on_the_production_stack():
         # the flow run's stage summaries in Prefect, linking to the MLflow run, its training figure served
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-        with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as pc:
+        with (
+            temporary_settings({PREFECT_API_URL: prefect_api, PREFECT_API_AUTH_STRING: pw["PREFECT_AUTH_STRING"]}),
+            get_client(sync_client=True) as pc,
+        ):
             arts = {
                 a.key: a
                 for a in pc.read_artifacts(
@@ -326,9 +434,11 @@ def test_pretrain_deployment_runs_on_the_production_stack():
         assert f"{mlflow_url}/#/experiments/{parent.info.experiment_id}/runs/{rid}" in arts["train-summary-mlflow"].data
         figure = re.search(r"!\[training curves\]\((\S+)\)", arts["train-summary"].data)
         assert figure, arts["train-summary"].data
-        with urllib.request.urlopen(figure[1], timeout=10) as png:
+        with urllib.request.urlopen(_request(figure[1], f"admin:{pw['MLFLOW_ADMIN_PASSWORD']}"), timeout=10) as png:
             assert png.read(8) == b"\x89PNG\r\n\x1a\n"
     finally:
+        for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+            os.environ.pop(k, None)
         pids = stack._pids(state)
         t = time.time()
         stack.down(state)

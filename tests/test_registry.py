@@ -225,3 +225,34 @@ def test_the_flow_wrapper_registers_under_the_derived_name(store, tmp_path):
         == "difflm-test-tiny-difflm-noshift-enwiki/1"
     )
     assert str(client.get_model_version_by_alias(out["registered_model"], "champion").version) == "1"
+
+
+def test_a_tampered_registered_export_is_refused(store, tmp_path):
+    """The review's registry poisoning: the files behind a registered version are replaced (here in the artifact
+    store itself); downloading the version checks every file's SHA-256 recorded at registration."""
+    import mlflow
+
+    uri, client, exp = store
+    cfg = load_config("test-tiny", [f"workdir={tmp_path}", f"tracking.tracking_uri={uri}"])
+    mlflow.set_tracking_uri(uri)
+    with mlflow.start_run(experiment_id=exp) as run:
+        mlflow.log_metric(METRIC, 6.5)
+        out = tracking.log_and_register_model(
+            cfg, fake_export(tmp_path / "hf"), run.info.run_id, "ckpt", manifest=MANIFEST, results=results(6.5)
+        )
+    ref = f"models:/{out['registered_model']}@champion"
+    folder = tracking.download_model_version(ref, uri)
+    assert json.loads(client.get_model_version(out["registered_model"], "1").tags[registry.TAG_FILES]) == (
+        registry.export_digests(folder)
+    )
+    from urllib.parse import urlparse
+
+    stored = Path(urlparse(client.get_run(run.info.run_id).info.artifact_uri).path) / "hf_model"
+    assert stored.is_dir()
+    (stored / "modeling_difflm.py").write_text("import os; os.system('id')\n")  # a payload planted in the export
+    with pytest.raises(registry.ExportMismatch, match="modeling_difflm.py.*refused, nothing of it was loaded"):
+        tracking.download_model_version(ref, uri)
+    # a version registered without digests (by hand, or elsewhere) cannot be checked: refused too
+    mv = client.create_model_version(out["registered_model"], source=str(stored), run_id=run.info.run_id)
+    with pytest.raises(registry.ExportMismatch, match="records no file digests"):
+        tracking.download_model_version(f"models:/{out['registered_model']}/{mv.version}", uri)

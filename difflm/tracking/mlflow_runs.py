@@ -389,7 +389,8 @@ def log_and_register_model(
 
 def download_model_version(uri: str, store: str) -> Path:
     """The folder of a registered version, `models:/<name>/<version>` or `models:/<name>@<alias>`, downloaded
-    from the MLflow store (a local artifact store is read in place). LookupError when it does not exist."""
+    from the MLflow store (a local artifact store is read in place). LookupError when it does not exist;
+    registry.ExportMismatch when its files are not the ones registered (their SHA-256 in the version's tags)."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -405,4 +406,6 @@ def download_model_version(uri: str, store: str) -> Path:
             mv = client.get_model_version(name, version)
     except Exception as err:  # MlflowException RESOURCE_DOES_NOT_EXIST, or a malformed reference
         raise LookupError(f"{uri}: no such registered model version in {store} ({err})") from err
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source))
+    folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source))
+    registry.verify_export(folder, mv.tags, f"{uri} (version {mv.version}, {mv.source})")
+    return folder

@@ -7,12 +7,14 @@ Plain MLflow client calls (no active run needed), so the rules are tested on a b
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import struct
 from pathlib import Path
 
 from difflm.config import PipelineConfig
+from difflm.errors import UserError
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 TAG_DATA = "data.hash"  # the prepared data (sources, cleaning, split, tokenizer) a version was scored on
@@ -23,6 +25,45 @@ TAG_CHECKPOINT, TAG_METRIC, TAG_VALUE, TAG_PROMOTION = (
     "champion_metric_value",
     "promotion",
 )
+
+
+# the SHA-256 of every file of the export, {relative path: hex digest}: a downloaded version is checked against it
+TAG_FILES = "difflm.files_sha256"
+
+
+class ExportMismatch(UserError):
+    """A downloaded registered export differs from what was registered (replaced or altered in the store)."""
+
+
+def export_digests(folder: Path) -> dict[str, str]:
+    """{relative path: SHA-256} of every file under `folder`."""
+    out = {}
+    for path in sorted(p for p in Path(folder).rglob("*") if p.is_file()):
+        h = hashlib.sha256()
+        with path.open("rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+        out[path.relative_to(folder).as_posix()] = h.hexdigest()
+    return out
+
+
+def verify_export(folder: Path, tags: dict, what: str) -> None:
+    """Raise ExportMismatch when `folder` is not exactly the files whose digests the version's tags recorded."""
+    recorded = tags.get(TAG_FILES)
+    if not recorded:
+        raise ExportMismatch(
+            f"{what} records no file digests ({TAG_FILES}): it was not registered by this pipeline (or before "
+            f"digests were recorded), so what was downloaded cannot be checked; register it again (rerun the "
+            f"pipeline) or load the folder itself after checking it"
+        )
+    want, got = json.loads(recorded), export_digests(folder)
+    changed = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+    if changed:
+        raise ExportMismatch(
+            f"{what} differs from what was registered ({', '.join(changed[:5])}"
+            f"{' ...' if len(changed) > 5 else ''} changed, added or missing): refused, nothing of it was loaded. "
+            f"Someone with write access to the MLflow artifacts altered it; register a trusted export again"
+        )
 
 
 def registered_model_name(cfg: PipelineConfig) -> str | None:
@@ -179,6 +220,7 @@ def register_version(
             "mode": cfg.diffusion.model_running_mode,
             "preset": cfg.name,
             **({TAG_DATA: manifest["hash"]} if manifest and "hash" in manifest else {}),
+            **({TAG_FILES: json.dumps(export_digests(hf_dir), sort_keys=True)} if hf_dir else {}),
         }
         mv = client.create_model_version(name, source=source, run_id=run_id, tags=tags, description=description)
     t = cfg.tracking

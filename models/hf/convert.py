@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from difflm import outputs
 from difflm.config import PipelineConfig
 from difflm.errors import UserError
 from difflm.rundir import EXPORT_MARKER
@@ -97,9 +98,11 @@ def load_megatron_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     from megatron.core import dist_checkpointing
 
     from models.megatron.distributed import single_process_group
+    from models.megatron.safe_pickle import guard_dcp
 
     if not (Path(ckpt_dir) / "metadata.json").exists():
         raise ConversionError(f"{ckpt_dir} is not a megatron distributed checkpoint (no metadata.json)")
+    guard_dcp()  # .metadata is a pickle: read it without running code
     with single_process_group():
         meta = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
         wanted = {k: v for k, v in meta.items() if not k.startswith("optimizer.")}
@@ -180,36 +183,30 @@ def export_hf(
     return save_export(model, Path(tokenizer["path"]), out_dir, {"checkpoint": str(ckpt_dir), **(provenance or {})})
 
 
+IMPORT_MARKER = "difflm_import.json"  # in a megatron checkpoint written by import_hf: {"source": the HF folder}
+_MARKERS = {"hf": (EXPORT_MARKER, "an HF export"), "megatron": (IMPORT_MARKER, "a megatron checkpoint import")}
+
+
 def check_replaceable(out_dir: Path, kind: str) -> None:
-    """`out_dir` may be (re)written: it does not exist, is empty, or holds an earlier output of the same kind
-    (an HF export: difflm_export.json; a megatron checkpoint: metadata.json). Anything else is never deleted."""
-    out_dir = Path(out_dir)
-    if not out_dir.exists() or (out_dir.is_dir() and not any(out_dir.iterdir())):
-        return
-    marker = EXPORT_MARKER if kind == "hf" else "metadata.json"
-    if out_dir.is_dir() and (out_dir / marker).exists():
-        return
-    what = "an HF export" if kind == "hf" else "a megatron checkpoint"
-    raise ConversionError(
-        f"{out_dir} exists and is not {what} written before (no {marker}): it would be "
-        f"replaced, so nothing was written; pass a new or empty folder as the output"
-    )
+    """`out_dir` may be (re)written: it does not exist, is empty, or holds an earlier output of the same kind,
+    recognised by a marker file only difflm writes (an HF export: difflm_export.json; an imported megatron
+    checkpoint: difflm_import.json). Anything else is never deleted."""
+    marker, what = _MARKERS[kind]
+    outputs.check_replaceable(out_dir, marker, what)
 
 
 def save_export(model, tokenizer_dir: Path, out_dir: Path, meta: dict, code: bool = True) -> Path:
     """Weights, config, model code (unless `code` is False: a stock transformers class) and tokenizer of `model`
-    into `out_dir` (replaced atomically)."""
-    check_replaceable(out_dir, "hf")
-    tmp = out_dir.with_name(out_dir.name + ".part")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    for name, src in export_code().items() if code else ():
-        (tmp / name).write_text(src)
-    for f in Path(tokenizer_dir).iterdir():
-        shutil.copy2(f, tmp / f.name)
-    (tmp / EXPORT_MARKER).write_text(json.dumps(meta, indent=2))  # names the checkpoint: difflm.rundir.exported_from
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.replace(out_dir)
+    into `out_dir` (replaced atomically, and only when it is empty or an earlier export)."""
+    out_dir = Path(out_dir)
+    with outputs.staged_output(out_dir, EXPORT_MARKER, "an HF export") as tmp:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        for name, src in export_code().items() if code else ():
+            (tmp / name).write_text(src)
+        for f in Path(tokenizer_dir).iterdir():
+            shutil.copy2(f, tmp / f.name)
+        # names the checkpoint (difflm.rundir.exported_from) and marks the folder as ours
+        (tmp / EXPORT_MARKER).write_text(json.dumps(meta, indent=2))
     return out_dir
 
 
@@ -325,14 +322,14 @@ def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict)
             }
         )
         try:
-            _save_megatron(build_model(single, tokenizer["vocab_size"], padded_vocab=rows), weights, out_dir)
+            _save_megatron(build_model(single, tokenizer["vocab_size"], padded_vocab=rows), weights, out_dir, hf_dir)
         finally:  # its groups die with this process group: leave no parallel state pointing at them
             if owned:
                 parallel_state.destroy_model_parallel()
     return out_dir
 
 
-def _save_megatron(model, weights: dict, out_dir: Path) -> None:
+def _save_megatron(model, weights: dict, out_dir: Path, source: Path) -> None:
     from megatron.core import dist_checkpointing
 
     expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
@@ -342,9 +339,6 @@ def _save_megatron(model, weights: dict, out_dir: Path) -> None:
             f"HF weights do not fit the megatron model: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
         )
     model.load_state_dict(weights, strict=False)
-    tmp = out_dir.with_name(out_dir.name + ".part")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    dist_checkpointing.save(model.sharded_state_dict(prefix=""), str(tmp))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.replace(out_dir)
+    with outputs.staged_output(Path(out_dir), IMPORT_MARKER, "a megatron checkpoint import") as tmp:
+        dist_checkpointing.save(model.sharded_state_dict(prefix=""), str(tmp))
+        (tmp / IMPORT_MARKER).write_text(json.dumps({"source": str(source)}, indent=2))

@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
+from difflm import outputs
 from difflm.config import PipelineConfig
 from models.hf.architectures import (
     Shape,
@@ -276,67 +278,63 @@ def import_pretrained(
     rows_src = sd["model.embed_tokens.weight"].shape[0]
     if c.get("vocab_size", rows_src) != rows_src:
         raise ConversionError(f"{folder}: config.json says vocab_size {c['vocab_size']}, the weights have {rows_src}")
-    tmp, tok_tmp = out_dir.with_name(out_dir.name + ".part"), out_dir.with_name(out_dir.name + ".tokenizer.part")
-    for d in (tmp, tok_tmp):
-        shutil.rmtree(d, ignore_errors=True)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # both built in folders created here (deleting them on failure deletes nothing else), then swapped in
+    tok_tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tokenizer-", dir=out_dir.parent))
     try:
-        tok = tokenizer or prepare_tokenizer(folder, tok_tmp, cfg.tokenizer.mask_token)
-        source_vocab = tok.get("source_vocab_size", tok["vocab_size"] - 1)
-        if source_vocab > rows_src:
-            raise ConversionError(
-                f"{folder}: the tokenizer has {source_vocab} tokens but the embedding only {rows_src} rows: "
-                f"the tokenizer is not this model's"
-            )
-        vocab, tied = tok["vocab_size"], fields["tie_embeddings"]
-        try:
-            ours = _resize_vocab(stock_to_ours(sd, Shape.of(cfg.model), fields["num_layers"], tied), vocab, tied)
-        except KeyError as err:
-            raise ConversionError(
-                f"{folder}: the weights lack {err.args[0]!r} (expected the *ForCausalLM names: model.layers.N..., "
-                f"lm_head.weight unless tie_word_embeddings)"
-            ) from None
-        del sd  # the host holds one copy of the weights at a time, plus the models built from it
-        rows = padded_vocab_size(vocab, cfg.parallel.tensor_model_parallel_size)
-        weights = repad_vocab({_local_key(k): v for k, v in ours.items()}, rows)
-        del ours
-        ids = probe_tokens(cfg, min(rows_src, vocab))
-        hf = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32).eval()
-        with torch.no_grad():
-            ref = hf(ids).logits.float()
-        del hf
-        with single_megatron(cfg.train.seed):
-            from megatron.core import dist_checkpointing
+        with outputs.staged_output(out_dir, IMPORT_RECORD, "a megatron checkpoint import") as tmp:
+            tok = tokenizer or prepare_tokenizer(folder, tok_tmp, cfg.tokenizer.mask_token)
+            source_vocab = tok.get("source_vocab_size", tok["vocab_size"] - 1)
+            if source_vocab > rows_src:
+                raise ConversionError(
+                    f"{folder}: the tokenizer has {source_vocab} tokens but the embedding only {rows_src} rows: "
+                    f"the tokenizer is not this model's"
+                )
+            vocab, tied = tok["vocab_size"], fields["tie_embeddings"]
+            try:
+                ours = _resize_vocab(stock_to_ours(sd, Shape.of(cfg.model), fields["num_layers"], tied), vocab, tied)
+            except KeyError as err:
+                raise ConversionError(
+                    f"{folder}: the weights lack {err.args[0]!r} (expected the *ForCausalLM names: "
+                    f"model.layers.N..., lm_head.weight unless tie_word_embeddings)"
+                ) from None
+            del sd  # the host holds one copy of the weights at a time, plus the models built from it
+            rows = padded_vocab_size(vocab, cfg.parallel.tensor_model_parallel_size)
+            weights = repad_vocab({_local_key(k): v for k, v in ours.items()}, rows)
+            del ours
+            ids = probe_tokens(cfg, min(rows_src, vocab))
+            hf = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32).eval()
+            with torch.no_grad():
+                ref = hf(ids).logits.float()
+            del hf
+            with single_megatron(cfg.train.seed):
+                from megatron.core import dist_checkpointing
 
-            check = megatron_model(_single(cfg, causal=True), vocab, rows, weights)
-            rel = parity(ref, megatron_logits(check, ids), min(rows_src, vocab), f"import of {folder}")
-            # the same parameters unless the target conditions on t (its time embedding starts at its own init)
-            target = (
-                megatron_model(_single(cfg), vocab, rows, weights, strict=False)
-                if cfg.diffusion.time_embedding
-                else check
-            )
-            del weights
-            tmp.mkdir(parents=True)
-            dist_checkpointing.save(target.sharded_state_dict(prefix=""), str(tmp))
-        record = {
-            "source": str(folder),
-            "architecture": arch.hf_class,
-            "model": fields,
-            "tokenizer": {
-                k: tok.get(k) for k in ("path", "vocab_size", "mask_id", "eos_id", "pad_id", "mask_added", "tokens")
-            },
-            "parity": {"rel_max_logit_diff": rel, "tolerance": PARITY_TOLERANCE, "tokens": list(ids.shape)},
-        }
-        if tokenizer is None:  # into the checkpoint folder after megatron's save (it wants an empty folder)
-            tok_tmp.replace(tmp / TOKENIZER_DIR)
-            record["tokenizer"]["path"] = str(out_dir / TOKENIZER_DIR)
-        (tmp / IMPORT_RECORD).write_text(json.dumps(record, indent=2))
-    except BaseException:
-        for d in (tmp, tok_tmp):
-            shutil.rmtree(d, ignore_errors=True)
-        raise
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.replace(out_dir)
+                check = megatron_model(_single(cfg, causal=True), vocab, rows, weights)
+                rel = parity(ref, megatron_logits(check, ids), min(rows_src, vocab), f"import of {folder}")
+                # the same parameters unless the target conditions on t (its time embedding starts at its own init)
+                target = (
+                    megatron_model(_single(cfg), vocab, rows, weights, strict=False)
+                    if cfg.diffusion.time_embedding
+                    else check
+                )
+                del weights
+                dist_checkpointing.save(target.sharded_state_dict(prefix=""), str(tmp))  # tmp: new and empty
+            record = {
+                "source": str(folder),
+                "architecture": arch.hf_class,
+                "model": fields,
+                "tokenizer": {
+                    k: tok.get(k) for k in ("path", "vocab_size", "mask_id", "eos_id", "pad_id", "mask_added", "tokens")
+                },
+                "parity": {"rel_max_logit_diff": rel, "tolerance": PARITY_TOLERANCE, "tokens": list(ids.shape)},
+            }
+            if tokenizer is None:  # into the checkpoint folder after megatron's save (it wants an empty folder)
+                tok_tmp.replace(tmp / TOKENIZER_DIR)
+                record["tokenizer"]["path"] = str(out_dir / TOKENIZER_DIR)
+            (tmp / IMPORT_RECORD).write_text(json.dumps(record, indent=2))
+    finally:
+        shutil.rmtree(tok_tmp, ignore_errors=True)  # ours: created above (gone when moved into the checkpoint)
     return out_dir
 
 

@@ -16,6 +16,7 @@ whatever the scheduler reports.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import yaml
 
-from difflm.config import PipelineConfig
+from difflm.config import ConfigError, PipelineConfig, SlurmBase
 from difflm.rundir import RunDir
 from models.launch.torchrun import (
     TrainingError,
@@ -42,6 +43,7 @@ from models.launch.torchrun import (
 RDZV_PORT_BASE = 20000  # + job id % 10000: a rendezvous port per job (jobs may share a node), below ephemeral ports
 ROOT = Path(__file__).resolve().parent.parent.parent  # the project: `-m models.megatron.train` resolves here
 SLURM_RECORD = "slurm-job.json"  # <run>/slurm-job.json: the job submitted for this run (reattached to)
+ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 LAUNCH_FILES = {"slurm": "launch.sbatch", "kubernetes": "pytorchjob.yaml"}
 
 # squeue states of a job that is not over yet (a requeued job passes through REQUEUED and PENDING again)
@@ -83,6 +85,33 @@ def _train_args(config: Path, manifest: Path, run_dir: Path) -> list[str]:
     ]
 
 
+def _directive_path(path: str) -> str:
+    """A path in an #SBATCH line: sbatch splits directives at whitespace, and takes a double-quoted value whole
+    (control characters and double quotes are refused before)."""
+    return f'"{path}"' if any(c.isspace() for c in path) else path
+
+
+def _check_script_values(s, partition: str | None, time: str, run_dir: Path, env: dict[str, str] | None) -> None:
+    """Refuse what would change the script's lines: a value with a newline or whitespace in an `#SBATCH` line,
+    an environment key that is not an identifier (the config validates the same; this also covers values
+    passed as arguments and the run directory, which comes from the workdir)."""
+    try:  # the validators of train.slurm, for values given as arguments
+        SlurmBase(partition=partition, time=time, sbatch_args=dict(s.sbatch_args))
+    except ValueError as err:
+        raise ConfigError(f"train.slurm: {err}") from None
+    for where, path in (("workdir (the run directory)", run_dir), ("the project directory", ROOT)):
+        if any(ord(c) < 32 or ord(c) == 127 or c == '"' for c in str(path)):
+            raise ConfigError(
+                f"{where} {str(path)!r} contains a control character or a double quote, which an #SBATCH "
+                f"line cannot carry: use a plain path"
+            )
+    for key in env or {}:
+        if not ENV_KEY.fullmatch(key):
+            raise ConfigError(
+                f"environment variable name {key!r} for the job is not an identifier ([A-Za-z_][A-Za-z0-9_]*)"
+            )
+
+
 def slurm_script(
     cfg: PipelineConfig,
     config: Path,
@@ -99,6 +128,7 @@ def slurm_script(
     partition = partition or s.partition
     python = python or s.python or sys.executable
     gpus = t.nproc_per_node if s.gpus_per_node is None else s.gpus_per_node
+    _check_script_values(s, partition, time or s.time, run_dir, env)
     extra = [f"#SBATCH --{k}={v}" if str(v) != "" else f"#SBATCH --{k}" for k, v in s.sbatch_args.items()]
     lines = [
         "#!/bin/bash",
@@ -107,9 +137,9 @@ def slurm_script(
         "#SBATCH --ntasks-per-node=1",
         *([f"#SBATCH --gpus-per-node={gpus}"] if gpus else []),
         f"#SBATCH --time={time or s.time}",
-        f"#SBATCH --output={run_dir}/slurm-%j.out",
+        f"#SBATCH --output={_directive_path(f'{run_dir}/slurm-%j.out')}",
         "#SBATCH --open-mode=append",
-        f"#SBATCH --chdir={ROOT}",
+        f"#SBATCH --chdir={_directive_path(str(ROOT))}",
         # preemption: 2 minutes before the time limit (or on scancel --signal=USR1 -b) the batch shell gets
         # USR1, asks the trainer to checkpoint (SIGTERM through srun and torchrun), then requeues the job,
         # which resumes from that checkpoint

@@ -19,7 +19,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from difflm.config import PipelineConfig, save_config
-from difflm.errors import Interrupted, InvalidSetup, NonFiniteStop, TrainingError, TrainingPreempted
+from difflm.errors import (
+    DiskFull,
+    Interrupted,
+    InvalidSetup,
+    NonFiniteStop,
+    TrainingError,
+    TrainingPreempted,
+    disk_full,
+    is_disk_full,
+)
 from difflm.rundir import RunDir
 
 TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")
@@ -110,6 +119,36 @@ def launch_training(
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     # when a rank dies (kill -9, OOM), helper processes it spawned (checkpoint writers, in the rank's own
     # session) outlive it, holding the log pipe open: every descendant seen is killed once torchrun exits
+    try:
+        code = _run_trainer(cmd, rdir, full_env, tail, errors, echo)
+    except OSError as err:
+        if is_disk_full(err):
+            raise _train_disk_full(rdir) from None
+        raise
+    if code == 0:
+        plot_run(rdir)
+    if code != 0:
+        raise_for_markers(rdir, code)
+        if any("No space left on device" in line or "Disk quota exceeded" in line for line in [*errors, *tail]):
+            raise _train_disk_full(rdir)
+        raise TrainingError(
+            f"training failed (exit {code}); full log: {RunDir(rdir).train_log}. Rerunning resumes from the "
+            f"latest checkpoint. Errors from the ranks:\n" + "\n".join(errors or tail)
+        )
+    return train_info(cfg, rdir, reused=False)
+
+
+def _train_disk_full(rdir: Path) -> DiskFull:
+    last = RunDir(rdir).latest_iteration()
+    return disk_full(
+        rdir,
+        "training (saving a checkpoint or writing its log)",
+        f"training resumes from {'iteration ' + str(last) if last else 'the start'}, the latest complete checkpoint",
+    )
+
+
+def _run_trainer(cmd, rdir: Path, full_env: dict, tail: deque, errors: deque, echo) -> int:
+    """Run torchrun, its output pumped into <run>/train.log, `tail` and `errors`; its exit code."""
     with (
         RunDir(rdir).train_log.open("a") as log,
         subprocess.Popen(
@@ -134,15 +173,7 @@ def launch_training(
             raise
         family.kill_leftovers()
         pump.join(timeout=10)
-    if code == 0:
-        plot_run(rdir)
-    if code != 0:
-        raise_for_markers(rdir, code)
-        raise TrainingError(
-            f"training failed (exit {code}); full log: {RunDir(rdir).train_log}. Rerunning resumes from the "
-            f"latest checkpoint. Errors from the ranks:\n" + "\n".join(errors or tail)
-        )
-    return train_info(cfg, rdir, reused=False)
+    return code
 
 
 def train_info(cfg: PipelineConfig, rdir: Path, reused: bool) -> dict:

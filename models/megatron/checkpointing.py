@@ -14,6 +14,7 @@ import torch
 
 # the run layout's owner (reading which checkpoint is complete needs no megatron); re-exported for callers here
 from difflm.rundir import LATEST, iter_dir, latest_iteration  # noqa: F401
+from models.megatron.safe_pickle import guard_dcp
 
 # The distributed optimizer's default sharding type cannot be saved on this stack
 # ("flattened_range is not supported"); dp_reshardable can, and reloads at another DP size.
@@ -65,6 +66,7 @@ def load_checkpoint(root: Path, iteration: int, model, optimizer=None, scheduler
     """Load model (and optimizer/scheduler when given) in place; returns the iteration."""
     from megatron.core import dist_checkpointing
 
+    guard_dcp()
     path = iter_dir(root, iteration)
     model_sd = _model_sharded(model)
     sharded = {"model": model_sd}
@@ -120,7 +122,7 @@ def _restore_rng(path: Path) -> None:
     file = _rng_file(path)
     if not file.exists():
         return  # a checkpoint from before RNG states were saved: dropout masks differ from an unbroken run
-    state = torch.load(file, weights_only=False)
+    state = torch.load(file, weights_only=True)  # tensors and plain containers: a crafted file runs nothing
     if state["layout"] != _layout():
         if torch.distributed.get_rank() == 0:
             print(
@@ -141,6 +143,7 @@ def load_model_weights(path: Path, model) -> None:
 
     if not (Path(path) / "metadata.json").exists():
         raise FileNotFoundError(f"train.init_from={path}: not a megatron distributed checkpoint")
+    guard_dcp()
     sharded = model.sharded_state_dict(prefix="")
     full = dist_checkpointing.load_tensors_metadata(str(path))
     if not any(k.startswith("optimizer.") for k in full):  # a model-only checkpoint: keys at the top level

@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         dist_checkpointing.save(ddp.module.sharded_state_dict(prefix=""), str(weights))
     else:
+        from models.megatron.safe_pickle import guard_dcp
+
+        guard_dcp()
         state = dist_checkpointing.load(ddp.module.sharded_state_dict(prefix=""), str(weights))
         ddp.module.load_state_dict(state)
     losses = []

@@ -1,0 +1,92 @@
+"""Reading a torch distributed checkpoint without running code from it.
+
+torch DCP stores a checkpoint's index (`<ckpt>/.metadata`) as a pickle and reads it with a plain `pickle.load`
+(torch/distributed/checkpoint/filesystem.py), so a crafted folder runs any command the moment it is opened
+(`difflm convert`, `train.init_from`, a resume, evaluate-latest). `guard_dcp()` makes DCP read it through an
+unpickler that builds only what DCP metadata consists of (its dataclasses and enums, torch.Size, dtypes,
+layouts); anything else is refused with `UnsafeCheckpoint` before it is built. Megatron's `common.pt` goes
+through `torch.load`, weights-only by default since torch 2.6; the RNG files are loaded with weights_only=True.
+"""
+
+from __future__ import annotations
+
+import importlib
+import io
+import pickle
+import types
+
+from difflm.errors import UserError
+
+# modules whose own classes (dataclasses, enums) make up DCP metadata
+_DCP_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.planner",
+    "torch.distributed.checkpoint.filesystem",
+)
+_ALLOWED = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout from its name
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+}
+
+
+class UnsafeCheckpoint(UserError, pickle.UnpicklingError):
+    """A checkpoint's metadata asks to build something that is not checkpoint metadata (possibly code)."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    source = "a checkpoint's .metadata"
+
+    def find_class(self, module: str, name: str):
+        import torch
+
+        allowed = (module, name) in _ALLOWED
+        if not allowed and module == "torch":
+            allowed = isinstance(getattr(torch, name, None), torch.dtype | torch.layout)
+        if not allowed and module in _DCP_MODULES and "." not in name:
+            obj = getattr(importlib.import_module(module), name, None)
+            allowed = isinstance(obj, type) and obj.__module__ == module
+        if not allowed:
+            raise UnsafeCheckpoint(
+                f"{self.source} asks to load {module}.{name}, which is not part of checkpoint metadata: refused "
+                f"without running it. The folder was not written by torch distributed checkpointing (it may be "
+                f"crafted to run code): load only checkpoints you trust, or rewrite this one from a trusted copy"
+            )
+        return super().find_class(module, name)
+
+
+def restricted_load(file, source: str | None = None):
+    """`pickle.load` that builds only DCP metadata objects (raises UnsafeCheckpoint otherwise)."""
+    unpickler = _MetadataUnpickler(file)
+    if source:
+        unpickler.source = source
+    else:
+        name = getattr(file, "name", None)
+        unpickler.source = f"{name}" if isinstance(name, str) else unpickler.source
+    return unpickler.load()
+
+
+def restricted_loads(data: bytes):
+    return restricted_load(io.BytesIO(data))
+
+
+class _PickleShim(types.ModuleType):
+    """Stands in for the `pickle` module inside torch DCP's filesystem reader: loads are restricted, dumps
+    (writing our own checkpoints) are pickle's."""
+
+    def __getattr__(self, name: str):
+        return getattr(pickle, name)
+
+
+_SHIM = _PickleShim("pickle")
+_SHIM.load = restricted_load
+_SHIM.loads = restricted_loads
+
+
+def guard_dcp() -> None:
+    """Make torch DCP read `.metadata` through the restricted unpickler (idempotent; call before any load)."""
+    from torch.distributed.checkpoint import filesystem
+
+    filesystem.pickle = _SHIM
