@@ -1153,8 +1153,8 @@ def microbatch_summary(p: dict, rows: list[dict], profile: dict | None = None) -
         "largest_micro_batch": best and best["micro_batch"],
         "mfu": best and best["mfu"],
         "ar_mfu": ar and ar["mfu"],
-        "tokens_per_s": best and best["tokens_per_s"],
-        "peak_memory_gb": best and best["peak_memory_gb"],
+        "tokens_per_s": best and best.get("tokens_per_s"),
+        "peak_memory_gb": best and best.get("peak_memory_gb"),
         # bidirectional attention does twice the attention FLOPs of causal: compare throughput in FLOPs
         "difflm_over_ar_tflops": best["tflops"] / ar["tflops"] if both else None,
         "difflm_over_ar_step_time": best["step_s"] / ar["step_s"] if both else None,
