@@ -157,6 +157,14 @@ def offline_environment() -> None:
         os.environ.setdefault(key, value)
 
 
+def _safe(fn):
+    """An optional figure of the environment: its error text instead of a failed section."""
+    try:
+        return fn()
+    except Exception as exc:
+        return f"unknown ({type(exc).__name__}: {exc})"[:200]
+
+
 def environment(installed: list[str]) -> dict:
     from importlib.metadata import version
 
@@ -165,19 +173,24 @@ def environment(installed: list[str]) -> dict:
 
     cuda = torch.cuda.is_available()
     megatron = importlib.import_module("megatron.core.package_info")
+
+    def nccl():
+        v = torch.cuda.nccl.version()
+        return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
     env = {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
+        "cudnn": _safe(lambda: torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None),
+        "nccl": _safe(nccl) if cuda else None,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "capability": ".".join(map(str, torch.cuda.get_device_capability())) if cuda else None,
+        "capability": _safe(lambda: ".".join(map(str, torch.cuda.get_device_capability()))) if cuda else None,
         "memory_gb": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
         "megatron_core": megatron.__version__,
         "megatron_path": str(Path(megatron.__file__).parents[2]),
         "pydantic": version("pydantic"),
-        "typing_extensions": version("typing-extensions"),
+        "typing_extensions": _safe(lambda: version("typing-extensions")),
         "psutil": psutil.__version__,
         "transformer_engine": present("transformer_engine"),
         "installed_from_wheels": installed,
@@ -185,11 +198,13 @@ def environment(installed: list[str]) -> dict:
         "env": {k: os.environ.get(k) for k in (*OFFLINE, "PYTORCH_CUDA_ALLOC_CONF", "NCCL_SOCKET_IFNAME")},
     }
     if cuda:
-        env["sdpa_enabled"] = {
-            "flash": torch.backends.cuda.flash_sdp_enabled(),
-            "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
-            "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
-        }
+        env["sdpa_enabled"] = _safe(
+            lambda: {
+                "flash": torch.backends.cuda.flash_sdp_enabled(),
+                "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
+                "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+            }
+        )
     return env
 
 
@@ -527,18 +542,27 @@ class Interrupted(BaseException):
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    """The child's whole process group (torchrun and its worker; pytest): SIGTERM, then SIGKILL."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
-        if proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait)
-        except subprocess.TimeoutExpired:
-            pass
+    """The child and all its descendants (torchrun starts its worker in a session of its own): SIGTERM, then
+    SIGKILL to what is left."""
+    import psutil
+
+    if proc.poll() is not None:
+        return
+    try:
+        parent = psutil.Process(proc.pid)
+        tree = [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in tree:
+            try:
+                p.send_signal(sig)
+            except psutil.NoSuchProcess:
+                pass
+        _, tree = psutil.wait_procs(tree, timeout=8 if sig == signal.SIGTERM else 5)
+        if not tree:
+            break
+    proc.poll()
 
 
 def run_logged(cmd: list[str], log: Path, timeout: float, poll=None) -> int:
@@ -836,7 +860,7 @@ def export(check: Check, manifest: Path, trained: dict) -> dict:
         diff = (logits - ref_logits).abs()
         agree = logits.argmax(-1) == ref_logits.argmax(-1)
         loss = F.cross_entropy(logits[masked], clean[masked]).item()
-        gen = torch.Generator(device=device).manual_seed(0)
+        gen = torch.Generator().manual_seed(0)  # noise is drawn on the CPU (NOISE_DEVICE), on every device
         nll = model.elbo_nll(clean[:2], t_samples=4, generator=gen)
         nll = float(nll.float().mean()) if torch.is_tensor(nll) else float(nll)
         prompt = clean[:1, :8]
@@ -1043,11 +1067,18 @@ def profiled_step(cfg, ddp, opt, dataset, special, it: int) -> dict:
             us = e.self_cpu_time_total
         by_cat[kernel_category(e.name)] = by_cat.get(kernel_category(e.name), 0.0) + us / 1e3
         by_name[e.name] = by_name.get(e.name, 0.0) + us / 1e3
+    if cuda and not by_cat:  # no kernel events in this torch's event list: the ops' self device time
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0) or 0
+            by_cat[kernel_category(e.key)] = by_cat.get(kernel_category(e.key), 0.0) + us / 1e3
+            by_name[e.key] = by_name.get(e.key, 0.0) + us / 1e3
     total = sum(by_cat.values()) or 1.0
     return {
         "timed": "cuda kernels" if cuda else "cpu aten self time",
         "forward_backward_ms": 1e3 * (t1 - t0),
         "optimizer_ms": 1e3 * (t2 - t1),
+        # device busy / wall: well below 1 means the GPU waits on the host (launches, syncs)
+        "busy_share": round(sum(by_cat.values()) / max(1e3 * (t2 - t0), 1e-9), 3) if cuda else None,
         "kernel_ms": {k: round(v, 2) for k, v in sorted(by_cat.items())},
         "share": {k: round(v / total, 3) for k, v in sorted(by_cat.items())},
         "top": [[k[:90], round(v, 2)] for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:10]],
@@ -1227,7 +1258,8 @@ def _section_lines(name: str, r: dict) -> list[str]:
             lines += [
                 "",
                 f"Profiled step at micro-batch {prof.get('micro_batch')} ({prof['timed']}): "
-                f"forward+backward {prof['forward_backward_ms']:.1f} ms, optimizer {prof['optimizer_ms']:.1f} ms.",
+                f"forward+backward {prof['forward_backward_ms']:.1f} ms, optimizer {prof['optimizer_ms']:.1f} ms, "
+                f"device busy {_fmt(prof.get('busy_share'))} of the step.",
                 "",
             ]
             cats = sorted(prof["share"])
