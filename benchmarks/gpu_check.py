@@ -559,7 +559,7 @@ def _stop(proc: subprocess.Popen) -> None:
                 p.send_signal(sig)
             except psutil.NoSuchProcess:
                 pass
-        _, tree = psutil.wait_procs(tree, timeout=8 if sig == signal.SIGTERM else 5)
+        _, tree = psutil.wait_procs(tree, timeout=5)  # the trainer takes SIGTERM as preemption: no time for that
         if not tree:
             break
     proc.poll()
@@ -673,11 +673,11 @@ class Check:
             rows = read_jsonl(path)
             if len(rows) == seen[0]:
                 return
+            self.sections[name]["partial"] = summarise(rows) if summarise else {"rows": rows}
+            self.write()  # the report first: a row on stdout is already in the report
             for row in rows[seen[0] :]:
                 self.emit({"section": name, "row": row})
             seen[0] = len(rows)
-            self.sections[name]["partial"] = summarise(rows) if summarise else {"rows": rows}
-            self.write()
 
         return poll
 
