@@ -102,6 +102,23 @@ def missing_packages() -> list[str]:
     return missing
 
 
+def install_wheels(wheels: Path, site: Path) -> None:
+    """pip install --target (no index, no deps); an image without pip gets the wheels unpacked (a wheel is a zip
+    of its site-packages files)."""
+    found = sorted(wheels.glob("*.whl"))
+    if present("pip"):
+        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index"]
+        cmd += ["--no-deps", "--find-links", str(wheels), "--target", str(site), *map(str, found)]
+        subprocess.run(cmd, check=True)
+        return
+    import zipfile
+
+    site.mkdir(parents=True, exist_ok=True)
+    for wheel in found:
+        with zipfile.ZipFile(wheel) as zf:
+            zf.extractall(site)
+
+
 def ensure_dependencies(wheels: Path, site: Path) -> list[str]:
     """Install what the bare GPU image lacks from local wheels (no index, no network) into `site`, first on
     sys.path and on the children's PYTHONPATH."""
@@ -113,28 +130,11 @@ def ensure_dependencies(wheels: Path, site: Path) -> list[str]:
                 f"`python benchmarks/gpu_wheels.py` on a machine with network access first, and carry "
                 f"benchmarks/gpu_wheels to the GPU machine (it is git-ignored)"
             )
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "--no-index",
-                "--no-deps",
-                "--find-links",
-                str(wheels),
-                "--target",
-                str(site),
-                *[str(w) for w in sorted(wheels.glob("*.whl"))],
-            ],
-            check=True,
-        )
+        install_wheels(wheels, site)
         sys.path.insert(0, str(site))
         importlib.invalidate_caches()
         for name in [m for m in sys.modules if m == "typing_extensions"]:
-            del sys.modules[name]  # an old copy imported by pip's machinery: take the wheel's
+            del sys.modules[name]  # a copy imported before the install: take the wheel's
         still = missing_packages()
         if still:
             raise SystemExit(f"still missing after installing {wheels}: {', '.join(still)}")

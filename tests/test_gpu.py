@@ -378,6 +378,23 @@ def test_gpu_check_environment_guards(monkeypatch):
     assert {"megatron-core", "pydantic", "pydantic-core", "typing-extensions", "psutil"} <= set(gpu_wheels.PACKAGES)
 
 
+def test_gpu_check_installs_wheels_without_pip(tmp_path, monkeypatch):
+    """An image without pip: the wheels are unpacked into the target folder."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_wheels
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    check = _gpu_check()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    gpu_wheels.repack_installed("typing-extensions", wheels)
+    monkeypatch.setattr(check, "present", lambda module: module != "pip")
+    check.install_wheels(wheels, tmp_path / "site")
+    assert (tmp_path / "site" / "typing_extensions.py").exists()
+    assert list((tmp_path / "site").glob("typing_extensions-*.dist-info/METADATA"))
+
+
 def test_gpu_check_row_errors_and_kernel_categories():
     check = _gpu_check()
     assert check.memory_error(torch.OutOfMemoryError("CUDA out of memory"))
