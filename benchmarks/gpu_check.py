@@ -1274,9 +1274,17 @@ def _section_lines(name: str, r: dict) -> list[str]:
     if name == "probe":
         lines = []
         att = r.get("attention") or {}
-        keys = ["layout", "chosen", "default_ms", "flash_ms", "cudnn_ms", "efficient_ms", "math_ms"]
+        keys = ["layout", "chosen", "default_ms", "flash_ms", "cudnn_ms", "efficient_ms", "math_ms", "errors"]
         if att:
-            lines += _table(keys, [{"layout": k, **v} for k, v in att.items()]) + [""]
+            rows = [
+                {
+                    "layout": k,
+                    **v,
+                    "errors": "; ".join(f"{e[:-6]}: {t[:80]}" for e, t in v.items() if e.endswith("_error")) or None,
+                }
+                for k, v in att.items()
+            ]
+            lines += _table(keys, rows) + [""]
         rest = {k: v for k, v in r.items() if k != "attention"}
         return lines + ["```json", json.dumps(rest, indent=1, default=str), "```"]
     return ["```json", json.dumps(r, indent=1, default=str), "```"]
