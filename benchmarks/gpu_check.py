@@ -1082,6 +1082,10 @@ def profiled_step(cfg, ddp, opt, dataset, special, it: int) -> dict:
         "kernel_ms": {k: round(v, 2) for k, v in sorted(by_cat.items())},
         "share": {k: round(v / total, 3) for k, v in sorted(by_cat.items())},
         "top": [[k[:90], round(v, 2)] for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:10]],
+        # which SDPA kernels the step really ran (flash / cuDNN / memory-efficient): the backend, recorded
+        "attention_kernels": [
+            k[:90] for k, _ in sorted(by_name.items(), key=lambda kv: -kv[1]) if kernel_category(k) == "attention"
+        ][:4],
     }
 
 
@@ -1259,7 +1263,8 @@ def _section_lines(name: str, r: dict) -> list[str]:
                 "",
                 f"Profiled step at micro-batch {prof.get('micro_batch')} ({prof['timed']}): "
                 f"forward+backward {prof['forward_backward_ms']:.1f} ms, optimizer {prof['optimizer_ms']:.1f} ms, "
-                f"device busy {_fmt(prof.get('busy_share'))} of the step.",
+                f"device busy {_fmt(prof.get('busy_share'))} of the step; attention kernels: "
+                f"{', '.join(prof.get('attention_kernels') or []) or '-'}.",
                 "",
             ]
             cats = sorted(prof["share"])
