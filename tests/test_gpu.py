@@ -378,6 +378,33 @@ def test_gpu_check_environment_guards(monkeypatch):
     assert {"megatron-core", "pydantic", "pydantic-core", "typing-extensions", "psutil"} <= set(gpu_wheels.PACKAGES)
 
 
+def test_gpu_check_section_statuses_reach_the_report_at_once(tmp_path, capsys):
+    """ok / failed / timeout (a child out of time) / skipped (budget), each in report.json and report.md as soon
+    as the section ends, with one JSON line on stdout."""
+    check = _gpu_check()
+    run = check.Check(tmp_path, check.plan(True), 100.0, {"dry_run": True})
+
+    def timed_out():
+        raise subprocess.TimeoutExpired(["torchrun"], 5)
+
+    run.section("a", lambda: {"x": 1})
+    assert json.loads((tmp_path / "report.json").read_text())["sections"]["a"]["status"] == "ok"
+    run.section("b", timed_out)
+    run.section("c", lambda: 1 / 0)
+    run.section("d", lambda: {}, need_s=1e9)
+    sections = json.loads((tmp_path / "report.json").read_text())["sections"]
+    assert [s["status"].split(":")[0] for s in sections.values()] == ["ok", "timeout", "failed", "skipped"]
+    assert "ZeroDivisionError" in sections["c"]["error"]
+    assert "| b | timeout |" in (tmp_path / "report.md").read_text()
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(x["section"], x["status"]) for x in lines] == [
+        ("a", "ok"),
+        ("b", "timeout"),
+        ("c", "failed"),
+        ("d", "skipped"),
+    ]
+
+
 def test_gpu_check_installs_wheels_without_pip(tmp_path, monkeypatch):
     """An image without pip: the wheels are unpacked into the target folder."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
