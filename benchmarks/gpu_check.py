@@ -681,12 +681,15 @@ class Check:
 
         return poll
 
+    def skip(self, name: str, why: str) -> None:
+        self.sections[name] = {"status": why, "seconds": 0.0}
+        self.write()
+        self.emit({"section": name, "status": "skipped", "seconds": 0.0, "why": why})
+
     def section(self, name: str, fn, need_s: float = 0):
         left = self.left()
         if left < need_s:
-            self.sections[name] = {"status": f"skipped: {left:.0f} s of the time budget left", "seconds": 0.0}
-            self.write()
-            self.emit({"section": name, "status": "skipped", "seconds": 0.0})
+            self.skip(name, f"skipped: {left:.0f} s of the time budget left")
             return None
         tic = time.time()
         entry = self.sections[name] = {"status": "running", "seconds": 0.0}
@@ -1334,6 +1337,8 @@ def run_sections(check: Check, args) -> None:
     )
     if state["difflm"]:
         check.section("export", lambda: export(check, manifest_path, state["difflm"]), 30)
+    else:
+        check.skip("export", "skipped: train-difflm left no checkpoint")
     check.section("spec-parity", lambda: worker(check, "parity", manifest_path, name="spec-parity"), 25)
     check.section("gpu-tests", lambda: gpu_tests(check, "gpu-tests", f"not ({FLEX_TESTS})"), 30)
     check.section("train-ar", lambda: train(check, "train-ar", manifest_path, "ar"), 45)
