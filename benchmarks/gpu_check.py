@@ -102,11 +102,17 @@ def missing_packages() -> list[str]:
     return missing
 
 
+def has_pip() -> bool:
+    """Asked of a child: find_spec("pip") in this process would switch setuptools' _distutils_hack to pip mode,
+    and torch's cpp_extension (imported by megatron) then fails on `import setuptools`."""
+    return subprocess.run([sys.executable, "-c", "import pip"], capture_output=True).returncode == 0
+
+
 def install_wheels(wheels: Path, site: Path) -> None:
     """pip install --target (no index, no deps); an image without pip gets the wheels unpacked (a wheel is a zip
     of its site-packages files)."""
     found = sorted(wheels.glob("*.whl"))
-    if present("pip"):
+    if has_pip():
         cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-index"]
         cmd += ["--no-deps", "--find-links", str(wheels), "--target", str(site), *map(str, found)]
         subprocess.run(cmd, check=True)

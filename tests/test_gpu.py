@@ -416,7 +416,7 @@ def test_gpu_check_installs_wheels_without_pip(tmp_path, monkeypatch):
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     gpu_wheels.repack_installed("typing-extensions", wheels)
-    monkeypatch.setattr(check, "present", lambda module: module != "pip")
+    monkeypatch.setattr(check, "has_pip", lambda: False)
     check.install_wheels(wheels, tmp_path / "site")
     assert (tmp_path / "site" / "typing_extensions.py").exists()
     assert list((tmp_path / "site").glob("typing_extensions-*.dist-info/METADATA"))
