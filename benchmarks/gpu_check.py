@@ -234,36 +234,48 @@ def _timed(fn, iters: int, warmup: int = 1) -> float:
     return 1e3 * (time.perf_counter() - tic) / iters
 
 
-def probe_collectives() -> dict:
-    """A one-rank all-reduce on each backend this machine should run (NCCL on CUDA, gloo always)."""
-    from datetime import timedelta
+COLLECTIVES_PROBE = """
+import json, sys, time
+from datetime import timedelta
+import torch
+import torch.distributed as dist
+out = {}
+for backend, port in zip(sys.argv[1].split(","), sys.argv[2:]):
+    tic = time.perf_counter()
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", world_size=1, rank=0,
+                                timeout=timedelta(seconds=30))
+        x = torch.ones(1024, device="cuda" if backend == "nccl" else "cpu")
+        dist.all_reduce(x)
+        if backend == "nccl":
+            torch.cuda.synchronize()
+        out[backend] = {"ok": bool(x.sum().item() == 1024), "seconds": round(time.perf_counter() - tic, 3)}
+    except Exception as exc:
+        out[backend] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+print(json.dumps(out))
+"""
 
+
+def probe_collectives(timeout: float = 90) -> dict:
+    """A one-rank all-reduce on each backend this machine should run (NCCL on CUDA, gloo always), in a child:
+    a hung or aborting NCCL (its watchdog kills the process) must not take the check with it."""
     import torch
-    import torch.distributed as dist
 
     from models.launch.torchrun import free_port
 
-    out = {}
-    for backend in ("nccl", "gloo") if torch.cuda.is_available() else ("gloo",):
-        tic = time.perf_counter()
-        try:
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://127.0.0.1:{free_port()}",
-                world_size=1,
-                rank=0,
-                timeout=timedelta(seconds=60),
-            )
-            x = torch.ones(1024, device="cuda" if backend == "nccl" else "cpu")
-            dist.all_reduce(x)
-            _sync()
-            out[backend] = {"ok": bool(x.sum().item() == 1024), "seconds": round(time.perf_counter() - tic, 3)}
-        except Exception as exc:  # recorded: the sections that need it will fail with their own error
-            out[backend] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500]}
-        finally:
-            if dist.is_initialized():
-                dist.destroy_process_group()
-    return out
+    backends = ("nccl", "gloo") if torch.cuda.is_available() else ("gloo",)
+    cmd = [sys.executable, "-c", COLLECTIVES_PROBE, ",".join(backends), *(str(free_port()) for _ in backends)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    except subprocess.TimeoutExpired:
+        return {b: {"ok": False, "error": f"no answer in {timeout:.0f} s (hung)"} for b in backends}
+    except (json.JSONDecodeError, IndexError):
+        text = f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-500:]}"
+        return {b: {"ok": False, "error": text} for b in backends}
 
 
 def attention_layouts(p: dict) -> dict:
