@@ -27,6 +27,8 @@ from models.launch.cluster import (
 )
 from models.launch.torchrun import TrainingError, launch_training, run_dir
 
+pytestmark = pytest.mark.integration  # fake sbatch/squeue/kubectl run as Python processes
+
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = [
     "train.train_iters=4",

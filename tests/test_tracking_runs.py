@@ -23,6 +23,7 @@ def test_errors_pass_through_without_tracking(tmp_path):
             raise StageFailed
 
 
+@pytest.mark.integration  # an MLflow store
 def test_stage_runs_nest_and_fail_with_their_stage(tmp_path, monkeypatch):
     import mlflow
     from mlflow.tracking import MlflowClient
