@@ -11,7 +11,7 @@ from difflm import set_offline_env
 
 set_offline_env()  # before anything imports Prefect, MLflow or transformers
 
-from difflm.config import PipelineConfig, load_config  # noqa: E402
+from helpers import tiny_config  # noqa: E402
 
 # Tiers (docs/testing.md): a test that uses one of these fixtures, or is marked slow or integration, is not a unit
 # test; every other one is marked `unit` here, so `pytest -m unit` (make test-fast) runs the pure tests alone.
@@ -30,10 +30,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("difflm")
-
-
-def tiny_config(workdir: Path, *overrides: str) -> PipelineConfig:
-    return load_config("test-tiny", [f"workdir={workdir}", *overrides])
 
 
 @pytest.fixture(scope="session")

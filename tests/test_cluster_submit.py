@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import tiny_config
+from helpers import tiny_config
 
 from models.launch.cluster import (
     ClusterError,

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from data_prep.pipeline import DataPrepError, data_dir, prepare_data
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import tiny_config
 
 ITERS = (
     "train.train_iters=8",

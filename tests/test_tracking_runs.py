@@ -2,7 +2,7 @@
 without tracking, and a stage run is a child of the pipeline run in the same experiment."""
 
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 
 class StageFailed(Exception):
