@@ -9,7 +9,7 @@ ARGS ?=
 # the offline environment (no telemetry, no hub) is difflm.OFFLINE_ENV: the CLI and tests/conftest.py set it
 OFFLINE_ENV = $(shell $(BIN)/python -c "import difflm; print(*(f'{k}={v}' for k, v in difflm.OFFLINE_ENV.items()))" 2>/dev/null)
 
-.PHONY: demo test lint env clean mlflow-ui browser
+.PHONY: demo test test-fast test-dev docs lint env clean mlflow-ui browser
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (Python 3.11)"; exit 1; }
@@ -25,8 +25,20 @@ env: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/difflm run --preset $(PRESET) $(ARGS)
 
+# the tiers (docs/testing.md): test is everything (what .ci/run calls); test-dev leaves out the tests marked slow;
+# test-fast runs the unit tests alone (no server, no torchrun, no data prep; tests/conftest.py marks them)
 test: $(STAMP) browser
 	$(BIN)/python -m pytest -q --durations=30 $(ARGS)
+
+test-dev: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" --durations=15 $(ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m unit --durations=10 $(ARGS)
+
+# the documentation site (docs/, mkdocs.yml) into site/; tests/test_docs.py builds it with warnings as errors
+docs: $(STAMP)
+	$(BIN)/python -m mkdocs build --strict
 
 # the suite runs these too (tests/test_lint.py); `make lint` fixes what ruff can
 lint: $(STAMP)

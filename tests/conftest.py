@@ -11,16 +11,25 @@ from difflm import set_offline_env
 
 set_offline_env()  # before anything imports Prefect, MLflow or transformers
 
-from difflm.config import PipelineConfig, load_config  # noqa: E402
+from helpers import tiny_config  # noqa: E402
+
+# Tiers (docs/testing.md): a test that uses one of these fixtures, or is marked slow or integration, is not a unit
+# test; every other one is marked `unit` here, so `pytest -m unit` (make test-fast) runs the pure tests alone.
+# (own_run: tests/test_rundir.py prepares its own corpus and exports a model)
+NOT_UNIT_FIXTURES = {"tiny_manifest", "prefect_harness", "megatron_single_process", "own_run"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("slow") or item.get_closest_marker("integration"):
+            continue
+        if NOT_UNIT_FIXTURES.isdisjoint(item.fixturenames):
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("difflm")
-
-
-def tiny_config(workdir: Path, *overrides: str) -> PipelineConfig:
-    return load_config("test-tiny", [f"workdir={workdir}", *overrides])
 
 
 @pytest.fixture(scope="session")

@@ -48,6 +48,7 @@ def test_old_spellings_say_what_to_type_instead(argv, hint, capsys):
     assert exit_.value.code == 2 and hint in " ".join(capsys.readouterr().err.split())
 
 
+@pytest.mark.integration  # a Python subprocess
 def test_help_loads_no_framework():
     """Handlers import their stages lazily: `difflm --help` loads argparse and the config only."""
     code = (

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import tiny_config
+from helpers import tiny_config
 
 from models.launch.cluster import (
     ClusterError,
@@ -26,6 +26,8 @@ from models.launch.cluster import (
     write_launch_file,
 )
 from models.launch.torchrun import TrainingError, launch_training, run_dir
+
+pytestmark = pytest.mark.integration  # fake sbatch/squeue/kubectl run as Python processes
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = [

@@ -83,6 +83,7 @@ def test_roundtrip_through_yaml(tmp_path):
     assert "train.lr" in cfg.flat() and isinstance(PipelineConfig().flat()["model.num_layers"], int)
 
 
+@pytest.mark.integration  # runs the CLI in a subprocess
 def test_cli_rejects_bad_override_with_exit_code_2():
     proc = subprocess.run(
         [sys.executable, "-m", "flows.cli", "config", "show", "model.num_layers=zero"], capture_output=True, text=True
@@ -110,6 +111,7 @@ def test_model_presets_fill_fields_and_explicit_fields_win():
         load_config("tiny-cpu", ["model.preset=13b"])
 
 
+@pytest.mark.integration  # runs the CLI in a subprocess
 def test_cli_reports_bad_input_without_traceback(tmp_path):
     proc = subprocess.run(
         [
@@ -158,6 +160,7 @@ def test_cluster_launch_files(tmp_path):
         load_config("tiny-cpu", ["train.nnodes=3", "parallel.tensor_model_parallel_size=2"])
 
 
+@pytest.mark.integration  # runs the CLI in a subprocess
 def test_malformed_preset_is_one_line_with_file_line_and_column(tmp_path):
     preset = tmp_path / "my.yaml"
     preset.write_text("train:\n  lr: 1e-3\nmodel: {num_layers: [2, 3}\n")

@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from data_prep.pipeline import DataPrepError, data_dir, prepare_data
 
@@ -347,6 +347,7 @@ def _shard_digests(folder: Path) -> dict[str, str]:
     }
 
 
+@pytest.mark.integration  # data prep in CLI subprocesses
 def test_prep_killed_with_sigkill_resumes_byte_identically(tmp_path):
     overrides = ("data.tasks=4", "data.workers=1")
     proc = _cli_prep(tmp_path / "killed", *overrides, start_new_session=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from data_prep.pipeline import DataPrepError, data_dir, prepare_data
 from data_prep.split import split_of

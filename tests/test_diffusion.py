@@ -143,7 +143,7 @@ def test_masked_fraction_weighting():
 
 
 def test_noise_does_not_depend_on_the_micro_batch_split():
-    from conftest import tiny_config
+    from helpers import tiny_config
 
     from models.megatron.forward_step import SpecialTokens, corrupt
 
@@ -191,7 +191,7 @@ def test_document_ids_and_mask():
 
 
 def test_evaluation_noise_masks_exact_counts_and_scores_the_elbo():
-    from conftest import tiny_config
+    from helpers import tiny_config
 
     from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import tiny_config
 from pydantic import ValidationError
 
 from difflm.config import ConfigError, EvalConfig, load_config

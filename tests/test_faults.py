@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import tiny_config
 from fault_injection import fault_launch
+from helpers import tiny_config
 
 from models.launch.torchrun import TrainingError, TrainingPreempted, launch_training, read_metrics, run_dir
 

@@ -200,7 +200,7 @@ def test_document_pairs_sum_the_squared_document_lengths_of_every_row():
 
 def test_a_training_step_counts_the_document_pairs_of_its_batches(megatron_single_process, tiny_manifest, tmp_path):
     """The trainer hands the FLOPs count each micro-batch's pairs within its documents (fewer than s^2 a row)."""
-    from conftest import tiny_config
+    from helpers import tiny_config
 
     from models.diffusion.documents import document_ids, document_pairs
     from models.megatron.data import build_datasets, micro_batch

@@ -4,7 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 
 @pytest.mark.slow

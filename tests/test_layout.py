@@ -147,6 +147,7 @@ print(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED), round(float(
 """
 
 
+@pytest.mark.integration  # a Python subprocess
 def test_diffusion_imports_with_frameworks_blocked():
     out = subprocess.run([sys.executable, "-c", BLOCKER], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.integration  # ruff in a subprocess over the tree (make lint)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

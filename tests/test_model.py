@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import tiny_config
 
 from difflm.config import load_config
 

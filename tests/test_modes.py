@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import tiny_config
 from test_conditional import MASK, TinyBidirectional
 from test_hf_helpers import V, _model
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import tiny_config
 
 from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
 

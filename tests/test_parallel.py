@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from difflm.config import save_config
 from models.launch.torchrun import free_port

@@ -129,6 +129,7 @@ def test_no_secrets_in_the_repository():
     assert not found, found
 
 
+@pytest.mark.integration  # a fresh interpreter per entrypoint
 def test_prefect_yaml_entrypoints_load_as_a_worker_loads_them():
     """A worker's flow run imports the entrypoint with Prefect's `import_object`, in the project root: a script
     path (`flows/x.py:f`) puts flows/ first on sys.path, where flows/data_prep.py shadows the data_prep package;

@@ -13,6 +13,8 @@ from difflm import tracking
 from difflm.config import load_config
 from difflm.tracking import registry
 
+pytestmark = pytest.mark.integration  # MLflow stores and registries
+
 METRIC = "eval.trained.nll_per_token"
 MANIFEST = {
     "hash": "abc123def456",

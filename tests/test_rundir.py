@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import tiny_config
 
 from difflm.rundir import RunDir, exported_from, is_export_of, iteration_of, latest_iteration
 

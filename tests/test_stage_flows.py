@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import tiny_config
+
+# every test here uses trained_run, which trains through torchrun: multi-process, so out of make test-dev
+pytestmark = pytest.mark.slow
 
 ITERS = (
     "train.train_iters=8",
@@ -173,7 +176,6 @@ def test_evaluate_latest_rejects_what_is_not_a_run(trained_run, prefect_harness,
     assert evaluate_latest(run_dir=str(young))["skipped"] == "no complete checkpoint yet"
 
 
-@pytest.mark.slow
 def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained_run, tmp_path):
     """`difflm serve evaluate-latest` on a real Prefect server: the interval schedule creates the flow runs,
     and each new complete checkpoint of the (still training) run gets scored once, at its step in MLflow."""

@@ -2,7 +2,7 @@
 without tracking, and a stage run is a child of the pipeline run in the same experiment."""
 
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 
 class StageFailed(Exception):
@@ -23,6 +23,7 @@ def test_errors_pass_through_without_tracking(tmp_path):
             raise StageFailed
 
 
+@pytest.mark.integration  # an MLflow store
 def test_stage_runs_nest_and_fail_with_their_stage(tmp_path, monkeypatch):
     import mlflow
     from mlflow.tracking import MlflowClient

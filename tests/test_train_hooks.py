@@ -9,7 +9,7 @@ import json
 import types
 
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from models.megatron.train import Checkpointer, Hook, IntervalLogger, Step, Trainer, Validator
 

@@ -4,7 +4,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import tiny_config
+from helpers import tiny_config
 
 from models.diffusion.modes import objective_class
 from models.launch.torchrun import TrainingError, launch_training, read_metrics, run_dir
