@@ -202,6 +202,8 @@ IDENTITY = {
         "varilen_prob",
         "time_embedding",
         "time_conditioning",
+        "cart_p",
+        "attention_anneal_steps",
     },
     "train": {
         "seq_length",

@@ -49,12 +49,18 @@ class MegatronAdaLNorm(AdaLNorm):
 
 
 def layer_spec(
-    model: ModelConfig, bidirectional: bool, backend: str = "local", adaln: bool = False, documents: str | None = None
+    model: ModelConfig,
+    bidirectional: bool,
+    backend: str = "local",
+    adaln: bool = False,
+    documents: str | None = None,
+    annealed: bool = False,
 ):
     """Megatron's own layer spec with the attention mask kind chosen by the objective; with `adaln`, its two
     norms swapped for t-modulated ones (a spec change, megatron's TransformerLayer is untouched).
 
-    `documents` is the form packed documents take (`forward_step.document_form`, by default the backend's)."""
+    `documents` is the form packed documents take (`forward_step.document_form`, by default the backend's);
+    `annealed`: the forward step passes DiffuLLaMA's annealed [b, 1, s, s] mask (`diffusion.attention_anneal_steps`)."""
     from models.megatron.forward_step import document_form
 
     if backend == "te":
@@ -65,7 +71,7 @@ def layer_spec(
         from models.megatron.attention import torch_layer_spec
 
         spec = torch_layer_spec(spec)
-    if model.document_attention and (documents or document_form(backend)) == "dense":
+    if annealed or (model.document_attention and (documents or document_form(backend)) == "dense"):
         mask = AttnMaskType.arbitrary  # the [b, 1, s, s] mask is built per batch from document boundaries
     else:  # a DocumentMask carries its own direction; under THD, TE takes causal / no_mask as
         # padding_causal / padding within each sequence (megatron's TEDotProductAttention maps them)
@@ -201,6 +207,7 @@ def build_model(
         backend,
         uses_adaln(cfg),
         configured_document_form(cfg),
+        annealed=cfg.diffusion.attention_anneal_steps > 0,
     )
     if backend == "torch":  # the final norm as well must accept sequence parallelism
         from models.megatron.attention import block_spec

@@ -1,0 +1,168 @@
+"""AR-to-diffusion adaptation: Dream's CART weighting, DiffuLLaMA's attention-mask annealing, the presets."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from difflm.config import ConfigError, load_config
+from models.diffusion import anneal_ratio, annealed_attention_mask, cart_weights
+from models.diffusion.modes import MaskedDiffusion, ShiftedMaskedDiffusion
+
+# ---- CART (Dream) ------------------------------------------------------------------------------------------
+
+
+def test_cart_weights_match_a_hand_computed_example():
+    # positions 0..5: clean, MASK, clean, MASK, MASK, clean; p = 0.5 makes p(1-p)^(d-1) = 0.5^d
+    masked = torch.tensor([[False, True, False, True, True, False]])
+    valid = torch.ones_like(masked)
+    w = cart_weights(masked, valid, p=0.5)
+    # n=1: 0.5*(0.5 [i=0] + 0.5 [i=2] + 0.0625 [i=5]); n=3: 0.5*(0.125 + 0.5 + 0.25); n=4: 0.5*(0.0625 + 0.25 + 0.5)
+    expected = torch.tensor([[0.0, 0.53125, 0.0, 0.4375, 0.40625, 0.0]])
+    torch.testing.assert_close(w, expected, rtol=0, atol=1e-7)
+    # Dream's p = 0.3: one masked token between two clean neighbours has 0.5 * (0.3 + 0.3)
+    w = cart_weights(torch.tensor([[False, True, False]]), torch.ones(1, 3, dtype=torch.bool), p=0.3)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.3, 0.0]]))
+    # padding is no context: the same row with position 2 invalid keeps only the left neighbour
+    w = cart_weights(torch.tensor([[False, True, False]]), torch.tensor([[True, True, False]]), p=0.3)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0.15, 0.0]]))
+
+
+def test_cart_weights_the_shifted_loss_on_the_logit_that_predicts_each_masked_token():
+    torch.manual_seed(0)
+    b, s = 3, 12
+    tokens = torch.randint(0, 15, (b, s))
+    label_ok = torch.ones(b, s, dtype=torch.bool)
+    label_ok[2, 9:] = False  # padding at the end of row 2
+    obj = ShiftedMaskedDiffusion(mask_id=16, vocab_size=16, loss_weighting="cart", cart_p=0.3)
+    prep = obj.prepare(
+        tokens,
+        torch.roll(tokens, -1, 1),
+        label_ok,
+        [0, 1, 2],
+        lambda i: torch.Generator().manual_seed(i),
+        b,
+        False,
+        False,
+    )
+    masked = prep["inputs"] == 16  # token positions
+    valid = torch.cat([torch.ones_like(label_ok[:, :1]), label_ok[:, :-1]], dim=1)
+    by_token = cart_weights(masked & valid, valid, 0.3)
+    w = prep["token_weights"]
+    torch.testing.assert_close(w[:, :-1], by_token[:, 1:])  # logit n-1 predicts token n
+    assert (w[~prep["scored"]] == 0).all() and (w[prep["scored"]] > 0).all()
+    ce = torch.rand(b, s)
+    total, count = obj.loss_terms(ce, prep, evaluation=False)
+    torch.testing.assert_close(total, (ce * w * prep["scored"]).sum())
+    assert int(count) == int(prep["valid"].sum())
+    # validation is the ELBO whatever the weighting: the same numbers as inverse_t's objective
+    plain = ShiftedMaskedDiffusion(mask_id=16, vocab_size=16)
+    assert obj.loss_terms(ce, prep, evaluation=True) == plain.loss_terms(ce, prep, evaluation=True)
+
+
+def test_cart_is_an_option_of_the_shift_objective_only(tmp_path):
+    with pytest.raises(ValueError, match="needs difflm-shift"):
+        MaskedDiffusion(loss_weighting="cart")
+    with pytest.raises(ConfigError, match="loss_weighting=cart .* needs model_running_mode=difflm-shift"):
+        tiny_config(tmp_path, "diffusion.loss_weighting=cart")
+    with pytest.raises(ConfigError, match="not with mode ar"):
+        tiny_config(tmp_path, "diffusion.model_running_mode=ar", "diffusion.attention_anneal_steps=10")
+    cfg = tiny_config(tmp_path, "diffusion.model_running_mode=difflm-shift", "diffusion.loss_weighting=cart")
+    assert cfg.diffusion.cart_p == 0.3
+
+
+# ---- attention-mask annealing (DiffuLLaMA) ----------------------------------------------------------------
+
+
+def test_annealed_mask_is_causal_at_step_0_and_full_from_step_n():
+    s, n = 64, 10
+    causal_blocked = ~torch.ones(s, s, dtype=torch.bool).tril()
+    assert anneal_ratio(0, n) == 0.0 and anneal_ratio(5, n) == 0.5 and anneal_ratio(n, n) == anneal_ratio(99, n) == 1
+    assert torch.equal(annealed_attention_mask(0, n, s, torch.Generator().manual_seed(0)), causal_blocked)
+    for step in (n, n + 1, 1000):
+        assert not annealed_attention_mask(step, n, s, torch.Generator().manual_seed(0)).any()
+    prev = None
+    for step in range(1, n):
+        m = annealed_attention_mask(step, n, s, torch.Generator().manual_seed(step))
+        assert not (m & ~causal_blocked).any()  # the past and the token itself are always seen
+        seen_future = 1 - m[causal_blocked].float().mean().item()
+        assert abs(seen_future - step / n) < 0.06, (step, seen_future)
+        assert prev is None or seen_future > prev - 0.06
+        prev = seen_future
+    again = annealed_attention_mask(3, n, s, torch.Generator().manual_seed(3))
+    assert torch.equal(again, annealed_attention_mask(3, n, s, torch.Generator().manual_seed(3)))
+
+
+def test_the_annealed_model_is_the_ar_model_at_step_0_and_the_bidirectional_one_from_step_n(
+    megatron_single_process, tmp_path
+):
+    from models.megatron.forward_step import annealed_mask
+    from models.megatron.gpt import build_model
+
+    def model(*over):
+        cfg = tiny_config(tmp_path, *over)
+        torch.manual_seed(0)
+        return cfg, build_model(cfg, vocab_size=512).eval()
+
+    cfg, annealed = model("diffusion.model_running_mode=difflm-shift", "diffusion.attention_anneal_steps=8")
+    _, causal = model("diffusion.model_running_mode=ar")
+    _, full = model("diffusion.model_running_mode=difflm-shift")
+    causal.load_state_dict(annealed.state_dict())
+    full.load_state_dict(annealed.state_dict())
+    x = torch.randint(0, 500, (2, cfg.train.seq_length))
+    pos = torch.arange(x.shape[1]).expand_as(x)
+    with torch.no_grad():
+
+        def at(step, evaluation=False):
+            return annealed(x, pos, annealed_mask(cfg, step, evaluation)[None, None])
+
+        torch.testing.assert_close(at(0), causal(x, pos, None), rtol=1e-5, atol=1e-5)
+        for step in (8, 9):
+            torch.testing.assert_close(at(step), full(x, pos, None), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(at(3, evaluation=True), full(x, pos, None), rtol=1e-5, atol=1e-5)
+        middle = at(4)
+        assert not torch.allclose(middle, causal(x, pos, None), atol=1e-4)
+        assert not torch.allclose(middle, full(x, pos, None), atol=1e-4)
+
+
+@pytest.mark.slow
+def test_annealed_cart_training_runs_and_learns(session_dir, tiny_manifest):
+    """A short difflm-shift run with CART and annealing over 10 of its 20 steps: the validation ELBO falls."""
+    from models.launch.torchrun import launch_training, read_metrics
+
+    cfg = tiny_config(
+        session_dir / "adapt",
+        "diffusion.model_running_mode=difflm-shift",
+        "diffusion.loss_weighting=cart",
+        "diffusion.attention_anneal_steps=10",
+        "model.document_attention=true",
+        "train.train_iters=20",
+        "train.lr=5e-3",
+        "train.eval_interval=20",
+        "checkpoint.save_interval=20",
+    )
+    info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
+    records = read_metrics(info["run_dir"])
+    vals = [r["val_loss"] for r in records if "val_loss" in r]
+    assert len(vals) == 2 and vals[-1] < vals[0], vals
+    assert all(r["loss"] == r["loss"] for r in records if "loss" in r)  # finite
+
+
+# ---- presets ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", ["adapt-dream", "adapt-diffullama"])
+def test_adaptation_presets_load_and_cite_their_sources(preset):
+    from difflm.config import CONFIG_DIR
+
+    cfg = load_config(preset, [])
+    assert cfg.diffusion.model_running_mode == "difflm-shift"
+    text = (CONFIG_DIR / f"{preset}.yaml").read_text()
+    for line in text.splitlines():  # every setting says where it comes from
+        if ":" in line and not line.strip().startswith("#") and not line.rstrip().endswith(":"):
+            assert "#" in line, f"{preset}: no source for {line.strip()!r}"
+    if preset == "adapt-dream":
+        assert cfg.diffusion.loss_weighting == "cart" and cfg.diffusion.attention_anneal_steps == 0
+    else:
+        assert cfg.diffusion.attention_anneal_steps > 0
