@@ -25,8 +25,11 @@ CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 # (`PipelineConfig.stage_hash`): every field is part of that name unless it is marked OPERATIONAL, i.e. it
 # changes how a run is carried out (who launches it, how it reacts to faults) but not what it computes, so
 # any setting of it resumes and reuses the same directory. A new field forks every existing run directory
-# unless it is OPERATIONAL: tests/test_config.py lists the identity fields, so adding one is a decision.
+# unless it is OPERATIONAL or IF_SET: tests/test_config.py lists the identity fields, so adding one is a decision.
+# IF_SET marks an identity field added later whose default computes what runs made before it computed: it joins
+# the name only when set to another value, so those runs keep their directories.
 OPERATIONAL = {"identity": False}
+IF_SET = {"identity": "if_set"}
 
 
 def is_identity(field: FieldInfo) -> bool:
@@ -291,11 +294,16 @@ class DiffusionConfig(_Section):
         "Validation reports the ELBO whatever the weighting.",
     )
     cart_p: float = Field(
-        0.3, gt=0.0, le=1.0, description="loss_weighting=cart: the geometric parameter p (Dream: 0.3)."
+        0.3,
+        gt=0.0,
+        le=1.0,
+        json_schema_extra=IF_SET,
+        description="loss_weighting=cart: the geometric parameter p (Dream: 0.3).",
     )
     attention_anneal_steps: int = Field(
         0,
         ge=0,
+        json_schema_extra=IF_SET,
         description="DiffuLLaMA's attention-mask annealing (arXiv 2410.17891): over the first N training steps "
         "attention goes from causal to full, a query seeing a later key with probability step / N (one "
         "Bernoulli mask per step, shared by the batch): step 0 is exactly causal, steps >= N exactly full. "
@@ -648,13 +656,18 @@ def _identity(section: BaseModel) -> dict[str, Any]:
             return {
                 name: prune(getattr(value, name), dumped[name])
                 for name, field in type(value).model_fields.items()
-                if is_identity(field)
+                if is_identity(field) and not (_if_set(field) and getattr(value, name) == field.default)
             }
         if isinstance(value, (list, tuple)):
             return [prune(v, d) for v, d in zip(value, dumped)]
         return dumped
 
     return prune(section, section.model_dump(mode="json"))
+
+
+def _if_set(field: FieldInfo) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and extra.get("identity") == "if_set"
 
 
 class ConfigError(UserError, ValueError):

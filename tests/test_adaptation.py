@@ -72,6 +72,18 @@ def test_cart_is_an_option_of_the_shift_objective_only(tmp_path):
     assert cfg.diffusion.cart_p == 0.3
 
 
+def test_the_adaptation_options_name_a_run_only_when_set(tmp_path):
+    base = tiny_config(tmp_path, "diffusion.model_running_mode=difflm-shift")
+    same = tiny_config(tmp_path, "diffusion.model_running_mode=difflm-shift", "diffusion.attention_anneal_steps=0")
+    assert "attention_anneal_steps" not in base.identity("diffusion")
+    assert base.stage_hash("diffusion") == same.stage_hash("diffusion")
+    for over in ("diffusion.attention_anneal_steps=5", "diffusion.loss_weighting=cart", "diffusion.cart_p=0.5"):
+        other = tiny_config(
+            tmp_path, "diffusion.model_running_mode=difflm-shift", "diffusion.loss_weighting=cart", over
+        )
+        assert other.stage_hash("diffusion") != base.stage_hash("diffusion")
+
+
 # ---- attention-mask annealing (DiffuLLaMA) ----------------------------------------------------------------
 
 
@@ -166,3 +178,38 @@ def test_adaptation_presets_load_and_cite_their_sources(preset):
         assert cfg.diffusion.loss_weighting == "cart" and cfg.diffusion.attention_anneal_steps == 0
     else:
         assert cfg.diffusion.attention_anneal_steps > 0
+
+
+# ---- a real pretrained LM: SmolLM2-135M-Instruct ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    from models.hf.pretrained import smollm2_folder
+
+    return smollm2_folder()
+
+
+@pytest.mark.slow
+def test_smollm2_folder_gives_the_dequantized_gguf_logits(smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from models.hf.pretrained import SMOLLM2, fetch_gguf, load_gguf_model, sha256_file
+
+    gguf = fetch_gguf(SMOLLM2)
+    assert sha256_file(gguf) == SMOLLM2.sha256
+    reference, ref_tok = load_gguf_model(gguf)
+    folder = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(smollm2))
+    cfg = folder.config
+    assert type(folder).__name__ == "LlamaForCausalLM" and cfg.tie_word_embeddings and cfg.vocab_size == 49152
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
+    text = "The capital of France is"
+    ids = tok(text, return_tensors="pt").input_ids
+    assert ids.tolist() == ref_tok(text, return_tensors="pt").input_ids.tolist()
+    with torch.no_grad():
+        a, b = folder(ids).logits, reference(ids).logits
+    assert torch.equal(a, b)  # the same fp32 weights, the same code
+    with torch.no_grad():
+        out = folder.generate(ids, max_new_tokens=2, do_sample=False)
+    assert tok.decode(out[0, ids.shape[1] :]).startswith(" Paris")
