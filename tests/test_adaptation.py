@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import tiny_config
@@ -213,3 +217,110 @@ def test_smollm2_folder_gives_the_dequantized_gguf_logits(smollm2):
     with torch.no_grad():
         out = folder.generate(ids, max_new_tokens=2, do_sample=False)
     assert tok.decode(out[0, ids.shape[1] :]).startswith(" Paris")
+
+
+# ---- the flow adapt-difflm ---------------------------------------------------------------------------------
+
+SMALL_RUN = [
+    "data.max_documents=40",
+    "data.valid_fraction=0.1",
+    "train.seq_length=32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=4",
+    "train.warmup_iters=1",
+    "train.precision=fp32",
+    "train.log_interval=5",
+    "train.eval_interval=10",
+    "train.eval_iters=2",
+    "checkpoint.save_interval=10",
+    "eval.max_sequences=8",
+    "eval.t_samples=2",
+    "eval.num_samples=1",
+    "eval.sample_length=8",
+    "eval.sampler.steps=4",
+    "eval.task_items=6",
+    "eval.mc_samples=4",
+]
+
+
+@pytest.fixture(scope="module")
+def ar_source(session_dir, tiny_manifest):
+    """An `ar` model trained by the pipeline and exported: a source the import of this checkout reads."""
+    from models.evaluation.stages import convert_checkpoint
+    from models.launch.torchrun import launch_training
+
+    cfg = tiny_config(
+        session_dir / "ar-source", "diffusion.model_running_mode=ar", "train.train_iters=20", "train.lr=5e-3"
+    )
+    info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
+    return convert_checkpoint(cfg, tiny_manifest, info)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["adapt-dream", "adapt-diffullama"])
+def test_adapt_difflm_flow_evaluates_the_adapted_and_the_source_model_on_the_same_tokens(
+    session_dir, prefect_harness, ar_source, preset
+):
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from difflm.tracking import tracking_uri
+    from flows.adapt import adapt_difflm, adaptation_config
+    from models.evaluation.stages import evaluate_export
+    from tasks.adapt import ar_config, source_lineage
+
+    workdir = session_dir / f"adapt-flow-{preset}"
+    anneal = ["diffusion.attention_anneal_steps=5"] if preset == "adapt-diffullama" else []
+    overrides = [f"workdir={workdir}", *SMALL_RUN, "train.train_iters=10", "train.lr=3e-3", *anneal]
+    summary = adapt_difflm(source=str(ar_source), preset=preset, overrides=overrides)
+    assert summary["stages"] == dict.fromkeys(
+        ("data-prep", "import", "export-source-ar", "train", "convert", "evaluate"), "ran"
+    )
+    lineage = source_lineage(ar_source)
+    assert summary["source"] == lineage and lineage["architecture"] == "DiffLMForMaskedLM"
+    assert summary["adapted"]["kind"] == "elbo" and summary["source_ar"]["kind"] == "exact"
+    # the source AR row is the source model itself: its export, scored directly, gives the same NLL
+    cfg, _ = adaptation_config(str(ar_source), preset, overrides)
+    manifest = json.loads((Path(summary["data_dir"]) / "manifest.json").read_text())
+    direct = evaluate_export(ar_config(cfg), manifest, ar_source, workdir / "direct", untrained=False)
+    assert summary["source_ar"]["nll_per_token"] == pytest.approx(
+        direct["bounds"]["trained"]["nll_per_token"], rel=1e-6
+    )
+    # training started from the imported weights: at step 0 the ELBO is already below a uniform model's log V
+    records = read_metrics_of(summary["run_dir"])
+    first_val = [r["val_loss"] for r in records if "val_loss" in r and r["step"] == 0][0]
+    assert first_val < math.log(manifest["tokenizer"]["vocab_size"]) - 0.25
+    assert "| adapted |" in summary["comparison"] and "| source AR |" in summary["comparison"]
+
+    mlflow.set_tracking_uri(tracking_uri(cfg))
+    client = MlflowClient()
+    run = client.get_run(summary["mlflow_run_id"])
+    assert run.data.tags["flow"] == "adapt-difflm"
+    assert run.data.tags["source.sha256"] == lineage["sha256"] and run.data.tags["source.path"] == str(ar_source)
+    assert run.data.tags["source.architecture"] == "DiffLMForMaskedLM"
+    assert run.data.tags["train.init_from"] == summary["checkpoint"]
+    assert run.data.params["diffusion.loss_weighting"] == ("cart" if preset == "adapt-dream" else "inverse_t")
+    m = run.data.metrics
+    assert m["source_ar.trained.nll_per_token"] == pytest.approx(summary["source_ar"]["nll_per_token"])
+    assert m["eval.trained.nll_per_token"] == pytest.approx(summary["adapted"]["nll_per_token"])
+    assert "adaptation.md" in [a.path for a in client.list_artifacts(run.info.run_id)]
+
+
+def read_metrics_of(run_dir):
+    from models.launch.torchrun import read_metrics
+
+    return read_metrics(run_dir)
+
+
+def test_a_gguf_file_or_a_folder_without_weights_is_refused_with_what_to_do(tmp_path):
+    from tasks.adapt import SourceError, resolve_source, source_lineage
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(SourceError, match="is a GGUF file: give an HF folder .*hf_folder_from_gguf"):
+        resolve_source(str(gguf))
+    with pytest.raises(SourceError, match="not an HF folder with config.json"):
+        resolve_source(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(SourceError, match="no \\*.safetensors weights"):
+        source_lineage(resolve_source(str(tmp_path)))
