@@ -13,6 +13,7 @@ The dequantized model refuses `save_pretrained` (it is marked as quantized): its
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -47,9 +48,12 @@ class PretrainedError(UserError, RuntimeError):
 
 
 def _cache_root() -> Path:
-    from data_prep.corpus import cache_dir
-
-    return cache_dir() / "pretrained"
+    """<cache>/pretrained, under the demo corpus's cache root (data_prep.corpus.cache_dir: $DIFFLM_CACHE, else
+    $XDG_CACHE_HOME/difflm-pipeline, else ~/.cache/difflm-pipeline)."""
+    root = os.environ.get("DIFFLM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "difflm-pipeline"
+    )
+    return Path(root) / "pretrained"
 
 
 def fetch_gguf(src: GGUFSource = SMOLLM2, cache: Path | None = None) -> Path:
