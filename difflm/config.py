@@ -391,7 +391,8 @@ class TrainConfig(_Section):
     init_from: str | None = Field(
         None,
         description="Megatron checkpoint (model weights, any TP/PP) to start from, e.g. from "
-        "`difflm convert HF_DIR --out CKPT`.",
+        "`difflm convert HF_DIR --out CKPT`; in the flows (`difflm run`, adapt-difflm) also an HF folder, imported "
+        "once into <workdir>/imports/. The optimizer starts fresh.",
     )
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: bf16 params/compute, fp32 main weights.")
     fp8: Literal["hybrid", "e4m3"] | None = Field(None, description="FP8 recipe (Transformer Engine on GPU only).")

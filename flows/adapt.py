@@ -70,9 +70,7 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
         stages["data-prep"] = "cached" if cached else "ran"
         tok = manifest["tokenizer"]
 
-        # the import depends on the source's weights and the vocabulary padding (TP) only
-        tp = cfg.parallel.tensor_model_parallel_size
-        imports = Path(cfg.workdir).resolve() / "imports" / f"{lineage['sha256'][:16]}-tp{tp}-v{tok['vocab_size']}"
+        imports = adapt.import_dir(cfg, lineage, tok)
         ckpt_dir = imports / "megatron"
         with tracking.stage_run("import") as sid:
             ckpt, cached = run_stage(

@@ -9,7 +9,7 @@ from difflm import tracking
 from difflm.config import PipelineConfig, load_config
 from difflm.rundir import RunDir, is_export_of
 from models.launch.torchrun import is_finished, read_metrics, run_dir
-from tasks import artifacts
+from tasks import adapt, artifacts
 from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done, run_stage
 from tasks.stages import convert_task, data_prep_task, evaluate_task, train_task
 
@@ -52,6 +52,10 @@ def pretrain_difflm(
         if run_id:
             tracking.log_data_stats(manifest)
 
+        if adapt.is_hf_folder(cfg.train.init_from):  # an HF folder: its weights, imported once (tasks/adapt.py)
+            cfg = adapt.resolve_init(cfg, manifest)
+            if run_id:
+                tracking.set_tags({"train.init_from": cfg.train.init_from})
         rdir = run_dir(cfg, manifest)
         trained = is_finished(cfg, rdir)  # nothing to sample, nothing sent live: the stage will only reuse it
         with tracking.stage_run("train", system_metrics=cfg.tracking.system_metrics and not trained) as sid:

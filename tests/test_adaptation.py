@@ -324,3 +324,19 @@ def test_a_gguf_file_or_a_folder_without_weights_is_refused_with_what_to_do(tmp_
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SourceError, match="no \\*.safetensors weights"):
         source_lineage(resolve_source(str(tmp_path)))
+
+
+@pytest.mark.slow
+def test_an_hf_folder_as_init_from_is_imported_once(session_dir, tiny_manifest, ar_source):
+    from tasks.adapt import import_dir, resolve_init, source_lineage
+
+    cfg = tiny_config(
+        session_dir / "init-hf", "diffusion.model_running_mode=difflm-shift", f"train.init_from={ar_source}"
+    )
+    resolved = resolve_init(cfg, tiny_manifest)
+    ckpt = Path(resolved.train.init_from)
+    assert ckpt == import_dir(cfg, source_lineage(ar_source), tiny_manifest["tokenizer"]) / "megatron"
+    assert (ckpt / "metadata.json").exists()
+    stamp = (ckpt / "metadata.json").stat().st_mtime_ns
+    assert resolve_init(cfg, tiny_manifest) == resolved and (ckpt / "metadata.json").stat().st_mtime_ns == stamp
+    assert resolve_init(resolved, tiny_manifest) is resolved  # a megatron checkpoint is left as it is
