@@ -20,7 +20,7 @@ from difflm.config import PipelineConfig, load_config
 from difflm.rundir import RunDir, is_export_of
 from models.launch.torchrun import is_finished, read_metrics, run_dir
 from tasks import adapt
-from tasks.cache import cache_key, run_stage
+from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done, run_stage
 from tasks.stages import convert_task, data_prep_task, evaluate_task, train_task
 
 
@@ -130,16 +130,26 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
             tracking.log_stage(sid, cached, **{"export.hf_dir": hf_dir})
         stages["convert"] = "cached" if cached else "ran"
 
-        # both models on the same held-out windows and task items (the same manifest, eval settings and seed)
+        # both models on the same held-out windows and task items (the same manifest, eval settings and seed);
+        # each cached under the key of its settings, data and checkpoint, as the flagship's evaluation
+        evaluations, cached_both = {}, True
         with tracking.stage_run("evaluate") as sid:
-            adapted = evaluate_task(cfg, manifest, hf_dir, str(RunDir(train_info["run_dir"]).eval_dir()), False)
-            source_results = evaluate_task(
-                adapt.ar_config(cfg), manifest, source_dir, str(imports / f"eval-{manifest['hash']}"), False
-            )
+            for name, ecfg, folder_, out in (
+                ("adapted", cfg, hf_dir, RunDir(train_info["run_dir"]).eval_dir()),
+                ("source_ar", adapt.ar_config(cfg), source_dir, imports / f"eval-{manifest['hash']}"),
+            ):
+                key = eval_key(ecfg, manifest, folder_)
+                evaluations[name], cached = run_stage(
+                    evaluate_task, key, eval_done(out, key), ecfg, manifest, folder_, str(out), False
+                )
+                mark_eval_done(out, key)
+                cached_both &= cached
+            adapted, source_results = evaluations["adapted"], evaluations["source_ar"]
+            tracking.log_stage(sid, cached_both)
             if sid:
                 tracking.log_evaluation(adapted)
                 tracking.log_evaluation(source_results, prefix="source_ar")
-        stages["evaluate"] = "ran"
+        stages["evaluate"] = "cached" if cached_both else "ran"
         table = adapt.comparison_markdown(lineage, adapted, source_results)
         (Path(train_info["run_dir"]) / "adaptation.md").write_text(table)
         if run_id:

@@ -304,6 +304,10 @@ def test_adapt_difflm_flow_evaluates_the_adapted_and_the_source_model_on_the_sam
     assert m["source_ar.trained.nll_per_token"] == pytest.approx(summary["source_ar"]["nll_per_token"])
     assert m["eval.trained.nll_per_token"] == pytest.approx(summary["adapted"]["nll_per_token"])
     assert "adaptation.md" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    if preset == "adapt-dream":  # a rerun reuses every stage, the evaluations included
+        again = adapt_difflm(source=str(ar_source), preset=preset, overrides=overrides)
+        assert set(again["stages"].values()) == {"cached"}, again["stages"]
+        assert again["comparison"] == summary["comparison"]
 
 
 def read_metrics_of(run_dir):
