@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/difflm run --preset $(PRESET) $(ARGS)
 
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q --durations=30 $(ARGS)
 
 # the suite runs these too (tests/test_lint.py); `make lint` fixes what ruff can
 lint: $(STAMP)

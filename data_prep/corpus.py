@@ -114,6 +114,10 @@ _PATTERNS = [
 _SKIP_SECTIONS = re.compile(r"\n(References|External links|See also|Further reading|Notes|Bibliography)\.\n.*", re.S)
 
 
+# bump when wiki_to_text changes what it writes: the cached JSONL of an older cleaner is then rebuilt
+CLEANER_VERSION = "v2"  # v2: wikitext entities (&nbsp;) resolved
+
+
 def _strip_nested(text: str, open_: str, close: str) -> str:
     """Remove balanced {{...}} / {|...|} blocks, which regexes cannot match when nested."""
     out, depth, i = [], 0, 0
@@ -132,12 +136,14 @@ def _strip_nested(text: str, open_: str, close: str) -> str:
 
 
 def wiki_to_text(markup: str) -> str:
-    text = html.unescape(markup)
+    text = html.unescape(markup)  # the dump's XML escaping (&lt;ref&gt;): markup becomes wikitext
     text = _strip_nested(text, "{{", "}}")
     text = _strip_nested(text, "{|", "|}")
     for pattern, repl in _PATTERNS:
         text = pattern.sub(repl, text)
     text = _SKIP_SECTIONS.sub("", "\n" + text).strip()
+    # the wikitext's own entities (&nbsp;, &ndash;) are text, not markup: resolve them once the tags are gone
+    text = html.unescape(text).replace("\xa0", " ")
     text = re.sub(r"[ \t]+", " ", text)
     text = re.sub(r"\(\s*[,;]?\s*\)", "", text)
     return re.sub(r"\n\s*\n+", "\n\n", text).strip()
@@ -162,7 +168,7 @@ def demo_corpus(name: str = "enwiki") -> Path:
         raise CorpusError(f"unknown embedded corpus {name!r}; available: {', '.join(SOURCES)}")
     src = SOURCES[name]
     root = cache_dir() / name
-    jsonl = root / f"{name}-{src.sha256[:12]}.jsonl"
+    jsonl = root / f"{name}-{src.sha256[:12]}-{CLEANER_VERSION}.jsonl"
     if jsonl.exists():
         return jsonl
     raw = root / Path(src.member).name

@@ -7,8 +7,11 @@ sections, and each stage's output directory is named by a hash of the sections i
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -418,7 +421,10 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _schedule(self) -> TrainConfig:
         if self.warmup_iters >= self.train_iters:
-            raise ValueError(f"warmup_iters ({self.warmup_iters}) must be below train_iters ({self.train_iters})")
+            raise ValueError(
+                f"warmup_iters ({self.warmup_iters}) must be below train_iters ({self.train_iters}): set "
+                f"train.warmup_iters too, e.g. train.warmup_iters={max(self.train_iters // 10, 0)}"
+            )
         if self.min_lr > self.lr:
             raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
         return self
@@ -633,6 +639,11 @@ class PipelineConfig(_Section):
         payload = {s: self.identity(s) for s in sections}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
+    def data_label(self) -> str:
+        """Which data, in words, for names people read (registered model, MLflow runs): the sources' labels. The
+        data hash (`data.hash` tags) says exactly which, tokenizer included."""
+        return "+".join(s.label for s in self.data.sources)
+
     def flat(self) -> dict[str, Any]:
         """`section.field -> value`, the form MLflow params take."""
         out: dict[str, Any] = {}
@@ -683,10 +694,51 @@ def _format_validation_error(err: ValidationError) -> str:
         loc = ".".join(str(p) for p in e["loc"]) or "config"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; `difflm config show` lists every field)"
+            close = difflib.get_close_matches(str(e["loc"][-1]), _fields_at(e["loc"][:-1]), n=1, cutoff=0.6)
+            hint = f"did you mean {'.'.join([*map(str, e['loc'][:-1]), close[0]])}? " if close else ""
+            msg = f"unknown field ({hint}`difflm config show` lists every field)"
         got = e.get("input")
         lines.append(f"  {loc}: {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})"))
     return "\n".join(lines)
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """The field names of the config section at `loc` (for "did you mean"); [] where loc is not a section."""
+    model: type[BaseModel] = PipelineConfig
+    for part in loc:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return []
+        ann = field.annotation
+        if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union:  # X | None
+            ann = next((a for a in typing.get_args(ann) if a is not type(None)), None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A preset or a run's config.yaml as a mapping; a YAML mistake is one line, `file:line:column: problem`."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        start = err.context_mark if err.context and err.problem else None
+        context = f", {err.context} at {start.line + 1}:{start.column + 1}" if start else ""
+        raise ConfigError(f"{where}: {err.problem or err.context}{context}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: cannot be read ({err})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: a preset is a mapping of sections (model:, train:, data:, ...), not a {type(data).__name__}"
+        )
+    return data
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -742,7 +794,7 @@ def load_config(preset: str | None = "tiny-cpu", overrides: list[str] | None = N
     """Load a preset (name or YAML path), apply overrides, validate. Raises ConfigError before any work."""
     data: dict[str, Any] = {}
     if preset:
-        data = yaml.safe_load(resolve_preset(preset).read_text()) or {}
+        data = read_yaml(resolve_preset(preset))
     data = apply_overrides(data, overrides or [])
     return validate(data)
 

@@ -33,7 +33,7 @@ DEFAULT_PRESET = "tiny-cpu"
 
 EPILOG = """examples:
   difflm run                                   # the demo: tiny-cpu preset, every stage
-  difflm run train.train_iters=50 model.num_layers=2
+  difflm run train.train_iters=50 train.warmup_iters=5 model.num_layers=2
   difflm run --preset configs/my.yaml diffusion.model_running_mode=ar
   difflm config show train.lr=1e-3             # print the resolved configuration
   difflm eval .difflm/runs/<run> .difflm/runs/<ar run>   # tasks + bounds, side by side

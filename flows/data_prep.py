@@ -20,7 +20,9 @@ def data_prep(
         config: a complete configuration.
     """
     cfg = config or load_config(preset, overrides or [])
-    with tracking.pipeline_run(cfg, f"{cfg.name}-data-prep", {"flow": "data-prep", "preset": cfg.name}) as run_id:
+    with tracking.pipeline_run(
+        cfg, f"{cfg.name}-data-prep-{cfg.data_label()}", {"flow": "data-prep", "preset": cfg.name}
+    ) as run_id:
         manifest = data_prep_task(cfg)
         if run_id:
             tracking.log_data_stats(manifest, context="output")

@@ -38,7 +38,8 @@ def pretrain_difflm(
     tracking.DEGRADED.clear()  # what tracking could not do in THIS execution
     tags = {"preset": cfg.name, "mode": cfg.diffusion.model_running_mode, "flow": "pretrain-difflm"}
     stages: dict[str, str] = {}
-    with tracking.pipeline_run(cfg, f"{cfg.name}-{cfg.diffusion.model_running_mode}", tags) as run_id:
+    run_name = f"{cfg.name}-{cfg.diffusion.model_running_mode}-{cfg.data_label()}"  # says which data
+    with tracking.pipeline_run(cfg, run_name, tags) as run_id:
         link = artifacts.mlflow_run_url(tracking.tracking_uri(cfg), tracking.experiment_of(run_id), run_id)
 
         ddir = data_dir(cfg)

@@ -120,3 +120,53 @@ def test_every_error_the_pipeline_defines_is_a_user_error():
         cls = getattr(importlib.import_module(module), name)
         assert issubclass(cls, DiffLMError), f"{module}.{name}"
         assert name == "DiffLMError" or issubclass(cls, UserError), f"{module}.{name} is not a UserError"
+
+
+def _documented_commands() -> list[tuple[str, str]]:
+    """(where, command line) for every `difflm ...` example in `difflm --help` and in fenced blocks of the docs."""
+    found = [("difflm --help", line.strip()) for line in cli.EPILOG.splitlines() if line.strip().startswith("difflm ")]
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    for doc in docs:
+        fenced, pending = False, ""
+        for n, raw in enumerate(doc.read_text().splitlines(), 1):
+            if raw.lstrip().startswith("```"):
+                fenced, pending = not fenced, ""
+                continue
+            line = pending + raw.strip()
+            if fenced and line.endswith("\\"):
+                pending = line[:-1] + " "
+                continue
+            pending = ""
+            command = line.removeprefix(".venv/bin/")
+            if fenced and command.startswith("difflm ") and "..." not in command:
+                found.append((f"{doc.relative_to(ROOT)}:{n}", command))
+    return found
+
+
+def test_every_documented_example_parses_and_its_config_validates():
+    """What a user copies from `--help` or the docs must at least parse and give a valid config (a test runs
+    each command itself elsewhere; this one catches an example that drifted from the config's rules)."""
+    import re
+    import shlex
+
+    from difflm.config import resolve_preset
+
+    examples = _documented_commands()
+    assert len(examples) >= 10, examples
+    for where, line in examples:
+        argv = shlex.split(re.sub(r"<[^>]+>", "placeholder", line), comments=True)[1:]
+        if argv == ["--help"]:
+            continue
+        args = cli._parse(argv)
+        cmd = cli.BY_NAME[args.command]
+        preset = args.preset or cli.DEFAULT_PRESET
+        try:
+            resolve_preset(preset)
+        except Exception:  # a user's own file (my.yaml): the example is about its overrides
+            preset = cli.DEFAULT_PRESET
+        try:
+            cfg = cli.load_config(preset, args.overrides)
+            options = {a.sets: getattr(args, a.dest) for a in cmd.args if a.sets and getattr(args, a.dest) is not None}
+            cli.with_fields(cfg, options)
+        except Exception as err:
+            pytest.fail(f"{where}: `{line}` fails: {err}")

@@ -1,9 +1,13 @@
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from difflm.config import CONFIG_DIR, ConfigError, PipelineConfig, load_config, save_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
@@ -152,3 +156,42 @@ def test_cluster_launch_files(tmp_path):
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8 and "models.megatron.train" in container["command"]
     with pytest.raises(ConfigError, match="nproc_per_node x nnodes"):
         load_config("tiny-cpu", ["train.nnodes=3", "parallel.tensor_model_parallel_size=2"])
+
+
+def test_malformed_preset_is_one_line_with_file_line_and_column(tmp_path):
+    preset = tmp_path / "my.yaml"
+    preset.write_text("train:\n  lr: 1e-3\nmodel: {num_layers: [2, 3}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(preset))
+    text = str(err.value)
+    assert "\n" not in text and text.startswith(f"{preset}:3:") and "expected" in text, text
+    preset.write_text("- train\n- model\n")
+    with pytest.raises(ConfigError, match="a preset is a mapping of sections"):
+        load_config(str(preset))
+    # through the CLI: one line on stderr, exit code 2, no traceback
+    proc = subprocess.run(
+        [sys.executable, "-m", "flows.cli", "config", "show", "--preset", str(preset)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("train.lrr=1e-3", "did you mean train.lr?"),
+        ("diffusion.model_runing_mode=ar", "did you mean diffusion.model_running_mode?"),
+        ("modle.num_layers=2", "did you mean model?"),
+    ],
+)
+def test_misspelt_field_suggests_the_right_one(override, suggestion):
+    with pytest.raises(ConfigError, match=re.escape(suggestion)):
+        load_config("tiny-cpu", [override])
+
+
+def test_a_shorter_run_says_which_warmup_to_set():
+    with pytest.raises(ConfigError, match=r"set train.warmup_iters too, e.g. train.warmup_iters=5"):
+        load_config("tiny-cpu", ["train.train_iters=50"])
+    assert load_config("tiny-cpu", ["train.train_iters=50", "train.warmup_iters=5"]).train.train_iters == 50

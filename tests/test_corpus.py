@@ -1,5 +1,6 @@
 import bz2
 import json
+import re
 
 import pytest
 
@@ -36,6 +37,13 @@ def test_demo_corpus_is_real_cached_text():
     docs = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(docs) > 100 and sum(len(d["text"]) for d in docs) > 2_000_000
     assert all(d["license"].startswith("CC BY-SA") for d in docs)
+    # the dump escapes the wikitext, whose own entities (&nbsp;) are text: none may reach the corpus
+    entities = [m for d in docs for m in re.findall(r"&[a-zA-Z]+;|&#\d+;", d["text"])]
+    assert not entities, entities[:10]
+
+
+def test_wikitext_entities_become_text():
+    assert corpus.wiki_to_text("5&amp;nbsp;km &amp;ndash; [[Paris]]&amp;#39;s") == "5 km \u2013 Paris's"
 
 
 def test_checksum_mismatch_is_refused(tmp_path, monkeypatch):

@@ -165,7 +165,8 @@ def test_lm_eval_runs_difflm_through_its_own_entry_point(exports, items, tmp_pat
             "--model",
             "difflm",
             "--model_args",
-            f"pretrained={folder},mc_samples=2,steps=2,block_length=2",
+            # trust_remote_code: what users pass for LLaDA and Dream; accepted, and said to be ignored
+            f"pretrained={folder},trust_remote_code=True,mc_samples=2,steps=2,block_length=2",
             "--tasks",
             "difflm_cloze,difflm_choice,difflm_documents,difflm_cloze_gen",
             "--include_path",
@@ -177,6 +178,7 @@ def test_lm_eval_runs_difflm_through_its_own_entry_point(exports, items, tmp_pat
         ]
         run = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
         assert run.returncode == 0, run.stderr[-4000:]
+        assert "never runs code from the folder" in run.stderr
         results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]
         assert 0 <= results["difflm_choice"]["acc,none"] <= 1
         assert 0 <= results["difflm_cloze"]["acc,none"] <= 1 and results["difflm_cloze"]["perplexity,none"] > 1

@@ -82,7 +82,7 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness, monk
     hf_files = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "hf_model")}
     assert {"model.safetensors", "config.json", "modeling_difflm.py", "tokenizer.json"} <= hf_files
     # registered under the name derived from preset and mode; the first version is candidate and champion
-    assert summary["registered_model"] == "difflm-test-tiny-difflm-noshift"
+    assert summary["registered_model"] == "difflm-test-tiny-difflm-noshift-enwiki"
     version = client.get_model_version(summary["registered_model"], summary["version"])
     assert version.run_id == run.info.run_id and set(version.aliases) == {"candidate", "champion"}
     assert summary["promoted"] and "eval.trained.nll_per_token" in version.tags["promotion"]

@@ -56,7 +56,7 @@ def fake_export(folder: Path) -> Path:
     return folder
 
 
-def register(store, cfg, tmp_path, value: float | None, checkpoint: str) -> dict:
+def register(store, cfg, tmp_path, value: float | None, checkpoint: str, manifest: dict = MANIFEST) -> dict:
     """A run that logged `value` of the champion metric and a dummy export, registered like the flow does."""
     uri, client, exp = store
     run = client.create_run(exp)
@@ -75,7 +75,7 @@ def register(store, cfg, tmp_path, value: float | None, checkpoint: str) -> dict
         checkpoint=checkpoint,
         uri=uri,
         hf_dir=hf,
-        manifest=MANIFEST,
+        manifest=manifest,
         results=results(value or 0.0),
     )
 
@@ -85,13 +85,13 @@ def aliases(client, name: str) -> dict[str, str]:
 
 
 def test_default_name_per_preset_and_mode_and_an_explicit_override():
-    assert registry.registered_model_name(load_config("tiny-cpu")) == "difflm-tiny-cpu-difflm-noshift"
+    assert registry.registered_model_name(load_config("tiny-cpu")) == "difflm-tiny-cpu-difflm-noshift-enwiki"
     assert (
         registry.registered_model_name(load_config("test-tiny", ["diffusion.model_running_mode=ar"]))
-        == "difflm-test-tiny-ar"
+        == "difflm-test-tiny-ar-enwiki"
     )
     odd = load_config("test-tiny", ["name=my run/v2"])  # sanitised to MLflow-safe characters
-    assert registry.registered_model_name(odd) == "difflm-my-run-v2-difflm-noshift"
+    assert registry.registered_model_name(odd) == "difflm-my-run-v2-difflm-noshift-enwiki"
     assert registry.registered_model_name(load_config("test-tiny", ["tracking.registered_model=mine"])) == "mine"
     assert registry.registered_model_name(load_config("test-tiny", ["tracking.registry=false"])) is None
     assert registry.registered_model_name(load_config("test-tiny", ["tracking.registered_model="])) is None
@@ -123,6 +123,26 @@ def test_champion_moves_only_to_a_strictly_better_version(store, tmp_path):
     missing = register(store, cfg, tmp_path, None, "ckpt/5")  # evaluation not logged: never promoted
     assert not missing["promoted"] and "no eval.trained.nll_per_token logged" in missing["promotion"]
     assert aliases(client, name) == {"candidate": "5", "champion": "4"}
+
+
+def test_versions_on_other_data_never_compete_for_champion(store, tmp_path):
+    """Tried as a new user would: own-data models became versions of the demo's model and promotion compared
+    ELBOs across corpora and tokenizers ("kept champion v1 (6.669 >= 6.56)")."""
+    _, client, _ = store
+    demo = load_config("test-tiny", [f"workdir={tmp_path}"])
+    own = load_config("test-tiny", [f"workdir={tmp_path}", "data.sources=[/data/docstrings.jsonl, /data/changelogs/]"])
+    assert registry.registered_model_name(own) == "difflm-test-tiny-difflm-noshift-docstrings-changelogs"
+    assert registry.registered_model_name(own) != registry.registered_model_name(demo)
+
+    # one explicit name for both (tracking.registered_model): the data hash still keeps them apart
+    shared = [f"workdir={tmp_path}", "tracking.registered_model=shared"]
+    first = register(store, load_config("test-tiny", shared), tmp_path, 6.90, "ckpt/1")
+    other_data = {**MANIFEST, "hash": "0123456789ab"}
+    lower = register(store, load_config("test-tiny", shared), tmp_path, 6.56, "ckpt/2", manifest=other_data)
+    assert first["promoted"] and not lower["promoted"] and aliases(client, "shared")["champion"] == "1"
+    assert "not compared, it was scored on other data" in lower["promotion"], lower["promotion"]
+    same_data = register(store, load_config("test-tiny", shared), tmp_path, 6.80, "ckpt/3")
+    assert same_data["promoted"] and aliases(client, "shared")["champion"] == "3"
 
 
 def test_higher_is_better_reverses_the_comparison(store, tmp_path):
@@ -199,6 +219,9 @@ def test_the_flow_wrapper_registers_under_the_derived_name(store, tmp_path):
         out = tracking.log_and_register_model(
             cfg, fake_export(tmp_path / "hf"), run.info.run_id, "ckpt", manifest=MANIFEST, results=results(6.5)
         )
-    assert out["registered_model"] == "difflm-test-tiny-difflm-noshift" and out["promoted"]
-    assert client.get_run(run.info.run_id).data.tags["registered_model_version"] == "difflm-test-tiny-difflm-noshift/1"
+    assert out["registered_model"] == "difflm-test-tiny-difflm-noshift-enwiki" and out["promoted"]
+    assert (
+        client.get_run(run.info.run_id).data.tags["registered_model_version"]
+        == "difflm-test-tiny-difflm-noshift-enwiki/1"
+    )
     assert str(client.get_model_version_by_alias(out["registered_model"], "champion").version) == "1"

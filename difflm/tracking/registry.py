@@ -1,5 +1,6 @@
-"""The model registry: one registered model per preset and mode, the alias `candidate` on every new version,
-and `champion` only on a version whose evaluation beats the current champion's on the configured metric.
+"""The model registry: one registered model per preset, mode and data, the alias `candidate` on every new
+version, and `champion` only on a version whose evaluation beats the current champion's on the configured
+metric, measured on the same data (a bound on other data or through another tokenizer is not comparable).
 
 Plain MLflow client calls (no active run needed), so the rules are tested on a bare sqlite store.
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 from difflm.config import PipelineConfig
 
 CANDIDATE, CHAMPION = "candidate", "champion"
+TAG_DATA = "data.hash"  # the prepared data (sources, cleaning, split, tokenizer) a version was scored on
 # version tags: what was compared, its value, and what the registration decided (read back for the next one)
 TAG_CHECKPOINT, TAG_METRIC, TAG_VALUE, TAG_PROMOTION = (
     "difflm.checkpoint",
@@ -25,13 +27,14 @@ TAG_CHECKPOINT, TAG_METRIC, TAG_VALUE, TAG_PROMOTION = (
 
 def registered_model_name(cfg: PipelineConfig) -> str | None:
     """The name the export is registered under, or None when registration is off. Derived by default, one
-    model per preset and mode (a champion is only ever compared with models trained the same way)."""
+    model per preset, mode and data (`difflm-tiny-cpu-difflm-noshift-enwiki`): a champion is only ever compared
+    with models trained the same way on the same sources."""
     t = cfg.tracking
     if not t.registry or t.registered_model == "":
         return None
     if t.registered_model:
         return t.registered_model  # explicit: taken as given (MLflow validates it)
-    derived = f"difflm-{cfg.name}-{cfg.diffusion.model_running_mode}"
+    derived = f"difflm-{cfg.name}-{cfg.diffusion.model_running_mode}-{cfg.data_label()}"
     return re.sub(r"[^A-Za-z0-9._-]+", "-", derived).strip("-.")  # a preset name may be anything
 
 
@@ -93,8 +96,15 @@ def promote(client, name: str, version: str, metric: str, higher_is_better: bool
     client.set_registered_model_alias(name, CANDIDATE, version)
     value = version_metric(client, mv, metric)
     champ = champion_of(client, name)
+    data, champ_data = mv.tags.get(TAG_DATA), champ.tags.get(TAG_DATA) if champ is not None else None
     if champ is not None and str(champ.version) == version:
         promoted, text = False, "already champion"
+    elif data and champ_data and data != champ_data:  # same name, other data (cleaning, split or tokenizer)
+        promoted, text = (
+            False,
+            f"kept champion v{champ.version}: not compared, it was scored on other data "
+            f"(data.hash {champ_data}, this version {data}); move the alias by hand if this one should win",
+        )
     else:
         promoted, text = decide(
             value,
@@ -168,7 +178,7 @@ def register_version(
             TAG_CHECKPOINT: checkpoint,
             "mode": cfg.diffusion.model_running_mode,
             "preset": cfg.name,
-            **({"data.hash": manifest["hash"]} if manifest and "hash" in manifest else {}),
+            **({TAG_DATA: manifest["hash"]} if manifest and "hash" in manifest else {}),
         }
         mv = client.create_model_version(name, source=source, run_id=run_id, tags=tags, description=description)
     t = cfg.tracking

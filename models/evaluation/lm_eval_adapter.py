@@ -12,7 +12,8 @@ registers the model type (lm-eval has no plugin discovery for models). In Python
 model_args: pretrained, mc_samples (32), seed (0), device (cuda when available), dtype (float32 | bfloat16 |
 float16 | auto: bfloat16 on CUDA, float32 on the CPU, as eval.dtype), max_length, greedy (compute is_greedy,
 true) and the sampler of generate_until: steps, block_length, remasking, threshold, temperature, top_k, top_p,
-cfg_scale.
+cfg_scale. `trust_remote_code` (what users pass for LLaDA and Dream) is accepted and ignored: this model type
+loads the folder's weights into the pipeline's own class and never runs code from the folder.
 """
 
 from __future__ import annotations
@@ -45,9 +46,16 @@ class DiffLMEval(LM):
         max_length: int | None = None,
         greedy: bool = True,
         tracking_uri: str | None = None,
+        trust_remote_code: bool | str | None = None,
         **kwargs,
     ):
         super().__init__()
+        if trust_remote_code is not None:
+            print(
+                "difflm: trust_remote_code is ignored: the difflm model type loads the export's weights into the "
+                "pipeline's own model class and never runs code from the folder",
+                file=sys.stderr,
+            )
         from models.evaluation.stages import load_model, load_tokenizer, resolve_device
 
         folder = resolve_export(str(pretrained), tracking_uri)
