@@ -41,7 +41,7 @@ EPILOG = """examples:
   difflm convert <run>/hf --out ckpt/           # HF export -> megatron checkpoint (then train.init_from=ckpt/)
   difflm eval-latest .difflm/runs/<run>         # score the newest checkpoint while it trains, into MLflow
   difflm generate .difflm/runs/<run> --prompt "The river" eval.sampler.threshold=0.9 eval.sampler.block_length=8
-  difflm adapt smollm2 --preset adapt-diffullama train.train_iters=20  # AR -> diffusion from a pretrained LM
+  difflm adapt smollm2 train.train_iters=20 train.warmup_iters=2  # AR -> diffusion from SmolLM2 (adapt-dream)
   difflm serve pretrain-difflm --cron '0 3 * * *'                # a Prefect deployment of the pipeline
   difflm serve evaluate-latest --run-dir .difflm/runs/<run>     # score each new checkpoint every 600 s
 """
