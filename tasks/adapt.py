@@ -162,19 +162,6 @@ def is_hf_folder(path: str | None) -> bool:
     return bool(path) and (Path(path).expanduser() / "config.json").exists()
 
 
-def resolve_init(cfg: PipelineConfig, manifest: dict) -> PipelineConfig:
-    """`cfg` with an HF folder in `train.init_from` replaced by the megatron checkpoint imported from it (written
-    once, under `import_dir`); unchanged otherwise. The flagship flow starts from HF folders so."""
-    if not is_hf_folder(cfg.train.init_from):
-        return cfg
-    folder = Path(cfg.train.init_from).expanduser().resolve()
-    lineage = source_lineage(folder)
-    ckpt = import_source(
-        cfg, folder, manifest["tokenizer"], import_dir(cfg, lineage, manifest["tokenizer"]) / "megatron"
-    )
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": str(ckpt)})})
-
-
 def ar_config(cfg: PipelineConfig) -> PipelineConfig:
     """`cfg` as the source's autoregressive model: mode ar, no adaptation options (same data, model, eval)."""
     diffusion = cfg.diffusion.model_copy(

@@ -274,7 +274,7 @@ def test_adapt_difflm_flow_evaluates_the_adapted_and_the_source_model_on_the_sam
     overrides = [f"workdir={workdir}", *SMALL_RUN, "train.train_iters=10", "train.lr=3e-3", *anneal]
     summary = adapt_difflm(source=str(ar_source), preset=preset, overrides=overrides)
     assert summary["stages"] == dict.fromkeys(
-        ("data-prep", "import", "export-source-ar", "train", "convert", "evaluate"), "ran"
+        ("data-prep", "import", "train", "convert", "evaluate", "export-source-ar", "evaluate-source-ar"), "ran"
     )
     lineage = source_lineage(ar_source)
     assert summary["source"] == lineage and lineage["architecture"] == "DiffLMForMaskedLM"
@@ -304,10 +304,16 @@ def test_adapt_difflm_flow_evaluates_the_adapted_and_the_source_model_on_the_sam
     assert m["source_ar.trained.nll_per_token"] == pytest.approx(summary["source_ar"]["nll_per_token"])
     assert m["eval.trained.nll_per_token"] == pytest.approx(summary["adapted"]["nll_per_token"])
     assert "adaptation.md" in [a.path for a in client.list_artifacts(run.info.run_id)]
+    assert summary["registered_model"].startswith(f"difflm-{preset}-difflm-shift")  # the flagship's registry
     if preset == "adapt-dream":  # a rerun reuses every stage, the evaluations included
         again = adapt_difflm(source=str(ar_source), preset=preset, overrides=overrides)
         assert set(again["stages"].values()) == {"cached"}, again["stages"]
         assert again["comparison"] == summary["comparison"]
+        # the flagship takes the same HF folder as train.init_from: the same import, the same run
+        from flows.pretrain import pretrain_difflm
+
+        flagship = pretrain_difflm(config=cfg)
+        assert flagship["run_dir"] == summary["run_dir"] and flagship["stages"]["import"] == "cached"
 
 
 def read_metrics_of(run_dir):
@@ -328,19 +334,3 @@ def test_a_gguf_file_or_a_folder_without_weights_is_refused_with_what_to_do(tmp_
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(SourceError, match="no \\*.safetensors weights"):
         source_lineage(resolve_source(str(tmp_path)))
-
-
-@pytest.mark.slow
-def test_an_hf_folder_as_init_from_is_imported_once(session_dir, tiny_manifest, ar_source):
-    from tasks.adapt import import_dir, resolve_init, source_lineage
-
-    cfg = tiny_config(
-        session_dir / "init-hf", "diffusion.model_running_mode=difflm-shift", f"train.init_from={ar_source}"
-    )
-    resolved = resolve_init(cfg, tiny_manifest)
-    ckpt = Path(resolved.train.init_from)
-    assert ckpt == import_dir(cfg, source_lineage(ar_source), tiny_manifest["tokenizer"]) / "megatron"
-    assert (ckpt / "metadata.json").exists()
-    stamp = (ckpt / "metadata.json").stat().st_mtime_ns
-    assert resolve_init(cfg, tiny_manifest) == resolved and (ckpt / "metadata.json").stat().st_mtime_ns == stamp
-    assert resolve_init(resolved, tiny_manifest) is resolved  # a megatron checkpoint is left as it is
