@@ -13,7 +13,6 @@ The dequantized model refuses `save_pretrained` (it is marked as quantized): its
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -22,6 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import difflm
 from difflm.errors import UserError
 
 
@@ -48,12 +48,7 @@ class PretrainedError(UserError, RuntimeError):
 
 
 def _cache_root() -> Path:
-    """<cache>/pretrained, under the demo corpus's cache root (data_prep.corpus.cache_dir: $DIFFLM_CACHE, else
-    $XDG_CACHE_HOME/difflm-pipeline, else ~/.cache/difflm-pipeline)."""
-    root = os.environ.get("DIFFLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "difflm-pipeline"
-    )
-    return Path(root) / "pretrained"
+    return Path(difflm.cache_dir()) / "pretrained"
 
 
 def fetch_gguf(src: GGUFSource = SMOLLM2, cache: Path | None = None) -> Path:
