@@ -246,6 +246,22 @@ class ModelConfig(_Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     init_method_std: float = Field(0.02, gt=0.0)
     norm_epsilon: float = Field(1e-5, gt=0.0)
+    qkv_bias: bool = Field(
+        False, json_schema_extra=IF_SET, description="Biases on the Q, K and V projections (Qwen2); none elsewhere."
+    )
+    kv_channels: int | None = Field(
+        None,
+        ge=1,
+        json_schema_extra=IF_SET,
+        description="Width of one attention head (HF head_dim; Qwen3 sets it apart from hidden/heads). "
+        "None: hidden_size / num_attention_heads.",
+    )
+    hf_architecture: Literal["llama", "qwen2", "qwen3", "mistral"] | None = Field(
+        None,
+        json_schema_extra=OPERATIONAL,
+        description="The stock transformers class an `ar` export takes (recorded by `difflm convert HF_DIR`); "
+        "None: Qwen3 with qk_layernorm, Qwen2 with qkv_bias, else Llama. Exports only: training is the same.",
+    )
     document_attention: bool = Field(
         False, description="Packed documents attend only within themselves (explicit mask on the local spec)."
     )
@@ -259,7 +275,7 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelConfig:
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({self.num_attention_heads})"
             )

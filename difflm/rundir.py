@@ -33,6 +33,7 @@ CURVES = "curves.png"
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"  # in checkpoints/: the newest complete iteration
 HF = "hf"
+HF_STOCK = "hf-stock"  # an `ar` run's final checkpoint as the stock transformers class (no remote code)
 EXPORTS = "exports"
 EVAL = "eval"
 EVAL_LATEST = "eval_latest"
@@ -129,6 +130,11 @@ class RunDir:
     def hf(self) -> Path:
         """The export of the final checkpoint, written by the pipeline."""
         return self.path / HF
+
+    @property
+    def hf_stock(self) -> Path:
+        """The final checkpoint of an `ar` run as the stock transformers class, written by the pipeline."""
+        return self.path / HF_STOCK
 
     @property
     def eval_latest(self) -> Path:

@@ -196,7 +196,8 @@ def cmd_convert(cfg: PipelineConfig, args) -> int:
         info = convert_source(cfg, found, args.out)
     out = info["out_dir"]
     if info["to"] == "megatron":
-        print(f"megatron checkpoint: {out}\nstart training from it with: train.init_from={out}")
+        use = info.get("use") or [f"train.init_from={out}"]
+        print(f"megatron checkpoint: {out}\nstart training from it with: {' '.join(use)}")
     else:
         print(
             f"Hugging Face export: {out}"
@@ -516,6 +517,8 @@ COMMANDS = (
         "  a megatron checkpoint (iter_XXXXXXX, with metadata.json) -> HF export (<name>-hf beside it)\n"
         "  an HF export (config.json + model.safetensors) -> megatron checkpoint (<name>-megatron beside it),\n"
         "    to start training from: train.init_from=<that folder>\n"
+        "  a stock HF folder (Llama, Qwen2, Qwen3, Mistral; safetensors + tokenizer.json) -> megatron checkpoint,\n"
+        "    its tokenizer with a mask token in <out>/tokenizer; prints the overrides that train from it\n"
         "The model comes from the config: by default the config.yaml of the run SOURCE belongs to; for HF -> "
         "megatron, parallel.* sets the vocabulary padding of the target layout. An --out folder holding anything "
         "else is never replaced.",

@@ -33,6 +33,10 @@ def conversion_source(source: str | Path, to: str | None = None) -> dict:
     from models.hf.convert import ConversionError
 
     path = Path(source).expanduser().resolve()
+    if path.is_file() and path.suffix == ".gguf":
+        from models.hf.importer import check_source
+
+        check_source(path)  # says how to make an HF folder of it
     if not path.is_dir():
         raise ConversionError(f"{source}: no such folder; {CONVERT_HINT}")
     if RunDir(path.parent).is_run() and RunDir(path.parent).checkpoints == path:  # <run>/checkpoints: the run
@@ -48,6 +52,8 @@ def conversion_source(source: str | Path, to: str | None = None) -> dict:
         found = {"to": "hf", "path": run.checkpoint(it), "run_dir": path, "iteration": it}
     elif (path / "metadata.json").exists():
         found = {"to": "hf", "path": path, "run_dir": _run_of(path), "iteration": iteration_of(path)}
+    elif is_stock_folder(path):  # Llama, Qwen2, Qwen3, Mistral...: models.hf.importer checks the rest
+        found = {"to": "megatron", "path": path, "run_dir": None, "iteration": None, "stock": True}
     elif (path / "config.json").exists() and (path / "model.safetensors").exists():
         found = {"to": "megatron", "path": path, "run_dir": _run_of(path), "iteration": None}
     else:
@@ -63,6 +69,24 @@ def conversion_source(source: str | Path, to: str | None = None) -> dict:
             + ("a run directory or a megatron checkpoint" if to == "hf" else "an HF export")
         )
     return found
+
+
+def is_stock_folder(path: Path) -> bool:
+    """A Hugging Face model folder of a transformers class (not this project's export)."""
+    config = Path(path) / "config.json"
+    return config.exists() and json.loads(config.read_text()).get("model_type") != "difflm"
+
+
+def import_stock(cfg: PipelineConfig, src: Path, out: Path) -> list[str]:
+    """Import the stock HF folder `src` into the megatron checkpoint `out` (the model fields follow the source,
+    parallel.* sets the vocabulary padding); returns the overrides that train from it."""
+    from difflm.config import apply_overrides, validate
+    from models.hf.importer import import_pretrained, import_record, source_overrides, tokenizer_overrides
+
+    model = source_overrides(src)
+    cfg = validate(apply_overrides(cfg.model_dump(mode="json"), model))
+    import_pretrained(cfg, src, out)
+    return [f"train.init_from={out}", *tokenizer_overrides(import_record(out)["tokenizer"]), *model]
 
 
 def stage_config(run_dir: Path | None, preset: str | None = None, overrides: list[str] | None = None) -> PipelineConfig:
@@ -223,6 +247,9 @@ def convert_source(cfg: PipelineConfig, found: dict, out_dir: str | Path | None 
         "out_dir": str(out),
         "reused": False,
     }
+    if found.get("stock"):
+        info["use"] = import_stock(cfg, src, out)
+        return info
     if found["to"] == "megatron":
         import_hf(cfg, src, out, describe(src, cfg.tokenizer).to_dict())
         return info

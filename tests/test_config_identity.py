@@ -190,6 +190,8 @@ IDENTITY = {
         "dropout",
         "init_method_std",
         "norm_epsilon",
+        "qkv_bias",
+        "kv_channels",
         "document_attention",
     },
     "diffusion": {

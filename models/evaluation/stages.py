@@ -25,7 +25,24 @@ def convert_checkpoint(cfg: PipelineConfig, manifest: dict, train_info: dict) ->
     if is_export_of(out, train_info["checkpoint"]):
         return out
     provenance = {"data_hash": manifest["hash"], "mode": cfg.diffusion.model_running_mode}
+    export_stock_class(cfg, manifest, train_info)
     return export_hf(cfg, manifest["tokenizer"], Path(train_info["checkpoint"]), out, provenance)
+
+
+def export_stock_class(cfg: PipelineConfig, manifest: dict, train_info: dict) -> Path | None:
+    """An `ar` run's final checkpoint also as the stock transformers class (<run>/hf-stock: Llama, or the class
+    it was imported from), which `AutoModelForCausalLM.from_pretrained` and lm-eval's `hf` model load with no
+    remote code; None for a diffusion model or a model no stock class computes (LayerNorm, GELU)."""
+    from models.diffusion.modes import objective_class
+    from models.hf.architectures import stock_problem
+    from models.hf.importer import export_stock
+
+    if objective_class(cfg.diffusion.model_running_mode).bidirectional or stock_problem(cfg.model):
+        return None
+    out, ckpt = RunDir(train_info["run_dir"]).hf_stock, Path(train_info["checkpoint"])
+    if is_export_of(out, ckpt):
+        return out
+    return export_stock(cfg, manifest["tokenizer"], ckpt, out, {"data_hash": manifest["hash"]})
 
 
 class EvaluationError(UserError, ValueError):

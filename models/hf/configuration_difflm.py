@@ -20,6 +20,8 @@ class DiffLMConfig(PretrainedConfig):
         normalization: str = "RMSNorm",
         norm_eps: float = 1e-5,
         qk_layernorm: bool = False,
+        qkv_bias: bool = False,
+        head_dim: int | None = None,
         rope_theta: float = 10000.0,
         max_position_embeddings: int = 128,
         bidirectional: bool = True,
@@ -46,6 +48,8 @@ class DiffLMConfig(PretrainedConfig):
         self.normalization = normalization
         self.norm_eps = norm_eps
         self.qk_layernorm = qk_layernorm
+        self.qkv_bias = qkv_bias  # biases on the fused Q/K/V projection (Qwen2)
+        self.head_dim = head_dim  # width of one head; None: hidden_size // num_attention_heads (Qwen3 sets it)
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
         self.bidirectional = bidirectional

@@ -73,6 +73,7 @@ _LAYER_KEYS = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "self_attention.linear_qkv.layer_norm_bias": "input_layernorm.bias",
     "self_attention.linear_qkv.weight": "self_attention.linear_qkv.weight",
+    "self_attention.linear_qkv.bias": "self_attention.linear_qkv.bias",
     "self_attention.linear_proj.weight": "self_attention.linear_proj.weight",
     "self_attention.q_layernorm.weight": "self_attention.q_norm.weight",
     "self_attention.q_layernorm.bias": "self_attention.q_norm.bias",
@@ -143,6 +144,8 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
         normalization=m.normalization,
         norm_eps=m.norm_epsilon,
         qk_layernorm=m.qk_layernorm,
+        qkv_bias=m.qkv_bias,
+        head_dim=m.kv_channels,
         rope_theta=float(m.rotary_base),
         max_position_embeddings=cfg.train.seq_length,
         bidirectional=objective.bidirectional,
@@ -191,13 +194,14 @@ def check_replaceable(out_dir: Path, kind: str) -> None:
     )
 
 
-def save_export(model, tokenizer_dir: Path, out_dir: Path, meta: dict) -> Path:
-    """Weights, config, model code and tokenizer of `model` into `out_dir` (replaced atomically)."""
+def save_export(model, tokenizer_dir: Path, out_dir: Path, meta: dict, code: bool = True) -> Path:
+    """Weights, config, model code (unless `code` is False: a stock transformers class) and tokenizer of `model`
+    into `out_dir` (replaced atomically)."""
     check_replaceable(out_dir, "hf")
     tmp = out_dir.with_name(out_dir.name + ".part")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(str(tmp), safe_serialization=True)
-    for name, src in export_code().items():
+    for name, src in export_code().items() if code else ():
         (tmp / name).write_text(src)
     for f in Path(tokenizer_dir).iterdir():
         shutil.copy2(f, tmp / f.name)
@@ -250,6 +254,8 @@ def _check_compatible(cfg: PipelineConfig, hf_cfg: dict, tokenizer: dict) -> Non
         "gated_mlp",
         "normalization",
         "qk_layernorm",
+        "qkv_bias",
+        "head_dim",
         "tie_word_embeddings",
         "time_embedding",
         "real_vocab_size",
@@ -257,10 +263,11 @@ def _check_compatible(cfg: PipelineConfig, hf_cfg: dict, tokenizer: dict) -> Non
     )
     if not want.get("time_embedding"):  # how t would enter matters only when it does
         keys = keys[:-1]
+    old_defaults = {"time_conditioning": "input", "qkv_bias": False}  # exports written before the field
     diff = {
-        k: (hf_cfg.get(k, "input" if k == "time_conditioning" else None), want.get(k))
+        k: (hf_cfg.get(k, old_defaults.get(k)), want.get(k))
         for k in keys
-        if hf_cfg.get(k, "input" if k == "time_conditioning" else None) != want.get(k)
+        if hf_cfg.get(k, old_defaults.get(k)) != want.get(k)
     }
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())

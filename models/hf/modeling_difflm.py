@@ -40,6 +40,10 @@ def _rope(seq_len: int, dim: int, base: float, device) -> tuple[torch.Tensor, to
     return emb.cos(), emb.sin()
 
 
+def _head_dim(config: DiffLMConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
@@ -50,10 +54,10 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_groups = config.num_key_value_heads
-        self.head_dim = config.hidden_size // self.n_heads
+        self.head_dim = _head_dim(config)
         self.causal = not config.bidirectional
         qkv_out = self.head_dim * (self.n_heads + 2 * self.n_groups)
-        self.linear_qkv = nn.Linear(config.hidden_size, qkv_out, bias=False)
+        self.linear_qkv = nn.Linear(config.hidden_size, qkv_out, bias=getattr(config, "qkv_bias", False))
         self.linear_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
         self.q_norm = _norm(config, self.head_dim) if config.qk_layernorm else None
         self.k_norm = _norm(config, self.head_dim) if config.qk_layernorm else None
@@ -156,6 +160,8 @@ class DiffLMForMaskedLM(PreTrainedModel):
         std = self.config.initializer_range
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
 
     def forward(
         self,
@@ -179,9 +185,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
             t = (self._default_t(input_ids, attention_mask) if t is None else t).to(x.device)
         if self.time_embedding is not None:
             x = x + self.time_embedding(t)[:, None].to(x.dtype)
-        cos, sin = _rope(
-            offset + s, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta, x.device
-        )
+        cos, sin = _rope(offset + s, _head_dim(self.config), self.config.rope_theta, x.device)
         cos, sin = cos[offset:], sin[offset:]
         # computed in fp32, applied in the activation dtype as megatron's local RoPE does (bit-identical in fp32);
         # fp32 tables in a bf16 model would promote q and k but not v, and SDPA refuses mixed dtypes

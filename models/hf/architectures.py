@@ -1,0 +1,242 @@
+"""The stock transformers decoders we import and export (Llama, Qwen2, Qwen3, Mistral), as one table.
+
+Every one is the same pre-norm RMSNorm / RoPE / SwiGLU decoder; they differ in a few switches (biases on Q/K/V,
+a norm on each query and key head, a head width apart from hidden / heads) and in how a config spells sliding
+windows. The weight names are shared, so one mapping covers all four, between the stock layout
+(`model.layers.{i}.self_attn.q_proj.weight`, ...) and this project's (`layers.{i}.self_attention.linear_qkv.weight`,
+the layout of `modeling_difflm.py` and, key for key, of megatron-core's local spec): Q/K/V fused and grouped per
+query group ([q_1..q_n, k, v] per group, as Megatron-Bridge's QKVMapping), gate and up fused as [gate; up] (the
+full tensor: megatron's own sharded state dict cuts each half per TP rank on load).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from models.hf.convert import ConversionError
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What sets one stock decoder apart from the others."""
+
+    name: str  # config.json's model_type, and model.hf_architecture
+    hf_class: str  # transformers' *ForCausalLM class
+    qkv_bias: bool  # biases on q/k/v_proj (never on o_proj)
+    qk_norm: bool  # RMSNorm on every query and key head (q_norm, k_norm)
+    window_switch: str | None  # config field that turns the sliding window on; None: a set sliding_window does
+
+
+ARCHITECTURES = {
+    a.name: a
+    for a in (
+        Architecture("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False, window_switch=None),
+        Architecture("mistral", "MistralForCausalLM", qkv_bias=False, qk_norm=False, window_switch=None),
+        Architecture("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False, window_switch="use_sliding_window"),
+        Architecture("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True, window_switch="use_sliding_window"),
+    )
+}
+SUPPORTED = ", ".join(a.hf_class for a in ARCHITECTURES.values())
+
+
+def architecture_of(model_cfg) -> Architecture:
+    """The stock class a model of this project exports to: the recorded one, else the one with its features."""
+    if model_cfg.hf_architecture:
+        return ARCHITECTURES[model_cfg.hf_architecture]
+    return ARCHITECTURES["qwen3" if model_cfg.qk_layernorm else "qwen2" if model_cfg.qkv_bias else "llama"]
+
+
+# ---- reading a stock folder's config ---------------------------------------------------------------------------
+def read_config(folder: Path) -> tuple[Architecture, dict]:
+    """(architecture, config.json) of a stock HF folder; ConversionError naming the fix for what we do not build."""
+    path = Path(folder) / "config.json"
+    if not path.exists():
+        raise ConversionError(f"{folder}: no config.json; pass a Hugging Face model folder ({SUPPORTED})")
+    c = json.loads(path.read_text())
+    arch = ARCHITECTURES.get(c.get("model_type"))
+    if arch is None:
+        found = (c.get("architectures") or [c.get("model_type")])[0]
+        raise ConversionError(f"{folder}: {found} is not supported; import one of {SUPPORTED}")
+    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    kind = rope.get("rope_type") or rope.get("type") or "default"
+    if kind != "default":
+        raise ConversionError(
+            f"{folder}: RoPE scaling {kind!r} is not implemented (plain RoPE only); use a checkpoint without "
+            f"rope_scaling, or remove it from config.json if you train at the original context length"
+        )
+    window = c.get("sliding_window") if (arch.window_switch is None or c.get(arch.window_switch)) else None
+    if window:
+        raise ConversionError(
+            f"{folder}: sliding-window attention (sliding_window={window}) is not implemented; if your sequences "
+            f"never exceed it, set sliding_window to null in config.json"
+        )
+    if c.get("hidden_act", "silu") != "silu" or c.get("attention_bias") and not arch.qkv_bias or c.get("mlp_bias"):
+        raise ConversionError(
+            f"{folder}: hidden_act={c.get('hidden_act')!r}, attention_bias={c.get('attention_bias')}, "
+            f"mlp_bias={c.get('mlp_bias')}: only silu without o_proj/MLP biases is supported"
+        )
+    return arch, c
+
+
+def rope_theta(c: dict) -> int:
+    theta = float((c.get("rope_parameters") or {}).get("rope_theta") or c.get("rope_theta") or 10000.0)
+    if theta != int(theta):
+        raise ConversionError(f"rope_theta={theta} is not a whole number (model.rotary_base is one)")
+    return int(theta)
+
+
+def model_fields(arch: Architecture, c: dict) -> dict:
+    """The `model.*` fields of this project's config that build the stock model's function."""
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // heads
+    return {
+        "num_layers": c["num_hidden_layers"],
+        "hidden_size": c["hidden_size"],
+        "num_attention_heads": heads,
+        "num_query_groups": c.get("num_key_value_heads") or heads,
+        "ffn_hidden_size": c["intermediate_size"],
+        "swiglu": True,
+        "normalization": "RMSNorm",
+        "norm_epsilon": c.get("rms_norm_eps", 1e-6),
+        "rotary_base": rope_theta(c),
+        "qk_layernorm": arch.qk_norm,
+        "qkv_bias": arch.qkv_bias,
+        "kv_channels": None if head_dim * heads == c["hidden_size"] else head_dim,
+        "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
+        "hf_architecture": arch.name,
+    }
+
+
+# ---- weights: stock <-> ours ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    groups: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model_cfg) -> Shape:
+        heads = model_cfg.num_attention_heads
+        return cls(heads, model_cfg.num_query_groups or heads, model_cfg.kv_channels or model_cfg.hidden_size // heads)
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Shape) -> torch.Tensor:
+    """[q_1..q_n, k, v] per query group (n = heads / groups), rows of head_dim; weights [., hidden] or biases."""
+    per = s.heads // s.groups
+    rest = q.shape[1:]
+    q = q.reshape(s.groups, per * s.head_dim, *rest)
+    k, v = k.reshape(s.groups, s.head_dim, *rest), v.reshape(s.groups, s.head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, s: Shape) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    per = s.heads // s.groups
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(s.groups, (per + 2) * s.head_dim, *rest).split(
+        [per * s.head_dim, s.head_dim, s.head_dim], dim=1
+    )
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+# per-layer: stock name (after "model.layers.{i}.") -> ours (after "layers.{i}."), the tensors copied as they are
+_LAYER_COPY = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+    "self_attn.o_proj.weight": "self_attention.linear_proj.weight",
+    "self_attn.q_norm.weight": "self_attention.q_norm.weight",
+    "self_attn.k_norm.weight": "self_attention.k_norm.weight",
+    "mlp.down_proj.weight": "mlp.linear_fc2.weight",
+}
+_TOP_COPY = {"model.embed_tokens.weight": "embed_tokens.weight", "model.norm.weight": "final_layernorm.weight"}
+
+
+def stock_to_ours(sd: dict[str, torch.Tensor], s: Shape, layers: int, tied: bool) -> dict[str, torch.Tensor]:
+    """A stock state dict in this project's layout (modeling_difflm's names)."""
+    out = {ours: sd[theirs] for theirs, ours in _TOP_COPY.items()}
+    if not tied:
+        out["output_layer.weight"] = sd["lm_head.weight"]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for theirs, ours in _LAYER_COPY.items():
+            if p + theirs in sd:
+                out[f"layers.{i}.{ours}"] = sd[p + theirs]
+        for kind in ("weight", "bias"):
+            if p + f"self_attn.q_proj.{kind}" in sd:
+                qkv = [sd[p + f"self_attn.{x}_proj.{kind}"] for x in "qkv"]
+                out[f"layers.{i}.self_attention.linear_qkv.{kind}"] = merge_qkv(*qkv, s)
+        out[f"layers.{i}.mlp.linear_fc1.weight"] = torch.cat(
+            [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]
+        )
+    return out
+
+
+def ours_to_stock(sd: dict[str, torch.Tensor], s: Shape, layers: int, tied: bool) -> dict[str, torch.Tensor]:
+    """This project's layout in the stock names (the inverse of `stock_to_ours`)."""
+    out = {theirs: sd[ours] for theirs, ours in _TOP_COPY.items()}
+    out["lm_head.weight"] = sd["embed_tokens.weight"] if tied else sd["output_layer.weight"]
+    for i in range(layers):
+        p, ours = f"model.layers.{i}.", f"layers.{i}."
+        for theirs, mine in _LAYER_COPY.items():
+            if ours + mine in sd:
+                out[p + theirs] = sd[ours + mine]
+        for kind in ("weight", "bias"):
+            if ours + f"self_attention.linear_qkv.{kind}" in sd:
+                q, k, v = split_qkv(sd[ours + f"self_attention.linear_qkv.{kind}"], s)
+                out.update({p + f"self_attn.q_proj.{kind}": q, p + f"self_attn.k_proj.{kind}": k})
+                out[p + f"self_attn.v_proj.{kind}"] = v
+        gate, up = sd[ours + "mlp.linear_fc1.weight"].chunk(2)
+        out[p + "mlp.gate_proj.weight"], out[p + "mlp.up_proj.weight"] = gate, up
+    return out
+
+
+def stock_config(model_cfg, vocab_rows: int, max_positions: int, special: dict):
+    """The transformers config of the stock class for a model of this project (`special`: token ids and the
+    mask choice, recorded as `difflm_mask_token_id` / `difflm_mask_token_added` so the export says it)."""
+    from transformers import AutoConfig
+
+    m, arch = model_cfg, architecture_of(model_cfg)
+    kwargs = dict(
+        vocab_size=vocab_rows,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_query_groups or m.num_attention_heads,
+        head_dim=m.kv_channels or m.hidden_size // m.num_attention_heads,
+        hidden_act="silu",
+        rms_norm_eps=m.norm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": float(m.rotary_base)},
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=m.tie_embeddings,
+        architectures=[arch.hf_class],
+        **special,
+    )
+    if arch.window_switch is None and arch.name == "mistral":
+        kwargs["sliding_window"] = None
+    return AutoConfig.for_model(arch.name, **kwargs)
+
+
+def stock_problem(model_cfg) -> str | None:
+    """Why no stock class computes this model, or None: they are SwiGLU + RMSNorm decoders with the features
+    of their class (document attention is not theirs either: packed documents would see each other)."""
+    m, arch = model_cfg, architecture_of(model_cfg)
+    if not m.swiglu or m.normalization != "RMSNorm":
+        return "the stock classes are SwiGLU + RMSNorm models: this model is not"
+    if m.document_attention:
+        return "model.document_attention: the stock classes attend across packed documents"
+    if m.qkv_bias != arch.qkv_bias or m.qk_layernorm != arch.qk_norm:
+        return (
+            f"model.hf_architecture={arch.name} has qkv_bias={arch.qkv_bias}, qk_norm={arch.qk_norm}; the model "
+            f"has {m.qkv_bias}, {m.qk_layernorm}: unset model.hf_architecture"
+        )
+    return None
+
+
+def check_exportable(model_cfg) -> None:
+    problem = stock_problem(model_cfg)
+    if problem:
+        raise ConversionError(f"{problem}; export it with this project's class (difflm convert)")
