@@ -87,7 +87,7 @@ def _source_baseline(cfg: PipelineConfig, manifest: dict, lineage: dict, stages:
     adapted one: the same manifest, eval settings and seed, hence the same windows and task items. Both stages are
     cached (the export by its checkpoint, the evaluation by its eval key)."""
     ckpt, tok = cfg.train.init_from, manifest["tokenizer"]
-    imports = adapt.import_dir(cfg, lineage, tok)
+    imports = adapt.import_dir(cfg, lineage)
     out = imports / "hf-ar"
     with tracking.stage_run("export-source-ar") as sid:
         source_hf, cached = run_stage(

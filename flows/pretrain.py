@@ -36,6 +36,8 @@ def pretrain_difflm(
         config: a complete configuration (what the Prefect UI form edits).
     """
     cfg = resolve(config, preset, overrides)
+    if adapt.is_hf_folder(cfg.train.init_from):  # the model is the source's (the import checks every field)
+        cfg = adapt.with_source(cfg)
     logger = get_run_logger()
     tracking.DEGRADED.clear()  # what tracking could not do in THIS execution
     tags = {"preset": cfg.name, "mode": cfg.diffusion.model_running_mode, "flow": "pretrain-difflm"}
@@ -56,6 +58,8 @@ def run_pipeline(
     (summary, the config trained, manifest) and records ran/cached per stage in `stages`; adapt-difflm runs these
     stages too. `lineage`: the HF source's `tasks.adapt.source_lineage`, when the caller has it already."""
     link = artifacts.mlflow_run_url(tracking.tracking_uri(cfg), tracking.experiment_of(run_id), run_id)
+    if adapt.is_hf_folder(cfg.train.init_from):  # a pretrained model's HF folder: its weights and tokenizer first
+        cfg = _import_init(cfg, run_id, stages, lineage)
 
     ddir = data_dir(cfg)
     with tracking.stage_run("data-prep") as sid:
@@ -68,8 +72,6 @@ def run_pipeline(
     if run_id:
         tracking.log_data_stats(manifest)
 
-    if adapt.is_hf_folder(cfg.train.init_from):  # a pretrained model's HF folder: its weights, imported once
-        cfg = _import_init(cfg, manifest, run_id, stages, lineage)
     rdir = run_dir(cfg, manifest)
     trained = is_finished(cfg, rdir)  # nothing to sample, nothing sent live: the stage will only reuse it
     with tracking.stage_run("train", system_metrics=cfg.tracking.system_metrics and not trained) as sid:
@@ -155,12 +157,13 @@ def run_pipeline(
     return summary, cfg, manifest
 
 
-def _import_init(cfg: PipelineConfig, manifest: dict, run_id, stages: dict, lineage: dict | None) -> PipelineConfig:
-    """`cfg` starting from the megatron checkpoint of the HF folder in `train.init_from`, imported once under
-    <workdir>/imports/ (`tasks.adapt.import_dir`); the MLflow run names the source (tags `source.*`)."""
+def _import_init(cfg: PipelineConfig, run_id, stages: dict, lineage: dict | None) -> PipelineConfig:
+    """`cfg` starting from the megatron checkpoint of the HF folder in `train.init_from` (imported once under
+    <workdir>/imports/, `tasks.adapt.import_dir`) and reading data through the tokenizer the import prepared; the
+    MLflow run names the source (tags `source.*`)."""
     folder = Path(cfg.train.init_from).expanduser().resolve()
     lineage = lineage or adapt.source_lineage(folder)
-    ckpt_dir = adapt.import_dir(cfg, lineage, manifest["tokenizer"]) / "megatron"
+    ckpt_dir = adapt.import_dir(cfg, lineage) / "megatron"
     with tracking.stage_run("import") as sid:
         ckpt, cached = run_stage(
             import_task,
@@ -168,11 +171,10 @@ def _import_init(cfg: PipelineConfig, manifest: dict, run_id, stages: dict, line
             (ckpt_dir / "metadata.json").exists(),
             cfg,
             str(folder),
-            manifest["tokenizer"],
             str(ckpt_dir),
         )
         tracking.log_stage(sid, cached, checkpoint=ckpt, **{f"source.{k}": v for k, v in lineage.items()})
     stages["import"] = "cached" if cached else "ran"
     if run_id:
         tracking.set_tags({"train.init_from": ckpt, **{f"source.{k}": v for k, v in lineage.items()}})
-    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"init_from": ckpt})})
+    return adapt.with_import(cfg, Path(ckpt))

@@ -57,9 +57,9 @@ def train_task(cfg: PipelineConfig, manifest: dict, env: dict[str, str]) -> dict
 
 
 @task(name="import-hf", cache_policy=NO_CACHE)
-def import_task(cfg: PipelineConfig, folder: str, tokenizer: dict, out_dir: str) -> str:
+def import_task(cfg: PipelineConfig, folder: str, out_dir: str) -> str:
     """A pretrained model's HF folder -> a megatron checkpoint of its weights (`train.init_from`)."""
-    out = adapt.import_source(cfg, Path(folder), tokenizer, Path(out_dir))
+    out = adapt.import_source(cfg, Path(folder), Path(out_dir))
     get_run_logger().info(f"imported {folder} -> {out}")
     return str(out)
 
