@@ -367,8 +367,7 @@ def test_smollm2_adapts_its_elbo_falls_and_sits_next_to_its_own_nll(session_dir,
         "eval.num_samples=1",
         "eval.sample_length=8",
         "eval.sampler.steps=4",
-        "eval.task_items=3",
-        "eval.mc_samples=2",
+        "eval.task_items=0",  # task scoring costs ~3 min per model here; the tiny flow test scores both models' tasks
         "tracking.registry=false",
         "model.document_attention=false",  # transformers' reference model attends across packed documents
     ]
@@ -378,7 +377,8 @@ def test_smollm2_adapts_its_elbo_falls_and_sits_next_to_its_own_nll(session_dir,
     source, adapted = summary["source_ar"], summary["adapted"]
     assert source["kind"] == "exact" and adapted["kind"] == "elbo"
     print(
-        f"\nSmolLM2 source AR NLL {source['nll_per_token']:.4f}, adapted ELBO {adapted['nll_per_token']:.4f} nats/token"
+        f"\nSmolLM2 validation ELBO {vals}; source AR NLL {source['nll_per_token']:.4f}, adapted ELBO "
+        f"{adapted['nll_per_token']:.4f}, untrained {summary['validation']['untrained']['nll_per_token']:.4f}"
     )
     print(summary["comparison"])
     # import parity on real weights: the ar export of the imported checkpoint is transformers' model
