@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import textwrap
 from collections.abc import Callable
@@ -197,7 +198,7 @@ def cmd_convert(cfg: PipelineConfig, args) -> int:
     out = info["out_dir"]
     if info["to"] == "megatron":
         use = info.get("use") or [f"train.init_from={out}"]
-        print(f"megatron checkpoint: {out}\nstart training from it with: {' '.join(use)}")
+        print(f"megatron checkpoint: {out}\nstart training from it with: {shlex.join(use)}")
     else:
         print(
             f"Hugging Face export: {out}"

@@ -4,6 +4,7 @@ transformers' logits at every TP/PP layout, the stock export gives them back, an
 
 import json
 import math
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -71,8 +72,15 @@ def test_import_then_stock_export_give_the_source_logits(tmp_path, kind):
     ours = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours"))
     with torch.no_grad():
         assert _rel(ref, ours(ids).logits) <= 1e-4
+    if kind == "mistral":  # a diffusion target with adaLN: the source's weights plus its own new parameters
+        from megatron.core import dist_checkpointing
+
+        timed = _cfg(tmp_path, src, "diffusion.model_running_mode=difflm-shift", "diffusion.time_embedding=true")
+        meta = dist_checkpointing.load_tensors_metadata(str(import_pretrained(timed, src, tmp_path / "mg-t")))
+        assert any("modulation" in k for k in meta) and "decoder.final_layernorm.weight" in meta
 
 
+@pytest.mark.slow
 def test_import_at_tp_and_pp_gives_the_source_logits(tmp_path):
     """One torchrun of 4 ranks: every case at TP in {1,2} x PP in {1,2} gives transformers' logits."""
     from models.hf.importer import import_pretrained, import_record, source_overrides
@@ -146,13 +154,16 @@ def test_bad_input_says_what_to_do_and_writes_nothing(tmp_path, bad):
 
 
 def test_sharded_folders_gguf_files_and_another_architecture_config(tmp_path):
-    from models.hf.importer import import_pretrained, import_record
+    from models.hf.importer import import_pretrained, import_record, prepare_tokenizer
 
     src = tiny_stock("qwen2-bias", tmp_path / "src", max_shard_size="20KB")
     shards = sorted(src.glob("model-*.safetensors"))
     assert len(shards) > 1 and (src / "model.safetensors.index.json").exists()
     cfg = _cfg(tmp_path, src)
-    assert import_record(import_pretrained(cfg, src, tmp_path / "mg"))["parity"]["rel_max_logit_diff"] <= 1e-4
+    tok = prepare_tokenizer(src, tmp_path / "tok")  # as a data manifest records it (the adaptation flow's path)
+    rec = import_record(import_pretrained(cfg, src, tmp_path / "mg", tokenizer=tok))
+    assert rec["parity"]["rel_max_logit_diff"] <= 1e-4 and rec["tokenizer"]["path"] == str(tmp_path / "tok")
+    assert not (tmp_path / "mg" / "tokenizer").exists()  # the caller's tokenizer is not copied
     with pytest.raises(ConversionError, match="the model config differs from the checkpoint .*qkv_bias"):
         import_pretrained(tiny_config(tmp_path), src, tmp_path / "other")  # no source overrides
     shards[0].unlink()
@@ -174,7 +185,7 @@ def test_difflm_convert_imports_a_stock_folder(tmp_path):
     cli = [sys.executable, "-m", "flows.cli", "convert"]
     proc = subprocess.run([*cli, str(src), "--out", str(tmp_path / "mg")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    use = proc.stdout.split("start training from it with: ")[1].split()
+    use = shlex.split(proc.stdout.split("start training from it with: ")[1])  # quoted for the shell
     assert f"train.init_from={tmp_path / 'mg'}" in use and "model.kv_channels=12" in use
     assert "tokenizer.mask_token=<|mask|>" in use and (tmp_path / "mg" / "tokenizer" / "tokenizer.json").exists()
     cfg = load_config("test-tiny", use)
@@ -214,3 +225,33 @@ def test_an_ar_run_exports_the_stock_class_that_lm_eval_scores(megatron_single_p
     assert logp < 0 and math.isfinite(logp)
     diffusion = tiny_config(tmp_path, "diffusion.model_running_mode=difflm-noshift")
     assert export_stock_class(diffusion, tiny_manifest, info) is None
+
+
+@pytest.mark.slow
+def test_training_starts_from_an_imported_qwen2(tmp_path):
+    """The two steps a user takes: `difflm convert HF_DIR --out CKPT`, then training with the overrides it printed
+    (data prep reads through the imported tokenizer with its mask token); the ar run's export stage writes the
+    stock Qwen2 class back. Step 0's validation loss is the imported model's, so it differs from a fresh init's."""
+    from data_prep.pipeline import prepare_data
+    from models.evaluation.stages import convert_checkpoint
+    from models.launch.torchrun import launch_training, read_metrics
+
+    src = tiny_stock("qwen2-bias", tmp_path / "src")
+    cli = [sys.executable, "-m", "flows.cli", "convert", str(src), "--out", str(tmp_path / "mg")]
+    proc = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    use = shlex.split(proc.stdout.split("start training from it with: ")[1].splitlines()[0])
+    run = ["diffusion.model_running_mode=ar", "train.train_iters=2", "train.warmup_iters=1"]
+    run += ["train.eval_interval=2", "checkpoint.save_interval=2", "tracking.enabled=false"]
+    starts = []
+    for init in (use, [u for u in use if not u.startswith("train.init_from=")]):
+        cfg = tiny_config(tmp_path / f"wd{len(starts)}", *init, *run)
+        manifest = prepare_data(cfg)
+        assert manifest["tokenizer"]["mask_id"] == VOCAB  # the added mask token
+        info = launch_training(cfg, manifest, echo=lambda _: None)
+        starts.append([r["val_loss"] for r in read_metrics(info["run_dir"]) if r["step"] == 0 and "val_loss" in r][0])
+        if len(starts) == 1:
+            convert_checkpoint(cfg, manifest, info)
+            config = json.loads((Path(info["run_dir"]) / "hf-stock" / "config.json").read_text())
+            assert config["architectures"] == ["Qwen2ForCausalLM"]
+    assert starts[0] != pytest.approx(starts[1], rel=1e-3)

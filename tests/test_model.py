@@ -61,6 +61,15 @@ def _save_model_only(model, path: Path):
                 "model.tie_embeddings": "false",
             },
         ),
+        (  # an imported Qwen2/Qwen3's features: q/k/v bias, qk-norm, a head width apart from hidden/heads
+            "difflm-shift",
+            {
+                "model.qkv_bias": "true",
+                "model.qk_layernorm": "true",
+                "model.kv_channels": 24,
+                "model.num_query_groups": 1,
+            },
+        ),
     ],
 )
 def test_hf_export_gives_megatron_logits(megatron_single_process, tmp_path, tiny_manifest, mode, over):

@@ -35,6 +35,7 @@ def export_stock_class(cfg: PipelineConfig, manifest: dict, train_info: dict) ->
     remote code; None for a diffusion model or a model no stock class computes (LayerNorm, GELU)."""
     from models.diffusion.modes import objective_class
     from models.hf.architectures import stock_problem
+    from models.hf.convert import ConversionError
     from models.hf.importer import export_stock
 
     if objective_class(cfg.diffusion.model_running_mode).bidirectional or stock_problem(cfg.model):
@@ -42,7 +43,11 @@ def export_stock_class(cfg: PipelineConfig, manifest: dict, train_info: dict) ->
     out, ckpt = RunDir(train_info["run_dir"]).hf_stock, Path(train_info["checkpoint"])
     if is_export_of(out, ckpt):
         return out
-    return export_stock(cfg, manifest["tokenizer"], ckpt, out, {"data_hash": manifest["hash"]})
+    try:
+        return export_stock(cfg, manifest["tokenizer"], ckpt, out, {"data_hash": manifest["hash"]})
+    except ConversionError as err:  # the run's own export (hf/) and evaluation do not depend on this one
+        print(f"[convert] {out.name} not written: {err}", flush=True)
+        return None
 
 
 class EvaluationError(UserError, ValueError):

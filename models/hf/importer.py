@@ -172,14 +172,16 @@ def single_megatron(seed: int):
 
 
 def _single(cfg: PipelineConfig, causal: bool = False) -> PipelineConfig:
-    """`cfg` at TP=PP=1 (conversion runs in one process); `causal`: as the `ar` model of the same weights."""
+    """`cfg` at TP=PP=1 on the local spec (conversion runs in one process, with the local spec's parameter
+    names on any machine); `causal`: as the `ar` model of the same weights."""
     update = {
         "parallel": cfg.parallel.model_copy(update={"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
     }
     update["train"] = cfg.train.model_copy(update={"nproc_per_node": 1, "nnodes": 1, "precision": "fp32"})
+    update["model"] = cfg.model.model_copy(update={"backend": "local"})
     if causal:
         update["diffusion"] = cfg.diffusion.model_copy(update={"model_running_mode": "ar", "time_embedding": False})
-        update["model"] = cfg.model.model_copy(update={"document_attention": False})
+        update["model"] = update["model"].model_copy(update={"document_attention": False})
     return cfg.model_copy(update=update)
 
 
@@ -199,9 +201,11 @@ def megatron_model(cfg: PipelineConfig, vocab_size: int, rows: int, weights: dic
 
 
 def megatron_logits(model, ids: torch.Tensor) -> torch.Tensor:
-    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    """[b, s, v] on the CPU (megatron builds on the GPU when there is one)."""
+    ids = ids.to(next(model.parameters()).device)
+    pos = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
     with torch.no_grad():
-        return model(ids, pos, None).float()  # [b, s, v]
+        return model(ids, pos, None).float().cpu()
 
 
 def parity(reference: torch.Tensor, got: torch.Tensor, columns: int, what: str) -> float:
@@ -267,6 +271,8 @@ def import_pretrained(
     _check_model(cfg, fields, folder)
     check_replaceable(out_dir, "megatron")
     sd = load_stock_weights(folder)
+    if "model.embed_tokens.weight" not in sd:
+        raise ConversionError(f"{folder}: no model.embed_tokens.weight: not the weights of a *ForCausalLM")
     rows_src = sd["model.embed_tokens.weight"].shape[0]
     if c.get("vocab_size", rows_src) != rows_src:
         raise ConversionError(f"{folder}: config.json says vocab_size {c['vocab_size']}, the weights have {rows_src}")
@@ -282,9 +288,17 @@ def import_pretrained(
                 f"the tokenizer is not this model's"
             )
         vocab, tied = tok["vocab_size"], fields["tie_embeddings"]
-        ours = _resize_vocab(stock_to_ours(sd, Shape.of(cfg.model), fields["num_layers"], tied), vocab, tied)
+        try:
+            ours = _resize_vocab(stock_to_ours(sd, Shape.of(cfg.model), fields["num_layers"], tied), vocab, tied)
+        except KeyError as err:
+            raise ConversionError(
+                f"{folder}: the weights lack {err.args[0]!r} (expected the *ForCausalLM names: model.layers.N..., "
+                f"lm_head.weight unless tie_word_embeddings)"
+            ) from None
+        del sd  # the host holds one copy of the weights at a time, plus the models built from it
         rows = padded_vocab_size(vocab, cfg.parallel.tensor_model_parallel_size)
         weights = repad_vocab({_local_key(k): v for k, v in ours.items()}, rows)
+        del ours
         ids = probe_tokens(cfg, min(rows_src, vocab))
         hf = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True, dtype=torch.float32).eval()
         with torch.no_grad():
@@ -293,9 +307,15 @@ def import_pretrained(
         with single_megatron(cfg.train.seed):
             from megatron.core import dist_checkpointing
 
-            target = megatron_model(_single(cfg), vocab, rows, weights, strict=False)  # + its own new params
             check = megatron_model(_single(cfg, causal=True), vocab, rows, weights)
             rel = parity(ref, megatron_logits(check, ids), min(rows_src, vocab), f"import of {folder}")
+            # the same parameters unless the target conditions on t (its time embedding starts at its own init)
+            target = (
+                megatron_model(_single(cfg), vocab, rows, weights, strict=False)
+                if cfg.diffusion.time_embedding
+                else check
+            )
+            del weights
             tmp.mkdir(parents=True)
             dist_checkpointing.save(target.sharded_state_dict(prefix=""), str(tmp))
         record = {
