@@ -11,7 +11,6 @@ import bz2
 import hashlib
 import html
 import json
-import os
 import re
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import difflm
 from difflm.errors import UserError
 
 
@@ -46,10 +46,7 @@ SOURCES = {
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("DIFFLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "difflm-pipeline"
-    )
-    return Path(root)
+    return Path(difflm.cache_dir())
 
 
 class CorpusError(UserError, RuntimeError):

@@ -26,3 +26,11 @@ def set_offline_env() -> None:
     """Set OFFLINE_ENV in this process where not set already (set it before Prefect/MLflow/transformers load)."""
     for key, val in OFFLINE_ENV.items():
         os.environ.setdefault(key, val)
+
+
+def cache_dir() -> str:
+    """The cache of what is fetched once and reused by every run (the demo corpus, the example pretrained model):
+    $DIFFLM_CACHE, else $XDG_CACHE_HOME/difflm-pipeline, else ~/.cache/difflm-pipeline."""
+    return os.environ.get("DIFFLM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "difflm-pipeline"
+    )

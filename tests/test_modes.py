@@ -53,7 +53,7 @@ def test_every_configurable_mode_is_one_objective_class_with_its_facts():
     }
     assert facts == {
         "difflm-noshift": (True, True, False, False, False, False, True, 1.0),
-        "difflm-shift": (True, True, False, False, False, False, True, 1.0),
+        "difflm-shift": (True, True, False, True, False, False, True, 1.0),
         "difflm-noshift-uniform": (True, True, True, False, True, False, False, 1.0),
         "ar": (False, False, False, False, False, True, True, 0.5),
         "difflm-block": (True, False, False, False, False, False, True, 1.0),

@@ -50,6 +50,16 @@ CASES = {
         ],
         {**{k: LAYOUTS[k] for k in ("tp2", "pp2", "dp2")}, **TORCH_SPEC},
     ),
+    # AR-to-diffusion adaptation: CART weights and DiffuLLaMA's annealed mask (step 0 causal, step 1 drawn from
+    # (seed, step): every TP/PP peer and DP rank must draw the same one)
+    "adapt": (
+        [
+            "diffusion.model_running_mode=difflm-shift",
+            "diffusion.loss_weighting=cart",
+            "diffusion.attention_anneal_steps=4",
+        ],
+        {k: LAYOUTS[k] for k in ("tp2", "pp2", "dp2")},
+    ),
     # the reference runs ONE micro-batch of 4; the others split it (review F5: 6.88 vs 7.88 before)
     "masked-tokens": (
         ["diffusion.normalize_by=masked_tokens", "train.micro_batch_size=4"],

@@ -208,6 +208,13 @@ def set_tags(tags: dict[str, str]) -> None:
     mlflow.set_tags(tags)
 
 
+@tolerant
+def log_text(text: str, artifact_file: str) -> None:
+    import mlflow
+
+    mlflow.log_text(text, artifact_file)
+
+
 def log_stage(run_id: str | None, cached: bool, **tags) -> None:
     """Tags of a stage's nested run: whether Prefect's cache skipped it, and where its output is."""
     if run_id:

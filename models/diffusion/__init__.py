@@ -11,9 +11,10 @@ from .conditional import (
     masked_greedy_match,
     rolling_windows,
 )
-from .documents import document_attention_mask, document_ids
+from .documents import anneal_ratio, annealed_attention_mask, document_attention_mask, document_ids
 from .noise import mask_exactly, mask_tokens, sample_t, stratified_t, uniform_corrupt
 from .objectives import (
+    cart_weights,
     loss_weights,
     masked_diffusion_loss,
     masked_diffusion_loss_terms,
@@ -25,6 +26,8 @@ from .samplers import MaskedSampler, block_spans, sample_masked_diffusion, sampl
 from .time_embedding import AdaLNorm, TimeEmbedding, timestep_features
 
 __all__ = [
+    "anneal_ratio",
+    "annealed_attention_mask",
     "MaskedSampler",
     "block_spans",
     "conditional_ar_nll",
@@ -39,6 +42,7 @@ __all__ = [
     "document_ids",
     "elbo_nll_per_token",
     "loss_weights",
+    "cart_weights",
     "mask_exactly",
     "mask_tokens",
     "masked_diffusion_loss",

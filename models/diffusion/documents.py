@@ -31,3 +31,27 @@ def document_pairs(doc_ids: torch.Tensor) -> int:
         doc_ids + doc_ids.new_tensor(range(len(doc_ids)))[:, None] * doc_ids.numel(), return_counts=True
     )
     return int((counts.long() ** 2).sum())
+
+
+def anneal_ratio(step: int, anneal_steps: int) -> float:
+    """The share of future keys a query sees at training step `step` (0-based) of DiffuLLaMA's attention-mask
+    annealing over `anneal_steps`: step / anneal_steps, capped at 1 (0: exactly causal at step 0; 1: full from
+    step `anneal_steps` on). DiffuLLaMA's `get_anneal_attn_mask` uses (step + 1) / anneal_steps, one step ahead."""
+    return 1.0 if anneal_steps <= 0 else min(1.0, step / anneal_steps)
+
+
+def annealed_attention_mask(
+    step: int, anneal_steps: int, seq_length: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """[s, s] bool, True where attention is BLOCKED (megatron's convention), at training step `step`: causal
+    attention OR a Bernoulli(anneal_ratio) draw per (query, key) pair (DiffuLLaMA, arXiv 2410.17891; its
+    LLaMA-Factory trainer's `get_anneal_attn_mask`). Exactly causal at step 0, nothing blocked once the ratio is 1.
+    A shorter sequence takes the top-left corner, so every micro-batch of a step shares one draw."""
+    ratio = anneal_ratio(step, anneal_steps)
+    causal = torch.ones(seq_length, seq_length, dtype=torch.bool).tril()
+    if ratio >= 1.0:
+        return torch.zeros(seq_length, seq_length, dtype=torch.bool)
+    if ratio <= 0.0:
+        return ~causal
+    random = torch.rand(seq_length, seq_length, generator=generator) < ratio
+    return ~(causal | random)

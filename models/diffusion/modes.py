@@ -43,7 +43,7 @@ from .blocks import (
 from .bounds import ar_nll_per_token, elbo_nll_per_token, uniform_elbo_nll_per_token
 from .conditional import conditional_ar_nll, conditional_masked_nll, masked_greedy_match
 from .noise import mask_exactly, mask_tokens, stratified_t, uniform_corrupt
-from .objectives import masked_diffusion_loss_terms, shift_targets, x0_cross_entropy_terms
+from .objectives import cart_weights, masked_diffusion_loss_terms, shift_targets, x0_cross_entropy_terms
 from .samplers import MaskedSampler, sample_masked_diffusion, sample_uniform_diffusion
 from .uniform import (
     mixture_t,
@@ -76,6 +76,7 @@ class Objective(ABC):
     block_size: int = 4  # block diffusion: tokens per block
     clean_attention: str = "block_causal"  # block diffusion: the clean half's attention (block_causal | token_causal)
     ar_loss_weight: float = 0.0  # block diffusion: weight of the next-token loss on the clean half
+    cart_p: float = 0.3  # loss_weighting=cart (shifted masked training): the geometric decay of CART
 
     name: ClassVar[str] = ""
     bidirectional: ClassVar[bool] = True
@@ -88,6 +89,10 @@ class Objective(ABC):
     unmasks: ClassVar[bool] = False  # its sampler unmasks step by step: the masked sampler's settings apply
     varilen: ClassVar[bool] = True
     two_stream: ClassVar[bool] = False  # the model runs on [x_t | x_0] (2L tokens) under `two_stream_keep`
+
+    def __post_init__(self):
+        if self.loss_weighting == "cart" and not self.shifted:
+            raise ValueError(f"loss_weighting=cart (Dream's CART) needs difflm-shift, not {self.name}")
 
     @classmethod
     def attention_flops_factor(cls) -> float:
@@ -266,7 +271,13 @@ class MaskedDiffusion(Objective):
             else (self.loss_weighting, self.normalize_by)
         )
         return masked_diffusion_loss_terms(
-            output.float(), prepared["scored"], prepared["t"], weighting, normalize_by, prepared["valid"]
+            output.float(),
+            prepared["scored"],
+            prepared["t"],
+            weighting,
+            normalize_by,
+            prepared["valid"],
+            prepared.get("token_weights"),
         )
 
     def nll_per_token(self, logits_fn, x0, scored, t_samples, generator):
@@ -333,6 +344,7 @@ class ShiftedMaskedDiffusion(MaskedDiffusion):
     evaluation condition on it (masks drawn among tokens 1..L-1, normalised by L - 1)."""
 
     name = "difflm-shift"
+    shifted = True
 
     def _noisable(self, valid):
         noisable = valid.clone()
@@ -345,7 +357,11 @@ class ShiftedMaskedDiffusion(MaskedDiffusion):
         targets, scored = shift_targets(x0, masked)
         next_ok = label_ok.bool().clone()
         next_ok[:, -1] = False
-        return {"inputs": xt, "targets": targets, "scored": scored & next_ok, "valid": next_ok, "t": t}
+        out = {"inputs": xt, "targets": targets, "scored": scored & next_ok, "valid": next_ok, "t": t}
+        if self.loss_weighting == "cart":  # weights of the masked tokens, moved onto the logits that predict them
+            weights = cart_weights(masked & valid, valid, self.cart_p)
+            out["token_weights"] = torch.cat([weights[:, 1:], torch.zeros_like(weights[:, :1])], dim=1)
+        return out
 
     def align_logits(self, logits):
         return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)

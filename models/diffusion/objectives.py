@@ -43,22 +43,50 @@ def loss_weights(
     return torch.ones_like(t)
 
 
+def cart_weights(masked: torch.Tensor, context: torch.Tensor, p: float = 0.3) -> torch.Tensor:
+    """Dream's context-adaptive token-level reweighting (CART, hkunlp.github.io/blog/2025/dream): the weight
+    [b, s] of masked token n is 0.5 * sum over clean context tokens i of p * (1 - p) ** (abs(n - i) - 1), a
+    geometric decay in the distance to each clean token (an adjacent clean token adds 0.5 p); 0 where
+    `masked` is False.
+
+    `masked` [b, s]: the masked positions; `context` [b, s]: the clean tokens that count (the data tokens that
+    are not masked). The weight replaces 1/t (Dream trains on it; it is not an ELBO). This follows the published formula;
+    dllm's reference (`pipelines/dream/trainer.py::cart_weight`) subtracts the offset once more (there an adjacent
+    clean token adds 0, one at distance d what the formula gives d - 1)."""
+    s = masked.shape[1]
+    idx = torch.arange(s, device=masked.device)
+    dist = (idx[None, :] - idx[:, None]).abs()  # [s, s]
+    geo = 0.5 * p * (1 - p) ** (dist - 1).clamp(min=0).to(torch.float64)
+    geo = geo.masked_fill(dist == 0, 0.0)  # a position is never its own context
+    weights = (context & ~masked).to(torch.float64) @ geo  # geo is symmetric
+    return (weights * masked).to(torch.float32)
+
+
 def masked_diffusion_loss_terms(
     token_ce: torch.Tensor,
     masked: torch.Tensor,
     t: torch.Tensor,
-    weighting: Literal["inverse_t", "masked_fraction", "none"] = "inverse_t",
+    weighting: Literal["inverse_t", "masked_fraction", "none", "cart"] = "inverse_t",
     normalize_by: Literal["all_tokens", "masked_tokens"] = "all_tokens",
     valid: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum, count) of the loss over a micro-batch: the loss is sum / count over the GLOBAL batch.
+
+    `weighting="cart"` weighs each scored token by `token_weights` [b, s] (`cart_weights`) instead of a
+    per-sequence weight.
 
     Returning the pair (as MegaDLMs' loss_func does) lets megatron divide by the global count, so every
     micro-batch / data-parallel split gives the same loss and gradient. `valid` [b, s] drops positions
     (the dataset's loss_mask) from both. token_ce [b, s] may hold anything at unscored positions."""
     if valid is not None:
         masked = masked & valid
-    w = loss_weights(t, masked, weighting, None if valid is None else valid.sum(-1))[:, None]
+    if weighting == "cart":
+        if token_weights is None:
+            raise ValueError("loss_weighting=cart needs the per-token CART weights")
+        w = token_weights
+    else:
+        w = loss_weights(t, masked, weighting, None if valid is None else valid.sum(-1))[:, None]
     total = (token_ce * masked.to(token_ce.dtype) * w.to(token_ce.dtype)).sum()
     if normalize_by == "all_tokens":
         count = valid.sum() if valid is not None else torch.tensor(masked.numel(), device=masked.device)

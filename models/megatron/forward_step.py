@@ -73,6 +73,7 @@ def objective_of(cfg: PipelineConfig, special: SpecialTokens) -> Objective:
         block_size=d.block_size,
         clean_attention=d.clean_attention,
         ar_loss_weight=d.ar_loss_weight,
+        cart_p=d.cart_p,
     )
 
 
@@ -171,6 +172,8 @@ def configured_document_form(cfg: PipelineConfig) -> str | None:
     """`document_form` of `cfg`'s backend and layout; None without `model.document_attention`."""
     if not cfg.model.document_attention:
         return None
+    if cfg.diffusion.attention_anneal_steps:  # the annealed mask is dense: documents join it there
+        return "dense"
     from models.megatron.backend import resolve_backend
 
     two_stream = objective_class(cfg.diffusion.model_running_mode).two_stream
@@ -232,6 +235,19 @@ def two_stream_mask(tokens: torch.Tensor, cfg: PipelineConfig, special: SpecialT
     return ~mask.dense_keep()
 
 
+def annealed_mask(cfg: PipelineConfig, step: int, evaluation: bool) -> torch.Tensor | None:
+    """[s, s] bool (True: blocked) of DiffuLLaMA's attention-mask annealing at training step `step`
+    (`diffusion.annealed_attention_mask`), drawn from (seed, step) so that every micro-batch, TP/PP peer and
+    resumed run sees the same; None when the config does not anneal. Validation uses full attention."""
+    n = cfg.diffusion.attention_anneal_steps
+    if not n:
+        return None
+    if evaluation:
+        return torch.zeros(cfg.train.seq_length, cfg.train.seq_length, dtype=torch.bool)
+    g = torch.Generator().manual_seed(_seed(cfg.train.seed, step, -11))
+    return diffusion.annealed_attention_mask(step, n, cfg.train.seq_length, g)
+
+
 def make_forward_step(
     cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False, documents: str | None = None
 ):
@@ -241,6 +257,7 @@ def make_forward_step(
     objective = objective_of(cfg, special)
     form = (documents or configured_document_form(cfg)) if cfg.model.document_attention else None
     assert form in (None, *DOCUMENT_FORMS), form
+    anneal = annealed_mask(cfg, step, evaluation)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -266,6 +283,10 @@ def make_forward_step(
             attention_mask = None
         else:
             attention_mask = attention_mask_for(batch["tokens"].to(device), cfg, special, form)
+        if anneal is not None:  # [1, 1, s, s], joined with the packed-document mask where there is one
+            s = inputs.shape[1]
+            blocked = anneal[:s, :s].to(device)[None, None]
+            attention_mask = blocked if attention_mask is None else attention_mask | blocked
         output = model(inputs, position_ids, attention_mask, labels=labels, **extra)
         return output, partial(_loss_func, prepared, objective, evaluation)
 

@@ -55,13 +55,15 @@ def layer_spec(
     adaln: bool = False,
     documents: str | None = None,
     two_stream: bool = False,
+    annealed: bool = False,
 ):
     """Megatron's own layer spec with the attention mask kind chosen by the objective; with `adaln`, its two
     norms swapped for t-modulated ones (a spec change, megatron's TransformerLayer is untouched).
 
     `documents` is the form packed documents take (`forward_step.document_form`, by default the backend's).
     `two_stream` (block diffusion): the local spec takes the dense [b, 1, 2L, 2L] mask (arbitrary); the torch
-    spec a `TwoStreamMask` that carries its own rule; Transformer Engine is refused."""
+    spec a `TwoStreamMask` that carries its own rule; Transformer Engine is refused. `annealed`: the forward step
+    passes DiffuLLaMA's annealed [b, 1, s, s] mask (`diffusion.attention_anneal_steps`)."""
     from models.megatron.forward_step import document_form
 
     if two_stream and backend == "te":
@@ -78,7 +80,7 @@ def layer_spec(
 
         spec = torch_layer_spec(spec)
     dense = backend == "local" and two_stream
-    if dense or (model.document_attention and (documents or document_form(backend)) == "dense"):
+    if dense or annealed or (model.document_attention and (documents or document_form(backend)) == "dense"):
         mask = AttnMaskType.arbitrary  # the [b, 1, s, s] mask is built per batch from document boundaries
     else:  # a DocumentMask carries its own direction; under THD, TE takes causal / no_mask as
         # padding_causal / padding within each sequence (megatron's TEDotProductAttention maps them)
@@ -238,6 +240,7 @@ def build_model(
         uses_adaln(cfg),
         configured_document_form(cfg),
         objective.two_stream,
+        annealed=cfg.diffusion.attention_anneal_steps > 0,
     )
     if backend == "torch":  # the final norm as well must accept sequence parallelism
         from models.megatron.attention import block_spec
