@@ -1201,8 +1201,11 @@ def microbatch_summary(p: dict, rows: list[dict], profile: dict | None = None) -
     """The sweep's figures from its rows (also from the rows of a run that was cut short)."""
     profile = profile or next((r["profile"] for r in rows if "profile" in r), None)
     measured = [r for r in rows if "step_s" in r]
-    best = next((r for r in reversed(measured) if r["mode"] != "ar"), None)
-    ar = next((r for r in measured if r["mode"] == "ar"), None)
+    from models.diffusion.modes import objective_class
+
+    causal = [r for r in measured if not objective_class(r["mode"]).bidirectional]  # the AR baseline's rows
+    best = next((r for r in reversed(measured) if r not in causal), None)
+    ar = next(iter(causal), None)
     both = best and ar and ar["micro_batch"] == best["micro_batch"]
     return {
         "preset": p["big"],
