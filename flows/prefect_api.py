@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 from difflm.errors import UserError
 
+SERVER_START_TIMEOUT_S = 180
+
 
 class _NoTracebackForUserErrors(logging.Filter):
     """On the console, a UserError from a task or flow is its message: it already says what to do. (The
@@ -70,7 +72,8 @@ def _temporary_server_unless_configured() -> Iterator[None]:
                 prefect_server.subprocess = saved
 
     server = OwnSessionServer()
-    server.start()
+    # Prefect waits 20 s by default; a busy machine (a suite, a data prep) needs longer to start a server
+    server.start(timeout=SERVER_START_TIMEOUT_S)
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
             try:

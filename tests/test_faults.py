@@ -358,7 +358,13 @@ def test_ctrl_c_during_difflm_run_exits_75_with_one_line_and_resumes(session_dir
         cli, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )  # its own process group, as a shell gives a command
     runs = workdir / "runs"
-    _when(lambda: any(_last_step(r) >= 3 for r in runs.glob("*-*") if (r / "metrics.jsonl").exists()), 300)
+
+    def training() -> bool:
+        if proc.poll() is not None:  # it ended before training: say why, not "condition not reached"
+            pytest.fail(f"difflm run exited {proc.returncode} before training:\n{proc.stderr.read()[-3000:]}")
+        return any(_last_step(r) >= 3 for r in runs.glob("*-*") if (r / "metrics.jsonl").exists())
+
+    _when(training, 600, every=0.2)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C at a terminal does: the whole foreground group
     t0 = time.time()
     _, err = proc.communicate(timeout=300)
