@@ -1,5 +1,6 @@
 """Training under torchrun (gloo, CPU): checkpoints, resume equal to an uninterrupted run, failures."""
 
+import re
 import shutil
 from pathlib import Path
 
@@ -93,6 +94,8 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, 
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
     vals = [r["val_loss"] for r in read_metrics(info["run_dir"]) if "val_loss" in r]
     assert len(vals) == 2 and vals[-1] < vals[0], vals
+    # a person can follow a long run: each interval's line says how long the rest will take
+    assert re.search(r"\[train\] iter +10/30 .* ETA \d+[smh]", (Path(info["run_dir"]) / "train.log").read_text())
     hf_dir = convert_checkpoint(cfg, tiny_manifest, info)
     lines: list[str] = []
     results = evaluate_export(cfg, tiny_manifest, hf_dir, echo=lines.append)

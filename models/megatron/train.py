@@ -378,6 +378,16 @@ class NonFiniteGuard(Hook):
         raise NonFiniteStop(msg)
 
 
+def format_duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `2h07m`: short enough for a log line."""
+    seconds = max(int(round(seconds)), 0)
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
 class IntervalLogger(Hook):
     """Every train.log_interval iterations and after the last: the interval's mean loss, the lr, grad norm,
     tokens/s, TFLOP/s and MFU per device and peak memory, into metrics.jsonl and the log. Time the hooks spent
@@ -386,6 +396,7 @@ class IntervalLogger(Hook):
     def on_start(self, trainer: Trainer) -> None:
         self.meter = IntervalMeter(trainer.clock(), trainer.n_devices, trainer.peak)
         self.excluded_at = trainer.excluded_s
+        self.mark: tuple[int, float] | None = None  # (iteration, clock) of the previous report: the ETA's pace
 
     def post_step(self, trainer: Trainer, step: Step) -> None:
         finite = step.loss is None or math.isfinite(step.loss)
@@ -410,10 +421,15 @@ class IntervalLogger(Hook):
         )
         mfu = f" MFU {eff['mfu']:.1%}" if eff["mfu"] is not None else ""
         mem = f" {memory:.1f} GB" if memory is not None else ""
+        eta = ""
+        if self.mark is not None and step.it < t.train_iters:  # the pace of the last interval, evaluations included
+            per_step = (now - self.mark[1]) / max(step.it - self.mark[0], 1)
+            eta = f" ETA {format_duration(per_step * (t.train_iters - step.it))}"
+        self.mark = (step.it, now)
         trainer.log(
             f"[train] iter {step.it:>6}/{t.train_iters} loss {mean_loss or 0:.4f} lr {lr:.2e} "
             f"grad_norm {float(step.grad_norm or 0):.3f} {tok_s:,.0f} tok/s "
-            f"{eff['tflops_per_device']:.3g} TFLOP/s/device{mfu}{mem}"
+            f"{eff['tflops_per_device']:.3g} TFLOP/s/device{mfu}{mem}{eta}"
         )
         self.meter.restart(now)
         self.excluded_at = trainer.excluded_s
