@@ -6,66 +6,103 @@ from pathlib import Path
 import pytest
 from helpers import tiny_config
 
+FLOW = ("train.train_iters=30", "train.lr=5e-3")
+STAGES = ("data-prep", "train", "convert", "evaluate")
 
-@pytest.mark.slow
-def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness, monkeypatch):
+
+@pytest.fixture(scope="module")
+def first(session_dir, prefect_harness) -> dict:
+    """One run of the flagship flow from nothing (the tests below each check one property of it): its summary,
+    config, MLflow client, run and the nested runs of its stages."""
+    import os
+
     import mlflow
     from mlflow.tracking import MlflowClient
-    from prefect.artifacts import Artifact
 
     from difflm.tracking import tracking_uri
     from flows.pretrain import pretrain_difflm
-    from models.hf.convert import load_hf
 
-    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "1")  # samples within a short training
-    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING", "1")
-    cfg = tiny_config(session_dir / "flow", "train.train_iters=30", "train.lr=5e-3")
-    summary = pretrain_difflm(config=cfg)
-    assert summary["stages"] == dict.fromkeys(("data-prep", "train", "convert", "evaluate"), "ran")
-
-    # data, checkpoint, HF export that transformers loads offline
-    assert (Path(summary["data_dir"]) / "manifest.json").exists()
-    assert (Path(summary["run_dir"]) / "checkpoints" / "iter_0000030" / "metadata.json").exists()
-    model = load_hf(Path(summary["hf_dir"]))
-    assert (
-        model.config.mask_token_id
-        == json.loads((Path(summary["data_dir"]) / "manifest.json").read_text())["tokenizer"]["mask_id"]
-    )
-
-    # training helped: the bound of the trained model is below the untrained one
-    v = summary["validation"]
-    assert v["trained"]["bound"] and v["trained"]["nll_per_token"] < v["untrained"]["nll_per_token"]
-    assert summary["samples"] and summary["samples"][0]["sampler"]["steps"] == cfg.eval.sampler.steps
-
-    # one MLflow run with params, curves, data stats, samples, the model, a registered version
+    sampling = {"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1", "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING": "1"}
+    saved = {k: os.environ.get(k) for k in sampling}
+    os.environ.update(sampling)  # system metrics sampled within a short training
+    try:
+        cfg = tiny_config(session_dir / "flow", *FLOW)
+        summary = pretrain_difflm(config=cfg)
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     mlflow.set_tracking_uri(tracking_uri(cfg))
     client = MlflowClient()
     run = client.get_run(summary["mlflow_run_id"])
+    children = {
+        r.data.tags["stage"]: r
+        for r in client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
+    }
+    manifest = json.loads((Path(summary["data_dir"]) / "manifest.json").read_text())
+    return {"summary": summary, "cfg": cfg, "client": client, "run": run, "children": children, "manifest": manifest}
+
+
+@pytest.mark.slow
+def test_every_stage_ran_the_first_time(first):
+    assert first["summary"]["stages"] == dict.fromkeys(STAGES, "ran")
+
+
+@pytest.mark.slow
+def test_data_checkpoint_and_an_export_transformers_loads(first):
+    from models.hf.convert import load_hf
+
+    summary = first["summary"]
+    assert (Path(summary["data_dir"]) / "manifest.json").exists()
+    assert (Path(summary["run_dir"]) / "checkpoints" / "iter_0000030" / "metadata.json").exists()
+    model = load_hf(Path(summary["hf_dir"]))
+    assert model.config.mask_token_id == first["manifest"]["tokenizer"]["mask_id"]
+
+
+@pytest.mark.slow
+def test_training_helped_and_samples_record_their_sampler(first):
+    v, cfg = first["summary"]["validation"], first["cfg"]
+    assert v["trained"]["bound"] and v["trained"]["nll_per_token"] < v["untrained"]["nll_per_token"]
+    samples = first["summary"]["samples"]
+    assert samples and samples[0]["sampler"]["steps"] == cfg.eval.sampler.steps
+
+
+@pytest.mark.slow
+def test_one_mlflow_run_with_params_and_curves(first):
+    client, run = first["client"], first["run"]
     assert run.data.params["train.train_iters"] == "30"
     assert run.data.params["diffusion.model_running_mode"] == "difflm-noshift"
     assert len(client.get_metric_history(run.info.run_id, "loss")) >= 3
     assert len(client.get_metric_history(run.info.run_id, "val_loss")) >= 2
-    # the data as a dataset input (digest = data hash, counts as input tags), not as single-point metrics
+
+
+@pytest.mark.slow
+def test_the_data_is_a_dataset_input_not_metrics(first):
+    run, manifest = first["run"], first["manifest"]
     (data_input,) = [
         d
         for d in run.inputs.dataset_inputs
         if {t.key: t.value for t in d.tags}.get("mlflow.data.context") == "training"
     ]
-    manifest = json.loads((Path(summary["data_dir"]) / "manifest.json").read_text())
     assert data_input.dataset.digest == manifest["hash"] == run.data.tags["data.hash"]
     counts = {t.key: t.value for t in data_input.tags}
     assert counts["train.documents"] == str(manifest["splits"]["train"]["documents"])
     assert not [k for k in run.data.metrics if k.startswith("data.")]
-    exp = client.get_experiment(run.info.experiment_id)
+
+
+@pytest.mark.slow
+def test_the_run_opens_in_the_model_training_view_with_its_lineage(first):
+    run, summary = first["run"], first["summary"]
+    exp = first["client"].get_experiment(run.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the model-training view
     assert summary["mlflow_experiment_id"] == run.info.experiment_id  # `difflm run` prints the run's UI link
     assert run.data.tags["prefect.flow_run_id"] and run.data.tags["mlflow.source.git.commit"]
-    # a nested run per stage: live training curves and system metrics in the train stage's run
-    children = {
-        r.data.tags["stage"]: r
-        for r in client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
-    }
-    assert set(children) == {"data-prep", "train", "convert", "evaluate"}
+    assert run.data.tags.get("prefect.flow_run_url", "http").startswith("http")  # a link, or none at all
+
+
+@pytest.mark.slow
+def test_a_nested_run_per_stage_with_live_curves_and_system_metrics(first):
+    client, children, summary = first["client"], first["children"], first["summary"]
+    assert set(children) == set(STAGES)
     assert all(c.info.status == "FINISHED" and c.data.tags["cached"] == "false" for c in children.values())
     train_run = children["train"]
     assert len(client.get_metric_history(train_run.info.run_id, "loss")) >= 3
@@ -73,46 +110,72 @@ def test_pretrain_difflm_end_to_end_and_rerun(session_dir, prefect_harness, monk
     assert "eval.trained.nll_per_token" in children["evaluate"].data.metrics
     assert children["train"].data.tags["train.run_dir"] == summary["run_dir"]
     assert children["convert"].data.tags["export.hf_dir"] == summary["hf_dir"]
-    # a markdown summary per stage in Prefect
+
+
+@pytest.mark.slow
+def test_a_markdown_summary_per_stage_in_prefect(first):
+    from prefect.artifacts import Artifact
+
     train_md = Artifact.get("train-summary")
-    assert train_md and "loss" in train_md.data and Path(summary["run_dir"]).name in train_md.data
-    assert manifest["hash"] in Artifact.get("data-prep-summary").data
+    assert train_md and "loss" in train_md.data and Path(first["summary"]["run_dir"]).name in train_md.data
+    assert first["manifest"]["hash"] in Artifact.get("data-prep-summary").data
     assert "nats/token" in Artifact.get("evaluate-summary").data
-    artifacts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"config", "data", "eval", "hf_model", "train"} <= artifacts
+
+
+@pytest.mark.slow
+def test_artifacts_and_the_export_in_mlflow(first):
+    client, run = first["client"], first["run"]
+    assert {"config", "data", "eval", "hf_model", "train"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
     hf_files = {Path(a.path).name for a in client.list_artifacts(run.info.run_id, "hf_model")}
     assert {"model.safetensors", "config.json", "modeling_difflm.py", "tokenizer.json"} <= hf_files
-    # registered under the name derived from preset and mode; the first version is candidate and champion
+
+
+@pytest.mark.slow
+def test_the_first_version_is_candidate_and_champion(first):
+    client, run, summary = first["client"], first["run"], first["summary"]
     assert summary["registered_model"] == "difflm-test-tiny-difflm-noshift-enwiki"
     version = client.get_model_version(summary["registered_model"], summary["version"])
     assert version.run_id == run.info.run_id and set(version.aliases) == {"candidate", "champion"}
     assert summary["promoted"] and "eval.trained.nll_per_token" in version.tags["promotion"]
     assert f"runs:/{run.info.run_id}" in version.description
 
-    # running it again reuses what is done: same checkpoint, a new MLflow run with backfilled curves
-    again = pretrain_difflm(config=cfg)
+
+@pytest.mark.slow
+def test_a_rerun_reuses_everything(first):
+    from prefect.artifacts import Artifact
+
+    from flows.pretrain import pretrain_difflm
+
+    client, summary = first["client"], first["summary"]
+    again = pretrain_difflm(config=first["cfg"])
     assert again["run_dir"] == summary["run_dir"] and again["mlflow_run_id"] != summary["mlflow_run_id"]
-    assert again["validation"]["trained"]["nll_per_token"] == pytest.approx(v["trained"]["nll_per_token"])
-    assert len(client.get_metric_history(again["mlflow_run_id"], "loss")) >= 3
+    assert again["validation"]["trained"]["nll_per_token"] == pytest.approx(
+        summary["validation"]["trained"]["nll_per_token"]
+    )
+    assert len(client.get_metric_history(again["mlflow_run_id"], "loss")) >= 3  # curves backfilled
     assert again["version"] == summary["version"]  # same checkpoint: the same registered version
-    assert again["stages"] == dict.fromkeys(("data-prep", "train", "convert", "evaluate"), "cached")
+    assert again["stages"] == dict.fromkeys(STAGES, "cached")
     assert "hf_model" not in {a.path for a in client.list_artifacts(again["mlflow_run_id"])}  # no second upload
-    assert run.data.tags.get("prefect.flow_run_url", "http").startswith("http")  # a link, or none at all
     assert "Prefect cache" in Artifact.get("train-summary").data
 
-    # a changed input reruns only the stages that depend on it
-    changed_eval = pretrain_difflm(
-        config=tiny_config(session_dir / "flow", "train.train_iters=30", "train.lr=5e-3", "eval.task_items=2")
-    )
+
+@pytest.mark.slow
+def test_a_changed_input_reruns_only_what_depends_on_it(first, session_dir):
+    from flows.pretrain import pretrain_difflm
+
+    changed_eval = pretrain_difflm(config=tiny_config(session_dir / "flow", *FLOW, "eval.task_items=2"))
     assert changed_eval["stages"] == {"data-prep": "cached", "train": "cached", "convert": "cached", "evaluate": "ran"}
     changed_train = pretrain_difflm(config=tiny_config(session_dir / "flow", "train.train_iters=20", "train.lr=5e-3"))
     assert changed_train["stages"] == {"data-prep": "cached", "train": "ran", "convert": "ran", "evaluate": "ran"}
-    assert changed_train["run_dir"] != summary["run_dir"]
+    assert changed_train["run_dir"] != first["summary"]["run_dir"]
 
-    # the evaluate flow on the registered version: its own MLflow run with task metrics, samples, a sweep
+
+@pytest.mark.slow
+def test_the_evaluate_flow_on_the_registered_champion(first, session_dir):
     from flows.evaluate import evaluate
 
-    ev_cfg = tiny_config(session_dir / "flow", "train.train_iters=30", "train.lr=5e-3", "eval.steps_sweep=[1,2]")
+    client, summary = first["client"], first["summary"]
+    ev_cfg = tiny_config(session_dir / "flow", *FLOW, "eval.steps_sweep=[1,2]")
     res = evaluate(source=f"models:/{summary['registered_model']}@champion", config=ev_cfg)
     ev_run = client.get_run(res["mlflow_run_id"])
     assert ev_run.data.tags["flow"] == "evaluate" and "eval.cloze.acc" in ev_run.data.metrics
