@@ -339,8 +339,12 @@ def import_pretrained(
 
 
 def import_record(ckpt_dir: str | Path) -> dict | None:
+    """What the stock importer recorded in `ckpt_dir` (source, architecture, tokenizer, parity); None for any
+    other checkpoint, including an import of this project's own export, whose marker of the same name only
+    names its source (`models.hf.convert.import_hf`)."""
     path = Path(ckpt_dir) / IMPORT_RECORD
-    return json.loads(path.read_text()) if path.exists() else None
+    record = json.loads(path.read_text()) if path.exists() else None
+    return record if record and "tokenizer" in record else None
 
 
 # ---- export to the stock class ---------------------------------------------------------------------------------
