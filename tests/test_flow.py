@@ -171,7 +171,7 @@ def test_a_changed_input_reruns_only_what_depends_on_it(first, session_dir):
 
 
 @pytest.mark.slow
-def test_the_evaluate_flow_on_the_registered_champion(first, session_dir):
+def test_the_evaluate_flow_on_the_registered_champion(first, session_dir, capfd, caplog):
     from flows.evaluate import evaluate
 
     client, summary = first["client"], first["summary"]
@@ -183,6 +183,9 @@ def test_the_evaluate_flow_on_the_registered_champion(first, session_dir):
     ev_files = {a.path for a in client.list_artifacts(ev_run.info.run_id, "eval")}
     assert {"eval/samples.json", "eval/sweep.png", "eval/results.json"} <= ev_files
     assert res["samples"] and res["samples"][0]["sampler"]["mode"] == "difflm-noshift"
+    # a line per sweep setting as it is measured (on stderr, or in the task's log under Prefect's log_prints)
+    err = capfd.readouterr().err + caplog.text
+    assert "[sweep] 1/2: 1 steps, accuracy" in err and "[sweep] 2/2: 2 steps" in err
 
 
 def test_data_prep_flow_logs_statistics(session_dir, prefect_harness, tiny_manifest):

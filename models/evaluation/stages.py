@@ -235,6 +235,7 @@ def sweep_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: Pat
         sampler_settings(e),
         sorted(e.steps_sweep),
         new_tokens=max(e.steps_sweep),
+        echo=lambda line: print(line, file=sys.stderr),
     )
     where = placement(model)
     rows = [{**r, **where} for r in rows]  # tokens/s means nothing without the hardware and precision

@@ -39,9 +39,18 @@ def measure_sampler(scorer, items: list[dict], settings: MaskedSampler, new_toke
     }
 
 
-def sweep_steps(scorer, items: list[dict], base: MaskedSampler, steps: list[int], new_tokens: int = 4) -> list[dict]:
-    """measure_sampler at each number of steps (threshold off: the steps are what varies)."""
-    return [
-        {"steps": k, **measure_sampler(scorer, items, replace(base, steps=k, threshold=None), new_tokens)}
-        for k in steps
-    ]
+def sweep_steps(
+    scorer, items: list[dict], base: MaskedSampler, steps: list[int], new_tokens: int = 4, echo=None
+) -> list[dict]:
+    """measure_sampler at each number of steps (threshold off: the steps are what varies); `echo`: a line per
+    setting as it is measured (each takes a while on a CPU)."""
+    rows = []
+    for i, k in enumerate(steps, 1):
+        rows.append({"steps": k, **measure_sampler(scorer, items, replace(base, steps=k, threshold=None), new_tokens)})
+        if echo:
+            r = rows[-1]
+            echo(f"[sweep] {i}/{len(steps)}: {k} steps, " + ", ".join(f"{m} {r[m]:.3g}" for m in METRICS if m in r))
+    return rows
+
+
+METRICS = ("accuracy", "tokens_per_s")  # what a sweep line shows, when measured
