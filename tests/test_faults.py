@@ -349,7 +349,7 @@ def test_ctrl_c_during_difflm_run_exits_75_with_one_line_and_resumes(session_dir
     (Prefect's temporary server shared the terminal's process group and died first) and a second Ctrl-C printed
     about 120 lines of tracebacks. Now: one line naming the checkpoint, exit 75, within seconds."""
     workdir = session_dir / "shared"  # the prepared data of tiny_manifest is reused
-    overrides = ["train.train_iters=400", "train.log_interval=1", "train.warmup_iters=2"]
+    overrides = ["train.train_iters=100000", "train.log_interval=1", "train.warmup_iters=2"]  # stopped long before
     overrides += ["checkpoint.save_interval=1000", "tracking.registry=false"]
     rdir = run_dir(tiny_config(workdir, *overrides), tiny_manifest)  # this run's directory, not another test's
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}

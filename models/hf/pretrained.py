@@ -13,6 +13,7 @@ The dequantized model refuses `save_pretrained` (it is marked as quantized): its
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import difflm
+from difflm import outputs
 from difflm.errors import UserError
+
+PLAIN_FOLDER = "hf"  # in the cache, beside the GGUF: the plain transformers folder built from it
+BUILT_MARKER = "difflm_built_from_gguf.json"  # what this module writes into that folder (it may replace it)
 
 
 @dataclass(frozen=True)
@@ -115,19 +120,18 @@ def hf_folder_from_gguf(gguf: Path, out_dir: Path) -> Path:
     if unexpected or [k for k in missing if k != "lm_head.weight"]:
         raise PretrainedError(f"{gguf.name}: weights do not fit {type(fresh).__name__}: {missing} {unexpected}")
     fresh.tie_weights()
-    part = out_dir.with_name(out_dir.name + ".part")
-    shutil.rmtree(part, ignore_errors=True)
-    fresh.save_pretrained(str(part))
-    tokenizer.save_pretrained(str(part))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    part.replace(out_dir)
+    # built in a private folder and swapped in; an earlier folder is replaced only when this function wrote it
+    with outputs.staged_output(out_dir, BUILT_MARKER, "a folder built from a GGUF file") as part:
+        fresh.save_pretrained(str(part))
+        tokenizer.save_pretrained(str(part))
+        (part / BUILT_MARKER).write_text(json.dumps({"gguf": gguf.name, "sha256": sha256_file(gguf)}, indent=2))
     return out_dir
 
 
 def smollm2_folder(cache: Path | None = None) -> Path:
     """The cached plain HF folder of SmolLM2-135M-Instruct (built from the GGUF on first use)."""
     root = cache or _cache_root()
-    folder = root / SMOLLM2.name / "hf"
+    folder = root / SMOLLM2.name / PLAIN_FOLDER
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
         return folder
     return hf_folder_from_gguf(fetch_gguf(SMOLLM2, root), folder)
