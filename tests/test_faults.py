@@ -357,7 +357,26 @@ def test_ctrl_c_during_difflm_run_exits_75_with_one_line_and_resumes(session_dir
     cli = [sys.executable, "-m", "flows.cli", "run", "--preset", "test-tiny", f"workdir={workdir}", *overrides]
     out, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out.open("w") as stdout, err_file.open("w") as stderr:  # files: a full pipe would block the command
-        proc = subprocess.Popen(cli, cwd=ROOT, env=env, stdout=stdout, stderr=stderr, start_new_session=True)
+        proc = subprocess.Popen(
+            cli,
+            cwd=ROOT,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+            # as a terminal's foreground job: SIGINT at its default (a suite started in the background by a
+            # non-interactive shell inherits it ignored, and Python then never raises KeyboardInterrupt)
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+    try:
+        _interrupt_and_check(proc, rdir, err_file)
+    finally:
+        if proc.poll() is None:  # never leave a training behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _interrupt_and_check(proc: subprocess.Popen, rdir: Path, err_file: Path) -> None:
 
     def training() -> bool:
         if proc.poll() is not None:  # it ended before training: say why, not "condition not reached"
