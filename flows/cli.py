@@ -109,6 +109,7 @@ def cmd_run(cfg: PipelineConfig, args) -> int:
         "mlflow_uri",
         "mlflow_run_id",
         "mlflow_run_url",
+        "mlflow_curves_url",
         "registered_model",
         "version",
         "promotion",
@@ -116,12 +117,13 @@ def cmd_run(cfg: PipelineConfig, args) -> int:
         if summary.get(key) is not None:
             print(f"{key:>16}: {summary[key]}")
     if summary.get("mlflow_uri") and not summary.get("mlflow_run_url"):  # a local store: no server to link to yet
-        from tasks.artifacts import mlflow_run_url
+        from tasks.artifacts import mlflow_curves_url
 
+        link = mlflow_curves_url(LOCAL_UI, summary.get("mlflow_experiment_id"), summary["mlflow_run_id"])
         print(
             f"MLflow UI: {Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {summary['mlflow_uri']} "
             f"--host 127.0.0.1 --port 5000\n"
-            f"     then open: {mlflow_run_url(LOCAL_UI, summary.get('mlflow_experiment_id'), summary['mlflow_run_id'])}"
+            f"     then open: {link}"
         )
     Path(cfg.workdir, "last_run.json").write_text(json.dumps(summary, indent=2))
     return 0
