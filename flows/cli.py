@@ -194,14 +194,15 @@ def cmd_launch(cfg: PipelineConfig, args) -> int:
     """The options --partition, --time, ... are config fields (train.slurm.*, train.kubernetes.*), already set in
     `cfg` and validated with the rest of it (see `Arg.sets`)."""
     from data_prep.pipeline import prepare_data
-    from models.launch.cluster import mount_problem, write_launch_file
+    from models.launch.cluster import mount_problem, sbatch_command, write_launch_file
     from models.launch.torchrun import run_dir
 
     target = "kubernetes" if args.target in ("k8s", "kubernetes") else "slurm"
     manifest = prepare_data(cfg)
     rdir = run_dir(cfg, manifest)
     out = write_launch_file(cfg, manifest, target)
-    hint = f"sbatch {out}" if target == "slurm" else f"kubectl apply -f {out}"
+    # time, partition and sbatch_args are sbatch's arguments, not lines of the script
+    hint = shlex.join(sbatch_command(cfg, out)) if target == "slurm" else f"kubectl apply -f {out}"
     print(f"{args.target} launch file: {out}\nsubmit: {hint}\nrun directory (checkpoints, metrics): {rdir}")
     if target == "kubernetes" and mount_problem(cfg, rdir):
         print(f"difflm: warning: {mount_problem(cfg, rdir)}", file=sys.stderr)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from difflm.config import ConfigError, load_config
-from models.launch.cluster import slurm_script
+from models.launch.cluster import sbatch_command, sbatch_options, slurm_script
 
 RUN = Path("/shared/difflm/runs/difflm-noshift-abc-def")
 
@@ -40,7 +40,9 @@ def test_slurm_time_formats_are_accepted(time):
         "test-tiny", [f"train.slurm.time={time}", "train.slurm.sbatch_args={account: proj, constraint: 'a&b', mem: 0}"]
     )
     script = slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
-    assert f"#SBATCH --time={time}\n" in script and "#SBATCH --account=proj\n" in script
+    # sbatch's arguments, not lines of the script
+    assert sbatch_command(cfg, RUN / "launch.sbatch")[1:4] == [f"--time={time}", "--account=proj", "--constraint=a&b"]
+    assert "--time" not in script and "--account" not in script
 
 
 def test_script_refuses_unsafe_run_dirs_arguments_and_env_keys():
@@ -51,7 +53,7 @@ def test_script_refuses_unsafe_run_dirs_arguments_and_env_keys():
     with pytest.raises(ConfigError, match="workdir"):
         slurm_script(cfg, quoted / "c.yaml", quoted / "m.json", quoted)
     with pytest.raises(ConfigError, match="train.slurm"):
-        slurm_script(cfg, RUN / "c.yaml", RUN / "m.json", RUN, time="1:00:00\nid")
+        sbatch_options(cfg, time="1:00:00\nid")
     with pytest.raises(ConfigError, match="not an identifier"):
         slurm_script(cfg, RUN / "c.yaml", RUN / "m.json", RUN, env={"BAD;touch $SCRATCH/PWNED_envkey;X": "v"})
     script = slurm_script(cfg, RUN / "c.yaml", RUN / "m.json", RUN, env={"MLFLOW_TRACKING_URI": "http://x;id"})
