@@ -80,6 +80,7 @@ if prog == "sbatch":
     script = Path(args[-1])
     opts = dict(line[len("#SBATCH --"):].partition("=")[::2] for line in script.read_text().splitlines()
                 if line.startswith("#SBATCH --"))
+    opts.update(a[2:].partition("=")[::2] for a in args[:-1] if a.startswith("--"))  # the command line wins
     job_id = str(random.randint(100000, 999999))
     set_state(job_id, state="PENDING", script=str(script))
     out = opts.get("output", "slurm-%j.out").replace("%j", job_id)
@@ -427,7 +428,8 @@ def test_launch_cli_writes_what_the_launchers_submit(session_dir, tiny_manifest,
     cfg = tiny_config(work, *overrides[1:], "train.slurm.partition=gpu", "train.slurm.time=01:00:00")
     rdir = run_dir(cfg, tiny_manifest)
     written = (rdir / "launch.sbatch").read_text()
-    assert "#SBATCH --partition=gpu" in written and "#SBATCH --time=01:00:00" in written
+    submit = f"submit: sbatch --time=01:00:00 --partition=gpu {rdir / 'launch.sbatch'}\n"
+    assert submit in capsys.readouterr().out and "--partition" not in written  # sbatch arguments, not #SBATCH lines
     assert written == write_launch_file(cfg, tiny_manifest, "slurm").read_text()
     assert main(["launch", "--preset", "test-tiny", *overrides, "--target", "k8s", "--image", "img:2"]) == 0
     assert "is not under train.kubernetes.mount=/data" in capsys.readouterr().err  # a warning, the file is written
