@@ -284,10 +284,11 @@ class DiffLMForMaskedLM(PreTrainedModel):
     ) -> torch.Tensor:
         """Logits aligned with the positions they predict (the objective undoes difflm-shift's shift, so position
         0 of a shifted model has no logit of its own: callers never mask or score it). With `clean` (block
-        diffusion): the logits of the noisy half of [tokens | clean]."""
+        diffusion): the logits of the tokens from [tokens | clean] (the noisy half, or with the shift the logit of
+        the token before, `BlockDiffusion.align_two_stream`)."""
         if clean is not None:
             out = self(tokens, attention_mask=attention_mask, document_ids=document_ids, clean_ids=clean).logits
-            return out[:, : tokens.shape[1]]
+            return self.objective.align_two_stream(out)
         return self.objective.align_logits(
             self(tokens, attention_mask=attention_mask, t=t, document_ids=document_ids).logits
         )
@@ -381,6 +382,10 @@ class DiffLMForMaskedLM(PreTrainedModel):
         real = torch.ones_like(prompt_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if p and not real[:, -1].all():
             raise ValueError("prompts must be LEFT-padded for generation: set tokenizer.padding_side = 'left'")
+        if objective.block_shift and not p:
+            raise ValueError(
+                "a shifted difflm-block model needs at least one prompt token (each logit predicts the next)"
+            )
         size, causal = objective.block_size, objective.token_causal
         spans = [(a, min(a + size, max_new_tokens)) for a in range(0, max_new_tokens, size)]
         steps = unmask_schedule(max(settings.steps, len(spans)), len(spans)) if spans else []
@@ -396,10 +401,10 @@ class DiffLMForMaskedLM(PreTrainedModel):
             d = docs[:, :n_keys]
             return keep & (d[:, n_keys - n_queries :, None] == d[:, None, :])[:, None]
 
-        nfe = 0
+        nfe, last = 0, None  # last: the clean logit of the token before the current block (it predicts its first)
         if use_cache and p:  # the prompt's keys and values, once
-            self(prompt_ids, attention_mask=real, past_key_values=cache, attention_keep=rule(p, p, p))
-            nfe += 1
+            last = self(prompt_ids, attention_mask=real, past_key_values=cache, attention_keep=rule(p, p, p)).logits
+            last, nfe = last[:, -1:], nfe + 1
         x, eos = prompt_ids, objective.eos_id
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         for (a, z), block_steps in zip(spans, steps):
@@ -407,7 +412,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
             keys = torch.cat([real, torch.ones(b, a + n, dtype=torch.bool, device=self.device)], dim=1)
             if use_cache:
 
-                def logits_fn(seq, start=start, n=n, keys=keys):
+                def logits_fn(seq, start=start, n=n, keys=keys, last=last):
                     keep = rule(start + n, n, start)
                     out = self(
                         seq[:, start:],
@@ -416,11 +421,14 @@ class DiffLMForMaskedLM(PreTrainedModel):
                         attention_keep=keep,
                         update_cache=False,
                     ).logits
+                    if objective.block_shift:  # token i's logit is that of token i - 1: the clean one first
+                        out = torch.cat([last, out[:, :-1]], dim=1)
                     return torch.cat([out.new_zeros(b, start, out.shape[-1]), out], dim=1)  # the sampler reads [start:]
             else:
 
                 def logits_fn(seq, start=start, n=n, keys=keys):
-                    return self(seq, attention_mask=keys, attention_keep=rule(start + n, start + n, start)).logits
+                    keep = rule(start + n, start + n, start)
+                    return objective.align_logits(self(seq, attention_mask=keys, attention_keep=keep).logits)
 
             block_stats: dict = {}
             x = sample_masked_diffusion(
@@ -446,18 +454,19 @@ class DiffLMForMaskedLM(PreTrainedModel):
                     x = torch.cat([x, fill], dim=1)
                     break
             if use_cache and z < max_new_tokens:  # the finished block, as clean tokens, into the cache
-                self(
+                last = self(
                     x[:, start:],
                     attention_mask=keys,
                     past_key_values=cache,
                     attention_keep=rule(start + n, n, start + n),
-                )
+                ).logits[:, -1:]
                 nfe += 1
         if stats is not None:
             stats["nfe"] = nfe
             stats["settings"] = {
                 "block_size": size,
                 "clean_attention": objective.clean_attention,
+                "block_shift": objective.block_shift,
                 "kv_cache": use_cache,
             }
         return x
