@@ -556,10 +556,6 @@ class BlockDiffusion(Objective):
     def token_causal(self) -> bool:
         return self.clean_attention == "token_causal"
 
-    @property
-    def shifted(self) -> bool:  # an instance fact here: the option of the recipe
-        return self.block_shift
-
     def model_tokens(self, seq_len):
         return 2 * seq_len
 
