@@ -590,6 +590,13 @@ class SamplerConfig(_Section):
         0.0, ge=0.0, description="Classifier-free guidance (prompt masked for the unconditional pass); 0: off."
     )
     stop_at_eos: bool = Field(True, description="A row stops once it committed an EOS with nothing masked before it.")
+    prefix_cache: bool = Field(
+        False,
+        description="Fast-dLLM's prefix KV cache for full-sequence masked models: the prompt's and finished blocks' "
+        "keys and values are computed at each block's first step and reused for its other steps (approximate: "
+        "bidirectional attention would update them; fewer model FLOPs per token). Block-diffusion models always "
+        "use their exact cache.",
+    )
 
 
 def nest_sampler_fields(eval_section: dict[str, Any]) -> dict[str, Any]:

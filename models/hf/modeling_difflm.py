@@ -24,6 +24,7 @@ from ..diffusion.documents import document_ids as eos_document_ids
 from ..diffusion.modes import Objective
 from ..diffusion.samplers import (
     MaskedSampler,
+    block_spans,
     draw_multinomial,
     filter_logits,
     sample_masked_diffusion,
@@ -153,6 +154,60 @@ def _with_padding(keep: torch.Tensor, attention_mask: torch.Tensor | None, offse
 
 def _uses_adaln(config: DiffLMConfig) -> bool:
     return bool(config.time_embedding) and getattr(config, "time_conditioning", "input") == "adaln"
+
+
+class PrefixCachedLogits:
+    """The logits function of a full-sequence masked model decoding with Fast-dLLM's prefix cache (approximate,
+    `MaskedSampler.prefix_cache`). At the first step of each block (a new earliest masked position's block) the
+    whole sequence is run, as without the cache, and the keys and values of the positions before the block are
+    kept; the block's other steps run the block and what follows it against them, so a step costs the suffix's
+    tokens, not the sequence's. Under bidirectional attention the prefix's keys would change as the block is
+    unmasked: only the first step of each block is exact. `positions` counts the positions run through the model
+    (its FLOPs scale with them)."""
+
+    def __init__(self, model, prompt_len: int, length: int, settings: MaskedSampler, mask, docs):
+        self.model, self.mask, self.docs = model, mask, docs
+        self.starts = [prompt_len + a for a, _ in block_spans(length, settings.block_length)]
+        self.prompt_len, self.start, self.cache, self.last, self.positions = prompt_len, None, None, None, 0
+
+    def _block_start(self, x: torch.Tensor) -> int:
+        """The start of the block the sampler is in: the block of the earliest masked generated position."""
+        masked = (x[:, self.prompt_len :] == self.model.config.mask_token_id).any(0).nonzero()
+        first = self.prompt_len + int(masked[0]) if len(masked) else self.starts[-1]
+        return max(a for a in self.starts if a <= first)
+
+    def _time(self, x: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor | None:
+        """t of the whole sequence (a time-conditioned model would otherwise read it off the suffix alone)."""
+        if t is None and self.model.config.time_embedding:
+            return self.model.objective.default_t(x, self.mask)
+        return t
+
+    def __call__(self, x: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
+        start, t = self._block_start(x), self._time(x, t)
+        self.positions += x.shape[1] if start != self.start or not start else x.shape[1] - start
+        if start != self.start or not start:  # a new block (or nothing to cache): the full forward, once
+            self.cache = [{} for _ in self.model.layers]
+            out = self.model(x, attention_mask=self.mask, t=t, document_ids=self.docs, past_key_values=self.cache)
+            for layer in self.cache:  # keep the prefix only: the block and what follows change at every step
+                layer["k"], layer["v"] = layer["k"][:, :start], layer["v"][:, :start]
+            self.start, self.last = start, out.logits[:, start - 1 : start]
+            return self.model.objective.align_logits(out.logits)
+        keep = torch.ones(1, 1, x.shape[1] - start, x.shape[1], dtype=torch.bool, device=x.device)
+        if self.docs is not None:  # the packed documents of training, for the new queries against every key
+            keep = (self.docs[:, start:, None] == self.docs[:, None, :])[:, None]
+        out = self.model(
+            x[:, start:],
+            attention_mask=self.mask,
+            t=t,
+            past_key_values=self.cache,
+            attention_keep=keep,
+            update_cache=False,
+        ).logits
+        # the positions before the block are never masked: the sampler does not read their logits; the one
+        # before the block is kept for a shifted model, whose logit i is that of position i - 1
+        before = out.new_zeros(x.shape[0], start, out.shape[-1])
+        before[:, -1:] = self.last
+        return self.model.objective.align_logits(torch.cat([before, out], dim=1))
 
 
 class DiffLMForMaskedLM(PreTrainedModel):
@@ -348,9 +403,19 @@ class DiffLMForMaskedLM(PreTrainedModel):
         if docs is not None:  # the continuation belongs to the prompt's last document
             docs = torch.cat([docs, docs[:, -1:].expand(b, length)], dim=1)
         settings = settings or MaskedSampler(steps=steps, temperature=temperature, stop_at_eos=False)
-        return self.objective.sample(
-            lambda x, t: self._logits(x, mask, t, docs), prompt_ids, length, settings, generator, forbidden_ids, stats
-        )
+        logits_fn = lambda x, t: self._logits(x, mask, t, docs)  # noqa: E731
+        if settings.prefix_cache:
+            logits_fn = self._prefix_cached(p, length, settings, mask, docs)
+        seq = self.objective.sample(logits_fn, prompt_ids, length, settings, generator, forbidden_ids, stats)
+        if stats is not None and settings.prefix_cache:
+            stats["model_positions"] = logits_fn.positions
+        return seq
+
+    def _prefix_cached(self, p: int, length: int, settings: MaskedSampler, mask, docs) -> PrefixCachedLogits:
+        self._require("prefix_cache", self.objective.unmasks, "it applies to masked diffusion's unmasking sampler")
+        if settings.cfg_scale > 0:
+            raise ValueError("prefix_cache with classifier-free guidance: the unconditional pass masks the prompt")
+        return PrefixCachedLogits(self, p, length, settings, mask, docs)
 
     @torch.no_grad()
     def block_generate(
@@ -468,6 +533,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
                 "clean_attention": objective.clean_attention,
                 "block_shift": objective.block_shift,
                 "kv_cache": use_cache,
+                "prefix_cache": False,  # the exact cache above is block decoding's own
             }
         return x
 
