@@ -269,3 +269,25 @@ def test_tokenizer_without_mask_token_and_unloadable(tmp_path, tiny_manifest):
     cfg = tiny_config(tmp_path / "c", f"data.sources=[{src}]", f"tokenizer.path={tmp_path / 'nowhere'}")
     with pytest.raises(TokenizerError, match="no tokenizer.json"):
         prepare_data(cfg)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_terminal_shows_no_per_file_lines_and_the_stats_once(tmp_path, tiny_manifest, capfd, workers):
+    """datatrove's per-file "Reading input file" lines and each task's stats go to the task logs only; the merged
+    stats print once; a bad record's warning and the progress stay on the terminal (issue 25 item 7)."""
+    src = tmp_path / "txt"
+    src.mkdir()
+    for i, t in enumerate(_docs(12, "quiet")):
+        (src / f"{i:02d}.txt").write_text(t)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": _docs(1, "ok")[0]}) + "\n{not json\n")
+    capfd.readouterr()
+    prepare_data(_cfg(tmp_path, tiny_manifest, f"data.sources=[{src}, {bad}]", f"data.workers={workers}"))
+    err = "".join(capfd.readouterr())
+    assert "Reading input file" not in err
+    assert err.count("Stats: All") == 1 and err.count("\U0001f4c9 Stats") == 1, err[-3000:]  # the merged block
+    assert "skipping record" in err  # warnings still reach the terminal
+    # progress: the readers' bar with one worker, datatrove's task count with several
+    assert "Document progress" in err if workers == 1 else f"{workers}/{workers} tasks completed" in err
+    logs = "".join(p.read_text() for p in tmp_path.rglob("logs/task_*.log"))
+    assert logs.count("Reading input file") >= 13 and "Stats: Task" in logs  # nothing lost: it is in the files
