@@ -22,11 +22,14 @@ FORMAT = (
 
 
 def quiet_task_logger(logging_dir, rank: int, local_rank: int = 0, node_rank: int = -1):
-    """datatrove's `add_task_logger` with the terminal at WARNING: everything still goes to the task's log file."""
+    """datatrove's `add_task_logger` with the terminal at WARNING for every worker: everything still goes to the
+    task's log file."""
     logger.remove()
     logfile = logging_dir.open(f"logs/task_{rank:05d}.log", "w")
     prefix = f"[NODE {node_rank}] " if node_rank != -1 else ""
-    logger.add(sys.stderr, level=TERMINAL_LEVEL if local_rank == 0 else "ERROR", format=prefix + FORMAT)
+    # every worker's warnings (datatrove shows only local rank 0's): the task that reports a bad record is rank 0,
+    # which may run on any worker
+    logger.add(sys.stderr, level=TERMINAL_LEVEL, format=prefix + FORMAT)
     logger.add(logfile, level="DEBUG", format=prefix + FORMAT, colorize=False)
     logger.info(f"Launching pipeline for {rank=}")
     return logfile
