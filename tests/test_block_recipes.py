@@ -244,3 +244,21 @@ def test_megatron_forward_step_with_both_options(megatron_single_process, tmp_pa
     assert torch.isfinite(total) and total > 0 and int(count) == 2 * 2 * 15  # tokens 1.. of both copies
     output, loss_fn = make_forward_step(cfg, special, step=3, evaluation=True)(iter([batch]), model)
     assert output.shape == (2, 32)  # validation: one mask per sequence (the block ELBO)
+
+
+def test_export_records_the_shift_and_decodes_with_it(megatron_single_process, tmp_path, tiny_manifest):
+    """A shifted block model's export carries `block_shift`: its objective, bound and decoder read it."""
+    from test_block_diffusion import _megatron, _save_ckpt
+
+    from models.hf.convert import export_hf, load_hf
+
+    cfg, model = _megatron(tmp_path, "local", "diffusion.block_shift=true", "diffusion.complementary_masks=true")
+    ckpt = tmp_path / "ckpt"
+    _save_ckpt(model, ckpt)
+    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / "hf"))
+    assert hf.config.block_shift is True and hf.objective.block_shift and not hf.objective.complementary_masks
+    stats: dict = {}
+    out = hf.generate_continuation(
+        torch.randint(3, 500, (1, 4)), 8, MaskedSampler(steps=8, stop_at_eos=False), stats=stats
+    )
+    assert out.shape == (1, 12) and stats["settings"]["block_shift"] is True
