@@ -262,3 +262,29 @@ def test_export_records_the_shift_and_decodes_with_it(megatron_single_process, t
         torch.randint(3, 500, (1, 4)), 8, MaskedSampler(steps=8, stop_at_eos=False), stats=stats
     )
     assert out.shape == (1, 12) and stats["settings"]["block_shift"] is True
+
+
+def test_a_megatron_global_batch_trains_and_validates_with_both_options(
+    megatron_single_process, tiny_manifest, tmp_path
+):
+    """megatron's schedule gets the doubled micro-batch in training (complementary pairs), the plain one in
+    validation; both losses finite."""
+    from models.megatron.data import build_datasets
+    from models.megatron.forward_step import SpecialTokens
+    from models.megatron.train import build_training, run_global_batch
+
+    cfg = tiny_config(
+        tmp_path,
+        "diffusion.model_running_mode=difflm-block",
+        "diffusion.block_size=4",
+        "model.backend=local",
+        "diffusion.block_shift=true",
+        "diffusion.complementary_masks=true",
+    )
+    t, tok = cfg.train, tiny_manifest["tokenizer"]
+    ddp, _, _ = build_training(cfg, tok["vocab_size"])
+    train_ds, _ = build_datasets(cfg, tiny_manifest, 4 * t.global_batch_size, t.global_batch_size)
+    special = SpecialTokens.from_manifest(tok)
+    for forward_only in (False, True):
+        loss = run_global_batch(cfg, ddp, train_ds, special, 0, 0, forward_only)
+        assert loss is not None and 0 < loss < 100, (forward_only, loss)
