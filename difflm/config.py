@@ -380,6 +380,20 @@ class DiffusionConfig(_Section):
         description="difflm-block: weight of the next-token loss on the clean half, added to the diffusion loss "
         "(Megatron-Bridge's 0.3 DLM + 1.0 AR is about 3.3 here, up to scale); needs clean_attention=token_causal.",
     )
+    block_shift: bool = Field(
+        False,
+        json_schema_extra=IF_SET,
+        description="difflm-block: shifted prediction (Fast-dLLM v2, Dream-style): logit i predicts token i + 1, "
+        "so an AR checkpoint's head keeps its meaning; a block's first token is predicted by the clean logit of "
+        "the token before it. Token 0 is context (never masked or scored); the export decodes the same way.",
+    )
+    complementary_masks: bool = Field(
+        False,
+        json_schema_extra=IF_SET,
+        description="difflm-block: train each sequence twice, with its mask and with the mask's complement "
+        "(Fast-dLLM v2, LLaDA 2.0: every noisy-block token supervised once per pair; a doubled micro-batch, "
+        "twice the FLOPs); the loss averages both. Validation keeps the block ELBO.",
+    )
     eps: float = Field(1e-3, gt=0.0, lt=1.0, description="t ~ U(eps, 1): lower bound of the noise level.")
     loss_weighting: Literal["inverse_t", "masked_fraction", "none", "cart"] = Field(
         "inverse_t",
@@ -576,6 +590,13 @@ class SamplerConfig(_Section):
         0.0, ge=0.0, description="Classifier-free guidance (prompt masked for the unconditional pass); 0: off."
     )
     stop_at_eos: bool = Field(True, description="A row stops once it committed an EOS with nothing masked before it.")
+    prefix_cache: bool = Field(
+        False,
+        description="Fast-dLLM's prefix KV cache for full-sequence masked models: the prompt's and finished blocks' "
+        "keys and values are computed at each block's first step and reused for its other steps (approximate: "
+        "bidirectional attention would update them; fewer model FLOPs per token). Block-diffusion models always "
+        "use their exact cache.",
+    )
 
 
 def nest_sampler_fields(eval_section: dict[str, Any]) -> dict[str, Any]:
@@ -734,6 +755,11 @@ class PipelineConfig(_Section):
     def _block_diffusion(self) -> PipelineConfig:
         d = self.diffusion
         if d.model_running_mode != "difflm-block":
+            if d.block_shift or d.complementary_masks:
+                raise ValueError(
+                    "diffusion.block_shift / complementary_masks are options of model_running_mode=difflm-block "
+                    "(full-sequence shifted prediction is difflm-shift)"
+                )
             return self
         if d.ar_loss_weight and d.clean_attention != "token_causal":
             raise ValueError(

@@ -228,7 +228,7 @@ def run_global_batch(
         model=[ddp],
         num_microbatches=n_micro,
         seq_length=objective_of(cfg, special).model_tokens(max(lengths)),  # block diffusion: [x_t | x_0]
-        micro_batch_size=cfg.train.micro_batch_size,
+        micro_batch_size=cfg.train.micro_batch_size * objective_of(cfg, special).rows_per_sequence(forward_only),
         forward_only=forward_only,
     )
     if not parallel_state.is_pipeline_last_stage():
