@@ -298,9 +298,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
         """Logits [b, 2L, v] of block diffusion's [x_t | x_0] (training's layout and mask)."""
         length = xt.shape[1]
         x = self.embed_tokens(torch.cat([xt, x0], dim=1))
-        cos, sin = _rope(
-            length, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta, x.device
-        )
+        cos, sin = _rope(length, _head_dim(self.config), self.config.rope_theta, x.device)  # head_dim: Qwen3
         cos, sin = cos.repeat(2, 1).to(x.dtype), sin.repeat(2, 1).to(x.dtype)
         mask = self.objective.keep(length, document_ids, attention_mask).to(x.device)
         for layer in self.layers:
