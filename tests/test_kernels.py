@@ -86,7 +86,7 @@ def test_fused_adamw_takes_the_foreach_steps():
 
 
 def test_gpu_presets_fill_gemm_tiles():
-    for name, preset in MODEL_PRESETS.items():
+    for name in MODEL_PRESETS:
         model = ModelConfig(preset=name)
         if model.hidden_size >= 1024 or name == "125m":
             assert model.ffn_size % 128 == 0, name
@@ -121,7 +121,9 @@ def test_compiled_swiglu_and_fused_cross_entropy_match_the_reference(
     and gradients as the reference path (CE fusion in bf16 only, as on CUDA)."""
     from models.megatron import gpt
 
-    cfg = tiny_config(tmp_path, f"train.precision={precision}", "model.backend=torch", "diffusion.model_running_mode=ar")
+    cfg = tiny_config(
+        tmp_path, f"train.precision={precision}", "model.backend=torch", "diffusion.model_running_mode=ar"
+    )
     torch.manual_seed(0)
     ref = gpt.build_model(cfg, 512)
     monkeypatch.setattr(gpt, "kernel_settings", lambda c: kernels.kernel_settings(c, cuda=True))
@@ -139,4 +141,6 @@ def test_compiled_swiglu_and_fused_cross_entropy_match_the_reference(
     assert (losses[0] - losses[1]).abs().max().item() < atol
     for (name, a), b in zip(ref.named_parameters(), fused.parameters()):
         scale = a.grad.float().abs().max().item() + 1e-6
-        assert (a.grad.float() - b.grad.float()).abs().max().item() / scale < (1e-4 if precision == "fp32" else 5e-2), name
+        assert (a.grad.float() - b.grad.float()).abs().max().item() / scale < (1e-4 if precision == "fp32" else 5e-2), (
+            name
+        )
