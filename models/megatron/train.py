@@ -621,7 +621,7 @@ class Trainer:
         vec = step_vector(self.ddp, step.loss_terms, self.owns_loss, signalled)
         dist.all_reduce(vec)
         # the loss as the per-group reduction computed it (fp32 sum / clamped count), read with the flags
-        total, count, bad, stop, loss = torch.cat([vec, (vec[0] / vec[1].clamp(min=1)).reshape(1)]).tolist()
+        _, _, bad, stop, loss = torch.cat([vec, (vec[0] / vec[1].clamp(min=1)).reshape(1)]).tolist()
         step.loss = loss if self.last_stage else None
         step.finite, step.preempted, step.agreed = bad == 0, stop > 0, True
         return step
