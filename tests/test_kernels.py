@@ -144,3 +144,13 @@ def test_compiled_swiglu_and_fused_cross_entropy_match_the_reference(
         assert (a.grad.float() - b.grad.float()).abs().max().item() / scale < (1e-4 if precision == "fp32" else 5e-2), (
             name
         )
+
+
+def test_rope_table_is_cached_per_length(megatron_single_process, tmp_path):
+    """What megatron-core offers for RoPE without Transformer Engine: its cos/sin angle table, computed once per
+    sequence length (an lru_cache on RotaryEmbedding.forward), so each forward pays only the rotation itself."""
+    from models.megatron.gpt import build_model
+
+    model = build_model(tiny_config(tmp_path, "model.backend=torch"), 512)
+    assert not model.config.apply_rope_fusion  # Transformer Engine's kernel: not available here
+    assert model.rotary_pos_emb(24) is model.rotary_pos_emb(24)
