@@ -17,20 +17,27 @@ from models.megatron import kernels
 def test_fusions_on_cuda_only_and_as_configured(tmp_path):
     bf16 = tiny_config(tmp_path, "train.precision=bf16")
     assert kernels.kernel_settings(bf16, cuda=False) == kernels.Kernels(False, False, False, "auto")
-    assert kernels.kernel_settings(bf16, cuda=True) == kernels.Kernels(True, True, True, "auto")
-    fp32 = kernels.kernel_settings(tiny_config(tmp_path), cuda=True)
+    assert kernels.kernel_settings(bf16, cuda=True, compiler_ok=True) == kernels.Kernels(True, True, True, "auto")
+    fp32 = kernels.kernel_settings(tiny_config(tmp_path), cuda=True, compiler_ok=True)
     assert not fp32.cross_entropy_fusion  # megatron's native fused CE hands back bf16 gradients
     off = kernels.kernel_settings(tiny_config(tmp_path, "train.precision=bf16", "model.fusions=off"), cuda=True)
     assert not (off.swiglu_fusion or off.cross_entropy_fusion or off.fused_adam)
-    gelu = kernels.kernel_settings(tiny_config(tmp_path, "model.swiglu=false"), cuda=True)
+    gelu = kernels.kernel_settings(tiny_config(tmp_path, "model.swiglu=false"), cuda=True, compiler_ok=True)
     assert not gelu.swiglu_fusion  # megatron's GELU fusion needs MLP biases, which we do not have
+
+
+def test_no_compiler_means_unfused_not_a_failed_first_forward(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "compiler_missing", lambda: "triton is not installed")
+    got = kernels.kernel_settings(tiny_config(tmp_path, "train.precision=bf16"), cuda=True)
+    assert not (got.swiglu_fusion or got.cross_entropy_fusion) and got.fused_adam
+    assert got.compile_unavailable == "triton is not installed"
 
 
 def test_cuda_settings_make_a_valid_megatron_config(tmp_path, monkeypatch):
     from models.megatron import gpt
 
     cfg = tiny_config(tmp_path, "train.precision=bf16", "model.backend=torch")
-    monkeypatch.setattr(gpt, "kernel_settings", lambda c: kernels.kernel_settings(c, cuda=True))
+    monkeypatch.setattr(gpt, "kernel_settings", lambda c: kernels.kernel_settings(c, cuda=True, compiler_ok=True))
     tcfg = gpt.transformer_config(cfg, "torch")
     assert tcfg.bias_activation_fusion and tcfg.cross_entropy_loss_fusion
     assert tcfg.cross_entropy_fusion_impl == "native" and not tcfg.apply_rope_fusion
@@ -126,7 +133,7 @@ def test_compiled_swiglu_and_fused_cross_entropy_match_the_reference(
     )
     torch.manual_seed(0)
     ref = gpt.build_model(cfg, 512)
-    monkeypatch.setattr(gpt, "kernel_settings", lambda c: kernels.kernel_settings(c, cuda=True))
+    monkeypatch.setattr(gpt, "kernel_settings", lambda c: kernels.kernel_settings(c, cuda=True, compiler_ok=True))
     fused = gpt.build_model(cfg, 512)
     assert fused.config.bias_activation_fusion and fused.config.cross_entropy_loss_fusion == (precision == "bf16")
     fused.load_state_dict(ref.state_dict())

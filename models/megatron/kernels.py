@@ -19,6 +19,10 @@ The attention kernel of the torch backend is PyTorch's SDPA choice (flash / cuDN
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
+import os
+import shutil
 from dataclasses import asdict, dataclass
 
 import torch
@@ -36,19 +40,35 @@ class Kernels:
     fused_adam: bool
     sdpa_backend: str  # as configured: auto or a forced kernel
     rope: str = ROPE
+    compile_unavailable: str | None = None  # why the compiled fusions are off on this CUDA machine, if they are
 
     def describe(self) -> dict:
         return asdict(self)
 
 
-def kernel_settings(cfg: PipelineConfig, cuda: bool | None = None) -> Kernels:
+@functools.cache
+def compiler_missing() -> str | None:
+    """Why torch.compile could not build CUDA kernels here (None: it can): Triton, and a C compiler for the
+    launcher Triton builds. Checked up front so that a GPU image without them trains unfused instead of failing
+    in its first forward."""
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed"
+    if not any(os.environ.get("CC") or shutil.which(cc) for cc in ("gcc", "cc", "clang")):
+        return "no C compiler (Triton builds its kernel launcher with one)"
+    return None
+
+
+def kernel_settings(cfg: PipelineConfig, cuda: bool | None = None, compiler_ok: bool | None = None) -> Kernels:
     cuda = torch.cuda.is_available() if cuda is None else cuda
     on = cuda and cfg.model.fusions == "auto"
+    missing = None if compiler_ok or not on else compiler_missing()
+    compiled = on and missing is None  # megatron's jit_fuser is torch.compile
     return Kernels(
-        swiglu_fusion=on and cfg.model.swiglu,  # megatron fuses SwiGLU (and GeGLU), not the plain GELU MLP
-        cross_entropy_fusion=on and cfg.train.precision == "bf16",
+        swiglu_fusion=compiled and cfg.model.swiglu,  # megatron fuses SwiGLU (and GeGLU), not the plain GELU MLP
+        cross_entropy_fusion=compiled and cfg.train.precision == "bf16",
         fused_adam=on,
         sdpa_backend=cfg.model.sdpa_backend,
+        compile_unavailable=missing,
     )
 
 
