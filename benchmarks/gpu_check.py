@@ -43,6 +43,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -199,6 +200,9 @@ def environment(installed: list[str]) -> dict:
         "typing_extensions": _safe(lambda: version("typing-extensions")),
         "psutil": psutil.__version__,
         "transformer_engine": present("transformer_engine"),
+        # torch.compile's CUDA kernels (compiled SwiGLU, fused CE, FlexAttention) need Triton and a C compiler
+        "triton": _safe(lambda: version("triton")) if present("triton") else None,
+        "c_compiler": next((shutil.which(c) for c in ("gcc", "cc", "clang") if shutil.which(c)), None),
         "installed_from_wheels": installed,
         "cpus": os.cpu_count(),
         "env": {k: os.environ.get(k) for k in (*OFFLINE, "PYTORCH_CUDA_ALLOC_CONF", "NCCL_SOCKET_IFNAME")},
