@@ -578,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
         "--cache", type=Path, help="the worker's DIFFLM_CACHE (default: $DIFFLM_CACHE or ~/.cache/difflm-pipeline)"
     )
     a = p.parse_args(argv)
+    # the services' data (PostgreSQL, artifacts, Prefect state, the worker's runs) is not for other users of the
+    # host: no access for others, inherited by every service and the trainers the worker starts (issue 22)
+    os.umask(os.umask(0o027) | 0o027)
     if a.action == "down":
         if not (a.dir / "pids.json").exists():
             print(f"no stack in {a.dir.resolve()} (no pids.json): nothing to stop; pass the --dir given to `up`")

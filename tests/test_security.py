@@ -366,6 +366,31 @@ def test_the_pipeline_loader_never_runs_an_exports_code(tmp_path):
     assert type(loaded) is DiffLMForMaskedLM and not mark.exists()
 
 
+def test_the_stack_starts_its_services_with_a_private_umask(monkeypatch, tmp_path):
+    import os
+
+    from deploy import stack
+
+    seen = []
+
+    def up(*_, **__):
+        mask = os.umask(0)
+        os.umask(mask)
+        seen.append(mask)
+        raise SystemExit("stop here")
+
+    monkeypatch.setattr(stack, "up", up)
+    monkeypatch.setattr(stack, "down", lambda _dir: [])
+    before = os.umask(0o002)
+    try:
+        with pytest.raises(SystemExit, match="stop here"):
+            stack.main(["up", "--dir", str(tmp_path / "s"), "--env-file", str(tmp_path / ".env")])
+        assert seen == [0o027]  # the services and the worker's trainers inherit it
+        assert (tmp_path / ".env").stat().st_mode & 0o777 == 0o600
+    finally:
+        os.umask(before)
+
+
 def test_the_cli_writes_with_a_private_umask(monkeypatch):
     import os
 
