@@ -141,8 +141,8 @@ def slurm_script(
         "#SBATCH --open-mode=append",
         f"#SBATCH --chdir={_directive_path(str(ROOT))}",
         # preemption: 2 minutes before the time limit (or on scancel --signal=USR1 -b) the batch shell gets
-        # USR1, asks the trainer to checkpoint (SIGTERM through srun and torchrun), then requeues the job,
-        # which resumes from that checkpoint
+        # USR1, asks the trainer to checkpoint (SIGTERM to the job's steps: torchrun, which passes it to the
+        # ranks), then requeues the job, which resumes from that checkpoint
         "#SBATCH --signal=B:USR1@120",
         "#SBATCH --requeue",
         *([f"#SBATCH --partition={partition}"] if partition else []),
@@ -154,7 +154,9 @@ def slurm_script(
         "export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1",
         *(f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()),
         "preempted=0",
-        'trap \'preempted=1; echo "difflm: preemption signal: checkpointing"; kill -TERM "$trainer" 2>/dev/null\' USR1 TERM',
+        # `scancel --signal=TERM JOB` reaches the steps (torchrun) and not this shell; a SIGTERM to srun itself
+        # would make srun kill the step at once (`srun: forcing job termination`), losing the checkpoint
+        'trap \'preempted=1; echo "difflm: preemption signal: checkpointing"; scancel --signal=TERM "$SLURM_JOB_ID"\' USR1 TERM',
         "srun "
         + " ".join(
             [
@@ -392,7 +394,18 @@ def slurm_job_state(job_id: str) -> tuple[str | None, str | None]:
     if rows:
         acct_state = rows[-1][0].split()[0] if rows[-1][0].strip() else "UNKNOWN"  # "CANCELLED by 1000"
         return state or acct_state, rows[-1][1].strip() or None
-    return state or "UNKNOWN", None
+    # no accounting: the controller still holds a finished job for MinJobAge (300 s by default)
+    ctl_state, code = _scontrol_job(job_id)
+    return state or ctl_state or "UNKNOWN", code
+
+
+def _scontrol_job(job_id: str) -> tuple[str | None, str | None]:
+    """(JobState, ExitCode) from `scontrol show job -o`, (None, None) when the controller does not know the job."""
+    proc = _run(["scontrol", "show", "job", "-o", job_id])
+    if proc.returncode != 0:
+        return None, None
+    fields = dict(f.split("=", 1) for f in proc.stdout.split() if "=" in f)
+    return fields.get("JobState"), fields.get("ExitCode")
 
 
 def _slurm_reattach(rdir: Path) -> tuple[str, str] | None:

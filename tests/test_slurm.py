@@ -1,0 +1,199 @@
+"""`train.launcher=slurm` on a real Slurm cluster (the `slurm_cluster` fixture: munge, slurmctld and slurmd on this
+host, deploy/slurm_local.py): the real sbatch runs the launch script, srun runs torchrun (gloo, CPU), the launcher
+follows the job through squeue/scontrol, and a preemption requeues the job, which resumes bit for bit. Without
+Slurm (not root, no apt) these tests are skipped; under `$CI` they fail."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny_config
+
+from models.launch.cluster import ClusterError, slurm_script, submit_slurm
+from models.launch.torchrun import TrainingError, launch_training, read_metrics, run_dir
+
+SHORT = [
+    "train.train_iters=4",
+    "train.warmup_iters=1",
+    "checkpoint.save_interval=2",
+    "train.eval_interval=2",
+    "train.log_interval=2",
+    "train.eval_iters=1",
+]
+SLURM = ["train.launcher=slurm", "train.slurm.gpus_per_node=0", "train.slurm.poll_seconds=0.3"]
+MANIFEST = {"hash": "0123456789abcdef", "dir": "/nowhere", "splits": {}}  # a run that is never trained here
+
+
+def _slurm(*args: str) -> str:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip()
+
+
+def _job_logs(rdir: Path) -> list[Path]:
+    return sorted(rdir.glob("slurm-*.out"))
+
+
+def _untried_train_task():
+    from tasks.stages import train_task
+
+    return train_task.with_options(retries=0)
+
+
+@pytest.mark.slow
+def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, slurm_cluster, tiny_manifest, prefect_harness):
+    from tasks.stages import train_task
+
+    work = tmp_path / "shared"
+    local = tiny_config(work, *SHORT)
+    rdir = run_dir(local, tiny_manifest)
+
+    # a job that fails on its node (no such python there): the error names the job, its exit code and its log
+    broken = tiny_config(work, *SHORT, *SLURM, "train.slurm.python=/nonexistent/python")
+    with pytest.raises(TrainingError) as err:
+        _untried_train_task()(broken, tiny_manifest, {})
+    failed_id, msg = json.loads((rdir / "slurm-job.json").read_text())["job_id"], str(err.value)
+    assert f"Slurm job {failed_id} ended FAILED (exit 2:0) without the final checkpoint" in msg
+    assert f"log: {rdir / f'slurm-{failed_id}.out'}" in msg and "resumes from the latest checkpoint" in msg
+    assert "execve(): /nonexistent/python: No such file or directory" in msg  # the log's last lines
+    assert not isinstance(err.value, ClusterError)  # the train task retries it
+
+    # the real job: same run directory as a local launch (the launcher is not part of the run's identity)
+    cfg = tiny_config(work, *SHORT, *SLURM)
+    info = train_task(cfg, tiny_manifest, {"DIFFLM_TEST_ENV": "through sbatch"})
+    assert info["run_dir"] == str(rdir) and not info["reused"] and Path(info["checkpoint"]).is_dir()
+    assert Path(info["checkpoint"]).name == "iter_0000004" and (rdir / "curves.png").exists()
+    job_id = json.loads((rdir / "slurm-job.json").read_text())["job_id"]
+    assert job_id != failed_id and len(_job_logs(rdir)) == 2
+    log = (rdir / f"slurm-{job_id}.out").read_text()
+    assert "[train] mode=difflm-noshift start_iter=0" in log
+    script = (rdir / "launch.sbatch").read_text()
+    assert script == slurm_script(
+        cfg, rdir / "config.yaml", rdir / "data_manifest.json", rdir, env={"DIFFLM_TEST_ENV": "through sbatch"}
+    )
+    assert "#SBATCH --gpus-per-node" not in script and "export DIFFLM_TEST_ENV='through sbatch'" in script
+
+    # a local launch of the same config reuses it, and so does the slurm launcher, without submitting
+    assert launch_training(local, tiny_manifest, echo=lambda _: None) == {**info, "reused": True}
+    assert train_task(cfg, tiny_manifest, {}) == {**info, "reused": True}
+    assert len(_job_logs(rdir)) == 2
+
+
+# ---- preemption: scancel --signal=USR1 --batch, checkpoint, requeue, resume --------------------------------
+
+PREEMPT = ["train.train_iters=8", "train.warmup_iters=1", "checkpoint.save_interval=4", "train.log_interval=1"]
+PREEMPT += ["train.eval_interval=8", "train.eval_iters=1", "checkpoint.keep_last=10"]
+
+
+def _weights(checkpoint: str) -> dict:
+    from models.hf.convert import load_megatron_weights
+
+    return load_megatron_weights(Path(checkpoint))
+
+
+def _assert_same(a, b, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            _assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+
+
+def _until(predicate, timeout: float = 300.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "condition not reached"
+        time.sleep(0.2)
+
+
+def _release_requeued(job_id: str, done: threading.Event) -> None:
+    """Slurm holds a requeued batch job for about 2 minutes (BeginTime); as an admin would, start it now."""
+    while not done.is_set():
+        state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True).stdout
+        if state.split() == ["PENDING", "BeginTime"]:
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(tmp_path, slurm_cluster, tiny_manifest):
+    reference = launch_training(tiny_config(tmp_path / "ref", *PREEMPT), tiny_manifest, echo=lambda _: None)
+    cfg = tiny_config(tmp_path / "shared", *PREEMPT, *SLURM)
+    rdir = run_dir(cfg, tiny_manifest)
+    lines: list[str] = []
+    out: dict = {}
+
+    def follow():
+        try:
+            out["info"] = submit_slurm(cfg, tiny_manifest, echo=lines.append)
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            out["error"] = err
+
+    follower, done = threading.Thread(target=follow), threading.Event()
+    follower.start()
+    try:
+        _until(lambda: any(r.get("step", 0) >= 2 for r in read_metrics(rdir) if "loss" in r))
+        job_id = json.loads((rdir / "slurm-job.json").read_text())["job_id"]
+        _slurm("scancel", "--signal=USR1", "--batch", job_id)  # what a preempting scheduler sends the job
+        threading.Thread(target=_release_requeued, args=(job_id, done), daemon=True).start()
+        follower.join(timeout=400)
+    finally:
+        done.set()
+    assert "error" not in out, out.get("error")
+    log = (rdir / f"slurm-{job_id}.out").read_text()
+    assert "difflm: preemption signal: checkpointing" in log and f"requeueing job {job_id}" in log
+    preempted_at = int(log.split("[train] preempted")[1].split("at iter ")[1].split(":")[0])
+    assert 2 <= preempted_at < 8 and f"start_iter={preempted_at}" in log  # the requeued job resumed there
+    assert len(_job_logs(rdir)) == 1 and sum("[slurm] submitted job" in x for x in lines) == 1  # one job, kept
+    assert any(
+        x.startswith(f"[slurm] job {job_id}: PENDING") for x in lines[lines.index(f"[slurm] job {job_id}: RUNNING") :]
+    )
+    assert Path(out["info"]["checkpoint"]).name == "iter_0000008"
+    _assert_same(_weights(out["info"]["checkpoint"]), _weights(reference["checkpoint"]))
+
+
+# ---- without training: submission problems, reattachment ---------------------------------------------------
+
+
+def test_slurm_submission_problems_are_cluster_errors(tmp_path, slurm_cluster, monkeypatch):
+    cfg = tiny_config(tmp_path, *SLURM, "train.slurm.partition=nosuch")
+    with pytest.raises(
+        ClusterError, match="sbatch did not take .*launch.sbatch: sbatch: error: invalid partition specified: nosuch"
+    ):
+        submit_slurm(cfg, MANIFEST, echo=lambda _: None)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with pytest.raises(ClusterError, match="`sbatch` is not on the PATH .* Slurm login node"):
+        submit_slurm(cfg, MANIFEST, echo=lambda _: None)
+
+
+def test_slurm_reattaches_to_the_job_of_its_run(tmp_path, slurm_cluster):
+    """A rerun (retry, restarted worker) waits for the job still queued for its run instead of submitting another;
+    a job that ends without the final checkpoint is a failure whatever Slurm says."""
+    cfg = tiny_config(tmp_path, *SLURM)
+    rdir = run_dir(cfg, MANIFEST)
+    rdir.mkdir(parents=True)
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/bash\necho '[train] iter 2/20 loss 6.1'\nsleep 1\n")
+    job_id = _slurm("sbatch", "--parsable", "--hold", f"--output={rdir}/slurm-%j.out", str(script))
+    (rdir / "slurm-job.json").write_text(json.dumps({"job_id": job_id}))
+    threading.Timer(1.0, _slurm, args=("scontrol", "release", job_id)).start()
+    lines: list[str] = []
+    with pytest.raises(
+        TrainingError,
+        match=rf"job {job_id} ended COMPLETED \(exit 0:0\) without the final checkpoint "
+        rf"\(no checkpoint yet, of 20\); log: .*slurm-{job_id}.out",
+    ):
+        submit_slurm(cfg, MANIFEST, echo=lines.append)
+    assert f"[slurm] job {job_id} of this run is still PENDING: waiting for it instead of submitting another" in lines
+    assert "[train] iter 2/20 loss 6.1" in lines and not (rdir / "launch.sbatch").exists()  # nothing submitted
+    states = [
+        x.removeprefix(f"[slurm] job {job_id}: ").split()[0] for x in lines if x.startswith(f"[slurm] job {job_id}: ")
+    ]
+    assert states[0] == "PENDING" and "RUNNING" in states and states[-1] == "COMPLETED"
