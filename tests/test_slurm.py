@@ -197,3 +197,50 @@ def test_slurm_reattaches_to_the_job_of_its_run(tmp_path, slurm_cluster):
         x.removeprefix(f"[slurm] job {job_id}: ").split()[0] for x in lines if x.startswith(f"[slurm] job {job_id}: ")
     ]
     assert states[0] == "PENDING" and "RUNNING" in states and states[-1] == "COMPLETED"
+
+
+# ---- data prep: datatrove's Slurm executor, a job array of tasks ----------------------------------------------
+
+
+def _prep_jobs() -> list[tuple[str, str, str]]:
+    """(job id, state, reason) of the data-prep jobs still in the queue."""
+    out = _slurm("squeue", "-h", "-n", "difflm-prep", "-o", "%i %T %r")
+    return [tuple(line.split()[:3]) for line in out.splitlines() if line.strip()]
+
+
+def _prep_settled() -> bool:
+    """Every data-prep task has ended (datatrove's merge-stats job may wait for ever on a cancelled task)."""
+    return all(reason == "DependencyNeverSatisfied" for _, _, reason in _prep_jobs())
+
+
+@pytest.mark.slow
+def test_data_prep_on_slurm_writes_the_local_shards_byte_for_byte(tmp_path, slurm_cluster, tiny_manifest):
+    from data_prep.pipeline import SubmittedToCluster, prepare_data
+
+    src = tmp_path / "docs.jsonl"
+    words = "alpha beta gamma delta epsilon zeta eta theta".split()
+    src.write_text("".join(json.dumps({"text": f"doc {i}: " + " ".join(words[i % 8 :] * 9)}) + "\n" for i in range(40)))
+    common = [f"tokenizer.path={tiny_manifest['tokenizer']['path']}", "data.min_chars=0", f"data.sources=[{src}]"]
+    common += ["data.valid_fraction=0.25", "data.tasks=3", "data.workers=3"]
+    local = prepare_data(tiny_config(tmp_path / "local", *common))
+    cfg = tiny_config(tmp_path / "slurm", *common, "data.executor=slurm", "data.slurm.mem_per_cpu_gb=1")
+    # the partition is down while the first array is submitted: one task is cancelled for sure before it runs
+    _slurm("scontrol", "update", "PartitionName=debug", "State=DOWN")
+    try:
+        with pytest.raises(SubmittedToCluster, match="submitted 3 data-prep tasks to Slurm"):
+            prepare_data(cfg)
+        array = next(job for job, _, _ in _prep_jobs() if job.endswith("_[0-2]")).split("_")[0]
+        _slurm("scancel", f"{array}_1")  # task 1 is lost (a node failure, a cancelled task)
+    finally:
+        _slurm("scontrol", "update", "PartitionName=debug", "State=UP")
+    _until(_prep_settled)
+    with pytest.raises(SubmittedToCluster, match="submitted 1 data-prep tasks"):  # the rerun resubmits task 1
+        prepare_data(cfg)
+    _until(_prep_settled)
+    manifest = prepare_data(cfg)
+
+    out, ref = Path(manifest["dir"]), Path(local["dir"])
+    shards = sorted(p.relative_to(ref) for p in ref.rglob("*_tokens.*"))
+    assert len(shards) >= 6 and shards == sorted(p.relative_to(out) for p in out.rglob("*_tokens.*"))
+    assert all((out / p).read_bytes() == (ref / p).read_bytes() for p in shards)
+    assert manifest["splits"] == json.loads(json.dumps(local["splits"]).replace(str(ref), str(out)))
