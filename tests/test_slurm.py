@@ -6,6 +6,7 @@ Slurm (not root, no apt) these tests are skipped; under `$CI` they fail."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import threading
 import time
@@ -149,7 +150,9 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(tmp_path, sl
     assert "error" not in out, out.get("error")
     log = (rdir / f"slurm-{job_id}.out").read_text()
     assert "difflm: preemption signal: checkpointing" in log and f"requeueing job {job_id}" in log
-    preempted_at = int(log.split("[train] preempted")[1].split("at iter ")[1].split(":")[0])
+    saved = re.search(r"\[train\] preempted \(SIGTERM\) at iter (\d+): checkpoint saved", log)
+    assert saved, f"the trainer did not checkpoint on the signal:\n{log[-3000:]}"
+    preempted_at = int(saved.group(1))
     assert 2 <= preempted_at < 8 and f"start_iter={preempted_at}" in log  # the requeued job resumed there
     assert len(_job_logs(rdir)) == 1 and sum("[slurm] submitted job" in x for x in lines) == 1  # one job, kept
     assert any(
