@@ -232,18 +232,25 @@ def up(root: Path, echo=print) -> LocalSlurm:
     return c
 
 
+def _client(c: LocalSlurm, *cmd: str) -> str:
+    """A Slurm client's output against this cluster ('' when it failed: `down` goes on stopping the daemons)."""
+    try:
+        proc = subprocess.run(cmd, env={**os.environ, **c.env}, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
 def down(root: Path, echo=print) -> list[int]:
     """Cancel the cluster's jobs, then stop its daemons; returns the pids stopped. Deletes nothing."""
     c = LocalSlurm(root.resolve())
     if not (c.root / MARKER).exists():
         return []
-    env = {**os.environ, **c.env}
     if _daemon(c, "slurmctld"):  # jobs first: their steps are slurmstepd processes, outside the daemons
-        subprocess.run(["scancel", "--full", "--state=RUNNING"], env=env, capture_output=True, timeout=30)
-        subprocess.run(["scancel", "--state=PENDING"], env=env, capture_output=True, timeout=30)
-        quiet = lambda: not subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip()  # noqa: E731
+        _client(c, "scancel", "--full", "--state=RUNNING")
+        _client(c, "scancel", "--state=PENDING")
         try:
-            _wait(quiet, 40, "")
+            _wait(lambda: not _client(c, "squeue", "-h"), 40, "")
         except SlurmUnavailable:
             echo("jobs still completing; stopping the daemons anyway")
     procs = [p for p in (_daemon(c, d) for d in DAEMONS) if p is not None]
