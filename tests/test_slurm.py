@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ SHORT = [
     "train.eval_iters=1",
 ]
 SLURM = ["train.launcher=slurm", "train.slurm.gpus_per_node=0", "train.slurm.poll_seconds=0.3"]
+ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = {"hash": "0123456789abcdef", "dir": "/nowhere", "splits": {}}  # a run that is never trained here
 
 
@@ -123,43 +125,68 @@ def _release_requeued(job_id: str, done: threading.Event) -> None:
         time.sleep(0.5)
 
 
+# a flow's worker as its own process, waiting for the Slurm job of a run (killed by the test mid-way)
+WORKER = """
+import json, sys
+from difflm.config import load_config
+from models.launch.cluster import submit_slurm
+workdir, manifest, *overrides = sys.argv[1:]
+submit_slurm(load_config("test-tiny", [f"workdir={workdir}", *overrides]), json.loads(manifest), echo=print)
+"""
+
+
+def _requeued(job_id: str) -> bool:
+    """The job is back in the queue after `scontrol requeue`, held by Slurm until its BeginTime."""
+    return _slurm("squeue", "-h", "-j", job_id, "-o", "%T %r").split() == ["PENDING", "BeginTime"]
+
+
 @pytest.mark.slow
 def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(tmp_path, slurm_cluster, tiny_manifest):
+    """scancel --signal=USR1 --batch (what a preempting scheduler sends): the job checkpoints and requeues itself;
+    the worker waiting for it keeps waiting; a restarted worker (or a Prefect retry) reattaches to the requeued job
+    instead of submitting another, and the job resumes and ends with the weights of an uninterrupted run."""
     reference = launch_training(tiny_config(tmp_path / "ref", *PREEMPT), tiny_manifest, echo=lambda _: None)
-    cfg = tiny_config(tmp_path / "shared", *PREEMPT, *SLURM)
+    work = tmp_path / "shared"
+    cfg = tiny_config(work, *PREEMPT, *SLURM)
     rdir = run_dir(cfg, tiny_manifest)
-    lines: list[str] = []
-    out: dict = {}
-
-    def follow():
-        try:
-            out["info"] = submit_slurm(cfg, tiny_manifest, echo=lines.append)
-        except BaseException as err:  # noqa: BLE001 - handed to the test
-            out["error"] = err
-
-    follower, done = threading.Thread(target=follow), threading.Event()
-    follower.start()
+    worker_log = tmp_path / "worker.log"
+    with worker_log.open("w") as fh:
+        worker = subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(work), json.dumps(tiny_manifest), *PREEMPT, *SLURM],
+            cwd=ROOT,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    done = threading.Event()
     try:
         _until(lambda: any(r.get("step", 0) >= 2 for r in read_metrics(rdir) if "loss" in r))
         job_id = json.loads((rdir / "slurm-job.json").read_text())["job_id"]
-        _slurm("scancel", "--signal=USR1", "--batch", job_id)  # what a preempting scheduler sends the job
+        _slurm("scancel", "--signal=USR1", "--batch", job_id)
+        _until(lambda: _requeued(job_id))
+        time.sleep(1.0)  # a poll of the worker sees it pending
+        worker.kill()  # the worker is lost while its job waits in the queue
+        worker.wait()
         threading.Thread(target=_release_requeued, args=(job_id, done), daemon=True).start()
-        follower.join(timeout=400)
+        lines: list[str] = []
+        info = submit_slurm(cfg, tiny_manifest, echo=lines.append)  # the retry
     finally:
         done.set()
-    assert "error" not in out, out.get("error")
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+    followed = worker_log.read_text()
+    assert f"[slurm] submitted job {job_id}" in followed and f"[slurm] job {job_id}: RUNNING" in followed
+    assert f"[slurm] job {job_id}: PENDING" in followed.split(f"[slurm] job {job_id}: RUNNING", 1)[1]
+    assert f"[slurm] job {job_id} of this run is still PENDING: waiting for it instead of submitting another" in lines
     log = (rdir / f"slurm-{job_id}.out").read_text()
     assert "difflm: preemption signal: checkpointing" in log and f"requeueing job {job_id}" in log
     saved = re.search(r"\[train\] preempted \(SIGTERM\) at iter (\d+): checkpoint saved", log)
     assert saved, f"the trainer did not checkpoint on the signal:\n{log[-3000:]}"
     preempted_at = int(saved.group(1))
     assert 2 <= preempted_at < 8 and f"start_iter={preempted_at}" in log  # the requeued job resumed there
-    assert len(_job_logs(rdir)) == 1 and sum("[slurm] submitted job" in x for x in lines) == 1  # one job, kept
-    assert any(
-        x.startswith(f"[slurm] job {job_id}: PENDING") for x in lines[lines.index(f"[slurm] job {job_id}: RUNNING") :]
-    )
-    assert Path(out["info"]["checkpoint"]).name == "iter_0000008"
-    _assert_same(_weights(out["info"]["checkpoint"]), _weights(reference["checkpoint"]))
+    assert len(_job_logs(rdir)) == 1 and json.loads((rdir / "slurm-job.json").read_text())["job_id"] == job_id
+    assert Path(info["checkpoint"]).name == "iter_0000008" and not info["reused"]
+    _assert_same(_weights(info["checkpoint"]), _weights(reference["checkpoint"]))
 
 
 # ---- without training: submission problems, reattachment ---------------------------------------------------
