@@ -1,4 +1,4 @@
-"""A real single-node Slurm cluster on this host (munge + slurmctld + slurmd, Debian's slurm-wlm), for the tests
+"""A real Slurm cluster on this host (munge + slurmctld + one slurmd per node, Debian's slurm-wlm), for the tests
 and for trying `train.launcher=slurm` or `data.executor=slurm` without a cluster:
 
     python -m deploy.slurm_local install                 # apt-get install slurm-wlm munge (root; ~30 s)
@@ -6,8 +6,9 @@ and for trying `train.launcher=slurm` or `data.executor=slurm` without a cluster
     python -m deploy.slurm_local down [--dir .difflm-slurm]
 
 Everything lives in the folder: the munge key and socket (its own munged, so a system munged is not touched),
-slurm.conf, the controller's state, the spool, pid files and logs. Ports are free ones picked at `up`, the node
-answers on 127.0.0.1. The daemons run as root (SlurmUser=root), with `proctrack/linuxproc` and `task/none`:
+slurm.conf, the controller's state, the spool, pid files and logs. Ports are free ones picked at `up`. Two nodes
+when two names resolve to this host (its short hostname and `localhost`): `slurmd -N NAME`, each on its own port
+at 127.0.0.1, so that a job of `--nodes=2` runs one task per "node" (multi-node rendezvous on one machine). The daemons run as root (SlurmUser=root), with `proctrack/linuxproc` and `task/none`:
 no cgroups, which containers rarely delegate. `down` cancels the cluster's jobs and stops the three daemons by
 the pids in the folder's pid files, after checking that each is this folder's daemon; it deletes nothing.
 """
@@ -22,7 +23,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -31,7 +32,6 @@ PACKAGES = ("slurm-wlm", "munge")
 PROGRAMS = ("munged", "munge", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel", "sinfo")
 SBIN = ("/usr/sbin", "/sbin")  # the daemons: not on a non-root PATH
 MARKER = ".difflm-slurm"  # written by `up`: a folder without it (and not empty) is never used
-DAEMONS = ("slurmd", "slurmctld", "munged")  # stopped in this order: the node before its controller and munge
 DEFAULT_DIR = ".difflm-slurm"
 
 
@@ -84,13 +84,20 @@ def _memory_mb() -> int:
     return max(1, int(psutil.virtual_memory().total / 2**20 * 0.9))
 
 
+def node_names() -> list[str]:
+    """Names that resolve to this host, one node each: the short hostname (what `scontrol show hostnames` gives
+    the job's rendezvous) and `localhost`; one node when they are the same."""
+    return list(dict.fromkeys([socket.gethostname().split(".")[0], "localhost"]))
+
+
 @dataclass
 class LocalSlurm:
-    """One node (this host's short name, at 127.0.0.1), one partition `debug`, state under `root`."""
+    """Nodes at 127.0.0.1 (each its own slurmd and port), one partition `debug`, state under `root`."""
 
     root: Path
+    nodes: list[str] = field(default_factory=node_names)
     ctld_port: int = 0
-    slurmd_port: int = 0
+    slurmd_ports: list[int] = field(default_factory=list)
     # declared CPUs: at least 4 (config_overrides), so a training job and a few data-prep tasks run side by side
     # on a 2-core machine; the tests' jobs are tiny
     cpus: int = max(4, os.cpu_count() or 1)
@@ -108,18 +115,27 @@ class LocalSlurm:
         """What a client (sbatch, squeue, datatrove) needs to reach this cluster; jobs inherit it."""
         return {"SLURM_CONF": str(self.conf)}
 
+    @property
+    def daemons(self) -> list[str]:
+        """Their pid files' names, in the order `down` stops them: the nodes, their controller, munge."""
+        return [f"slurmd-{n}" for n in self.nodes] + ["slurmctld", "munged"]
+
     def pid_file(self, daemon: str) -> Path:
         return self.root / f"{daemon}.pid"
 
     def log_file(self, daemon: str) -> Path:
         return self.root / "log" / f"{daemon}.log"
 
-    def slurm_conf(self, node: str) -> str:
+    def slurm_conf(self) -> str:
         r = self.root
+        nodes = [
+            f"NodeName={n} NodeAddr=127.0.0.1 Port={port} CPUs={self.cpus} RealMemory={_memory_mb()} State=UNKNOWN"
+            for n, port in zip(self.nodes, self.slurmd_ports, strict=True)
+        ]
         return "\n".join(
             [
                 "ClusterName=difflm-local",
-                f"SlurmctldHost={node}(127.0.0.1)",
+                f"SlurmctldHost={self.nodes[0]}(127.0.0.1)",
                 "SlurmUser=root",
                 "SlurmdUser=root",
                 "AuthType=auth/munge",
@@ -138,30 +154,30 @@ class LocalSlurm:
                 "KillWait=30",  # what a step gets between SIGTERM and SIGKILL: the checkpoint of a preemption
                 "MinJobAge=30",
                 f"StateSaveLocation={r / 'state'}",
-                f"SlurmdSpoolDir={r / 'spool'}",
+                f"SlurmdSpoolDir={r / 'spool' / '%n'}",  # %n: the node's name (slurmd -N)
                 f"SlurmctldPidFile={self.pid_file('slurmctld')}",
-                f"SlurmdPidFile={self.pid_file('slurmd')}",
+                f"SlurmdPidFile={self.pid_file('slurmd-%n')}",
                 f"SlurmctldLogFile={self.log_file('slurmctld')}",
-                f"SlurmdLogFile={self.log_file('slurmd')}",
+                f"SlurmdLogFile={self.log_file('slurmd-%n')}",
                 f"SlurmctldPort={self.ctld_port}",
-                f"SlurmdPort={self.slurmd_port}",
-                f"NodeName={node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory={_memory_mb()} State=UNKNOWN",
-                f"PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP",
+                *nodes,
+                f"PartitionName=debug Nodes={','.join(self.nodes)} Default=YES MaxTime=INFINITE State=UP",
             ]
         )
 
     def clients_ok(self) -> bool:
+        """Every node is idle (`sinfo` through this cluster's config)."""
         proc = subprocess.run(
-            ["sinfo", "-h", "-o", "%t"], env={**os.environ, **self.env}, capture_output=True, text=True
+            ["sinfo", "-h", "-N", "-o", "%t"], env={**os.environ, **self.env}, capture_output=True, text=True
         )
-        return proc.returncode == 0 and proc.stdout.split()[:1] == ["idle"]
+        return proc.returncode == 0 and proc.stdout.split() == ["idle"] * len(self.nodes)
 
 
-def _prepare_dir(root: Path) -> None:
+def _prepare_dir(root: Path, nodes: tuple[str, ...] = ()) -> None:
     """Create `root` (or reuse one `up` wrote before); refuse a folder with other files in it."""
     if root.exists() and any(root.iterdir()) and not (root / MARKER).exists():
         raise SlurmUnavailable(f"{root} is not empty and was not written by deploy.slurm_local: choose another --dir")
-    for sub in ("state", "spool", "log", "munge"):
+    for sub in ("state", "spool", "log", "munge", *(f"spool/{n}" for n in nodes)):
         (root / sub).mkdir(parents=True, exist_ok=True)
     (root / MARKER).write_text("a local Slurm cluster of deploy/slurm_local.py\n")
     root.chmod(0o700)  # the munge key is in here
@@ -217,19 +233,27 @@ def up(root: Path, echo=print) -> LocalSlurm:
     if missing:
         raise SlurmUnavailable(f"not installed: {', '.join(missing)} (python -m deploy.slurm_local install, as root)")
     root = root.resolve()
-    _prepare_dir(root)
-    c = LocalSlurm(root, _free_port(), _free_port())
-    if any(_daemon(c, d) for d in DAEMONS):
+    c = LocalSlurm(root)
+    c.ctld_port, c.slurmd_ports = _free_port(), [_free_port() for _ in c.nodes]
+    _prepare_dir(root, tuple(c.nodes))
+    if any(_daemon(c, d) for d in _pid_files(c)):
         raise SlurmUnavailable(
             f"a cluster of {root} is already running: python -m deploy.slurm_local down --dir {root}"
         )
-    c.conf.write_text(c.slurm_conf(socket.gethostname().split(".")[0]) + "\n")
+    c.conf.write_text(c.slurm_conf() + "\n")
     _start_munged(c)
     _start([which("slurmctld"), "-f", str(c.conf)], c, "slurmctld")
-    _start([which("slurmd"), "-f", str(c.conf)], c, "slurmd")
-    _wait(c.clients_ok, 30, f"the node did not become idle: see {c.root / 'log'}")
-    echo(f"Slurm is up: {c.conf} (controller port {c.ctld_port})")
+    for node in c.nodes:
+        _start([which("slurmd"), "-f", str(c.conf), "-N", node], c, f"slurmd-{node}")
+    _wait(c.clients_ok, 30, f"the nodes did not become idle: see {c.root / 'log'}")
+    echo(f"Slurm is up: {c.conf} (nodes {', '.join(c.nodes)}; controller port {c.ctld_port})")
     return c
+
+
+def _pid_files(c: LocalSlurm) -> list[str]:
+    """The daemons whose pid files are in the folder (the nodes of an earlier `up` too), in stopping order."""
+    nodes = sorted(p.stem for p in c.root.glob("slurmd-*.pid"))
+    return list(dict.fromkeys([*nodes, *c.daemons]))
 
 
 def _client(c: LocalSlurm, *cmd: str) -> str:
@@ -253,7 +277,7 @@ def down(root: Path, echo=print) -> list[int]:
             _wait(lambda: not _client(c, "squeue", "-h"), 40, "")
         except SlurmUnavailable:
             echo("jobs still completing; stopping the daemons anyway")
-    procs = [p for p in (_daemon(c, d) for d in DAEMONS) if p is not None]
+    procs = [p for p in (_daemon(c, d) for d in _pid_files(c)) if p is not None]
     for proc in procs:
         proc.send_signal(signal.SIGTERM)
     _, alive = psutil.wait_procs(procs, timeout=15)

@@ -88,6 +88,27 @@ def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, slurm_cl
     assert len(_job_logs(rdir)) == 2
 
 
+@pytest.mark.slow
+def test_a_two_node_job_runs_a_torchrun_per_node_that_meet_and_train(tmp_path, slurm_cluster, tiny_manifest):
+    """train.nnodes=2 on the cluster's two nodes (two slurmd on this host): srun starts one torchrun per node and
+    they meet at the c10d rendezvous on the first node (a rendezvous of --nnodes 2 completes only with both)."""
+    if len(slurm_cluster.nodes) < 2:
+        pytest.skip("one node only: this host's short name is `localhost`")
+    cfg = tiny_config(tmp_path, *SHORT, *SLURM, "train.nnodes=2", "train.micro_batch_size=2")
+    info = submit_slurm(cfg, tiny_manifest, echo=lambda _: None)
+    rdir = Path(info["run_dir"])
+    job_id = json.loads((rdir / "slurm-job.json").read_text())["job_id"]
+    log = (rdir / f"slurm-{job_id}.out").read_text()
+    met = re.search(rf"difflm: job {job_id} on 2 node\(s\) (\S+), rendezvous (\S+):(\d+)", log)
+    assert met, log[-3000:]
+    hosts = _slurm("scontrol", "show", "hostnames", met.group(1)).split()
+    assert sorted(hosts) == sorted(slurm_cluster.nodes) and met.group(2) == hosts[0]  # the first node hosts it
+    assert int(met.group(3)) == 20000 + int(job_id) % 10000
+    assert (
+        Path(info["checkpoint"]).name == "iter_0000004" and "#SBATCH --nodes=2" in (rdir / "launch.sbatch").read_text()
+    )
+
+
 # ---- preemption: scancel --signal=USR1 --batch, checkpoint, requeue, resume --------------------------------
 
 PREEMPT = ["train.train_iters=8", "train.warmup_iters=1", "checkpoint.save_interval=4", "train.log_interval=1"]

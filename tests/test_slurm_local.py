@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -30,9 +31,11 @@ def test_down_stops_only_processes_that_name_its_folder(tmp_path):
     other = subprocess.Popen([sys.executable, "-c", sleeper])  # a recycled pid, or another cluster's daemon
     mine = subprocess.Popen([sys.executable, "-c", sleeper, f"--socket={c.munge_socket}"])
     try:
-        for daemon in ("slurmd", "slurmctld"):
+        for daemon in ("slurmd-node1", "slurmctld"):
             c.pid_file(daemon).write_text(f"{other.pid}\n")
         c.pid_file("munged").write_text(f"{mine.pid}\n")
+        while not any(str(c.munge_socket) in a for a in psutil.Process(mine.pid).cmdline()):  # exec'd yet
+            time.sleep(0.01)
         assert slurm_local.down(tmp_path, echo=lambda _: None) == [mine.pid]
         assert mine.wait(10) is not None and psutil.Process(other.pid).is_running()
         assert (tmp_path / "state").is_dir()  # nothing deleted
@@ -44,12 +47,15 @@ def test_down_stops_only_processes_that_name_its_folder(tmp_path):
 
 
 def test_the_config_keeps_everything_in_its_folder(tmp_path):
-    c = LocalSlurm(tmp_path, ctld_port=16817, slurmd_port=16818)
-    conf = dict(
-        line.split("=", 1) for line in c.slurm_conf("node1").splitlines() if not line.startswith(("Node", "Part"))
-    )
-    assert conf["AuthInfo"] == f"socket={tmp_path}/munge/munge.sock"
-    assert (conf["SlurmctldPort"], conf["SlurmdPort"]) == ("16817", "16818")
+    c = LocalSlurm(tmp_path, nodes=["node1", "localhost"], ctld_port=16817, slurmd_ports=[16818, 16819])
+    lines = c.slurm_conf().splitlines()
+    conf = dict(line.split("=", 1) for line in lines if not line.startswith(("Node", "Part")))
+    assert conf["AuthInfo"] == f"socket={tmp_path}/munge/munge.sock" and conf["SlurmctldPort"] == "16817"
+    assert [line.split()[:3] for line in lines if line.startswith("NodeName")] == [
+        ["NodeName=node1", "NodeAddr=127.0.0.1", "Port=16818"],
+        ["NodeName=localhost", "NodeAddr=127.0.0.1", "Port=16819"],
+    ]
+    assert "PartitionName=debug Nodes=node1,localhost Default=YES" in c.slurm_conf()
     paths = [v for k, v in conf.items() if k.endswith(("Location", "Dir", "File"))]
     assert len(paths) == 6 and all(v.startswith(str(tmp_path)) for v in paths)
     assert conf["ProctrackType"] == "proctrack/linuxproc" and conf["JobRequeue"] == "1"

@@ -151,6 +151,8 @@ def slurm_script(
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         # a port of its own per job: two jobs sharing a node must not meet at one rendezvous port
         f"MASTER_PORT=$(( {RDZV_PORT_BASE} + SLURM_JOB_ID % 10000 ))",
+        # which nodes met where: the first thing to read in the log of a multi-node job that does not start
+        'echo "difflm: job $SLURM_JOB_ID on $SLURM_NNODES node(s) $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"',
         "export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1",
         *(f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()),
         "preempted=0",
