@@ -47,6 +47,19 @@ def missing_programs() -> list[str]:
     return [p for p in PROGRAMS if which(p) is None]
 
 
+def unavailable() -> str | None:
+    """Why a local cluster cannot start here, with what to do (None: it can)."""
+    missing = missing_programs()
+    if missing:
+        return (
+            f"Slurm not installed ({', '.join(missing)} missing): as root, `make slurm` or `python -m "
+            f"deploy.slurm_local install` (apt-get install slurm-wlm munge; `make test` does it)"
+        )
+    if os.geteuid() != 0:
+        return "the local Slurm cluster runs its daemons as root (SlurmUser=root): run the Slurm tests as root"
+    return None
+
+
 def can_install() -> bool:
     """apt-get as root: what CI's machines (and these ones) allow."""
     return os.geteuid() == 0 and shutil.which("apt-get") is not None

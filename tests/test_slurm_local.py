@@ -60,3 +60,13 @@ def test_the_config_keeps_everything_in_its_folder(tmp_path):
     assert len(paths) == 6 and all(v.startswith(str(tmp_path)) for v in paths)
     assert conf["ProctrackType"] == "proctrack/linuxproc" and conf["JobRequeue"] == "1"
     assert c.env == {"SLURM_CONF": str(tmp_path / "slurm.conf")}
+
+
+def test_why_it_cannot_run_says_what_to_do(monkeypatch):
+    monkeypatch.setattr(slurm_local, "which", lambda program: None if program == "slurmctld" else "/usr/bin/x")
+    assert "Slurm not installed (slurmctld missing): as root, `make slurm`" in slurm_local.unavailable()
+    monkeypatch.setattr(slurm_local, "which", lambda program: "/usr/bin/x")
+    monkeypatch.setattr(slurm_local.os, "geteuid", lambda: 1000)
+    assert "runs its daemons as root" in slurm_local.unavailable() and not slurm_local.can_install()
+    monkeypatch.setattr(slurm_local.os, "geteuid", lambda: 0)
+    assert slurm_local.unavailable() is None
