@@ -17,8 +17,8 @@ import pytest
 import torch
 from helpers import tiny_config
 
-from models.launch.cluster import ClusterError, slurm_script, submit_slurm
-from models.launch.torchrun import TrainingError, launch_training, read_metrics, run_dir
+from models.launch.cluster import SLURM_ACTIVE, ClusterError, slurm_job_state, slurm_script, submit_slurm
+from models.launch.torchrun import TrainingError, is_finished, launch_training, read_metrics, run_dir
 
 SHORT = [
     "train.train_iters=4",
@@ -89,24 +89,31 @@ def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, slurm_cl
 
 
 @pytest.mark.slow
-def test_a_two_node_job_runs_a_torchrun_per_node_that_meet_and_train(tmp_path, slurm_cluster, tiny_manifest):
-    """train.nnodes=2 on the cluster's two nodes (two slurmd on this host): srun starts one torchrun per node and
-    they meet at the c10d rendezvous on the first node (a rendezvous of --nnodes 2 completes only with both)."""
+def test_a_two_node_job_written_by_difflm_launch_and_submitted_by_hand_trains(
+    session_dir, slurm_cluster, tiny_manifest
+):
+    """`difflm launch --target slurm train.nnodes=2`, then `sbatch` by hand: on the cluster's two nodes (two slurmd
+    on this host) srun starts one torchrun per node and they meet at the c10d rendezvous on the first node (a
+    rendezvous of --nnodes 2 completes only with both)."""
+    from flows.cli import main
+
     if len(slurm_cluster.nodes) < 2:
         pytest.skip("one node only: this host's short name is `localhost`")
-    cfg = tiny_config(tmp_path, *SHORT, *SLURM, "train.nnodes=2", "train.micro_batch_size=2")
-    info = submit_slurm(cfg, tiny_manifest, echo=lambda _: None)
-    rdir = Path(info["run_dir"])
-    job_id = json.loads((rdir / "slurm-job.json").read_text())["job_id"]
+    work = session_dir / "shared"  # where tiny_manifest's data is: reused
+    overrides = [*SHORT, "train.nnodes=2", "train.micro_batch_size=2", "train.slurm.gpus_per_node=0"]
+    assert main(["launch", "--preset", "test-tiny", f"workdir={work}", *overrides]) == 0
+    cfg = tiny_config(work, *overrides)
+    rdir = run_dir(cfg, tiny_manifest)
+    job_id = _slurm("sbatch", "--parsable", str(rdir / "launch.sbatch"))
+    _until(lambda: slurm_job_state(job_id)[0] not in SLURM_ACTIVE)
     log = (rdir / f"slurm-{job_id}.out").read_text()
+    assert slurm_job_state(job_id) == ("COMPLETED", "0:0"), log[-3000:]
     met = re.search(rf"difflm: job {job_id} on 2 node\(s\) (\S+), rendezvous (\S+):(\d+)", log)
     assert met, log[-3000:]
     hosts = _slurm("scontrol", "show", "hostnames", met.group(1)).split()
     assert sorted(hosts) == sorted(slurm_cluster.nodes) and met.group(2) == hosts[0]  # the first node hosts it
     assert int(met.group(3)) == 20000 + int(job_id) % 10000
-    assert (
-        Path(info["checkpoint"]).name == "iter_0000004" and "#SBATCH --nodes=2" in (rdir / "launch.sbatch").read_text()
-    )
+    assert is_finished(cfg, rdir) and "#SBATCH --nodes=2" in (rdir / "launch.sbatch").read_text()
 
 
 # ---- preemption: scancel --signal=USR1 --batch, checkpoint, requeue, resume --------------------------------
