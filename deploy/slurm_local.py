@@ -247,6 +247,8 @@ def up(root: Path, echo=print) -> LocalSlurm:
         raise SlurmUnavailable(f"not installed: {', '.join(missing)} (python -m deploy.slurm_local install, as root)")
     root = root.resolve()
     c = LocalSlurm(root)
+    if len(str(c.munge_socket)) > 100:  # a unix socket's path has at most 107 bytes
+        raise SlurmUnavailable(f"{root} is too long a path for munge's socket in it: choose a shorter --dir")
     c.ctld_port, c.slurmd_ports = _free_port(), [_free_port() for _ in c.nodes]
     _prepare_dir(root, tuple(c.nodes))
     if any(_daemon(c, d) for d in _pid_files(c)):
