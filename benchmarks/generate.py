@@ -10,6 +10,10 @@ context up to the last word of a sentence): each sampler continues every context
 tokens equal to the baseline's. Greedy everywhere (temperature 0), so differences come from the sampler.
 Goal (issue 12): threshold decoding >= 3x the baseline's tokens/s at <= 1 point of accuracy lost.
 
+The prefix-cache row (`prefix_cache=True`, Fast-dLLM's, approximate) reuses the keys and values of the prompt
+and finished blocks within each block: its agreement with the uncached "blocks of 8" row is what the
+approximation costs.
+
 `--block SOURCE` and `--ar SOURCE` (or the newest difflm-block / ar exports of the workdir, when there are any)
 add rows for block diffusion (block by block with an exact KV cache, issue 21) and for AR decoding with its
 cache, on the same items: tokens/s, model calls per generated token, and agreement with the baseline (other
@@ -40,6 +44,8 @@ def samplers(n: int) -> dict[str, dict]:
         "threshold 0.9 (Fast-dLLM)": dict(threshold=0.9),
         "threshold 0.7 (Fast-dLLM)": dict(threshold=0.7),
         "threshold 0.9, blocks of 8": dict(threshold=0.9, block_length=8),
+        # Fast-dLLM's prefix cache: each block's later steps skip the prompt and earlier blocks (approximate)
+        "blocks of 8, 1 token/step + prefix cache": dict(steps=n, block_length=8, prefix_cache=True),
     }
 
 

@@ -43,6 +43,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -199,6 +200,9 @@ def environment(installed: list[str]) -> dict:
         "typing_extensions": _safe(lambda: version("typing-extensions")),
         "psutil": psutil.__version__,
         "transformer_engine": present("transformer_engine"),
+        # torch.compile's CUDA kernels (compiled SwiGLU, fused CE, FlexAttention) need Triton and a C compiler
+        "triton": _safe(lambda: version("triton")) if present("triton") else None,
+        "c_compiler": next((shutil.which(c) for c in ("gcc", "cc", "clang") if shutil.which(c)), None),
         "installed_from_wheels": installed,
         "cpus": os.cpu_count(),
         "env": {k: os.environ.get(k) for k in (*OFFLINE, "PYTORCH_CUDA_ALLOC_CONF", "NCCL_SOCKET_IFNAME")},
@@ -1128,7 +1132,7 @@ def worker_microbatch(args, p: dict) -> dict:
     special = SpecialTokens.from_manifest(manifest["tokenizer"])
     cuda = torch.cuda.is_available()
     peak = flops.peak_flops(torch.cuda.get_device_name() if cuda else None)
-    rows, best, dataset, profile = [], None, None, None
+    rows, best, dataset, profile, kernels = [], None, None, None, None
 
     def cfg_at(mode: str, mbs: int):
         return config(
@@ -1166,7 +1170,10 @@ def worker_microbatch(args, p: dict) -> dict:
         if dataset is None:
             _init(cfg)
             dataset, _ = build_datasets(cfg, manifest, 64 * max(p["mbs_sizes"]), cfg.train.global_batch_size)
-        ddp, opt, _ = build_training(cfg, vocab)
+        ddp, opt, _ = build_training(cfg, vocab)  # the trainer's kernels (fused AdamW, compiled SwiGLU, ...)
+        if kernels is None:
+            kernels = run_kernels(cfg, ddp)
+            _append_row(args, {"mode": mode, "kernels": kernels})
         for mbs in sizes:
             try:
                 row = measure(mode, mbs, ddp, opt)
@@ -1194,12 +1201,28 @@ def worker_microbatch(args, p: dict) -> dict:
             _free()
         del ddp, opt
         _free()
-    return microbatch_summary(p, rows, profile)
+    return microbatch_summary(p, rows, profile, kernels)
 
 
-def microbatch_summary(p: dict, rows: list[dict], profile: dict | None = None) -> dict:
+def run_kernels(cfg, ddp) -> dict:
+    """The kernels the measured steps use, as the trainer logs them (models/megatron/kernels.py), with the SDPA
+    kernel picked at this layout (a --sdpa forced around the worker included)."""
+    from models.diffusion.modes import objective_class
+    from models.megatron.kernels import kernel_settings, sdpa_choice
+
+    param = next(ddp.module.parameters())
+    bidirectional = objective_class(cfg.diffusion.model_running_mode).bidirectional
+    return {
+        **kernel_settings(cfg).describe(),
+        "sdpa_kernel": sdpa_choice(cfg, param.device, param.dtype, bidirectional),
+    }
+
+
+def microbatch_summary(p: dict, rows: list[dict], profile: dict | None = None, kernels: dict | None = None) -> dict:
     """The sweep's figures from its rows (also from the rows of a run that was cut short)."""
     profile = profile or next((r["profile"] for r in rows if "profile" in r), None)
+    kernels = kernels or next((r["kernels"] for r in rows if "kernels" in r), None)
+    rows = [r for r in rows if "kernels" not in r]
     measured = [r for r in rows if "step_s" in r]
     from models.diffusion.modes import objective_class
 
@@ -1223,6 +1246,7 @@ def microbatch_summary(p: dict, rows: list[dict], profile: dict | None = None) -
         # the MFU of forward+backward alone, from the profiled step's optimizer time
         "mfu_without_optimizer": _without_optimizer(best, profile),
         "profile": profile,
+        "kernels": kernels,
     }
 
 
@@ -1294,6 +1318,8 @@ def _section_lines(name: str, r: dict) -> list[str]:
             "",
             *_table(keys, r["rows"]),
         ]
+        if r.get("kernels"):
+            lines += ["", f"Kernels: `{json.dumps(r['kernels'])}`."]
         prof = r.get("profile")
         if prof and "share" in prof:
             lines += [

@@ -154,7 +154,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--backend",
         choices=["auto", "torch", "local", "te"],
         default="auto",
-        help="model.backend (layer spec); default: auto (te / torch on a GPU, local on the CPU)",
+        help="model.backend (layer spec); default: auto (te with Transformer Engine, else torch)",
     )
     p.add_argument(
         "--peak-tflops",

@@ -225,9 +225,9 @@ def build_executor(cfg: PipelineConfig, pipeline: list, logging_dir: Path):
         return RayPipelineExecutor(
             pipeline=pipeline, tasks=d.num_tasks, workers=d.workers, logging_dir=str(logging_dir)
         )
-    from datatrove.executor import LocalPipelineExecutor
+    from data_prep.quiet import QuietLocalExecutor  # per-file and per-task INFO to the task logs only
 
-    return LocalPipelineExecutor(pipeline=pipeline, tasks=d.num_tasks, workers=d.workers, logging_dir=str(logging_dir))
+    return QuietLocalExecutor(pipeline=pipeline, tasks=d.num_tasks, workers=d.workers, logging_dir=str(logging_dir))
 
 
 def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -> None:

@@ -305,6 +305,30 @@ def load_faults(report_dir: Path) -> list[dict]:
 # (`skipped_oversize_record`, logged with file and line), read past in 1 MiB pieces. A small compressed file
 # can hold a huge line (256 MiB of one line gzip to 255 KB); without a bound, reading it took 1.45 GB per task.
 MAX_RECORD_BYTES = 32 << 20
+# One JSONL file is read up to this many (decompressed) bytes: past it, the rest of the file is a counted skip
+# (`skipped_oversize_file`, logged with the file). A plain file over it is not opened at all; a compressed one
+# (whose size is only known by reading it: a few KB of gzip can hold terabytes) keeps the records before the
+# cap, as a damaged file does. Memory stays flat either way (one record at a time).
+MAX_FILE_BYTES = 64 << 30
+_COMPRESSED = (".gz", ".zst", ".bz2", ".xz")
+
+
+class _OversizeFile(Exception):
+    """The file went past its reader's `max_file_bytes`."""
+
+
+class _CappedReader:
+    """`readline` of binary file `f` that raises _OversizeFile once more than `limit` bytes were read from it."""
+
+    def __init__(self, f, limit: int):
+        self._f, self._limit, self.read = f, limit, 0
+
+    def readline(self, size: int = -1) -> bytes:
+        line = self._f.readline(size)
+        self.read += len(line)
+        if self.read > self._limit:
+            raise _OversizeFile(self.read)
+        return line
 
 
 def _bounded_lines(f, limit: int):
@@ -329,6 +353,7 @@ class JsonlSource(_AllFilesMixin, BaseDiskReader):
     without a string text field are counted skips."""
 
     name = "🐿 Jsonl (tolerant)"
+    max_file_bytes = MAX_FILE_BYTES  # per instance in tests
 
     def __init__(
         self, data_folder, glob_pattern: str | None = None, text_key: str = "text", source: str = "", **kwargs
@@ -346,14 +371,28 @@ class JsonlSource(_AllFilesMixin, BaseDiskReader):
                 yield f
 
     def _records(self, filepath: str) -> DocumentsPipeline:
-        with self._open(filepath) as f:
-            for li, raw in enumerate(_bounded_lines(f, MAX_RECORD_BYTES), start=1):
-                if raw is None:
-                    self._skip("oversize_record", f"{filepath}:{li}", f"(a line over {MAX_RECORD_BYTES >> 20} MiB)")
-                    continue
-                text = self._text_of_line(raw, f"{filepath}:{li}")
-                if text is not None:
-                    yield Document(text=text, id=f"{self.source}:{filepath}:{li}", metadata={"source": self.source})
+        cap = self.max_file_bytes
+        if not filepath.endswith(_COMPRESSED) and self.data_folder.size(filepath) > cap:
+            self._skip_file(filepath, f"({self.data_folder.size(filepath)} bytes, over {cap}: not read)")
+            return
+        li = 0
+        try:
+            with self._open(filepath) as f:
+                for li, raw in enumerate(_bounded_lines(_CappedReader(f, cap), MAX_RECORD_BYTES), start=1):
+                    if raw is None:
+                        self._skip("oversize_record", f"{filepath}:{li}", f"(a line over {MAX_RECORD_BYTES >> 20} MiB)")
+                        continue
+                    text = self._text_of_line(raw, f"{filepath}:{li}")
+                    if text is not None:
+                        yield Document(text=text, id=f"{self.source}:{filepath}:{li}", metadata={"source": self.source})
+        except _OversizeFile:
+            self._skip_file(filepath, f"(decompressed past {cap} bytes at line {li + 1}: the lines before are kept)")
+
+    def _skip_file(self, filepath: str, detail: str) -> None:
+        """The (rest of the) file is over `max_file_bytes`: one counted skip, logged with the file."""
+        self._count("skipped_oversize_file")
+        if self._counting and not self.quiet:
+            logger.warning(f"skipping file {filepath}: oversize file {detail}")
 
     def _text_of_line(self, raw: bytes, where: str) -> str | None:
         """The (repaired) text of one line, or None for a blank line or a counted skip."""

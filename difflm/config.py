@@ -13,6 +13,7 @@ import json
 import re
 import types
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -257,14 +258,30 @@ class TokenizerConfig(_Section):
     pad_token: str = Field("<|pad|>")
 
 
-# Architecture presets (`model.preset=125m`); fields set next to the preset override it.
+# Architecture presets (`model.preset=125m`); fields set next to the preset override it. The GPU-sized ones
+# (hidden >= GPU_WIDTH) give an FFN width that is a multiple of GEMM_TILE: 8/3*hidden rounded to 8 (5464 for the
+# 1B) leaves partial GEMM tiles on every MLP matmul (gpu-readiness review: +0.5-1 MFU point).
+GEMM_TILE = 128
+GPU_WIDTH = 1024
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4},  # ~1M (+ embeddings)
     "small": {"num_layers": 6, "hidden_size": 256, "num_attention_heads": 4},  # ~5M
     "125m": {"num_layers": 12, "hidden_size": 768, "num_attention_heads": 12},
-    "350m": {"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16},
-    "1b": {"num_layers": 24, "hidden_size": 2048, "num_attention_heads": 16, "num_query_groups": 8},
-    "3b": {"num_layers": 32, "hidden_size": 2560, "num_attention_heads": 32, "num_query_groups": 8},
+    "350m": {"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "ffn_hidden_size": 2816},
+    "1b": {
+        "num_layers": 24,
+        "hidden_size": 2048,
+        "num_attention_heads": 16,
+        "num_query_groups": 8,
+        "ffn_hidden_size": 5632,
+    },
+    "3b": {
+        "num_layers": 32,
+        "hidden_size": 2560,
+        "num_attention_heads": 32,
+        "num_query_groups": 8,
+        "ffn_hidden_size": 6912,
+    },
     "7b": {
         "num_layers": 32,
         "hidden_size": 4096,
@@ -281,11 +298,25 @@ class ModelConfig(_Section):
     )
     backend: Literal["auto", "torch", "local", "te"] = Field(
         "auto",
-        description="Layer spec. auto: 'te' on CUDA with Transformer Engine installed, 'torch' on CUDA "
-        "without it, 'local' on the CPU. torch: megatron-core's layers with PyTorch scaled_dot_product_attention "
+        description="Layer spec. auto: 'te' on CUDA with Transformer Engine installed, else 'torch' (also on the "
+        "CPU, where it gives the local spec's logits to ~1e-7 and trains faster). torch: megatron-core's layers with PyTorch scaled_dot_product_attention "
         "(flash/cuDNN kernels on GPUs; FlexAttention block masks for document_attention) and norms that support "
         "sequence parallelism. local: megatron-core's reference spec (unfused softmax). te: Transformer Engine "
         "(fused attention, fp8).",
+    )
+    sdpa_backend: Literal["auto", "flash", "cudnn", "efficient", "math"] = Field(
+        "auto",
+        json_schema_extra=OPERATIONAL,
+        description="The torch backend's SDPA kernel. auto: PyTorch's choice (the trainer logs which); flash, "
+        "cudnn, efficient (CUDA only) or math: forced around the forward and backward (an error if that kernel "
+        "cannot take the inputs).",
+    )
+    fusions: Literal["auto", "off"] = Field(
+        "auto",
+        json_schema_extra=OPERATIONAL,
+        description="auto: on CUDA, megatron's compiled SwiGLU (bias_activation_fusion), its native fused "
+        "cross-entropy (bf16) and torch's fused AdamW; the CPU keeps the reference path. off: the reference path "
+        "everywhere (the trainer logs the settings in use).",
     )
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=8)
@@ -340,6 +371,21 @@ class ModelConfig(_Section):
             )
         return self
 
+    @field_validator("fusions", mode="before")
+    @classmethod
+    def _yaml_off(cls, v: Any) -> Any:
+        return "off" if v is False else v  # YAML reads a bare `off` as false
+
+    @model_validator(mode="after")
+    def _ffn_fills_gemm_tiles(self) -> ModelConfig:
+        if self.hidden_size >= GPU_WIDTH and self.ffn_size % GEMM_TILE:
+            warnings.warn(
+                f"model.ffn_hidden_size={self.ffn_size} is not a multiple of {GEMM_TILE}: on GPUs every MLP matmul "
+                f"leaves partial tiles; e.g. model.ffn_hidden_size={-(-self.ffn_size // GEMM_TILE) * GEMM_TILE}",
+                stacklevel=2,
+            )
+        return self
+
     @property
     def ffn_size(self) -> int:
         if self.ffn_hidden_size:
@@ -379,6 +425,20 @@ class DiffusionConfig(_Section):
         json_schema_extra=IF_SET,
         description="difflm-block: weight of the next-token loss on the clean half, added to the diffusion loss "
         "(Megatron-Bridge's 0.3 DLM + 1.0 AR is about 3.3 here, up to scale); needs clean_attention=token_causal.",
+    )
+    block_shift: bool = Field(
+        False,
+        json_schema_extra=IF_SET,
+        description="difflm-block: shifted prediction (Fast-dLLM v2, Dream-style): logit i predicts token i + 1, "
+        "so an AR checkpoint's head keeps its meaning; a block's first token is predicted by the clean logit of "
+        "the token before it. Token 0 is context (never masked or scored); the export decodes the same way.",
+    )
+    complementary_masks: bool = Field(
+        False,
+        json_schema_extra=IF_SET,
+        description="difflm-block: train each sequence twice, with its mask and with the mask's complement "
+        "(Fast-dLLM v2, LLaDA 2.0: every noisy-block token supervised once per pair; a doubled micro-batch, "
+        "twice the FLOPs); the loss averages both. Validation keeps the block ELBO.",
     )
     eps: float = Field(1e-3, gt=0.0, lt=1.0, description="t ~ U(eps, 1): lower bound of the noise level.")
     loss_weighting: Literal["inverse_t", "masked_fraction", "none", "cart"] = Field(
@@ -576,6 +636,13 @@ class SamplerConfig(_Section):
         0.0, ge=0.0, description="Classifier-free guidance (prompt masked for the unconditional pass); 0: off."
     )
     stop_at_eos: bool = Field(True, description="A row stops once it committed an EOS with nothing masked before it.")
+    prefix_cache: bool = Field(
+        False,
+        description="Fast-dLLM's prefix KV cache for full-sequence masked models: the prompt's and finished blocks' "
+        "keys and values are computed at each block's first step and reused for its other steps (approximate: "
+        "bidirectional attention would update them; fewer model FLOPs per token). Block-diffusion models always "
+        "use their exact cache.",
+    )
 
 
 def nest_sampler_fields(eval_section: dict[str, Any]) -> dict[str, Any]:
@@ -734,6 +801,11 @@ class PipelineConfig(_Section):
     def _block_diffusion(self) -> PipelineConfig:
         d = self.diffusion
         if d.model_running_mode != "difflm-block":
+            if d.block_shift or d.complementary_masks:
+                raise ValueError(
+                    "diffusion.block_shift / complementary_masks are options of model_running_mode=difflm-block "
+                    "(full-sequence shifted prediction is difflm-shift)"
+                )
             return self
         if d.ar_loss_weight and d.clean_attention != "token_causal":
             raise ValueError(

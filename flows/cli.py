@@ -109,6 +109,7 @@ def cmd_run(cfg: PipelineConfig, args) -> int:
         "mlflow_uri",
         "mlflow_run_id",
         "mlflow_run_url",
+        "mlflow_curves_url",
         "registered_model",
         "version",
         "promotion",
@@ -116,12 +117,13 @@ def cmd_run(cfg: PipelineConfig, args) -> int:
         if summary.get(key) is not None:
             print(f"{key:>16}: {summary[key]}")
     if summary.get("mlflow_uri") and not summary.get("mlflow_run_url"):  # a local store: no server to link to yet
-        from tasks.artifacts import mlflow_run_url
+        from tasks.artifacts import mlflow_curves_url
 
+        link = mlflow_curves_url(LOCAL_UI, summary.get("mlflow_experiment_id"), summary["mlflow_run_id"])
         print(
             f"MLflow UI: {Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {summary['mlflow_uri']} "
             f"--host 127.0.0.1 --port 5000\n"
-            f"     then open: {mlflow_run_url(LOCAL_UI, summary.get('mlflow_experiment_id'), summary['mlflow_run_id'])}"
+            f"     then open: {link}"
         )
     Path(cfg.workdir, "last_run.json").write_text(json.dumps(summary, indent=2))
     return 0
@@ -192,14 +194,15 @@ def cmd_launch(cfg: PipelineConfig, args) -> int:
     """The options --partition, --time, ... are config fields (train.slurm.*, train.kubernetes.*), already set in
     `cfg` and validated with the rest of it (see `Arg.sets`)."""
     from data_prep.pipeline import prepare_data
-    from models.launch.cluster import mount_problem, write_launch_file
+    from models.launch.cluster import mount_problem, sbatch_command, write_launch_file
     from models.launch.torchrun import run_dir
 
     target = "kubernetes" if args.target in ("k8s", "kubernetes") else "slurm"
     manifest = prepare_data(cfg)
     rdir = run_dir(cfg, manifest)
     out = write_launch_file(cfg, manifest, target)
-    hint = f"sbatch {out}" if target == "slurm" else f"kubectl apply -f {out}"
+    # time, partition and sbatch_args are sbatch's arguments, not lines of the script
+    hint = shlex.join(sbatch_command(cfg, out)) if target == "slurm" else f"kubectl apply -f {out}"
     print(f"{args.target} launch file: {out}\nsubmit: {hint}\nrun directory (checkpoints, metrics): {rdir}")
     if target == "kubernetes" and mount_problem(cfg, rdir):
         print(f"difflm: warning: {mount_problem(cfg, rdir)}", file=sys.stderr)

@@ -64,6 +64,8 @@ def run_pipeline(
     stages too. `lineage`: the HF source's `tasks.adapt.source_lineage`, when the caller has it already."""
     experiment_id = tracking.experiment_of(run_id)
     link = artifacts.mlflow_run_url(tracking.tracking_uri(cfg), experiment_id, run_id)
+    # the view the printed link opens (the curves while it trains, too); None when it could not be stored
+    shared = tracking.share_training_view(run_id) if run_id else None
     if adapt.is_hf_folder(cfg.train.init_from):  # a pretrained model's HF folder: its weights and tokenizer first
         cfg = _import_init(cfg, run_id, stages, lineage)
 
@@ -157,6 +159,7 @@ def run_pipeline(
         "mlflow_run_id": run_id,
         "mlflow_uri": tracking.tracking_uri(cfg) if run_id else None,
         "mlflow_run_url": link,
+        "mlflow_curves_url": artifacts.mlflow_curves_url(tracking.tracking_uri(cfg), experiment_id, shared),
         "mlflow_experiment_id": experiment_id,
         "validation": results["bounds"],
         "tasks": results["tasks"],

@@ -134,6 +134,18 @@ def mlflow_run_url(uri: str | None, experiment_id: str | None, run_id: str | Non
     return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
 
 
+def mlflow_curves_url(uri: str | None, experiment_id: str | None, run_id: str | None) -> str | None:
+    """The run in the model-training view with its curves first (loss and val_loss on one chart): the shared
+    view `tracking.share_training_view` stored; None without a run or experiment. Any URI: for a local store,
+    pass the `mlflow ui` address that will serve it."""
+    if not (uri and run_id and experiment_id) or not uri.startswith(("http://", "https://")):
+        return None
+    from difflm.tracking.registry import TRAINING_VIEW
+
+    query = f"viewStateShareKey={run_id}&compareRunsMode=CHART&{TRAINING_VIEW}"
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs?{query}"
+
+
 def mlflow_artifact_url(uri: str | None, run_id: str | None, path: str) -> str | None:
     """A file of the run as the MLflow server serves it to its UI; None for a local store."""
     if not (uri and run_id) or not uri.startswith(("http://", "https://")):

@@ -32,8 +32,8 @@ class FaultInjector(Hook):
     def pre_optim_step(self, trainer: Trainer, step: Step) -> None:
         if step.it not in self.nan_iters:
             return
-        if step.loss is not None:  # only the last pipeline stage has it
-            step.loss = float("nan")
+        if step.loss_terms is not None:  # this rank's [sum, count], before the ranks agree (last stage only)
+            step.loss_terms[0] = float("nan")
         for buf in getattr(trainer.ddp, "buffers", []):  # megatron DDP's contiguous gradient buffers
             buf.grad_data.fill_(float("nan"))
 

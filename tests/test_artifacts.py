@@ -63,6 +63,12 @@ def test_mlflow_links_only_for_a_server():
         artifacts.mlflow_run_url("http://h:5000/", "1", "r")
         == "http://h:5000/#/experiments/1/runs/r?workflowType=machine_learning"
     )
+    # the printed link: the run's shared training view (curves first), in the model-training view
+    assert artifacts.mlflow_curves_url("sqlite:///x.db", "1", "r") is None
+    assert (
+        artifacts.mlflow_curves_url("http://h:5000/", "1", "r")
+        == "http://h:5000/#/experiments/1/runs?viewStateShareKey=r&compareRunsMode=CHART&workflowType=machine_learning"
+    )
 
 
 def test_cache_keys_follow_the_inputs(tmp_path):

@@ -456,25 +456,26 @@ def _megatron(tmp_path, backend: str, *over: str):
 
 
 @pytest.mark.parametrize(
-    "backend, clean, documents",
+    "backend, clean, documents, head_dim",
     [
-        ("local", "block_causal", False),
-        ("torch", "block_causal", False),
-        ("local", "token_causal", False),
-        ("torch", "token_causal", False),
-        ("local", "block_causal", True),
-        ("torch", "token_causal", True),
+        ("local", "block_causal", False, None),
+        ("torch", "block_causal", False, None),
+        ("local", "token_causal", False, None),
+        ("torch", "token_causal", False, None),
+        ("local", "block_causal", True, None),
+        ("torch", "token_causal", True, None),
+        ("torch", "block_causal", False, 8),  # a head width apart from hidden/heads, as Qwen3's
     ],
 )
 def test_megatron_two_stream_forward_matches_the_export(
-    megatron_single_process, tmp_path, tiny_manifest, backend, clean, documents
+    megatron_single_process, tmp_path, tiny_manifest, backend, clean, documents, head_dim
 ):
     from models import diffusion
     from models.hf.convert import export_hf, load_hf
     from models.megatron.forward_step import SpecialTokens, objective_of, two_stream_mask
 
     over = [f"diffusion.clean_attention={clean}", f"model.document_attention={str(documents).lower()}"]
-    cfg, model = _megatron(tmp_path, backend, *over)
+    cfg, model = _megatron(tmp_path, backend, *over, *([f"model.kv_channels={head_dim}"] if head_dim else []))
     special = SpecialTokens.from_manifest(tiny_manifest["tokenizer"])
     x0 = torch.randint(3, 500, (2, 12))
     x0[:, 5] = special.eos_id  # two packed documents per row
@@ -484,9 +485,9 @@ def test_megatron_two_stream_forward_matches_the_export(
     mask = two_stream_mask(x0, cfg, special, objective_of(cfg, special))
     with torch.no_grad():
         ref = model(inputs, pos, mask, two_stream=True)
-    ckpt = tmp_path / f"ckpt-{backend}-{clean}-{documents}"
+    ckpt = tmp_path / f"ckpt-{backend}-{clean}-{documents}-{head_dim}"
     _save_ckpt(model, ckpt)
-    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / f"hf-{backend}-{clean}-{documents}"))
+    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / f"hf-{ckpt.name}"))
     assert hf.config.block_size == 4 and hf.config.clean_attention == clean
     docs = diffusion.document_ids(x0, special.eos_id) if documents else None
     got = hf(xt, clean_ids=x0, document_ids=docs).logits

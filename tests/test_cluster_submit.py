@@ -258,7 +258,8 @@ def test_launch_cli_writes_what_the_launchers_submit(session_dir, tiny_manifest,
     cfg = tiny_config(work, *overrides[1:], "train.slurm.partition=gpu", "train.slurm.time=01:00:00")
     rdir = run_dir(cfg, tiny_manifest)
     written = (rdir / "launch.sbatch").read_text()
-    assert "#SBATCH --partition=gpu" in written and "#SBATCH --time=01:00:00" in written
+    submit = f"submit: sbatch --time=01:00:00 --partition=gpu {rdir / 'launch.sbatch'}\n"
+    assert submit in capsys.readouterr().out and "--partition" not in written  # sbatch arguments, not #SBATCH lines
     assert written == write_launch_file(cfg, tiny_manifest, "slurm").read_text()
     assert main(["launch", "--preset", "test-tiny", *overrides, "--target", "k8s", "--image", "img:2"]) == 0
     assert "is not under train.kubernetes.mount=/data" in capsys.readouterr().err  # a warning, the file is written

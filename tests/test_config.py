@@ -134,7 +134,7 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
 def test_cluster_launch_files(tmp_path):
     import yaml as _yaml
 
-    from models.launch.cluster import k8s_pytorchjob, slurm_script
+    from models.launch.cluster import k8s_pytorchjob, sbatch_options, slurm_script
 
     cfg = load_config(
         "tiny-cpu",
@@ -146,7 +146,8 @@ def test_cluster_launch_files(tmp_path):
         ],
     )
     paths = (tmp_path / "config.yaml", tmp_path / "manifest.json", tmp_path / "run dir")
-    script = slurm_script(cfg, *paths, partition="gpu")
+    script = slurm_script(cfg, *paths)
+    assert "--partition=gpu" in sbatch_options(cfg, partition="gpu") and "--partition" not in script
     assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=8" in script
     assert "--rdzv_endpoint $MASTER_ADDR:$MASTER_PORT" in script and "'" + str(paths[2]) + "'" in script
     (tmp_path / "s.sh").write_text(script)

@@ -207,6 +207,8 @@ IDENTITY = {
         "block_size",  # IF_SET: difflm-block's fields name a run only when set
         "clean_attention",
         "ar_loss_weight",
+        "block_shift",
+        "complementary_masks",
         "cart_p",
         "attention_anneal_steps",
     },

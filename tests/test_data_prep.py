@@ -269,3 +269,51 @@ def test_tokenizer_without_mask_token_and_unloadable(tmp_path, tiny_manifest):
     cfg = tiny_config(tmp_path / "c", f"data.sources=[{src}]", f"tokenizer.path={tmp_path / 'nowhere'}")
     with pytest.raises(TokenizerError, match="no tokenizer.json"):
         prepare_data(cfg)
+
+
+# A data prep in a process of its own, as from a terminal: under pytest's capture, loguru sinks and datatrove's
+# fork server keep the streams of whichever test started them.
+PREP = """
+import sys
+from data_prep.pipeline import prepare_data
+from difflm.config import load_config
+prepare_data(load_config("test-tiny", sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_terminal_shows_no_per_file_lines_and_the_stats_once(tmp_path, tiny_manifest, workers):
+    """datatrove's per-file "Reading input file" lines and each task's stats go to the task logs only; the merged
+    stats print once; a bad record's warning and the progress stay on the terminal (issue 25 item 7)."""
+    import os
+    import subprocess
+    import sys
+
+    src = tmp_path / "txt"
+    src.mkdir()
+    for i, t in enumerate(_docs(12, "quiet")):
+        (src / f"{i:02d}.txt").write_text(t)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": _docs(1, "ok")[0]}) + "\n{not json\n")
+    overrides = [
+        f"workdir={tmp_path}",
+        f"tokenizer.path={tiny_manifest['tokenizer']['path']}",
+        "data.min_chars=0",
+        "data.valid_fraction=0.25",
+        f"data.sources=[{src}, {bad}]",
+        f"data.workers={workers}",
+    ]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    out = subprocess.run(
+        [sys.executable, "-c", PREP, *overrides], capture_output=True, text=True, cwd=root, env=env, timeout=300
+    )
+    err = out.stdout + out.stderr
+    assert out.returncode == 0, err[-3000:]
+    assert "Reading input file" not in err
+    assert err.count("Stats: All") == 1 and err.count("\U0001f4c9 Stats") == 1, err[-3000:]  # the merged block
+    assert "skipping record" in err  # warnings still reach the terminal
+    # progress: the readers' bar with one worker, datatrove's task count with several
+    assert "Document progress" in err if workers == 1 else f"{workers}/{workers} tasks completed" in err
+    logs = "".join(p.read_text() for p in tmp_path.rglob("logs/task_*.log"))
+    assert logs.count("Reading input file") >= 13 and "Stats: Task" in logs  # nothing lost: it is in the files

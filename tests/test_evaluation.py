@@ -210,6 +210,7 @@ def test_generate_benchmark_runs(exports, session_dir, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "g.json").read_text())["rows"]
-    assert rows[0]["agreement"] == 1.0 and len(rows) == 10
+    assert rows[0]["agreement"] == 1.0 and len(rows) == 11
+    assert rows[10]["settings"]["prefix_cache"] and rows[10]["model_calls_per_batch"] == 8
     assert {r["model_calls_per_batch"] for r in rows[:3]} == {8, 4, 2}  # 1, 2 and 4 tokens per step
     assert all(r["model_calls_per_batch"] <= 8 for r in rows if "threshold" in r["sampler"])

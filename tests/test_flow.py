@@ -91,10 +91,15 @@ def test_the_data_is_a_dataset_input_not_metrics(first):
 
 @pytest.mark.slow
 def test_the_run_opens_in_the_model_training_view_with_its_lineage(first):
+    from difflm.tracking import training_view
+
     run, summary = first["run"], first["summary"]
     exp = first["client"].get_experiment(run.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the model-training view
     assert summary["mlflow_experiment_id"] == run.info.experiment_id  # `difflm run` prints the run's UI link
+    assert json.loads(exp.tags[f"mlflow.sharedViewState.{run.info.run_id}"]) == training_view(
+        run.info.run_id
+    )  # the view the printed link opens: the curves first (tests/test_ui_browser.py renders it)
     assert run.data.tags["prefect.flow_run_id"] and run.data.tags["mlflow.source.git.commit"]
     assert run.data.tags.get("prefect.flow_run_url", "http").startswith("http")  # a link, or none at all
 

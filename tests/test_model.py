@@ -161,6 +161,7 @@ def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_pro
             "parallel.tensor_model_parallel_size=2",
             "train.nproc_per_node=2",
             "parallel.sequence_parallel=true",
+            "model.backend=local",  # (auto picks torch, which supports it)
         ],
     )
     with pytest.raises(RuntimeError, match="model.backend=torch"):

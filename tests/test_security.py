@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from difflm.config import ConfigError, load_config
-from models.launch.cluster import slurm_script
+from models.launch.cluster import sbatch_command, sbatch_options, slurm_script
 
 RUN = Path("/shared/difflm/runs/difflm-noshift-abc-def")
 
@@ -40,7 +40,9 @@ def test_slurm_time_formats_are_accepted(time):
         "test-tiny", [f"train.slurm.time={time}", "train.slurm.sbatch_args={account: proj, constraint: 'a&b', mem: 0}"]
     )
     script = slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
-    assert f"#SBATCH --time={time}\n" in script and "#SBATCH --account=proj\n" in script
+    # sbatch's arguments, not lines of the script
+    assert sbatch_command(cfg, RUN / "launch.sbatch")[1:4] == [f"--time={time}", "--account=proj", "--constraint=a&b"]
+    assert "--time" not in script and "--account" not in script
 
 
 def test_script_refuses_unsafe_run_dirs_arguments_and_env_keys():
@@ -51,7 +53,7 @@ def test_script_refuses_unsafe_run_dirs_arguments_and_env_keys():
     with pytest.raises(ConfigError, match="workdir"):
         slurm_script(cfg, quoted / "c.yaml", quoted / "m.json", quoted)
     with pytest.raises(ConfigError, match="train.slurm"):
-        slurm_script(cfg, RUN / "c.yaml", RUN / "m.json", RUN, time="1:00:00\nid")
+        sbatch_options(cfg, time="1:00:00\nid")
     with pytest.raises(ConfigError, match="not an identifier"):
         slurm_script(cfg, RUN / "c.yaml", RUN / "m.json", RUN, env={"BAD;touch $SCRATCH/PWNED_envkey;X": "v"})
     script = slurm_script(cfg, RUN / "c.yaml", RUN / "m.json", RUN, env={"MLFLOW_TRACKING_URI": "http://x;id"})
@@ -240,6 +242,47 @@ def test_a_huge_line_in_a_tiny_gzip_is_a_counted_skip_in_bounded_memory(tmp_path
     assert "big.jsonl.gz:2" in proc.stderr and "oversize record" in proc.stderr  # where, in the log
     print("peak RSS MiB", peak_mib)
     assert peak_mib < 600, f"peak RSS {peak_mib} MiB reading a 256 MiB line (unbounded: ~1.45 GB)"
+
+
+_READ_CAPPED = """
+import sys
+from data_prep.readers import JsonlSource
+r = JsonlSource(sys.argv[1], glob_pattern="*.jsonl*", text_key="text", source="t")
+r._logged, r.max_file_bytes = 0, 16 << 20
+skips = []
+r.stat_update = lambda key, *a, **k: skips.append(key)
+counts = {name: sum(1 for _ in r.read_file(name)) for name in ("many.jsonl.gz", "plain.jsonl")}
+hwm = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+print(counts, skips, hwm // 1024)
+"""
+
+
+def test_a_file_past_the_per_file_cap_is_a_counted_skip_in_bounded_memory(tmp_path):
+    """64 MiB of short lines in a small gzip, read with a 16 MiB cap per file: the lines before the cap are
+    kept, the rest is one counted skip naming the file; a plain file over the cap is not read at all."""
+    import gzip
+    import os
+    import subprocess
+    import sys
+
+    line = b'{"text": "' + b"b" * 1000 + b'"}\n'  # 1012 bytes
+    with gzip.open(tmp_path / "many.jsonl.gz", "wb", compresslevel=1) as f:
+        for _ in range(64):  # 64 MiB decompressed
+            f.write(line * 1036)
+    (tmp_path / "plain.jsonl").write_bytes(line * (17 * 1036))  # just over 16 MiB
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.run(
+        [sys.executable, "-c", _READ_CAPPED, str(tmp_path)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    counts, peak_mib = proc.stdout.split("}", 1)[0] + "}", int(proc.stdout.split()[-1])
+    kept = (16 << 20) // len(line)
+    assert counts == f"{{'many.jsonl.gz': {kept}, 'plain.jsonl': 0}}", proc.stdout
+    assert proc.stdout.count("skipped_oversize_file") == 2, proc.stdout
+    assert "skipping file many.jsonl.gz: oversize file (decompressed past 16777216 bytes" in proc.stderr
+    assert "skipping file plain.jsonl: oversize file" in proc.stderr and "not read" in proc.stderr
+    print("peak RSS MiB", peak_mib)
+    assert peak_mib < 400, f"peak RSS {peak_mib} MiB reading 64 MiB of lines: not flat"
 
 
 # ---- a full disk is one line (review L5) ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -90,7 +91,7 @@ def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, slurm_cl
 
 @pytest.mark.slow
 def test_a_two_node_job_written_by_difflm_launch_and_submitted_by_hand_trains(
-    session_dir, slurm_cluster, tiny_manifest
+    session_dir, slurm_cluster, tiny_manifest, capsys
 ):
     """`difflm launch --target slurm train.nnodes=2`, then `sbatch` by hand: on the cluster's two nodes (two slurmd
     on this host) srun starts one torchrun per node and they meet at the c10d rendezvous on the first node (a
@@ -104,7 +105,10 @@ def test_a_two_node_job_written_by_difflm_launch_and_submitted_by_hand_trains(
     assert main(["launch", "--preset", "test-tiny", f"workdir={work}", *overrides]) == 0
     cfg = tiny_config(work, *overrides)
     rdir = run_dir(cfg, tiny_manifest)
-    job_id = _slurm("sbatch", "--parsable", str(rdir / "launch.sbatch"))
+    printed = [x for x in capsys.readouterr().out.splitlines() if x.startswith("submit: sbatch ")]
+    assert len(printed) == 1 and printed[0].endswith(str(rdir / "launch.sbatch"))
+    sbatch, *options = shlex.split(printed[0].removeprefix("submit: "))  # the command difflm launch prints
+    job_id = _slurm(sbatch, "--parsable", *options)
     _until(lambda: slurm_job_state(job_id)[0] not in SLURM_ACTIVE)
     log = (rdir / f"slurm-{job_id}.out").read_text()
     assert slurm_job_state(job_id) == ("COMPLETED", "0:0"), log[-3000:]

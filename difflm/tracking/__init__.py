@@ -29,9 +29,11 @@ from difflm.tracking.mlflow_runs import (
     pipeline_run,
     reconcile_metrics,
     set_tags,
+    share_training_view,
     stage_run,
     tolerant,
     tracking_uri,
+    training_view,
 )
 
 __all__ = [
@@ -55,7 +57,9 @@ __all__ = [
     "reconcile_metrics",
     "registry",
     "set_tags",
+    "share_training_view",
     "stage_run",
     "tolerant",
     "tracking_uri",
+    "training_view",
 ]

@@ -176,6 +176,68 @@ def tolerant(fn):
     return wrapper
 
 
+# MLflow 3.17 keeps a run page's chart layout in the browser only, and its default puts the one-value charts
+# (eval.*, sorted first by name) before the curves, one metric per chart. The one layout a server can hold is
+# an experiment's shared view (tag `mlflow.sharedViewState.<key>`, opened with `?viewStateShareKey=<key>`):
+# one per run, keyed by the run id, showing that run with loss and val_loss overlaid on the first chart.
+SHARED_VIEW_TAG = "mlflow.sharedViewState."
+CURVES = ("loss", "val_loss")
+
+
+def training_view(run_id: str) -> dict:
+    """The shared view state of `run_id`: that run only, section "Training curves" first with loss and val_loss
+    on one chart (val_loss's own chart marked deleted, so the UI does not add it again); the UI appends the
+    other metrics below in its "Model metrics" section."""
+    overlay = {
+        "uuid": "difflm-curves",
+        "type": "LINE",
+        "metricSectionId": "difflm-training-curves",
+        "displayName": " and ".join(CURVES),
+        "metricKey": CURVES[0],
+        "selectedMetricKeys": list(CURVES),
+        "runsCountToCompare": 10,
+        "deleted": False,
+        "isGenerated": False,
+        "xAxisKey": "step",
+        "xAxisScaleType": "linear",
+        "scaleType": "linear",
+        "yAxisKey": "metric",
+        "yAxisExpressions": [],
+        "range": {},
+        "lineSmoothness": 0,
+        "selectedXAxisMetricKey": "",
+        "ignoreOutliers": False,
+        "useGlobalXaxisKey": True,
+        "useGlobalLineSmoothing": True,
+    }
+    covered = {
+        **overlay,
+        "uuid": "difflm-val-loss",
+        "metricKey": CURVES[1],
+        "selectedMetricKeys": None,
+        "deleted": True,
+    }
+    section = {"uuid": "difflm-training-curves", "name": "Training curves", "display": True}
+    return {
+        "searchFilter": f"attributes.run_id = '{run_id}'",
+        "compareRunCharts": [overlay, covered],
+        "compareRunSections": [{**section, "isReordered": False, "deleted": False, "isGenerated": False}],
+        "isAccordionReordered": True,  # keep our section first
+    }
+
+
+@tolerant
+def share_training_view(run_id: str) -> str:
+    """Store the run's training view on its experiment (see `training_view`); returns its share key."""
+    import mlflow
+
+    run = mlflow.get_run(run_id)
+    mlflow.MlflowClient().set_experiment_tag(
+        run.info.experiment_id, SHARED_VIEW_TAG + run_id, json.dumps(training_view(run_id))
+    )
+    return run_id
+
+
 def child_env(cfg: PipelineConfig, run_id: str | None) -> dict[str, str]:
     """Environment for the training subprocess so it logs live metrics to the same run."""
     if not run_id:

@@ -76,6 +76,8 @@ class Objective(ABC):
     block_size: int = 4  # block diffusion: tokens per block
     clean_attention: str = "block_causal"  # block diffusion: the clean half's attention (block_causal | token_causal)
     ar_loss_weight: float = 0.0  # block diffusion: weight of the next-token loss on the clean half
+    block_shift: bool = False  # block diffusion: logit i predicts token i + 1 (Fast-dLLM v2's shifted recipe)
+    complementary_masks: bool = False  # block diffusion training: each sequence also with its mask's complement
     cart_p: float = 0.3  # loss_weighting=cart (shifted masked training): the geometric decay of CART
 
     name: ClassVar[str] = ""
@@ -107,6 +109,11 @@ class Objective(ABC):
         """(query, key) pairs the attention kernel computes for a sequence of `seq_len`."""
         return seq_len * seq_len * self.attention_flops_factor()
 
+    def rows_per_sequence(self, evaluation: bool) -> int:
+        """Model rows `prepare` makes of one sequence (complementary masks train each sequence twice): megatron's
+        micro-batch shape and the FLOPs count scale by it."""
+        return 1
+
     @classmethod
     def from_hf_config(cls, config) -> Objective:
         """The objective of an exported model, from its config (exports made before `diffusion_eps` was recorded
@@ -119,6 +126,7 @@ class Objective(ABC):
             eps=getattr(config, "diffusion_eps", 1e-3),
             block_size=getattr(config, "block_size", None) or 4,
             clean_attention=getattr(config, "clean_attention", None) or "block_causal",
+            block_shift=bool(getattr(config, "block_shift", False)),
         )
 
     # ---- positions -------------------------------------------------------------------------------------
@@ -524,11 +532,20 @@ class BlockDiffusion(Objective):
     """Block diffusion (BD3-LM; SDAR, Fast-dLLM v2 and Megatron-Bridge's variants): the model runs on
     `[x_t | x_0]` under `blocks.two_stream_keep` (a noisy block sees itself and the earlier clean blocks), noise
     is drawn per block (t_j ~ U(eps, 1), stratified over every block of the global batch with antithetic_t), and
-    the masked-diffusion loss is taken on the noisy half (no shift; 1/t, L/#masked or no weighting). With
+    the masked-diffusion loss is taken on the noisy half (1/t, L/#masked or no weighting). With
     `ar_loss_weight` (token-causal clean half only: block-causal would let a token see its successor), the clean
     half adds the next-token loss, so one checkpoint decodes both ways (Megatron-Bridge: 0.3 / 1.0). Validation
     and evaluation report the block ELBO: the discrete masked ELBO of each block given the earlier clean blocks.
-    Decoding (the HF export's `block_generate`) goes block by block with an exact KV cache of finished blocks."""
+    Decoding (the HF export's `block_generate`) goes block by block with an exact KV cache of finished blocks.
+
+    Recipe variants: `block_shift` (Fast-dLLM v2, Dream-style): logit i predicts token i + 1, so an AR
+    checkpoint's head keeps its meaning; inside block j the noisy logit before a token predicts it, and the first
+    token of block j is predicted by the clean logit of the last token of block j - 1 (it sees exactly the
+    earlier clean blocks, never the token itself); token 0 is context, never masked or scored.
+    `complementary_masks` (Fast-dLLM v2, LLaDA 2.0): training doubles each sequence, once with its mask m and
+    once with the complement of m among the noisable tokens (weight 1/(1-t), or n/(n - count) with exact counts),
+    so every noisy-block token is supervised exactly once across the pair; the loss averages both. Validation
+    and the bound are unchanged by it (one mask: the block ELBO)."""
 
     name = "difflm-block"
     uses_t = False  # one t per block: no per-sequence time conditioning
@@ -545,57 +562,113 @@ class BlockDiffusion(Objective):
     def attention_pairs(self, seq_len):
         return float(attention_pairs(seq_len, self.block_size, self.token_causal))
 
+    def rows_per_sequence(self, evaluation):
+        return 2 if self.complementary_masks and not evaluation else 1
+
     def keep(self, length: int, document_ids=None, real=None) -> torch.Tensor:
         """[b or 1, 1, 2L, 2L] bool, True = may attend: the two-stream rule of this objective's settings."""
         return two_stream_keep(length, self.block_size, self.token_causal, document_ids, real)
 
-    def prepare(self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation):
-        valid = _data_positions(label_ok)
-        b, length = tokens.shape
-        size = self.block_size
+    # ---- where a token's logit lives ------------------------------------------------------------------------
+    def _opens_block(self, length: int, device=None) -> torch.Tensor:
+        """[L] bool: token i starts a block (with the shift its logit is the clean one of token i - 1)."""
+        return torch.arange(length, device=device) % self.block_size == 0
+
+    def align_logits(self, logits):
+        """A one-stream forward of the decoding layout (`blocks.decode_keep`): with the shift, token i's logit is
+        that of i - 1, which is the clean one before a block's first token, the noisy one inside it."""
+        return torch.cat([logits[:, :1], logits[:, :-1]], dim=1) if self.block_shift else logits
+
+    def align_two_stream(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits [b, L, V] of the tokens, from those of `[x_t | x_0]` [b, 2L, V]: the noisy half, or with the
+        shift the logit of token i - 1 (clean where token i opens a block). Token 0 of a shifted model has no
+        logit of its own (callers never mask or score it)."""
+        length = logits.shape[1] // 2
+        noisy, clean = logits[:, :length], logits[:, length:]
+        if not self.block_shift:
+            return noisy
+        opens = self._opens_block(length, logits.device)[None, 1:, None]
+        return torch.cat([noisy[:, :1], torch.where(opens, clean[:, :-1], noisy[:, :-1])], dim=1)
+
+    def _on_logit_rows(self, per_token: torch.Tensor) -> torch.Tensor:
+        """[b, L] values of the tokens placed [b, 2L] on the logits that predict them (`align_two_stream`'s
+        inverse): the per-token cross-entropy megatron returns is taken where the token is predicted."""
+        zeros = torch.zeros_like(per_token)
+        if not self.block_shift:
+            return torch.cat([per_token, zeros], dim=1)
+        nxt = torch.cat([per_token[:, 1:], zeros[:, :1]], dim=1)  # at i: the value of token i + 1
+        opens = (torch.arange(per_token.shape[1], device=per_token.device) + 1) % self.block_size == 0  # token i + 1
+        return torch.cat([torch.where(opens, zeros, nxt), torch.where(opens, nxt, zeros)], dim=1)
+
+    # ---- training and validation ----------------------------------------------------------------------------
+    def _noisable(self, valid: torch.Tensor) -> torch.Tensor:
+        """Tokens noise may mask: every data token, but token 0 with the shift (no logit predicts it)."""
+        if not self.block_shift:
+            return valid
+        noisable = valid.clone()
+        noisable[:, 0] = False
+        return noisable
+
+    def _row_noise(self, ok, pos, generator_for, batch_size, antithetic, evaluation):
+        """(masked [L], weight [L], complement weight [L]) of one sequence: t per block, stratified over every
+        block of the global batch (block j of sequence pos takes bin j * batch + pos)."""
+        length, size = ok.shape[0], self.block_size
         nb = -(-length // size)
-        exact = evaluation or self.loss_weighting == "masked_fraction"
-        masks, weights = [], []
-        for ok, pos in zip(valid, positions):
-            g = generator_for(pos)
-            # block j of sequence pos takes bin j * batch + pos: a sequence's blocks spread over the range
-            index = torch.arange(nb) * batch_size + pos
-            t = stratified_t(torch.rand(nb, generator=g), index, batch_size * nb, self.eps, antithetic or evaluation)
-            if exact:  # exactly ceil(t n_j) of a block's n_j tokens, weight n_j / count (the discrete ELBO)
-                n = block_counts(ok[None], size)[0]
-                counts = torch.minimum((t * n).ceil().clamp(min=1), n.clamp(min=1)).long() * (n > 0)
-                masked = mask_per_block(ok[None], counts[None], size, g)[0]
-                weight = n / counts.clamp(min=1)
-            else:  # each token at its block's rate, weight 1/t
-                rate = t.repeat_interleave(size)[:length]
-                masked = (torch.rand(length, generator=g) < rate) & ok
-                weight = 1.0 / t
-            if self.loss_weighting == "none" and not evaluation:
-                weight = torch.ones_like(weight)
-            masks.append(masked)
-            weights.append(weight.float().repeat_interleave(size)[:length])
-        masked = torch.stack(masks).to(tokens.device)
+        g = generator_for(pos)
+        index = torch.arange(nb) * batch_size + pos
+        t = stratified_t(torch.rand(nb, generator=g), index, batch_size * nb, self.eps, antithetic or evaluation)
+        if evaluation or self.loss_weighting == "masked_fraction":  # exactly ceil(t n_j) masks: weight n_j / count
+            n = block_counts(ok[None], size)[0]
+            counts = torch.minimum((t * n).ceil().clamp(min=1), n.clamp(min=1)).long() * (n > 0)
+            masked = mask_per_block(ok[None], counts[None], size, g)[0]
+            weight, complement = n / counts.clamp(min=1), n / (n - counts).clamp(min=1)
+        else:  # each token at its block's rate, weight 1/t (the complement's rate is 1 - t)
+            masked = (torch.rand(length, generator=g) < t.repeat_interleave(size)[:length]) & ok
+            weight, complement = 1.0 / t, 1.0 / (1.0 - t).clamp(min=self.eps)
+        if self.loss_weighting == "none" and not evaluation:
+            weight, complement = torch.ones_like(weight), torch.ones_like(complement)
+        per_token = [w.float().repeat_interleave(size)[:length] for w in (weight, complement)]
+        return masked, *per_token
+
+    def prepare(self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation):
+        valid = self._noisable(_data_positions(label_ok))
+        rows = [
+            self._row_noise(ok, pos, generator_for, batch_size, antithetic, evaluation)
+            for ok, pos in zip(valid, positions)
+        ]
+        masked, weight, complement = (torch.stack(x).to(tokens.device) for x in zip(*rows))
+        label_ok = label_ok.bool()
+        if self.rows_per_sequence(evaluation) == 2:  # the pair: m, then the complement of m among the noisable
+            masked, weight = torch.cat([masked, valid & ~masked]), torch.cat([weight, complement])
+            tokens, labels, valid, label_ok = (torch.cat([x, x]) for x in (tokens, labels, valid, label_ok))
         xt = torch.where(masked, torch.full_like(tokens, self.mask_id), tokens)
+        scored = masked & valid
+        # noisy half: the token there, or with the shift the next one (labels); clean half: the next token
+        noisy_targets = labels if self.block_shift else tokens
         return {
-            "inputs": torch.cat([xt, tokens], dim=1),  # [b, 2L]: noisy half, clean half
-            "targets": torch.cat([tokens, labels], dim=1),  # noisy: the clean token there; clean: the next one
-            "scored": masked & valid,
+            "inputs": torch.cat([xt, tokens], dim=1),  # [rows, 2L]: noisy half, clean half
+            "targets": torch.cat([noisy_targets, labels], dim=1),
+            "scored": scored,
             "valid": valid,
-            "ar_valid": label_ok.bool(),
-            "weight": torch.stack(weights).to(tokens.device),
+            "ar_valid": label_ok,
+            "weight": weight,
+            "loss_weight": self._on_logit_rows(scored * weight),  # [rows, 2L]: on the logits predicting them
             "t": None,
         }
 
     def loss_terms(self, output, prepared, evaluation):
-        length = prepared["valid"].shape[1]
         output = output.float()
         scored, valid = prepared["scored"], prepared["valid"]
-        total = (output[:, :length] * scored * prepared["weight"]).sum()
+        total = (output * prepared["loss_weight"]).sum()
         by_masked = self.normalize_by == "masked_tokens" and not evaluation
-        count = (scored if by_masked else valid).sum()
+        count = (scored if by_masked else valid).sum()  # complementary pairs: both rows counted, so averaged
         if self.ar_loss_weight and not evaluation:  # per token of the same count (full windows: the same tokens)
+            length = valid.shape[1]
             total = total + self.ar_loss_weight * (output[:, length:] * prepared["ar_valid"]).sum()
         return total.to(torch.float32), count.to(torch.int)
+
+    def scored_positions(self, valid, prefix_len=0):
+        return super().scored_positions(valid, max(prefix_len, 1) if self.block_shift else prefix_len)
 
     def nll_per_token(self, logits_fn, x0, scored, t_samples, generator):
         total = block_elbo_terms(
@@ -612,6 +685,8 @@ class BlockDiffusion(Objective):
         return _nan_if_empty((total / n).float(), scored)
 
     def conditional_nll(self, logits_fn, x0, target, attention_mask, document_ids, mc_samples, generators, max_rows):
+        if self.block_shift and target[:, 0].any():
+            raise ValueError("a shifted difflm-block model cannot score token 0: give it at least one context token")
         gens = generators if isinstance(generators, (list, tuple)) else [generators] * len(x0)
         out = []
         for i, g in enumerate(gens):  # one row at a time: each row's draws come from its own generator

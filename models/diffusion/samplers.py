@@ -70,6 +70,12 @@ class MaskedSampler:
     cfg_scale: classifier-free guidance: logits = u + (1 + w)(c - u), u with the prompt masked (LLaDA).
     stop_at_eos: a row is finished once it has committed an EOS with nothing masked before it; the rest of
         the row is filled with EOS and no longer decoded.
+    prefix_cache: Fast-dLLM's prefix KV cache, for full-sequence masked models (the HF export's
+        `diffusion_generate`): at the first step of each block the whole sequence is run and the keys and values
+        of the prompt and the finished blocks are kept; the block's other steps run only the current block and
+        what follows it against them. Approximate: under bidirectional attention the prefix would change as the
+        block is unmasked (each block's first step is exact). Block-diffusion models ignore it: their KV cache is
+        exact and always on.
     """
 
     steps: int = 32
@@ -81,6 +87,7 @@ class MaskedSampler:
     top_p: float | None = None
     cfg_scale: float = 0.0
     stop_at_eos: bool = True
+    prefix_cache: bool = False
 
     def __post_init__(self):
         if self.remasking not in REMASKING:

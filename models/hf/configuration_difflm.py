@@ -33,6 +33,7 @@ class DiffLMConfig(PretrainedConfig):
         diffusion_eps: float = 1e-3,
         block_size: int | None = None,
         clean_attention: str | None = None,
+        block_shift: bool = False,
         special_ids: list[int] | None = None,
         tie_word_embeddings: bool = True,
         initializer_range: float = 0.02,
@@ -63,6 +64,7 @@ class DiffLMConfig(PretrainedConfig):
         self.diffusion_eps = diffusion_eps  # the smallest noise level of training (uniform noise's bound starts there)
         self.block_size = block_size  # block diffusion: tokens per block (None for the other modes)
         self.clean_attention = clean_attention  # block diffusion: block_causal | token_causal
+        self.block_shift = block_shift  # block diffusion: logit i predicts token i + 1 (the export decodes so)
         self.special_ids = list(special_ids or [])
         self.initializer_range = initializer_range
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

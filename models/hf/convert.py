@@ -159,6 +159,7 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
         diffusion_eps=cfg.diffusion.eps,
         block_size=cfg.diffusion.block_size if objective.two_stream else None,
         clean_attention=cfg.diffusion.clean_attention if objective.two_stream else None,
+        block_shift=cfg.diffusion.block_shift,
         time_conditioning=cfg.diffusion.time_conditioning,
         special_ids=tokenizer.get("special_ids") or [tokenizer["eos_id"], tokenizer["mask_id"], tokenizer["pad_id"]],
         eos_token_id=tokenizer["eos_id"],

@@ -24,6 +24,7 @@ from ..diffusion.documents import document_ids as eos_document_ids
 from ..diffusion.modes import Objective
 from ..diffusion.samplers import (
     MaskedSampler,
+    block_spans,
     draw_multinomial,
     filter_logits,
     sample_masked_diffusion,
@@ -155,6 +156,60 @@ def _uses_adaln(config: DiffLMConfig) -> bool:
     return bool(config.time_embedding) and getattr(config, "time_conditioning", "input") == "adaln"
 
 
+class PrefixCachedLogits:
+    """The logits function of a full-sequence masked model decoding with Fast-dLLM's prefix cache (approximate,
+    `MaskedSampler.prefix_cache`). At the first step of each block (a new earliest masked position's block) the
+    whole sequence is run, as without the cache, and the keys and values of the positions before the block are
+    kept; the block's other steps run the block and what follows it against them, so a step costs the suffix's
+    tokens, not the sequence's. Under bidirectional attention the prefix's keys would change as the block is
+    unmasked: only the first step of each block is exact. `positions` counts the positions run through the model
+    (its FLOPs scale with them)."""
+
+    def __init__(self, model, prompt_len: int, length: int, settings: MaskedSampler, mask, docs):
+        self.model, self.mask, self.docs = model, mask, docs
+        self.starts = [prompt_len + a for a, _ in block_spans(length, settings.block_length)]
+        self.prompt_len, self.start, self.cache, self.last, self.positions = prompt_len, None, None, None, 0
+
+    def _block_start(self, x: torch.Tensor) -> int:
+        """The start of the block the sampler is in: the block of the earliest masked generated position."""
+        masked = (x[:, self.prompt_len :] == self.model.config.mask_token_id).any(0).nonzero()
+        first = self.prompt_len + int(masked[0]) if len(masked) else self.starts[-1]
+        return max(a for a in self.starts if a <= first)
+
+    def _time(self, x: torch.Tensor, t: torch.Tensor | None) -> torch.Tensor | None:
+        """t of the whole sequence (a time-conditioned model would otherwise read it off the suffix alone)."""
+        if t is None and self.model.config.time_embedding:
+            return self.model.objective.default_t(x, self.mask)
+        return t
+
+    def __call__(self, x: torch.Tensor, t: torch.Tensor | None = None) -> torch.Tensor:
+        start, t = self._block_start(x), self._time(x, t)
+        self.positions += x.shape[1] if start != self.start or not start else x.shape[1] - start
+        if start != self.start or not start:  # a new block (or nothing to cache): the full forward, once
+            self.cache = [{} for _ in self.model.layers]
+            out = self.model(x, attention_mask=self.mask, t=t, document_ids=self.docs, past_key_values=self.cache)
+            for layer in self.cache:  # keep the prefix only: the block and what follows change at every step
+                layer["k"], layer["v"] = layer["k"][:, :start], layer["v"][:, :start]
+            self.start, self.last = start, out.logits[:, start - 1 : start]
+            return self.model.objective.align_logits(out.logits)
+        keep = torch.ones(1, 1, x.shape[1] - start, x.shape[1], dtype=torch.bool, device=x.device)
+        if self.docs is not None:  # the packed documents of training, for the new queries against every key
+            keep = (self.docs[:, start:, None] == self.docs[:, None, :])[:, None]
+        out = self.model(
+            x[:, start:],
+            attention_mask=self.mask,
+            t=t,
+            past_key_values=self.cache,
+            attention_keep=keep,
+            update_cache=False,
+        ).logits
+        # the positions before the block are never masked: the sampler does not read their logits; the one
+        # before the block is kept for a shifted model, whose logit i is that of position i - 1
+        before = out.new_zeros(x.shape[0], start, out.shape[-1])
+        before[:, -1:] = self.last
+        return self.model.objective.align_logits(torch.cat([before, out], dim=1))
+
+
 class DiffLMForMaskedLM(PreTrainedModel):
     """Logits for every position of the input; a masked-diffusion (or causal) LM per `config`."""
 
@@ -243,9 +298,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
         """Logits [b, 2L, v] of block diffusion's [x_t | x_0] (training's layout and mask)."""
         length = xt.shape[1]
         x = self.embed_tokens(torch.cat([xt, x0], dim=1))
-        cos, sin = _rope(
-            length, self.config.hidden_size // self.config.num_attention_heads, self.config.rope_theta, x.device
-        )
+        cos, sin = _rope(length, _head_dim(self.config), self.config.rope_theta, x.device)  # head_dim: Qwen3
         cos, sin = cos.repeat(2, 1).to(x.dtype), sin.repeat(2, 1).to(x.dtype)
         mask = self.objective.keep(length, document_ids, attention_mask).to(x.device)
         for layer in self.layers:
@@ -284,10 +337,11 @@ class DiffLMForMaskedLM(PreTrainedModel):
     ) -> torch.Tensor:
         """Logits aligned with the positions they predict (the objective undoes difflm-shift's shift, so position
         0 of a shifted model has no logit of its own: callers never mask or score it). With `clean` (block
-        diffusion): the logits of the noisy half of [tokens | clean]."""
+        diffusion): the logits of the tokens from [tokens | clean] (the noisy half, or with the shift the logit of
+        the token before, `BlockDiffusion.align_two_stream`)."""
         if clean is not None:
             out = self(tokens, attention_mask=attention_mask, document_ids=document_ids, clean_ids=clean).logits
-            return out[:, : tokens.shape[1]]
+            return self.objective.align_two_stream(out)
         return self.objective.align_logits(
             self(tokens, attention_mask=attention_mask, t=t, document_ids=document_ids).logits
         )
@@ -347,9 +401,19 @@ class DiffLMForMaskedLM(PreTrainedModel):
         if docs is not None:  # the continuation belongs to the prompt's last document
             docs = torch.cat([docs, docs[:, -1:].expand(b, length)], dim=1)
         settings = settings or MaskedSampler(steps=steps, temperature=temperature, stop_at_eos=False)
-        return self.objective.sample(
-            lambda x, t: self._logits(x, mask, t, docs), prompt_ids, length, settings, generator, forbidden_ids, stats
-        )
+        logits_fn = lambda x, t: self._logits(x, mask, t, docs)  # noqa: E731
+        if settings.prefix_cache:
+            logits_fn = self._prefix_cached(p, length, settings, mask, docs)
+        seq = self.objective.sample(logits_fn, prompt_ids, length, settings, generator, forbidden_ids, stats)
+        if stats is not None and settings.prefix_cache:
+            stats["model_positions"] = logits_fn.positions
+        return seq
+
+    def _prefix_cached(self, p: int, length: int, settings: MaskedSampler, mask, docs) -> PrefixCachedLogits:
+        self._require("prefix_cache", self.objective.unmasks, "it applies to masked diffusion's unmasking sampler")
+        if settings.cfg_scale > 0:
+            raise ValueError("prefix_cache with classifier-free guidance: the unconditional pass masks the prompt")
+        return PrefixCachedLogits(self, p, length, settings, mask, docs)
 
     @torch.no_grad()
     def block_generate(
@@ -381,6 +445,10 @@ class DiffLMForMaskedLM(PreTrainedModel):
         real = torch.ones_like(prompt_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         if p and not real[:, -1].all():
             raise ValueError("prompts must be LEFT-padded for generation: set tokenizer.padding_side = 'left'")
+        if objective.block_shift and not p:
+            raise ValueError(
+                "a shifted difflm-block model needs at least one prompt token (each logit predicts the next)"
+            )
         size, causal = objective.block_size, objective.token_causal
         spans = [(a, min(a + size, max_new_tokens)) for a in range(0, max_new_tokens, size)]
         steps = unmask_schedule(max(settings.steps, len(spans)), len(spans)) if spans else []
@@ -396,10 +464,10 @@ class DiffLMForMaskedLM(PreTrainedModel):
             d = docs[:, :n_keys]
             return keep & (d[:, n_keys - n_queries :, None] == d[:, None, :])[:, None]
 
-        nfe = 0
+        nfe, last = 0, None  # last: the clean logit of the token before the current block (it predicts its first)
         if use_cache and p:  # the prompt's keys and values, once
-            self(prompt_ids, attention_mask=real, past_key_values=cache, attention_keep=rule(p, p, p))
-            nfe += 1
+            last = self(prompt_ids, attention_mask=real, past_key_values=cache, attention_keep=rule(p, p, p)).logits
+            last, nfe = last[:, -1:], nfe + 1
         x, eos = prompt_ids, objective.eos_id
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
         for (a, z), block_steps in zip(spans, steps):
@@ -407,7 +475,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
             keys = torch.cat([real, torch.ones(b, a + n, dtype=torch.bool, device=self.device)], dim=1)
             if use_cache:
 
-                def logits_fn(seq, start=start, n=n, keys=keys):
+                def logits_fn(seq, start=start, n=n, keys=keys, last=last):
                     keep = rule(start + n, n, start)
                     out = self(
                         seq[:, start:],
@@ -416,11 +484,14 @@ class DiffLMForMaskedLM(PreTrainedModel):
                         attention_keep=keep,
                         update_cache=False,
                     ).logits
+                    if objective.block_shift:  # token i's logit is that of token i - 1: the clean one first
+                        out = torch.cat([last, out[:, :-1]], dim=1)
                     return torch.cat([out.new_zeros(b, start, out.shape[-1]), out], dim=1)  # the sampler reads [start:]
             else:
 
                 def logits_fn(seq, start=start, n=n, keys=keys):
-                    return self(seq, attention_mask=keys, attention_keep=rule(start + n, start + n, start)).logits
+                    keep = rule(start + n, start + n, start)
+                    return objective.align_logits(self(seq, attention_mask=keys, attention_keep=keep).logits)
 
             block_stats: dict = {}
             x = sample_masked_diffusion(
@@ -446,19 +517,21 @@ class DiffLMForMaskedLM(PreTrainedModel):
                     x = torch.cat([x, fill], dim=1)
                     break
             if use_cache and z < max_new_tokens:  # the finished block, as clean tokens, into the cache
-                self(
+                last = self(
                     x[:, start:],
                     attention_mask=keys,
                     past_key_values=cache,
                     attention_keep=rule(start + n, n, start + n),
-                )
+                ).logits[:, -1:]
                 nfe += 1
         if stats is not None:
             stats["nfe"] = nfe
             stats["settings"] = {
                 "block_size": size,
                 "clean_attention": objective.clean_attention,
+                "block_shift": objective.block_shift,
                 "kv_cache": use_cache,
+                "prefix_cache": False,  # the exact cache above is block decoding's own
             }
         return x
 

@@ -91,14 +91,9 @@ def _directive_path(path: str) -> str:
     return f'"{path}"' if any(c.isspace() for c in path) else path
 
 
-def _check_script_values(s, partition: str | None, time: str, run_dir: Path, env: dict[str, str] | None) -> None:
-    """Refuse what would change the script's lines: a value with a newline or whitespace in an `#SBATCH` line,
-    an environment key that is not an identifier (the config validates the same; this also covers values
-    passed as arguments and the run directory, which comes from the workdir)."""
-    try:  # the validators of train.slurm, for values given as arguments
-        SlurmBase(partition=partition, time=time, sbatch_args=dict(s.sbatch_args))
-    except ValueError as err:
-        raise ConfigError(f"train.slurm: {err}") from None
+def _check_script_values(run_dir: Path, env: dict[str, str] | None) -> None:
+    """Refuse what would change the script's lines: a control character or double quote in a path of an
+    `#SBATCH` line (the run directory comes from the workdir), an environment key that is not an identifier."""
     for where, path in (("workdir (the run directory)", run_dir), ("the project directory", ROOT)):
         if any(ord(c) < 32 or ord(c) == 127 or c == '"' for c in str(path)):
             raise ConfigError(
@@ -112,31 +107,46 @@ def _check_script_values(s, partition: str | None, time: str, run_dir: Path, env
             )
 
 
+def sbatch_options(cfg: PipelineConfig, partition: str | None = None, time: str | None = None) -> list[str]:
+    """`train.slurm`'s time, partition and sbatch_args as `sbatch` arguments (partition/time: these instead).
+    They go on sbatch's command line, not into the script: a value never becomes a line of a file that a shell
+    runs (validated all the same; a bad one is a ConfigError naming the field)."""
+    s = cfg.train.slurm
+    partition, time = partition or s.partition, time or s.time
+    try:  # the validators of train.slurm, for values given as arguments
+        SlurmBase(partition=partition, time=time, sbatch_args=dict(s.sbatch_args))
+    except ValueError as err:
+        raise ConfigError(f"train.slurm: {err}") from None
+    extra = [f"--{k}={v}" if str(v) != "" else f"--{k}" for k, v in s.sbatch_args.items()]
+    return [f"--time={time}", *([f"--partition={partition}"] if partition else []), *extra]
+
+
+def sbatch_command(cfg: PipelineConfig, script: Path, *flags: str) -> list[str]:
+    """How to submit the run's script: `sbatch [flags] <train.slurm options> script`."""
+    return ["sbatch", *flags, *sbatch_options(cfg), str(script)]
+
+
 def slurm_script(
     cfg: PipelineConfig,
     config: Path,
     manifest: Path,
     run_dir: Path,
-    partition: str | None = None,
-    time: str | None = None,
     python: str | None = None,
     env: dict[str, str] | None = None,
 ) -> str:
-    """An sbatch script: one torchrun per node, `train.nproc_per_node` ranks each, `train.nnodes` nodes.
-    partition/time/python default to `train.slurm.*` (python: else this interpreter)."""
+    """An sbatch script: one torchrun per node, `train.nproc_per_node` ranks each, `train.nnodes` nodes; python
+    defaults to `train.slurm.python`, else this interpreter. Time, partition and sbatch_args are not in it: they
+    are `sbatch` arguments (`sbatch_command`)."""
     t, s = cfg.train, cfg.train.slurm
-    partition = partition or s.partition
     python = python or s.python or sys.executable
     gpus = t.nproc_per_node if s.gpus_per_node is None else s.gpus_per_node
-    _check_script_values(s, partition, time or s.time, run_dir, env)
-    extra = [f"#SBATCH --{k}={v}" if str(v) != "" else f"#SBATCH --{k}" for k, v in s.sbatch_args.items()]
+    _check_script_values(run_dir, env)
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name=difflm-{run_dir.name[:40]}",
         f"#SBATCH --nodes={t.nnodes}",
         "#SBATCH --ntasks-per-node=1",
         *([f"#SBATCH --gpus-per-node={gpus}"] if gpus else []),
-        f"#SBATCH --time={time or s.time}",
         f"#SBATCH --output={_directive_path(f'{run_dir}/slurm-%j.out')}",
         "#SBATCH --open-mode=append",
         f"#SBATCH --chdir={_directive_path(str(ROOT))}",
@@ -145,8 +155,6 @@ def slurm_script(
         # ranks), then requeues the job, which resumes from that checkpoint
         "#SBATCH --signal=B:USR1@120",
         "#SBATCH --requeue",
-        *([f"#SBATCH --partition={partition}"] if partition else []),
-        *extra,
         "set -uo pipefail",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         # a port of its own per job: two jobs sharing a node must not meet at one rendezvous port
@@ -439,7 +447,7 @@ def submit_slurm(
     else:
         resumed = prepare_attempt(rdir)
         script = write_launch_file(cfg, manifest, "slurm", env)
-        sub = _run(["sbatch", "--parsable", str(script)], cwd=ROOT)
+        sub = _run(sbatch_command(cfg, script, "--parsable"), cwd=ROOT)
         if sub.returncode == 127:
             raise _missing("sbatch", "slurm", "a Slurm login node")
         if sub.returncode != 0 or not sub.stdout.strip():

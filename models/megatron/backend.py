@@ -2,7 +2,8 @@
 
 Transformer Engine is a GPU-only extra (`pip install 'difflm-pipeline[gpu]'`). Without it a GPU runs the
 `torch` spec (megatron-core layers, PyTorch's flash / cuDNN attention, see `models.megatron.attention`);
-the CPU runs megatron-core's `local` reference spec (through `models.megatron.compat`) unless asked otherwise.
+the CPU runs the `torch` spec too (through `models.megatron.compat`): it gives megatron-core's `local` reference
+spec's logits (tests/test_gpu.py, ~1e-7) and trains faster there (docs/benchmarks.md); `local` stays selectable.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def transformer_engine_available() -> bool:
 
 
 def resolve_backend(requested: str, two_stream: bool = False) -> str:
-    """'auto' -> 'te' on CUDA with Transformer Engine, 'torch' on CUDA without it, 'local' on the CPU.
+    """'auto' -> 'te' on CUDA with Transformer Engine, else 'torch' (the CPU included: SDPA matches the local
+    spec's unfused softmax and is faster and leaner there).
     An explicit choice is kept; 'te' without its requirements is an error that says what to install.
     `two_stream` (block diffusion's [x_t | x_0] mask, which TE cannot take): 'auto' never picks 'te'."""
     if requested in ("torch", "local"):
@@ -38,4 +40,4 @@ def resolve_backend(requested: str, two_stream: bool = False) -> str:
         )
     if te_ok:
         return "te"
-    return "torch" if cuda else "local"
+    return "torch"

@@ -72,7 +72,9 @@ def _objective(cfg: PipelineConfig):
     from models.diffusion.modes import objective_class
 
     d = cfg.diffusion
-    return objective_class(d.model_running_mode)(block_size=d.block_size, clean_attention=d.clean_attention)
+    return objective_class(d.model_running_mode)(
+        block_size=d.block_size, clean_attention=d.clean_attention, complementary_masks=d.complementary_masks
+    )
 
 
 def _time_conditioning_flops(cfg: PipelineConfig) -> int:
@@ -111,6 +113,7 @@ def training_flops(
     Backward is twice the forward (a gradient for the input and one for the weight of every product), so
     3x forward. Counts what the given micro-batches compute: for a whole step under data parallelism pass
     every rank's micro-batches, or multiply one rank's figure by the data-parallel size."""
+    micro_batch_size *= _objective(cfg).rows_per_sequence(evaluation=False)  # complementary masks: two rows each
     dense = [micro_batch_size * forward_flops_per_sequence(cfg, vocab_size, n) for n in lengths]
     if pairs is None:
         return 3.0 * sum(dense)

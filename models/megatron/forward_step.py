@@ -73,6 +73,8 @@ def objective_of(cfg: PipelineConfig, special: SpecialTokens) -> Objective:
         block_size=d.block_size,
         clean_attention=d.clean_attention,
         ar_loss_weight=d.ar_loss_weight,
+        block_shift=d.block_shift,
+        complementary_masks=d.complementary_masks,
         cart_p=d.cart_p,
     )
 
@@ -267,7 +269,7 @@ def make_forward_step(
         position_ids = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
         extra = {"t": prepared["t"]} if cfg.diffusion.time_embedding and objective.uses_t else {}
         if objective.two_stream:  # [x_t | x_0]: positions 0..L-1 twice, the block mask
-            tokens = batch["tokens"].to(device)
+            tokens = inputs[:, inputs.shape[1] // 2 :]  # the clean half: the batch's rows as the objective made them
             position_ids = position_ids % tokens.shape[1]
             mask = two_stream_mask(tokens, cfg, special, objective)
             output = model(inputs, position_ids, mask, labels=prepared["targets"], two_stream=True, **extra)

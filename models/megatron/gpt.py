@@ -21,6 +21,7 @@ from difflm.config import ModelConfig, PipelineConfig
 from models.diffusion.modes import objective_class
 from models.diffusion.time_embedding import AdaLNorm, TimeEmbedding
 from models.megatron.backend import resolve_backend
+from models.megatron.kernels import kernel_settings
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 64) -> int:
@@ -102,6 +103,7 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
     on_cpu = not torch.cuda.is_available()
     bf16 = cfg.train.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
+    kernels = kernel_settings(cfg)
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
@@ -129,10 +131,13 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
         # the loss function returns (sum, count); megatron divides by the global count, so the loss and its
         # gradient do not depend on the micro-batch / data-parallel split (MegaDLMs' loss_func does the same)
         calculate_per_token_loss=True,
-        # Fusions need CUDA kernels; on the CPU they must be off (see models/megatron/compat.py).
+        # Fusions need CUDA kernels; on the CPU they must be off (see models/megatron/compat.py). Those that
+        # run without TE / apex are chosen in models/megatron/kernels.py; the others need them.
         use_cpu_initialization=on_cpu,
         masked_softmax_fusion=not on_cpu and backend == "te",
-        bias_activation_fusion=False,
+        bias_activation_fusion=kernels.swiglu_fusion,
+        cross_entropy_loss_fusion=kernels.cross_entropy_fusion,
+        cross_entropy_fusion_impl="native",
         bias_dropout_fusion=False,
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,

@@ -31,10 +31,12 @@ from difflm.rundir import RunDir
 from models.diffusion.documents import document_ids, document_pairs
 from models.diffusion.modes import objective_class
 from models.megatron import checkpointing
+from models.megatron.backend import resolve_backend
 from models.megatron.data import build_datasets, micro_batch
 from models.megatron.flops import efficiency, peak_flops, training_flops
 from models.megatron.forward_step import SpecialTokens, make_forward_step, objective_of, varilen_length
 from models.megatron.gpt import build_model
+from models.megatron.kernels import check_sdpa, kernel_settings, sdpa_choice, sdpa_context, use_fused_adam
 from models.megatron.metrics import MetricsWriter
 
 
@@ -63,6 +65,8 @@ def build_training(cfg: PipelineConfig, vocab_size: int):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    objective = objective_class(cfg.diffusion.model_running_mode)
+    check_sdpa(cfg.model.sdpa_backend, resolve_backend(cfg.model.backend, objective.two_stream))
     model = build_model(
         cfg,
         vocab_size,
@@ -99,6 +103,7 @@ def build_training(cfg: PipelineConfig, vocab_size: int):
         ),
         [ddp],
     )
+    use_fused_adam(opt, kernel_settings(cfg).fused_adam)
     sched = OptimizerParamScheduler(opt, **scheduler_kwargs(cfg))
     return ddp, opt, sched
 
@@ -202,14 +207,16 @@ def run_global_batch(
     forward_only: bool,
     lengths: list[int] | None = None,
     attention_pairs: list[int] | None = None,
-) -> float | None:
+    reduce: bool = True,
+) -> float | torch.Tensor | None:
     """One global batch through megatron's forward-backward schedule; its loss on the last stage.
 
     `step` picks the data, `noise_step` keys the noise (evaluation uses fixed negative keys so that
     successive evaluations are comparable), `lengths` truncates each micro-batch (variable-length
     training). The loss is sum / count over the whole global batch (every micro-batch and DP rank).
     `attention_pairs`, when given, receives each micro-batch's (query, key) pairs within its packed documents
-    (the FLOPs count of document attention).
+    (the FLOPs count of document attention). `reduce=False`: this rank's [sum, count] tensor, not reduced and
+    not read on the host (the trainer reduces it with the step's flags: `Trainer.agree`).
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -228,12 +235,14 @@ def run_global_batch(
         model=[ddp],
         num_microbatches=n_micro,
         seq_length=objective_of(cfg, special).model_tokens(max(lengths)),  # block diffusion: [x_t | x_0]
-        micro_batch_size=cfg.train.micro_batch_size,
+        micro_batch_size=cfg.train.micro_batch_size * objective_of(cfg, special).rows_per_sequence(forward_only),
         forward_only=forward_only,
     )
     if not parallel_state.is_pipeline_last_stage():
         return None
     total = torch.stack([x["loss"] for x in losses]).sum(0)  # [sum, count] of this rank
+    if not reduce:
+        return total
     dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
     return float(total[0] / total[1].clamp(min=1))
 
@@ -259,12 +268,6 @@ class PreemptionFlag:
     def _handler(self, signum, _frame) -> None:
         self.signal = signal.Signals(signum).name
 
-    def agreed(self) -> bool:
-        """True on every rank when any rank got a signal (one all-reduce of one number per step)."""
-        flag = torch.tensor([1.0 if self.signal else 0.0], device=_device())
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
-
 
 def _start_checkpoint_writer_immune(sigs: list) -> None:
     """torchrun signals a rank's whole process group, which includes the helper process megatron's
@@ -289,14 +292,24 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def grads_finite(ddp, loss: float | None) -> bool:
-    """True on every rank when the loss (last stage) and every gradient buffer are finite."""
-    bad = loss is not None and not math.isfinite(loss)
-    for buf in getattr(ddp, "buffers", []):  # megatron DDP: contiguous gradient buffers, one check each
-        bad = bad or not bool(torch.isfinite(buf.grad_data).all())
-    flag = torch.tensor([1.0 if bad else 0.0], device=_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return not flag.item()
+def step_vector(ddp, loss_terms: torch.Tensor | None, owns_loss: bool, signalled: bool) -> torch.Tensor:
+    """[loss sum, token count, non-finite, preempt] of this rank, built on the device without a host read.
+
+    Summed over every rank it gives the data-parallel loss (only the ranks that own a copy of it add theirs: the
+    last pipeline stage, tensor-parallel rank 0) and, where > 0, "some rank saw a non-finite loss or gradient" and
+    "some rank got a preemption signal": what used to take three all-reduces and a host read per gradient buffer."""
+    vec = torch.zeros(4, device=_device())
+    bad = torch.zeros((), device=vec.device)
+    if loss_terms is not None:
+        if owns_loss:
+            vec[:2] = loss_terms.to(vec.device, torch.float32)
+        bad = bad + (~torch.isfinite(loss_terms[0])).float()
+    for buf in getattr(ddp, "buffers", []):  # megatron DDP: contiguous gradient buffers, one reduction each
+        # the largest magnitude is finite iff every gradient is (NaN propagates): no buffer-sized bool copy
+        bad = bad + (~torch.isfinite(torch.linalg.vector_norm(buf.grad_data, float("inf")))).float()
+    vec[2] = bad
+    vec[3] = 1.0 if signalled else 0.0
+    return vec
 
 
 # ---- the loop: one named step, then the hooks (torchtitan's trainer.py, OLMo-core's callbacks) -------------
@@ -308,11 +321,15 @@ class Step:
     first step, and checkpoint iter_0000001 holds the weights after it."""
 
     it: int
-    loss: float | None  # the global batch's loss; None off the last pipeline stage
+    loss: float | None  # the global batch's loss once agreed; None off the last pipeline stage
     tokens: int  # the tokens the step processed, over every data-parallel rank
     flops: float  # their model FLOPs
     grad_norm: float | None = None  # None while no update was applied
     skip_update: bool = False  # set before the update by a hook that vetoes it (NonFiniteGuard)
+    loss_terms: torch.Tensor | None = None  # this rank's [sum, count] until agreed (last pipeline stage only)
+    agreed: bool = False  # `Trainer.agree` ran: loss, finite and preempted hold every rank's answer
+    finite: bool = True  # the loss and every gradient finite on every rank
+    preempted: bool = False  # some rank got a preemption signal before the step was agreed
 
 
 class Hook:
@@ -348,7 +365,7 @@ class NonFiniteGuard(Hook):
         trainer.run.stopped.unlink(missing_ok=True)
 
     def pre_optim_step(self, trainer: Trainer, step: Step) -> None:
-        if grads_finite(trainer.ddp, step.loss):
+        if trainer.agree(step).finite:
             self.in_a_row = 0
             return
         self.in_a_row += 1
@@ -470,10 +487,10 @@ class PreemptionWatcher(Hook):
 
     def on_start(self, trainer: Trainer) -> None:
         trainer.run.preempted.unlink(missing_ok=True)
-        self.flag = PreemptionFlag(trainer.cfg.train.preempt_signals)
+        self.flag = trainer.preemption = PreemptionFlag(trainer.cfg.train.preempt_signals)
 
     def post_step(self, trainer: Trainer, step: Step) -> None:
-        if step.it >= trainer.cfg.train.train_iters or not self.flag.agreed():
+        if step.it >= trainer.cfg.train.train_iters or not trainer.agree(step).preempted:
             return
         if trainer.saved != step.it:
             trainer.save(step.it)
@@ -522,6 +539,7 @@ class Trainer:
             self.start = checkpointing.load_checkpoint(
                 self.run.checkpoints, latest, self.ddp.module, self.opt, self.sched
             )
+            use_fused_adam(self.opt, kernel_settings(cfg).fused_adam)  # the loaded param groups carry the saver's
         elif t.init_from:
             checkpointing.load_model_weights(Path(t.init_from), self.ddp.module)
         self.reporting = (
@@ -542,6 +560,10 @@ class Trainer:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.n_micro = t.global_batch_size // (t.micro_batch_size * self.dp_size)
         self.n_devices, self.peak = dist.get_world_size(), device_peak(cfg)
+        self.last_stage = parallel_state.is_pipeline_last_stage()
+        self.owns_loss = self.last_stage and parallel_state.get_tensor_model_parallel_rank() == 0
+        self.preemption: PreemptionFlag | None = None  # set by PreemptionWatcher
+        self.kernels = kernel_settings(cfg)
         self.saved: int | None = None  # the iteration this attempt saved last
         self.excluded_s = 0.0  # seconds the hooks spent outside training (Hook.counts_as_training)
 
@@ -551,10 +573,23 @@ class Trainer:
             f"[train] mode={self.cfg.diffusion.model_running_mode} start_iter={self.start} train_iters={t.train_iters} "
             f"params/rank={sum(p.numel() for p in self.ddp.module.parameters()):,}"
         )
+        self.log_kernels()
         self.run_hooks("on_start")
-        for done in range(self.start, t.train_iters):
-            self.run_hooks("pre_step", done)
-            self.run_hooks("post_step", self.train_step(done))
+        with sdpa_context(self.cfg.model.sdpa_backend):  # forward and backward run inside (autograd's thread too)
+            for done in range(self.start, t.train_iters):
+                self.run_hooks("pre_step", done)
+                self.run_hooks("post_step", self.train_step(done))
+
+    def log_kernels(self) -> None:
+        """Once: the kernels this run uses (models/megatron/kernels.py) and the attention kernel SDPA picks at the
+        configured layout, in the log beside the run's other settings (metrics.jsonl holds numbers only)."""
+        model = self.ddp.module
+        param = next(model.parameters())
+        backend = resolve_backend(self.cfg.model.backend, objective_of(self.cfg, self.special).two_stream)
+        bidirectional = objective_of(self.cfg, self.special).bidirectional
+        sdpa = sdpa_choice(self.cfg, param.device, param.dtype, bidirectional) if backend == "torch" else None
+        settings = {**self.kernels.describe(), "backend": backend, "sdpa_kernel": sdpa}
+        self.log(f"[train] kernels: {json.dumps(settings)}")
 
     def train_step(self, done: int) -> Step:
         """Forward and backward over global batch `done`, the hooks' look at it, then the optimizer update."""
@@ -563,14 +598,32 @@ class Trainer:
         self.opt.zero_grad()
         lengths = micro_lengths(self.cfg, done, self.n_micro)
         pairs = [] if self.cfg.model.document_attention else None  # attention kept within packed documents
-        loss = run_global_batch(self.cfg, self.ddp, self.train_ds, self.special, done, done, False, lengths, pairs)
+        terms = run_global_batch(
+            self.cfg, self.ddp, self.train_ds, self.special, done, done, False, lengths, pairs, reduce=False
+        )
         # every DP rank runs these lengths; with documents, the other ranks' pairs are taken to be this rank's
         flops = self.dp_size * training_flops(self.cfg, self.vocab_size, lengths, t.micro_batch_size, pairs)
-        step = Step(it=done + 1, loss=loss, tokens=sum(lengths) * t.global_batch_size // self.n_micro, flops=flops)
+        tokens = sum(lengths) * t.global_batch_size // self.n_micro
+        step = Step(it=done + 1, loss=None, tokens=tokens, flops=flops, loss_terms=terms)
         self.run_hooks("pre_optim_step", step)
+        self.agree(step)  # (done by NonFiniteGuard already, unless a hook list leaves it out)
         if not step.skip_update:
             _, step.grad_norm, _ = self.opt.step()
             self.sched.step(increment=1)
+        return step
+
+    def agree(self, step: Step) -> Step:
+        """Every rank's loss, finite flag and preemption flag in ONE all-reduce and ONE host read per step (the
+        skip decision needs it on the host before the update; megatron's grad-norm read follows anyway)."""
+        if step.agreed:
+            return step
+        signalled = self.preemption is not None and self.preemption.signal is not None
+        vec = step_vector(self.ddp, step.loss_terms, self.owns_loss, signalled)
+        dist.all_reduce(vec)
+        # the loss as the per-group reduction computed it (fp32 sum / clamped count), read with the flags
+        _, _, bad, stop, loss = torch.cat([vec, (vec[0] / vec[1].clamp(min=1)).reshape(1)]).tolist()
+        step.loss = loss if self.last_stage else None
+        step.finite, step.preempted, step.agreed = bad == 0, stop > 0, True
         return step
 
     def validate(self) -> float | None:

@@ -1,0 +1,163 @@
+"""The kernels a run uses without Transformer Engine (issue 24, models/megatron/kernels.py): each checked
+against the reference path on the CPU where it runs there; the trainer's one all-reduce per step."""
+
+from __future__ import annotations
+
+import types
+import warnings
+
+import pytest
+import torch
+from helpers import tiny_config
+
+from difflm.config import MODEL_PRESETS, ConfigError, ModelConfig
+from models.megatron import kernels
+
+
+def test_fusions_on_cuda_only_and_as_configured(tmp_path):
+    bf16 = tiny_config(tmp_path, "train.precision=bf16")
+    assert kernels.kernel_settings(bf16, cuda=False) == kernels.Kernels(False, False, False, "auto")
+    assert kernels.kernel_settings(bf16, cuda=True, compiler_ok=True) == kernels.Kernels(True, True, True, "auto")
+    fp32 = kernels.kernel_settings(tiny_config(tmp_path), cuda=True, compiler_ok=True)
+    assert not fp32.cross_entropy_fusion  # megatron's native fused CE hands back bf16 gradients
+    off = kernels.kernel_settings(tiny_config(tmp_path, "train.precision=bf16", "model.fusions=off"), cuda=True)
+    assert not (off.swiglu_fusion or off.cross_entropy_fusion or off.fused_adam)
+    gelu = kernels.kernel_settings(tiny_config(tmp_path, "model.swiglu=false"), cuda=True, compiler_ok=True)
+    assert not gelu.swiglu_fusion  # megatron's GELU fusion needs MLP biases, which we do not have
+
+
+def test_no_compiler_means_unfused_not_a_failed_first_forward(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "compiler_missing", lambda: "triton is not installed")
+    got = kernels.kernel_settings(tiny_config(tmp_path, "train.precision=bf16"), cuda=True)
+    assert not (got.swiglu_fusion or got.cross_entropy_fusion) and got.fused_adam
+    assert got.compile_unavailable == "triton is not installed"
+
+
+def test_cuda_settings_make_a_valid_megatron_config(tmp_path, monkeypatch):
+    from models.megatron import gpt
+
+    cfg = tiny_config(tmp_path, "train.precision=bf16", "model.backend=torch")
+    monkeypatch.setattr(gpt, "kernel_settings", lambda c: kernels.kernel_settings(c, cuda=True, compiler_ok=True))
+    tcfg = gpt.transformer_config(cfg, "torch")
+    assert tcfg.bias_activation_fusion and tcfg.cross_entropy_loss_fusion
+    assert tcfg.cross_entropy_fusion_impl == "native" and not tcfg.apply_rope_fusion
+
+
+def test_forced_sdpa_backend_is_validated(tmp_path):
+    with pytest.raises(RuntimeError, match="CUDA kernel"):
+        kernels.check_sdpa("flash", "torch", cuda=False)
+    with pytest.raises(RuntimeError, match="model.backend=torch"):
+        kernels.check_sdpa("math", "local", cuda=False)
+    kernels.check_sdpa("math", "torch", cuda=False)
+    kernels.check_sdpa("auto", "local", cuda=False)
+    with pytest.raises(ConfigError, match="sdpa_backend"):
+        tiny_config(tmp_path, "model.sdpa_backend=fastest")
+
+
+def test_forced_math_kernel_gives_the_default_attention(tmp_path):
+    cfg = tiny_config(tmp_path, "model.sdpa_backend=math")
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with kernels.sdpa_context(cfg.model.sdpa_backend):
+        got = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert kernels.sdpa_choice(cfg, torch.device("cpu"), torch.float32, bidirectional=False) == "MATH"
+    auto = tiny_config(tmp_path)
+    assert not kernels.sdpa_choice(auto, torch.device("cpu"), torch.float32, True).startswith("error")
+
+
+def _adam(fused_after: bool):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(33, 7)), torch.nn.Parameter(torch.randn(5))]
+    opt = types.SimpleNamespace(optimizer=torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, betas=(0.9, 0.98)))
+    kernels.use_fused_adam(opt, fused_after)
+    for i in range(3):
+        for j, p in enumerate(params):
+            p.grad = torch.sin(torch.arange(p.numel(), dtype=torch.float32) * (i + j + 1)).reshape(p.shape)
+        opt.optimizer.step()
+    return opt, params
+
+
+def test_fused_adamw_takes_the_foreach_steps():
+    (fused_opt, fused), (_, ref) = _adam(True), _adam(False)
+    assert fused_opt.optimizer.param_groups[0]["fused"] is True
+    for a, b in zip(fused, ref):
+        assert torch.allclose(a, b, atol=1e-6)
+    # a checkpoint restores step counts on the CPU as plain tensors: fused wants them float32 on the params' device
+    state = fused_opt.optimizer.state[fused[0]]
+    state["step"] = torch.tensor(3.0, dtype=torch.float64)
+    kernels.use_fused_adam(fused_opt, True)
+    assert state["step"].dtype == torch.float32
+    kernels.use_fused_adam(fused_opt, False)  # back to megatron's default (what a CPU resume of a GPU run gets)
+    assert fused_opt.optimizer.param_groups[0]["fused"] is None
+
+
+def test_gpu_presets_fill_gemm_tiles():
+    for name in MODEL_PRESETS:
+        model = ModelConfig(preset=name)
+        if model.hidden_size >= 1024 or name == "125m":
+            assert model.ffn_size % 128 == 0, name
+    with pytest.warns(UserWarning, match="multiple of 128"):
+        ModelConfig(preset="1b", ffn_hidden_size=5464)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ModelConfig(preset="small")  # CPU-sized: no warning
+
+
+def test_step_vector_flags_any_non_finite_gradient_and_sums_the_owned_loss():
+    buf = types.SimpleNamespace(grad_data=torch.ones(1000))
+    ddp = types.SimpleNamespace(buffers=[buf])
+    from models.megatron.train import step_vector
+
+    terms = torch.tensor([6.0, 3.0])
+    assert step_vector(ddp, terms, True, False).tolist() == [6.0, 3.0, 0.0, 0.0]
+    assert step_vector(ddp, terms, False, True).tolist() == [0.0, 0.0, 0.0, 1.0]  # a TP replica adds no loss
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        buf.grad_data[517] = bad
+        assert step_vector(ddp, None, False, False)[2] > 0
+        buf.grad_data[517] = 1.0
+    assert step_vector(ddp, torch.tensor([float("nan"), 1.0]), True, False)[2] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_compiled_swiglu_and_fused_cross_entropy_match_the_reference(
+    megatron_single_process, tmp_path, monkeypatch, precision
+):
+    """The CUDA settings run on the CPU too (torch.compile, ~20 s of compiles): same weights, per-token losses
+    and gradients as the reference path (CE fusion in bf16 only, as on CUDA)."""
+    from models.megatron import gpt
+
+    cfg = tiny_config(
+        tmp_path, f"train.precision={precision}", "model.backend=torch", "diffusion.model_running_mode=ar"
+    )
+    torch.manual_seed(0)
+    ref = gpt.build_model(cfg, 512)
+    monkeypatch.setattr(gpt, "kernel_settings", lambda c: kernels.kernel_settings(c, cuda=True, compiler_ok=True))
+    fused = gpt.build_model(cfg, 512)
+    assert fused.config.bias_activation_fusion and fused.config.cross_entropy_loss_fusion == (precision == "bf16")
+    fused.load_state_dict(ref.state_dict())
+    x = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(24)[None].expand(2, -1)
+    losses = []
+    for model in (ref, fused):
+        loss = model(x, pos, None, labels=torch.roll(x, -1, 1))
+        loss.float().mean().backward()
+        losses.append(loss.float())
+    atol = 1e-5 if precision == "fp32" else 3e-2
+    assert (losses[0] - losses[1]).abs().max().item() < atol
+    for (name, a), b in zip(ref.named_parameters(), fused.parameters()):
+        scale = a.grad.float().abs().max().item() + 1e-6
+        assert (a.grad.float() - b.grad.float()).abs().max().item() / scale < (1e-4 if precision == "fp32" else 5e-2), (
+            name
+        )
+
+
+def test_rope_table_is_cached_per_length(megatron_single_process, tmp_path):
+    """What megatron-core offers for RoPE without Transformer Engine: its cos/sin angle table, computed once per
+    sequence length (an lru_cache on RotaryEmbedding.forward), so each forward pays only the rotation itself."""
+    from models.megatron.gpt import build_model
+
+    model = build_model(tiny_config(tmp_path, "model.backend=torch"), 512)
+    assert not model.config.apply_rope_fusion  # Transformer Engine's kernel: not available here
+    assert model.rotary_pos_emb(24) is model.rotary_pos_emb(24)
