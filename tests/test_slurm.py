@@ -122,8 +122,10 @@ def test_a_two_node_job_written_by_difflm_launch_and_submitted_by_hand_trains(
 
 # ---- preemption: scancel --signal=USR1 --batch, checkpoint, requeue, resume --------------------------------
 
-PREEMPT = ["train.train_iters=8", "train.warmup_iters=1", "checkpoint.save_interval=4", "train.log_interval=1"]
-PREEMPT += ["train.eval_interval=8", "train.eval_iters=1", "checkpoint.keep_last=10"]
+# long enough (~10 ms a step here) for the signal, sent once step 2 is logged, to come well before the end
+PREEMPT_ITERS = 500
+PREEMPT = [f"train.train_iters={PREEMPT_ITERS}", "train.warmup_iters=1", "checkpoint.save_interval=250"]
+PREEMPT += ["train.log_interval=1", f"train.eval_interval={PREEMPT_ITERS}", "train.eval_iters=1"]
 
 
 def _weights(checkpoint: str) -> dict:
@@ -215,9 +217,9 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(tmp_path, sl
     saved = re.search(r"\[train\] preempted \(SIGTERM\) at iter (\d+): checkpoint saved", log)
     assert saved, f"the trainer did not checkpoint on the signal:\n{log[-3000:]}"
     preempted_at = int(saved.group(1))
-    assert 2 <= preempted_at < 8 and f"start_iter={preempted_at}" in log  # the requeued job resumed there
+    assert 2 <= preempted_at < PREEMPT_ITERS and f"start_iter={preempted_at}" in log  # the requeued job resumed
     assert len(_job_logs(rdir)) == 1 and json.loads((rdir / "slurm-job.json").read_text())["job_id"] == job_id
-    assert Path(info["checkpoint"]).name == "iter_0000008" and not info["reused"]
+    assert Path(info["checkpoint"]).name == f"iter_{PREEMPT_ITERS:07d}" and not info["reused"]
     _assert_same(_weights(info["checkpoint"]), _weights(reference["checkpoint"]))
 
 

@@ -190,7 +190,8 @@ def slurm_script(
         "trainer=$!",
         'wait "$trainer"; status=$?',
         'while kill -0 "$trainer" 2>/dev/null; do wait "$trainer"; status=$?; done  # a trap interrupts wait',
-        f'if [ "$preempted" = 1 ] || [ -f {shlex.quote(str(RunDir(run_dir).preempted))} ]; then',
+        # a signal that comes after the last step finds the run finished (exit 0): nothing to requeue
+        f'if [ "$status" != 0 ] && {{ [ "$preempted" = 1 ] || [ -f {shlex.quote(str(RunDir(run_dir).preempted))} ]; }}; then',
         '  echo "difflm: requeueing job $SLURM_JOB_ID to resume from the checkpoint"; scontrol requeue "$SLURM_JOB_ID"',
         "  exit 0",
         "fi",
