@@ -6,6 +6,7 @@ Slurm (not root, no apt) these tests are skipped; under `$CI` they fail."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import subprocess
@@ -308,3 +309,64 @@ def test_data_prep_on_slurm_writes_the_local_shards_byte_for_byte(tmp_path, slur
     assert len(shards) >= 6 and shards == sorted(p.relative_to(out) for p in out.rglob("*_tokens.*"))
     assert all((out / p).read_bytes() == (ref / p).read_bytes() for p in shards)
     assert manifest["splits"] == json.loads(json.dumps(local["splits"]).replace(str(ref), str(out)))
+
+
+# ---- Prefect: the Slurm deployment of prefect.yaml, a process worker, the pipeline on the cluster -------------
+
+
+@pytest.mark.slow
+def test_the_slurm_deployment_runs_the_pipeline_on_the_cluster(tmp_path, slurm_cluster):
+    """`prefect deploy --name slurm` from prefect.yaml, a process worker of the pool `difflm` (on the "login node":
+    sbatch on its PATH, SLURM_CONF in its environment), and a run with the test preset: data prep on the worker,
+    training as a Slurm job that the flow follows, then export and evaluation on the worker."""
+    from test_deployment import BIN, _free_port, _stop, _wait_healthy
+
+    port, work = _free_port(), tmp_path / "work"
+    env = {
+        **os.environ,
+        "PWD": str(ROOT),  # the deployment's pull step: set_working_directory {{ $PWD }}
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+        "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
+    }
+    (tmp_path / "prefect").mkdir()
+    prefect = str(BIN / "prefect")
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    server = subprocess.Popen(
+        [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env, **quiet
+    )
+    worker = None
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}/api/health", server)
+        for cmd in (
+            ["work-pool", "create", "difflm", "--type", "process"],
+            ["--no-prompt", "deploy", "--name", "slurm"],
+        ):
+            done = subprocess.run([prefect, *cmd], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stdout + done.stderr
+        worker_log = tmp_path / "worker.log"
+        worker = subprocess.Popen(
+            [prefect, "worker", "start", "--pool", "difflm"], env=env, cwd=ROOT, stdout=worker_log.open("w"),
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        overrides = [f"workdir={work}", "train.launcher=slurm", "train.slurm.gpus_per_node=0", *SHORT]
+        overrides += ["train.slurm.poll_seconds=0.5", "tracking.enabled=false"]
+        params = json.dumps({"preset": "test-tiny", "overrides": overrides})
+        run = subprocess.run(
+            [prefect, "deployment", "run", "pretrain-difflm/slurm", "--params", params, "--watch"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert run.returncode == 0 and "Completed" in run.stdout, run.stdout + worker_log.read_text()[-5000:]
+    finally:
+        for proc in (worker, server):
+            if proc is not None:
+                _stop(proc)
+    (rdir,) = work.glob("runs/*/slurm-job.json")
+    job_id = json.loads(rdir.read_text())["job_id"]
+    assert "[train] mode=difflm-noshift start_iter=0" in (rdir.parent / f"slurm-{job_id}.out").read_text()
+    assert (rdir.parent / "hf" / "model.safetensors").exists() and (rdir.parent / "eval" / "results.json").exists()
+    assert f"[slurm] submitted job {job_id}" in worker_log.read_text()
