@@ -123,9 +123,10 @@ def test_a_two_node_job_written_by_difflm_launch_and_submitted_by_hand_trains(
 
 # ---- preemption: scancel --signal=USR1 --batch, checkpoint, requeue, resume --------------------------------
 
-# long enough (~10 ms a step here) for the signal, sent once step 2 is logged, to come well before the end
-PREEMPT_ITERS = 500
-PREEMPT = [f"train.train_iters={PREEMPT_ITERS}", "train.warmup_iters=1", "checkpoint.save_interval=250"]
+# long enough (~10 ms a step on an idle machine) for the signal, sent once step 2 is logged, to come well before
+# the end (it came at step 3 in the runs here)
+PREEMPT_ITERS = 100
+PREEMPT = [f"train.train_iters={PREEMPT_ITERS}", "train.warmup_iters=1", "checkpoint.save_interval=50"]
 PREEMPT += ["train.log_interval=1", f"train.eval_interval={PREEMPT_ITERS}", "train.eval_iters=1"]
 
 
