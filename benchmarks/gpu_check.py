@@ -660,8 +660,8 @@ def save(cfg, path: Path) -> Path:
 class Check:
     """The report (rewritten after every change), the time budget and the section runner."""
 
-    def __init__(self, out: Path, p: dict, budget_s: float, meta: dict):
-        self.out, self.p, self.budget_s = out, p, budget_s
+    def __init__(self, out: Path, p: dict, budget_s: float, meta: dict, only: set[str] | None = None):
+        self.out, self.p, self.budget_s, self.only = out, p, budget_s, only
         self.started = time.time()
         self.report = {**meta, "plan": p, "environment": {}, "sections": {}, "seconds": 0.0}
         self.sections = self.report["sections"]
@@ -709,6 +709,9 @@ class Check:
         self.emit({"section": name, "status": "skipped", "seconds": 0.0, "why": why})
 
     def section(self, name: str, fn, need_s: float = 0):
+        if self.only and name not in self.only | ALWAYS:
+            self.skip(name, "skipped: not in --only")
+            return None
         left = self.left()
         if left < need_s:
             self.skip(name, f"skipped: {left:.0f} s of the time budget left")
@@ -1382,7 +1385,7 @@ def run_sections(check: Check, args) -> None:
     state["difflm"] = check.section(
         "train-difflm", lambda: train(check, "train-difflm", manifest_path, "difflm-noshift"), 45
     )
-    if state["difflm"]:
+    if state["difflm"] or (check.only and "export" not in check.only):
         check.section("export", lambda: export(check, manifest_path, state["difflm"]), 30)
     else:
         check.skip("export", "skipped: train-difflm left no checkpoint")
@@ -1390,6 +1393,29 @@ def run_sections(check: Check, args) -> None:
     check.section("gpu-tests", lambda: gpu_tests(check, "gpu-tests", f"not ({FLEX_TESTS})"), 30)
     check.section("train-ar", lambda: train(check, "train-ar", manifest_path, "ar"), 45)
     check.section("gpu-tests-flex", lambda: gpu_tests(check, "gpu-tests-flex", FLEX_TESTS), 30)
+
+
+SECTIONS = (
+    "environment",
+    "probe",
+    "data",
+    "microbatch-1b",
+    "train-difflm",
+    "export",
+    "spec-parity",
+    "gpu-tests",
+    "train-ar",
+    "gpu-tests-flex",
+)
+ALWAYS = {"environment", "data"}  # every other section needs the packages; the training ones need the data
+
+
+def _sections(text: str) -> set[str]:
+    names = {n.strip() for n in text.split(",") if n.strip()}
+    unknown = sorted(names - set(SECTIONS))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    return names
 
 
 def _forced_sdpa(name: str | None):
@@ -1419,6 +1445,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["flash_attention", "cudnn_attention", "efficient_attention", "math"],
         help="force this SDPA backend in the micro-batch and parity workers (default: PyTorch's choice)",
     )
+    ap.add_argument(
+        "--only",
+        type=_sections,
+        help="run only these sections (comma-separated; environment and data always run), e.g. gpu-tests-flex "
+        "for a second device call when the first ran out of time",
+    )
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     for hidden in ("--manifest", "--result", "--checkpoint", "--config", "--rows"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
@@ -1440,6 +1472,7 @@ def main(argv: list[str] | None = None) -> int:
         p,
         args.budget_s if not args.dry_run else float("inf"),
         {"dry_run": args.dry_run, "sdpa_forced": args.sdpa, "argv": sys.argv[1:]},
+        args.only,
     )
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _interrupt)

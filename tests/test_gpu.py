@@ -408,6 +408,19 @@ def test_gpu_check_section_statuses_reach_the_report_at_once(tmp_path, capsys):
     ]
 
 
+def test_gpu_check_only_runs_the_named_sections_and_refuses_unknown_names(tmp_path):
+    """--only (a second device call for what the first ran out of time for): environment and data always run;
+    a misspelt name is an argument error listing the sections."""
+    check = _gpu_check()
+    assert check._sections("gpu-tests-flex, train-ar") == {"gpu-tests-flex", "train-ar"}
+    with pytest.raises(Exception, match="unknown section.*flex.*choose from environment"):
+        check._sections("flex")
+    run = check.Check(tmp_path, check.plan(True), 100.0, {"dry_run": True}, only={"gpu-tests-flex"})
+    ran = [n for n in ("environment", "data", "probe", "gpu-tests-flex") if run.section(n, lambda: {"x": 1})]
+    assert ran == ["environment", "data", "gpu-tests-flex"]
+    assert run.sections["probe"]["status"] == "skipped: not in --only"
+
+
 def test_gpu_check_installs_wheels_without_pip(tmp_path, monkeypatch):
     """An image without pip: the wheels are unpacked into the target folder."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
