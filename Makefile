@@ -9,7 +9,7 @@ ARGS ?=
 # the offline environment (no telemetry, no hub) is difflm.OFFLINE_ENV: the CLI and tests/conftest.py set it
 OFFLINE_ENV = $(shell $(BIN)/python -c "import difflm; print(*(f'{k}={v}' for k, v in difflm.OFFLINE_ENV.items()))" 2>/dev/null)
 
-.PHONY: demo test test-fast test-dev docs lint env clean mlflow-ui browser
+.PHONY: demo test test-fast test-dev docs lint env clean mlflow-ui browser slurm slurm-up slurm-down
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (Python 3.11)"; exit 1; }
@@ -27,7 +27,7 @@ demo: $(STAMP)
 
 # the tiers (docs/testing.md): test is everything (what .ci/run calls); test-dev leaves out the tests marked slow;
 # test-fast runs the unit tests alone (no server, no torchrun, no data prep; tests/conftest.py marks them)
-test: $(STAMP) browser
+test: $(STAMP) browser slurm
 	$(BIN)/python -m pytest -q --durations=30 $(ARGS)
 
 test-dev: $(STAMP)
@@ -55,6 +55,27 @@ browser:
 	    || echo "chromium install failed: tests/test_ui_browser.py will be skipped (fails under CI)"; \
 	else echo "chromium missing: tests/test_ui_browser.py will be skipped (fails under CI);" \
 	  "install it as root: make browser, or apt-get install chromium"; fi
+
+# Slurm (Debian's slurm-wlm + munge) for tests/test_slurm.py, a real single-node cluster the tests start and stop
+# (deploy/slurm_local.py): installed when root (~30 s), else those tests are skipped (under CI they fail). An
+# install that fails only warns, as for chromium.
+slurm: $(STAMP)
+	@if command -v sbatch >/dev/null 2>&1 && PATH="$$PATH:/usr/sbin:/sbin" command -v slurmctld >/dev/null 2>&1; then \
+	  echo "slurm tests: using $$(command -v sbatch)"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing slurm-wlm and munge (Debian packages) for the Slurm tests ..."; \
+	  $(BIN)/python -m deploy.slurm_local install \
+	    || echo "slurm install failed: tests/test_slurm.py will be skipped (fails under CI)"; \
+	else echo "slurm missing: tests/test_slurm.py will be skipped (fails under CI);" \
+	  "install it as root: make slurm, or apt-get install slurm-wlm munge"; fi
+
+# a local Slurm cluster to try train.launcher=slurm by hand (docs/slurm.md); state in SLURM_DIR
+SLURM_DIR ?= .difflm-slurm
+slurm-up: slurm
+	$(BIN)/python -m deploy.slurm_local up --dir $(SLURM_DIR)
+
+slurm-down: $(STAMP)
+	$(BIN)/python -m deploy.slurm_local down --dir $(SLURM_DIR)
 
 WORKDIR ?= .difflm
 mlflow-ui: $(STAMP)  # make mlflow-ui [WORKDIR=.difflm]

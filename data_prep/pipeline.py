@@ -16,6 +16,8 @@ each, and the run ends with one summary line. `data.strict` turns a damaged file
 from __future__ import annotations
 
 import json
+import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -24,7 +26,7 @@ from pathlib import Path
 from data_prep.corpus import demo_corpus
 from data_prep.split import SPLITS, split_of
 from data_prep.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
-from difflm.config import PipelineConfig, SourceConfig
+from difflm.config import PARTITION, PipelineConfig, SourceConfig
 from difflm.errors import UserError
 
 MANIFEST = "manifest.json"
@@ -179,6 +181,25 @@ def prepare_tokenizer(cfg: PipelineConfig, resolved, folder: Path) -> TokenizerI
     return train_bpe(texts, cfg.tokenizer, folder)
 
 
+def default_partition() -> str:
+    """The cluster's default partition (`sinfo` marks it with '*'): datatrove always writes an `#SBATCH
+    --partition` line, and one without a value is refused by sbatch."""
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        raise DataPrepError(f"data.executor=slurm: sinfo failed ({err}); run on a Slurm login node") from None
+    for name in proc.stdout.split():
+        if name.endswith("*") and PARTITION.fullmatch(name[:-1]):
+            return name[:-1]
+    raise DataPrepError("data.slurm.partition is not set and Slurm names no default partition: set it")
+
+
+def _slurm_env_command() -> str:
+    """The job's first line: this environment's bin first on PATH, where datatrove's `launch_pickled_pipeline`
+    and `merge_stats` are (the job inherits the submitter's PATH, which need not have it)."""
+    return f'export PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"'
+
+
 def build_executor(cfg: PipelineConfig, pipeline: list, logging_dir: Path):
     d = cfg.data
     if d.executor == "slurm":
@@ -188,12 +209,13 @@ def build_executor(cfg: PipelineConfig, pipeline: list, logging_dir: Path):
             pipeline=pipeline,
             tasks=d.num_tasks,
             time=d.slurm.time,
-            partition=d.slurm.partition,
+            partition=d.slurm.partition or default_partition(),
             cpus_per_task=d.slurm.cpus_per_task,
             mem_per_cpu_gb=d.slurm.mem_per_cpu_gb,
             logging_dir=str(logging_dir),
             job_name="difflm-prep",
             sbatch_args=d.slurm.sbatch_args,
+            env_command=_slurm_env_command(),
         )
     if d.executor == "ray":
         try:

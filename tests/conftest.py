@@ -16,7 +16,7 @@ from helpers import tiny_config  # noqa: E402
 # Tiers (docs/testing.md): a test that uses one of these fixtures, or is marked slow or integration, is not a unit
 # test; every other one is marked `unit` here, so `pytest -m unit` (make test-fast) runs the pure tests alone.
 # (own_run: tests/test_rundir.py prepares its own corpus and exports a model)
-NOT_UNIT_FIXTURES = {"tiny_manifest", "prefect_harness", "megatron_single_process", "own_run"}
+NOT_UNIT_FIXTURES = {"tiny_manifest", "prefect_harness", "megatron_single_process", "own_run", "slurm_cluster"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -68,6 +68,39 @@ def prefect_harness(session_dir):
 
     with prefect_test_harness(server_startup_timeout=60):
         yield
+
+
+def skip_or_fail(why: str) -> None:
+    """Skip a test whose system dependency is missing; under CI (`$CI` set) that is a failure instead."""
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must run this test: {why}")
+    pytest.skip(why)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory):
+    """A real Slurm cluster on this host (deploy/slurm_local.py: munge, slurmctld, a slurmd for each of two nodes,
+    state in a temp folder, free ports), with SLURM_CONF pointing the clients (and the jobs, which inherit it) at
+    it; stopped at the end of the session. `make test` installs the packages when run as root; without them, or
+    not as root, the tests are skipped (under $CI: failed)."""
+    from deploy import slurm_local
+
+    why = slurm_local.unavailable()
+    if why:
+        skip_or_fail(why)
+    try:
+        cluster = slurm_local.up(tmp_path_factory.mktemp("slurm"), echo=lambda _: None)
+    except slurm_local.SlurmUnavailable as err:
+        skip_or_fail(f"the local Slurm cluster did not start: {err}")
+    before = os.environ.get("SLURM_CONF")
+    os.environ.update(cluster.env)
+    try:
+        yield cluster
+    finally:
+        slurm_local.down(cluster.root, echo=lambda _: None)
+        os.environ.pop("SLURM_CONF")
+        if before is not None:
+            os.environ["SLURM_CONF"] = before
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
-"""`train.launcher=slurm|kubernetes`: the train task writes the launch file of `difflm launch`, submits it, waits and
-returns what a local launch returns. No cluster here: fake `sbatch`/`squeue`/`sacct`/`scontrol`/`srun` and `kubectl`
-(scripts put first on PATH) really run the job, as a compute node or the PyTorchJob operator would: the sbatch script
-under bash with the SLURM_* variables, the master replica's container command with the operator's variables."""
+"""`train.launcher=kubernetes`: the train task writes the launch file of `difflm launch`, applies it, waits and
+returns what a local launch returns. No Kubernetes cluster can run here: a fake `kubectl` (put first on PATH) really
+runs the job as the PyTorchJob operator would: the master replica's container command with the operator's
+variables. Slurm is tested on a real cluster (tests/test_slurm.py); `difflm launch` and the deployments are here."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ import json
 import os
 import stat
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,14 +18,12 @@ from helpers import tiny_config
 from models.launch.cluster import (
     ClusterError,
     pytorchjob_name,
-    slurm_script,
     submit_kubernetes,
-    submit_slurm,
     write_launch_file,
 )
 from models.launch.torchrun import TrainingError, launch_training, run_dir
 
-pytestmark = pytest.mark.integration  # fake sbatch/squeue/kubectl run as Python processes
+pytestmark = pytest.mark.integration  # the fake kubectl runs as Python processes
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = [
@@ -38,81 +34,6 @@ SHORT = [
     "train.log_interval=2",
     "train.eval_iters=1",
 ]
-
-FAKE_SLURM = r"""
-import json, os, random, socket, subprocess, sys, time
-from pathlib import Path
-
-STATE = Path(os.environ["FAKE_CLUSTER_DIR"])
-prog, args = Path(sys.argv[0]).name, sys.argv[1:]
-
-
-def job_path(job_id):
-    return STATE / f"slurm-{job_id}.json"
-
-
-def set_state(job_id, **kw):
-    path = job_path(job_id)
-    rec = {**json.loads(path.read_text()), **kw} if path.exists() else kw
-    path.with_suffix(".tmp").write_text(json.dumps(rec))
-    path.with_suffix(".tmp").replace(path)
-
-
-if args[:1] == ["--run-job"]:  # the job on its "compute node": the batch script under bash
-    job_id, script, out, chdir = args[1:5]
-    node = socket.gethostname()
-    env = {**os.environ, "SLURM_JOB_ID": job_id, "SLURM_JOBID": job_id, "SLURM_NNODES": "1",
-           "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_PROCID": "0", "SLURM_JOB_NODELIST": node,
-           "SLURMD_NODENAME": node, "SLURM_SUBMIT_DIR": os.getcwd(), "SLURM_CPUS_ON_NODE": str(os.cpu_count())}
-    set_state(job_id, state="RUNNING")
-    with open(out, "a") as fh:
-        code = subprocess.call(["bash", script], cwd=chdir, env=env, stdout=fh, stderr=subprocess.STDOUT)
-    set_state(job_id, state="COMPLETED" if code == 0 else "FAILED", exit=f"{code}:0")
-    sys.exit(0)
-
-with (STATE / "calls.jsonl").open("a") as fh:
-    fh.write(json.dumps([prog, *args]) + "\n")
-
-if prog == "sbatch":
-    if os.environ.get("FAKE_SBATCH_REJECT"):
-        print("sbatch: error: Batch job submission failed: Invalid partition name specified", file=sys.stderr)
-        sys.exit(1)
-    script = Path(args[-1])
-    opts = dict(line[len("#SBATCH --"):].partition("=")[::2] for line in script.read_text().splitlines()
-                if line.startswith("#SBATCH --"))
-    opts.update(a[2:].partition("=")[::2] for a in args[:-1] if a.startswith("--"))  # the command line wins
-    job_id = str(random.randint(100000, 999999))
-    set_state(job_id, state="PENDING", script=str(script))
-    out = opts.get("output", "slurm-%j.out").replace("%j", job_id)
-    subprocess.Popen([sys.executable, __file__, "--run-job", job_id, str(script), out, opts.get("chdir", os.getcwd())],
-                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL)
-    print(job_id)
-elif prog == "squeue":  # -j ID -h -o %T; a finished job is gone from the controller (MinJobAge passed)
-    job_id = args[args.index("-j") + 1]
-    rec = json.loads(job_path(job_id).read_text()) if job_path(job_id).exists() else {}
-    if rec.get("state") in ("PENDING", "RUNNING"):
-        print(rec["state"])
-    else:
-        print("slurm_load_jobs error: Invalid job id specified", file=sys.stderr)
-        sys.exit(1)
-elif prog == "sacct":  # -j ID -X -n -P -o State,ExitCode
-    job_id = args[args.index("-j") + 1]
-    if job_path(job_id).exists():
-        rec = json.loads(job_path(job_id).read_text())
-        print(f"{rec['state']}|{rec.get('exit', '0:0')}")
-elif prog == "scontrol":
-    if args[:2] == ["show", "hostnames"]:
-        print("\n".join(args[2].split(",")))
-    elif args[:1] == ["requeue"]:
-        set_state(args[1], state="REQUEUED")
-elif prog == "srun":  # one task on the one node: the command itself
-    try:
-        os.execvp(args[0], args)
-    except OSError as err:
-        print(f"slurmstepd: error: execve(): {args[0]}: {err.strerror}", file=sys.stderr)
-        sys.exit(2)
-"""
 
 FAKE_KUBECTL = r"""
 import json, os, signal, socket, subprocess, sys
@@ -218,16 +139,13 @@ else:
 
 @pytest.fixture
 def cluster(tmp_path, monkeypatch) -> Path:
-    """Fake Slurm and kubectl first on PATH; their state (jobs, calls made) in the returned folder."""
+    """A fake kubectl first on PATH; its state (jobs, calls made) in the returned folder."""
     bin_dir, state = tmp_path / "bin", tmp_path / "cluster"
     bin_dir.mkdir()
     state.mkdir()
-    for name, source in (("fake_slurm.py", FAKE_SLURM), ("kubectl", FAKE_KUBECTL)):
-        path = bin_dir / name
-        path.write_text(f"#!{sys.executable}\n{source}")
-        path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    for prog in ("sbatch", "squeue", "sacct", "scontrol", "srun"):
-        (bin_dir / prog).symlink_to(bin_dir / "fake_slurm.py")
+    path = bin_dir / "kubectl"
+    path.write_text(f"#!{sys.executable}\n{FAKE_KUBECTL}")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("FAKE_CLUSTER_DIR", str(state))
     monkeypatch.setenv("FAKE_IMAGE_WORKDIR", str(ROOT))  # the image's WORKDIR: the project
@@ -244,47 +162,6 @@ def _untried_train_task():
     from tasks.stages import train_task
 
     return train_task.with_options(retries=0)
-
-
-@pytest.mark.slow
-def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, cluster, tiny_manifest, prefect_harness):
-    from tasks.stages import train_task
-
-    work = tmp_path / "shared"
-    slurm = [*SHORT, "train.launcher=slurm", "train.slurm.gpus_per_node=0", "train.slurm.poll_seconds=0.3"]
-    local = tiny_config(work, *SHORT)
-    rdir = run_dir(local, tiny_manifest)
-
-    # a job that fails on its node (no such python there): the error names the job and its log
-    broken = tiny_config(work, *slurm, "train.slurm.python=/nonexistent/python")
-    with pytest.raises(TrainingError) as err:
-        _untried_train_task()(broken, tiny_manifest, {})
-    (first,) = cluster.glob("slurm-*.json")
-    failed_id, msg = first.stem.split("-")[1], str(err.value)
-    assert f"Slurm job {failed_id} ended FAILED (exit 2:0) without the final checkpoint" in msg
-    assert f"log: {rdir / f'slurm-{failed_id}.out'}" in msg and "resumes from the latest checkpoint" in msg
-    assert "execve(): /nonexistent/python: No such file or directory" in msg  # the log's last lines
-    assert not isinstance(err.value, ClusterError)  # the train task retries it
-
-    # the real job: same run directory as a local launch (the launcher is not part of the run's identity)
-    cfg = tiny_config(work, *slurm)
-    info = train_task(cfg, tiny_manifest, {"DIFFLM_TEST_ENV": "through sbatch"})
-    assert info["run_dir"] == str(rdir) and not info["reused"] and Path(info["checkpoint"]).is_dir()
-    assert Path(info["checkpoint"]).name == "iter_0000004" and (rdir / "curves.png").exists()
-    assert [Path(c[-1]) for c in _calls(cluster, "sbatch")] == [rdir / "launch.sbatch"] * 2
-    job_id = json.loads((rdir / "slurm-job.json").read_text())["job_id"]
-    log = (rdir / f"slurm-{job_id}.out").read_text()
-    assert "[train] mode=difflm-noshift start_iter=0" in log
-    script = (rdir / "launch.sbatch").read_text()
-    assert script == slurm_script(
-        cfg, rdir / "config.yaml", rdir / "data_manifest.json", rdir, env={"DIFFLM_TEST_ENV": "through sbatch"}
-    )
-    assert "#SBATCH --gpus-per-node" not in script and "export DIFFLM_TEST_ENV='through sbatch'" in script
-
-    # a local launch of the same config reuses it, and so does the slurm launcher, without submitting
-    assert launch_training(local, tiny_manifest, echo=lambda _: None) == {**info, "reused": True}
-    assert train_task(cfg, tiny_manifest, {}) == {**info, "reused": True}
-    assert len(_calls(cluster, "sbatch")) == 2
 
 
 @pytest.mark.slow
@@ -333,56 +210,9 @@ def test_kubernetes_launcher_trains_the_same_run_as_a_local_launch(
     assert len([c for c in _calls(cluster, "kubectl") if c[1] == "apply"]) == 2
 
 
-# ---- without training: submission problems, reattachment, timeouts ------------------------------------------
+# ---- without training: problems, timeouts ------------------------------------------
 
 MANIFEST = {"hash": "0123456789abcdef", "dir": "/nowhere", "splits": {}}  # a run that is never trained here
-
-
-def test_slurm_submission_problems_are_cluster_errors(tmp_path, cluster, monkeypatch):
-    cfg = tiny_config(tmp_path, "train.launcher=slurm", "train.slurm.poll_seconds=0.1")
-    monkeypatch.setenv("FAKE_SBATCH_REJECT", "1")
-    with pytest.raises(ClusterError, match="sbatch did not take .*launch.sbatch: sbatch: error: .*Invalid partition"):
-        submit_slurm(cfg, MANIFEST, echo=lambda _: None)
-    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    with pytest.raises(ClusterError, match="`sbatch` is not on the PATH .* Slurm login node"):
-        submit_slurm(cfg, MANIFEST, echo=lambda _: None)
-
-
-def test_slurm_reattaches_to_the_job_of_its_run(tmp_path, cluster):
-    """A rerun (retry, restarted worker) waits for the job still queued for its run instead of submitting another;
-    a job that ends without the final checkpoint is a failure whatever Slurm says."""
-    cfg = tiny_config(tmp_path, "train.launcher=slurm", "train.slurm.poll_seconds=0.1")
-    rdir = run_dir(cfg, MANIFEST)
-    rdir.mkdir(parents=True)
-    (rdir / "slurm-job.json").write_text(json.dumps({"job_id": "4242"}))
-    job = cluster / "slurm-4242.json"
-    job.write_text(json.dumps({"state": "PENDING"}))
-    (rdir / "slurm-4242.out").write_text("[train] old line, before this launcher attached\n")
-
-    def run_then_end():
-        time.sleep(0.5)
-        job.write_text(json.dumps({"state": "RUNNING"}))
-        with (rdir / "slurm-4242.out").open("a") as fh:
-            fh.write("[train] iter 2/20 loss 6.1\n")
-        time.sleep(0.5)
-        job.write_text(json.dumps({"state": "COMPLETED", "exit": "0:0"}))
-
-    threading.Thread(target=run_then_end, daemon=True).start()
-    lines: list[str] = []
-    with pytest.raises(
-        TrainingError,
-        match=r"job 4242 ended COMPLETED \(exit 0:0\) without the final checkpoint "
-        r"\(no checkpoint yet, of 20\); log: .*slurm-4242.out",
-    ):
-        submit_slurm(cfg, MANIFEST, echo=lines.append)
-    assert not _calls(cluster, "sbatch")
-    assert "[slurm] job 4242 of this run is still PENDING: waiting for it instead of submitting another" in lines
-    assert "[train] iter 2/20 loss 6.1" in lines and not any("old line" in x for x in lines)
-    assert [x for x in lines if x.startswith("[slurm] job 4242: ")] == [
-        "[slurm] job 4242: PENDING",
-        "[slurm] job 4242: RUNNING",
-        "[slurm] job 4242: COMPLETED",
-    ]
 
 
 def test_kubernetes_problems_are_cluster_errors(tmp_path, cluster):

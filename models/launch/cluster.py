@@ -151,18 +151,22 @@ def slurm_script(
         "#SBATCH --open-mode=append",
         f"#SBATCH --chdir={_directive_path(str(ROOT))}",
         # preemption: 2 minutes before the time limit (or on scancel --signal=USR1 -b) the batch shell gets
-        # USR1, asks the trainer to checkpoint (SIGTERM through srun and torchrun), then requeues the job,
-        # which resumes from that checkpoint
+        # USR1, asks the trainer to checkpoint (SIGTERM to the job's steps: torchrun, which passes it to the
+        # ranks), then requeues the job, which resumes from that checkpoint
         "#SBATCH --signal=B:USR1@120",
         "#SBATCH --requeue",
         "set -uo pipefail",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         # a port of its own per job: two jobs sharing a node must not meet at one rendezvous port
         f"MASTER_PORT=$(( {RDZV_PORT_BASE} + SLURM_JOB_ID % 10000 ))",
+        # which nodes met where: the first thing to read in the log of a multi-node job that does not start
+        'echo "difflm: job $SLURM_JOB_ID on $SLURM_NNODES node(s) $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"',
         "export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1",
         *(f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()),
         "preempted=0",
-        'trap \'preempted=1; echo "difflm: preemption signal: checkpointing"; kill -TERM "$trainer" 2>/dev/null\' USR1 TERM',
+        # `scancel --signal=TERM JOB` reaches the steps (torchrun) and not this shell; a SIGTERM to srun itself
+        # would make srun kill the step at once (`srun: forcing job termination`), losing the checkpoint
+        'trap \'preempted=1; echo "difflm: preemption signal: checkpointing"; scancel --signal=TERM "$SLURM_JOB_ID"\' USR1 TERM',
         "srun "
         + " ".join(
             [
@@ -186,7 +190,8 @@ def slurm_script(
         "trainer=$!",
         'wait "$trainer"; status=$?',
         'while kill -0 "$trainer" 2>/dev/null; do wait "$trainer"; status=$?; done  # a trap interrupts wait',
-        f'if [ "$preempted" = 1 ] || [ -f {shlex.quote(str(RunDir(run_dir).preempted))} ]; then',
+        # a signal that comes after the last step finds the run finished (exit 0): nothing to requeue
+        f'if [ "$status" != 0 ] && {{ [ "$preempted" = 1 ] || [ -f {shlex.quote(str(RunDir(run_dir).preempted))} ]; }}; then',
         '  echo "difflm: requeueing job $SLURM_JOB_ID to resume from the checkpoint"; scontrol requeue "$SLURM_JOB_ID"',
         "  exit 0",
         "fi",
@@ -400,7 +405,18 @@ def slurm_job_state(job_id: str) -> tuple[str | None, str | None]:
     if rows:
         acct_state = rows[-1][0].split()[0] if rows[-1][0].strip() else "UNKNOWN"  # "CANCELLED by 1000"
         return state or acct_state, rows[-1][1].strip() or None
-    return state or "UNKNOWN", None
+    # no accounting: the controller still holds a finished job for MinJobAge (300 s by default)
+    ctl_state, code = _scontrol_job(job_id)
+    return state or ctl_state or "UNKNOWN", code
+
+
+def _scontrol_job(job_id: str) -> tuple[str | None, str | None]:
+    """(JobState, ExitCode) from `scontrol show job -o`, (None, None) when the controller does not know the job."""
+    proc = _run(["scontrol", "show", "job", "-o", job_id])
+    if proc.returncode != 0:
+        return None, None
+    fields = dict(f.split("=", 1) for f in proc.stdout.split() if "=" in f)
+    return fields.get("JobState"), fields.get("ExitCode")
 
 
 def _slurm_reattach(rdir: Path) -> tuple[str, str] | None:
