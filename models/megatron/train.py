@@ -413,7 +413,7 @@ class IntervalLogger(Hook):
     def on_start(self, trainer: Trainer) -> None:
         self.meter = IntervalMeter(trainer.clock(), trainer.n_devices, trainer.peak)
         self.excluded_at = trainer.excluded_s
-        self.mark: tuple[int, float] | None = None  # (iteration, clock) of the previous report: the ETA's pace
+        self.mark: tuple[int, float] | None = None  # (iteration, clock) of the first report: the ETA's pace
 
     def post_step(self, trainer: Trainer, step: Step) -> None:
         finite = step.loss is None or math.isfinite(step.loss)
@@ -439,10 +439,12 @@ class IntervalLogger(Hook):
         mfu = f" MFU {eff['mfu']:.1%}" if eff["mfu"] is not None else ""
         mem = f" {memory:.1f} GB" if memory is not None else ""
         eta = ""
-        if self.mark is not None and step.it < t.train_iters:  # the pace of the last interval, evaluations included
+        # the mean pace since the first report (warm-up left out), evaluations and saves included: one interval's
+        # pace jumped 20x when an evaluation or a busy neighbour fell in it (measured on the shared CPU)
+        if self.mark is not None and step.it < t.train_iters:
             per_step = (now - self.mark[1]) / max(step.it - self.mark[0], 1)
             eta = f" ETA {format_duration(per_step * (t.train_iters - step.it))}"
-        self.mark = (step.it, now)
+        self.mark = self.mark or (step.it, now)
         trainer.log(
             f"[train] iter {step.it:>6}/{t.train_iters} loss {mean_loss or 0:.4f} lr {lr:.2e} "
             f"grad_norm {float(step.grad_norm or 0):.3f} {tok_s:,.0f} tok/s "
