@@ -149,8 +149,16 @@ class SlurmLaunchConfig(SlurmBase):
 
     time: str = Field(
         "24:00:00",
-        description="Time limit of one allocation; 2 minutes before it the job "
+        description="Time limit of one allocation; signal_seconds before it the job "
         "checkpoints and requeues itself, so a long run spans several allocations.",
+    )
+    signal_seconds: int = Field(
+        120,
+        ge=1,
+        le=65535,
+        description="#SBATCH --signal=B:USR1@N: how long before the time limit the job is told to checkpoint and "
+        "requeue (Slurm checks time limits every 30 s and may signal up to 60 s earlier); leave the checkpoint "
+        "time to save.",
     )
     gpus_per_node: int | None = Field(
         None,

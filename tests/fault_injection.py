@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 from models.megatron.train import Hook, Step, Trainer, main
 
 NAN_ITERS = "FAULT_NAN_ITERS"  # read only by this entry module, in the ranks it starts
 DISK_FULL_AT = "FAULT_DISK_FULL_AT"  # the checkpoint save at this iteration fails: no space left on the device
+STEP_SLEEP = "FAULT_STEP_SLEEP"  # seconds of sleep before each step of a run that starts from iteration 0
 
 
 class FaultInjector(Hook):
@@ -38,13 +40,33 @@ class FaultInjector(Hook):
             buf.grad_data.fill_(float("nan"))
 
 
-def fault_launch(nan_iters: set[int] = frozenset(), disk_full_at: int | None = None) -> dict:
-    """`launch_training` keyword arguments that run this module, with its injector, on every rank."""
+class SlowFirstAttempt(Hook):
+    """A run that starts from scratch sleeps before each step, so that a signal (a Slurm time limit) finds it
+    training; a resumed run goes at full speed. Sleeping changes no number: the weights are those of any run."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.active = seconds, False
+
+    def on_start(self, trainer: Trainer) -> None:
+        self.active = trainer.start == 0
+
+    def pre_step(self, trainer: Trainer, done: int) -> None:
+        if self.active:
+            time.sleep(self.seconds)
+
+
+def fault_launch(
+    nan_iters: set[int] = frozenset(), disk_full_at: int | None = None, step_sleep: float | None = None
+) -> dict:
+    """`launch_training` (or `submit_slurm`) keyword arguments that run this module, with its hooks, on every
+    rank."""
     here = str(Path(__file__).resolve().parent)
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     env = {NAN_ITERS: ",".join(str(i) for i in sorted(nan_iters)), "PYTHONPATH": path}
     if disk_full_at is not None:
         env[DISK_FULL_AT] = str(disk_full_at)
+    if step_sleep is not None:
+        env[STEP_SLEEP] = str(step_sleep)
     return {"trainer": Path(__file__).stem, "env": env}
 
 
@@ -70,4 +92,7 @@ if __name__ == "__main__":  # dist_checkpointing spawns helpers: the guard is re
     if os.environ.get(DISK_FULL_AT):
         _fill_disk_at(int(os.environ[DISK_FULL_AT]))
     iters = {int(x) for x in os.environ.get(NAN_ITERS, "").split(",") if x.strip()}
-    sys.exit(main(hooks=[FaultInjector(iters)]))
+    hooks = [FaultInjector(iters)]
+    if os.environ.get(STEP_SLEEP):
+        hooks.append(SlowFirstAttempt(float(os.environ[STEP_SLEEP])))
+    sys.exit(main(hooks=hooks))

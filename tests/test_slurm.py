@@ -130,6 +130,13 @@ PREEMPT = [f"train.train_iters={PREEMPT_ITERS}", "train.warmup_iters=1", "checkp
 PREEMPT += ["train.log_interval=1", f"train.eval_interval={PREEMPT_ITERS}", "train.eval_iters=1"]
 
 
+@pytest.fixture(scope="module")
+def preempt_reference(tmp_path_factory, tiny_manifest) -> dict:
+    """The uninterrupted local run of PREEMPT that the preempted jobs must end equal to, bit for bit."""
+    work = tmp_path_factory.mktemp("preempt-ref")
+    return launch_training(tiny_config(work, *PREEMPT), tiny_manifest, echo=lambda _: None)
+
+
 def _weights(checkpoint: str) -> dict:
     from models.hf.convert import load_megatron_weights
 
@@ -177,11 +184,12 @@ def _requeued(job_id: str) -> bool:
 
 
 @pytest.mark.slow
-def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(tmp_path, slurm_cluster, tiny_manifest):
+def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(
+    tmp_path, slurm_cluster, tiny_manifest, preempt_reference
+):
     """scancel --signal=USR1 --batch (what a preempting scheduler sends): the job checkpoints and requeues itself;
     the worker waiting for it keeps waiting; a restarted worker (or a Prefect retry) reattaches to the requeued job
     instead of submitting another, and the job resumes and ends with the weights of an uninterrupted run."""
-    reference = launch_training(tiny_config(tmp_path / "ref", *PREEMPT), tiny_manifest, echo=lambda _: None)
     work = tmp_path / "shared"
     cfg = tiny_config(work, *PREEMPT, *SLURM)
     rdir = run_dir(cfg, tiny_manifest)
@@ -222,7 +230,70 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(tmp_path, sl
     assert 2 <= preempted_at < PREEMPT_ITERS and f"start_iter={preempted_at}" in log  # the requeued job resumed
     assert len(_job_logs(rdir)) == 1 and json.loads((rdir / "slurm-job.json").read_text())["job_id"] == job_id
     assert Path(info["checkpoint"]).name == f"iter_{PREEMPT_ITERS:07d}" and not info["reused"]
-    _assert_same(_weights(info["checkpoint"]), _weights(reference["checkpoint"]))
+    _assert_same(_weights(info["checkpoint"]), _weights(preempt_reference["checkpoint"]))
+
+
+# ---- the time limit: --signal=B:USR1@N before it, checkpoint, requeue, resume ---------------------------------
+
+# a one-minute limit and a signal 55 s before it: Slurm sends it at its first time-limit check after the job
+# starts (the controller checks every 30 s and may signal up to 60 s early), i.e. 0-30 s into the job
+TIME_LIMIT = ["train.slurm.time=1", "train.slurm.signal_seconds=55"]
+TICK = "debug2: Testing job time limits and checkpoints"  # slurmctld's time-limit check, logged at debug2
+STEP_SLEEP = 0.4  # 100 steps: ~40 s from scratch, so the signal, ~30 s after the job starts, finds it training
+
+
+def _ticks(cluster) -> int:
+    return cluster.log_file("slurmctld").read_text(errors="replace").count(TICK)
+
+
+def _release_requeued_of(rdir: Path, done: threading.Event) -> None:
+    """`_release_requeued` for the job of `rdir`, once it is submitted."""
+    record = rdir / "slurm-job.json"
+    while not done.is_set() and not record.exists():
+        time.sleep(0.2)
+    if record.exists():
+        _release_requeued(json.loads(record.read_text())["job_id"], done)
+
+
+@pytest.mark.slow
+def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(
+    tmp_path, slurm_cluster, tiny_manifest, preempt_reference
+):
+    """A job of one minute with `train.slurm.signal_seconds=55` (`#SBATCH --signal=B:USR1@55`): Slurm, not the
+    test, signals the batch shell before the limit; the job checkpoints, requeues itself and resumes, and ends
+    with the weights of an uninterrupted run. The job is submitted just after one of the controller's 30-s
+    time-limit checks, so the signal comes at the next one, ~30 s in: the trainer (slowed down, from scratch
+    only, by tests/fault_injection.py) is then training, not starting up. The requeued job is released at once
+    (as in the test above) and, at full speed, ends before the controller's next check."""
+    from fault_injection import fault_launch
+
+    cfg = tiny_config(tmp_path / "shared", *PREEMPT, *SLURM, *TIME_LIMIT)
+    rdir = run_dir(cfg, tiny_manifest)
+    done = threading.Event()
+    _slurm("scontrol", "setdebug", "debug2")
+    try:
+        seen = _ticks(slurm_cluster)
+        _until(lambda: _ticks(slurm_cluster) > seen, timeout=45)
+        threading.Thread(target=_release_requeued_of, args=(rdir, done), daemon=True).start()
+        lines: list[str] = []
+        info = submit_slurm(cfg, tiny_manifest, echo=lines.append, **fault_launch(step_sleep=STEP_SLEEP))
+    finally:
+        done.set()
+        _slurm("scontrol", "setdebug", "info")
+    job_id = json.loads((rdir / "slurm-job.json").read_text())["job_id"]
+    script = (rdir / "launch.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@55" in script and "-m fault_injection" in script
+    submitted = [x for x in lines if x.startswith("[slurm] submitted job ")]  # one job, requeued under its id
+    assert len(submitted) == 1 and submitted[0].startswith(f"[slurm] submitted job {job_id} ")
+    log = (rdir / f"slurm-{job_id}.out").read_text()
+    assert "difflm: preemption signal: checkpointing" in log and f"requeueing job {job_id}" in log, log[-3000:]
+    saved = re.search(r"\[train\] preempted \(SIGTERM\) at iter (\d+): checkpoint saved", log)
+    assert saved, f"the trainer did not checkpoint on the signal:\n{log[-3000:]}"
+    preempted_at = int(saved.group(1))
+    assert 1 <= preempted_at < PREEMPT_ITERS and f"start_iter={preempted_at}" in log  # the requeued job resumed
+    assert "DUE TO TIME LIMIT" not in log  # signalled before the limit, never killed by it
+    assert Path(info["checkpoint"]).name == f"iter_{PREEMPT_ITERS:07d}" and not info["reused"]
+    _assert_same(_weights(info["checkpoint"]), _weights(preempt_reference["checkpoint"]))
 
 
 # ---- without training: submission problems, reattachment ---------------------------------------------------
@@ -279,9 +350,23 @@ def _prep_settled() -> bool:
     return all(reason == "DependencyNeverSatisfied" for _, _, reason in _prep_jobs())
 
 
+def _gated(gate: Path, rank: int, after: int):
+    """`cleaning_steps` with tests/prep_gate.py's Gate at the end: task `rank` stops mid-way while `gate` exists."""
+    from prep_gate import Gate
+
+    from data_prep import pipeline
+
+    real = pipeline.cleaning_steps
+    return lambda cfg: [*real(cfg), Gate(str(gate), rank, after)]
+
+
 @pytest.mark.slow
-def test_data_prep_on_slurm_writes_the_local_shards_byte_for_byte(tmp_path, slurm_cluster, tiny_manifest):
+def test_data_prep_on_slurm_writes_the_local_shards_byte_for_byte(tmp_path, slurm_cluster, tiny_manifest, monkeypatch):
+    """Two tasks of three are lost: one is cancelled before it starts, one is killed mid-way (it has read its
+    input and begun writing its shards). The rerun submits both again, and the shards equal the local ones."""
+    from data_prep import pipeline
     from data_prep.pipeline import SubmittedToCluster, prepare_data
+    from data_prep.steps import SplitSourceWriter
 
     src = tmp_path / "docs.jsonl"
     words = "alpha beta gamma delta epsilon zeta eta theta".split()
@@ -290,6 +375,12 @@ def test_data_prep_on_slurm_writes_the_local_shards_byte_for_byte(tmp_path, slur
     common += ["data.valid_fraction=0.25", "data.tasks=3", "data.workers=3"]
     local = prepare_data(tiny_config(tmp_path / "local", *common))
     cfg = tiny_config(tmp_path / "slurm", *common, "data.executor=slurm", "data.slurm.mem_per_cpu_gb=1")
+    gate = tmp_path / "gate"
+    gate.touch()
+    monkeypatch.setattr(pipeline, "cleaning_steps", _gated(gate, rank=2, after=4))
+    real_init = SplitSourceWriter.__init__  # batches of 2 documents: two batches are written before the gate
+    monkeypatch.setattr(SplitSourceWriter, "__init__", lambda self, *a, **kw: real_init(self, *a, batch_size=2))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
     # the partition is down while the first array is submitted: one task is cancelled for sure before it runs
     _slurm("scontrol", "update", "PartitionName=debug", "State=DOWN")
     try:
@@ -299,8 +390,18 @@ def test_data_prep_on_slurm_writes_the_local_shards_byte_for_byte(tmp_path, slur
         _slurm("scancel", f"{array}_1")  # task 1 is lost (a node failure, a cancelled task)
     finally:
         _slurm("scontrol", "update", "PartitionName=debug", "State=UP")
+    _until(lambda: Path(f"{gate}.reached").exists(), timeout=120)  # task 2 is mid-way, held at the gate
+    assert (f"{array}_2", "RUNNING") in [(job, state) for job, state, _ in _prep_jobs()]
+    (out,) = (tmp_path / "slurm" / "data").glob("*/logs")
+    partial = sorted(p.name for p in out.parent.rglob("00002_tokens.*"))
+    assert partial, "task 2 had written nothing yet"  # it has begun its shards
+    _slurm("scancel", f"{array}_2")  # killed mid-way (SIGTERM, then SIGKILL)
     _until(_prep_settled)
-    with pytest.raises(SubmittedToCluster, match="submitted 1 data-prep tasks"):  # the rerun resubmits task 1
+    killed = (out / "slurm_logs" / f"{array}_2.out").read_text()
+    assert "Reading input file docs.jsonl" in killed and f"JOB {array} ON" in killed and "CANCELLED" in killed
+    assert not (out / "completions" / "00002").exists()
+    gate.unlink()  # the rerun's tasks pass
+    with pytest.raises(SubmittedToCluster, match="submitted 2 data-prep tasks"):  # the rerun resubmits 1 and 2
         prepare_data(cfg)
     _until(_prep_settled)
     manifest = prepare_data(cfg)

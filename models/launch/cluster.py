@@ -30,6 +30,7 @@ import yaml
 from difflm.config import ConfigError, PipelineConfig, SlurmBase
 from difflm.rundir import RunDir
 from models.launch.torchrun import (
+    TRAINER,
     TrainingError,
     is_finished,
     plot_run,
@@ -72,10 +73,10 @@ class ClusterError(TrainingError):
     rejected submission, a job that never started): not retried by the train task."""
 
 
-def _train_args(config: Path, manifest: Path, run_dir: Path) -> list[str]:
+def _train_args(config: Path, manifest: Path, run_dir: Path, trainer: str = TRAINER) -> list[str]:
     return [
         "-m",
-        "models.megatron.train",
+        trainer,
         "--config",
         str(config),
         "--manifest",
@@ -133,10 +134,11 @@ def slurm_script(
     run_dir: Path,
     python: str | None = None,
     env: dict[str, str] | None = None,
+    trainer: str = TRAINER,
 ) -> str:
     """An sbatch script: one torchrun per node, `train.nproc_per_node` ranks each, `train.nnodes` nodes; python
     defaults to `train.slurm.python`, else this interpreter. Time, partition and sbatch_args are not in it: they
-    are `sbatch` arguments (`sbatch_command`)."""
+    are `sbatch` arguments (`sbatch_command`). `trainer`: the module torchrun runs (as in `launch_training`)."""
     t, s = cfg.train, cfg.train.slurm
     python = python or s.python or sys.executable
     gpus = t.nproc_per_node if s.gpus_per_node is None else s.gpus_per_node
@@ -150,10 +152,11 @@ def slurm_script(
         f"#SBATCH --output={_directive_path(f'{run_dir}/slurm-%j.out')}",
         "#SBATCH --open-mode=append",
         f"#SBATCH --chdir={_directive_path(str(ROOT))}",
-        # preemption: 2 minutes before the time limit (or on scancel --signal=USR1 -b) the batch shell gets
+        # preemption: train.slurm.signal_seconds before the time limit (Slurm checks every 30 s and may send it up
+        # to 60 s earlier), or on scancel --signal=USR1 -b, the batch shell gets
         # USR1, asks the trainer to checkpoint (SIGTERM to the job's steps: torchrun, which passes it to the
         # ranks), then requeues the job, which resumes from that checkpoint
-        "#SBATCH --signal=B:USR1@120",
+        f"#SBATCH --signal=B:USR1@{s.signal_seconds}",
         "#SBATCH --requeue",
         "set -uo pipefail",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -183,7 +186,7 @@ def slurm_script(
                 "$MASTER_ADDR:$MASTER_PORT",
                 "--rdzv_id",
                 "$SLURM_JOB_ID",
-                *(shlex.quote(a) for a in _train_args(config, manifest, run_dir)),
+                *(shlex.quote(a) for a in _train_args(config, manifest, run_dir, trainer)),
             ]
         )
         + " &",
@@ -260,7 +263,9 @@ def k8s_pytorchjob(
     return yaml.safe_dump(job, sort_keys=False)
 
 
-def write_launch_file(cfg: PipelineConfig, manifest: dict, target: str, env: dict[str, str] | None = None) -> Path:
+def write_launch_file(
+    cfg: PipelineConfig, manifest: dict, target: str, env: dict[str, str] | None = None, trainer: str = TRAINER
+) -> Path:
     """Write the run's inputs (config.yaml, data_manifest.json) and its launch file for `target` (slurm |
     kubernetes) into the run directory; returns the launch file. What `difflm launch` writes and what the
     cluster launchers submit."""
@@ -268,7 +273,7 @@ def write_launch_file(cfg: PipelineConfig, manifest: dict, target: str, env: dic
     config, manifest_path = write_run_inputs(cfg, manifest, rdir)
     out = rdir / LAUNCH_FILES[target]
     if target == "slurm":
-        out.write_text(slurm_script(cfg, config, manifest_path, rdir, env=env))
+        out.write_text(slurm_script(cfg, config, manifest_path, rdir, env=env, trainer=trainer))
     else:
         out.write_text(k8s_pytorchjob(cfg, config, manifest_path, rdir, env=env))
     return out
@@ -430,12 +435,16 @@ def _slurm_reattach(rdir: Path) -> tuple[str, str] | None:
 
 
 def submit_slurm(
-    cfg: PipelineConfig, manifest: dict, echo: Callable[[str], None] = print, env: dict[str, str] | None = None
+    cfg: PipelineConfig,
+    manifest: dict,
+    echo: Callable[[str], None] = print,
+    env: dict[str, str] | None = None,
+    trainer: str = TRAINER,
 ) -> dict:
     """Train the run of `cfg` as a Slurm job (`train.slurm`): reuse a finished run, reattach to its job when one is
     still queued or running, else write `launch.sbatch` (as `difflm launch`) and submit it; wait, echo progress
     and return {'run_dir', 'checkpoint', 'reused'} as `launch_training`. The run directory must be on a
-    filesystem the compute nodes share with this process."""
+    filesystem the compute nodes share with this process. `trainer`: the module torchrun runs (`launch_training`)."""
     rdir = run_dir(cfg, manifest)
     if is_finished(cfg, rdir):
         echo(f"[train] reusing finished run {rdir}")
@@ -447,7 +456,7 @@ def submit_slurm(
         echo(f"[slurm] job {job_id} of this run is still {state}: waiting for it instead of submitting another")
     else:
         resumed = prepare_attempt(rdir)
-        script = write_launch_file(cfg, manifest, "slurm", env)
+        script = write_launch_file(cfg, manifest, "slurm", env, trainer)
         sub = _run(sbatch_command(cfg, script, "--parsable"), cwd=ROOT)
         if sub.returncode == 127:
             raise _missing("sbatch", "slurm", "a Slurm login node")
