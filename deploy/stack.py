@@ -359,6 +359,8 @@ def up(
         (state / sub).mkdir(parents=True, exist_ok=True)
     for private in ("logs", "mlartifacts"):  # models, configs, logs: this user's (the servers run as this user)
         os.chmod(state / private, 0o700)
+    if os.geteuid() == 0:  # the database user must traverse the state folder to its own pg/ (o+x: no listing)
+        os.chmod(state, state.stat().st_mode | 0o001)
     bin_ = _pg_bin()
     pg, data = state / "pg", state / "pg" / "data"
     _db_user_owns(pg)
@@ -580,7 +582,15 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     # the services' data (PostgreSQL, artifacts, Prefect state, the worker's runs) is not for other users of the
     # host: no access for others, inherited by every service and the trainers the worker starts (issue 22)
-    os.umask(os.umask(0o027) | 0o027)
+    umask = os.umask(0o027)
+    os.umask(umask | 0o027)
+    try:
+        return _run(a)
+    finally:
+        os.umask(umask)  # an in-process caller (tests) keeps its own
+
+
+def _run(a: argparse.Namespace) -> int:
     if a.action == "down":
         if not (a.dir / "pids.json").exists():
             print(f"no stack in {a.dir.resolve()} (no pids.json): nothing to stop; pass the --dir given to `up`")

@@ -318,11 +318,14 @@ def test_pretrain_deployment_runs_on_the_production_stack():
     pw = stack.generate_secrets()
     times, left = {}, []
     t0 = time.time()
+    umask = os.umask(0o027)  # as `python -m deploy.stack up` runs it: the database user must still reach pg/
     try:
         stack.up(
             state, pw, db_port=db_port, mlflow_port=mlflow_port, prefect_port=prefect_port, cache=cache_dir()
         )  # the corpus the suite already fetched, not a new download
+        os.umask(umask)
         times["up"] = time.time() - t0
+        assert not (state / "mlartifacts").stat().st_mode & 0o077  # the services' files are not for others
         mlflow_url = f"http://127.0.0.1:{mlflow_port}"
         prefect_api = f"http://127.0.0.1:{prefect_port}/api"
         _secured(prefect_api, mlflow_url, pw)
@@ -438,6 +441,7 @@ def test_pretrain_deployment_runs_on_the_production_stack():
         with urllib.request.urlopen(_request(figure[1], f"admin:{pw['MLFLOW_ADMIN_PASSWORD']}"), timeout=10) as png:
             assert png.read(8) == b"\x89PNG\r\n\x1a\n"
     finally:
+        os.umask(umask)
         for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
             os.environ.pop(k, None)
         pids = stack._pids(state)

@@ -386,6 +386,7 @@ def test_the_stack_starts_its_services_with_a_private_umask(monkeypatch, tmp_pat
         with pytest.raises(SystemExit, match="stop here"):
             stack.main(["up", "--dir", str(tmp_path / "s"), "--env-file", str(tmp_path / ".env")])
         assert seen == [0o027]  # the services and the worker's trainers inherit it
+        assert os.umask(0o002) == 0o002  # an in-process caller keeps its own
         assert (tmp_path / ".env").stat().st_mode & 0o777 == 0o600
     finally:
         os.umask(before)
