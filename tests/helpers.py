@@ -11,3 +11,30 @@ from difflm.config import PipelineConfig, load_config
 def tiny_config(workdir: Path, *overrides: str) -> PipelineConfig:
     """The test-tiny preset with its outputs under `workdir`, and `section.field=value` overrides."""
     return load_config("test-tiny", [f"workdir={workdir}", *overrides])
+
+
+def tiny_hf_model(mode: str = "difflm-noshift", seed: int = 0, vocab: int = 64, **over):
+    """A two-layer exported-model instance (ids 0 eos, 1 mask, 2 pad), seeded, in eval mode; `over` sets any
+    other DiffLMConfig field (block_size, clean_attention, block_shift, time conditioning, ...)."""
+    import torch
+
+    from models.hf.configuration_difflm import DiffLMConfig
+    from models.hf.modeling_difflm import DiffLMForMaskedLM
+
+    torch.manual_seed(seed)
+    cfg = DiffLMConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        bidirectional=mode != "ar",
+        model_running_mode=mode,
+        mask_token_id=1,
+        eos_token_id=0,
+        pad_token_id=2,
+        special_ids=[0, 1, 2],
+        max_position_embeddings=64,
+        **over,
+    )
+    return DiffLMForMaskedLM(cfg).eval()

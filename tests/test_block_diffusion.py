@@ -9,13 +9,11 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_config
+from helpers import tiny_config, tiny_hf_model
 
 from models.diffusion.blocks import attention_pairs, block_elbo_terms, decode_keep, two_stream_keep
 from models.diffusion.modes import BlockDiffusion, objective_class
 from models.diffusion.samplers import MaskedSampler
-from models.hf.configuration_difflm import DiffLMConfig
-from models.hf.modeling_difflm import DiffLMForMaskedLM
 
 V = 64  # ids 0 eos, 1 mask, 2 pad
 
@@ -178,24 +176,10 @@ def test_flops_count_two_streams_and_the_masked_pairs(tmp_path):
 
 
 def _model(size: int = 4, clean: str = "block_causal", mode: str = "difflm-block", seed: int = 0, vocab: int = V):
-    torch.manual_seed(seed)
-    cfg = DiffLMConfig(
-        vocab_size=vocab,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        bidirectional=mode != "ar",
-        model_running_mode=mode,
-        mask_token_id=1,
-        eos_token_id=0,
-        pad_token_id=2,
-        special_ids=[0, 1, 2],
-        max_position_embeddings=64,
-        block_size=size if mode == "difflm-block" else None,
-        clean_attention=clean if mode == "difflm-block" else None,
+    block = mode == "difflm-block"
+    return tiny_hf_model(
+        mode, seed, vocab, block_size=size if block else None, clean_attention=clean if block else None
     )
-    return DiffLMForMaskedLM(cfg).eval()
 
 
 @torch.no_grad()

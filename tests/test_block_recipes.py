@@ -7,13 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_config
+from helpers import tiny_config, tiny_hf_model
 
 from models.diffusion.blocks import block_elbo_terms
 from models.diffusion.modes import BlockDiffusion
 from models.diffusion.samplers import MaskedSampler
-from models.hf.configuration_difflm import DiffLMConfig
-from models.hf.modeling_difflm import DiffLMForMaskedLM
 
 V = 64  # ids 0 eos, 1 mask, 2 pad
 
@@ -37,24 +35,7 @@ def _prepare(objective, x0, evaluation=False):
 
 
 def _model(shift: bool = True, clean: str = "block_causal", size: int = 4, seed: int = 0):
-    torch.manual_seed(seed)
-    cfg = DiffLMConfig(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        model_running_mode="difflm-block",
-        mask_token_id=1,
-        eos_token_id=0,
-        pad_token_id=2,
-        special_ids=[0, 1, 2],
-        max_position_embeddings=64,
-        block_size=size,
-        clean_attention=clean,
-        block_shift=shift,
-    )
-    return DiffLMForMaskedLM(cfg).eval()
+    return tiny_hf_model("difflm-block", seed, V, block_size=size, clean_attention=clean, block_shift=shift)
 
 
 # ---- complementary masks ----------------------------------------------------------------------------------------

@@ -10,32 +10,16 @@ import types
 
 import pytest
 import torch
+from helpers import tiny_hf_model
 
 from models.diffusion import elbo_nll_per_token
-from models.hf.configuration_difflm import DiffLMConfig
 from models.hf.modeling_difflm import DiffLMForMaskedLM
 
 V = 64  # ids 0 eos, 1 mask, 2 pad
 
 
 def _model(mode: str = "difflm-noshift", **over) -> DiffLMForMaskedLM:
-    torch.manual_seed(0)
-    cfg = DiffLMConfig(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        bidirectional=mode != "ar",
-        model_running_mode=mode,
-        mask_token_id=1,
-        eos_token_id=0,
-        pad_token_id=2,
-        special_ids=[0, 1, 2],
-        max_position_embeddings=64,
-        **over,
-    )
-    model = DiffLMForMaskedLM(cfg).eval()
+    model = tiny_hf_model(mode, 0, V, **over)
     with torch.no_grad():  # trained (non-zero) time conditioning: t changes the output
         for name, p in model.named_parameters():
             if "linear_2.weight" in name:

@@ -5,31 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_hf_model
 
 from models.diffusion.samplers import MaskedSampler
-from models.hf.configuration_difflm import DiffLMConfig
-from models.hf.modeling_difflm import DiffLMForMaskedLM
 
 V = 64  # ids 0 eos, 1 mask, 2 pad
 
 
 def _model(mode: str = "difflm-noshift", seed: int = 0, **over):
-    torch.manual_seed(seed)
-    cfg = DiffLMConfig(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        model_running_mode=mode,
-        mask_token_id=1,
-        eos_token_id=0,
-        pad_token_id=2,
-        special_ids=[0, 1, 2],
-        max_position_embeddings=64,
-        **over,
-    )
-    return DiffLMForMaskedLM(cfg).eval()
+    return tiny_hf_model(mode, seed, V, **over)
 
 
 MODELS = {
