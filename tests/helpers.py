@@ -38,3 +38,13 @@ def tiny_hf_model(mode: str = "difflm-noshift", seed: int = 0, vocab: int = 64, 
         **over,
     )
     return DiffLMForMaskedLM(cfg).eval()
+
+
+class CharTokenizer:
+    """A stand-in tokenizer for the scorer: one id per character (ids 3..42), decoded to letters."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [3 + ord(c) % 40 for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import tiny_config, tiny_hf_model
+from helpers import CharTokenizer, tiny_config, tiny_hf_model
 
 from models.diffusion.blocks import attention_pairs, block_elbo_terms, decode_keep, two_stream_keep
 from models.diffusion.modes import BlockDiffusion, objective_class
@@ -536,21 +536,13 @@ def test_cuda_flex_attention_two_stream_mask_matches_dense_with_gradients():
         assert all((a - b).abs().max().item() < 1e-3 for a, b in zip(grads, ref))
 
 
-class _CharTokenizer:
-    def encode(self, text, add_special_tokens=False):
-        return [3 + ord(c) % 40 for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + i % 26) for i in ids)
-
-
 @torch.no_grad()
 def test_lm_eval_scoring_and_generation_go_through_the_block_objective():
     """The scorer behind `difflm eval` and the lm-eval adapter: log-likelihood (with is_greedy), rolling
     log-likelihood over windows, and generation with the block decoder's settings recorded per sample."""
     from models.evaluation.scoring import Scorer
 
-    scorer = Scorer(_model(size=4), _CharTokenizer(), mc_samples=4, max_length=24)
+    scorer = Scorer(_model(size=4), CharTokenizer(), mc_samples=4, max_length=24)
     scores = scorer.loglikelihood([("the cat", " sat"), ("a dog", " ran far")])
     assert all(math.isfinite(ll) and ll < 0 and isinstance(greedy, bool) for ll, greedy in scores)
     rolling = scorer.loglikelihood_rolling(["a text long enough to need more than one window of 24 tokens"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_hf_model
+from helpers import CharTokenizer, tiny_hf_model
 
 from models.diffusion.samplers import MaskedSampler
 
@@ -107,19 +107,11 @@ def test_prefix_cache_refuses_what_it_cannot_do():
         _generate(uniform, torch.randint(3, V, (1, 4)), MaskedSampler(steps=4, prefix_cache=True))
 
 
-class _CharTokenizer:
-    def encode(self, text, add_special_tokens=False):
-        return [3 + ord(c) % 40 for c in text]
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(97 + i % 26) for i in ids)
-
-
 @torch.no_grad()
 def test_every_sample_records_the_flag():
     from models.evaluation.scoring import Scorer
 
-    scorer = Scorer(_model(), _CharTokenizer(), mc_samples=2, max_length=32)
+    scorer = Scorer(_model(), CharTokenizer(), mc_samples=2, max_length=32)
     for flag in (True, False):
         recs = scorer.generate(["the cat", "a", "dog"], 8, MaskedSampler(steps=8, block_length=4, prefix_cache=flag))
         assert [r["sampler"]["prefix_cache"] for r in recs] == [flag] * 3
