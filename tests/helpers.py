@@ -7,6 +7,16 @@ from pathlib import Path
 
 from difflm.config import PipelineConfig, load_config
 
+# a four-step run that evaluates and checkpoints twice: the cluster launchers' tests train it
+SHORT_RUN = [
+    "train.train_iters=4",
+    "train.warmup_iters=1",
+    "checkpoint.save_interval=2",
+    "train.eval_interval=2",
+    "train.log_interval=2",
+    "train.eval_iters=1",
+]
+
 
 def tiny_config(workdir: Path, *overrides: str) -> PipelineConfig:
     """The test-tiny preset with its outputs under `workdir`, and `section.field=value` overrides."""

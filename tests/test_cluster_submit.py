@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import SHORT_RUN as SHORT
 from helpers import tiny_config
 
 from models.launch.cluster import (
@@ -26,14 +27,6 @@ from models.launch.torchrun import TrainingError, launch_training, run_dir
 pytestmark = pytest.mark.integration  # the fake kubectl runs as Python processes
 
 ROOT = Path(__file__).resolve().parent.parent
-SHORT = [
-    "train.train_iters=4",
-    "train.warmup_iters=1",
-    "checkpoint.save_interval=2",
-    "train.eval_interval=2",
-    "train.log_interval=2",
-    "train.eval_iters=1",
-]
 
 FAKE_KUBECTL = r"""
 import json, os, signal, socket, subprocess, sys

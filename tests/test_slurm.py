@@ -17,19 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import SHORT_RUN as SHORT
 from helpers import tiny_config
 
 from models.launch.cluster import SLURM_ACTIVE, ClusterError, slurm_job_state, slurm_script, submit_slurm
 from models.launch.torchrun import TrainingError, is_finished, launch_training, read_metrics, run_dir
 
-SHORT = [
-    "train.train_iters=4",
-    "train.warmup_iters=1",
-    "checkpoint.save_interval=2",
-    "train.eval_interval=2",
-    "train.log_interval=2",
-    "train.eval_iters=1",
-]
 SLURM = ["train.launcher=slurm", "train.slurm.gpus_per_node=0", "train.slurm.poll_seconds=0.3"]
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = {"hash": "0123456789abcdef", "dir": "/nowhere", "splits": {}}  # a run that is never trained here
