@@ -58,3 +58,15 @@ class CharTokenizer:
 
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(97 + i % 26) for i in ids)
+
+
+def assert_same_weights(a, b, where: str = "") -> None:
+    """Bit for bit: a resumed or requeued run against an uninterrupted one (nested dicts of tensors)."""
+    import torch
+
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_weights(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where

@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 from fault_injection import fault_launch
-from helpers import tiny_config
+from helpers import assert_same_weights, tiny_config
 
 from models.launch.torchrun import TrainingError, TrainingPreempted, launch_training, read_metrics, run_dir
 
@@ -38,15 +38,6 @@ def _weights(info: dict) -> dict[str, torch.Tensor]:
     from models.hf.convert import load_megatron_weights
 
     return load_megatron_weights(Path(info["checkpoint"]))
-
-
-def _assert_same_weights(a, b, where: str = "") -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for k in a:
-            _assert_same_weights(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +109,7 @@ def test_kill9_during_training_and_during_a_save_then_rerun_gives_identical_weig
 
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
     assert re.search(r"start_iter=[1-9]", (rdir / "train.log").read_text())  # resumed, not restarted
-    _assert_same_weights(_weights(info), reference)
+    assert_same_weights(_weights(info), reference)
 
 
 @pytest.mark.slow
@@ -135,7 +126,7 @@ def test_sigterm_checkpoints_exits_as_preempted_and_resumes_identically(session_
     assert 5 <= err.iteration < 16 and "rerun the same command to resume" in str(err)
     assert (rdir / "checkpoints" / f"iter_{err.iteration:07d}").is_dir()  # saved on the signal, not on schedule
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
-    _assert_same_weights(_weights(info), reference)
+    assert_same_weights(_weights(info), reference)
 
 
 @pytest.mark.slow

@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from helpers import SHORT_RUN as SHORT
-from helpers import tiny_config
+from helpers import assert_same_weights, tiny_config
 
 from models.launch.cluster import SLURM_ACTIVE, ClusterError, slurm_job_state, slurm_script, submit_slurm
 from models.launch.torchrun import TrainingError, is_finished, launch_training, read_metrics, run_dir
@@ -136,15 +135,6 @@ def _weights(checkpoint: str) -> dict:
     return load_megatron_weights(Path(checkpoint))
 
 
-def _assert_same(a, b, where: str = "") -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-
-
 def _until(predicate, timeout: float = 300.0) -> None:
     end = time.monotonic() + timeout
     while not predicate():
@@ -223,7 +213,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(
     assert 2 <= preempted_at < PREEMPT_ITERS and f"start_iter={preempted_at}" in log  # the requeued job resumed
     assert len(_job_logs(rdir)) == 1 and json.loads((rdir / "slurm-job.json").read_text())["job_id"] == job_id
     assert Path(info["checkpoint"]).name == f"iter_{PREEMPT_ITERS:07d}" and not info["reused"]
-    _assert_same(_weights(info["checkpoint"]), _weights(preempt_reference["checkpoint"]))
+    assert_same_weights(_weights(info["checkpoint"]), _weights(preempt_reference["checkpoint"]))
 
 
 # ---- the time limit: --signal=B:USR1@N before it, checkpoint, requeue, resume ---------------------------------
@@ -286,7 +276,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(
     assert 1 <= preempted_at < PREEMPT_ITERS and f"start_iter={preempted_at}" in log  # the requeued job resumed
     assert "DUE TO TIME LIMIT" not in log  # signalled before the limit, never killed by it
     assert Path(info["checkpoint"]).name == f"iter_{PREEMPT_ITERS:07d}" and not info["reused"]
-    _assert_same(_weights(info["checkpoint"]), _weights(preempt_reference["checkpoint"]))
+    assert_same_weights(_weights(info["checkpoint"]), _weights(preempt_reference["checkpoint"]))
 
 
 # ---- without training: submission problems, reattachment ---------------------------------------------------
