@@ -34,6 +34,7 @@ from urllib.parse import quote
 
 from data_prep import corpus
 from difflm import OFFLINE_ENV
+from difflm.outputs import private_umask
 
 ROOT = Path(__file__).resolve().parent.parent
 INIT_SCRIPT = ROOT / "deploy" / "postgres-init.sh"
@@ -582,12 +583,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     # the services' data (PostgreSQL, artifacts, Prefect state, the worker's runs) is not for other users of the
     # host: no access for others, inherited by every service and the trainers the worker starts (issue 22)
-    umask = os.umask(0o027)
-    os.umask(umask | 0o027)
-    try:
+    with private_umask():
         return _run(a)
-    finally:
-        os.umask(umask)  # an in-process caller (tests) keeps its own
 
 
 def _run(a: argparse.Namespace) -> int:

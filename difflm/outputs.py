@@ -38,6 +38,18 @@ def check_replaceable(out_dir: Path, marker: str, what: str) -> None:
     )
 
 
+@contextmanager
+def private_umask() -> Iterator[None]:
+    """No access for others (group keeps read) to what is written inside, and by the processes started inside;
+    the caller's umask comes back after (an in-process caller, e.g. a test, keeps its own)."""
+    before = os.umask(0o027)
+    os.umask(before | 0o027)
+    try:
+        yield
+    finally:
+        os.umask(before)
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)

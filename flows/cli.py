@@ -26,6 +26,7 @@ import yaml
 from difflm import set_offline_env
 from difflm.config import CONFIG_DIR, PipelineConfig, load_config, validate
 from difflm.errors import UserError, disk_full, is_disk_full
+from difflm.outputs import private_umask
 
 # Flows, stages and models are imported inside the handlers (and in `_run_of_*`): `difflm --help` then loads
 # argparse and the config only (well under a second), and a command loads only what it runs (torch, megatron,
@@ -829,15 +830,13 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
     args = _parse(argv)
     cmd = BY_NAME[args.command]
-    # what the pipeline writes (data, checkpoints, exports, Prefect state) is not for other users of the host:
-    # no access for others (group keeps read), also in the trainers it starts
-    umask = os.umask(0o027)
-    os.umask(umask | 0o027)
     before = {k: os.environ.get(k) for k in TEMPORARY_SERVER_AUTH}
     try:
-        return _main(cmd, args)
+        # what the pipeline writes (data, checkpoints, exports, Prefect state) is not for other users of the
+        # host, also in the trainers it starts
+        with private_umask():
+            return _main(cmd, args)
     finally:
-        os.umask(umask)
         for key, value in before.items():  # an in-process caller (tests) keeps its own environment
             if value is None:
                 os.environ.pop(key, None)
