@@ -13,6 +13,7 @@ from conftest import tiny_config
 from difflm.config import ConfigError, load_config
 from models.diffusion import anneal_ratio, annealed_attention_mask, cart_weights
 from models.diffusion.modes import MaskedDiffusion, ShiftedMaskedDiffusion
+from models.megatron.forward_step import SpecialTokens, objective_of
 
 # ---- CART (Dream) ------------------------------------------------------------------------------------------
 
@@ -182,6 +183,18 @@ def test_adaptation_presets_load_and_cite_their_sources(preset):
         assert cfg.diffusion.loss_weighting == "cart" and cfg.diffusion.attention_anneal_steps == 0
     else:
         assert cfg.diffusion.attention_anneal_steps > 0
+        assert cfg.diffusion.normalize_by == "masked_tokens"  # DiffuLLaMA divides by the masked count
+
+
+def test_diffullama_preset_normalises_its_loss_by_the_masked_tokens():
+    cfg = load_config("adapt-diffullama", [])
+    special = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
+    objective = objective_of(cfg, special)
+    scored = torch.tensor([[True, False, True, False]])
+    out = torch.ones(1, 4)
+    prepared = {"scored": scored, "t": torch.tensor([0.5]), "valid": torch.ones(1, 4, dtype=torch.bool)}
+    total, count = objective.loss_terms(out, prepared, evaluation=False)
+    assert float(count) == 2.0 and float(total) == 4.0  # (1/t) * CE summed over the masked, / their count
 
 
 # ---- a real pretrained LM: SmolLM2-135M-Instruct ---------------------------------------------------------
