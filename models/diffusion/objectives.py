@@ -50,9 +50,12 @@ def cart_weights(masked: torch.Tensor, context: torch.Tensor, p: float = 0.3) ->
     `masked` is False.
 
     `masked` [b, s]: the masked positions; `context` [b, s]: the clean tokens that count (the data tokens that
-    are not masked). The weight replaces 1/t (Dream trains on it; it is not an ELBO). This follows the published formula;
-    dllm's reference (`pipelines/dream/trainer.py::cart_weight`) subtracts the offset once more (there an adjacent
-    clean token adds 0, one at distance d what the formula gives d - 1)."""
+    are not masked). The weight replaces 1/t (Dream trains on it; it is not an ELBO). It follows the published
+    formula and equals dllm's reference (`pipelines/dream/trainer.py::cart_weight`) to float rounding.
+
+    The context is every clean token of the row: packed documents are not told apart, so under
+    `model.document_attention` the clean tokens of a neighbouring document raise the weight of a masked token
+    that cannot attend to them."""
     s = masked.shape[1]
     idx = torch.arange(s, device=masked.device)
     dist = (idx[None, :] - idx[:, None]).abs()  # [s, s]
