@@ -239,7 +239,13 @@ def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -
         HashShard(),
         *cleaning_steps(cfg),
         SplitSourceWriter(
-            str(out), tok.json_file, cfg.tokenizer.eos_token, d.valid_fraction, d.test_fraction, d.split_seed
+            str(out),
+            tok.json_file,
+            cfg.tokenizer.eos_token,
+            d.valid_fraction,
+            d.test_fraction,
+            d.split_seed,
+            mask_token=cfg.tokenizer.mask_token,
         ),
     ]
     executor = build_executor(cfg, pipeline, out / "logs")

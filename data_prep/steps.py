@@ -6,8 +6,13 @@ import hashlib
 import unicodedata
 
 from datatrove.data import Document, DocumentsPipeline
+from datatrove.io import get_datafolder
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.filters.base_filter import BaseFilter
+from datatrove.pipeline.tokens.megatron_tokenizer import MegatronTokenizedFile
+from datatrove.utils.batching import batched
+from tokenizers import Tokenizer
+from tokenizers.processors import TemplateProcessing
 
 from data_prep.split import split_of
 
@@ -87,7 +92,9 @@ class SplitSourceWriter(PipelineStep):
     """Tokenize (EOS appended) and write one Megatron .bin/.idx per (split, source) for this task.
 
     Uses datatrove's MegatronTokenizedFile, whose output is byte-identical to megatron-core's builder.
-    Token width (2 or 4 bytes) follows the vocabulary size.
+    Token width (2 or 4 bytes) follows the vocabulary size. A document whose text holds the literal
+    `mask_token` (a reused special token such as SmolLM2's `<empty_output>` occurs in real notebooks) is encoded
+    with special tokens split into plain text: the mask id never enters the clean data.
     """
 
     name = "✍️ split/source writer"
@@ -102,45 +109,51 @@ class SplitSourceWriter(PipelineStep):
         test_fraction: float,
         salt: int,
         batch_size: int = 512,
+        mask_token: str | None = None,
     ):
         super().__init__()
         self.output_folder, self.tokenizer_file, self.eos_token = output_folder, tokenizer_file, eos_token
+        self.mask_token = mask_token
         self.valid_fraction, self.test_fraction, self.salt = valid_fraction, test_fraction, salt
         self.batch_size = batch_size
 
-    def _tokenizer(self):
-        from tokenizers import Tokenizer
-        from tokenizers.processors import TemplateProcessing
-
+    def _tokenizer(self, split_special: bool = False) -> Tokenizer:
         tok = Tokenizer.from_file(self.tokenizer_file)
         eos_id = tok.token_to_id(self.eos_token)
         tok.post_processor = TemplateProcessing(
             single=f"$A {self.eos_token}", special_tokens=[(self.eos_token, eos_id)]
         )
+        tok.encode_special_tokens = split_special  # True: special tokens in the text are plain text
         return tok
 
-    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from datatrove.io import get_datafolder
-        from datatrove.pipeline.tokens.megatron_tokenizer import MegatronTokenizedFile
-        from datatrove.utils.batching import batched
+    def _encode(self, tok: Tokenizer, plain: Tokenizer, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text; texts holding the mask's literal string go through `plain`."""
+        ids = [enc.ids for enc in tok.encode_batch(texts)]
+        if self.mask_token:
+            for i, text in enumerate(texts):
+                if self.mask_token in text:
+                    ids[i] = plain.encode(text).ids
+                    self.stat_update("mask_literal.documents")
+        return ids
 
-        tok = self._tokenizer()
+    def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        tok, plain = self._tokenizer(), self._tokenizer(split_special=True)
         token_size = 4 if tok.get_vocab_size() > 65536 else 2
         folder = get_datafolder(self.output_folder)
         writers: dict[tuple[str, str], MegatronTokenizedFile] = {}
         for batch in batched(data, self.batch_size):
             with self.track_time(unit="batch"):
-                encoded = tok.encode_batch([d.text for d in batch])
-            for doc, enc in zip(batch, encoded):
+                encoded = self._encode(tok, plain, [d.text for d in batch])
+            for doc, ids in zip(batch, encoded):
                 split = split_of(doc.text, self.valid_fraction, self.salt, self.test_fraction)
                 key = (split, doc.metadata.get("source", "data"))
                 if key not in writers:
                     writers[key] = MegatronTokenizedFile(
                         folder, f"{split}/{key[1]}/{rank:05d}_tokens", token_size=token_size
                     )
-                writers[key].write(enc.ids)
+                writers[key].write(ids)
                 self.stat_update(f"{split}.documents")
-                self.stat_update(f"{split}.tokens", value=len(enc.ids))
+                self.stat_update(f"{split}.tokens", value=len(ids))
         for w in writers.values():
             w.close()
         return

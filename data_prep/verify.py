@@ -39,8 +39,8 @@ def read_index(idx_path: Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.nda
     return np.dtype(_DTYPES[code]), lengths, pointers, docs
 
 
-def verify_shard(prefix: str, vocab_size: int) -> tuple[int, int]:
-    """Check one .bin/.idx pair; returns (documents, tokens)."""
+def verify_shard(prefix: str, vocab_size: int, mask_id: int | None = None) -> tuple[int, int]:
+    """Check one .bin/.idx pair, and that the clean tokens never hold the mask id; returns (documents, tokens)."""
     idx, bin_ = Path(prefix + ".idx"), Path(prefix + ".bin")
     if not idx.exists() or not bin_.exists():
         raise DataVerificationError(f"{prefix}: .idx or .bin missing")
@@ -63,19 +63,25 @@ def verify_shard(prefix: str, vocab_size: int) -> tuple[int, int]:
             raise DataVerificationError(
                 f"{bin_}: token id {top if top >= vocab_size else low} is outside the vocabulary [0, {vocab_size})"
             )
+        masks = 0 if mask_id is None else int(np.count_nonzero(tokens == mask_id))
+        if masks:  # a clean token equal to the mask would look masked to the model and never be scored
+            raise DataVerificationError(
+                f"{bin_}: the mask token id {mask_id} occurs {masks} times in the clean data (its text was "
+                f"tokenized as the special token; today's data prep encodes it as plain text)"
+            )
     return len(lengths), n_tokens
 
 
 def verify(manifest: dict) -> dict:
     """Verify every shard of a manifest; returns {'shards', 'documents', 'tokens'} checked."""
-    vocab = manifest["tokenizer"]["vocab_size"]
+    vocab, mask_id = manifest["tokenizer"]["vocab_size"], manifest["tokenizer"].get("mask_id")
     hint = f"delete {manifest['dir']} and rerun data prep"
     shards = docs_total = tokens_total = 0
     try:
         for split, s in manifest["splits"].items():
             per_source: dict[str, list[int]] = {}
             for prefix in s["prefixes"]:
-                n_docs, n_tok = verify_shard(prefix, vocab)
+                n_docs, n_tok = verify_shard(prefix, vocab, mask_id)
                 src = Path(prefix).parent.name
                 acc = per_source.setdefault(src, [0, 0])
                 acc[0] += n_docs

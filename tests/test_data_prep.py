@@ -178,6 +178,29 @@ def test_verification_catches_corruption(tmp_path, tiny_manifest):
     assert verify(m)["documents"] == 20
 
 
+def _shard_tokens(manifest: dict) -> np.ndarray:
+    width = np.uint16 if manifest["token_bytes"] == 2 else np.int32
+    prefixes = [p for s in manifest["splits"].values() for p in s["prefixes"]]
+    return np.concatenate([np.fromfile(p + ".bin", width) for p in prefixes])
+
+
+def test_the_mask_token_never_enters_the_clean_data(tmp_path, tiny_manifest):
+    mask = tiny_manifest["tokenizer"]["mask_id"]
+    texts = [t + (" cell <|mask|> out" if i % 2 else "") for i, t in enumerate(_docs(20, "m"))]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    m = prepare_data(_cfg(tmp_path, tiny_manifest, f"data.sources=[{src}]"))
+    tokens = _shard_tokens(m)
+    assert mask not in tokens and m["splits"]["train"]["documents"] + m["splits"]["valid"]["documents"] == 20
+    prefix = m["splits"]["train"]["prefixes"][0]  # a shard with the mask id in it is refused, with the count
+    binary = Path(prefix + ".bin")
+    tokens = np.fromfile(binary, np.uint16)
+    tokens[[3, 7]] = mask
+    binary.write_bytes(tokens.tobytes())
+    with pytest.raises(DataVerificationError, match=f"mask token id {mask} occurs 2 times.*delete"):
+        verify(m)
+
+
 def test_bad_records_are_counted_skips(tmp_path, tiny_manifest):
     good = _docs(12, "ok")
     lines = [json.dumps({"text": t}).encode() for t in good]
