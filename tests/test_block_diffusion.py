@@ -51,15 +51,19 @@ def test_mask_equals_a_brute_force_loop(length, size, token_causal):
 
 
 def test_decode_mask_is_the_training_rule_on_the_decoded_layout():
-    """[prompt + finished blocks (clean) | current block (noisy)]: the last block sees every clean token and
-    itself, the clean part is the clean half's rule (blocks anchored at the end of the prompt)."""
-    p, size = 5, 3
-    keep = decode_keep(p + 2 * size, p + 2 * size, p, p + size, size, False)[0, 0]
-    noisy = slice(p + size, p + 2 * size)
-    assert keep[noisy].all()  # sees all the clean tokens and its own block
-    assert not keep[: p + size, noisy].any()
-    blocks = (torch.arange(p + size) - p).div(size, rounding_mode="floor")
-    assert torch.equal(keep[: p + size, : p + size], blocks[None] <= blocks[:, None])
+    """[finished blocks (clean) | current block (noisy)]: the last block sees every clean token and itself, the
+    clean part is the clean half's rule, blocks counted from position 0 as in training."""
+    size, n_clean = 3, 8  # the current block starts mid-way through block 2: its first token is a kept one
+    keep = decode_keep(n_clean + size, n_clean + size, n_clean, size, False)[0, 0]
+    noisy = slice(n_clean, n_clean + size)
+    assert not keep[:n_clean, noisy].any()
+    blocks = torch.arange(n_clean + size) // size
+    assert torch.equal(keep[noisy, :n_clean], (blocks[:n_clean] < blocks[noisy, None]))  # earlier blocks only
+    assert torch.equal(keep[:n_clean, :n_clean], blocks[None, :n_clean] <= blocks[:n_clean, None])
+    aligned = decode_keep(12, 12, 9, size, False)[0, 0]  # the training rule, clean half then noisy block
+    train = two_stream_keep(12, size)[0, 0]
+    assert torch.equal(aligned[:9, :9], train[12:21, 12:21]) and torch.equal(aligned[9:, 9:], train[9:12, 9:12])
+    assert torch.equal(aligned[9:, :9], train[9:12, 12:21])
 
 
 def test_flex_attention_mask_mod_gives_the_dense_mask():
@@ -337,6 +341,21 @@ def test_greedy_match_is_what_block_decoding_produces():
     assert not model.greedy_match(other, target).any()
 
 
+@pytest.mark.parametrize("clean", ["block_causal", "token_causal"])
+@torch.no_grad()
+def test_greedy_match_holds_for_prompts_that_end_inside_a_block(clean):
+    """Decoding uses training's blocks, counted from position 0: the prompt's last, partial block is the first
+    one decoded. So greedy_match describes the model's own greedy decoding whatever the prompt's length."""
+    for seed in range(3):
+        model = _model(size=4, clean=clean, seed=seed)
+        for p in (5, 6, 7):
+            prompt = torch.randint(3, V, (3, p), generator=torch.Generator().manual_seed(100 * seed + p))
+            seq = model.block_generate(prompt, 8, MaskedSampler(steps=8, stop_at_eos=False))
+            target = torch.zeros_like(seq, dtype=torch.bool)
+            target[:, p:] = True
+            assert model.greedy_match(seq, target).all(), (seed, p)
+
+
 # ---- decoding -------------------------------------------------------------------------------------------------
 
 
@@ -374,23 +393,25 @@ def test_kv_cache_equals_the_clean_half_of_a_full_forward():
     model = _model(size=4)
     seq = model.block_generate(torch.randint(3, V, (1, 8)), 8, MaskedSampler(steps=8, stop_at_eos=False))
     whole = [{} for _ in model.layers]
-    logits = model(seq, past_key_values=whole, attention_keep=decode_keep(16, 16, 8, 16, 4, False)).logits
+    logits = model(seq, past_key_values=whole, attention_keep=decode_keep(16, 16, 16, 4, False)).logits
     assert torch.allclose(logits, model(torch.ones_like(seq), clean_ids=seq).logits[:, 16:], atol=1e-5)
     parts = [{} for _ in model.layers]
     for a, z in [(0, 8), (8, 12), (12, 16)]:
-        model(seq[:, a:z], past_key_values=parts, attention_keep=decode_keep(z, z - a, 8, z, 4, False))
+        model(seq[:, a:z], past_key_values=parts, attention_keep=decode_keep(z, z - a, z, 4, False))
     for w, p in zip(whole, parts):
         assert torch.allclose(w["k"], p["k"], atol=1e-5) and torch.allclose(w["v"], p["v"], atol=1e-5)
 
 
+@pytest.mark.parametrize("threshold", [0.5, None])
 @torch.no_grad()
-def test_batched_left_padded_decoding_equals_one_by_one():
+def test_batched_left_padded_decoding_equals_one_by_one(threshold):
+    """Each row keeps its own blocks (from its first token) in a left-padded batch."""
     model = _model(size=4)
-    prompts = [torch.randint(3, V, (n,)) for n in (5, 3, 7)]
+    prompts = [torch.randint(3, V, (n,)) for n in (5, 3, 7, 8)]
     width = max(len(p) for p in prompts)
     batch = torch.stack([torch.cat([torch.full((width - len(p),), 2), p]) for p in prompts])
     attn = torch.stack([torch.cat([torch.zeros(width - len(p)), torch.ones(len(p))]) for p in prompts]).long()
-    settings = MaskedSampler(steps=6, threshold=0.5, stop_at_eos=False)
+    settings = MaskedSampler(steps=6, threshold=threshold, stop_at_eos=False)
     together = model.block_generate(batch, 9, settings, attention_mask=attn)
     for i, p in enumerate(prompts):
         alone = model.block_generate(p[None], 9, settings)

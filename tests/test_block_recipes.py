@@ -169,15 +169,34 @@ def test_shifted_decoding_cached_equals_uncached_and_records_the_shift(clean, te
 
 
 @torch.no_grad()
-def test_shifted_greedy_match_is_what_block_decoding_produces():
-    """Decoding reads the first token of a block from the prompt's / finished block's clean logit, as training
-    and the bound do: greedy block decoding's own continuation is a greedy match of the two-stream path."""
+def test_shifted_left_padded_batch_equals_one_by_one():
     model = _model(shift=True)
-    prompt = torch.randint(3, V, (3, 4))
+    prompts = [torch.randint(3, V, (n,)) for n in (2, 5, 8)]
+    batch = torch.stack([torch.cat([torch.full((8 - len(p),), 2), p]) for p in prompts])
+    attn = torch.stack([torch.cat([torch.zeros(8 - len(p)), torch.ones(len(p))]) for p in prompts]).long()
+    settings = MaskedSampler(steps=5, stop_at_eos=False)
+    for cache in (True, False):
+        together = model.block_generate(batch, 7, settings, attention_mask=attn, use_cache=cache)
+        for i, p in enumerate(prompts):
+            alone = model.block_generate(p[None], 7, settings, use_cache=cache)
+            assert torch.equal(together[i, 8:], alone[0, len(p) :]), (i, cache)
+
+
+@pytest.mark.parametrize("p", [4, 5, 7])
+@torch.no_grad()
+def test_shifted_greedy_match_is_what_block_decoding_produces(p):
+    """Decoding reads the first token of a block from the prompt's / finished block's clean logit, as training
+    and the bound do, with training's blocks (a prompt ending inside a block leaves its tail in the first noisy
+    block): greedy block decoding's own continuation is a greedy match of the two-stream path."""
+    model = _model(shift=True)
+    for seed in range(3):
+        prompt = torch.randint(3, V, (3, p), generator=torch.Generator().manual_seed(seed))
+        seq = model.block_generate(prompt, 8, MaskedSampler(steps=8, stop_at_eos=False))
+        target = torch.zeros_like(seq, dtype=torch.bool)
+        target[:, p:] = True
+        assert model.greedy_match(seq, target).all(), seed
+    prompt = prompt[:, :4]
     seq = model.block_generate(prompt, 8, MaskedSampler(steps=8, stop_at_eos=False))
-    target = torch.zeros_like(seq, dtype=torch.bool)
-    target[:, 4:] = True
-    assert model.greedy_match(seq, target).all()
     unshifted = _model(shift=False)  # same weights: the shift changes what decoding produces
     assert not torch.equal(unshifted.block_generate(prompt, 8, MaskedSampler(steps=8, stop_at_eos=False)), seq)
 

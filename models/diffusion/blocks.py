@@ -6,14 +6,17 @@ Pure torch, shipped flat in every export folder. Training and evaluation run the
 - a clean token sees the clean blocks up to its own (block-causal), or the clean tokens up to itself
   (token-causal: Megatron-Bridge's `sbd_block_diff`, which makes the clean half an AR model);
 - no clean token ever sees a noisy one.
-Decoding is the same rule on [prompt + finished blocks (clean) | the current block (noisy)], blocks anchored
-at the end of the prompt, so the keys and values of finished blocks are exactly those of the clean half: a KV
-cache of them is exact.
+Decoding is the same rule on [finished blocks (clean) | the current block (noisy)], with the blocks of training:
+anchored at position 0 (BD3-LM, Fast-dLLM v2), so the prompt's last, partial block is the first noisy one, its
+prompt tokens kept. The keys and values of finished blocks are exactly those of the clean half: a KV cache of
+them is exact. `DecodeLayout` places a left-padded batch so that every row keeps its own partition.
 
 `allowed` is written on index tensors so it serves as a dense mask here and as FlexAttention's mask_mod.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -68,17 +71,84 @@ def two_stream_keep(
 
 
 def decode_keep(
-    n_keys: int, n_queries: int, prompt_len: int, noisy_from: int, block_size: int, token_causal: bool, device=None
+    n_keys: int, n_queries: int, noisy_from: int, block_size: int, token_causal: bool, device=None
 ) -> torch.Tensor:
     """[1, 1, n_queries, n_keys] bool: the rule for the last `n_queries` of `n_keys` positions of a decoded
-    sequence whose positions from `noisy_from` on are the current (noisy) block; blocks are anchored at
-    `prompt_len` (the prompt's blocks end there), so every row of a left-padded batch sees the same partition."""
+    sequence whose positions from `noisy_from` on are the current (noisy) block; blocks are those of training,
+    `position // block_size` (a `DecodeLayout` canvas gives every row this partition)."""
     pos = torch.arange(n_keys, device=device)
-    block = torch.div(pos - prompt_len, block_size, rounding_mode="floor")
+    block = torch.div(pos, block_size, rounding_mode="floor")
     noisy = pos >= noisy_from
     q = slice(n_keys - n_queries, n_keys)
     keep = allowed(noisy[q, None], block[q, None], pos[q, None], noisy[None], block[None], pos[None], token_causal)
     return keep[None, None]
+
+
+@dataclass(frozen=True)
+class DecodeLayout:
+    """Where block decoding of a LEFT-padded batch writes: one canvas [b, width] whose grid blocks
+    (`column // block_size`) are every row's own blocks counted from its first real token, as in training.
+
+    Row r's prompt of n_r tokens starts at column `block_size * (Q - n_r // block_size)`, so every prompt ends
+    inside grid block Q = max_r n_r // block_size, the first block decoded (its prompt tokens stay fixed); the
+    row's `new_tokens` follow at once; the width is whole blocks. Columns before and after a row's tokens are
+    padding (never attended).
+    RoPE is relative, so moving a row along the canvas changes none of its logits."""
+
+    block_size: int
+    new_tokens: int
+    first_block: int  # Q: every row's first noisy block
+    width: int
+    starts: torch.Tensor  # [b] column of each row's first prompt token
+    begins: torch.Tensor  # [b] column of each row's first new token
+
+    @classmethod
+    def of(cls, real: torch.Tensor, new_tokens: int, block_size: int) -> DecodeLayout:
+        """The layout of prompts with `real` [b, p] (True at tokens, LEFT-padded)."""
+        n = real.long().sum(-1)
+        full = torch.div(n, block_size, rounding_mode="floor")
+        first = int(full.max()) if len(n) else 0
+        starts = block_size * (first - full)
+        begins = starts + n
+        end = int(begins.max()) + new_tokens if len(n) else new_tokens
+        width = -(-end // block_size) * block_size  # whole blocks: a block's step schedule is the same in any batch
+        return cls(block_size, new_tokens, first, width, starts, begins)
+
+    def columns(self) -> torch.Tensor:
+        return torch.arange(self.width, device=self.starts.device)[None]
+
+    def generated(self) -> torch.Tensor:
+        """[b, width] bool: the columns of the new tokens."""
+        cols = self.columns()
+        return (cols >= self.begins[:, None]) & (cols < self.begins[:, None] + self.new_tokens)
+
+    def keys(self) -> torch.Tensor:
+        """[b, width] bool: the columns that hold a row's tokens (prompt or new), the others are padding."""
+        cols = self.columns()
+        return (cols >= self.starts[:, None]) & (cols < self.begins[:, None] + self.new_tokens)
+
+    def place(self, prompt: torch.Tensor, new: torch.Tensor | int, padding: int) -> torch.Tensor:
+        """[b, width]: the rows of `prompt` [b, p] (LEFT-padded) on the canvas, `new` (a value, or [b] one per
+        row) at the new tokens' columns, `padding` elsewhere."""
+        b, p = prompt.shape
+        cols = self.columns()
+        new = torch.as_tensor(new, dtype=prompt.dtype, device=prompt.device).expand(b)
+        out = torch.where(self.generated(), new[:, None], torch.full_like(new[:, None], padding))
+        if p:
+            in_prompt = (cols >= self.starts[:, None]) & (cols < self.begins[:, None])
+            src = (cols - self.begins[:, None] + p).clamp(0, p - 1)  # the prompt ends at column p - 1
+            out = torch.where(in_prompt, prompt.gather(1, src), out)
+        return out
+
+    def blocks(self) -> list[tuple[int, int]]:
+        """[start, end) canvas columns of the blocks to decode, from the first noisy block on."""
+        size = self.block_size
+        return [(a, a + size) for a in range(self.first_block * size, self.width, size)]
+
+    def continuation(self, canvas: torch.Tensor) -> torch.Tensor:
+        """[b, new_tokens]: the new tokens of each row."""
+        index = self.begins[:, None] + torch.arange(self.new_tokens, device=canvas.device)[None]
+        return canvas.gather(1, index)
 
 
 def attention_pairs(length: int, block_size: int, token_causal: bool) -> int:

@@ -144,14 +144,20 @@ def sample_masked_diffusion(
     settings: MaskedSampler | None = None,
     eos_id: int | None = None,
     stats: dict | None = None,
+    initial: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Generate `length` tokens after `prompt` [b, p] by iterative unmasking (LLaDA's sampler and its
     extensions, see `MaskedSampler`). Without `settings`: one block, low-confidence remasking, `steps` steps
-    at `temperature`. Prompt positions are never changed. `eos_id` enables stop_at_eos. `stats`, when given,
-    receives the number of model calls (`nfe`). Returns [b, p + length]."""
+    at `temperature`. Prompt positions are never changed. `initial` [b, length] starts the new positions
+    (default: all masked); its tokens other than the mask are kept as the prompt's are and are no part of the
+    generation for stop_at_eos (block decoding's prompt tail and padding). `eos_id` enables stop_at_eos.
+    `stats`, when given, receives the number of model calls (`nfe`). Returns [b, p + length]."""
     cfg = settings or MaskedSampler(steps=steps, temperature=temperature, stop_at_eos=False)
     b, p = prompt.shape
-    x = torch.cat([prompt, torch.full((b, length), mask_id, dtype=prompt.dtype, device=prompt.device)], dim=1)
+    if initial is None:
+        initial = torch.full((b, length), mask_id, dtype=prompt.dtype, device=prompt.device)
+    fixed = initial != mask_id
+    x = torch.cat([prompt, initial], dim=1)
     done = torch.zeros(b, dtype=torch.bool, device=x.device)
     spans = block_spans(length, cfg.block_length)
     steps_per_block = unmask_schedule(max(cfg.steps, len(spans)), len(spans)) if length else []
@@ -185,7 +191,7 @@ def sample_masked_diffusion(
                 idx = conf[i].topk(k).indices
                 x[i, idx] = pred[i, idx]
             if eos_id is not None and cfg.stop_at_eos:
-                done |= _finish_at_eos(x, p, mask_id, eos_id)
+                done |= _finish_at_eos(x, p, mask_id, eos_id, fixed)
     if stats is not None:
         stats["nfe"] = nfe
     return x
@@ -217,17 +223,18 @@ def _predict(logits, mask_id, vocab_limit, forbidden_ids, cfg: MaskedSampler, ge
     return pred, _confidence(probs, pred, cfg.remasking, generator)
 
 
-def _finish_at_eos(x: torch.Tensor, p: int, mask_id: int, eos_id: int) -> torch.Tensor:
-    """Rows whose generated part has a committed EOS with nothing masked before it: fill the rest with EOS."""
+def _finish_at_eos(x: torch.Tensor, p: int, mask_id: int, eos_id: int, fixed: torch.Tensor) -> torch.Tensor:
+    """Rows whose generated part (after `p`, not `fixed`) has a committed EOS with nothing masked before it:
+    fill the rest of it with EOS."""
     gen = x[:, p:]
-    is_eos = gen == eos_id
+    is_eos = (gen == eos_id) & ~fixed
     first = torch.where(
         is_eos.any(-1), is_eos.float().argmax(-1), torch.full_like(is_eos[:, 0], gen.shape[1], dtype=torch.long)
     )
     pos = torch.arange(gen.shape[1], device=x.device)[None]
     before = pos < first[:, None]
     finished = is_eos.any(-1) & ~((gen == mask_id) & before).any(-1)
-    gen[finished[:, None] & (pos > first[:, None])] = eos_id
+    gen[finished[:, None] & (pos > first[:, None]) & ~fixed] = eos_id
     return finished
 
 

@@ -18,7 +18,7 @@ from transformers.modeling_outputs import MaskedLMOutput
 
 # In an export folder these read `from .bounds import ...` and so on: `convert.export_code` rewrites the
 # `..diffusion.` prefix when it copies this file next to the diffusion modules.
-from ..diffusion.blocks import decode_keep
+from ..diffusion.blocks import DecodeLayout, decode_keep
 from ..diffusion.documents import document_attention_mask
 from ..diffusion.documents import document_ids as eos_document_ids
 from ..diffusion.modes import Objective
@@ -28,7 +28,6 @@ from ..diffusion.samplers import (
     draw_multinomial,
     filter_logits,
     sample_masked_diffusion,
-    unmask_schedule,
 )
 from ..diffusion.time_embedding import AdaLNorm, TimeEmbedding
 from ..diffusion.uniform import uniform_states
@@ -208,6 +207,54 @@ class PrefixCachedLogits:
         before = out.new_zeros(x.shape[0], start, out.shape[-1])
         before[:, -1:] = self.last
         return self.model.objective.align_logits(torch.cat([before, out], dim=1))
+
+
+class _BlockRun:
+    """The model calls of block decoding on a `DecodeLayout` canvas: the finished (clean) columns into an exact
+    KV cache, run once (with `use_cache`), and the logits of the block being decoded."""
+
+    def __init__(self, model: DiffLMForMaskedLM, rule, keys: torch.Tensor, use_cache: bool):
+        self.model, self.rule, self.keys = model, rule, keys  # keys [b, width]: False at padding
+        self.cache = [{} for _ in model.layers] if use_cache else None
+        self.cached = 0  # canvas columns whose keys and values are in the cache
+        self.last: torch.Tensor | None = None  # the clean logit of the column before the current block
+        self.nfe = 0
+
+    def prefix(self, x: torch.Tensor, end: int) -> None:
+        """Columns [cached, end) of the canvas `x`, finished, into the cache as clean tokens."""
+        if self.cache is None or end <= self.cached:
+            return
+        a = self.cached
+        keep = self.rule(end, end - a, end)
+        out = self.model(
+            x[:, a:end], attention_mask=self.keys[:, :end], past_key_values=self.cache, attention_keep=keep
+        )
+        self.last, self.cached, self.nfe = out.logits[:, -1:], end, self.nfe + 1
+
+    def logits_fn(self, start: int, end: int):
+        """The sampler's logits function while columns [start, end) are the noisy block: logits [b, end, V]
+        aligned with the tokens they predict (the sampler reads [start:])."""
+        model, keys, objective = self.model, self.keys[:, :end], self.model.objective
+        if self.cache is None:
+
+            def uncached(seq: torch.Tensor) -> torch.Tensor:
+                keep = self.rule(end, end, start)
+                return objective.align_logits(model(seq, attention_mask=keys, attention_keep=keep).logits)
+
+            return uncached
+        cache, last = self.cache, self.last
+
+        def cached(seq: torch.Tensor) -> torch.Tensor:
+            keep = self.rule(end, end - start, start)
+            out = model(
+                seq[:, start:], attention_mask=keys, past_key_values=cache, attention_keep=keep, update_cache=False
+            )
+            out = out.logits
+            if objective.block_shift:  # token i's logit is that of token i - 1: the clean one first
+                out = torch.cat([out[:, :1] if last is None else last, out[:, :-1]], dim=1)
+            return torch.cat([out.new_zeros(len(out), start, out.shape[-1]), out], dim=1)
+
+        return cached
 
 
 class DiffLMForMaskedLM(PreTrainedModel):
@@ -427,77 +474,41 @@ class DiffLMForMaskedLM(PreTrainedModel):
         stats: dict | None = None,
         use_cache: bool = True,
     ) -> torch.Tensor:
-        """Block diffusion decoding (BD3-LM): blocks of `config.block_size` after the LEFT-padded prompts, one at a
-        time; inside a block the masked sampler's rules (`settings`: remasking, threshold, top-k/top-p;
-        `settings.block_length` below the block size decodes it in sub-blocks, as Fast-dLLM v2), `settings.steps`
-        split over the blocks. Blocks are anchored at the end of the prompt. With `use_cache` the prompt and every
-        finished block are run once as clean tokens and their keys and values kept: exact, since no clean token
-        attends a noisy one (the same tokens as `use_cache=False`, which recomputes the prefix at every step).
-        Rows stop at EOS (`settings.stop_at_eos`): later blocks are EOS. `stats` gets the model calls and the
-        settings. Returns [b, p + max_new_tokens]."""
+        """Block diffusion decoding (BD3-LM): the blocks of training, `config.block_size` tokens counted from each
+        row's first prompt token (the prompt's last, partial block is the first one decoded, its prompt tokens
+        kept; `blocks.DecodeLayout` places a LEFT-padded batch), one at a time. Inside a block the masked
+        sampler's rules (`settings`: remasking, threshold, top-k/top-p; `settings.block_length` below the block
+        size decodes it in sub-blocks, as Fast-dLLM v2); a block of B positions gets ceil(steps B / new tokens)
+        steps (`settings.steps` spread over the new tokens). With `use_cache` every finished block is run once as
+        clean tokens and its keys and values kept: exact, since no clean token attends a noisy one (the same
+        tokens as `use_cache=False`, which recomputes the prefix at every step). Rows stop at EOS
+        (`settings.stop_at_eos`): later blocks are EOS. `stats` gets the model calls and the settings. Returns
+        [b, p + max_new_tokens]."""
         objective = self.objective
-        if objective.mask_id is None:
-            raise ValueError("config.mask_token_id is not set: this export cannot run the diffusion sampler")
-        if settings.cfg_scale > 0:
-            raise ValueError("classifier-free guidance is not implemented for block decoding: set cfg_scale=0")
         prompt_ids, attention_mask = self._on_device(prompt_ids, attention_mask)
-        b, p = prompt_ids.shape
         real = torch.ones_like(prompt_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        if p and not real[:, -1].all():
-            raise ValueError("prompts must be LEFT-padded for generation: set tokenizer.padding_side = 'left'")
-        if objective.block_shift and not p:
-            raise ValueError(
-                "a shifted difflm-block model needs at least one prompt token (each logit predicts the next)"
-            )
-        size, causal = objective.block_size, objective.token_causal
-        spans = [(a, min(a + size, max_new_tokens)) for a in range(0, max_new_tokens, size)]
-        steps = unmask_schedule(max(settings.steps, len(spans)), len(spans)) if spans else []
-        cache = [{} for _ in self.layers] if use_cache else None
-        docs = self._documents(prompt_ids, None) if p else None
-        if docs is not None:  # trained with document attention: the continuation belongs to the last document
-            docs = torch.cat([docs, docs[:, -1:].expand(b, max_new_tokens)], dim=1)
-
-        def rule(n_keys: int, n_queries: int, noisy_from: int) -> torch.Tensor:
-            keep = decode_keep(n_keys, n_queries, p, noisy_from, size, causal, self.device)
-            if docs is None:
-                return keep
-            d = docs[:, :n_keys]
-            return keep & (d[:, n_keys - n_queries :, None] == d[:, None, :])[:, None]
-
-        nfe, last = 0, None  # last: the clean logit of the token before the current block (it predicts its first)
-        if use_cache and p:  # the prompt's keys and values, once
-            last = self(prompt_ids, attention_mask=real, past_key_values=cache, attention_keep=rule(p, p, p)).logits
-            last, nfe = last[:, -1:], nfe + 1
-        x, eos = prompt_ids, objective.eos_id
+        self._check_block_decoding(prompt_ids, real, settings)
+        b, size = len(prompt_ids), objective.block_size
+        layout = DecodeLayout.of(real, max_new_tokens, size)
+        eos = objective.eos_id
+        padding = next(i for i in (objective.pad_id, eos, 0) if i is not None)
+        x = layout.place(prompt_ids, objective.mask_id, padding)  # [b, width]
+        keys, generated = layout.keys(), layout.generated()
+        rule = self._block_rule(prompt_ids, layout)
+        block_steps = max(1, -(-settings.steps * size // max(max_new_tokens, 1)))
+        run = _BlockRun(self, rule, keys, use_cache)
+        run.prefix(x, layout.first_block * size)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)
-        for (a, z), block_steps in zip(spans, steps):
-            start, n = p + a, z - a
-            keys = torch.cat([real, torch.ones(b, a + n, dtype=torch.bool, device=self.device)], dim=1)
-            if use_cache:
-
-                def logits_fn(seq, start=start, n=n, keys=keys, last=last):
-                    keep = rule(start + n, n, start)
-                    out = self(
-                        seq[:, start:],
-                        attention_mask=keys,
-                        past_key_values=cache,
-                        attention_keep=keep,
-                        update_cache=False,
-                    ).logits
-                    if objective.block_shift:  # token i's logit is that of token i - 1: the clean one first
-                        out = torch.cat([last, out[:, :-1]], dim=1)
-                    return torch.cat([out.new_zeros(b, start, out.shape[-1]), out], dim=1)  # the sampler reads [start:]
-            else:
-
-                def logits_fn(seq, start=start, n=n, keys=keys):
-                    keep = rule(start + n, start + n, start)
-                    return objective.align_logits(self(seq, attention_mask=keys, attention_keep=keep).logits)
-
+        for start, end in layout.blocks():
+            if eos is not None and settings.stop_at_eos:  # finished rows: the rest is EOS, not decoded
+                x[:, start:] = torch.where(done[:, None] & generated[:, start:], eos, x[:, start:])
+                if done.all():
+                    break
             block_stats: dict = {}
-            x = sample_masked_diffusion(
-                logits_fn,
-                x,
-                n,
+            decoded = sample_masked_diffusion(
+                run.logits_fn(start, end),
+                x[:, :start],
+                end - start,
                 objective.mask_id,
                 block_steps,
                 vocab_limit=objective.vocab_size,
@@ -507,25 +518,16 @@ class DiffLMForMaskedLM(PreTrainedModel):
                 settings=dataclasses.replace(settings, steps=block_steps),
                 eos_id=eos,
                 stats=block_stats,
+                initial=x[:, start:end],
             )
-            nfe += block_stats["nfe"]
+            x = torch.cat([decoded, x[:, end:]], dim=1)
+            run.nfe += block_stats["nfe"]
             if eos is not None and settings.stop_at_eos:
-                x[:, start:] = torch.where(done[:, None], torch.full_like(x[:, start:], eos), x[:, start:])
-                done |= (x[:, start:] == eos).any(-1)
-                if done.all():
-                    fill = torch.full((b, max_new_tokens - z), eos, dtype=x.dtype, device=x.device)
-                    x = torch.cat([x, fill], dim=1)
-                    break
-            if use_cache and z < max_new_tokens:  # the finished block, as clean tokens, into the cache
-                last = self(
-                    x[:, start:],
-                    attention_mask=keys,
-                    past_key_values=cache,
-                    attention_keep=rule(start + n, n, start + n),
-                ).logits[:, -1:]
-                nfe += 1
+                done |= ((x[:, start:end] == eos) & generated[:, start:end]).any(-1)
+            if end < x.shape[1]:
+                run.prefix(x, end)
         if stats is not None:
-            stats["nfe"] = nfe
+            stats["nfe"] = run.nfe
             stats["settings"] = {
                 "block_size": size,
                 "clean_attention": objective.clean_attention,
@@ -533,7 +535,37 @@ class DiffLMForMaskedLM(PreTrainedModel):
                 "kv_cache": use_cache,
                 "prefix_cache": False,  # the exact cache above is block decoding's own
             }
-        return x
+        return torch.cat([prompt_ids, layout.continuation(x)], dim=1)
+
+    def _check_block_decoding(self, prompt_ids: torch.Tensor, real: torch.Tensor, settings: MaskedSampler) -> None:
+        if self.objective.mask_id is None:
+            raise ValueError("config.mask_token_id is not set: this export cannot run the diffusion sampler")
+        if settings.cfg_scale > 0:
+            raise ValueError("classifier-free guidance is not implemented for block decoding: set cfg_scale=0")
+        p = prompt_ids.shape[1]
+        if p and not real[:, -1].all():
+            raise ValueError("prompts must be LEFT-padded for generation: set tokenizer.padding_side = 'left'")
+        if self.objective.block_shift and not p:
+            raise ValueError(
+                "a shifted difflm-block model needs at least one prompt token (each logit predicts the next)"
+            )
+
+    def _block_rule(self, prompt_ids: torch.Tensor, layout: DecodeLayout):
+        """(n_keys, n_queries, noisy_from) -> the attention rule of block decoding on the layout's canvas, within
+        the prompt's last document when the model was trained with document attention."""
+        size, causal = self.objective.block_size, self.objective.token_causal
+        docs = self._documents(prompt_ids, None) if prompt_ids.shape[1] else None
+        if docs is not None:  # the continuation belongs to the prompt's last document
+            docs = layout.place(docs, docs[:, -1], -1)
+
+        def rule(n_keys: int, n_queries: int, noisy_from: int) -> torch.Tensor:
+            keep = decode_keep(n_keys, n_queries, noisy_from, size, causal, self.device)
+            if docs is None:
+                return keep
+            d = docs[:, :n_keys]
+            return keep & (d[:, n_keys - n_queries :, None] == d[:, None, :])[:, None]
+
+        return rule
 
     @torch.no_grad()
     def generate_continuation(
