@@ -23,11 +23,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from data_prep.corpus import demo_corpus
+from datatrove.executor import SlurmPipelineExecutor
+
+from data_prep.corpus import SOURCES, demo_corpus
+from data_prep.quiet import QuietLocalExecutor  # per-file and per-task INFO to the task logs only
+from data_prep.readers import DamagedFileError, detect_format, load_faults, make_reader, unknown_files
 from data_prep.split import SPLITS, split_of
-from data_prep.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
+from data_prep.steps import ExactDedup, HashShard, LengthFilter, SplitSourceWriter, UnicodeNormalizer
+from data_prep.tokenizer import TokenizerError, TokenizerInfo, describe, load_tokenizer, train_bpe
+from data_prep.verify import verify
 from difflm.config import PARTITION, PipelineConfig, SourceConfig
-from difflm.errors import UserError
+from difflm.errors import UserError, disk_full, is_disk_full
 
 MANIFEST = "manifest.json"
 FAULTS = "logs/file_faults"  # one JSON report per damaged or unreadable input file
@@ -45,8 +51,6 @@ class SubmittedToCluster(UserError, RuntimeError):
 
 def resolve_source(src: SourceConfig) -> tuple[Path, str]:
     """(path, format) of a source; clear errors for paths that do not exist or hold no data."""
-    from data_prep.readers import detect_format
-
     if src.path.startswith("demo:"):
         return demo_corpus(src.path.split(":", 1)[1]), "jsonl"
     path = Path(src.path).expanduser()
@@ -62,8 +66,6 @@ def resolve_source(src: SourceConfig) -> tuple[Path, str]:
 def preflight(cfg: PipelineConfig) -> None:
     """Cheap checks of the inputs before any work: sources exist and have a known format, the tokenizer
     path exists. Raises DataPrepError / TokenizerError with what to do."""
-    from data_prep.tokenizer import TokenizerError
-
     for src in cfg.data.sources:
         resolve_source(src)
     if cfg.tokenizer.path:
@@ -81,8 +83,6 @@ def reader_steps(
     progress: bool = False,
     report_dir: Path | None = None,
 ):
-    from data_prep.readers import make_reader
-
     steps = []
     for src, path, fmt in resolved:
         reader = make_reader(path, fmt, src.text_key or cfg.data.text_key, src.label, progress)
@@ -104,8 +104,6 @@ def check_inputs(cfg: PipelineConfig, resolved) -> None:
 
 def ignored_files(resolved) -> list[dict]:
     """Files of the source folders that no reader reads, each named in one warning line."""
-    from data_prep.readers import unknown_files
-
     found = []
     for src, path, fmt in resolved:
         for f in unknown_files(path, fmt):
@@ -142,8 +140,6 @@ def warn_file_faults(faults: list[dict], out: Path) -> None:
 
 
 def cleaning_steps(cfg: PipelineConfig) -> list:
-    from data_prep.steps import ExactDedup, LengthFilter, UnicodeNormalizer
-
     d = cfg.data
     steps: list = []
     if d.unicode_normalization:
@@ -168,8 +164,6 @@ def iter_texts(cfg: PipelineConfig, resolved) -> Iterator[str]:
 
 def prepare_tokenizer(cfg: PipelineConfig, resolved, folder: Path) -> TokenizerInfo:
     """Load the configured tokenizer, or train a BPE on the training split (reused when present)."""
-    from data_prep.tokenizer import describe
-
     if (folder / "tokenizer.json").exists():
         return describe(folder, cfg.tokenizer)
     if cfg.tokenizer.path:
@@ -203,8 +197,6 @@ def _slurm_env_command() -> str:
 def build_executor(cfg: PipelineConfig, pipeline: list, logging_dir: Path):
     d = cfg.data
     if d.executor == "slurm":
-        from datatrove.executor import SlurmPipelineExecutor
-
         return SlurmPipelineExecutor(
             pipeline=pipeline,
             tasks=d.num_tasks,
@@ -219,20 +211,16 @@ def build_executor(cfg: PipelineConfig, pipeline: list, logging_dir: Path):
         )
     if d.executor == "ray":
         try:
-            from datatrove.executor.ray import RayPipelineExecutor
+            from datatrove.executor.ray import RayPipelineExecutor  # an optional back-end
         except ImportError as err:
             raise DataPrepError("data.executor=ray needs ray: pip install 'ray[default]'") from err
         return RayPipelineExecutor(
             pipeline=pipeline, tasks=d.num_tasks, workers=d.workers, logging_dir=str(logging_dir)
         )
-    from data_prep.quiet import QuietLocalExecutor  # per-file and per-task INFO to the task logs only
-
     return QuietLocalExecutor(pipeline=pipeline, tasks=d.num_tasks, workers=d.workers, logging_dir=str(logging_dir))
 
 
 def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -> None:
-    from data_prep.steps import HashShard, SplitSourceWriter
-
     d = cfg.data
     pipeline = [
         *reader_steps(cfg, resolved, progress=d.workers == 1, report_dir=out / FAULTS),
@@ -274,7 +262,7 @@ def skip_counts(logs: Path) -> dict[str, int]:
 
 def shard_stats(out: Path, sources: list[SourceConfig]) -> dict:
     """Per split: prefixes, per-source documents/tokens, blend weights and Megatron data-path string."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.indexed_dataset import IndexedDataset  # megatron-core only once shards exist
 
     by_size = all(s.weight is None for s in sources)  # megatron's own default: mix as the data comes
     weight = {s.label: 1.0 if s.weight is None else s.weight for s in sources}
@@ -313,8 +301,6 @@ def shard_stats(out: Path, sources: list[SourceConfig]) -> dict:
 
 def _provenance(src: SourceConfig) -> dict:
     """Origin, license and checksum of an embedded corpus (user data: nothing to add)."""
-    from data_prep.corpus import SOURCES
-
     if not src.path.startswith("demo:"):
         return {}
     e = SOURCES[src.path.split(":", 1)[1]]
@@ -346,8 +332,6 @@ def data_dir(cfg: PipelineConfig) -> Path:
 def prepare_data(cfg: PipelineConfig) -> dict:
     """Run data prep for `cfg` (finishing an interrupted run, or reusing a finished one); the manifest. A full
     disk is one DiskFull line (nothing half-written is taken for done: the manifest is written last)."""
-    from difflm.errors import disk_full, is_disk_full
-
     try:
         return _prepare_data(cfg)
     except OSError as err:
@@ -357,9 +341,6 @@ def prepare_data(cfg: PipelineConfig) -> dict:
 
 
 def _prepare_data(cfg: PipelineConfig) -> dict:
-    from data_prep.readers import load_faults
-    from data_prep.verify import verify
-
     out = data_dir(cfg)
     manifest_path = out / MANIFEST
     if manifest_path.exists():
@@ -408,8 +389,6 @@ def _prepare_data(cfg: PipelineConfig) -> dict:
 def _read_inputs(cfg: PipelineConfig, resolved, out: Path) -> TokenizerInfo:
     """The passes over the inputs: strict check, tokenizer training, the tokenizing pipeline. A damaged
     file under data.strict becomes one DataPrepError line, wherever it is found."""
-    from data_prep.readers import DamagedFileError
-
     try:
         if cfg.data.strict:
             check_inputs(cfg, resolved)
