@@ -8,14 +8,14 @@ the preset's workdir, e.g. after `make demo`). The items are the cloze task of t
 context up to the last word of a sentence): each sampler continues every context by --new-tokens tokens;
 `accuracy` is the share whose first generated word is the target, `agreement` the share of generated
 tokens equal to the baseline's. Greedy everywhere (temperature 0), so differences come from the sampler.
-Goal (issue 12): threshold decoding >= 3x the baseline's tokens/s at <= 1 point of accuracy lost.
+Goal: threshold decoding >= 3x the baseline's tokens/s at <= 1 point of accuracy lost.
 
 The prefix-cache row (`prefix_cache=True`, Fast-dLLM's, approximate) reuses the keys and values of the prompt
 and finished blocks within each block: its agreement with the uncached "blocks of 8" row is what the
 approximation costs.
 
 `--block SOURCE` and `--ar SOURCE` (or the newest difflm-block / ar exports of the workdir, when there are any)
-add rows for block diffusion (block by block with an exact KV cache, issue 21) and for AR decoding with its
+add rows for block diffusion (block by block with an exact KV cache) and for AR decoding with its
 cache, on the same items: tokens/s, model calls per generated token, and agreement with the baseline (other
 models: agreement is only indicative). Train them at the same size to compare decoders, e.g.
 `difflm run --preset tiny-cpu diffusion.model_running_mode=difflm-block`.

@@ -1,7 +1,7 @@
 """datatrove's local executor with a quiet terminal: per-task INFO (one "Reading input file" line per file, the
 pipeline listing, each task's stats) goes to the task's log file only; the terminal keeps warnings and errors
 (bad records, failures), datatrove's "N/M tasks completed" progress (several workers; one worker shows the
-readers' progress bar) and the merged stats of the run, once (issue 25 item 7).
+readers' progress bar) and the merged stats of the run, once.
 
 datatrove calls `add_task_logger` at the start of every task (in the worker process), and that function
 removes every loguru sink and adds stderr at INFO: a sink or filter set up before `executor.run()` is gone by

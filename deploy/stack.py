@@ -582,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = p.parse_args(argv)
     # the services' data (PostgreSQL, artifacts, Prefect state, the worker's runs) is not for other users of the
-    # host: no access for others, inherited by every service and the trainers the worker starts (issue 22)
+    # host: no access for others, inherited by every service and the trainers the worker starts
     with private_umask():
         return _run(a)
 

@@ -268,7 +268,7 @@ class TokenizerConfig(_Section):
 
 # Architecture presets (`model.preset=125m`); fields set next to the preset override it. The GPU-sized ones
 # (hidden >= GPU_WIDTH) give an FFN width that is a multiple of GEMM_TILE: 8/3*hidden rounded to 8 (5464 for the
-# 1B) leaves partial GEMM tiles on every MLP matmul (gpu-readiness review: +0.5-1 MFU point).
+# 1B) leaves partial GEMM tiles on every MLP matmul (+0.5-1 MFU point on a GPU).
 GEMM_TILE = 128
 GPU_WIDTH = 1024
 MODEL_PRESETS: dict[str, dict[str, Any]] = {

@@ -39,7 +39,7 @@ def test_invalid_value_names_field_and_allowed_values():
 
 
 def test_renamed_eval_field_says_what_to_do():
-    """Review M8: eval.max_documents counted seq_length windows; it is eval.max_sequences now."""
+    """The setting eval.max_documents counted seq_length windows; it is eval.max_sequences now."""
     with pytest.raises(ConfigError, match="renamed eval.max_sequences"):
         load_config("tiny-cpu", ["eval.max_documents=8"])
     assert load_config("tiny-cpu", ["eval.max_sequences=8"]).eval.max_sequences == 8

@@ -307,7 +307,7 @@ prepare_data(load_config("test-tiny", sys.argv[1:]))
 @pytest.mark.parametrize("workers", [1, 2])
 def test_terminal_shows_no_per_file_lines_and_the_stats_once(tmp_path, tiny_manifest, workers):
     """datatrove's per-file "Reading input file" lines and each task's stats go to the task logs only; the merged
-    stats print once; a bad record's warning and the progress stay on the terminal (issue 25 item 7)."""
+    stats print once; a bad record's warning and the progress stay on the terminal."""
     import os
     import subprocess
     import sys

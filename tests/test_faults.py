@@ -149,7 +149,7 @@ def test_nonfinite_steps_are_skipped_or_stop_training(session_dir, tiny_manifest
 
 @pytest.mark.slow
 def test_an_attempt_resumed_from_an_older_checkpoint_logs_each_step_once(session_dir, tiny_manifest):
-    """Review r3: an attempt killed between checkpoints leaves metrics.jsonl with steps the next attempt logs
+    """An attempt killed between checkpoints leaves metrics.jsonl with steps the next attempt logs
     again. What the launcher leaves behind is made here by hand: checkpoint 8 the newest, metrics up to 16."""
     cfg = tiny_config(session_dir / "faults-relog", *FAST)
     launch_training(cfg, tiny_manifest, echo=lambda _: None)

@@ -178,8 +178,8 @@ def test_efficiency_arithmetic():
     [("125m", 256, 1.257), ("125m", 512, 1.213), ("1b", 512, 1.117)],
 )
 def test_packed_documents_count_the_attention_they_keep(preset, doc_len, overstated):
-    """r6: with document attention the kernels (FlexAttention, THD) skip the cross-document blocks and Megatron-LM
-    counts sum L_i^2; counting s^2 overstated MFU by the review's factors."""
+    """With document attention the kernels (FlexAttention, THD) skip the cross-document blocks and Megatron-LM
+    counts sum L_i^2; counting s^2 overstated MFU by the factors listed above."""
     cfg = _cfg(
         f"model.preset={preset}",
         "diffusion.model_running_mode=difflm-noshift",

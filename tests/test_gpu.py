@@ -160,7 +160,7 @@ def test_backend_choice(monkeypatch):
     assert backend.resolve_backend("local") == "local"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     # the torch spec gives the local spec's logits (test_torch_spec_gives_the_local_spec_logits) and trains
-    # faster on the CPU too (issue 24): it is the default everywhere without Transformer Engine
+    # faster on the CPU too: it is the default everywhere without Transformer Engine
     assert backend.resolve_backend("auto") == "torch"
     assert backend.resolve_backend("auto", two_stream=True) == "torch"
     with pytest.raises(RuntimeError, match="model.backend=torch"):
@@ -238,7 +238,7 @@ def test_gpu_check_dry_run_in_an_environment_built_like_the_gpu_image(tmp_path):
     """The rehearsal: `benchmarks/gpu_check.py --dry-run` where megatron-core and pydantic are absent and come
     from a wheels folder (installed into a target folder, as on the GPU machine; here this venv's copies
     repacked) and prefect / mlflow / datatrove / lm_eval cannot be imported. Every section runs, in the GPU
-    order, each with its JSON line on stdout. (Before issue 24 the check died here on find_spec.)"""
+    order, each with its JSON line on stdout. (The check once died here on find_spec.)"""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import gpu_wheels

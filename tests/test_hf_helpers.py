@@ -1,4 +1,4 @@
-"""The exported model's diffusion helpers (correctness review F2, F3, M2, M3, M6), on plain HF models.
+"""The exported model's diffusion helpers and the defects once found in them, on plain HF models.
 
 No megatron here: `DiffLMForMaskedLM` is built from a config with random weights, or replaced by an oracle.
 """
@@ -28,7 +28,7 @@ def _model(mode: str = "difflm-noshift", **over) -> DiffLMForMaskedLM:
 
 
 def test_shift_mode_bound_of_a_perfect_model_is_zero():
-    """F3: position 0 has no logit of its own in difflm-shift; masking and scoring it gave 1.81 nats/token."""
+    """Position 0 has no logit of its own in difflm-shift; masking and scoring it gave 1.81 nats/token."""
     x0 = torch.randint(3, 50, (16, 32), generator=torch.Generator().manual_seed(0))
 
     def raw_oracle(tokens, **_):  # raw output at i is x0[i + 1] with certainty
@@ -43,7 +43,7 @@ def test_shift_mode_bound_of_a_perfect_model_is_zero():
 
 
 def test_uniform_model_is_scored_and_sampled_at_its_true_noise_level():
-    """F2: a time-conditioned uniform model was run at t = 0 (no mask tokens to count); now t is required and
+    """A time-conditioned uniform model was run at t = 0 (no mask tokens to count); now t is required and
     the helpers pass it."""
     model = _model("difflm-noshift-uniform", time_embedding=True)
     x = torch.randint(3, V, (2, 12))
@@ -79,7 +79,7 @@ def test_uniform_bound_is_log_n_for_a_context_free_uniform_model():
 
 
 def test_document_attention_is_used_wherever_training_used_it():
-    """M2: a model trained with document attention is scored and sampled with it by default."""
+    """A model trained with document attention is scored and sampled with it by default."""
     model = _model(document_attention=True)
     x = torch.randint(3, V, (1, 20))
     x[0, 7] = 0  # EOS: documents 0..7 and 8..19
@@ -98,7 +98,7 @@ def test_document_attention_is_used_wherever_training_used_it():
 
 
 def test_ar_and_diffusion_reports_score_the_same_tokens():
-    """M3: with prefix_len=1 the diffusion bound conditions on token 0, as the AR NLL must: a token 0 the
+    """With prefix_len=1 the diffusion bound conditions on token 0, as the AR NLL must: a token 0 the
     model finds very unlikely (CE ~ 30) moves neither number."""
     table = torch.randn(V, generator=torch.Generator().manual_seed(0))
     table[3] = -30.0
@@ -122,7 +122,7 @@ def test_ar_and_diffusion_reports_score_the_same_tokens():
 
 
 def test_helpers_refuse_the_wrong_mode_and_say_what_fits():
-    """M6"""
+    """The helpers refuse a mode they do not apply to, and say which helper fits."""
     with pytest.raises(ValueError, match="ar_nll"):
         _model("ar").elbo_nll(torch.randint(3, V, (1, 8)))
     with pytest.raises(ValueError, match="token by token"):
@@ -134,7 +134,7 @@ def test_helpers_refuse_the_wrong_mode_and_say_what_fits():
 
 
 def test_batched_left_padded_generation_equals_one_prompt_at_a_time():
-    """M6: prompts of different lengths, left-padded with their attention mask, generate what each alone does."""
+    """Prompts of different lengths, left-padded with their attention mask, generate what each alone does."""
     model = _model()
     prompts = [torch.randint(3, V, (1, n), generator=torch.Generator().manual_seed(n)) for n in (3, 6)]
     alone = [model.diffusion_generate(p, length=5, steps=5)[:, p.shape[1] :] for p in prompts]
@@ -149,7 +149,7 @@ def test_batched_left_padded_generation_equals_one_prompt_at_a_time():
 
 
 def test_padding_does_not_change_the_default_noise_level():
-    """Review F2 (related): the default t of a masked model counts mask tokens among real tokens only."""
+    """The default t of a masked model counts mask tokens among real tokens only."""
     model = _model(time_embedding=True)
     x = torch.tensor([[5, 1, 6, 1, 2, 2, 2, 2]])
     mask = torch.tensor([[1, 1, 1, 1, 0, 0, 0, 0]])
@@ -176,7 +176,7 @@ def test_elbo_estimator_is_unchanged_for_unpadded_inputs():
     ],
 )
 def test_the_export_runs_in_bf16(mode, over):
-    """Review F6: LLaDA/Dream/MegaDLMs users load with torch_dtype=torch.bfloat16; fp32 RoPE tables made SDPA
+    """LLaDA/Dream/MegaDLMs users load with torch_dtype=torch.bfloat16; fp32 RoPE tables made SDPA
     raise. The bf16 model's logits track the fp32 ones and every helper runs."""
     model = _model(mode, **over)
     x = torch.randint(3, V, (2, 16))

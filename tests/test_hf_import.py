@@ -1,4 +1,4 @@
-"""Stock transformers checkpoints in and out (issue 20): tiny random Llama (MHA and GQA, tied and untied), Qwen2
+"""Stock transformers checkpoints in and out: tiny random Llama (MHA and GQA, tied and untied), Qwen2
 (q/k/v bias), Qwen3 (qk-norm, head_dim apart from hidden/heads) and Mistral, built here; the import gives
 transformers' logits at every TP/PP layout, the stock export gives them back, and bad input says what to do."""
 

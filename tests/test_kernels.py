@@ -1,4 +1,4 @@
-"""The kernels a run uses without Transformer Engine (issue 24, models/megatron/kernels.py): each checked
+"""The kernels a run uses without Transformer Engine (models/megatron/kernels.py): each checked
 against the reference path on the CPU where it runs there; the trainer's one all-reduce per step."""
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_pro
 
 @pytest.mark.parametrize("extra", [[], ["diffusion.time_embedding=true"]], ids=["plain", "adaln"])
 def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_process, tmp_path, tiny_manifest, extra):
-    """Review M7: 3,871 tokens pad to 3,904 rows at TP=1 and 3,968 at TP=2; an export from one layout imports
+    """3,871 tokens pad to 3,904 rows at TP=1 and 3,968 at TP=2; an export from one layout imports
     for the other (the check compares the true vocabulary, the rows are cut or zero-padded)."""
     from megatron.core import dist_checkpointing
 

@@ -1,5 +1,5 @@
-"""The objective as one object per mode (models/diffusion/modes.py), and the defects the second correctness review
-found in the code it replaced (review ids r1, r4, r7, r10, r11, r12, r13 and its nits): each test here failed on
+"""The objective as one object per mode (models/diffusion/modes.py), and the defects a correctness review
+found in the code it replaced: each test here failed on
 the code before the objectives moved into one object."""
 
 from __future__ import annotations
@@ -100,11 +100,11 @@ def test_the_mode_comparison_finder_finds_one():
     assert sum(_compares_a_mode(n) for n in ast.walk(tree)) == 2
 
 
-# ---- r11, r13: difflm-shift scores real next tokens only, and its bound conditions on token 0 ---------------
+# ---- difflm-shift scores real next tokens only, and its bound conditions on token 0 ---------------
 
 
 def test_shift_training_never_scores_the_first_padding_token():
-    """r11: position 20 was scored on target x0[21], the first padding token, in 34 of 64 rows."""
+    """Position 20 was scored on target x0[21], the first padding token, in 34 of 64 rows."""
     cfg = tiny_config(
         "/tmp/unused",
         "diffusion.model_running_mode=difflm-shift",
@@ -124,7 +124,7 @@ def test_shift_training_never_scores_the_first_padding_token():
 
 
 def test_shift_validation_conditions_on_token_zero():
-    """r13: copy data (every token equals token 0) and a perfect model: validation read log K / L = 0.48, because
+    """Copy data (every token equals token 0) and a perfect model: validation read log K / L = 0.48, because
     token 0, which no logit predicts, was masked in 58% of the rows. Kept clean, the bound is 0, as the export's."""
     k, length, b = 47, 8, 512
     cfg = tiny_config(
@@ -144,11 +144,11 @@ def test_shift_validation_conditions_on_token_zero():
         assert int(count) == b * (length - 1) and float(total) == 0.0
 
 
-# ---- r1: the uniform validation loss is an upper bound -------------------------------------------------------
+# ---- the uniform validation loss is an upper bound -------------------------------------------------------
 
 
 def test_uniform_validation_includes_the_last_step_and_bounds_the_nll():
-    """r1: validation integrated the NELBO over [eps, 1] only, below the NLL it claims to bound. A model predicting
+    """Validation integrated the NELBO over [eps, 1] only, below the NLL it claims to bound. A model predicting
     uniform over the N states has NLL exactly log N; at eps = 0.2 the missing reconstruction term is 0.54 nats."""
     vocab, b, length, eps = 8, 4096, 8, 0.2
     cfg = tiny_config(
@@ -187,7 +187,7 @@ def test_uniform_training_loss_has_no_last_step_term():
     assert not prep["last_step"].any() and (prep["t"] >= cfg.diffusion.eps).all()
 
 
-# ---- r7: uniform models have no greedy order: n/a, not 0 ------------------------------------------------------
+# ---- uniform models have no greedy order: n/a, not 0 ------------------------------------------------------
 
 
 def _oracle(seq):
@@ -200,7 +200,7 @@ def _oracle(seq):
 
 
 def test_uniform_is_greedy_is_not_measured_rather_than_false():
-    """r7: the scorer hard-coded is_greedy False for uniform models, so cloze accuracy 0.000 was published as if
+    """The scorer hard-coded is_greedy False for uniform models, so cloze accuracy 0.000 was published as if
     measured. Now: None (n/a) for uniform, True for a masked oracle; score_cloze reports acc None."""
     from models.evaluation.scoring import Scorer
     from models.evaluation.tasks import score_cloze
@@ -217,11 +217,11 @@ def test_uniform_is_greedy_is_not_measured_rather_than_false():
     assert score_cloze(fake, [{"context": "a", "target": "b"}])["acc"] is None
 
 
-# ---- r4: conditional likelihood and greedy check use training's documents ---------------------------------
+# ---- conditional likelihood and greedy check use training's documents ---------------------------------
 
 
 def test_conditional_scores_use_the_document_segmentation_of_training():
-    """r4: conditional_nll and greedy_match ignored document attention: the continuation attended to the EOS the
+    """conditional_nll and greedy_match ignored document attention: the continuation attended to the EOS the
     scorer puts at position 0, which training never let it see."""
     from models.diffusion.conditional import conditional_masked_nll
     from models.diffusion.documents import document_ids
@@ -250,7 +250,7 @@ def test_conditional_scores_use_the_document_segmentation_of_training():
     assert seen and all(d is not None and torch.equal(d[:1], docs) for d in seen)
 
 
-# ---- r10: generation fits the model's length -------------------------------------------------------------
+# ---- generation fits the model's length -------------------------------------------------------------
 
 
 class _CharTokenizer:
@@ -262,7 +262,7 @@ class _CharTokenizer:
 
 
 def test_generate_caps_new_tokens_to_the_model_length():
-    """r10: with max_new_tokens >= max_length (lm-eval's default 256 against 128), the prompt slice kept 228
+    """With max_new_tokens >= max_length (lm-eval's default 256 against 128), the prompt slice kept 228
     tokens and produced 428 positions. Now the request is capped, with a warning, and the prompt keeps >= 1 token."""
     from models.evaluation.scoring import Scorer
 
@@ -287,7 +287,7 @@ def test_generate_caps_new_tokens_to_the_model_length():
 
 
 def test_a_row_with_nothing_to_score_gets_no_bound():
-    """r12: a row with no scored token reported the cross-entropy of a position it never scored (1.98)."""
+    """A row with no scored token reported the cross-entropy of a position it never scored (1.98)."""
     model = _model()
     x = torch.randint(3, V, (2, 12))
     mask = torch.ones_like(x)

@@ -1,4 +1,4 @@
-"""Regression tests of the training objectives (correctness review F5, M4, M5, M8): exact values."""
+"""Regression tests of the training objectives, each a defect once found: exact values."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def _batch(x0: torch.Tensor, first: int = 0, loss_mask: torch.Tensor | None = No
 
 
 def test_masked_tokens_normalisation_does_not_depend_on_the_split():
-    """F5: (sum, count) pairs summed over micro-batches give the one-micro-batch loss exactly (6.88 vs 7.88
+    """(sum, count) pairs summed over micro-batches give the one-micro-batch loss exactly (6.88 vs 7.88
     before: the mean of per-micro-batch ratios)."""
     cfg = tiny_config(
         "/tmp/unused",
@@ -46,7 +46,7 @@ def test_masked_tokens_normalisation_does_not_depend_on_the_split():
 
 @pytest.mark.parametrize("length", [4, 128])
 def test_masked_fraction_weighting_is_an_unbiased_elbo(length):
-    """M4: a context-free model with CE 2 at every position has ELBO exactly 2; Bernoulli masking with
+    """A context-free model with CE 2 at every position has ELBO exactly 2; Bernoulli masking with
     L/#masked weights gave L/(L+1) * 2 (1.60 at L = 4). Exact counts make every row exactly 2."""
     cfg = tiny_config(
         "/tmp/unused",
@@ -63,7 +63,7 @@ def test_masked_fraction_weighting_is_an_unbiased_elbo(length):
 
 @pytest.mark.parametrize("evaluation", [False, True])
 def test_the_datasets_loss_mask_is_never_scored_nor_counted(evaluation):
-    """M8: positions megatron padded (loss_mask 0) carry no data: the loss of a row is that of its valid part."""
+    """Positions megatron padded (loss_mask 0) carry no data: the loss of a row is that of its valid part."""
     cfg = tiny_config(
         "/tmp/unused",
         "train.global_batch_size=8",
@@ -91,7 +91,7 @@ def test_ar_loss_honours_the_loss_mask():
 
 
 def test_varilen_draws_a_length_per_micro_batch_for_diffusion_modes_only():
-    """M5: one length per micro-batch (as MegaDLMs), full windows for ar, one per step under PP."""
+    """One length per micro-batch (as MegaDLMs), full windows for ar, one per step under PP."""
     from models.megatron.train import micro_lengths
 
     cfg = tiny_config("/tmp/unused", "diffusion.varilen_prob=1.0", "train.seq_length=64")
@@ -111,7 +111,7 @@ def test_varilen_draws_a_length_per_micro_batch_for_diffusion_modes_only():
 
 
 def test_logged_loss_is_the_interval_mean_and_throughput_counts_real_tokens():
-    """M5: megatron-style interval averages; a truncated (varilen) step counts only the tokens it ran."""
+    """Megatron-style interval averages; a truncated (varilen) step counts only the tokens it ran."""
     from models.megatron.train import IntervalMeter
 
     meter = IntervalMeter(now=100.0)

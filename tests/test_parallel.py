@@ -35,7 +35,7 @@ CASES = {
         ["diffusion.model_running_mode=difflm-noshift-uniform", "diffusion.time_embedding=true"],
         {**{k: LAYOUTS[k] for k in ("tp2", "pp2", "dp2")}, **TORCH_SPEC},
     ),
-    # review F4: under SP the time embedding's gradients must be all-reduced across TP, or step 2 differs
+    # under SP the time embedding's gradients must be all-reduced across TP, or step 2 differs
     "time-input-sp": (
         ["diffusion.time_embedding=true", "diffusion.time_conditioning=input"],
         {"tp2-sp-torch": TORCH_SPEC["tp2-sp-torch"]},
@@ -60,7 +60,7 @@ CASES = {
         ],
         {k: LAYOUTS[k] for k in ("tp2", "pp2", "dp2")},
     ),
-    # the reference runs ONE micro-batch of 4; the others split it (review F5: 6.88 vs 7.88 before)
+    # the reference runs ONE micro-batch of 4; the others split it (a mean of per-micro-batch ratios gave 6.88 vs 7.88)
     "masked-tokens": (
         ["diffusion.normalize_by=masked_tokens", "train.micro_batch_size=4"],
         {"mbs2": (1, ["train.micro_batch_size=2"]), "dp2-mbs2": (2, ["train.micro_batch_size=2"])},

@@ -1,4 +1,4 @@
-"""Each reproduction of the security review (issue 22) fails safely against the code: injected sbatch values,
+"""Each reproduction of the security review fails safely against the code: injected sbatch values,
 folders deleted that are not ours, pickles read from shared folders, oversize JSONL lines, a full disk."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from models.launch.cluster import sbatch_command, sbatch_options, slurm_script
 RUN = Path("/shared/difflm/runs/difflm-noshift-abc-def")
 
 
-# ---- values reaching a shell (review H3) ----------------------------------------------------------------------
+# ---- values reaching a shell ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -60,7 +60,7 @@ def test_script_refuses_unsafe_run_dirs_arguments_and_env_keys():
     assert "export MLFLOW_TRACKING_URI='http://x;id'\n" in script
 
 
-# ---- deleting only our own folders (review M1) ------------------------------------------------------------------
+# ---- deleting only our own folders ---------------------------------------------------------------------------
 
 
 def _dataset(root: Path) -> Path:
@@ -116,7 +116,7 @@ def test_staged_output_replaces_only_marked_folders_and_cleans_up(tmp_path):
     assert (stale / "keep").exists() and (ds / "labels.csv").exists()
 
 
-# ---- no blind unpickling of shared folders (review H4) ----------------------------------------------------------
+# ---- no blind unpickling of shared folders -------------------------------------------------------------------
 
 
 class _Payload:
@@ -202,7 +202,7 @@ def test_crafted_rng_file_is_refused(tmp_path, megatron_single_process):
     checkpointing._restore_rng(tmp_path)
 
 
-# ---- bounded reading (review M4) ---------------------------------------------------------------------------------
+# ---- bounded reading ------------------------------------------------------------------------------------------
 
 _READ_PEAK = """
 import sys
@@ -285,7 +285,7 @@ def test_a_file_past_the_per_file_cap_is_a_counted_skip_in_bounded_memory(tmp_pa
     assert peak_mib < 400, f"peak RSS {peak_mib} MiB reading 64 MiB of lines: not flat"
 
 
-# ---- a full disk is one line (review L5) ---------------------------------------------------------------------------
+# ---- a full disk is one line ------------------------------------------------------------------------------------
 
 
 def _enospc(*_args, **_kwargs):
@@ -340,7 +340,7 @@ def test_disk_full_during_a_checkpoint_save_is_one_line_and_the_rerun_resumes(tm
     assert info["checkpoint"].endswith("iter_0000008")
 
 
-# ---- difflm eval never runs an export's code (review H2) --------------------------------------------------------
+# ---- difflm eval never runs an export's code -----------------------------------------------------------------
 
 
 def test_the_pipeline_loader_never_runs_an_exports_code(tmp_path):

@@ -1,7 +1,7 @@
 """The training loop's hooks and metrics writer on their own: no process group, model or tracking server.
 
 The interval throughput leaves out evaluation and checkpoint time (an injected clock, no timing); one value
-per (key, step) in metrics.jsonl and MLflow after a crash and resume (review r3)."""
+per (key, step) in metrics.jsonl and MLflow after a crash and resume."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_evaluation_and_checkpoints_are_not_training_time():
     assert IntervalLogger.counts_as_training  # its own time, and the preemption check's, are per-step costs
 
 
-# ---- r3: one value per (key, step) after a crash and resume ---------------------------------------------
+# ---- one value per (key, step) after a crash and resume ---------------------------------------------
 
 
 def _records(steps, **values) -> list[dict]:
@@ -159,7 +159,7 @@ def test_live_metrics_never_resend_what_the_interrupted_attempt_sent(tmp_path, f
 
 
 def test_backfill_sends_one_value_per_key_and_step_the_last_one(fake_mlflow):
-    """Review r3's repro: a metrics.jsonl written before the fix holds steps 6 and 7 twice (a crash after 7,
+    """A metrics.jsonl written before the fix holds steps 6 and 7 twice (a crash after 7,
     a resume from checkpoint 5); the server got nothing. The backfill sends each (key, step) once, the copy
     logged last, and stays idempotent."""
     from difflm import tracking

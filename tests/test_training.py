@@ -113,7 +113,7 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, 
     assert cloze["items"] > 0
     if objective_class(mode).has_greedy:
         assert 0.0 <= cloze["acc"] <= 1.0
-    else:  # uniform diffusion has no greedy decision to score (r7): n/a, not 0.000
+    else:  # uniform diffusion has no greedy decision to score: n/a, not 0.000
         assert cloze["acc"] is None
     assert results["tasks"]["documents"]["bits_per_byte"] > 0
     report = Path(results["report"]).read_text()  # every mode trained on this data, side by side

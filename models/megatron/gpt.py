@@ -154,7 +154,7 @@ class DiffusionGPTModel(GPTModel):
         input_emb = time_embedding and not adaln and self.pre_process
         self.time_embedding = TimeEmbedding(self.config.hidden_size) if input_emb else None
         if self.time_embedding is not None:  # under SP each TP rank adds it to s/TP positions only:
-            for p in self.time_embedding.parameters():  # megatron all-reduces grads marked so (review F4)
+            for p in self.time_embedding.parameters():  # megatron all-reduces grads marked so
                 p.sequence_parallel = self.config.sequence_parallel
         self.time = types.SimpleNamespace(t=None)  # read by this stage's adaLN norms during forward
         self.adaln = adaln

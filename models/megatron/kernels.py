@@ -1,4 +1,4 @@
-"""The kernels a run uses without Transformer Engine or apex, decided in one place and logged once (issue 24).
+"""The kernels a run uses without Transformer Engine or apex, decided in one place and logged once.
 
 On CUDA, with `model.fusions=auto`:
 - SwiGLU: megatron's `bias_swiglu_impl` (`bias_activation_fusion`): the same function, compiled by megatron's

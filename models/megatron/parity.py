@@ -25,7 +25,7 @@ from difflm.config import load_config
 
 def replica_spread(model) -> float:
     """Largest difference, across tensor-parallel ranks, of the parameters every TP rank holds a full copy of
-    (norms, time embedding): 0 when their gradients are reduced correctly (review F4), > 0 once they drift."""
+    (norms, time embedding): 0 when their gradients are reduced correctly, > 0 once they drift."""
     import torch
     from megatron.core import parallel_state
 
