@@ -491,7 +491,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
         b, size = len(prompt_ids), objective.block_size
         layout = DecodeLayout.of(real, max_new_tokens, size)
         eos = objective.eos_id
-        padding = next(i for i in (objective.pad_id, eos, 0) if i is not None)
+        padding = next(i for i in (objective.pad_id, eos, 0, 1) if i is not None and i != objective.mask_id)
         x = layout.place(prompt_ids, objective.mask_id, padding)  # [b, width]
         keys, generated = layout.keys(), layout.generated()
         rule = self._block_rule(prompt_ids, layout)
