@@ -28,9 +28,9 @@ from difflm.rundir import RunDir
 from flows import commands
 from flows.prefect_api import prefect_api
 
-# Stages, flows and models are imported inside flows/commands.py's functions and `_run_of_*`: `difflm --help` then
-# loads argparse and the config only (well under a second), and a command loads only what it runs (torch,
-# megatron, Prefect and MLflow take seconds to import).
+# Stages, flows and models are imported inside flows/commands.py's functions, `_run_of_*` and `resolve_config`
+# (tasks.runs): `difflm --help` then loads argparse and the config only (well under a second), and a command loads
+# only what it runs (torch, megatron, Prefect and MLflow take seconds to import).
 
 DEFAULT_PRESET = "tiny-cpu"
 DOCS = "docs/cli.md"  # each verb's page: what it does, in detail, with examples
@@ -141,7 +141,7 @@ def _run_of_served(args) -> Path | None:
 
 
 SOURCE_HELP = "export folder, run directory, or models:/<name>/<version> | models:/<name>@<alias>"
-HELP_SOURCE = "an HF folder (Llama/Qwen2/Qwen3/Mistral or an ar export), or smollm2"
+ADAPT_SOURCE_HELP = "an HF folder (Llama/Qwen2/Qwen3/Mistral or an ar export), or smollm2"
 
 COMMANDS = (
     Command(
@@ -157,15 +157,7 @@ COMMANDS = (
         "Print the configuration the other commands would use with the same --preset and overrides (show), the "
         "preset files (presets), or the JSON schema of every field (schema).",
         lambda cfg, a: commands.config(cfg, a.action),
-        (
-            arg(
-                "action",
-                nargs="?",
-                default="show",
-                choices=["show", "presets", "schema"],
-                help="show (default): the resolved config; presets: the preset files; schema: JSON schema",
-            ),
-        ),
+        (arg("action", nargs="?", default="show", choices=["show", "presets", "schema"], help="default: show"),),
     ),
     Command(
         "prep",
@@ -266,7 +258,7 @@ COMMANDS = (
         "Run the Prefect flow adapt-difflm: import SOURCE's weights, adapt them into a diffusion LM, export it, "
         "and evaluate it beside the source AR model on the same held-out tokens and task items.",
         lambda cfg, a: commands.adapt(cfg, a.source, a.preset or "adapt-dream", a.overrides),
-        (arg("source", metavar="SOURCE", help=HELP_SOURCE),),
+        (arg("source", metavar="SOURCE", help=ADAPT_SOURCE_HELP),),
         default_preset="adapt-dream",
     ),
     Command(
@@ -346,11 +338,8 @@ def _parse(argv: list[str] | None):
             parser.error(REMOVED_OPTIONS[args.command, x.split("=", 1)[0]])
     if stray:
         dashed = [x.lstrip("-") for x in stray if x.startswith("--") and "=" in x]
-        hint = (
-            (f" (configuration overrides take no dashes: {' '.join(dashed)}; `difflm config show` lists every field)")
-            if dashed
-            else ""
-        )
+        hint = f" (configuration overrides take no dashes: {' '.join(dashed)}; `difflm config show` lists every field)"
+        hint = hint if dashed else ""
         parser.error(f"unrecognized arguments: {' '.join(stray)}{hint}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
     if getattr(args, "sources", None):  # nargs="+" also swallows the key=value overrides that follow
