@@ -319,15 +319,13 @@ def serve(
     """Serve a flow as a deployment of this process: pretrain-difflm (the config), or evaluate-latest on a run."""
     from prefect.deployments.runner import EntrypointType
 
-    from flows.evaluate_latest import evaluate_latest
-    from flows.pretrain import pretrain_difflm
-    from tasks.runs import training_run_dir
-
     # flow runs load the flow by module (flows.pretrain), not by file: a file puts flows/ first on sys.path,
     # where flows/data_prep.py would shadow the data_prep package
     schedule = {"cron": cron} if cron else {"interval": interval} if interval else {}
     schedule["entrypoint_type"] = EntrypointType.MODULE_PATH
     if served != "evaluate-latest":
+        from flows.pretrain import pretrain_difflm
+
         with _stops_on_ctrl_c():
             pretrain_difflm.serve(
                 name=name, parameters={"preset": preset or default_preset, "overrides": overrides}, **schedule
@@ -337,6 +335,9 @@ def serve(
         raise UserError(
             "difflm serve evaluate-latest needs --run-dir <workdir>/runs/<run> (the run to score while it trains)"
         )
+    from flows.evaluate_latest import evaluate_latest
+    from tasks.runs import training_run_dir
+
     schedule = schedule if len(schedule) > 1 else {**schedule, "interval": 600}
     params = {"run_dir": str(training_run_dir(run_dir)), "max_sequences": max_sequences, "overrides": overrides}
     if preset:  # else the run's own config.yaml
