@@ -994,7 +994,7 @@ def worker_parity(args, p: dict) -> dict:
                 inner.load_state_dict(
                     {k: v.to(dtype=inner.state_dict()[k].dtype) for k, v in weights.items()}, strict=False
                 )
-            out[f"{backend}-{precision}"] = run_global_batch(cfg, ddp, train_ds, special, 0, 0, False)
+            out[f"{backend}-{precision}"] = run_global_batch(cfg, ddp, train_ds, special, step=0, noise_step=0)
             _append_row(args, {"spec": backend, "precision": precision, "loss": out[f"{backend}-{precision}"]})
             del ddp
             _free()
@@ -1033,7 +1033,7 @@ def _timed_steps(cfg, ddp, opt, dataset, special, steps: int, warmup: int = 1) -
             tic = time.perf_counter()
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        run_global_batch(cfg, ddp, dataset, special, i, i, False)
+        run_global_batch(cfg, ddp, dataset, special, step=i, noise_step=i)
         opt.step()
     _sync()
     return (time.perf_counter() - tic) / steps
@@ -1080,7 +1080,7 @@ def profiled_step(cfg, ddp, opt, dataset, special, it: int) -> dict:
         opt.zero_grad()
         _sync()
         t0 = time.perf_counter()
-        run_global_batch(cfg, ddp, dataset, special, it, it, False)
+        run_global_batch(cfg, ddp, dataset, special, step=it, noise_step=it)
         _sync()
         t1 = time.perf_counter()
         opt.step()

@@ -90,7 +90,7 @@ def run_one(preset: str, mode: str, args: argparse.Namespace) -> dict:
             lengths = micro_lengths(cfg, i, n_micro)  # the trainer's lengths: full windows unless varilen
             ddp.zero_grad_buffer()
             opt.zero_grad()
-            run_global_batch(cfg, ddp, data, special, i, i, False, lengths)
+            run_global_batch(cfg, ddp, data, special, step=i, noise_step=i, lengths=lengths)
             opt.step()
             return lengths
 

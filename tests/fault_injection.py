@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from models.megatron.train import Hook, Step, Trainer, main
+from models.megatron.hooks import Hook, Step
+from models.megatron.train import Trainer, main
 
 NAN_ITERS = "FAULT_NAN_ITERS"  # read only by this entry module, in the ranks it starts
 DISK_FULL_AT = "FAULT_DISK_FULL_AT"  # the checkpoint save at this iteration fails: no space left on the device

@@ -286,5 +286,5 @@ def test_a_megatron_global_batch_trains_and_validates_with_both_options(
     train_ds, _ = build_datasets(cfg, tiny_manifest, 4 * t.global_batch_size, t.global_batch_size)
     special = SpecialTokens.from_manifest(tok)
     for forward_only in (False, True):
-        loss = run_global_batch(cfg, ddp, train_ds, special, 0, 0, forward_only)
+        loss = run_global_batch(cfg, ddp, train_ds, special, step=0, noise_step=0, forward_only=forward_only)
         assert loss is not None and 0 < loss < 100, (forward_only, loss)

@@ -221,7 +221,16 @@ def test_a_training_step_counts_the_document_pairs_of_its_batches(megatron_singl
     # the demo's documents are long: the first step whose windows hold a document boundary
     step = next(s for s in range(64) if any((x == tok["eos_id"]).any() for x in micro(s)))
     pairs: list[int] = []
-    run_global_batch(cfg, ddp, train_ds, SpecialTokens.from_manifest(tok), step, step, True, attention_pairs=pairs)
+    run_global_batch(
+        cfg,
+        ddp,
+        train_ds,
+        SpecialTokens.from_manifest(tok),
+        step=step,
+        noise_step=step,
+        forward_only=True,
+        attention_pairs=pairs,
+    )
     assert pairs == [document_pairs(document_ids(x, tok["eos_id"])) for x in micro(step)]
     assert all(p <= t.micro_batch_size * t.seq_length**2 for p in pairs)
     assert any(p < t.micro_batch_size * t.seq_length**2 for p in pairs)

@@ -112,7 +112,7 @@ def test_varilen_draws_a_length_per_micro_batch_for_diffusion_modes_only():
 
 def test_logged_loss_is_the_interval_mean_and_throughput_counts_real_tokens():
     """Megatron-style interval averages; a truncated (varilen) step counts only the tokens it ran."""
-    from models.megatron.train import IntervalMeter
+    from models.megatron.hooks import IntervalMeter
 
     meter = IntervalMeter(now=100.0)
     for loss, tokens in [(3.0, 2048), (5.0, 512), (4.0, 2048)]:

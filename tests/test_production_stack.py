@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from deploy import stack
+from deploy import env_file, stack
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -52,7 +52,7 @@ def test_compose_runs_the_services_of_difflm_stack():
     db = compose["db"]
     assert db["image"] == "postgres:15"
     assert s.secrets == {k: PLACEHOLDER.format(k) for k in stack.SECRETS}
-    assert db["environment"] == {k: PLACEHOLDER.format(k) for k in stack.DB_SECRETS}
+    assert db["environment"] == {k: PLACEHOLDER.format(k) for k in env_file.DB_SECRETS}
     init = [v for v in db["volumes"] if v.startswith("./deploy/postgres-init.sh:/docker-entrypoint-initdb.d/")]
     assert len(init) == 1 and init[0].endswith(".sh:ro")
     assert os.access(stack.INIT_SCRIPT, os.X_OK)  # the image's entrypoint runs an executable script, else sources it
@@ -154,7 +154,7 @@ def test_up_refuses_missing_or_template_secrets(tmp_path):
     with pytest.raises(SystemExit, match="missing"):
         stack.up(tmp_path, stack.read_env_file(ROOT / "deploy" / "stack.env.example"))
     with pytest.raises(SystemExit, match="change-me"):
-        stack.up(tmp_path, {**stack.generate_secrets(), "POSTGRES_PASSWORD": "change-me-postgres"})
+        stack.up(tmp_path, {**env_file.generate_secrets(), "POSTGRES_PASSWORD": "change-me-postgres"})
     assert not (tmp_path / "pg").exists()
 
 
@@ -181,7 +181,7 @@ def test_failed_up_leaves_no_readable_password_file(tmp_path, monkeypatch):
     monkeypatch.setattr(stack, "_db_user_owns", lambda path: None)
     state = tmp_path / "stack"
     with pytest.raises(subprocess.CalledProcessError):
-        stack.up(state, stack.generate_secrets())
+        stack.up(state, env_file.generate_secrets())
     assert not (state / "pg" / "pwfile").exists()
 
 
@@ -315,7 +315,7 @@ def test_pretrain_deployment_runs_on_the_production_stack():
     os.chmod(base, 0o755)
     state, workdir = base / "stack", base / "work"
     db_port, mlflow_port, prefect_port = _free_ports(3)
-    pw = stack.generate_secrets()
+    pw = env_file.generate_secrets()
     times, left = {}, []
     t0 = time.time()
     umask = os.umask(0o027)  # as `python -m deploy.stack up` runs it: the database user must still reach pg/

@@ -11,7 +11,8 @@ import types
 import pytest
 from helpers import tiny_config
 
-from models.megatron.train import Checkpointer, Hook, IntervalLogger, Step, Trainer, Validator
+from models.megatron.hooks import Checkpointer, Hook, IntervalLogger, Step, Validator
+from models.megatron.train import Trainer
 
 
 class Clock:

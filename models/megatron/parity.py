@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(args.steps):
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        losses.append(run_global_batch(cfg, ddp, train_ds, special, step, step, False))
+        losses.append(run_global_batch(cfg, ddp, train_ds, special, step=step, noise_step=step))
         opt.step()
     spread = replica_spread(ddp.module)
     reporting = (

@@ -1,0 +1,379 @@
+"""What each `difflm` verb does, given its validated config and its options as keywords, and what it prints.
+
+`flows/cli.py` parses the command line and calls one function here per verb; each is a plain function, callable
+without argparse. Each imports the stages it runs inside itself, not here: `difflm --help` and `difflm config`
+then load no framework, a command loads only what it runs (torch, megatron, Prefect and MLflow take seconds to
+import), and Prefect is imported only after the CLI has pointed PREFECT_HOME at the workdir (it reads its
+settings when imported).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+
+from difflm.config import CONFIG_DIR, PipelineConfig
+from difflm.errors import UserError
+
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store (the line `run` prints)
+SUMMARY_KEYS = (
+    "data_dir",
+    "run_dir",
+    "hf_dir",
+    "report",
+    "mlflow_uri",
+    "mlflow_run_id",
+    "mlflow_run_url",
+    "mlflow_curves_url",
+    "registered_model",
+    "version",
+    "promotion",
+)
+SERVE_GRACE_SECONDS = 10.0
+
+
+def _fields(summary: dict, keys: tuple[str, ...]) -> list[str]:
+    return [f"{key:>16}: {summary[key]}" for key in keys if summary.get(key) is not None]
+
+
+def run(cfg: PipelineConfig) -> int:
+    """The flow pretrain-difflm end to end; prints its summary and keeps it in <workdir>/last_run.json."""
+    from data_prep.pipeline import preflight
+    from flows.pretrain import pretrain_difflm
+    from models.evaluation.likelihood import KIND_LABELS
+    from tasks.artifacts import mlflow_curves_url
+
+    preflight(cfg)  # bad paths fail here, before a Prefect server starts
+    summary = pretrain_difflm(config=cfg)
+    b = summary["validation"]
+    lines = [
+        "\n=== pretrain-difflm done ===",
+        f"validation {KIND_LABELS[b['trained']['kind']]}: trained {b['trained']['ppl']:.1f}  untrained "
+        f"{b['untrained']['ppl']:.1f}  ({b['trained']['nll_per_token']:.3f} vs {b['untrained']['nll_per_token']:.3f}"
+        " nats/token)",
+    ]
+    for name, scores in summary.get("tasks", {}).items():
+        shown = ", ".join(f"{k} {v:.3f}" for k, v in scores.items() if isinstance(v, float) and k != "chance")
+        lines.append(f"task {name}: {shown}  ({scores['items']} items)")
+    lines += [f"sample: {s['prompt']!r} -> {s['completion'][:160]!r}" for s in summary["samples"]]
+    if summary.get("stages"):  # what this execution computed, and what the Prefect cache let it skip
+        lines.append("stages: " + ", ".join(f"{k} {v}" for k, v in summary["stages"].items()))
+    lines += _fields(summary, SUMMARY_KEYS)
+    if summary.get("mlflow_uri") and not summary.get("mlflow_run_url"):  # a local store: no server to link to yet
+        link = mlflow_curves_url(LOCAL_UI, summary.get("mlflow_experiment_id"), summary["mlflow_run_id"])
+        lines.append(
+            f"MLflow UI: {Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {summary['mlflow_uri']} "
+            f"--host 127.0.0.1 --port 5000\n     then open: {link}"
+        )
+    print("\n".join(lines))
+    Path(cfg.workdir, "last_run.json").write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def config(cfg: PipelineConfig, action: str) -> int:
+    """show: the resolved config as YAML; presets: the preset files with their first comment; schema: JSON schema."""
+    if action == "presets":
+        for p in sorted(CONFIG_DIR.glob("*.yaml")):
+            first = next((ln.lstrip("# ").strip() for ln in p.read_text().splitlines() if ln.startswith("#")), "")
+            print(f"{p.stem:<12} {first}")
+    elif action == "schema":
+        print(json.dumps(PipelineConfig.model_json_schema(), indent=2))
+    else:
+        print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
+def prep(cfg: PipelineConfig, flow: bool) -> int:
+    """Data prep, plain or as the flow data-prep; prints the manifest's counts."""
+    from data_prep.pipeline import SubmittedToCluster, prepare_data
+
+    try:
+        if flow:  # Prefect is imported for --flow only
+            from flows.data_prep import data_prep
+
+            m = data_prep(config=cfg)
+        else:
+            m = prepare_data(cfg)
+    except SubmittedToCluster as note:  # prep's job is done once the Slurm job is queued
+        print(f"difflm: {note}")
+        return 0
+    lines = [f"data: {m['dir']}"]
+    for split, s in m["splits"].items():
+        per = ", ".join(f"{k} {v['documents']} docs/{v['tokens']:,} tok" for k, v in s["sources"].items())
+        lines.append(f"  {split:>5}: {s['documents']:>7} documents {s['tokens']:>12,} tokens  ({per})")
+    if m.get("skipped"):
+        lines.append("  skipped/dropped: " + ", ".join(f"{k}={v}" for k, v in m["skipped"].items()))
+    lines.append(f"  tokenizer: vocab {m['tokenizer']['vocab_size']}, sha256 {m['tokenizer']['sha256'][:12]}")
+    lines.append(f"  train data path: {m['splits']['train']['data_path'][:200]}")
+    print("\n".join(lines))
+    return 0
+
+
+def verify(cfg: PipelineConfig) -> int:
+    """Re-read every shard of the config's finished data prep against its manifest."""
+    from data_prep.pipeline import MANIFEST, DataPrepError, data_dir
+    from data_prep.verify import verify as verify_manifest
+
+    path = data_dir(cfg) / MANIFEST
+    if not path.exists():
+        raise DataPrepError(f"no finished data prep for this config at {path.parent}; run `difflm prep` first")
+    report = verify_manifest(json.loads(path.read_text()))
+    print(f"ok: {report['shards']} shards, {report['documents']} documents, {report['tokens']:,} tokens verified")
+    return 0
+
+
+def train(cfg: PipelineConfig) -> int:
+    """Data prep (reused), then training with train.launcher; prints the launcher's result as JSON."""
+    from data_prep.pipeline import prepare_data
+    from models.launch.cluster import submit_kubernetes, submit_slurm
+    from models.launch.torchrun import launch_training
+
+    launch = {"slurm": submit_slurm, "kubernetes": submit_kubernetes}.get(cfg.train.launcher, launch_training)
+    print(json.dumps(launch(cfg, prepare_data(cfg)), indent=2))
+    return 0
+
+
+def launch(cfg: PipelineConfig, target: str) -> int:
+    """Write the Slurm script or Kubernetes PyTorchJob of this config; print how to submit it."""
+    from data_prep.pipeline import prepare_data
+    from models.launch.cluster import mount_problem, sbatch_command, write_launch_file
+    from models.launch.torchrun import run_dir
+
+    kind = "kubernetes" if target in ("k8s", "kubernetes") else "slurm"
+    manifest = prepare_data(cfg)
+    rdir = run_dir(cfg, manifest)
+    out = write_launch_file(cfg, manifest, kind)
+    # time, partition and sbatch_args are sbatch's arguments, not lines of the script
+    hint = shlex.join(sbatch_command(cfg, out)) if kind == "slurm" else f"kubectl apply -f {out}"
+    print(f"{target} launch file: {out}\nsubmit: {hint}\nrun directory (checkpoints, metrics): {rdir}")
+    if kind == "kubernetes" and mount_problem(cfg, rdir):
+        print(f"difflm: warning: {mount_problem(cfg, rdir)}", file=sys.stderr)
+    return 0
+
+
+def convert(cfg: PipelineConfig, source: str, out: str | None, flow: bool) -> int:
+    """One conversion, either direction (from the SOURCE), plain or as the flow convert-checkpoint."""
+    from tasks.runs import conversion_source, convert_source
+
+    found = conversion_source(source)
+    if flow:  # Prefect is imported for --flow only
+        from flows.convert import convert_checkpoint
+
+        info = convert_checkpoint(source=source, out_dir=out, config=cfg)
+    else:
+        info = convert_source(cfg, found, out)
+    if info["to"] == "megatron":
+        use = info.get("use") or [f"train.init_from={info['out_dir']}"]
+        print(f"megatron checkpoint: {info['out_dir']}\nstart training from it with: {shlex.join(use)}")
+    else:
+        print(
+            f"Hugging Face export: {info['out_dir']}"
+            + (" (reused)" if info["reused"] else "")
+            + (f"\n  from iteration {info['iteration']} of {info['run_dir']}" if info["run_dir"] else "")
+        )
+    return 0
+
+
+def adapt(cfg: PipelineConfig, source: str, preset: str, overrides: list[str]) -> int:
+    """The flow adapt-difflm; prints the comparison and keeps the summary in <workdir>/last_adapt.json."""
+    from flows.adapt import adapt_difflm
+
+    summary = adapt_difflm(source=source, preset=preset, overrides=overrides)
+    stages = ", ".join(f"{k} {v}" for k, v in summary["stages"].items())
+    keys = ("checkpoint", "source_hf_dir", "run_dir", "hf_dir", "mlflow_run_id")
+    print(
+        "\n".join(
+            ["\n=== adapt-difflm done ===\n" + summary["comparison"], f"stages: {stages}", *_fields(summary, keys)]
+        )
+    )
+    Path(cfg.workdir, "last_adapt.json").write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def eval_latest(run_dir: str, preset: str | None, overrides: list[str], max_sequences: int, force: bool) -> int:
+    """The flow evaluate-latest once on RUN_DIR's newest checkpoint."""
+    from flows.evaluate_latest import evaluate_latest
+    from tasks.runs import training_run_dir
+
+    res = evaluate_latest(
+        run_dir=str(training_run_dir(run_dir)),
+        preset=preset,
+        overrides=overrides,
+        max_sequences=max_sequences,
+        force=force,
+    )
+    if res.get("skipped"):
+        seen = res.get("iteration") is not None
+        detail = f" (iteration {res['iteration']}, score {res['score']:.4f}; --force scores it again)" if seen else ""
+        print(f"skipped: {res['skipped']}{detail}")
+    else:
+        run = f"; MLflow run {res['mlflow_run_id']}" if res.get("mlflow_run_id") else ""
+        print(f"iteration {res['iteration']}: {res['kind']} {res['score']:.4f} nats/token (ppl {res['ppl']:.2f}){run}")
+    return 0
+
+
+def evaluate(
+    cfg: PipelineConfig,
+    sources: list[str],
+    preset: str | None,
+    overrides: list[str],
+    out: str | None,
+    tracking_uri: str | None,
+    flow: bool,
+) -> int:
+    """Each SOURCE on its own run's recorded config and data (tasks.runs.evaluation_source), unless --preset or
+    data overrides say otherwise; results on other data go to <run>/eval-<data hash>. Prints one table."""
+    from difflm.tracking import tracking_uri as config_tracking_uri
+    from models.evaluation.report import comparison_table
+    from models.evaluation.stages import evaluate_export, sweep_export
+    from tasks.runs import evaluation_source
+
+    found = {}
+    for source in sources:
+        if flow:  # Prefect is imported for --flow only
+            from flows.evaluate import evaluate as evaluate_flow
+
+            found[source] = evaluate_flow(source=source, preset=preset, overrides=overrides, out_dir=out)
+            continue
+        plan = evaluation_source(source, preset, overrides, tracking_uri or config_tracking_uri(cfg), out)
+        c, manifest, hf_dir, out_dir = plan["config"], plan["manifest"], plan["hf_dir"], plan["out_dir"]
+        found[source] = evaluate_export(c, manifest, hf_dir, out_dir, untrained=False)
+        found[source]["sweep"] = sweep_export(c, manifest, hf_dir, out_dir)
+        other = f" (data {manifest['hash']}: not the data its run was trained on)" if plan["other_data"] else ""
+        print(f"{source}: results in {out_dir}{other}")
+    print(comparison_table(found))
+    for source, res in found.items():
+        for row in res.get("sweep") or []:
+            print(
+                f"{source} steps {row['steps']:>3}: cloze accuracy {row['accuracy']:.3f}, "
+                f"{row['tokens_per_s']:.1f} tokens/s"
+            )
+        if res.get("samples"):
+            s = res["samples"][0]
+            print(f"{source} sample: {s['prompt']!r} -> {s['completion'][:160]!r}")
+    report = next(iter(found.values())).get("report")
+    if report:
+        print(f"report of every run on this data: {report}")
+    return 0
+
+
+def generate(
+    cfg: PipelineConfig,
+    source: str,
+    prompts: list[str] | None,
+    max_new_tokens: int | None,
+    as_json: bool,
+    tracking_uri: str | None,
+) -> int:
+    """Samples from an export after each prompt (default: the first words of held-out documents)."""
+    from data_prep.pipeline import prepare_data
+    from difflm.tracking import tracking_uri as config_tracking_uri
+    from models.evaluation.generation import default_prompts, sampler_settings
+    from models.evaluation.report import placement_label
+    from models.evaluation.scoring import Scorer
+    from models.evaluation.sources import resolve_export
+    from models.evaluation.stages import eval_device, load_model, load_tokenizer, placement
+    from models.evaluation.tasks import heldout_documents
+
+    hf_dir = resolve_export(source, tracking_uri or config_tracking_uri(cfg))
+    model, tok = load_model(hf_dir, *eval_device(cfg.eval)), load_tokenizer(hf_dir)
+    prompts = prompts or cfg.eval.prompts
+    if not prompts:
+        held_out = heldout_documents(prepare_data(cfg), tok)
+        prompts = default_prompts(held_out, cfg.eval.num_samples or 3, cfg.eval.prompt_words)
+    scorer = Scorer(model, tok, seed=cfg.eval.seed)
+    records = scorer.generate(prompts, max_new_tokens or cfg.eval.sample_length, sampler_settings(cfg.eval))
+    if as_json:
+        print(json.dumps(records, indent=2))
+        return 0
+    for r in records:
+        print(
+            f"--- {r['prompt']!r}\n{r['completion']}\n    [{r['tokens']} tokens, {r['model_calls']} model calls, "
+            f"{r['seconds']:.2f} s]"
+        )
+    settings = {k: v for k, v in records[0]["sampler"].items() if v is not None} if records else {}
+    print(f"sampler: {json.dumps(settings)}\ndevice / dtype: {placement_label(placement(model))}")
+    return 0
+
+
+def serve(
+    served: str,
+    name: str,
+    cron: str | None,
+    interval: float | None,
+    run_dir: str | None,
+    max_sequences: int,
+    preset: str | None,
+    default_preset: str,
+    overrides: list[str],
+) -> int:
+    """Serve a flow as a deployment of this process: pretrain-difflm (the config), or evaluate-latest on a run."""
+    from prefect.deployments.runner import EntrypointType
+
+    # flow runs load the flow by module (flows.pretrain), not by file: a file puts flows/ first on sys.path,
+    # where flows/data_prep.py would shadow the data_prep package
+    schedule = {"cron": cron} if cron else {"interval": interval} if interval else {}
+    schedule["entrypoint_type"] = EntrypointType.MODULE_PATH
+    if served != "evaluate-latest":
+        from flows.pretrain import pretrain_difflm
+
+        with _stops_on_ctrl_c():
+            pretrain_difflm.serve(
+                name=name, parameters={"preset": preset or default_preset, "overrides": overrides}, **schedule
+            )
+        return 0
+    if not run_dir:
+        raise UserError(
+            "difflm serve evaluate-latest needs --run-dir <workdir>/runs/<run> (the run to score while it trains)"
+        )
+    from flows.evaluate_latest import evaluate_latest
+    from tasks.runs import training_run_dir
+
+    schedule = schedule if len(schedule) > 1 else {**schedule, "interval": 600}
+    params = {"run_dir": str(training_run_dir(run_dir)), "max_sequences": max_sequences, "overrides": overrides}
+    if preset:  # else the run's own config.yaml
+        params["preset"] = preset
+    every = f" every {interval:g} s" if interval and not cron else ""
+    print(f"serving evaluate-latest/{name} on {params['run_dir']}{every}", flush=True)
+    with _stops_on_ctrl_c():
+        evaluate_latest.serve(name=name, parameters=params, limit=1, **schedule)  # one at a time
+    return 0
+
+
+@contextmanager
+def _stops_on_ctrl_c() -> Iterator[None]:
+    """Ctrl-C stops `serve` within SERVE_GRACE_SECONDS. Prefect's runner shuts down through the API; when the
+    server stopped first, it retried for over a minute and ended in a traceback (tried as a new user would).
+    A clean shutdown still gets the grace period; after it, one line and exit 130."""
+    from prefect.settings import PREFECT_API_URL
+
+    def give_up() -> None:
+        print(
+            f"difflm: serve stopped without deregistering: the Prefect API at {PREFECT_API_URL.value()} did not "
+            f"answer within {SERVE_GRACE_SECONDS:g} s (start the server and serve again)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(130)
+
+    def on_interrupt(signum, frame) -> None:
+        timer = threading.Timer(SERVE_GRACE_SECONDS, give_up)
+        timer.daemon = True
+        timer.start()
+        signal.signal(signal.SIGINT, lambda *_: give_up())  # a second Ctrl-C: now
+        signal.default_int_handler(signum, frame)
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
