@@ -40,9 +40,10 @@ test-fast: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/python -m mkdocs build --strict
 
-# the suite runs these too (tests/test_lint.py); `make lint` fixes what ruff can
+# the suite runs these too (tests/test_lint.py); `make lint` fixes what ruff can, then type-checks the core
+# (mypy on the packages [tool.mypy] names in pyproject.toml)
 lint: $(STAMP)
-	$(BIN)/ruff check --fix . && $(BIN)/ruff format .
+	$(BIN)/ruff check --fix . && $(BIN)/ruff format . && $(BIN)/mypy
 
 # headless Chromium (Debian package) for tests/test_ui_browser.py: installed when root (~20 s), else that test is
 # skipped (under CI it fails). An install that fails only warns: the rest of the suite still runs.
