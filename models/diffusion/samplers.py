@@ -23,7 +23,7 @@ def draw_multinomial(probs: torch.Tensor, generator: Generators) -> torch.Tensor
     if isinstance(generator, (list, tuple)):
         out = torch.stack([torch.multinomial(flat[i], 1, generator=g)[:, 0] for i, g in enumerate(generator)])
     else:
-        out = torch.multinomial(flat.reshape(-1, v), 1, generator=generator).view(b, -1)
+        out = torch.multinomial(flat.reshape(-1, v), 1, generator=_one(generator)).view(b, -1)
     return out.view(probs.shape[:-1]).to(probs.device)
 
 
@@ -31,14 +31,20 @@ def draw_rand(shape: tuple[int, ...], generator: Generators) -> torch.Tensor:
     """Uniforms of `shape` [b, ...] on the CPU."""
     if isinstance(generator, (list, tuple)):
         return torch.stack([torch.rand(shape[1:], generator=g, device=NOISE_DEVICE) for g in generator])
-    return torch.rand(shape, generator=generator, device=NOISE_DEVICE)
+    return torch.rand(shape, generator=_one(generator), device=NOISE_DEVICE)
 
 
 def draw_randint(high: int, shape: tuple[int, ...], generator: Generators) -> torch.Tensor:
     """Integers in [0, high) of `shape` [b, ...] on the CPU."""
     if isinstance(generator, (list, tuple)):
         return torch.stack([torch.randint(high, shape[1:], generator=g, device=NOISE_DEVICE) for g in generator])
-    return torch.randint(high, shape, generator=generator, device=NOISE_DEVICE)
+    return torch.randint(high, shape, generator=_one(generator), device=NOISE_DEVICE)
+
+
+def _one(generator: Generators) -> torch.Generator | None:
+    """The single generator of a whole batch (callers branch on a per-row list before)."""
+    assert isinstance(generator, torch.Generator) or generator is None
+    return generator
 
 
 def unmask_schedule(length: int, steps: int) -> list[int]:
@@ -185,7 +191,7 @@ def sample_masked_diffusion(
                 if not avail:
                     continue
                 if n_reveal is None:  # threshold: all above it, at least the most confident one
-                    k = max(1, int((conf[i] > cfg.threshold).sum()))
+                    k = max(1, int((conf[i] > float(cfg.threshold or 0.0)).sum()))
                 else:
                     k = min(n_reveal, avail)
                 idx = conf[i].topk(k).indices

@@ -67,7 +67,7 @@ class _NullStream:
 
 
 def _patch_torch_cuda() -> None:
-    cuda = torch.cuda
+    cuda: Any = torch.cuda  # replaced members: typed as torch's CUDA API, they are CPU stand-ins here
     cuda.current_device = lambda: "cpu"
     cuda.synchronize = lambda *_, **__: None
     cuda.empty_cache = lambda: None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,8 @@ class IntervalMeter:
         self.restart(now)
 
     def restart(self, now: float) -> None:
-        self.tic, self.tokens, self.flops, self.losses, self.excluded = now, 0, 0.0, [], 0.0
+        self.losses: list[float] = []
+        self.tic, self.tokens, self.flops, self.excluded = now, 0, 0.0, 0.0
 
     def exclude(self, seconds: float) -> None:
         """Leave `seconds` of this interval (evaluation, checkpoint saves) out of its throughput."""
@@ -73,7 +75,7 @@ def peak_memory_gb() -> float | None:
 class PreemptionFlag:
     """Set by the configured signals; the step in flight finishes, then every rank agrees to stop."""
 
-    def __init__(self, names: list[str]):
+    def __init__(self, names: Sequence[str]):
         self.signal: str | None = None
         sigs = [getattr(signal, name) for name in names]
         _start_checkpoint_writer_immune(sigs)

@@ -28,7 +28,9 @@ def drop_from(path: Path, first_step: int) -> list[dict]:
     the old file or the new one); returns the removed records. A torn last line (a kill during a write) goes too."""
     if not path.exists():
         return []
-    kept, dropped, torn = [], [], False
+    kept: list[tuple[str, dict]] = []
+    dropped: list[tuple[str, dict]] = []
+    torn = False
     for line in path.read_text().splitlines():
         if not line.strip():
             continue

@@ -76,13 +76,14 @@ class _PickleShim(types.ModuleType):
     """Stands in for the `pickle` module inside torch DCP's filesystem reader: loads are restricted, dumps
     (writing our own checkpoints) are pickle's."""
 
+    load = staticmethod(restricted_load)
+    loads = staticmethod(restricted_loads)
+
     def __getattr__(self, name: str):
         return getattr(pickle, name)
 
 
 _SHIM = _PickleShim("pickle")
-_SHIM.load = restricted_load
-_SHIM.loads = restricted_loads
 
 
 def guard_dcp() -> None:
