@@ -21,6 +21,7 @@ from difflm import outputs
 from difflm.config import PipelineConfig
 from difflm.errors import UserError
 from difflm.rundir import EXPORT_MARKER
+from models.diffusion.arch import ModelArch
 from models.diffusion.modes import objective_class
 
 
@@ -142,13 +143,8 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
         num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_query_groups or m.num_attention_heads,
         intermediate_size=m.ffn_size,
-        hidden_act="silu" if m.swiglu else "gelu",
-        gated_mlp=m.swiglu,
-        normalization=m.normalization,
+        architecture=ModelArch.of(m).to_dict(),
         norm_eps=m.norm_epsilon,
-        qk_layernorm=m.qk_layernorm,
-        qkv_bias=m.qkv_bias,
-        head_dim=m.kv_channels,
         rope_theta=float(m.rotary_base),
         max_position_embeddings=cfg.train.seq_length,
         bidirectional=objective.bidirectional,
@@ -251,11 +247,7 @@ def _check_compatible(cfg: PipelineConfig, hf_cfg: dict, tokenizer: dict) -> Non
         "num_attention_heads",
         "num_key_value_heads",
         "intermediate_size",
-        "gated_mlp",
-        "normalization",
-        "qk_layernorm",
-        "qkv_bias",
-        "head_dim",
+        "architecture",
         "tie_word_embeddings",
         "time_embedding",
         "real_vocab_size",
@@ -263,7 +255,8 @@ def _check_compatible(cfg: PipelineConfig, hf_cfg: dict, tokenizer: dict) -> Non
     )
     if not want.get("time_embedding"):  # how t would enter matters only when it does
         keys = keys[:-1]
-    old_defaults = {"time_conditioning": "input", "qkv_bias": False}  # exports written before the field
+    old_defaults = {"time_conditioning": "input"}  # exports written before the field
+    hf_cfg = {**hf_cfg, "architecture": ModelArch.from_hf_config(hf_cfg).to_dict()}  # old exports: flat fields
     diff = {
         k: (hf_cfg.get(k, old_defaults.get(k)), want.get(k))
         for k in keys

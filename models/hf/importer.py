@@ -1,4 +1,4 @@
-"""Stock transformers checkpoints (Llama, Qwen2, Qwen3, Mistral) into megatron-core, and `ar` models back out.
+"""Stock transformers checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma) into megatron-core, and `ar` models back out.
 
     import_pretrained(cfg, folder, out_dir, tokenizer=None) -> out_dir   # a megatron dist checkpoint
     export_stock(cfg, tokenizer, ckpt_dir, out_dir) -> out_dir          # a folder AutoModelForCausalLM loads
@@ -28,6 +28,7 @@ from difflm import outputs
 from difflm.config import PipelineConfig
 from models.hf.architectures import (
     Shape,
+    architecture_of,
     check_exportable,
     model_fields,
     ours_to_stock,
@@ -292,7 +293,8 @@ def import_pretrained(
                 )
             vocab, tied = tok["vocab_size"], fields["tie_embeddings"]
             try:
-                ours = _resize_vocab(stock_to_ours(sd, Shape.of(cfg.model), fields["num_layers"], tied), vocab, tied)
+                ours = stock_to_ours(sd, Shape.of(cfg.model), fields["num_layers"], tied, arch.layer_names)
+                ours = _resize_vocab(ours, vocab, tied)
             except KeyError as err:
                 raise ConversionError(
                     f"{folder}: the weights lack {err.args[0]!r} (expected the *ForCausalLM names: "
@@ -375,7 +377,7 @@ def export_stock(
     }
     stock_cfg = stock_config(m, rows, cfg.train.seq_length, special)
     model = AutoModelForCausalLM.from_config(stock_cfg).float().eval()
-    stock = ours_to_stock(ours, Shape.of(m), m.num_layers, m.tie_embeddings)
+    stock = ours_to_stock(ours, Shape.of(m), m.num_layers, m.tie_embeddings, architecture_of(m).layer_names)
     missing, unexpected = model.load_state_dict(stock, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and m.tie_embeddings)]
     if missing or unexpected:
