@@ -255,3 +255,43 @@ def test_training_starts_from_an_imported_qwen2(tmp_path):
             config = json.loads((Path(info["run_dir"]) / "hf-stock" / "config.json").read_text())
             assert config["architectures"] == ["Qwen2ForCausalLM"]
     assert starts[0] != pytest.approx(starts[1], rel=1e-3)
+
+
+def test_an_imported_ar_model_has_the_sources_exact_nll(tmp_path):
+    """A tiny Qwen2 of 96 rows gets a new mask token (97 tokens) and zero rows up to 128: megatron's `ar` loss (its
+    per-token cross-entropy, as training and val_loss use) and the export's `ar_nll` normalise over the source's
+    tokens only, so both give transformers' NLL, not one raised by the mass of the 32 rows the import added."""
+    from safetensors.torch import load_file, save_file
+
+    from models.hf import importer
+    from models.hf.architectures import Shape, stock_to_ours
+    from models.hf.convert import _local_key, export_hf, load_hf, repad_vocab
+    from models.megatron.gpt import padded_vocab_size
+
+    src = tiny_stock("qwen2-bias", tmp_path / "src")
+    sd = load_file(str(src / "model.safetensors"))  # sharper logits, closer to a trained model's scale
+    sd["model.norm.weight"] = sd["model.norm.weight"] * 4
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    cfg = _cfg(tmp_path, src)
+    tok = importer.prepare_tokenizer(src, tmp_path / "tok", cfg.tokenizer.mask_token)
+    vocab = tok["vocab_size"]
+    rows = padded_vocab_size(vocab, 1)
+    assert tok["mask_added"] and (vocab, rows) == (VOCAB + 1, 128)
+    ours = stock_to_ours(importer.load_stock_weights(src), Shape.of(cfg.model), cfg.model.num_layers, True)
+    weights = repad_vocab({_local_key(k): v for k, v in importer._resize_vocab(ours, vocab, True).items()}, rows)
+
+    ids = torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    lp = torch.log_softmax(_hf_logits(src, ids).double(), -1)
+    nll_hf = -lp[:, :-1].gather(-1, ids[:, 1:, None]).mean().item()
+    with importer.single_megatron(0):
+        model = importer.megatron_model(
+            importer._single(cfg, causal=True), vocab, rows, weights, never_targets=importer.added_rows(tok)
+        )
+        labels = torch.cat([ids[:, 1:], ids[:, :1]], 1)
+        with torch.no_grad():
+            ce = model(ids, torch.arange(32)[None].expand(4, 32), None, labels=labels).float()
+    assert ce[:, :-1].mean().item() == pytest.approx(nll_hf, abs=1e-4)
+
+    ckpt = importer.import_pretrained(cfg, src, tmp_path / "mg", tokenizer=tok)
+    export = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours"))
+    assert export.ar_nll(ids).mean().item() == pytest.approx(nll_hf, abs=1e-4)

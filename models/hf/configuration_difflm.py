@@ -28,6 +28,7 @@ class DiffLMConfig(PretrainedConfig):
         bidirectional: bool = True,
         model_running_mode: str = "difflm-noshift",
         mask_token_id: int | None = None,
+        mask_token_added: bool = False,
         time_embedding: bool = False,
         time_conditioning: str = "input",
         document_attention: bool = False,
@@ -57,6 +58,7 @@ class DiffLMConfig(PretrainedConfig):
         self.bidirectional = bidirectional
         self.model_running_mode = model_running_mode
         self.mask_token_id = mask_token_id
+        self.mask_token_added = mask_token_added  # new in the vocabulary (an import's): out of ar's normaliser
         self.time_embedding = time_embedding
         self.time_conditioning = time_conditioning  # "input": embedding added to tokens; "adaln": every norm
         self.document_attention = document_attention  # attention kept within EOS-separated documents

@@ -150,6 +150,7 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
         bidirectional=objective.bidirectional,
         model_running_mode=cfg.diffusion.model_running_mode,
         mask_token_id=tokenizer["mask_id"],
+        mask_token_added=bool(tokenizer.get("mask_added")),
         time_embedding=cfg.diffusion.time_embedding and objective.uses_t,
         document_attention=cfg.model.document_attention,
         diffusion_eps=cfg.diffusion.eps,

@@ -188,11 +188,14 @@ def _single(cfg: PipelineConfig, causal: bool = False) -> PipelineConfig:
     return cfg.model_copy(update=update)
 
 
-def megatron_model(cfg: PipelineConfig, vocab_size: int, rows: int, weights: dict, strict: bool = True):
-    """The TP=1 megatron model of `cfg` holding `weights` (megatron local-spec names)."""
+def megatron_model(
+    cfg: PipelineConfig, vocab_size: int, rows: int, weights: dict, strict: bool = True, never_targets=()
+):
+    """The TP=1 megatron model of `cfg` holding `weights` (megatron local-spec names); `never_targets`: rows an
+    `ar` model keeps out of its normaliser besides the padding (`added_rows`)."""
     from models.megatron.gpt import build_model
 
-    model = build_model(cfg, vocab_size, padded_vocab=rows).eval()
+    model = build_model(cfg, vocab_size, padded_vocab=rows, never_targets=tuple(never_targets)).eval()
     expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     missing, unexpected = expected - weights.keys(), weights.keys() - expected
     if (strict and missing) or unexpected:
@@ -222,6 +225,12 @@ def parity(reference: torch.Tensor, got: torch.Tensor, columns: int, what: str) 
             f"tolerance {PARITY_TOLERANCE:g}): nothing was written; please report this with the source's config.json"
         )
     return rel
+
+
+def added_rows(tokenizer: dict) -> tuple[int, ...]:
+    """The rows the import added to the source's vocabulary besides the padding: a new mask token (never a target
+    of an `ar` model, so its exact NLL is the source's)."""
+    return (tokenizer["mask_id"],) if tokenizer.get("mask_added") else ()
 
 
 def probe_tokens(cfg: PipelineConfig, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -312,7 +321,7 @@ def import_pretrained(
             with single_megatron(cfg.train.seed):
                 from megatron.core import dist_checkpointing
 
-                check = megatron_model(_single(cfg, causal=True), vocab, rows, weights)
+                check = megatron_model(_single(cfg, causal=True), vocab, rows, weights, never_targets=added_rows(tok))
                 rel = parity(ref, megatron_logits(check, ids), min(rows_src, vocab), f"import of {folder}")
                 # the same parameters unless the target conditions on t (its time embedding starts at its own init)
                 target = (
@@ -387,7 +396,9 @@ def export_stock(
     ids = probe_tokens(cfg, tokenizer["vocab_size"])
     with single_megatron(cfg.train.seed):
         weights = {_local_key(k): v for k, v in ours.items()}
-        ref = megatron_logits(megatron_model(_single(cfg, causal=True), tokenizer["vocab_size"], rows, weights), ids)
+        single = _single(cfg, causal=True)
+        model = megatron_model(single, tokenizer["vocab_size"], rows, weights, never_targets=added_rows(tokenizer))
+        ref = megatron_logits(model, ids)
     with torch.no_grad():
         got = model(ids).logits.float()
     rel = parity(ref, got, tokenizer["vocab_size"], f"export of {ckpt_dir}")

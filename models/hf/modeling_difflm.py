@@ -367,9 +367,18 @@ class DiffLMForMaskedLM(PreTrainedModel):
         if clean is not None:
             out = self(tokens, attention_mask=attention_mask, document_ids=document_ids, clean_ids=clean).logits
             return self.objective.align_two_stream(out)
-        return self.objective.align_logits(
-            self(tokens, attention_mask=attention_mask, t=t, document_ids=document_ids).logits
-        )
+        logits = self(tokens, attention_mask=attention_mask, t=t, document_ids=document_ids).logits
+        if self.objective.exact:  # an exact likelihood normalises over the tokens, as training's megatron model
+            logits = self._tokens_only(logits)
+        return self.objective.align_logits(logits)
+
+    def _tokens_only(self, logits: torch.Tensor) -> torch.Tensor:
+        """-inf for the rows no token is (the padding past `real_vocab_size`) and for a mask token the import added:
+        an imported `ar` model's NLL is then the source's."""
+        out = torch.arange(logits.shape[-1], device=logits.device) >= self.config.real_vocab_size
+        if getattr(self.config, "mask_token_added", False):
+            out[self.config.mask_token_id] = True
+        return logits.masked_fill(out, float("-inf"))
 
     def uniform_states(self) -> torch.Tensor:
         """Token ids uniform noise draws from (the same function training uses), on the model's device."""

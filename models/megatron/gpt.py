@@ -198,9 +198,14 @@ class DiffusionGPTModel(GPTModel):
         time_embedding: bool = False,
         adaln: bool = False,
         embedding_multiplier: float | None = None,
+        scored_vocab: int | None = None,
+        never_targets: tuple[int, ...] = (),
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        if scored_vocab is not None and self.post_process:  # exact likelihoods: the normaliser is the vocabulary
+            self.scored_vocab, self.never_targets = scored_vocab, never_targets
+            self.output_layer.register_forward_hook(self._unscored_rows_out)
         self.embedding_multiplier = embedding_multiplier if self.pre_process else None  # Gemma: x sqrt(hidden)
         # Only the first pipeline stage embeds tokens, so only it owns the input time embedding.
         input_emb = time_embedding and not adaln and self.pre_process
@@ -213,6 +218,18 @@ class DiffusionGPTModel(GPTModel):
         for module in self.modules():
             if isinstance(module, AdaLNorm):
                 module.time = self.time
+
+    def _unscored_rows_out(self, _module, _args, output):
+        """Logits of -inf for the rows no token is: the padding up to a multiple of 64 x TP, and `never_targets` (a
+        mask token the import added). This rank holds the vocabulary slice [rank * v, (rank + 1) * v)."""
+        logits, bias = output
+        local = logits.shape[-1]
+        first = self.pg_collection.tp.rank() * local
+        rows = torch.arange(first, first + local, device=logits.device)
+        out = rows >= self.scored_vocab
+        for row in self.never_targets:
+            out |= rows == row
+        return logits.masked_fill(out, float("-inf")), bias
 
     def forward(self, input_ids, position_ids, attention_mask, labels=None, t=None, two_stream=False, **kwargs):
         """megatron's forward; `two_stream` (block diffusion): the input is [x_t | x_0] and RoPE gives both halves
@@ -273,11 +290,14 @@ def build_model(
     pre_process: bool = True,
     post_process: bool = True,
     padded_vocab: int | None = None,
+    never_targets: tuple[int, ...] = (),
 ) -> DiffusionGPTModel:
     """One pipeline stage of the megatron GPTModel for `cfg` (the whole model when PP=1).
 
     `padded_vocab` overrides the embedding rows (conversion builds a TP=1 model with the padding of the
-    layout it writes for)."""
+    layout it writes for). An objective with an exact likelihood (ar) normalises over the `vocab_size` tokens only:
+    the padding rows, and the `never_targets` (a mask token an import added), get logits of -inf, so the NLL of an
+    imported model is the source's."""
     objective = objective_class(cfg.diffusion.model_running_mode)
     backend = resolve_backend(cfg.model.backend, objective.two_stream)
     if cfg.train.fp8 and backend != "te":
@@ -324,4 +344,6 @@ def build_model(
         time_embedding=cfg.diffusion.time_embedding and objective_class(cfg.diffusion.model_running_mode).uses_t,
         adaln=uses_adaln(cfg),
         embedding_multiplier=arch.embedding_multiplier(cfg.model.hidden_size),
+        scored_vocab=vocab_size if objective.exact else None,
+        never_targets=never_targets,
     )
