@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from models.diffusion.arch import ModelArch
 from models.hf.convert import ConversionError
@@ -219,8 +220,6 @@ def ours_to_stock(
 def stock_config(model_cfg, vocab_rows: int, max_positions: int, special: dict):
     """The transformers config of the stock class for a model of this project (`special`: token ids and the
     mask choice, recorded as `difflm_mask_token_id` / `difflm_mask_token_added` so the export says it)."""
-    from transformers import AutoConfig  # lazy: the CLI imports this module (via tasks.adapt) before --help
-
     m, arch = model_cfg, architecture_of(model_cfg)
     kwargs = dict(
         vocab_size=vocab_rows,

@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForMaskedLM
 
 from difflm import outputs
 from difflm.config import PipelineConfig
@@ -23,6 +25,11 @@ from difflm.errors import UserError
 from difflm.rundir import EXPORT_MARKER
 from models.diffusion.arch import ModelArch
 from models.diffusion.modes import objective_class
+from models.hf.configuration_difflm import DiffLMConfig
+from models.hf.modeling_difflm import DiffLMForMaskedLM
+
+# megatron (models.megatron, megatron.core) is imported inside the functions that run it: the HF side of the
+# project (exports, evaluation, the importer's checks) loads without it
 
 
 class ConversionError(UserError, RuntimeError):
@@ -96,7 +103,7 @@ _TOP_KEYS = {
 
 def load_megatron_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """Full (unsharded) model tensors of a megatron dist checkpoint, optimizer state left on disk."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # megatron: lazy (above)
 
     from models.megatron.distributed import single_process_group
     from models.megatron.safe_pickle import guard_dcp
@@ -131,8 +138,7 @@ def to_hf_state_dict(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def hf_config(cfg: PipelineConfig, tokenizer: dict):
-    from models.hf.configuration_difflm import DiffLMConfig
-    from models.megatron.gpt import padded_vocab_size  # megatron: imported when needed
+    from models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
 
     m, objective = cfg.model, objective_class(cfg.diffusion.model_running_mode)
     return DiffLMConfig(
@@ -171,8 +177,6 @@ def export_hf(
     cfg: PipelineConfig, tokenizer: dict, ckpt_dir: Path, out_dir: Path, provenance: dict | None = None
 ) -> Path:
     """Write the HF folder for `ckpt_dir` into `out_dir` (replaced atomically); returns out_dir."""
-    from models.hf.modeling_difflm import DiffLMForMaskedLM
-
     hf_sd = to_hf_state_dict(load_megatron_weights(ckpt_dir))
     model = DiffLMForMaskedLM(hf_config(cfg, tokenizer))
     missing, unexpected = model.load_state_dict(hf_sd, strict=False)
@@ -210,8 +214,6 @@ def save_export(model, tokenizer_dir: Path, out_dir: Path, meta: dict, code: boo
 
 def load_hf(folder: Path):
     """Load an export offline through transformers' remote-code path, as users will."""
-    from transformers import AutoModelForMaskedLM
-
     return AutoModelForMaskedLM.from_pretrained(str(folder), trust_remote_code=True, local_files_only=True).eval()
 
 
@@ -286,9 +288,7 @@ def repad_vocab(weights: dict[str, torch.Tensor], rows: int) -> dict[str, torch.
 def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict) -> Path:
     """Write a megatron dist checkpoint (model weights only, reshardable on load) from an HF folder of this
     project's format, its vocabulary padded for `cfg`'s TP size; `train.init_from` can start training from it."""
-    from safetensors.torch import load_file
-
-    from models.megatron.distributed import single_process_group
+    from models.megatron.distributed import single_process_group  # megatron: lazy (above)
     from models.megatron.gpt import padded_vocab_size
 
     hf_dir = Path(hf_dir)

@@ -23,6 +23,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from difflm import outputs
 from difflm.config import PipelineConfig
@@ -46,6 +48,8 @@ from models.hf.convert import (
     to_hf_state_dict,
 )
 
+# megatron (models.megatron, megatron.core) is imported inside the functions that run it, as in models.hf.convert:
+# the source checks and the tokenizer preparation load without it
 PARITY_TOLERANCE = 1e-4  # relative max logit difference, fp32 on the CPU
 IMPORT_RECORD = "difflm_import.json"
 TOKENIZER_DIR = "tokenizer"
@@ -105,8 +109,6 @@ def source_overrides(folder: str | Path) -> list[str]:
 
 
 def load_stock_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     sd = {}
     for f in weight_files(folder):
         sd.update(load_file(str(f)))
@@ -117,8 +119,6 @@ def load_stock_weights(folder: Path) -> dict[str, torch.Tensor]:
 def prepare_tokenizer(folder: Path, out_dir: Path, mask_token: str = "<|mask|>") -> dict:
     """The tokenizer of `folder` saved into `out_dir` with a mask token (reused when present, else a new id) and
     a pad token (its own, else EOS). Returns the pipeline's tokenizer record plus the choice made."""
-    from transformers import PreTrainedTokenizerFast
-
     # the generic fast class: tokenizer.json and the special tokens as saved (a model-specific class may add its own)
     tok = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
     if tok.eos_token is None:
@@ -273,9 +273,7 @@ def import_pretrained(
     record (a data manifest's) when the data was already prepared through the source's tokenizer with a mask
     token; None: the tokenizer is prepared here (`prepare_tokenizer`) into `<out_dir>/tokenizer`. The logits of
     the imported (causal) model are checked against transformers' on the same tokens before anything is kept."""
-    from transformers import AutoModelForCausalLM
-
-    from models.megatron.gpt import padded_vocab_size
+    from models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
 
     folder, out_dir = Path(folder).expanduser().resolve(), Path(out_dir).expanduser().resolve()
     arch, c = check_source(folder)
@@ -366,9 +364,7 @@ def export_stock(
     (`model.hf_architecture`, else by its features; a model trained here is a Llama), which
     `AutoModelForCausalLM.from_pretrained(out_dir)` loads without remote code. The mask token choice is recorded
     in config.json (`difflm_mask_token_id`). Logits are checked against the megatron model's."""
-    from transformers import AutoModelForCausalLM
-
-    from models.megatron.gpt import padded_vocab_size
+    from models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
 
     check_exportable(cfg.model)
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
@@ -397,8 +393,8 @@ def export_stock(
     with single_megatron(cfg.train.seed):
         weights = {_local_key(k): v for k, v in ours.items()}
         single = _single(cfg, causal=True)
-        model = megatron_model(single, tokenizer["vocab_size"], rows, weights, never_targets=added_rows(tokenizer))
-        ref = megatron_logits(model, ids)
+        check = megatron_model(single, tokenizer["vocab_size"], rows, weights, never_targets=added_rows(tokenizer))
+        ref = megatron_logits(check, ids)
     with torch.no_grad():
         got = model(ids).logits.float()
     rel = parity(ref, got, tokenizer["vocab_size"], f"export of {ckpt_dir}")
