@@ -1,5 +1,6 @@
 """Stock transformers checkpoints in and out (issue 20): tiny random Llama (MHA and GQA, tied and untied), Qwen2
-(q/k/v bias), Qwen3 (qk-norm, head_dim apart from hidden/heads) and Mistral, built here; the import gives
+(q/k/v bias), Qwen3 (qk-norm, head_dim apart from hidden/heads), Mistral and Gemma (GELU-tanh, (1 + w) norms,
+scaled embeddings), built here; the import gives
 transformers' logits at every TP/PP layout, the stock export gives them back, and bad input says what to do."""
 
 import json
@@ -130,6 +131,8 @@ BAD = {  # name -> (how the folder is spoiled, what the one line says)
         "RoPE scaling 'llama3' is not implemented",
     ),
     "sliding window": (lambda f: _write(f, model_type="mistral", sliding_window=16), "sliding-window attention"),
+    "post-norms": (lambda f: _write(f, model_type="gemma2"), "gemma2: norms after attention and MLP"),
+    "activation": (lambda f: _write(f, hidden_act="gelu"), "hidden_act='gelu'.*LlamaForCausalLM is built with silu"),
     "no weights": (lambda f: (f / "model.safetensors").unlink(), "no weights"),
     "missing tokenizer": (lambda f: (f / "tokenizer.json").unlink(), "no tokenizer.json"),
     "vocab mismatch": (
