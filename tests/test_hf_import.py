@@ -298,3 +298,22 @@ def test_an_imported_ar_model_has_the_sources_exact_nll(tmp_path):
     ckpt = importer.import_pretrained(cfg, src, tmp_path / "mg", tokenizer=tok)
     export = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours"))
     assert export.ar_nll(ids).mean().item() == pytest.approx(nll_hf, abs=1e-4)
+
+
+def test_each_row_sets_the_architecture_record(tmp_path):
+    """A model trained here exports to the row whose switches it has (the defaults are a Llama's, Gemma's are
+    GELU-tanh, (1 + w) norms, scaled embeddings); switches no row has, or another row's, say why."""
+    from models.hf.architectures import architecture_of, stock_problem
+
+    def arch(*over):
+        m = tiny_config(tmp_path, *over).model
+        return architecture_of(m).name, stock_problem(m)
+
+    assert arch() == ("llama", None)
+    assert arch("model.qkv_bias=true") == ("qwen2", None)
+    gemma = ("model.activation=gelu_tanh", "model.norm_offset=1", "model.embedding_scale=true", "model.kv_channels=8")
+    assert arch(*gemma) == ("gemma", None)
+    name, problem = arch("model.activation=gelu_tanh")
+    assert name == "llama" and "no stock class has the switches" in problem
+    name, problem = arch("model.hf_architecture=qwen2")
+    assert name == "qwen2" and "model.hf_architecture=qwen2" in problem
