@@ -317,3 +317,17 @@ def test_each_row_sets_the_architecture_record(tmp_path):
     assert name == "llama" and "no stock class has the switches" in problem
     name, problem = arch("model.hf_architecture=qwen2")
     assert name == "qwen2" and "model.hf_architecture=qwen2" in problem
+
+
+def test_an_exports_record_gives_the_overrides_that_adapt_it(tmp_path):
+    """`difflm adapt` of one of this project's exports reads its architecture record back into `model.*`."""
+    from helpers import tiny_hf_model
+
+    from difflm.config import load_config
+    from models.diffusion.arch import ModelArch
+    from tasks.adapt import source_overrides
+
+    record = ModelArch(activation="gelu_tanh", norm_offset=1, embedding_scale=True, qk_norm=True, head_dim=24)
+    tiny_hf_model(architecture=record.to_dict()).save_pretrained(str(tmp_path / "export"))
+    tiny_tokenizer(tmp_path / "export", vocab=64)
+    assert ModelArch.of(load_config("test-tiny", source_overrides(tmp_path / "export")).model) == record
