@@ -228,3 +228,28 @@ def test_old_exports_flat_fields_read_as_the_record():
     assert ModelArch.from_hf_config({}) == ModelArch()  # the defaults of then: SwiGLU, RMSNorm
     record = ModelArch(activation="gelu_tanh", norm_offset=1, embedding_scale=True)
     assert ModelArch.from_hf_config({"architecture": record.to_dict(), "hidden_act": "silu"}) == record
+
+
+def test_ar_keeps_the_padding_rows_out_of_its_loss(megatron_single_process, tmp_path):
+    """500 tokens in 512 rows: in `ar` the 12 padding rows get -inf, so the loss is the cross-entropy over the 500
+    tokens and its gradients stay finite; a diffusion mode's logits keep every row (its losses are unchanged)."""
+    from models.megatron.gpt import build_model
+
+    x = torch.randint(3, 500, (2, 16))
+    pos = torch.arange(16)[None].expand(2, 16)
+    for mode in ("ar", "difflm-noshift"):
+        cfg = tiny_config(tmp_path, f"diffusion.model_running_mode={mode}")
+        torch.manual_seed(0)
+        model = build_model(cfg, vocab_size=500)
+        logits = model(x, pos, None)
+        assert torch.isinf(logits[..., 500:]).all() == (mode == "ar") and torch.isfinite(logits[..., :500]).all()
+    cfg = tiny_config(tmp_path, "diffusion.model_running_mode=ar")
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab_size=500)
+    loss = model(x, pos, None, labels=x).float()
+    want = torch.nn.functional.cross_entropy(
+        model(x, pos, None)[..., :500].flatten(0, 1), x.flatten(), reduction="none"
+    )
+    assert torch.allclose(loss.flatten(), want, atol=1e-5)
+    loss.mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -117,9 +117,10 @@ def layer_spec(
             "takes causal / padding masks and THD sequences, not the [x_t | x_0] block mask"
         )
     if backend == "te":
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=ModelArch.of(model).qk_norm)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization=model.normalization)
+        arch = ModelArch.of(model)
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization=arch.normalization)
     if backend == "torch":
         spec = torch_layer_spec(spec)
     dense = backend == "local" and two_stream
