@@ -169,6 +169,9 @@ def export_source_ar(cfg: PipelineConfig, tokenizer: dict, ckpt: Path, out_dir: 
 
     if is_export_of(out_dir, str(ckpt)):
         return out_dir
+    record = import_record(ckpt)  # a mask token the import added stays out of ar's normaliser (the source's NLL)
+    if record and record["tokenizer"]["mask_id"] == tokenizer["mask_id"]:
+        tokenizer = {**tokenizer, "mask_added": bool(record["tokenizer"].get("mask_added"))}
     return export_hf(ar_config(cfg), tokenizer, ckpt, out_dir, {"mode": "ar", "source": lineage})
 
 
