@@ -372,7 +372,8 @@ class ModelConfig(_Section):
         None,
         json_schema_extra=OPERATIONAL,
         description="The stock transformers class an `ar` export takes (recorded by `difflm convert HF_DIR`); "
-        "None: Qwen3 with qk_layernorm, Qwen2 with qkv_bias, else Llama. Exports only: training is the same.",
+        "None: the class whose switches the model has (models/hf/architectures.py; Llama by default). Exports only: "
+        "training is the same.",
     )
     document_attention: bool = Field(
         False, description="Packed documents attend only within themselves (explicit mask on the local spec)."
