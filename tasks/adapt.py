@@ -171,7 +171,7 @@ def export_source_ar(cfg: PipelineConfig, tokenizer: dict, ckpt: Path, out_dir: 
         return out_dir
     record = import_record(ckpt)  # a mask token the import added stays out of ar's normaliser (the source's NLL)
     if record and record["tokenizer"]["mask_id"] == tokenizer["mask_id"]:
-        tokenizer = {**tokenizer, "mask_added": bool(record["tokenizer"].get("mask_added"))}
+        tokenizer = {**tokenizer, "mask_added": bool(record["tokenizer"].get("mask_row_added"))}
     return export_hf(ar_config(cfg), tokenizer, ckpt, out_dir, {"mode": "ar", "source": lineage})
 
 

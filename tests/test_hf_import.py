@@ -288,7 +288,7 @@ def test_an_imported_ar_model_has_the_sources_exact_nll(tmp_path):
     nll_hf = -lp[:, :-1].gather(-1, ids[:, 1:, None]).mean().item()
     with importer.single_megatron(0):
         model = importer.megatron_model(
-            importer._single(cfg, causal=True), vocab, rows, weights, never_targets=importer.added_rows(tok)
+            importer._single(cfg, causal=True), vocab, rows, weights, never_targets=importer.added_rows(tok, VOCAB)
         )
         labels = torch.cat([ids[:, 1:], ids[:, :1]], 1)
         with torch.no_grad():
@@ -296,6 +296,7 @@ def test_an_imported_ar_model_has_the_sources_exact_nll(tmp_path):
     assert ce[:, :-1].mean().item() == pytest.approx(nll_hf, abs=1e-4)
 
     ckpt = importer.import_pretrained(cfg, src, tmp_path / "mg", tokenizer=tok)
+    assert importer.import_record(ckpt)["tokenizer"]["mask_row_added"]  # what the adapt flow's source export reads
     export = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours"))
     assert export.ar_nll(ids).mean().item() == pytest.approx(nll_hf, abs=1e-4)
 

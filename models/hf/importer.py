@@ -227,10 +227,11 @@ def parity(reference: torch.Tensor, got: torch.Tensor, columns: int, what: str) 
     return rel
 
 
-def added_rows(tokenizer: dict) -> tuple[int, ...]:
-    """The rows the import added to the source's vocabulary besides the padding: a new mask token (never a target
-    of an `ar` model, so its exact NLL is the source's)."""
-    return (tokenizer["mask_id"],) if tokenizer.get("mask_added") else ()
+def added_rows(tokenizer: dict, source_rows: int) -> tuple[int, ...]:
+    """The rows the import added to the source's embedding besides the padding: a new mask token past its
+    `source_rows` (never a target of an `ar` model; kept out of its normaliser, its exact NLL is the source's). A
+    mask token given a spare row the source has stays in: the source normalises over that row too."""
+    return (tokenizer["mask_id"],) if tokenizer.get("mask_added") and tokenizer["mask_id"] >= source_rows else ()
 
 
 def probe_tokens(cfg: PipelineConfig, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -319,7 +320,7 @@ def import_pretrained(
             with single_megatron(cfg.train.seed):
                 from megatron.core import dist_checkpointing
 
-                check = megatron_model(_single(cfg, causal=True), vocab, rows, weights, never_targets=added_rows(tok))
+                check = megatron_model(_single(cfg, causal=True), vocab, rows, weights)
                 rel = parity(ref, megatron_logits(check, ids), min(rows_src, vocab), f"import of {folder}")
                 # the same parameters unless the target conditions on t (its time embedding starts at its own init)
                 target = (
@@ -334,7 +335,9 @@ def import_pretrained(
                 "architecture": arch.hf_class,
                 "model": fields,
                 "tokenizer": {
-                    k: tok.get(k) for k in ("path", "vocab_size", "mask_id", "eos_id", "pad_id", "mask_added", "tokens")
+                    **{k: tok.get(k) for k in ("path", "vocab_size", "mask_id", "eos_id", "pad_id", "mask_added")},
+                    "tokens": tok.get("tokens"),
+                    "mask_row_added": bool(added_rows(tok, rows_src)),  # out of an ar export's normaliser
                 },
                 "parity": {"rel_max_logit_diff": rel, "tolerance": PARITY_TOLERANCE, "tokens": list(ids.shape)},
             }
@@ -392,9 +395,8 @@ def export_stock(
     ids = probe_tokens(cfg, tokenizer["vocab_size"])
     with single_megatron(cfg.train.seed):
         weights = {_local_key(k): v for k, v in ours.items()}
-        single = _single(cfg, causal=True)
-        check = megatron_model(single, tokenizer["vocab_size"], rows, weights, never_targets=added_rows(tokenizer))
-        ref = megatron_logits(check, ids)
+        # every token's column is compared, the mask's too: the stock class keeps its row (no never_targets here)
+        ref = megatron_logits(megatron_model(_single(cfg, causal=True), tokenizer["vocab_size"], rows, weights), ids)
     with torch.no_grad():
         got = model(ids).logits.float()
     rel = parity(ref, got, tokenizer["vocab_size"], f"export of {ckpt_dir}")
