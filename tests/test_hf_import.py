@@ -1,5 +1,6 @@
 """Stock transformers checkpoints in and out: tiny random Llama (MHA and GQA, tied and untied), Qwen2
-(q/k/v bias), Qwen3 (qk-norm, head_dim apart from hidden/heads) and Mistral, built here; the import gives
+(q/k/v bias), Qwen3 (qk-norm, head_dim apart from hidden/heads), Mistral and Gemma (GELU-tanh, (1 + w) norms,
+scaled embeddings), built here; the import gives
 transformers' logits at every TP/PP layout, the stock export gives them back, and bad input says what to do."""
 
 import json
@@ -130,6 +131,8 @@ BAD = {  # name -> (how the folder is spoiled, what the one line says)
         "RoPE scaling 'llama3' is not implemented",
     ),
     "sliding window": (lambda f: _write(f, model_type="mistral", sliding_window=16), "sliding-window attention"),
+    "post-norms": (lambda f: _write(f, model_type="gemma2"), "gemma2: norms after attention and MLP"),
+    "activation": (lambda f: _write(f, hidden_act="gelu"), "hidden_act='gelu'.*LlamaForCausalLM is built with silu"),
     "no weights": (lambda f: (f / "model.safetensors").unlink(), "no weights"),
     "missing tokenizer": (lambda f: (f / "tokenizer.json").unlink(), "no tokenizer.json"),
     "vocab mismatch": (
@@ -255,3 +258,77 @@ def test_training_starts_from_an_imported_qwen2(tmp_path):
             config = json.loads((Path(info["run_dir"]) / "hf-stock" / "config.json").read_text())
             assert config["architectures"] == ["Qwen2ForCausalLM"]
     assert starts[0] != pytest.approx(starts[1], rel=1e-3)
+
+
+def test_an_imported_ar_model_has_the_sources_exact_nll(tmp_path):
+    """A tiny Qwen2 of 96 rows gets a new mask token (97 tokens) and zero rows up to 128: megatron's `ar` loss (its
+    per-token cross-entropy, as training and val_loss use) and the export's `ar_nll` normalise over the source's
+    tokens only, so both give transformers' NLL, not one raised by the mass of the 32 rows the import added."""
+    from safetensors.torch import load_file, save_file
+
+    from models.hf import importer
+    from models.hf.architectures import Shape, stock_to_ours
+    from models.hf.convert import _local_key, export_hf, load_hf, repad_vocab
+    from models.megatron.gpt import padded_vocab_size
+
+    src = tiny_stock("qwen2-bias", tmp_path / "src")
+    sd = load_file(str(src / "model.safetensors"))  # sharper logits, closer to a trained model's scale
+    sd["model.norm.weight"] = sd["model.norm.weight"] * 4
+    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
+    cfg = _cfg(tmp_path, src)
+    tok = importer.prepare_tokenizer(src, tmp_path / "tok", cfg.tokenizer.mask_token)
+    vocab = tok["vocab_size"]
+    rows = padded_vocab_size(vocab, 1)
+    assert tok["mask_added"] and (vocab, rows) == (VOCAB + 1, 128)
+    ours = stock_to_ours(importer.load_stock_weights(src), Shape.of(cfg.model), cfg.model.num_layers, True)
+    weights = repad_vocab({_local_key(k): v for k, v in importer._resize_vocab(ours, vocab, True).items()}, rows)
+
+    ids = torch.randint(3, VOCAB, (4, 32), generator=torch.Generator().manual_seed(0))
+    lp = torch.log_softmax(_hf_logits(src, ids).double(), -1)
+    nll_hf = -lp[:, :-1].gather(-1, ids[:, 1:, None]).mean().item()
+    with importer.single_megatron(0):
+        model = importer.megatron_model(
+            importer._single(cfg, causal=True), vocab, rows, weights, never_targets=importer.added_rows(tok, VOCAB)
+        )
+        labels = torch.cat([ids[:, 1:], ids[:, :1]], 1)
+        with torch.no_grad():
+            ce = model(ids, torch.arange(32)[None].expand(4, 32), None, labels=labels).float()
+    assert ce[:, :-1].mean().item() == pytest.approx(nll_hf, abs=1e-4)
+
+    ckpt = importer.import_pretrained(cfg, src, tmp_path / "mg", tokenizer=tok)
+    assert importer.import_record(ckpt)["tokenizer"]["mask_row_added"]  # what the adapt flow's source export reads
+    export = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours"))
+    assert export.ar_nll(ids).mean().item() == pytest.approx(nll_hf, abs=1e-4)
+
+
+def test_each_row_sets_the_architecture_record(tmp_path):
+    """A model trained here exports to the row whose switches it has (the defaults are a Llama's, Gemma's are
+    GELU-tanh, (1 + w) norms, scaled embeddings); switches no row has, or another row's, say why."""
+    from models.hf.architectures import architecture_of, stock_problem
+
+    def arch(*over):
+        m = tiny_config(tmp_path, *over).model
+        return architecture_of(m).name, stock_problem(m)
+
+    assert arch() == ("llama", None)
+    assert arch("model.qkv_bias=true") == ("qwen2", None)
+    gemma = ("model.activation=gelu_tanh", "model.norm_offset=1", "model.embedding_scale=true", "model.kv_channels=8")
+    assert arch(*gemma) == ("gemma", None)
+    name, problem = arch("model.activation=gelu_tanh")
+    assert name == "llama" and "no stock class has the switches" in problem
+    name, problem = arch("model.hf_architecture=qwen2")
+    assert name == "qwen2" and "model.hf_architecture=qwen2" in problem
+
+
+def test_an_exports_record_gives_the_overrides_that_adapt_it(tmp_path):
+    """`difflm adapt` of one of this project's exports reads its architecture record back into `model.*`."""
+    from helpers import tiny_hf_model
+
+    from difflm.config import load_config
+    from models.diffusion.arch import ModelArch
+    from tasks.adapt import source_overrides
+
+    record = ModelArch(activation="gelu_tanh", norm_offset=1, embedding_scale=True, qk_norm=True, head_dim=24)
+    tiny_hf_model(architecture=record.to_dict()).save_pretrained(str(tmp_path / "export"))
+    tiny_tokenizer(tmp_path / "export", vocab=64)
+    assert ModelArch.of(load_config("test-tiny", source_overrides(tmp_path / "export")).model) == record

@@ -22,8 +22,11 @@ def test_fusions_on_cuda_only_and_as_configured(tmp_path):
     assert not fp32.cross_entropy_fusion  # megatron's native fused CE hands back bf16 gradients
     off = kernels.kernel_settings(tiny_config(tmp_path, "train.precision=bf16", "model.fusions=off"), cuda=True)
     assert not (off.swiglu_fusion or off.cross_entropy_fusion or off.fused_adam)
-    gelu = kernels.kernel_settings(tiny_config(tmp_path, "model.swiglu=false"), cuda=True, compiler_ok=True)
+    gelu = kernels.kernel_settings(tiny_config(tmp_path, "model.gated_mlp=false"), cuda=True, compiler_ok=True)
     assert not gelu.swiglu_fusion  # megatron's GELU fusion needs MLP biases, which we do not have
+    for act in ("gelu", "gelu_tanh"):  # megatron's GeGLU kernel is the tanh approximation, whichever GELU is set
+        geglu = kernels.kernel_settings(tiny_config(tmp_path, f"model.activation={act}"), cuda=True, compiler_ok=True)
+        assert not geglu.swiglu_fusion
 
 
 def test_no_compiler_means_unfused_not_a_failed_first_forward(tmp_path, monkeypatch):

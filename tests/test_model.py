@@ -7,6 +7,7 @@ import torch
 from helpers import tiny_config
 
 from difflm.config import load_config
+from models.diffusion.arch import ModelArch
 
 
 def _model(mode: str, tmp_path, **over):
@@ -56,7 +57,7 @@ def _save_model_only(model, path: Path):
             {
                 "model.num_query_groups": 1,
                 "model.qk_layernorm": "true",
-                "model.swiglu": "false",
+                "model.gated_mlp": "false",
                 "model.normalization": "LayerNorm",
                 "model.tie_embeddings": "false",
             },
@@ -70,6 +71,19 @@ def _save_model_only(model, path: Path):
                 "model.num_query_groups": 1,
             },
         ),
+        (  # Gemma's: GELU-tanh gated MLP, (1 + w) norms (the q/k norms too), embeddings x sqrt(hidden)
+            "difflm-noshift",
+            {
+                "model.activation": "gelu_tanh",
+                "model.norm_offset": 1,
+                "model.embedding_scale": "true",
+                "model.qk_layernorm": "true",
+                "model.kv_channels": 24,
+                "diffusion.time_embedding": "true",
+                "diffusion.time_conditioning": "input",
+            },
+        ),
+        ("ar", {"model.activation": "gelu", "model.normalization": "LayerNorm", "model.norm_offset": 1}),
     ],
 )
 def test_hf_export_gives_megatron_logits(megatron_single_process, tmp_path, tiny_manifest, mode, over):
@@ -91,6 +105,8 @@ def test_hf_export_gives_megatron_logits(megatron_single_process, tmp_path, tiny
     assert got.shape == ref.shape
     assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4), (got - ref).abs().max()
     assert hf.config.bidirectional == (mode != "ar")
+    # the architecture record, whole, in config.json (the flat fields of older exports are no longer written)
+    assert hf.config.architecture == ModelArch.of(cfg.model).to_dict() and "gated_mlp" not in hf.config.to_dict()
     assert hf.config.time_embedding == cfg.diffusion.time_embedding
     if mode == "difflm-noshift" and not over:  # padding-aware ELBO: all-ones mask = no mask
         seeded = lambda: torch.Generator().manual_seed(0)  # noqa: E731
@@ -195,3 +211,45 @@ def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_proc
         loaded = dist_checkpointing.load({k: v for k, v in meta.items() if k.startswith("embedding.")}, str(ckpt))
         emb = loaded["embedding.word_embeddings.weight"]
         assert torch.equal(emb[:3871], source[:3871]) and not emb[3904:].any()
+
+
+def test_zero_centred_norms_refuse_adaln(megatron_single_process, tmp_path):
+    """adaLN norms take their scale from t: a (1 + w) norm has no place to go, so the build says so."""
+    with pytest.raises(RuntimeError, match="norm_offset=1 with diffusion.time_conditioning=adaln"):
+        _model("difflm-noshift", tmp_path, **{"model.norm_offset": 1, "diffusion.time_embedding": "true"})
+
+
+def test_old_exports_flat_fields_read_as_the_record():
+    """config.json of an export written before the record: its flat fields give the same switches."""
+    old = {"gated_mlp": False, "hidden_act": "gelu", "normalization": "LayerNorm", "qk_layernorm": True}
+    assert ModelArch.from_hf_config({**old, "qkv_bias": True, "head_dim": 24}) == ModelArch(
+        gated_mlp=False, activation="gelu", normalization="LayerNorm", qk_norm=True, qkv_bias=True, head_dim=24
+    )
+    assert ModelArch.from_hf_config({}) == ModelArch()  # the defaults of then: SwiGLU, RMSNorm
+    record = ModelArch(activation="gelu_tanh", norm_offset=1, embedding_scale=True)
+    assert ModelArch.from_hf_config({"architecture": record.to_dict(), "hidden_act": "silu"}) == record
+
+
+def test_ar_keeps_the_padding_rows_out_of_its_loss(megatron_single_process, tmp_path):
+    """500 tokens in 512 rows: in `ar` the 12 padding rows get -inf, so the loss is the cross-entropy over the 500
+    tokens and its gradients stay finite; a diffusion mode's logits keep every row (its losses are unchanged)."""
+    from models.megatron.gpt import build_model
+
+    x = torch.randint(3, 500, (2, 16))
+    pos = torch.arange(16)[None].expand(2, 16)
+    for mode in ("ar", "difflm-noshift"):
+        cfg = tiny_config(tmp_path, f"diffusion.model_running_mode={mode}")
+        torch.manual_seed(0)
+        model = build_model(cfg, vocab_size=500)
+        logits = model(x, pos, None)
+        assert torch.isinf(logits[..., 500:]).all() == (mode == "ar") and torch.isfinite(logits[..., :500]).all()
+    cfg = tiny_config(tmp_path, "diffusion.model_running_mode=ar")
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab_size=500)
+    loss = model(x, pos, None, labels=x).float()
+    want = torch.nn.functional.cross_entropy(
+        model(x, pos, None)[..., :500].flatten(0, 1), x.flatten(), reduction="none"
+    )
+    assert torch.allclose(loss.flatten(), want, atol=1e-5)
+    loss.mean().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

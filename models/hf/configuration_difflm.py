@@ -2,6 +2,12 @@
 
 from transformers import PretrainedConfig
 
+# In an export folder this reads `from .arch import ModelArch` (`convert.export_code` rewrites the prefix).
+from ..diffusion.arch import ModelArch
+
+# The flat fields exports carried before the `architecture` entry: read into the record, no longer written.
+_LEGACY_ARCH = ("hidden_act", "gated_mlp", "normalization", "qk_layernorm", "qkv_bias", "head_dim")
+
 
 class DiffLMConfig(PretrainedConfig):
     model_type = "difflm"
@@ -15,18 +21,14 @@ class DiffLMConfig(PretrainedConfig):
         num_attention_heads: int = 4,
         num_key_value_heads: int | None = None,
         intermediate_size: int = 176,
-        hidden_act: str = "silu",
-        gated_mlp: bool = True,
-        normalization: str = "RMSNorm",
+        architecture: dict | None = None,
         norm_eps: float = 1e-5,
-        qk_layernorm: bool = False,
-        qkv_bias: bool = False,
-        head_dim: int | None = None,
         rope_theta: float = 10000.0,
         max_position_embeddings: int = 128,
         bidirectional: bool = True,
         model_running_mode: str = "difflm-noshift",
         mask_token_id: int | None = None,
+        mask_token_added: bool = False,
         time_embedding: bool = False,
         time_conditioning: str = "input",
         document_attention: bool = False,
@@ -46,18 +48,17 @@ class DiffLMConfig(PretrainedConfig):
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads or num_attention_heads
         self.intermediate_size = intermediate_size
-        self.hidden_act = hidden_act
-        self.gated_mlp = gated_mlp
-        self.normalization = normalization
+        legacy = {k: kwargs.pop(k) for k in _LEGACY_ARCH if k in kwargs}
+        # the network's switches (models/diffusion/arch.py), whole; old exports: from their flat fields
+        record = ModelArch(**architecture) if architecture else ModelArch.from_hf_config(legacy)
+        self.architecture = record.to_dict()
         self.norm_eps = norm_eps
-        self.qk_layernorm = qk_layernorm
-        self.qkv_bias = qkv_bias  # biases on the fused Q/K/V projection (Qwen2)
-        self.head_dim = head_dim  # width of one head; None: hidden_size // num_attention_heads (Qwen3 sets it)
         self.rope_theta = rope_theta
         self.max_position_embeddings = max_position_embeddings
         self.bidirectional = bidirectional
         self.model_running_mode = model_running_mode
         self.mask_token_id = mask_token_id
+        self.mask_token_added = mask_token_added  # new in the vocabulary (an import's): out of ar's normaliser
         self.time_embedding = time_embedding
         self.time_conditioning = time_conditioning  # "input": embedding added to tokens; "adaln": every norm
         self.document_attention = document_attention  # attention kept within EOS-separated documents

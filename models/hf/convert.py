@@ -16,12 +16,20 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForMaskedLM
 
 from difflm import outputs
 from difflm.config import PipelineConfig
 from difflm.errors import UserError
 from difflm.rundir import EXPORT_MARKER
+from models.diffusion.arch import ModelArch
 from models.diffusion.modes import objective_class
+from models.hf.configuration_difflm import DiffLMConfig
+from models.hf.modeling_difflm import DiffLMForMaskedLM
+
+# megatron (models.megatron, megatron.core) is imported inside the functions that run it: the HF side of the
+# project (exports, evaluation, the importer's checks) loads without it
 
 
 class ConversionError(UserError, RuntimeError):
@@ -95,7 +103,7 @@ _TOP_KEYS = {
 
 def load_megatron_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """Full (unsharded) model tensors of a megatron dist checkpoint, optimizer state left on disk."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # megatron: lazy (above)
 
     from models.megatron.distributed import single_process_group
     from models.megatron.safe_pickle import guard_dcp
@@ -130,8 +138,7 @@ def to_hf_state_dict(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def hf_config(cfg: PipelineConfig, tokenizer: dict):
-    from models.hf.configuration_difflm import DiffLMConfig
-    from models.megatron.gpt import padded_vocab_size  # megatron: imported when needed
+    from models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
 
     m, objective = cfg.model, objective_class(cfg.diffusion.model_running_mode)
     return DiffLMConfig(
@@ -142,18 +149,14 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
         num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_query_groups or m.num_attention_heads,
         intermediate_size=m.ffn_size,
-        hidden_act="silu" if m.swiglu else "gelu",
-        gated_mlp=m.swiglu,
-        normalization=m.normalization,
+        architecture=ModelArch.of(m).to_dict(),
         norm_eps=m.norm_epsilon,
-        qk_layernorm=m.qk_layernorm,
-        qkv_bias=m.qkv_bias,
-        head_dim=m.kv_channels,
         rope_theta=float(m.rotary_base),
         max_position_embeddings=cfg.train.seq_length,
         bidirectional=objective.bidirectional,
         model_running_mode=cfg.diffusion.model_running_mode,
         mask_token_id=tokenizer["mask_id"],
+        mask_token_added=bool(tokenizer.get("mask_added")),
         time_embedding=cfg.diffusion.time_embedding and objective.uses_t,
         document_attention=cfg.model.document_attention,
         diffusion_eps=cfg.diffusion.eps,
@@ -174,8 +177,6 @@ def export_hf(
     cfg: PipelineConfig, tokenizer: dict, ckpt_dir: Path, out_dir: Path, provenance: dict | None = None
 ) -> Path:
     """Write the HF folder for `ckpt_dir` into `out_dir` (replaced atomically); returns out_dir."""
-    from models.hf.modeling_difflm import DiffLMForMaskedLM
-
     hf_sd = to_hf_state_dict(load_megatron_weights(ckpt_dir))
     model = DiffLMForMaskedLM(hf_config(cfg, tokenizer))
     missing, unexpected = model.load_state_dict(hf_sd, strict=False)
@@ -213,8 +214,6 @@ def save_export(model, tokenizer_dir: Path, out_dir: Path, meta: dict, code: boo
 
 def load_hf(folder: Path):
     """Load an export offline through transformers' remote-code path, as users will."""
-    from transformers import AutoModelForMaskedLM
-
     return AutoModelForMaskedLM.from_pretrained(str(folder), trust_remote_code=True, local_files_only=True).eval()
 
 
@@ -251,11 +250,7 @@ def _check_compatible(cfg: PipelineConfig, hf_cfg: dict, tokenizer: dict) -> Non
         "num_attention_heads",
         "num_key_value_heads",
         "intermediate_size",
-        "gated_mlp",
-        "normalization",
-        "qk_layernorm",
-        "qkv_bias",
-        "head_dim",
+        "architecture",
         "tie_word_embeddings",
         "time_embedding",
         "real_vocab_size",
@@ -263,7 +258,8 @@ def _check_compatible(cfg: PipelineConfig, hf_cfg: dict, tokenizer: dict) -> Non
     )
     if not want.get("time_embedding"):  # how t would enter matters only when it does
         keys = keys[:-1]
-    old_defaults = {"time_conditioning": "input", "qkv_bias": False}  # exports written before the field
+    old_defaults = {"time_conditioning": "input"}  # exports written before the field
+    hf_cfg = {**hf_cfg, "architecture": ModelArch.from_hf_config(hf_cfg).to_dict()}  # old exports: flat fields
     diff = {
         k: (hf_cfg.get(k, old_defaults.get(k)), want.get(k))
         for k in keys
@@ -292,9 +288,7 @@ def repad_vocab(weights: dict[str, torch.Tensor], rows: int) -> dict[str, torch.
 def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict) -> Path:
     """Write a megatron dist checkpoint (model weights only, reshardable on load) from an HF folder of this
     project's format, its vocabulary padded for `cfg`'s TP size; `train.init_from` can start training from it."""
-    from safetensors.torch import load_file
-
-    from models.megatron.distributed import single_process_group
+    from models.megatron.distributed import single_process_group  # megatron: lazy (above)
     from models.megatron.gpt import padded_vocab_size
 
     hf_dir = Path(hf_dir)

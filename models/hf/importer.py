@@ -1,4 +1,4 @@
-"""Stock transformers checkpoints (Llama, Qwen2, Qwen3, Mistral) into megatron-core, and `ar` models back out.
+"""Stock transformers checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma) into megatron-core, and `ar` models back out.
 
     import_pretrained(cfg, folder, out_dir, tokenizer=None) -> out_dir   # a megatron dist checkpoint
     export_stock(cfg, tokenizer, ckpt_dir, out_dir) -> out_dir          # a folder AutoModelForCausalLM loads
@@ -23,11 +23,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from difflm import outputs
 from difflm.config import PipelineConfig
 from models.hf.architectures import (
     Shape,
+    architecture_of,
     check_exportable,
     model_fields,
     ours_to_stock,
@@ -45,6 +48,8 @@ from models.hf.convert import (
     to_hf_state_dict,
 )
 
+# megatron (models.megatron, megatron.core) is imported inside the functions that run it, as in models.hf.convert:
+# the source checks and the tokenizer preparation load without it
 PARITY_TOLERANCE = 1e-4  # relative max logit difference, fp32 on the CPU
 IMPORT_RECORD = "difflm_import.json"
 TOKENIZER_DIR = "tokenizer"
@@ -104,8 +109,6 @@ def source_overrides(folder: str | Path) -> list[str]:
 
 
 def load_stock_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     sd = {}
     for f in weight_files(folder):
         sd.update(load_file(str(f)))
@@ -116,8 +119,6 @@ def load_stock_weights(folder: Path) -> dict[str, torch.Tensor]:
 def prepare_tokenizer(folder: Path, out_dir: Path, mask_token: str = "<|mask|>") -> dict:
     """The tokenizer of `folder` saved into `out_dir` with a mask token (reused when present, else a new id) and
     a pad token (its own, else EOS). Returns the pipeline's tokenizer record plus the choice made."""
-    from transformers import PreTrainedTokenizerFast
-
     # the generic fast class: tokenizer.json and the special tokens as saved (a model-specific class may add its own)
     tok = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
     if tok.eos_token is None:
@@ -187,11 +188,14 @@ def _single(cfg: PipelineConfig, causal: bool = False) -> PipelineConfig:
     return cfg.model_copy(update=update)
 
 
-def megatron_model(cfg: PipelineConfig, vocab_size: int, rows: int, weights: dict, strict: bool = True):
-    """The TP=1 megatron model of `cfg` holding `weights` (megatron local-spec names)."""
+def megatron_model(
+    cfg: PipelineConfig, vocab_size: int, rows: int, weights: dict, strict: bool = True, never_targets=()
+):
+    """The TP=1 megatron model of `cfg` holding `weights` (megatron local-spec names); `never_targets`: rows an
+    `ar` model keeps out of its normaliser besides the padding (`added_rows`)."""
     from models.megatron.gpt import build_model
 
-    model = build_model(cfg, vocab_size, padded_vocab=rows).eval()
+    model = build_model(cfg, vocab_size, padded_vocab=rows, never_targets=tuple(never_targets)).eval()
     expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     missing, unexpected = expected - weights.keys(), weights.keys() - expected
     if (strict and missing) or unexpected:
@@ -221,6 +225,13 @@ def parity(reference: torch.Tensor, got: torch.Tensor, columns: int, what: str) 
             f"tolerance {PARITY_TOLERANCE:g}): nothing was written; please report this with the source's config.json"
         )
     return rel
+
+
+def added_rows(tokenizer: dict, source_rows: int) -> tuple[int, ...]:
+    """The rows the import added to the source's embedding besides the padding: a new mask token past its
+    `source_rows` (never a target of an `ar` model; kept out of its normaliser, its exact NLL is the source's). A
+    mask token given a spare row the source has stays in: the source normalises over that row too."""
+    return (tokenizer["mask_id"],) if tokenizer.get("mask_added") and tokenizer["mask_id"] >= source_rows else ()
 
 
 def probe_tokens(cfg: PipelineConfig, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -263,9 +274,7 @@ def import_pretrained(
     record (a data manifest's) when the data was already prepared through the source's tokenizer with a mask
     token; None: the tokenizer is prepared here (`prepare_tokenizer`) into `<out_dir>/tokenizer`. The logits of
     the imported (causal) model are checked against transformers' on the same tokens before anything is kept."""
-    from transformers import AutoModelForCausalLM
-
-    from models.megatron.gpt import padded_vocab_size
+    from models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
 
     folder, out_dir = Path(folder).expanduser().resolve(), Path(out_dir).expanduser().resolve()
     arch, c = check_source(folder)
@@ -292,7 +301,8 @@ def import_pretrained(
                 )
             vocab, tied = tok["vocab_size"], fields["tie_embeddings"]
             try:
-                ours = _resize_vocab(stock_to_ours(sd, Shape.of(cfg.model), fields["num_layers"], tied), vocab, tied)
+                ours = stock_to_ours(sd, Shape.of(cfg.model), fields["num_layers"], tied, arch.layer_names)
+                ours = _resize_vocab(ours, vocab, tied)
             except KeyError as err:
                 raise ConversionError(
                     f"{folder}: the weights lack {err.args[0]!r} (expected the *ForCausalLM names: "
@@ -325,7 +335,9 @@ def import_pretrained(
                 "architecture": arch.hf_class,
                 "model": fields,
                 "tokenizer": {
-                    k: tok.get(k) for k in ("path", "vocab_size", "mask_id", "eos_id", "pad_id", "mask_added", "tokens")
+                    **{k: tok.get(k) for k in ("path", "vocab_size", "mask_id", "eos_id", "pad_id", "mask_added")},
+                    "tokens": tok.get("tokens"),
+                    "mask_row_added": bool(added_rows(tok, rows_src)),  # out of an ar export's normaliser
                 },
                 "parity": {"rel_max_logit_diff": rel, "tolerance": PARITY_TOLERANCE, "tokens": list(ids.shape)},
             }
@@ -355,9 +367,7 @@ def export_stock(
     (`model.hf_architecture`, else by its features; a model trained here is a Llama), which
     `AutoModelForCausalLM.from_pretrained(out_dir)` loads without remote code. The mask token choice is recorded
     in config.json (`difflm_mask_token_id`). Logits are checked against the megatron model's."""
-    from transformers import AutoModelForCausalLM
-
-    from models.megatron.gpt import padded_vocab_size
+    from models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
 
     check_exportable(cfg.model)
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
@@ -375,7 +385,7 @@ def export_stock(
     }
     stock_cfg = stock_config(m, rows, cfg.train.seq_length, special)
     model = AutoModelForCausalLM.from_config(stock_cfg).float().eval()
-    stock = ours_to_stock(ours, Shape.of(m), m.num_layers, m.tie_embeddings)
+    stock = ours_to_stock(ours, Shape.of(m), m.num_layers, m.tie_embeddings, architecture_of(m).layer_names)
     missing, unexpected = model.load_state_dict(stock, strict=False)
     missing = [k for k in missing if not (k == "lm_head.weight" and m.tie_embeddings)]
     if missing or unexpected:
@@ -385,6 +395,7 @@ def export_stock(
     ids = probe_tokens(cfg, tokenizer["vocab_size"])
     with single_megatron(cfg.train.seed):
         weights = {_local_key(k): v for k, v in ours.items()}
+        # every token's column is compared, the mask's too: the stock class keeps its row (no never_targets here)
         ref = megatron_logits(megatron_model(_single(cfg, causal=True), tokenizer["vocab_size"], rows, weights), ids)
     with torch.no_grad():
         got = model(ids).logits.float()

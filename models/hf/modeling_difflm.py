@@ -18,6 +18,7 @@ from transformers.modeling_outputs import MaskedLMOutput
 
 # In an export folder these read `from .bounds import ...` and so on: `convert.export_code` rewrites the
 # `..diffusion.` prefix when it copies this file next to the diffusion modules.
+from ..diffusion.arch import ModelArch
 from ..diffusion.blocks import DecodeLayout, decode_keep
 from ..diffusion.documents import document_attention_mask
 from ..diffusion.documents import document_ids as eos_document_ids
@@ -33,11 +34,29 @@ from ..diffusion.time_embedding import AdaLNorm, TimeEmbedding
 from ..diffusion.uniform import uniform_states
 from .configuration_difflm import DiffLMConfig
 
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
-def _norm(config: DiffLMConfig, dim: int) -> nn.Module:
-    if config.normalization == "RMSNorm":
-        return nn.RMSNorm(dim, eps=config.norm_eps)
-    return nn.LayerNorm(dim, eps=config.norm_eps)
+
+class ZeroCenteredNorm(nn.Module):
+    """RMSNorm / LayerNorm scaling by (1 + w), w stored zero-centred (Gemma; megatron's zero-centred gamma)."""
+
+    def __init__(self, dim: int, eps: float, rms: bool):
+        super().__init__()
+        self.shape, self.eps, self.rms = (dim,), eps, rms
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.bias = None if rms else nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return F.rms_norm(x, self.shape, self.weight + 1, self.eps)
+        return F.layer_norm(x, self.shape, self.weight + 1, self.bias, self.eps)
+
+
+def _norm(config: DiffLMConfig, arch: ModelArch, dim: int) -> nn.Module:
+    rms = arch.normalization == "RMSNorm"
+    if arch.norm_offset:
+        return ZeroCenteredNorm(dim, config.norm_eps, rms)
+    return nn.RMSNorm(dim, eps=config.norm_eps) if rms else nn.LayerNorm(dim, eps=config.norm_eps)
 
 
 def _rope(seq_len: int, dim: int, base: float, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,27 +66,23 @@ def _rope(seq_len: int, dim: int, base: float, device) -> tuple[torch.Tensor, to
     return emb.cos(), emb.sin()
 
 
-def _head_dim(config: DiffLMConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: DiffLMConfig):
+    def __init__(self, config: DiffLMConfig, arch: ModelArch):
         super().__init__()
         self.n_heads = config.num_attention_heads
         self.n_groups = config.num_key_value_heads
-        self.head_dim = _head_dim(config)
+        self.head_dim = arch.head_width(config.hidden_size, self.n_heads)
         self.causal = not config.bidirectional
         qkv_out = self.head_dim * (self.n_heads + 2 * self.n_groups)
-        self.linear_qkv = nn.Linear(config.hidden_size, qkv_out, bias=getattr(config, "qkv_bias", False))
+        self.linear_qkv = nn.Linear(config.hidden_size, qkv_out, bias=arch.qkv_bias)
         self.linear_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
-        self.q_norm = _norm(config, self.head_dim) if config.qk_layernorm else None
-        self.k_norm = _norm(config, self.head_dim) if config.qk_layernorm else None
+        self.q_norm = _norm(config, arch, self.head_dim) if arch.qk_norm else None
+        self.k_norm = _norm(config, arch, self.head_dim) if arch.qk_norm else None
 
     def forward(
         self,
@@ -102,13 +117,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: DiffLMConfig):
+    def __init__(self, config: DiffLMConfig, arch: ModelArch):
         super().__init__()
-        self.gated = config.gated_mlp
+        self.gated = arch.gated_mlp
         fc1_out = config.intermediate_size * (2 if self.gated else 1)
         self.linear_fc1 = nn.Linear(config.hidden_size, fc1_out, bias=False)
         self.linear_fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act = F.silu if config.hidden_act == "silu" else F.gelu
+        self.act = ACTIVATIONS[arch.activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(x)
@@ -121,18 +136,18 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: DiffLMConfig):
+    def __init__(self, config: DiffLMConfig, arch: ModelArch):
         super().__init__()
         self.adaln = _uses_adaln(config)
         norm = (
-            (lambda: AdaLNorm(config.hidden_size, config.norm_eps, config.normalization))
+            (lambda: AdaLNorm(config.hidden_size, config.norm_eps, arch.normalization))
             if self.adaln
-            else (lambda: _norm(config, config.hidden_size))
+            else (lambda: _norm(config, arch, config.hidden_size))
         )
         self.input_layernorm = norm()
-        self.self_attention = Attention(config)
+        self.self_attention = Attention(config, arch)
         self.pre_mlp_layernorm = norm()
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, arch)
 
     def forward(self, x, cos, sin, mask, t=None, cache=None, update_cache=True):
         h = self.input_layernorm(x, t) if self.adaln else self.input_layernorm(x)
@@ -265,12 +280,13 @@ class DiffLMForMaskedLM(PreTrainedModel):
 
     def __init__(self, config: DiffLMConfig):
         super().__init__(config)
+        self.arch = arch = ModelArch.from_hf_config(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.time_embedding = (
             TimeEmbedding(config.hidden_size) if config.time_embedding and not _uses_adaln(config) else None
         )
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
-        self.final_layernorm = _norm(config, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, arch) for _ in range(config.num_hidden_layers))
+        self.final_layernorm = _norm(config, arch, config.hidden_size)
         # Tied: logits reuse the embedding matrix, so there is no lm_head parameter to keep in sync.
         self.output_layer = (
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -311,12 +327,12 @@ class DiffLMForMaskedLM(PreTrainedModel):
             return self._two_stream(input_ids, clean_ids, attention_mask, document_ids)
         b, s = input_ids.shape
         offset = past_key_values[0]["k"].shape[1] if past_key_values and "k" in past_key_values[0] else 0
-        x = self.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         if self.config.time_embedding:
             t = (self._default_t(input_ids, attention_mask) if t is None else t).to(x.device)
         if self.time_embedding is not None:
             x = x + self.time_embedding(t)[:, None].to(x.dtype)
-        cos, sin = _rope(offset + s, _head_dim(self.config), self.config.rope_theta, x.device)
+        cos, sin = _rope(offset + s, self._head_dim, self.config.rope_theta, x.device)
         cos, sin = cos[offset:], sin[offset:]
         # computed in fp32, applied in the activation dtype as megatron's local RoPE does (bit-identical in fp32);
         # fp32 tables in a bf16 model would promote q and k but not v, and SDPA refuses mixed dtypes
@@ -336,6 +352,15 @@ class DiffLMForMaskedLM(PreTrainedModel):
             x = layer(x, cos, sin, mask, t, cache, update_cache)
         return MaskedLMOutput(logits=self._head(x))
 
+    @property
+    def _head_dim(self) -> int:
+        return self.arch.head_width(self.config.hidden_size, self.config.num_attention_heads)
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        scale = self.arch.embedding_multiplier(self.config.hidden_size)
+        return x if scale is None else x * scale
+
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         x = self.final_layernorm(x)
         weight = self.embed_tokens.weight if self.output_layer is None else self.output_layer.weight
@@ -344,8 +369,8 @@ class DiffLMForMaskedLM(PreTrainedModel):
     def _two_stream(self, xt, x0, attention_mask, document_ids) -> MaskedLMOutput:
         """Logits [b, 2L, v] of block diffusion's [x_t | x_0] (training's layout and mask)."""
         length = xt.shape[1]
-        x = self.embed_tokens(torch.cat([xt, x0], dim=1))
-        cos, sin = _rope(length, _head_dim(self.config), self.config.rope_theta, x.device)  # head_dim: Qwen3
+        x = self._embed(torch.cat([xt, x0], dim=1))
+        cos, sin = _rope(length, self._head_dim, self.config.rope_theta, x.device)  # head_dim: Qwen3
         cos, sin = cos.repeat(2, 1).to(x.dtype), sin.repeat(2, 1).to(x.dtype)
         mask = self.objective.keep(length, document_ids, attention_mask).to(x.device)
         for layer in self.layers:
@@ -389,9 +414,18 @@ class DiffLMForMaskedLM(PreTrainedModel):
         if clean is not None:
             out = self(tokens, attention_mask=attention_mask, document_ids=document_ids, clean_ids=clean).logits
             return self.objective.align_two_stream(out)
-        return self.objective.align_logits(
-            self(tokens, attention_mask=attention_mask, t=t, document_ids=document_ids).logits
-        )
+        logits = self(tokens, attention_mask=attention_mask, t=t, document_ids=document_ids).logits
+        if self.objective.exact:  # an exact likelihood normalises over the tokens, as training's megatron model
+            logits = self._tokens_only(logits)
+        return self.objective.align_logits(logits)
+
+    def _tokens_only(self, logits: torch.Tensor) -> torch.Tensor:
+        """-inf for the rows no token is (the padding past `real_vocab_size`) and for a mask token the import added:
+        an imported `ar` model's NLL is then the source's."""
+        out = torch.arange(logits.shape[-1], device=logits.device) >= self.config.real_vocab_size
+        if getattr(self.config, "mask_token_added", False):
+            out[self.config.mask_token_id] = True
+        return logits.masked_fill(out, float("-inf"))
 
     def uniform_states(self) -> torch.Tensor:
         """Token ids uniform noise draws from (the same function training uses), on the model's device."""

@@ -22,6 +22,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
 import difflm
 from difflm import outputs
 from difflm.errors import UserError
@@ -96,8 +99,6 @@ def sha256_file(path: Path) -> str:
 
 def load_gguf_model(gguf: Path):
     """The dequantized fp32 model and tokenizer of a GGUF file (transformers + gguf)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return model.eval(), tokenizer
@@ -105,9 +106,6 @@ def load_gguf_model(gguf: Path):
 
 def hf_folder_from_gguf(gguf: Path, out_dir: Path) -> Path:
     """A plain HF folder (config, model.safetensors, tokenizer) of the dequantized GGUF model, written atomically."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     out_dir = Path(out_dir)
     model, tokenizer = load_gguf_model(gguf)
     config = model.config

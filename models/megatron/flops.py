@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from models.diffusion.arch import ModelArch
+
 if TYPE_CHECKING:  # typing only: keeps this module free of pydantic at import time
     from difflm.config import PipelineConfig
 
@@ -43,13 +45,13 @@ def padded_vocab(vocab_size: int, tensor_parallel: int = 1, multiple: int = 64) 
 
 def _layer_matmul_flops_per_token(cfg: PipelineConfig) -> int:
     """FLOPs of one transformer layer's weight matrices for one token (no attention core)."""
-    m = cfg.model
+    m, arch = cfg.model, ModelArch.of(cfg.model)
     h, heads = m.hidden_size, m.num_attention_heads
-    head_dim = h // heads
+    head_dim = arch.head_width(h, heads)  # model.kv_channels where set (Qwen3: 128, not 1024 / 16)
     kv_heads = m.num_query_groups or heads  # GQA: keys and values have one head per query group
     qkv = 2 * h * head_dim * (heads + 2 * kv_heads)
     proj = 2 * heads * head_dim * h
-    mlp = 2 * h * m.ffn_size * (3 if m.swiglu else 2)  # SwiGLU: gate, up and down matrices
+    mlp = 2 * h * m.ffn_size * arch.mlp_matrices  # gated: gate, up and down matrices
     return qkv + proj + mlp
 
 
@@ -59,7 +61,7 @@ def _attention_core_flops(cfg: PipelineConfig, seq_len: int, pairs: float | None
     documents. Causal: flash / cuDNN / TE kernels skip the tiles above the diagonal, so half of them (the usual
     convention; the diagonal tiles make it a little more at small s)."""
     m = cfg.model
-    head_dim = m.hidden_size // m.num_attention_heads
+    head_dim = ModelArch.of(m).head_width(m.hidden_size, m.num_attention_heads)
     objective = _objective(cfg)
     if pairs is None:
         pairs = objective.attention_pairs(seq_len)  # s^2, halved when causal; the block mask's own count

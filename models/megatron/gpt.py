@@ -6,22 +6,37 @@ autoregressive baseline keeps megatron's causal mask. The rest is megatron's own
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
+import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
     get_gpt_layer_local_spec,
     get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlock,
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from difflm.config import ModelConfig, PipelineConfig
+from models.diffusion.arch import ModelArch
 from models.diffusion.modes import objective_class
 from models.diffusion.time_embedding import AdaLNorm, TimeEmbedding
+from models.megatron.attention import block_spec, torch_layer_spec
 from models.megatron.backend import resolve_backend
+from models.megatron.forward_step import configured_document_form, document_form
 from models.megatron.kernels import kernel_settings
+
+# The MLP activation of each `ModelArch.activation` (GELU's tanh approximation is Gemma's gelu_pytorch_tanh)
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 64) -> int:
@@ -33,6 +48,37 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 64)
 def uses_adaln(cfg: PipelineConfig) -> bool:
     d = cfg.diffusion
     return d.time_embedding and d.time_conditioning == "adaln" and objective_class(d.model_running_mode).uses_t
+
+
+class ZeroCenteredNorm(torch.nn.Module):
+    """RMSNorm / LayerNorm scaling by (1 + w), w starting at zero (Gemma's norm): megatron's
+    `layernorm_zero_centered_gamma` for the local and torch specs, whose torch norms refuse that flag (Transformer
+    Engine's norms read it themselves). Built as megatron builds norms, `norm(config, hidden_size, eps)`."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__()
+        self.rms, self.shape, self.eps = config.normalization == "RMSNorm", (hidden_size,), eps
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        for p in self.parameters():  # as TorchNorm: replicated across TP, all-reduced under SP
+            p.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return F.rms_norm(x, self.shape, self.weight + 1, self.eps)
+        return F.layer_norm(x, self.shape, self.weight + 1, self.bias, self.eps)
+
+
+def zero_centered(spec, config):
+    """The block spec of `spec` with every norm (both of each layer's, the q/k norms, the final one) zero-centred."""
+    attn = spec.submodules.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attn, name) is not IdentityOp:
+            setattr(attn, name, ZeroCenteredNorm)
+    spec.submodules.input_layernorm = spec.submodules.pre_mlp_layernorm = ZeroCenteredNorm
+    layers = [spec] * get_num_layers_to_build(config)
+    submodules = TransformerBlockSubmodules(layer_specs=layers, layer_norm=ZeroCenteredNorm)
+    return ModuleSpec(module=TransformerBlock, submodules=submodules)
 
 
 class MegatronAdaLNorm(AdaLNorm):
@@ -65,20 +111,17 @@ def layer_spec(
     `two_stream` (block diffusion): the local spec takes the dense [b, 1, 2L, 2L] mask (arbitrary); the torch
     spec a `TwoStreamMask` that carries its own rule; Transformer Engine is refused. `annealed`: the forward step
     passes DiffuLLaMA's annealed [b, 1, s, s] mask (`diffusion.attention_anneal_steps`)."""
-    from models.megatron.forward_step import document_form
-
     if two_stream and backend == "te":
         raise RuntimeError(
             "block diffusion (difflm-block) needs model.backend=torch or local: Transformer Engine's attention "
             "takes causal / padding masks and THD sequences, not the [x_t | x_0] block mask"
         )
     if backend == "te":
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=model.qk_layernorm)
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=ModelArch.of(model).qk_norm)
     else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization=model.normalization)
+        arch = ModelArch.of(model)
+        spec = get_gpt_layer_local_spec(qk_layernorm=arch.qk_norm, normalization=arch.normalization)
     if backend == "torch":
-        from models.megatron.attention import torch_layer_spec
-
         spec = torch_layer_spec(spec)
     dense = backend == "local" and two_stream
     if dense or annealed or (model.document_attention and (documents or document_form(backend)) == "dense"):
@@ -104,20 +147,22 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
     bf16 = cfg.train.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     kernels = kernel_settings(cfg)
+    arch = ModelArch.of(m)
     return TransformerConfig(
         num_layers=m.num_layers,
         hidden_size=m.hidden_size,
         num_attention_heads=m.num_attention_heads,
         num_query_groups=m.num_query_groups or m.num_attention_heads,
         ffn_hidden_size=m.ffn_size,
-        gated_linear_unit=m.swiglu,
-        activation_func=torch.nn.functional.silu if m.swiglu else torch.nn.functional.gelu,
-        normalization=m.normalization,
+        gated_linear_unit=arch.gated_mlp,
+        activation_func=ACTIVATIONS[arch.activation],
+        normalization=arch.normalization,
+        layernorm_zero_centered_gamma=arch.norm_offset == 1,
         layernorm_epsilon=m.norm_epsilon,
-        qk_layernorm=m.qk_layernorm,
-        kv_channels=m.kv_channels,
+        qk_layernorm=arch.qk_norm,
+        kv_channels=arch.head_dim,
         add_bias_linear=False,
-        add_qkv_bias=m.qkv_bias,
+        add_qkv_bias=arch.qkv_bias,
         hidden_dropout=m.dropout,
         attention_dropout=m.dropout,
         init_method_std=m.init_method_std,
@@ -148,8 +193,21 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
 class DiffusionGPTModel(GPTModel):
     """megatron's GPTModel with optional time conditioning: everything else is GPTModel's own code."""
 
-    def __init__(self, *args, time_embedding: bool = False, adaln: bool = False, **kwargs):
+    def __init__(
+        self,
+        *args,
+        time_embedding: bool = False,
+        adaln: bool = False,
+        embedding_multiplier: float | None = None,
+        scored_vocab: int | None = None,
+        never_targets: tuple[int, ...] = (),
+        **kwargs,
+    ):
         super().__init__(*args, **kwargs)
+        if scored_vocab is not None and self.post_process:  # exact likelihoods: the normaliser is the vocabulary
+            self.scored_vocab, self.never_targets = scored_vocab, never_targets
+            self.output_layer.register_forward_hook(self._unscored_rows_out)
+        self.embedding_multiplier = embedding_multiplier if self.pre_process else None  # Gemma: x sqrt(hidden)
         # Only the first pipeline stage embeds tokens, so only it owns the input time embedding.
         input_emb = time_embedding and not adaln and self.pre_process
         self.time_embedding = TimeEmbedding(self.config.hidden_size) if input_emb else None
@@ -162,6 +220,18 @@ class DiffusionGPTModel(GPTModel):
             if isinstance(module, AdaLNorm):
                 module.time = self.time
 
+    def _unscored_rows_out(self, _module, _args, output):
+        """Logits of -inf for the rows no token is: the padding up to a multiple of 64 x TP, and `never_targets` (a
+        mask token the import added). This rank holds the vocabulary slice [rank * v, (rank + 1) * v)."""
+        logits, bias = output
+        local = logits.shape[-1]
+        first = self.pg_collection.tp.rank() * local
+        rows = torch.arange(first, first + local, device=logits.device)
+        out = rows >= self.scored_vocab
+        for row in self.never_targets:
+            out |= rows == row
+        return logits.masked_fill(out, float("-inf")), bias
+
     def forward(self, input_ids, position_ids, attention_mask, labels=None, t=None, two_stream=False, **kwargs):
         """megatron's forward; `two_stream` (block diffusion): the input is [x_t | x_0] and RoPE gives both halves
         positions 0..L-1 (megatron's RoPE ignores position_ids: its table is swapped for this forward)."""
@@ -173,11 +243,14 @@ class DiffusionGPTModel(GPTModel):
         thd = packed is not None and packed.qkv_format == "thd"
         if thd and self.adaln:
             raise RuntimeError("adaLN time conditioning takes one t per row: not with THD packed sequences")
-        if self.time_embedding is not None:
+        if self.time_embedding is not None or self.embedding_multiplier:
             emb = self.embedding(input_ids=input_ids, position_ids=position_ids)  # [s, b, h]
-            time = self.time_embedding(t).to(emb.dtype)  # [b, h]
-            time = self._per_token(time, emb.shape[0]) if thd else time.unsqueeze(0)
-            kwargs["decoder_input"] = emb + time
+            if self.embedding_multiplier:
+                emb = emb * self.embedding_multiplier
+            if self.time_embedding is not None:
+                time = self.time_embedding(t).to(emb.dtype)  # [b, h]
+                emb = emb + (self._per_token(time, emb.shape[0]) if thd else time.unsqueeze(0))
+            kwargs["decoder_input"] = emb
         self.time.t = t
         try:
             return super().forward(input_ids, position_ids, attention_mask, labels=labels, **kwargs)
@@ -218,11 +291,14 @@ def build_model(
     pre_process: bool = True,
     post_process: bool = True,
     padded_vocab: int | None = None,
+    never_targets: tuple[int, ...] = (),
 ) -> DiffusionGPTModel:
     """One pipeline stage of the megatron GPTModel for `cfg` (the whole model when PP=1).
 
     `padded_vocab` overrides the embedding rows (conversion builds a TP=1 model with the padding of the
-    layout it writes for)."""
+    layout it writes for). An objective with an exact likelihood (ar) normalises over the `vocab_size` tokens only:
+    the padding rows, and the `never_targets` (a mask token an import added), get logits of -inf, so the NLL of an
+    imported model is the source's."""
     objective = objective_class(cfg.diffusion.model_running_mode)
     backend = resolve_backend(cfg.model.backend, objective.two_stream)
     if cfg.train.fp8 and backend != "te":
@@ -236,8 +312,12 @@ def build_model(
             "norms that refuse it. Set model.backend=torch (or parallel.sequence_parallel=false)."
         )
     tcfg = transformer_config(cfg, backend)
-    from models.megatron.forward_step import configured_document_form
-
+    arch = ModelArch.of(cfg.model)
+    if arch.norm_offset and uses_adaln(cfg):
+        raise RuntimeError(
+            "model.norm_offset=1 with diffusion.time_conditioning=adaln: the adaLN norms take their scale from t, "
+            "not (1 + w); set diffusion.time_conditioning=input"
+        )
     spec = layer_spec(
         cfg.model,
         objective_class(cfg.diffusion.model_running_mode).bidirectional,
@@ -247,9 +327,9 @@ def build_model(
         objective.two_stream,
         annealed=cfg.diffusion.attention_anneal_steps > 0,
     )
-    if backend == "torch":  # the final norm as well must accept sequence parallelism
-        from models.megatron.attention import block_spec
-
+    if arch.norm_offset and backend != "te":  # Transformer Engine's norms read the config's flag themselves
+        spec = zero_centered(spec, tcfg)
+    elif backend == "torch":  # the final norm as well must accept sequence parallelism
         spec = block_spec(spec, tcfg)
     return DiffusionGPTModel(
         config=tcfg,
@@ -264,4 +344,7 @@ def build_model(
         rotary_base=cfg.model.rotary_base,
         time_embedding=cfg.diffusion.time_embedding and objective_class(cfg.diffusion.model_running_mode).uses_t,
         adaln=uses_adaln(cfg),
+        embedding_multiplier=arch.embedding_multiplier(cfg.model.hidden_size),
+        scored_vocab=vocab_size if objective.exact else None,
+        never_targets=never_targets,
     )

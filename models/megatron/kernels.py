@@ -26,8 +26,10 @@ import shutil
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from difflm.config import PipelineConfig
+from models.diffusion.arch import ModelArch
 
 SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 ROPE = "unfused (cos/sin table cached per length; megatron's fused RoPE needs Transformer Engine)"
@@ -63,8 +65,11 @@ def kernel_settings(cfg: PipelineConfig, cuda: bool | None = None, compiler_ok: 
     on = cuda and cfg.model.fusions == "auto"
     missing = None if compiler_ok or not on else compiler_missing()
     compiled = on and missing is None  # megatron's jit_fuser is torch.compile
+    arch = ModelArch.of(cfg.model)
     return Kernels(
-        swiglu_fusion=compiled and cfg.model.swiglu,  # megatron fuses SwiGLU (and GeGLU), not the plain GELU MLP
+        # megatron's compiled SwiGLU is exact; its GeGLU kernel is the tanh approximation whatever the activation
+        # (and takes no partial), and its plain GELU one needs MLP biases: only SwiGLU is fused
+        swiglu_fusion=compiled and arch.gated_mlp and arch.activation == "silu",
         cross_entropy_fusion=compiled and cfg.train.precision == "bf16",
         fused_adam=on,
         sdpa_backend=cfg.model.sdpa_backend,
@@ -92,19 +97,15 @@ def sdpa_context(name: str):
     """sdpa_kernel([that kernel]) for a forced `model.sdpa_backend`, else nothing (PyTorch's own choice)."""
     if name == "auto":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     return sdpa_kernel([getattr(SDPBackend, SDPA[name])])
 
 
 def sdpa_choice(cfg: PipelineConfig, device: torch.device, dtype: torch.dtype, bidirectional: bool) -> str:
     """The kernel SDPA picks for one layer of this model at the configured length (no attention is computed):
     `torch._fused_sdp_choice` on empty q, k, v of the layout megatron hands to the torch backend."""
-    from torch.nn.attention import SDPBackend
-
     m = cfg.model
     heads, groups = m.num_attention_heads, m.num_query_groups or m.num_attention_heads
-    head_dim = m.kv_channels or m.hidden_size // heads
+    head_dim = ModelArch.of(m).head_width(m.hidden_size, heads)
     s, b = cfg.train.seq_length, cfg.train.micro_batch_size
     q = torch.empty(b, heads, s, head_dim, device=device, dtype=dtype)
     k = v = torch.empty(b, groups, s, head_dim, device=device, dtype=dtype)
