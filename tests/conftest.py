@@ -72,7 +72,7 @@ class UnitGuard:
     def cpu(self) -> float:
         return time.process_time() - self.cpu_at_start - self.importing_cpu
 
-    def _refuse(self, what: str, real: Callable) -> Callable:
+    def _refuse(self, what: str, module: str, qualname: str, real: Callable) -> Callable:
         def refused(*args, **kwargs):
             if _importing():
                 return real(*args, **kwargs)
@@ -80,6 +80,8 @@ class UnitGuard:
             self.spawned.append(what + argv)
             raise ProcessInUnitTest(f"a unit test started a process ({what + argv}): {FIX}")
 
+        # pickled by reference as what it replaces (a test may pickle a payload that names os.system)
+        refused.__module__, refused.__qualname__, refused.__name__ = module, qualname, qualname.split(".")[-1]
         return refused
 
     def _timed(self, find_and_load: Callable) -> Callable:
@@ -103,11 +105,16 @@ class UnitGuard:
         statement and importlib both load a module through importlib._bootstrap._find_and_load)."""
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(importlib._bootstrap, "_find_and_load", self._timed(importlib._bootstrap._find_and_load))
-            mp.setattr(subprocess.Popen, "_execute_child", self._refuse("subprocess", subprocess.Popen._execute_child))
-            start = multiprocessing.process.BaseProcess.start
-            mp.setattr(multiprocessing.process.BaseProcess, "start", self._refuse("multiprocessing", start))
+            child = self._refuse("subprocess", "subprocess", "Popen._execute_child", subprocess.Popen._execute_child)
+            mp.setattr(subprocess.Popen, "_execute_child", child)
+            process = multiprocessing.process.BaseProcess
+            start = self._refuse("multiprocessing", "multiprocessing.process", "BaseProcess.start", process.start)
+            mp.setattr(process, "start", start)
             for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
-                mp.setattr(os, name, self._refuse(f"os.{name}", getattr(os, name)))
+                real = getattr(os, name)  # posix.system, re-exported by os
+                refused = self._refuse(f"os.{name}", real.__module__, name, real)
+                mp.setattr(os, name, refused)
+                mp.setattr(sys.modules[real.__module__], name, refused)
             yield
 
 
