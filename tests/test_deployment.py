@@ -13,9 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from scenarios import SCENARIOS
 from servers import BIN, stop
 
 ROOT = Path(__file__).resolve().parent.parent
+SCENARIO = SCENARIOS["serve"]  # `difflm serve pretrain-difflm` with the scenario's overrides
+NAME = SCENARIO.deployment.split("/")[1]
 
 
 @pytest.mark.slow
@@ -27,20 +30,8 @@ def test_deployment_run_from_the_cli(tmp_path, prefect_server):
     try:
         workdir = tmp_path / "work"
         serve = subprocess.Popen(
-            [
-                str(BIN / "difflm"),
-                "serve",
-                "pretrain-difflm",
-                "--preset",
-                "test-tiny",
-                "--name",
-                "ci",
-                f"workdir={workdir}",
-                "train.train_iters=6",
-                "train.warmup_iters=1",
-                "checkpoint.save_interval=6",
-                "tracking.enabled=false",
-            ],
+            [str(BIN / "difflm"), "serve", "pretrain-difflm", "--preset", SCENARIO.preset, "--name", NAME]
+            + SCENARIO.dotlist(workdir),
             env=env,
             stdout=(tmp_path / "serve.log").open("w"),
             stderr=subprocess.STDOUT,
@@ -48,12 +39,12 @@ def test_deployment_run_from_the_cli(tmp_path, prefect_server):
         deadline, out = time.time() + 60, None
         while time.time() < deadline:  # wait until `serve` has registered the deployment
             out = subprocess.run([str(BIN / "prefect"), "deployment", "ls"], env=env, capture_output=True, text=True)
-            if "pretrain-difflm/ci" in out.stdout:
+            if SCENARIO.deployment in out.stdout:
                 break
             time.sleep(1)
-        assert out is not None and "pretrain-difflm/ci" in out.stdout, out.stdout if out else None
+        assert out is not None and SCENARIO.deployment in out.stdout, out.stdout if out else None
         run = subprocess.run(
-            [str(BIN / "prefect"), "deployment", "run", "pretrain-difflm/ci", "--watch", "--watch-timeout", "400"],
+            [str(BIN / "prefect"), "deployment", "run", SCENARIO.deployment, "--watch", "--watch-timeout", "400"],
             env=env,
             capture_output=True,
             text=True,
@@ -61,8 +52,7 @@ def test_deployment_run_from_the_cli(tmp_path, prefect_server):
         )
         assert run.returncode == 0, run.stdout + run.stderr + (tmp_path / "serve.log").read_text()[-5000:]
         assert "Completed" in run.stdout
-        exports = list(workdir.glob("runs/*/hf/model.safetensors"))
-        assert len(exports) == 1
+        SCENARIO.check(workdir)
 
         # a second run of the deployment reuses every stage, the evaluation included, and says so, also when
         # Prefect's cache is elsewhere (a worker on another host, a wiped PREFECT_HOME): tried as a new user
@@ -72,7 +62,7 @@ def test_deployment_run_from_the_cli(tmp_path, prefect_server):
         (results,) = workdir.glob("runs/*/eval/results.json")
         before, logged = results.stat().st_mtime_ns, len((tmp_path / "serve.log").read_text())
         again = subprocess.run(
-            [str(BIN / "prefect"), "deployment", "run", "pretrain-difflm/ci", "--watch", "--watch-timeout", "400"],
+            [str(BIN / "prefect"), "deployment", "run", SCENARIO.deployment, "--watch", "--watch-timeout", "400"],
             env=env,
             capture_output=True,
             text=True,

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from helpers import SHORT_RUN as SHORT
 from helpers import assert_same_weights, tiny_config
+from scenarios import SCENARIOS
 from servers import BIN, stop
 
 from models.launch.cluster import SLURM_ACTIVE, ClusterError, slurm_job_state, slurm_script, submit_slurm
@@ -25,6 +26,7 @@ from models.launch.torchrun import TrainingError, is_finished, launch_training, 
 
 SLURM = ["train.launcher=slurm", "train.slurm.gpus_per_node=0", "train.slurm.poll_seconds=0.3"]
 ROOT = Path(__file__).resolve().parent.parent
+SCENARIO = SCENARIOS["slurm"]  # the pipeline through prefect.yaml's Slurm deployment
 MANIFEST = {"hash": "0123456789abcdef", "dir": "/nowhere", "splits": {}}  # a run that is never trained here
 
 
@@ -423,11 +425,9 @@ def test_the_slurm_deployment_runs_the_pipeline_on_the_cluster(tmp_path, slurm_c
             [prefect, "worker", "start", "--pool", "difflm"], env=env, cwd=ROOT, stdout=worker_log.open("w"),
             stderr=subprocess.STDOUT,
         )  # fmt: skip
-        overrides = [f"workdir={work}", "train.launcher=slurm", "train.slurm.gpus_per_node=0", *SHORT]
-        overrides += ["train.slurm.poll_seconds=0.5", "tracking.enabled=false"]
-        params = json.dumps({"preset": "test-tiny", "overrides": overrides})
+        params = json.dumps(SCENARIO.params(work))
         run = subprocess.run(
-            [prefect, "deployment", "run", "pretrain-difflm/slurm", "--params", params, "--watch"],
+            [prefect, "deployment", "run", SCENARIO.deployment, "--params", params, "--watch"],
             env=env,
             capture_output=True,
             text=True,
@@ -438,8 +438,6 @@ def test_the_slurm_deployment_runs_the_pipeline_on_the_cluster(tmp_path, slurm_c
         if worker is not None:
             stop(worker)
         server.stop()
+    SCENARIO.check(work)
     (rdir,) = work.glob("runs/*/slurm-job.json")
-    job_id = json.loads(rdir.read_text())["job_id"]
-    assert "[train] mode=difflm-noshift start_iter=0" in (rdir.parent / f"slurm-{job_id}.out").read_text()
-    assert (rdir.parent / "hf" / "model.safetensors").exists() and (rdir.parent / "eval" / "results.json").exists()
-    assert f"[slurm] submitted job {job_id}" in worker_log.read_text()
+    assert f"[slurm] submitted job {json.loads(rdir.read_text())['job_id']}" in worker_log.read_text()
