@@ -26,7 +26,8 @@ demo: $(STAMP)
 	$(BIN)/difflm run --preset $(PRESET) $(ARGS)
 
 # the tiers (docs/testing.md): test is everything (what .ci/run calls); test-dev leaves out the tests marked slow;
-# test-fast runs the unit tests alone (no server, no torchrun, no data prep; tests/conftest.py marks them)
+# test-fast runs the unit tests alone (no process, no server, no data prep, at most 5 s of CPU each: tests/conftest.py
+# marks them and fails one that breaks the rule)
 test: $(STAMP) browser slurm
 	$(BIN)/python -m pytest -q --durations=30 $(ARGS)
 

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
+import multiprocessing.process
 import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -11,6 +18,7 @@ from difflm import set_offline_env
 
 set_offline_env()  # before anything imports Prefect, MLflow or transformers
 
+import servers  # noqa: E402
 from helpers import tiny_config  # noqa: E402
 
 # Tiers (docs/testing.md): a test that uses one of these fixtures, or is marked slow or integration, is not a unit
@@ -25,6 +33,132 @@ def pytest_collection_modifyitems(config, items):
             continue
         if NOT_UNIT_FIXTURES.isdisjoint(item.fixturenames):
             item.add_marker(pytest.mark.unit)
+
+
+# ----- the fast tier's promise: a unit test starts no process and costs little CPU ------------------------------
+
+# CPU seconds (time.process_time: all threads of this process, about the same on a loaded machine) a unit test may
+# use, its set-up included and its first imports of modules not (Transformers' modeling code alone is ~5 s, paid
+# once a session by whichever test imports it first); $DIFFLM_UNIT_CPU_BUDGET overrides it (0: no limit, e.g.
+# under a profiler or coverage)
+UNIT_CPU_BUDGET_S = float(os.environ.get("DIFFLM_UNIT_CPU_BUDGET", "5"))
+FIX = "mark it @pytest.mark.integration (or slow), or make it cheaper (docs/testing.md)"
+
+
+class ProcessInUnitTest(RuntimeError):
+    """Raised where a unit test would have started a process."""
+
+
+def _importing() -> bool:
+    """Whether a module is being imported: a library that starts a process when imported (Prefect's vendored
+    croniter runs `file` on the interpreter) does it once a session, in whichever test imports it first."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+class UnitGuard:
+    """What one unit test did: the processes it tried to start and the CPU it used, less first imports."""
+
+    def __init__(self) -> None:
+        self.spawned: list[str] = []
+        self.cpu_at_start = time.process_time()
+        self.importing_cpu = 0.0
+        self._depth = 0
+
+    def cpu(self) -> float:
+        return time.process_time() - self.cpu_at_start - self.importing_cpu
+
+    def _refuse(self, what: str, module: str, qualname: str, real: Callable) -> Callable:
+        def refused(*args, **kwargs):
+            if _importing():
+                return real(*args, **kwargs)
+            argv = f" {str(args[1])[:100]}" if what == "subprocess" and len(args) > 1 else ""
+            self.spawned.append(what + argv)
+            raise ProcessInUnitTest(f"a unit test started a process ({what + argv}): {FIX}")
+
+        # pickled by reference as what it replaces (a test may pickle a payload that names os.system)
+        refused.__module__, refused.__qualname__, refused.__name__ = module, qualname, qualname.split(".")[-1]
+        return refused
+
+    def _timed(self, find_and_load: Callable) -> Callable:
+        def timed(name, import_):
+            if self._depth:  # (an import inside an import: counted by the outer one)
+                return find_and_load(name, import_)
+            self._depth += 1
+            t = time.process_time()
+            try:
+                return find_and_load(name, import_)
+            finally:
+                self.importing_cpu += time.process_time() - t
+                self._depth -= 1
+
+        return timed
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """Every way the standard library starts a process (subprocess and all that use it, fork, posix_spawn,
+        os.system, multiprocessing) is recorded and refused; first imports of modules are timed (the import
+        statement and importlib both load a module through importlib._bootstrap._find_and_load)."""
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(importlib._bootstrap, "_find_and_load", self._timed(importlib._bootstrap._find_and_load))
+            child = self._refuse("subprocess", "subprocess", "Popen._execute_child", subprocess.Popen._execute_child)
+            mp.setattr(subprocess.Popen, "_execute_child", child)
+            process = multiprocessing.process.BaseProcess
+            start = self._refuse("multiprocessing", "multiprocessing.process", "BaseProcess.start", process.start)
+            mp.setattr(process, "start", start)
+            for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
+                real = getattr(os, name)  # posix.system, re-exported by os
+                refused = self._refuse(f"os.{name}", real.__module__, name, real)
+                mp.setattr(os, name, refused)
+                mp.setattr(sys.modules[real.__module__], name, refused)
+            yield
+
+
+_guard = pytest.StashKey[UnitGuard]()
+_unit_cpu: dict[str, float] = {}  # CPU seconds of each unit test that ran, for the summary
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("unit") is None:
+        return (yield)
+    guard = item.stash[_guard] = UnitGuard()
+    with guard.watching():
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    guard = item.stash.get(_guard, None)
+    if guard is None:  # not a unit test
+        return (yield)
+    with guard.watching():
+        try:
+            result = yield
+        finally:
+            _unit_cpu[item.nodeid] = guard.cpu()
+    if guard.spawned:  # (also when the test caught the error)
+        pytest.fail(f"a unit test started a process ({', '.join(guard.spawned)}): {FIX}", pytrace=False)
+    if UNIT_CPU_BUDGET_S and guard.cpu() > UNIT_CPU_BUDGET_S:
+        pytest.fail(
+            f"a unit test used {guard.cpu():.1f} s of CPU (first imports of modules not counted), over the budget "
+            f"of {UNIT_CPU_BUDGET_S:g} s: {FIX}",
+            pytrace=False,
+        )
+    return result
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _unit_cpu:
+        most = sorted(_unit_cpu.items(), key=lambda kv: -kv[1])[:3]
+        terminalreporter.write_line(
+            f"unit tests: {len(_unit_cpu)}, {sum(_unit_cpu.values()):.1f} s of CPU in all (first imports not counted; "
+            f"budget {UNIT_CPU_BUDGET_S:g} s each); the most: " + ", ".join(f"{cpu:.1f} s {n}" for n, cpu in most)
+        )
 
 
 @pytest.fixture(scope="session")
@@ -68,6 +202,40 @@ def prefect_harness(session_dir):
 
     with prefect_test_harness(server_startup_timeout=60):
         yield
+
+
+@pytest.fixture
+def prefect_server(tmp_path) -> Iterator[Callable[..., servers.Server]]:
+    """Starts a real `prefect server start` (state in tmp_path, a free loopback port) and waits until it answers;
+    its `env` is what clients need (PREFECT_API_URL, PREFECT_HOME); keyword arguments set more PREFECT_* variables
+    for it and its clients. Stopped at the end of the test, whatever the test did with it."""
+    started: list[servers.Server] = []
+
+    def start(**settings: str) -> servers.Server:
+        server = servers.prefect_server(tmp_path / f"prefect-{len(started)}", **settings)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def mlflow_server(tmp_path) -> Iterator[Callable[..., servers.Server]]:
+    """Starts a real `mlflow server` (sqlite store and artifacts in tmp_path, a free loopback port) and waits until
+    it answers; `admin_password=...` starts the basic-auth app as the stack does. It can be killed and started
+    again on the same store and port; stopped at the end of the test in any case."""
+    started: list[servers.Server] = []
+
+    def start(admin_password: str | None = None) -> servers.Server:
+        server = servers.mlflow_server(tmp_path / f"mlflow-{len(started)}", admin_password)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.kill()
 
 
 def skip_or_fail(why: str) -> None:

@@ -131,6 +131,7 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
     assert "does not exist" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.integration  # bash -n on the scripts
 def test_cluster_launch_files(tmp_path):
     import yaml as _yaml
 

@@ -8,84 +8,30 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from scenarios import SCENARIOS
+from servers import BIN, stop
 
-BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 90) -> None:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited early with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(url)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:  # a Prefect worker may ignore SIGTERM for a while
-        proc.kill()
-        proc.wait()
+SCENARIO = SCENARIOS["serve"]  # `difflm serve pretrain-difflm` with the scenario's overrides
+NAME = SCENARIO.deployment.split("/")[1]
 
 
 @pytest.mark.slow
-def test_deployment_run_from_the_cli(tmp_path):
-    port = _free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),  # Prefect's task results (its cache)
-    }
-    (tmp_path / "prefect").mkdir()
-    server = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+def test_deployment_run_from_the_cli(tmp_path, prefect_server):
+    # Prefect's task results (its cache) in a folder of their own
+    server = prefect_server(PREFECT_LOCAL_STORAGE_PATH=str(tmp_path / "results"))
+    env = server.env
     serve = None
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}/api/health", server)
         workdir = tmp_path / "work"
         serve = subprocess.Popen(
-            [
-                str(BIN / "difflm"),
-                "serve",
-                "pretrain-difflm",
-                "--preset",
-                "test-tiny",
-                "--name",
-                "ci",
-                f"workdir={workdir}",
-                "train.train_iters=6",
-                "train.warmup_iters=1",
-                "checkpoint.save_interval=6",
-                "tracking.enabled=false",
-            ],
+            [str(BIN / "difflm"), "serve", "pretrain-difflm", "--preset", SCENARIO.preset, "--name", NAME]
+            + SCENARIO.dotlist(workdir),
             env=env,
             stdout=(tmp_path / "serve.log").open("w"),
             stderr=subprocess.STDOUT,
@@ -93,12 +39,12 @@ def test_deployment_run_from_the_cli(tmp_path):
         deadline, out = time.time() + 60, None
         while time.time() < deadline:  # wait until `serve` has registered the deployment
             out = subprocess.run([str(BIN / "prefect"), "deployment", "ls"], env=env, capture_output=True, text=True)
-            if "pretrain-difflm/ci" in out.stdout:
+            if SCENARIO.deployment in out.stdout:
                 break
             time.sleep(1)
-        assert out is not None and "pretrain-difflm/ci" in out.stdout, out.stdout if out else None
+        assert out is not None and SCENARIO.deployment in out.stdout, out.stdout if out else None
         run = subprocess.run(
-            [str(BIN / "prefect"), "deployment", "run", "pretrain-difflm/ci", "--watch", "--watch-timeout", "400"],
+            [str(BIN / "prefect"), "deployment", "run", SCENARIO.deployment, "--watch", "--watch-timeout", "400"],
             env=env,
             capture_output=True,
             text=True,
@@ -106,8 +52,7 @@ def test_deployment_run_from_the_cli(tmp_path):
         )
         assert run.returncode == 0, run.stdout + run.stderr + (tmp_path / "serve.log").read_text()[-5000:]
         assert "Completed" in run.stdout
-        exports = list(workdir.glob("runs/*/hf/model.safetensors"))
-        assert len(exports) == 1
+        SCENARIO.check(workdir)
 
         # a second run of the deployment reuses every stage, the evaluation included, and says so, also when
         # Prefect's cache is elsewhere (a worker on another host, a wiped PREFECT_HOME): tried as a new user
@@ -117,7 +62,7 @@ def test_deployment_run_from_the_cli(tmp_path):
         (results,) = workdir.glob("runs/*/eval/results.json")
         before, logged = results.stat().st_mtime_ns, len((tmp_path / "serve.log").read_text())
         again = subprocess.run(
-            [str(BIN / "prefect"), "deployment", "run", "pretrain-difflm/ci", "--watch", "--watch-timeout", "400"],
+            [str(BIN / "prefect"), "deployment", "run", SCENARIO.deployment, "--watch", "--watch-timeout", "400"],
             env=env,
             capture_output=True,
             text=True,
@@ -158,8 +103,7 @@ def test_deployment_run_from_the_cli(tmp_path):
         assert scheduled["global_concurrency_limit"]["limit"] == 1
     finally:
         if serve:
-            _stop(serve)
-        _stop(server)
+            stop(serve)
 
 
 def test_prefect_yaml_deployments_load_and_validate():
@@ -198,26 +142,13 @@ def test_prefect_yaml_deployments_load_and_validate():
 
 
 @pytest.mark.slow
-def test_serve_stops_within_seconds_on_ctrl_c_after_its_server_stopped(tmp_path):
+def test_serve_stops_within_seconds_on_ctrl_c_after_its_server_stopped(tmp_path, prefect_server):
     """Tried as a new user would: with the Prefect server gone first, Ctrl-C on `difflm serve` hung for over a
     minute and ended in a traceback. Now: one line and exit 130 within the grace period."""
-    port = _free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-    }
-    (tmp_path / "prefect").mkdir()
-    server = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    server = prefect_server()
+    env = server.env
     serve = None
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}/api/health", server)
         serve = subprocess.Popen(
             [str(BIN / "difflm"), "serve", "pretrain-difflm", "--preset", "test-tiny", "--name", "stop"]
             + [f"workdir={tmp_path / 'work'}"],
@@ -233,7 +164,7 @@ def test_serve_stops_within_seconds_on_ctrl_c_after_its_server_stopped(tmp_path)
             if "pretrain-difflm/stop" in out.stdout:
                 break
             time.sleep(1)
-        _stop(server)
+        server.stop()
         time.sleep(3)
         t0 = time.time()
         os.killpg(serve.pid, signal.SIGINT)
@@ -245,5 +176,3 @@ def test_serve_stops_within_seconds_on_ctrl_c_after_its_server_stopped(tmp_path)
     finally:
         if serve and serve.poll() is None:
             serve.kill()
-        if server.poll() is None:
-            _stop(server)

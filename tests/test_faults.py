@@ -7,7 +7,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -197,55 +196,10 @@ def test_lr_schedules():
     assert lin[30] < cos[30] and lin[-1] == pytest.approx(0.1) and cos[-1] == pytest.approx(0.1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _mlflow_server(store: Path, port: int) -> subprocess.Popen:
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{store / 'mlflow.db'}",
-            "--default-artifact-root",
-            str(store / "artifacts"),
-            "--workers",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        start_new_session=True,
-    )
-    import urllib.request
-
-    def up():
-        try:
-            return urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200
-        except OSError:
-            return False
-
-    _when(up, timeout=60, every=0.3)
-    return proc
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
 @pytest.mark.slow
-def test_tracking_outage_never_stops_training_and_nothing_is_lost(session_dir, tiny_manifest, tmp_path, monkeypatch):
+def test_tracking_outage_never_stops_training_and_nothing_is_lost(
+    session_dir, tiny_manifest, mlflow_server, monkeypatch
+):
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -257,9 +211,8 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(session_dir, t
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     monkeypatch.setattr(mlflow_runs, "DEGRADED", [])  # where the functions read it
 
-    port, store = _free_port(), tmp_path / "mlflow"
-    server = _mlflow_server(store, port)
-    uri = f"http://127.0.0.1:{port}"
+    server = mlflow_server()
+    uri = server.url
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("faults")).info.run_id
     cfg = tiny_config(
@@ -280,7 +233,7 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(session_dir, t
     thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, env=env, echo=lines.append))
     try:
         _when(lambda: _last_step(rdir) >= 10, timeout=180)
-        _stop(server)  # the tracking server dies mid-run ...
+        server.kill()  # the tracking server dies mid-run ...
         down_at = _last_step(rdir)
         _when(lambda: _last_step(rdir) >= down_at + 15 or not thread.is_alive(), timeout=180)
         assert thread.is_alive() or "result" in out  # ... and training went on without it
@@ -291,7 +244,7 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(session_dir, t
         assert tracking.log_data_stats({"splits": {}, "tokenizer": {"vocab_size": 1}, "hash": "x"}) is None
         assert mlflow_runs.DEGRADED
 
-        server = _mlflow_server(store, port)  # ... and comes back
+        server.start()  # ... and comes back, on the same store and port
         thread.join()
     finally:
         os.environ.pop("MLFLOW_HTTP_REQUEST_MAX_RETRIES", None)
@@ -307,7 +260,6 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(session_dir, t
         want = sorted(r["step"] for r in records if r.get(key) is not None)
         got = sorted(m.step for m in client.get_metric_history(run_id, key))
         assert got == want, key
-    _stop(server)
 
 
 @pytest.mark.slow

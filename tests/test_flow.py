@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 from helpers import tiny_config
+from scenarios import SCENARIOS
 
-FLOW = ("train.train_iters=30", "train.lr=5e-3")
-STAGES = ("data-prep", "train", "convert", "evaluate")
+FLOW = SCENARIOS["flagship"].overrides
+STAGES = SCENARIOS["flagship"].stages
 
 
 @pytest.fixture(scope="module")

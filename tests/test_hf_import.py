@@ -40,6 +40,7 @@ def _rel(ref, got):
     return float((got[..., :n] - ref).abs().max() / ref.abs().max())
 
 
+@pytest.mark.integration  # megatron's checkpoint writer starts processes
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_import_then_stock_export_give_the_source_logits(tmp_path, kind):
     """HF -> megatron (parity checked inside, recorded) -> stock class without remote code, and -> our class (as
@@ -156,6 +157,7 @@ def test_bad_input_says_what_to_do_and_writes_nothing(tmp_path, bad):
     assert not (tmp_path / "mg").exists() and not list(tmp_path.glob("mg*"))
 
 
+@pytest.mark.integration  # megatron's checkpoint writer starts processes
 def test_sharded_folders_gguf_files_and_another_architecture_config(tmp_path):
     from models.hf.importer import import_pretrained, import_record, prepare_tokenizer
 
@@ -179,6 +181,7 @@ def test_sharded_folders_gguf_files_and_another_architecture_config(tmp_path):
     assert not list(tmp_path.glob("mg2*")) and not list(tmp_path.glob("mg3*")) and not (tmp_path / "other").exists()
 
 
+@pytest.mark.integration  # the CLI in a subprocess
 def test_difflm_convert_imports_a_stock_folder(tmp_path):
     """`difflm convert HF_DIR --out CKPT` on a stock folder: the checkpoint, its tokenizer with a mask token, and
     the overrides that train from it, which make a valid config; a GGUF file gets its one line."""

@@ -147,6 +147,7 @@ def test_shift_validation_conditions_on_token_zero():
 # ---- the uniform validation loss is an upper bound -------------------------------------------------------
 
 
+@pytest.mark.slow  # ~23 s of CPU
 def test_uniform_validation_includes_the_last_step_and_bounds_the_nll():
     """Validation integrated the NELBO over [eps, 1] only, below the NLL it claims to bound. A model predicting
     uniform over the N states has NLL exactly log N; at eps = 0.2 the missing reconstruction term is 0.54 nats."""

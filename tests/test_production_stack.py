@@ -12,6 +12,7 @@ stack is stopped in any case, and no process of it may be left.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -23,12 +24,23 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import psycopg2
 import pytest
 import yaml
+from mlflow.entities import Run
+from mlflow.tracking import MlflowClient
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+from scenarios import SCENARIOS, Scenario
 
+from data_prep.corpus import cache_dir
 from deploy import env_file, stack
+from difflm.outputs import private_umask
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -95,6 +107,7 @@ def _repository_files() -> list[Path]:
     return [ROOT / f for f in out.split("\0") if f and (ROOT / f).is_file()]
 
 
+@pytest.mark.integration  # git
 def test_no_secrets_in_the_repository():
     for ignored in (".env", ".difflm-stack/"):
         assert subprocess.run(["git", "-C", str(ROOT), "check-ignore", "-q", ignored]).returncode == 0, ignored
@@ -172,6 +185,7 @@ def test_secrets_are_generated_into_a_private_env_file(tmp_path):
         stack.ensure_secrets(env, {**values, "MLFLOW_DB_PASSWORD": "change-me-mlflow"})
 
 
+@pytest.mark.integration  # runs the stack's start-up commands
 def test_failed_up_leaves_no_readable_password_file(tmp_path, monkeypatch):
     fake = tmp_path / "bin"
     fake.mkdir()
@@ -185,6 +199,7 @@ def test_failed_up_leaves_no_readable_password_file(tmp_path, monkeypatch):
     assert not (state / "pg" / "pwfile").exists()
 
 
+@pytest.mark.integration  # a stray process to spare
 def test_down_never_signals_a_process_it_did_not_start(tmp_path):
     state = tmp_path / "stack"
     state.mkdir()
@@ -251,8 +266,6 @@ def _sh(argv: list[str], env: dict, timeout: float, **kw) -> subprocess.Complete
 
 
 def _request(url: str, auth: str | None = None, method: str = "GET", headers: dict | None = None, data=None):
-    import base64
-
     h = {**(headers or {}), **({"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {})}
     return urllib.request.Request(url, method=method, headers=h, data=data)
 
@@ -300,157 +313,209 @@ def _secured(prefect_api: str, mlflow_url: str, pw: dict) -> None:
     assert _status(_request(search, "admin:wrong")) == 401
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_pretrain_deployment_runs_on_the_production_stack():
+@dataclass
+class StackRun:
+    """The stack, started once for the module, and the one run of its `pretrain-difflm/local` deployment."""
+
+    base: Path
+    state: Path
+    workdir: Path
+    secrets: dict[str, str]
+    db_port: int
+    mlflow_url: str
+    prefect_api: str
+    client_env: dict[str, str]  # what `up` wrote to client.env
+    times: dict[str, float] = field(default_factory=dict)
+    left_behind: list[str] | None = None  # set by stop()
+
+    def stop(self) -> list[str]:
+        """`down`, once: the processes of the stack still there after it."""
+        if self.left_behind is None:
+            pids = stack._pids(self.state)
+            t = time.time()
+            stack.down(self.state)
+            self.times["down"] = time.time() - t
+            self.left_behind = _left_behind(self.state, pids)
+            print("production stack times (s):", {k: round(v, 1) for k, v in self.times.items()})
+        return self.left_behind
+
+    def mlflow(self) -> MlflowClient:
+        return MlflowClient(self.mlflow_url)
+
+    def pipeline_run(self) -> Run:
+        """The deployment's MLflow run (the flow's parent run)."""
+        client = self.mlflow()
+        (parent,) = client.search_runs(
+            [e.experiment_id for e in client.search_experiments()], "tags.flow = 'pretrain-difflm'"
+        )
+        return parent
+
+    def query(self, db: str, sql: str, *args) -> list[tuple]:
+        """A query on the service's own PostgreSQL database, as its user."""
+        with (
+            psycopg2.connect(
+                host="127.0.0.1",
+                port=self.db_port,
+                user=db,
+                dbname=db,
+                password=self.secrets[f"{db.upper()}_DB_PASSWORD"],
+            ) as conn,
+            conn.cursor() as cur,
+        ):
+            cur.execute(sql, args)
+            return cur.fetchall()
+
+
+def _deployment_run(scenario: Scenario, workdir: Path, env: dict, cwd: Path) -> subprocess.CompletedProcess:
+    params = json.dumps(scenario.params(workdir))
+    argv = [str(BIN / "prefect"), "deployment", "run", scenario.deployment, "--params", params, "--watch"]
+    return _sh([*argv, "--watch-timeout", "400"], env, 450, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def stack_run() -> Iterator[StackRun]:
+    """`up` (PostgreSQL, MLflow, Prefect and a worker on free ports, fresh secrets), `prefect deploy` and one run
+    of the deployment on the test preset; the tests below each check one property of it, the last that `down`
+    leaves no process. Stopped in any case."""
     _postgres_or_skip()
-    import psycopg2
-    from mlflow.tracking import MlflowClient
-
-    from data_prep.corpus import cache_dir
-
     # PostgreSQL runs as its own user (we may be root): its folder must be reachable, which pytest's 0700
     # basetemp is not
     base = Path(tempfile.mkdtemp(prefix="difflm-stack-test-"))
     os.chmod(base, 0o755)
-    state, workdir = base / "stack", base / "work"
     db_port, mlflow_port, prefect_port = _free_ports(3)
-    pw = env_file.generate_secrets()
-    times, left = {}, []
+    run = StackRun(
+        base=base,
+        state=base / "stack",
+        workdir=base / "work",
+        secrets=env_file.generate_secrets(),
+        db_port=db_port,
+        mlflow_url=f"http://127.0.0.1:{mlflow_port}",
+        prefect_api=f"http://127.0.0.1:{prefect_port}/api",
+        client_env={},
+    )
     t0 = time.time()
-    umask = os.umask(0o027)  # as `python -m deploy.stack up` runs it: the database user must still reach pg/
     try:
-        stack.up(
-            state, pw, db_port=db_port, mlflow_port=mlflow_port, prefect_port=prefect_port, cache=cache_dir()
-        )  # the corpus the suite already fetched, not a new download
-        os.umask(umask)
-        times["up"] = time.time() - t0
-        assert not (state / "mlartifacts").stat().st_mode & 0o077  # the services' files are not for others
-        mlflow_url = f"http://127.0.0.1:{mlflow_port}"
-        prefect_api = f"http://127.0.0.1:{prefect_port}/api"
-        _secured(prefect_api, mlflow_url, pw)
-        client = stack.read_env_file(state / "client.env")  # what `up` gives clients, mode 0600
-        assert (state / "client.env").stat().st_mode & 0o777 == 0o600
-        client = {k.removeprefix("export "): v for k, v in client.items()}
-        env = {
-            **os.environ,
-            **client,
-            "PREFECT_HOME": str(base / "cli-home"),
-            "PWD": str(ROOT),
-        }  # `{{ $PWD }}`: where the code is
-        assert env["PREFECT_API_URL"] == prefect_api
-        os.environ.update({k: client[k] for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")})
+        with private_umask():  # as `python -m deploy.stack up` runs it: the database user must still reach pg/
+            stack.up(
+                run.state,
+                run.secrets,
+                db_port=db_port,
+                mlflow_port=mlflow_port,
+                prefect_port=prefect_port,
+                cache=cache_dir(),
+            )  # the corpus the suite already fetched, not a new download
+        run.times["up"] = time.time() - t0
+        client = stack.read_env_file(run.state / "client.env")
+        run.client_env = {k.removeprefix("export "): v for k, v in client.items()}
+        env = {**os.environ, **run.client_env, "PREFECT_HOME": str(base / "cli-home"), "PWD": str(ROOT)}
+        # (`{{ $PWD }}`: where the code is)
+        with pytest.MonkeyPatch.context() as mp:  # the MLflow clients of the tests log in as the stack's user
+            for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+                mp.setenv(k, run.client_env[k])
+            t = time.time()
+            deploy = _sh([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "local"], env, 180, cwd=ROOT)
+            assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+            run.times["deploy"] = time.time() - t
 
-        t = time.time()
-        deploy = _sh([str(BIN / "prefect"), "--no-prompt", "deploy", "--name", "local"], env, 180, cwd=ROOT)
-        assert deploy.returncode == 0, deploy.stdout + deploy.stderr
-        times["deploy"] = time.time() - t
-
-        t = time.time()
-        params = {
-            "preset": "test-tiny",
-            "overrides": [
-                f"workdir={workdir}",
-                "train.train_iters=6",
-                "train.warmup_iters=1",
-                "checkpoint.save_interval=6",
-            ],
-        }
-        run = _sh(
-            [
-                str(BIN / "prefect"),
-                "deployment",
-                "run",
-                "pretrain-difflm/local",
-                "--params",
-                json.dumps(params),
-                "--watch",
-                "--watch-timeout",
-                "400",
-            ],
-            env,
-            450,
-            cwd=base,
-        )
-        times["flow run"] = time.time() - t
-        logs = "".join(f"\n--- {f.name}\n" + f.read_text()[-4000:] for f in sorted((state / "logs").glob("*.log")))
-        assert run.returncode == 0 and "Completed" in run.stdout, run.stdout + run.stderr + logs
-
-        client = MlflowClient(mlflow_url)
-        exps = [e.experiment_id for e in client.search_experiments()]
-        (parent,) = client.search_runs(exps, "tags.flow = 'pretrain-difflm'")
-        rid = parent.info.run_id
-        assert parent.info.status == "FINISHED"
-        assert parent.data.params["workdir"] == str(workdir)
-
-        # the dataset input: the prepared data, digest = its hash
-        inputs = parent.inputs.dataset_inputs
-        assert inputs and inputs[0].dataset.digest == parent.data.tags["data.hash"]
-
-        # the registered version of this run, alias candidate
-        (mv,) = client.search_model_versions(f"run_id = '{rid}'")
-        assert "candidate" in client.get_model_version(mv.name, mv.version).aliases
-        assert client.get_model_version_by_alias(mv.name, "candidate").version == mv.version
-
-        # served artifacts: in the stack's artifact folder, none beside the code or in the workdir
-        assert parent.info.artifact_uri.startswith("mlflow-artifacts:"), parent.info.artifact_uri
-        run_artifacts = state / "mlartifacts" / parent.info.experiment_id / rid / "artifacts"
-        assert (run_artifacts / "config" / "resolved.yaml").is_file()
-        assert (run_artifacts / "hf_model" / "model.safetensors").is_file()
-        assert not list(ROOT.glob(f"mlruns/*/{rid}")) and not list(workdir.glob("**/mlflow.db"))
-
-        # both servers keep their state in PostgreSQL
-        def query(db: str, sql: str, *args) -> list[tuple]:
-            with (
-                psycopg2.connect(
-                    host="127.0.0.1", port=db_port, user=db, dbname=db, password=pw[f"{db.upper()}_DB_PASSWORD"]
-                ) as conn,
-                conn.cursor() as cur,
-            ):
-                cur.execute(sql, args)
-                return cur.fetchall()
-
-        assert query("mlflow", "SELECT status FROM runs WHERE run_uuid = %s", rid) == [("FINISHED",)]
-        flow_run_id = parent.data.tags["prefect.flow_run_id"]
-        assert query("prefect", "SELECT state_type FROM flow_run WHERE id = %s", flow_run_id) == [("COMPLETED",)]
-
-        # nested stage runs, one per stage, under the pipeline's run
-        stages = client.search_runs(exps, f"tags.mlflow.parentRunId = '{rid}'")
-        assert {r.data.tags.get("stage") for r in stages} == {"data-prep", "train", "convert", "evaluate"}
-        assert all(r.info.status == "FINISHED" for r in stages)
-
-        # the flow run's stage summaries in Prefect, linking to the MLflow run, its training figure served
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
-        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
-
-        with (
-            temporary_settings({PREFECT_API_URL: prefect_api, PREFECT_API_AUTH_STRING: pw["PREFECT_AUTH_STRING"]}),
-            get_client(sync_client=True) as pc,
-        ):
-            arts = {
-                a.key: a
-                for a in pc.read_artifacts(
-                    artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]))
-                )
-            }
-        assert {"data-prep-summary", "train-summary", "evaluate-summary", "train-summary-mlflow"} <= arts.keys()
-        assert f"{mlflow_url}/#/experiments/{parent.info.experiment_id}/runs/{rid}" in arts["train-summary-mlflow"].data
-        figure = re.search(r"!\[training curves\]\((\S+)\)", arts["train-summary"].data)
-        assert figure, arts["train-summary"].data
-        with urllib.request.urlopen(_request(figure[1], f"admin:{pw['MLFLOW_ADMIN_PASSWORD']}"), timeout=10) as png:
-            assert png.read(8) == b"\x89PNG\r\n\x1a\n"
+            t = time.time()
+            done = _deployment_run(SCENARIOS["stack"], run.workdir, env, base)
+            run.times["flow run"] = time.time() - t
+            logs = "".join(
+                f"\n--- {f.name}\n" + f.read_text()[-4000:] for f in sorted((run.state / "logs").glob("*.log"))
+            )
+            assert done.returncode == 0 and "Completed" in done.stdout, done.stdout + done.stderr + logs
+            yield run
     finally:
-        os.umask(umask)
-        for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
-            os.environ.pop(k, None)
-        pids = stack._pids(state)
-        t = time.time()
-        stack.down(state)
-        times["down"] = time.time() - t
-        left = _left_behind(state, pids)
-        print(
-            "production stack times (s):", {k: round(v, 1) for k, v in times.items()}, f"total {time.time() - t0:.0f}"
-        )
+        run.stop()
+        print(f"production stack: {time.time() - t0:.0f} s in all")
         shutil.rmtree(base, ignore_errors=True)
-    assert not left, left
+
+
+@pytest.mark.slow
+def test_the_run_leaves_what_its_scenario_expects(stack_run):
+    SCENARIOS["stack"].check(stack_run.workdir)
+
+
+@pytest.mark.slow
+def test_the_stack_keeps_its_files_private_and_tells_clients_where_it_is(stack_run):
+    assert not (stack_run.state / "mlartifacts").stat().st_mode & 0o077  # the services' files are not for others
+    assert (stack_run.state / "client.env").stat().st_mode & 0o777 == 0o600
+    assert stack_run.client_env["PREFECT_API_URL"] == stack_run.prefect_api
+
+
+@pytest.mark.slow
+def test_no_anonymous_api_and_no_cross_site_requests(stack_run):
+    _secured(stack_run.prefect_api, stack_run.mlflow_url, stack_run.secrets)
+
+
+@pytest.mark.slow
+def test_mlflow_holds_the_finished_run_with_its_data_as_a_dataset_input(stack_run):
+    parent = stack_run.pipeline_run()
+    assert parent.info.status == "FINISHED"
+    assert parent.data.params["workdir"] == str(stack_run.workdir)
+    inputs = parent.inputs.dataset_inputs  # the prepared data, digest = its hash
+    assert inputs and inputs[0].dataset.digest == parent.data.tags["data.hash"]
+
+
+@pytest.mark.slow
+def test_the_run_registers_a_version_with_alias_candidate(stack_run):
+    client, rid = stack_run.mlflow(), stack_run.pipeline_run().info.run_id
+    (mv,) = client.search_model_versions(f"run_id = '{rid}'")
+    assert "candidate" in client.get_model_version(mv.name, mv.version).aliases
+    assert client.get_model_version_by_alias(mv.name, "candidate").version == mv.version
+
+
+@pytest.mark.slow
+def test_artifacts_are_served_from_the_stack_folder_only(stack_run):
+    parent = stack_run.pipeline_run()
+    rid = parent.info.run_id
+    assert parent.info.artifact_uri.startswith("mlflow-artifacts:"), parent.info.artifact_uri
+    run_artifacts = stack_run.state / "mlartifacts" / parent.info.experiment_id / rid / "artifacts"
+    assert (run_artifacts / "config" / "resolved.yaml").is_file()
+    assert (run_artifacts / "hf_model" / "model.safetensors").is_file()
+    # none beside the code or in the workdir
+    assert not list(ROOT.glob(f"mlruns/*/{rid}")) and not list(stack_run.workdir.glob("**/mlflow.db"))
+
+
+@pytest.mark.slow
+def test_both_servers_keep_their_state_in_postgresql(stack_run):
+    parent = stack_run.pipeline_run()
+    assert stack_run.query("mlflow", "SELECT status FROM runs WHERE run_uuid = %s", parent.info.run_id) == [
+        ("FINISHED",)
+    ]
+    flow_run_id = parent.data.tags["prefect.flow_run_id"]
+    assert stack_run.query("prefect", "SELECT state_type FROM flow_run WHERE id = %s", flow_run_id) == [("COMPLETED",)]
+
+
+@pytest.mark.slow
+def test_one_nested_finished_run_per_stage(stack_run):
+    parent, client = stack_run.pipeline_run(), stack_run.mlflow()
+    stages = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
+    assert {r.data.tags.get("stage") for r in stages} == set(SCENARIOS["stack"].stages)
+    assert all(r.info.status == "FINISHED" for r in stages)
+
+
+@pytest.mark.slow
+def test_prefect_stage_summaries_link_the_mlflow_run_and_serve_its_figure(stack_run):
+    parent = stack_run.pipeline_run()
+    settings = {
+        PREFECT_API_URL: stack_run.prefect_api,
+        PREFECT_API_AUTH_STRING: stack_run.secrets["PREFECT_AUTH_STRING"],
+    }
+    flow_run = ArtifactFilterFlowRunId(any_=[parent.data.tags["prefect.flow_run_id"]])
+    with temporary_settings(settings), get_client(sync_client=True) as pc:
+        arts = {a.key: a for a in pc.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=flow_run))}
+    assert {"data-prep-summary", "train-summary", "evaluate-summary", "train-summary-mlflow"} <= arts.keys()
+    link = f"{stack_run.mlflow_url}/#/experiments/{parent.info.experiment_id}/runs/{parent.info.run_id}"
+    assert link in arts["train-summary-mlflow"].data
+    figure = re.search(r"!\[training curves\]\((\S+)\)", arts["train-summary"].data)
+    assert figure, arts["train-summary"].data
+    admin = f"admin:{stack_run.secrets['MLFLOW_ADMIN_PASSWORD']}"
+    with urllib.request.urlopen(_request(figure[1], admin), timeout=10) as png:
+        assert png.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_down_leaves_no_process_of_the_stack(stack_run):
+    """(last: it stops the stack the tests above read)"""
+    assert stack_run.stop() == []

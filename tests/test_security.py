@@ -152,6 +152,7 @@ def test_crafted_dcp_metadata_is_refused_without_running_code(tmp_path):
     assert not mark.exists()
 
 
+@pytest.mark.integration  # the CLI in a subprocess
 def test_convert_cli_refuses_a_crafted_checkpoint_in_one_line(tmp_path):
     import os
     import subprocess
@@ -218,6 +219,7 @@ print(texts, skips, hwm // 1024)
 """
 
 
+@pytest.mark.integration  # a subprocess with a memory limit
 def test_a_huge_line_in_a_tiny_gzip_is_a_counted_skip_in_bounded_memory(tmp_path):
     import gzip
     import os
@@ -257,6 +259,7 @@ print(counts, skips, hwm // 1024)
 """
 
 
+@pytest.mark.integration  # a subprocess with a memory limit
 def test_a_file_past_the_per_file_cap_is_a_counted_skip_in_bounded_memory(tmp_path):
     """64 MiB of short lines in a small gzip, read with a 16 MiB cap per file: the lines before the cap are
     kept, the rest is one counted skip naming the file; a plain file over the cap is not read at all."""

@@ -18,12 +18,15 @@ from pathlib import Path
 import pytest
 from helpers import SHORT_RUN as SHORT
 from helpers import assert_same_weights, tiny_config
+from scenarios import SCENARIOS
+from servers import BIN, stop
 
 from models.launch.cluster import SLURM_ACTIVE, ClusterError, slurm_job_state, slurm_script, submit_slurm
 from models.launch.torchrun import TrainingError, is_finished, launch_training, read_metrics, run_dir
 
 SLURM = ["train.launcher=slurm", "train.slurm.gpus_per_node=0", "train.slurm.poll_seconds=0.3"]
 ROOT = Path(__file__).resolve().parent.parent
+SCENARIO = SCENARIOS["slurm"]  # the pipeline through prefect.yaml's Slurm deployment
 MANIFEST = {"hash": "0123456789abcdef", "dir": "/nowhere", "splits": {}}  # a run that is never trained here
 
 
@@ -400,30 +403,17 @@ def test_data_prep_on_slurm_writes_the_local_shards_byte_for_byte(tmp_path, slur
 
 
 @pytest.mark.slow
-def test_the_slurm_deployment_runs_the_pipeline_on_the_cluster(tmp_path, slurm_cluster):
+def test_the_slurm_deployment_runs_the_pipeline_on_the_cluster(tmp_path, slurm_cluster, prefect_server):
     """`prefect deploy --name slurm` from prefect.yaml, a process worker of the pool `difflm` (on the "login node":
     sbatch on its PATH, SLURM_CONF in its environment), and a run with the test preset: data prep on the worker,
     training as a Slurm job that the flow follows, then export and evaluation on the worker."""
-    from test_deployment import BIN, _free_port, _stop, _wait_healthy
-
-    port, work = _free_port(), tmp_path / "work"
-    env = {
-        **os.environ,
-        "PWD": str(ROOT),  # the deployment's pull step: set_working_directory {{ $PWD }}
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_LOCAL_STORAGE_PATH": str(tmp_path / "results"),
-    }
-    (tmp_path / "prefect").mkdir()
+    work = tmp_path / "work"
+    # the deployment's pull step: set_working_directory {{ $PWD }}
+    server = prefect_server(PWD=str(ROOT), PREFECT_LOCAL_STORAGE_PATH=str(tmp_path / "results"))
+    env = server.env
     prefect = str(BIN / "prefect")
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
-    server = subprocess.Popen(
-        [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env, **quiet
-    )
     worker = None
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}/api/health", server)
         for cmd in (
             ["work-pool", "create", "difflm", "--type", "process"],
             ["--no-prompt", "deploy", "--name", "slurm"],
@@ -435,11 +425,9 @@ def test_the_slurm_deployment_runs_the_pipeline_on_the_cluster(tmp_path, slurm_c
             [prefect, "worker", "start", "--pool", "difflm"], env=env, cwd=ROOT, stdout=worker_log.open("w"),
             stderr=subprocess.STDOUT,
         )  # fmt: skip
-        overrides = [f"workdir={work}", "train.launcher=slurm", "train.slurm.gpus_per_node=0", *SHORT]
-        overrides += ["train.slurm.poll_seconds=0.5", "tracking.enabled=false"]
-        params = json.dumps({"preset": "test-tiny", "overrides": overrides})
+        params = json.dumps(SCENARIO.params(work))
         run = subprocess.run(
-            [prefect, "deployment", "run", "pretrain-difflm/slurm", "--params", params, "--watch"],
+            [prefect, "deployment", "run", SCENARIO.deployment, "--params", params, "--watch"],
             env=env,
             capture_output=True,
             text=True,
@@ -447,11 +435,9 @@ def test_the_slurm_deployment_runs_the_pipeline_on_the_cluster(tmp_path, slurm_c
         )
         assert run.returncode == 0 and "Completed" in run.stdout, run.stdout + worker_log.read_text()[-5000:]
     finally:
-        for proc in (worker, server):
-            if proc is not None:
-                _stop(proc)
+        if worker is not None:
+            stop(worker)
+        server.stop()
+    SCENARIO.check(work)
     (rdir,) = work.glob("runs/*/slurm-job.json")
-    job_id = json.loads(rdir.read_text())["job_id"]
-    assert "[train] mode=difflm-noshift start_iter=0" in (rdir.parent / f"slurm-{job_id}.out").read_text()
-    assert (rdir.parent / "hf" / "model.safetensors").exists() and (rdir.parent / "eval" / "results.json").exists()
-    assert f"[slurm] submitted job {job_id}" in worker_log.read_text()
+    assert f"[slurm] submitted job {json.loads(rdir.read_text())['job_id']}" in worker_log.read_text()

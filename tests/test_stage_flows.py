@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import tiny_config
+from servers import BIN, stop
 
 # every test here uses trained_run, which trains through torchrun: multi-process, so out of make test-dev
 pytestmark = pytest.mark.slow
@@ -176,37 +177,21 @@ def test_evaluate_latest_rejects_what_is_not_a_run(trained_run, prefect_harness,
     assert evaluate_latest(run_dir=str(young))["skipped"] == "no complete checkpoint yet"
 
 
-def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained_run, tmp_path):
+def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained_run, tmp_path, prefect_server):
     """`difflm serve evaluate-latest` on a real Prefect server: the interval schedule creates the flow runs,
     and each new complete checkpoint of the (still training) run gets scored once, at its step in MLflow."""
-    import os
     import subprocess
     import time
 
     import mlflow
     from mlflow.tracking import MlflowClient
-    from test_deployment import BIN, _free_port, _stop, _wait_healthy
 
     from difflm import tracking
     from tasks.runs import evaluated_scores, stage_config
 
     run = _copy_run(trained_run, tmp_path / "work", latest=4)  # only iteration 4 saved so far
-    port = _free_port()
-    env = {
-        **os.environ,
-        "PREFECT_HOME": str(tmp_path / "prefect"),
-        "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "2",
-        "PREFECT_RUNNER_POLL_FREQUENCY": "2",
-    }
-    (tmp_path / "prefect").mkdir()
-    server = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    server = prefect_server(PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2", PREFECT_RUNNER_POLL_FREQUENCY="2")
+    env = server.env
     serve, log = None, tmp_path / "serve.log"
 
     def wait_for(iteration: int, timeout: float = 180) -> None:
@@ -217,7 +202,6 @@ def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained
         assert iteration in evaluated_scores(run), log.read_text()[-5000:]
 
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}/api/health", server)
         serve = subprocess.Popen(
             [
                 str(BIN / "difflm"),
@@ -248,8 +232,8 @@ def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained
         assert runs.stdout.count("COMPLETED") >= 2, runs.stdout  # runs the schedule created, each finished
     finally:
         if serve:
-            _stop(serve)
-        _stop(server)
+            stop(serve)
+        server.stop()
     cfg = stage_config(run)
     mlflow.set_tracking_uri(tracking.tracking_uri(cfg))
     (mine,) = MlflowClient().search_runs(

@@ -19,9 +19,7 @@ import secrets
 import select
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -54,61 +52,6 @@ def _chromium() -> str:
     if os.environ.get("CI"):
         pytest.fail(f"CI must run the browser test: {why}")
     pytest.skip(why)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _mlflow_server(store: Path, port: int, password: str) -> subprocess.Popen:
-    """A real `mlflow server --app-name basic-auth` on loopback (sqlite + a local artifact root, users in their
-    own sqlite), started through deploy.mlflow_auth as the stack starts it, once /health answers."""
-    env = {
-        **os.environ,
-        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",  # no job workers: ~0.5 GB, not ~2.4
-        "MLFLOW_AUTH_DATABASE_URI": f"sqlite:///{store / 'auth.db'}",
-        "MLFLOW_AUTH_ADMIN_PASSWORD": password,
-        "MLFLOW_FLASK_SERVER_SECRET_KEY": secrets.token_hex(16),
-        "PYTHONPATH": str(ROOT),
-    }
-    store.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "deploy.mlflow_auth",
-            "mlflow",
-            "server",
-            "--app-name",
-            "basic-auth",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--backend-store-uri",
-            f"sqlite:///{store / 'mlflow.db'}",
-            "--default-artifact-root",
-            str(store / "artifacts"),
-            "--workers",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    deadline = time.monotonic() + 120  # ~10 s here; a fresh sqlite store is migrated first, slow when loaded
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).status == 200:
-                return proc
-        except OSError:
-            time.sleep(0.3)
-    os.killpg(proc.pid, signal.SIGKILL)
-    pytest.fail(f"mlflow server on port {port} not healthy (exit code {proc.poll()})")
 
 
 def _anonymous_status(url: str) -> int:
@@ -299,15 +242,13 @@ def _check_version_page(browser: Browser, base: str, reg: dict, out: Path) -> No
 
 
 @pytest.mark.slow
-def test_run_and_model_version_pages_show_metrics_aliases_and_lineage(tmp_path, monkeypatch):
+def test_run_and_model_version_pages_show_metrics_aliases_and_lineage(tmp_path, monkeypatch, mlflow_server):
     """Logged in to an auth-enabled server (anonymous requests get 401): the printed curves link, the run page
     and the model version page."""
     chromium = _chromium()
     password = secrets.token_urlsafe(16)
     _isolate_tracking_state(monkeypatch, password)
-    port = _free_port()
-    server = _mlflow_server(tmp_path / "mlflow", port, password)
-    base, browser = f"http://127.0.0.1:{port}", None
+    base, browser = mlflow_server(admin_password=password).url, None
     try:
         for path in ("/", "/ajax-api/2.0/mlflow/experiments/search?max_results=1"):
             assert _anonymous_status(base + path) == 401, f"{path} open without credentials"
@@ -325,6 +266,4 @@ def test_run_and_model_version_pages_show_metrics_aliases_and_lineage(tmp_path, 
     finally:
         if browser:
             browser.close()
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
         shutil.rmtree(tmp_path / "chromium-profile", ignore_errors=True)  # 16 MB; the DOM dumps and screenshots stay
