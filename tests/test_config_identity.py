@@ -362,3 +362,65 @@ def test_the_adaln_description_matches_what_the_model_accepts():
 
     text = DiffusionConfig.model_fields["time_conditioning"].description
     assert "model.backend=torch or local" in text
+
+
+# Each mode with settings away from their defaults -> (stage_hash("diffusion"), stage_hash(*TRAIN_SECTIONS)), as
+# computed by the flat `diffusion` section of before the per-mode settings: those runs keep their directories.
+MODE_RUN_HASHES = [
+    (
+        [
+            "diffusion.model_running_mode=difflm-noshift",
+            "diffusion.eps=0.01",
+            "diffusion.loss_weighting=masked_fraction",
+            "diffusion.normalize_by=masked_tokens",
+            "diffusion.varilen_prob=0.01",
+            "diffusion.attention_anneal_steps=50",
+        ],
+        "78df3df630ba",
+        "5654a073b6cf",
+    ),
+    (
+        [
+            "diffusion.model_running_mode=difflm-shift",
+            "diffusion.loss_weighting=cart",
+            "diffusion.cart_p=0.5",
+            "diffusion.time_embedding=true",
+            "diffusion.time_conditioning=input",
+        ],
+        "62cc74f7b204",
+        "c1958f95138b",
+    ),
+    (
+        [
+            "diffusion.model_running_mode=difflm-noshift-uniform",
+            "diffusion.uniform_loss=x0_ce",
+            "diffusion.eps=0.002",
+            "diffusion.antithetic_t=true",
+        ],
+        "72a19c1a2526",
+        "d3043d79f422",
+    ),
+    (["diffusion.model_running_mode=ar", "diffusion.varilen_prob=0.5"], "d86590762438", "a9d07e5a1f34"),
+    (
+        [
+            "diffusion.model_running_mode=difflm-block",
+            "diffusion.block_size=8",
+            "diffusion.clean_attention=token_causal",
+            "diffusion.ar_loss_weight=0.5",
+            "diffusion.block_shift=true",
+            "diffusion.complementary_masks=true",
+            "diffusion.loss_weighting=masked_fraction",
+        ],
+        "29a1238dbc5b",
+        "3379c169b113",
+    ),
+    (["diffusion.model_running_mode=difflm-block"], "21e3b3948352", "4d6b885809ce"),
+    (["diffusion.model_running_mode=difflm-block", "diffusion.block_size=16"], "d922668d61fa", "e1bf4c809d06"),
+]
+
+
+@pytest.mark.parametrize("overrides, diffusion_hash, run_hash", MODE_RUN_HASHES, ids=[h for _, h, _ in MODE_RUN_HASHES])
+def test_every_mode_keeps_the_run_directories_of_the_flat_diffusion_section(overrides, diffusion_hash, run_hash):
+    cfg = validate(apply_overrides(copy.deepcopy(TEST_TINY), overrides))
+    assert cfg.stage_hash("diffusion") == diffusion_hash
+    assert cfg.stage_hash(*TRAIN_SECTIONS) == run_hash
