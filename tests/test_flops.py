@@ -228,3 +228,22 @@ def test_a_training_step_counts_the_document_pairs_of_its_batches(megatron_singl
     assert training_flops(cfg, tok["vocab_size"], [t.seq_length] * n_micro, t.micro_batch_size, pairs) < training_flops(
         cfg, tok["vocab_size"], [t.seq_length] * n_micro, t.micro_batch_size
     )
+
+
+@pytest.mark.parametrize("length", [256, 2048])
+def test_complementary_masks_count_the_documents_of_both_rows(length):
+    """Complementary masks double the micro-batch: the document pairs of the clean sequences count for both rows,
+    so rows of one document each count what they count without documents, as without the option."""
+
+    def ratio(complementary: bool) -> float:
+        cfg = _cfg(
+            "model.preset=125m",
+            "diffusion.model_running_mode=difflm-block",
+            f"diffusion.complementary_masks={str(complementary).lower()}",
+            "model.document_attention=true",
+            f"train.seq_length={length}",
+        )
+        one_document_each = training_flops(cfg, 4096, [length], 4, pairs=[4 * length * length])
+        return one_document_each / training_flops(cfg, 4096, [length], 4)
+
+    assert ratio(True) == pytest.approx(ratio(False), rel=1e-12)

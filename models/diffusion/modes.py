@@ -543,8 +543,9 @@ class BlockDiffusion(Objective):
     token of block j is predicted by the clean logit of the last token of block j - 1 (it sees exactly the
     earlier clean blocks, never the token itself); token 0 is context, never masked or scored.
     `complementary_masks` (Fast-dLLM v2, LLaDA 2.0): training doubles each sequence, once with its mask m and
-    once with the complement of m among the noisable tokens (weight 1/(1-t), or n/(n - count) with exact counts),
-    so every noisy-block token is supervised exactly once across the pair; the loss averages both. Validation
+    once with the complement of m among the noisable tokens (weight 1/(1-t); with exact counts the pair's count is
+    uniform on {0..n} and each side weighs (n + 1)/its count, so the pair averages to the block ELBO), so every
+    noisy-block token is supervised exactly once across the pair; the loss averages both. Validation
     and the bound are unchanged by it (one mask: the block ELBO)."""
 
     name = "difflm-block"
@@ -617,7 +618,15 @@ class BlockDiffusion(Objective):
         g = generator_for(pos)
         index = torch.arange(nb) * batch_size + pos
         t = stratified_t(torch.rand(nb, generator=g), index, batch_size * nb, self.eps, antithetic or evaluation)
-        if evaluation or self.loss_weighting == "masked_fraction":  # exactly ceil(t n_j) masks: weight n_j / count
+        if self.rows_per_sequence(evaluation) == 2 and self.loss_weighting == "masked_fraction":
+            # the pair: count k uniform on {0..n_j} and the complement's n_j - k alike, each side weighted
+            # (n_j + 1) / its count, so the pair's expectation is twice the block ELBO (whose count is uniform
+            # on {1..n_j} with weight n_j / count), the fully masked block included
+            n = block_counts(ok[None], size)[0]
+            counts = torch.minimum((t * (n + 1)).ceil() - 1, n).clamp(min=0).long()
+            masked = mask_per_block(ok[None], counts[None], size, g)[0]
+            weight, complement = (n + 1) / counts.clamp(min=1), (n + 1) / (n - counts).clamp(min=1)
+        elif evaluation or self.loss_weighting == "masked_fraction":  # exactly ceil(t n_j) masks: weight n_j / count
             n = block_counts(ok[None], size)[0]
             counts = torch.minimum((t * n).ceil().clamp(min=1), n.clamp(min=1)).long() * (n > 0)
             masked = mask_per_block(ok[None], counts[None], size, g)[0]

@@ -113,13 +113,14 @@ def training_flops(
     Backward is twice the forward (a gradient for the input and one for the weight of every product), so
     3x forward. Counts what the given micro-batches compute: for a whole step under data parallelism pass
     every rank's micro-batches, or multiply one rank's figure by the data-parallel size."""
-    micro_batch_size *= _objective(cfg).rows_per_sequence(evaluation=False)  # complementary masks: two rows each
+    rows = _objective(cfg).rows_per_sequence(evaluation=False)  # complementary masks: two rows each
+    micro_batch_size *= rows
     dense = [micro_batch_size * forward_flops_per_sequence(cfg, vocab_size, n) for n in lengths]
     if pairs is None:
         return 3.0 * sum(dense)
     layers = cfg.model.num_layers
-    return 3.0 * sum(
-        f - layers * (micro_batch_size * _attention_core_flops(cfg, n) - _attention_core_flops(cfg, n, p))
+    return 3.0 * sum(  # `pairs` are the clean sequences' documents: every row of a sequence attends within them
+        f - layers * (micro_batch_size * _attention_core_flops(cfg, n) - _attention_core_flops(cfg, n, rows * p))
         for f, n, p in zip(dense, lengths, pairs)
     )
 
