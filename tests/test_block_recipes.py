@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import tiny_config, tiny_hf_model
 
 from models.diffusion.blocks import block_elbo_terms
-from models.diffusion.modes import BlockDiffusion
+from models.diffusion.modes import BlockDiffusion, build_objective
 from models.diffusion.samplers import MaskedSampler
 
 V = 64  # ids 0 eos, 1 mask, 2 pad
@@ -194,7 +194,8 @@ def test_config_options_and_flops(tmp_path):
     base = ["diffusion.model_running_mode=difflm-block", "diffusion.block_size=4"]
     plain = tiny_config(tmp_path, *base)
     both = tiny_config(tmp_path, *base, "diffusion.complementary_masks=true", "diffusion.block_shift=true")
-    assert training_flops(both, 512, [64], 2) == 2 * training_flops(plain, 512, [64], 2)  # two rows a sequence
+    both_flops = training_flops(both, 512, [64], 2, objective=build_objective(both.diffusion))
+    assert both_flops == 2 * training_flops(plain, 512, [64], 2, objective=build_objective(plain.diffusion))  # two rows
 
 
 def test_megatron_forward_step_with_both_options(megatron_single_process, tmp_path, tiny_manifest):
@@ -228,16 +229,21 @@ def test_megatron_forward_step_with_both_options(megatron_single_process, tmp_pa
 
 
 def test_export_records_the_shift_and_decodes_with_it(megatron_single_process, tmp_path, tiny_manifest):
-    """A shifted block model's export carries `block_shift`: its objective, bound and decoder read it."""
+    """A shifted block model's export carries `block_shift` (its whole objective, as one entry): its objective,
+    bound and decoder read it; the training-only `complementary_masks` changes none of them (one mask)."""
     from test_block_diffusion import _megatron, _save_ckpt
 
     from models.hf.convert import export_hf, load_hf
+    from models.megatron.forward_step import SpecialTokens
 
     cfg, model = _megatron(tmp_path, "local", "diffusion.block_shift=true", "diffusion.complementary_masks=true")
     ckpt = tmp_path / "ckpt"
     _save_ckpt(model, ckpt)
     hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / "hf"))
-    assert hf.config.block_shift is True and hf.objective.block_shift and not hf.objective.complementary_masks
+    assert hf.config.objective["block_shift"] is True and hf.objective.block_shift
+    trained = build_objective(cfg.diffusion, SpecialTokens.from_manifest(tiny_manifest["tokenizer"]).ids())
+    assert hf.objective.to_dict() == trained.to_dict()  # the export's own copy of the class: compared as entries
+    assert hf.objective.rows_per_sequence(evaluation=True) == 1
     stats: dict = {}
     out = hf.generate_continuation(
         torch.randint(3, 500, (1, 4)), 8, MaskedSampler(steps=8, stop_at_eos=False), stats=stats

@@ -8,7 +8,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from difflm.config import load_config
-from models.megatron.flops import efficiency, forward_flops_per_sequence, padded_vocab, peak_flops, training_flops
+from models.diffusion.modes import build_objective
+from models.megatron import flops
+from models.megatron.flops import efficiency, padded_vocab, peak_flops
 
 TOKENIZER = {"vocab_size": 1000, "mask_id": 1, "eos_id": 0, "pad_id": 2}
 SHAPE = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4"]
@@ -18,6 +20,17 @@ VARIANTS = {
     "time-input": ["diffusion.time_embedding=true", "diffusion.time_conditioning=input"],
     "time-adaln": ["diffusion.time_embedding=true", "diffusion.time_conditioning=adaln"],
 }
+
+
+def forward_flops_per_sequence(cfg, vocab_size: int, seq_len: int) -> float:
+    """The count for `cfg`'s objective, built as the trainer builds it."""
+    return flops.forward_flops_per_sequence(cfg, vocab_size, seq_len, objective=build_objective(cfg.diffusion))
+
+
+def training_flops(cfg, vocab_size: int, lengths: list[int], micro_batch_size: int, pairs=None) -> float:
+    return flops.training_flops(
+        cfg, vocab_size, lengths, micro_batch_size, pairs, objective=build_objective(cfg.diffusion)
+    )
 
 
 def _cfg(*overrides: str):

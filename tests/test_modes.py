@@ -320,8 +320,8 @@ def test_model_calls_are_counted_as_made():
 
 
 def test_the_uniform_bound_starts_at_the_trained_eps():
-    """The uniform conditional likelihood used eps = 1e-3 whatever the training; the export records diffusion_eps."""
-    model = _model("difflm-noshift-uniform", time_embedding=True, diffusion_eps=0.25)
+    """The uniform conditional likelihood used eps = 1e-3 whatever the training; the export records its eps."""
+    model = _model("difflm-noshift-uniform", time_embedding=True, eps=0.25)
     seen = []
     original = model.forward
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
 import torch
@@ -61,24 +61,31 @@ RowLogitsFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None, 
 GeneratorFor = Callable[[int], torch.Generator]  # the position of a sequence in the global batch -> its generator
 
 
+# A mode's settings, declared once each (the default and the values it takes) and shared by the modes that read it.
+def _eps():
+    return field(default=1e-3)  # t ~ U(eps, 1): the smallest noise level
+
+
+def _loss_weighting():
+    return field(default="inverse_t")  # masked training's weight: inverse_t | masked_fraction | none | cart
+
+
+def _normalize_by():
+    return field(default="all_tokens")  # masked training: all_tokens | masked_tokens
+
+
+TOKEN_FIELDS = ("mask_id", "vocab_size", "pad_id", "eos_id")  # facts of the tokenizer, not settings of a mode
+
+
 @dataclass(frozen=True)
 class Objective(ABC):
-    """The settings every objective may read (each uses those of its family); facts are class attributes."""
+    """The tokenizer's ids every objective may read; each family adds its own settings as fields (`settings`);
+    facts are class attributes."""
 
     mask_id: int | None = None
     vocab_size: int | None = None  # the tokenizer's (real) vocabulary: uniform noise draws among it
     pad_id: int | None = None
     eos_id: int | None = None
-    eps: float = 1e-3  # the smallest noise level
-    loss_weighting: str = "inverse_t"  # masked training: inverse_t | masked_fraction | none
-    normalize_by: str = "all_tokens"  # masked training: all_tokens | masked_tokens
-    uniform_loss: str = "elbo"  # uniform training: elbo | x0_ce
-    block_size: int = 4  # block diffusion: tokens per block
-    clean_attention: str = "block_causal"  # block diffusion: the clean half's attention (block_causal | token_causal)
-    ar_loss_weight: float = 0.0  # block diffusion: weight of the next-token loss on the clean half
-    block_shift: bool = False  # block diffusion: logit i predicts token i + 1 (Fast-dLLM v2's shifted recipe)
-    complementary_masks: bool = False  # block diffusion training: each sequence also with its mask's complement
-    cart_p: float = 0.3  # loss_weighting=cart (shifted masked training): the geometric decay of CART
 
     name: ClassVar[str] = ""
     bidirectional: ClassVar[bool] = True
@@ -92,9 +99,18 @@ class Objective(ABC):
     varilen: ClassVar[bool] = True
     two_stream: ClassVar[bool] = False  # the model runs on [x_t | x_0] (2L tokens) under `two_stream_keep`
 
-    def __post_init__(self):
-        if self.loss_weighting == "cart" and not self.shifted:
-            raise ValueError(f"loss_weighting=cart (Dream's CART) needs difflm-shift, not {self.name}")
+    @classmethod
+    def settings(cls) -> tuple[str, ...]:
+        """The names of this mode's settings: its fields but the tokenizer's ids."""
+        return tuple(f.name for f in fields(cls) if f.name not in TOKEN_FIELDS)
+
+    def time_conditioned(self, time_embedding: bool) -> bool:
+        """Whether the network takes t: `time_embedding` is asked for and the mode has one t per sequence."""
+        return bool(time_embedding) and self.uses_t
+
+    def to_dict(self) -> dict:
+        """{'mode': name, setting: value, ...}: what an export records of its objective (`objective_from_dict`)."""
+        return {"mode": self.name, **{name: getattr(self, name) for name in self.settings()}}
 
     @classmethod
     def attention_flops_factor(cls) -> float:
@@ -113,21 +129,6 @@ class Objective(ABC):
         """Model rows `prepare` makes of one sequence (complementary masks train each sequence twice): megatron's
         micro-batch shape and the FLOPs count scale by it."""
         return 1
-
-    @classmethod
-    def from_hf_config(cls, config) -> Objective:
-        """The objective of an exported model, from its config (exports made before `diffusion_eps` was recorded
-        used eps = 1e-3)."""
-        return objective_class(config.model_running_mode)(
-            mask_id=config.mask_token_id,
-            vocab_size=getattr(config, "real_vocab_size", None) or config.vocab_size,
-            pad_id=config.pad_token_id,
-            eos_id=config.eos_token_id,
-            eps=getattr(config, "diffusion_eps", 1e-3),
-            block_size=getattr(config, "block_size", None) or 4,
-            clean_attention=getattr(config, "clean_attention", None) or "block_causal",
-            block_shift=bool(getattr(config, "block_shift", False)),
-        )
 
     # ---- positions -------------------------------------------------------------------------------------
     def align_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -229,13 +230,22 @@ def _data_positions(label_ok: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.ones_like(label_ok[:, :1]), label_ok[:, :-1]], dim=1)
 
 
+@dataclass(frozen=True)
 class MaskedDiffusion(Objective):
     """Masked diffusion, bidirectional (MegaDLMs' difflm-noshift; LLaDA/MDLM): tokens are replaced by the mask
     at rate t ~ U(eps, 1); the loss is the cross-entropy on masked positions weighted by 1/t (or L/#masked);
     validation and evaluation report the discrete ELBO (exactly ceil(t L) masks, weight L/#masked)."""
 
+    eps: float = _eps()
+    loss_weighting: str = _loss_weighting()  # inverse_t | masked_fraction | none | cart (difflm-shift)
+    normalize_by: str = _normalize_by()  # all_tokens | masked_tokens
+
     name = "difflm-noshift"
     unmasks = True
+
+    def __post_init__(self):
+        if self.loss_weighting == "cart" and not self.shifted:
+            raise ValueError(f"loss_weighting=cart (Dream's CART) needs difflm-shift, not {self.name}")
 
     def _noisable(self, valid: torch.Tensor) -> torch.Tensor:
         """The positions noise may mask with exact counts: every data token."""
@@ -346,10 +356,13 @@ class MaskedDiffusion(Objective):
         )
 
 
+@dataclass(frozen=True)
 class ShiftedMaskedDiffusion(MaskedDiffusion):
     """Masked diffusion whose logit i predicts token i + 1 (MegaDLMs' difflm-shift; Dream), so an AR
     checkpoint's head keeps its meaning. No logit predicts token 0: it is never scored, and validation and
     evaluation condition on it (masks drawn among tokens 1..L-1, normalised by L - 1)."""
+
+    cart_p: float = 0.3  # loss_weighting=cart: the geometric decay of Dream's CART
 
     name = "difflm-shift"
     shifted = True
@@ -390,11 +403,15 @@ class ShiftedMaskedDiffusion(MaskedDiffusion):
         return super().sample(logits_fn, prompt, length, settings, generator, forbidden_ids, stats)
 
 
+@dataclass(frozen=True)
 class UniformDiffusion(Objective):
     """Uniform-state diffusion (UDLM/DUO; this project's difflm-noshift-uniform): tokens are replaced at rate t by
     uniform draws over the states (the vocabulary without mask and pad). The loss is UDLM's continuous-time NELBO
     (t from `mixture_t`, weighted back), or plain x0 cross-entropy (`uniform_loss=x0_ce`, not a bound); validation
     adds the exact last step eps -> 0, so it is an upper bound like the evaluation bound."""
+
+    eps: float = _eps()
+    uniform_loss: str = "elbo"  # elbo | x0_ce
 
     name = "difflm-noshift-uniform"
     requires_t = True
@@ -528,6 +545,7 @@ class Autoregressive(Objective):
         return ((pred == x0[:, 1:]) | ~target[:, 1:]).all(-1)
 
 
+@dataclass(frozen=True)
 class BlockDiffusion(Objective):
     """Block diffusion (BD3-LM; SDAR, Fast-dLLM v2 and Megatron-Bridge's variants): the model runs on
     `[x_t | x_0]` under `blocks.two_stream_keep` (a noisy block sees itself and the earlier clean blocks), noise
@@ -547,6 +565,15 @@ class BlockDiffusion(Objective):
     uniform on {0..n} and each side weighs (n + 1)/its count, so the pair averages to the block ELBO), so every
     noisy-block token is supervised exactly once across the pair; the loss averages both. Validation
     and the bound are unchanged by it (one mask: the block ELBO)."""
+
+    eps: float = _eps()
+    loss_weighting: str = _loss_weighting()  # inverse_t | masked_fraction | none
+    normalize_by: str = _normalize_by()
+    block_size: int = 4  # tokens per block
+    clean_attention: str = "block_causal"  # the clean half's attention: block_causal | token_causal
+    ar_loss_weight: float = 0.0  # weight of the next-token loss on the clean half
+    block_shift: bool = False  # logit i predicts token i + 1 (Fast-dLLM v2's shifted recipe)
+    complementary_masks: bool = False  # training: each sequence also with its mask's complement
 
     name = "difflm-block"
     uses_t = False  # one t per block: no per-sequence time conditioning
@@ -740,6 +767,22 @@ def _nan_if_empty(per_token: torch.Tensor, scored: torch.Tensor) -> torch.Tensor
 MODES: dict[str, type[Objective]] = {
     cls.name: cls for cls in (MaskedDiffusion, ShiftedMaskedDiffusion, UniformDiffusion, Autoregressive, BlockDiffusion)
 }
+
+
+def build_objective(settings, tokens: dict | None = None) -> Objective:
+    """The objective of `settings.model_running_mode` (the config's `diffusion` section, or any object with the
+    mode's settings as attributes) with the tokenizer's ids `tokens`: the one reading of a config's mode. A process
+    builds it once (trainer start, export) and passes the object on."""
+    cls = objective_class(settings.model_running_mode)
+    return cls(**(tokens or {}), **{name: getattr(settings, name) for name in cls.settings()})
+
+
+def objective_from_dict(entry: dict, tokens: dict | None = None) -> Objective:
+    """The objective an export recorded (`Objective.to_dict`), with the tokenizer's ids `tokens`; a setting it does
+    not record keeps its default (an export older than a setting computed with its default)."""
+    cls = objective_class(entry["mode"])
+    known = set(cls.settings())
+    return cls(**(tokens or {}), **{k: v for k, v in entry.items() if k in known})
 
 
 def objective_class(mode: str) -> type[Objective]:

@@ -36,12 +36,12 @@ def export_stock_class(cfg: PipelineConfig, manifest: dict, train_info: dict) ->
     """An `ar` run's final checkpoint also as the stock transformers class (<run>/hf-stock: Llama, or the class
     it was imported from), which `AutoModelForCausalLM.from_pretrained` and lm-eval's `hf` model load with no
     remote code; None for a diffusion model or a model no stock class computes (LayerNorm, GELU)."""
-    from models.diffusion.modes import objective_class
+    from models.diffusion.modes import build_objective
     from models.hf.architectures import stock_problem
     from models.hf.convert import ConversionError
     from models.hf.importer import export_stock
 
-    if objective_class(cfg.diffusion.model_running_mode).bidirectional or stock_problem(cfg.model):
+    if build_objective(cfg.diffusion).bidirectional or stock_problem(cfg.model):
         return None
     out, ckpt = RunDir(train_info["run_dir"]).hf_stock, Path(train_info["checkpoint"])
     if is_export_of(out, ckpt):

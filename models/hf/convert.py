@@ -21,7 +21,7 @@ from difflm import outputs
 from difflm.config import PipelineConfig
 from difflm.errors import UserError
 from difflm.rundir import EXPORT_MARKER
-from models.diffusion.modes import objective_class
+from models.diffusion.modes import build_objective
 
 
 class ConversionError(UserError, RuntimeError):
@@ -133,7 +133,7 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
     from models.hf.configuration_difflm import DiffLMConfig
     from models.megatron.gpt import padded_vocab_size  # megatron: imported when needed
 
-    m, objective = cfg.model, objective_class(cfg.diffusion.model_running_mode)
+    m, objective = cfg.model, build_objective(cfg.diffusion)  # the export's: built once, written as one entry
     return DiffLMConfig(
         vocab_size=padded_vocab_size(tokenizer["vocab_size"], cfg.parallel.tensor_model_parallel_size),
         real_vocab_size=tokenizer["vocab_size"],
@@ -152,14 +152,10 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
         rope_theta=float(m.rotary_base),
         max_position_embeddings=cfg.train.seq_length,
         bidirectional=objective.bidirectional,
-        model_running_mode=cfg.diffusion.model_running_mode,
+        objective=objective.to_dict(),
         mask_token_id=tokenizer["mask_id"],
-        time_embedding=cfg.diffusion.time_embedding and objective.uses_t,
+        time_embedding=objective.time_conditioned(cfg.diffusion.time_embedding),
         document_attention=cfg.model.document_attention,
-        diffusion_eps=cfg.diffusion.eps,
-        block_size=cfg.diffusion.block_size if objective.two_stream else None,
-        clean_attention=cfg.diffusion.clean_attention if objective.two_stream else None,
-        block_shift=cfg.diffusion.block_shift,
         time_conditioning=cfg.diffusion.time_conditioning,
         special_ids=tokenizer.get("special_ids") or [tokenizer["eos_id"], tokenizer["mask_id"], tokenizer["pad_id"]],
         eos_token_id=tokenizer["eos_id"],

@@ -18,9 +18,10 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from difflm.config import ModelConfig, PipelineConfig
-from models.diffusion.modes import objective_class
+from models.diffusion.modes import Objective, build_objective
 from models.diffusion.time_embedding import AdaLNorm, TimeEmbedding
 from models.megatron.backend import resolve_backend
+from models.megatron.forward_step import configured_document_form
 from models.megatron.kernels import kernel_settings
 
 
@@ -30,9 +31,8 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 64)
     return (vocab_size + step - 1) // step * step
 
 
-def uses_adaln(cfg: PipelineConfig) -> bool:
-    d = cfg.diffusion
-    return d.time_embedding and d.time_conditioning == "adaln" and objective_class(d.model_running_mode).uses_t
+def uses_adaln(cfg: PipelineConfig, objective: Objective) -> bool:
+    return objective.time_conditioned(cfg.diffusion.time_embedding) and cfg.diffusion.time_conditioning == "adaln"
 
 
 class MegatronAdaLNorm(AdaLNorm):
@@ -218,12 +218,15 @@ def build_model(
     pre_process: bool = True,
     post_process: bool = True,
     padded_vocab: int | None = None,
+    *,
+    objective: Objective | None = None,
 ) -> DiffusionGPTModel:
-    """One pipeline stage of the megatron GPTModel for `cfg` (the whole model when PP=1).
+    """One pipeline stage of the megatron GPTModel for `cfg` and its `objective` (the caller's, built once; `cfg`'s
+    when not given) (the whole model when PP=1).
 
     `padded_vocab` overrides the embedding rows (conversion builds a TP=1 model with the padding of the
     layout it writes for)."""
-    objective = objective_class(cfg.diffusion.model_running_mode)
+    objective = objective or build_objective(cfg.diffusion)
     backend = resolve_backend(cfg.model.backend, objective.two_stream)
     if cfg.train.fp8 and backend != "te":
         raise RuntimeError(
@@ -236,14 +239,12 @@ def build_model(
             "norms that refuse it. Set model.backend=torch (or parallel.sequence_parallel=false)."
         )
     tcfg = transformer_config(cfg, backend)
-    from models.megatron.forward_step import configured_document_form
-
     spec = layer_spec(
         cfg.model,
-        objective_class(cfg.diffusion.model_running_mode).bidirectional,
+        objective.bidirectional,
         backend,
-        uses_adaln(cfg),
-        configured_document_form(cfg),
+        uses_adaln(cfg, objective),
+        configured_document_form(cfg, objective),
         objective.two_stream,
         annealed=cfg.diffusion.attention_anneal_steps > 0,
     )
@@ -262,6 +263,6 @@ def build_model(
         share_embeddings_and_output_weights=cfg.model.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=cfg.model.rotary_base,
-        time_embedding=cfg.diffusion.time_embedding and objective_class(cfg.diffusion.model_running_mode).uses_t,
-        adaln=uses_adaln(cfg),
+        time_embedding=objective.time_conditioned(cfg.diffusion.time_embedding),
+        adaln=uses_adaln(cfg, objective),
     )
