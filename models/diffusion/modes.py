@@ -11,11 +11,16 @@ Pure torch, shipped flat in every export folder (relative imports only). One cla
    predicts token i + 1), `full_logits` (the loss needs every logit, not megatron's per-token cross-entropy),
    `exact` (its likelihood is exact, not a bound), `has_greedy`, `unmasks` (the masked sampler's settings and
    steps apply), `varilen` (variable-length training applies),
-   `attention_flops_factor` (the share of the s x s attention core a kernel computes).
+   `attention_flops_factor` (the share of the s x s attention core a kernel computes); `time_conditioned`
+   answers whether t reaches the network.
+
+Each class carries its family's settings as frozen dataclass fields (the tokenizer's ids are on the base). A
+process reads the config's mode once (`build_objective`) and passes the object on; an export records it as one
+entry (`Objective.to_dict`) read back by `objective_from_dict`.
 
 The formulas live in the modules beside this one (`objectives`, `bounds`, `conditional`, `samplers`, `uniform`);
 an objective composes them. Nothing outside this module compares the mode string: adding a mode is one class here
-(registered in `MODES`) plus its tests.
+(registered in `MODES`), its settings in the config's `diffusion` section, plus its tests.
 
 Logits functions all take (tokens [b, s], t [b] or None) and return logits [b, s, V] aligned with the positions
 they predict (`align_logits` undoes the shift of `difflm-shift`); the conditional ones also take the attention
