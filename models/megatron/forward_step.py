@@ -14,10 +14,14 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from difflm.config import PipelineConfig
 from models import diffusion
 from models.diffusion.modes import Objective, build_objective
+from models.megatron.attention import DocumentMask, TwoStreamMask
 from models.megatron.backend import resolve_backend
 
 
@@ -118,9 +122,6 @@ def _loss_func(prepared: dict, objective: Objective, evaluation: bool, output_te
 
 def _full_vocab(logits: torch.Tensor) -> torch.Tensor:
     """Logits [b, s, V/TP] gathered to the full vocabulary (the uniform ELBO sums over every state)."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return logits
     return gather_from_tensor_model_parallel_region(logits)
@@ -189,8 +190,6 @@ def packed_documents(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 def packed_seq_params(doc_ids: torch.Tensor, device: torch.device):
     """megatron's `PackedSeqParams` (qkv_format 'thd') for the packed documents of `doc_ids` [b, s]. Give CPU ids:
     the boundaries and the longest length (a Python int TE needs) are then found without a device sync."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     cu_seqlens, longest = packed_documents(doc_ids)
     cu_seqlens = to_device({"cu": cu_seqlens}, device)["cu"]
     return PackedSeqParams(
@@ -206,8 +205,6 @@ def attention_mask_for(tokens: torch.Tensor, objective: Objective, special: Spec
     causal = not objective.bidirectional
     doc = diffusion.document_ids(tokens, special.eos_id)
     if form == "flex":
-        from models.megatron.attention import DocumentMask
-
         return DocumentMask(doc, causal)
     return diffusion.document_attention_mask(doc, causal=causal)
 
@@ -215,8 +212,6 @@ def attention_mask_for(tokens: torch.Tensor, objective: Objective, special: Spec
 def two_stream_mask(tokens: torch.Tensor, cfg: PipelineConfig, special: SpecialTokens, objective: Objective):
     """Block diffusion's attention for the [x_t | x_0] inputs of clean `tokens` [b, L]: a `TwoStreamMask` for the
     torch spec (FlexAttention on GPUs), megatron's dense mask (True = blocked) [b or 1, 1, 2L, 2L] for local."""
-    from models.megatron.attention import TwoStreamMask
-
     doc = diffusion.document_ids(tokens, special.eos_id) if cfg.model.document_attention else None
     mask = TwoStreamMask(tokens.shape[1], objective.block_size, objective.token_causal, doc, tokens.device)
     if resolve_backend(cfg.model.backend, True) == "torch":

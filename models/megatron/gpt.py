@@ -20,8 +20,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from difflm.config import ModelConfig, PipelineConfig
 from models.diffusion.modes import Objective, build_objective
 from models.diffusion.time_embedding import AdaLNorm, TimeEmbedding
+from models.megatron.attention import block_spec, torch_layer_spec
 from models.megatron.backend import resolve_backend
-from models.megatron.forward_step import configured_document_form
+from models.megatron.forward_step import configured_document_form, document_form
 from models.megatron.kernels import kernel_settings
 
 
@@ -65,8 +66,6 @@ def layer_spec(
     `two_stream` (block diffusion): the local spec takes the dense [b, 1, 2L, 2L] mask (arbitrary); the torch
     spec a `TwoStreamMask` that carries its own rule; Transformer Engine is refused. `annealed`: the forward step
     passes DiffuLLaMA's annealed [b, 1, s, s] mask (`diffusion.attention_anneal_steps`)."""
-    from models.megatron.forward_step import document_form
-
     if two_stream and backend == "te":
         raise RuntimeError(
             "block diffusion (difflm-block) needs model.backend=torch or local: Transformer Engine's attention "
@@ -77,8 +76,6 @@ def layer_spec(
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=model.qk_layernorm, normalization=model.normalization)
     if backend == "torch":
-        from models.megatron.attention import torch_layer_spec
-
         spec = torch_layer_spec(spec)
     dense = backend == "local" and two_stream
     if dense or annealed or (model.document_attention and (documents or document_form(backend)) == "dense"):
@@ -249,8 +246,6 @@ def build_model(
         annealed=cfg.diffusion.attention_anneal_steps > 0,
     )
     if backend == "torch":  # the final norm as well must accept sequence parallelism
-        from models.megatron.attention import block_spec
-
         spec = block_spec(spec, tcfg)
     return DiffusionGPTModel(
         config=tcfg,
