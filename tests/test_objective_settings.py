@@ -9,7 +9,7 @@ import types
 import pytest
 from helpers import tiny_config, tiny_hf_model
 
-from difflm.config import DiffusionConfig, load_config
+from difflm.config import DiffusionConfig, diffusion_model, load_config
 from models.diffusion.modes import MODES, TOKEN_FIELDS, build_objective, objective_from_dict
 from models.hf.configuration_difflm import DiffLMConfig
 from models.hf.modeling_difflm import export_objective
@@ -41,11 +41,13 @@ def test_each_objective_carries_only_its_familys_settings():
 
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_the_configs_diffusion_section_has_every_setting_with_the_objectives_default(mode):
-    """The config declares the settings the objectives read, with the same defaults (a run that leaves a setting
-    out trains what the objective computes by default)."""
+    """The config's section of a mode is the objective's settings (built from its fields, with their defaults)
+    plus the shared ones: a run that leaves a setting out trains what the objective computes by default."""
+    member = diffusion_model(mode)
+    assert set(member.model_fields) == {*DiffusionConfig.model_fields, *SETTINGS[mode]}
     for f in dataclasses.fields(MODES[mode]):
         if f.name not in TOKEN_FIELDS:
-            assert DiffusionConfig.model_fields[f.name].default == f.default, (mode, f.name)
+            assert member.model_fields[f.name].default == f.default, (mode, f.name)
 
 
 def test_build_objective_reads_the_modes_settings_from_the_config(tmp_path):

@@ -20,7 +20,9 @@ entry (`Objective.to_dict`) read back by `objective_from_dict`.
 
 The formulas live in the modules beside this one (`objectives`, `bounds`, `conditional`, `samplers`, `uniform`);
 an objective composes them. Nothing outside this module compares the mode string: adding a mode is one class here
-(registered in `MODES`), its settings in the config's `diffusion` section, plus its tests.
+(registered in `MODES`) plus its tests. Its settings (`setting`: default, description, bounds, identity marking;
+`Literal` annotations for choices) are the config's `diffusion` section for that mode (difflm/config.py builds
+it from them).
 
 Logits functions all take (tokens [b, s], t [b] or None) and return logits [b, s, V] aligned with the positions
 they predict (`align_logits` undoes the shift of `difflm-shift`); the conditional ones also take the attention
@@ -33,7 +35,7 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -66,17 +68,39 @@ RowLogitsFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None, 
 GeneratorFor = Callable[[int], torch.Generator]  # the position of a sequence in the global batch -> its generator
 
 
-# A mode's settings, declared once each (the default and the values it takes) and shared by the modes that read it.
+IF_SET = "if_set"  # identity marking (difflm/config.py): joins the run's name only when set to another value
+
+
+def setting(default, description: str, identity: str | bool | None = None, **bounds):
+    """A mode's setting: its default, its description and bounds (ge / gt / le / lt) and how it names a run
+    (`identity`: IF_SET, or False for an operational one); the config's `diffusion` section is built from these."""
+    metadata = {"description": description, **bounds}
+    if identity is not None:
+        metadata["identity"] = identity
+    return field(default=default, metadata=metadata)
+
+
+# A setting shared by several modes, declared once each (the default and the values it takes).
 def _eps():
-    return field(default=1e-3)  # t ~ U(eps, 1): the smallest noise level
+    return setting(1e-3, "t ~ U(eps, 1): lower bound of the noise level.", gt=0.0, lt=1.0)
+
+
+LossWeighting = Literal["inverse_t", "masked_fraction", "none", "cart"]
 
 
 def _loss_weighting():
-    return field(default="inverse_t")  # masked training's weight: inverse_t | masked_fraction | none | cart
+    return setting(
+        "inverse_t",
+        "Weight of masked-token CE: inverse_t (LLaDA: Bernoulli(t) masks, weight 1/t); masked_fraction "
+        "(MegaDLMs-style L/#masked, with exactly ceil(tL) masks so it stays an unbiased ELBO); none (not a bound); "
+        "cart (difflm-shift only: Dream's context-adaptive token reweighting, each masked token weighted by "
+        "0.5 * sum over clean tokens i of p(1-p)^(|n-i|-1), p = cart_p; not a bound). Validation reports the ELBO "
+        "whatever the weighting.",
+    )
 
 
 def _normalize_by():
-    return field(default="all_tokens")  # masked training: all_tokens | masked_tokens
+    return setting("all_tokens", "all_tokens: LLaDA/MegaDLMs convention (an ELBO); masked_tokens: mean over masked.")
 
 
 TOKEN_FIELDS = ("mask_id", "vocab_size", "pad_id", "eos_id")  # facts of the tokenizer, not settings of a mode
@@ -112,6 +136,15 @@ class Objective(ABC):
     def time_conditioned(self, time_embedding: bool) -> bool:
         """Whether the network takes t: `time_embedding` is asked for and the mode has one t per sequence."""
         return bool(time_embedding) and self.uses_t
+
+    @classmethod
+    def check_model(cls, backend: str, time_embedding: bool, attention_anneal_steps: int) -> None:
+        """Refuse the shared settings and model back-ends this mode cannot train with (the config asks this when
+        it validates; the mode's own settings are checked by the class's construction)."""
+        if attention_anneal_steps and not cls.bidirectional:
+            raise ValueError(
+                f"diffusion.attention_anneal_steps anneals towards full attention: not with mode {cls.name}"
+            )
 
     def to_dict(self) -> dict:
         """{'mode': name, setting: value, ...}: what an export records of its objective (`objective_from_dict`)."""
@@ -242,8 +275,8 @@ class MaskedDiffusion(Objective):
     validation and evaluation report the discrete ELBO (exactly ceil(t L) masks, weight L/#masked)."""
 
     eps: float = _eps()
-    loss_weighting: str = _loss_weighting()  # inverse_t | masked_fraction | none | cart (difflm-shift)
-    normalize_by: str = _normalize_by()  # all_tokens | masked_tokens
+    loss_weighting: LossWeighting = _loss_weighting()
+    normalize_by: Literal["all_tokens", "masked_tokens"] = _normalize_by()
 
     name = "difflm-noshift"
     unmasks = True
@@ -367,7 +400,9 @@ class ShiftedMaskedDiffusion(MaskedDiffusion):
     checkpoint's head keeps its meaning. No logit predicts token 0: it is never scored, and validation and
     evaluation condition on it (masks drawn among tokens 1..L-1, normalised by L - 1)."""
 
-    cart_p: float = 0.3  # loss_weighting=cart: the geometric decay of Dream's CART
+    cart_p: float = setting(
+        0.3, "loss_weighting=cart: the geometric parameter p (Dream: 0.3).", identity=IF_SET, gt=0.0, le=1.0
+    )
 
     name = "difflm-shift"
     shifted = True
@@ -416,7 +451,11 @@ class UniformDiffusion(Objective):
     adds the exact last step eps -> 0, so it is an upper bound like the evaluation bound."""
 
     eps: float = _eps()
-    uniform_loss: str = "elbo"  # elbo | x0_ce
+    uniform_loss: Literal["elbo", "x0_ce"] = setting(
+        "elbo",
+        "elbo: UDLM's continuous-time ELBO (a bound, the default); x0_ce: plain cross-entropy of the clean token at "
+        "every position (UDLM's simple-CE ablation, a denoiser surrogate, not a bound).",
+    )
 
     name = "difflm-noshift-uniform"
     requires_t = True
@@ -572,18 +611,66 @@ class BlockDiffusion(Objective):
     and the bound are unchanged by it (one mask: the block ELBO)."""
 
     eps: float = _eps()
-    loss_weighting: str = _loss_weighting()  # inverse_t | masked_fraction | none
-    normalize_by: str = _normalize_by()
-    block_size: int = 4  # tokens per block
-    clean_attention: str = "block_causal"  # the clean half's attention: block_causal | token_causal
-    ar_loss_weight: float = 0.0  # weight of the next-token loss on the clean half
-    block_shift: bool = False  # logit i predicts token i + 1 (Fast-dLLM v2's shifted recipe)
-    complementary_masks: bool = False  # training: each sequence also with its mask's complement
+    loss_weighting: Literal["inverse_t", "masked_fraction", "none"] = _loss_weighting()
+    normalize_by: Literal["all_tokens", "masked_tokens"] = _normalize_by()
+    block_size: int = setting(4, "Tokens per block (BD3-LM 4-16, SDAR 4, Fast-dLLM v2 32).", identity=IF_SET, ge=1)
+    clean_attention: Literal["block_causal", "token_causal"] = setting(
+        "block_causal",
+        "Attention within the clean half. block_causal (BD3-LM): a clean token sees its own block and the earlier "
+        "ones; token_causal (Megatron-Bridge's sbd_block_diff): the clean half is causal, an AR model (needed by "
+        "ar_loss_weight).",
+        identity=IF_SET,
+    )
+    ar_loss_weight: float = setting(
+        0.0,
+        "Weight of the next-token loss on the clean half, added to the diffusion loss (Megatron-Bridge's 0.3 DLM + "
+        "1.0 AR is about 3.3 here, up to scale); needs clean_attention=token_causal.",
+        identity=IF_SET,
+        ge=0.0,
+    )
+    block_shift: bool = setting(
+        False,
+        "Shifted prediction (Fast-dLLM v2, Dream-style): logit i predicts token i + 1, so an AR checkpoint's head "
+        "keeps its meaning; a block's first token is predicted by the clean logit of the token before it. Token 0 "
+        "is context (never masked or scored); the export decodes the same way.",
+        identity=IF_SET,
+    )
+    complementary_masks: bool = setting(
+        False,
+        "Train each sequence twice, with its mask and with the mask's complement (Fast-dLLM v2, LLaDA 2.0: every "
+        "noisy-block token supervised once per pair; a doubled micro-batch, twice the FLOPs); the loss averages "
+        "both. Validation keeps the block ELBO.",
+        identity=IF_SET,
+    )
 
     name = "difflm-block"
     uses_t = False  # one t per block: no per-sequence time conditioning
     unmasks = True
     two_stream = True
+
+    def __post_init__(self):
+        if self.ar_loss_weight and self.clean_attention != "token_causal":
+            raise ValueError(
+                "diffusion.ar_loss_weight needs diffusion.clean_attention=token_causal: under block_causal a clean "
+                "token sees the next token of its block, so a next-token loss would be trivial"
+            )
+        if self.ar_loss_weight and self.normalize_by != "all_tokens":
+            raise ValueError(
+                "diffusion.ar_loss_weight shares the diffusion loss's token count: normalize_by=all_tokens"
+            )
+
+    @classmethod
+    def check_model(cls, backend, time_embedding, attention_anneal_steps):
+        super().check_model(backend, time_embedding, attention_anneal_steps)
+        if time_embedding:
+            raise ValueError(
+                "difflm-block draws one t per block: diffusion.time_embedding (one t per sequence) does not apply"
+            )
+        if backend == "te":
+            raise ValueError(
+                "difflm-block needs model.backend=torch (FlexAttention block mask on GPUs) or local (dense mask): "
+                "Transformer Engine takes causal / padding masks and THD sequences, not the two-stream block mask"
+            )
 
     @property
     def token_causal(self) -> bool:
