@@ -189,7 +189,9 @@ def test_config_options_and_flops(tmp_path):
     from difflm.config import load_config
     from models.megatron.flops import training_flops
 
-    with pytest.raises(Exception, match="options of model_running_mode=difflm-block"):
+    with pytest.raises(
+        Exception, match="block_shift is a setting of difflm-block; model_running_mode is difflm-noshift"
+    ):
         load_config("test-tiny", [f"workdir={tmp_path}", "diffusion.block_shift=true"])
     base = ["diffusion.model_running_mode=difflm-block", "diffusion.block_size=4"]
     plain = tiny_config(tmp_path, *base)

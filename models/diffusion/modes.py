@@ -283,7 +283,9 @@ class MaskedDiffusion(Objective):
 
     def __post_init__(self):
         if self.loss_weighting == "cart" and not self.shifted:
-            raise ValueError(f"loss_weighting=cart (Dream's CART) needs difflm-shift, not {self.name}")
+            raise ValueError(
+                f"loss_weighting=cart (Dream's CART) needs model_running_mode=difflm-shift, not {self.name}"
+            )
 
     def _noisable(self, valid: torch.Tensor) -> torch.Tensor:
         """The positions noise may mask with exact counts: every data token."""
