@@ -465,7 +465,8 @@ class DiffusionConfig(_Section):
 
     @model_validator(mode="after")
     def _objective_checks(self) -> DiffusionConfig:
-        build_objective(self)  # the objective's own checks of its settings (its construction)
+        if type(self) is not DiffusionConfig:  # a member: the objective's own checks of its settings
+            build_objective(self)
         return self
 
     @classmethod
@@ -510,6 +511,8 @@ def _setting_field(f: dataclasses.Field) -> Any:
 def diffusion_section(value: Any) -> Any:
     """A `diffusion` mapping as its mode's member. A setting of another mode is dropped at that mode's default (a
     run's config.yaml of before the per-mode sections holds every setting) and refused otherwise."""
+    if type(value) is DiffusionConfig:  # the shared settings alone: the member of their mode
+        value = value.model_dump()
     if not isinstance(value, dict):
         return value
     data = dict(value)
