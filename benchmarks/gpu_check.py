@@ -1125,6 +1125,7 @@ def worker_microbatch(args, p: dict) -> dict:
     largest size; the AR baseline at that size (equal shape). Each row reaches the rows file as measured."""
     import torch
 
+    from models.diffusion.modes import build_objective
     from models.megatron import flops
     from models.megatron.data import build_datasets
     from models.megatron.forward_step import SpecialTokens
@@ -1153,7 +1154,8 @@ def worker_microbatch(args, p: dict) -> dict:
     def measure(mode: str, mbs: int, ddp, opt):
         cfg = cfg_at(mode, mbs)
         step_s = _timed_steps(cfg, ddp, opt, dataset, special, p["timed_steps"])
-        step_flops = flops.training_flops(cfg, vocab, [cfg.train.seq_length], mbs)
+        objective = build_objective(cfg.diffusion)
+        step_flops = flops.training_flops(cfg, vocab, [cfg.train.seq_length], mbs, objective=objective)
         eff = flops.efficiency(step_flops, step_s, 1, peak)
         return {
             "mode": mode,

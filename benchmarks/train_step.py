@@ -65,12 +65,15 @@ def bench_config(preset: str, mode: str, args: argparse.Namespace):
 def run_one(preset: str, mode: str, args: argparse.Namespace) -> dict:
     import torch
 
+    from models.diffusion.modes import build_objective
     from models.megatron.backend import resolve_backend
     from models.megatron.distributed import single_process_group
     from models.megatron.flops import efficiency, peak_flops, training_flops
     from models.megatron.forward_step import SpecialTokens
 
     cfg, vocab = bench_config(preset, mode, args), args.vocab
+    special = SpecialTokens(mask_id=1, vocab_size=vocab, special_ids=(0, 1, 2))
+    objective = build_objective(cfg.diffusion, special.ids())  # once, as the trainer builds it
     with single_process_group():
         from megatron.core import parallel_state, tensor_parallel
 
@@ -80,17 +83,16 @@ def run_one(preset: str, mode: str, args: argparse.Namespace) -> dict:
         compat.activate()
         parallel_state.initialize_model_parallel(1, 1)
         tensor_parallel.model_parallel_cuda_manual_seed(0)
-        ddp, opt, _ = build_training(cfg, vocab)
+        ddp, opt, _ = build_training(cfg, vocab, objective=objective)
         data = RandomTokens(vocab, args.seq)
-        special = SpecialTokens(mask_id=1, vocab_size=vocab, special_ids=(0, 1, 2))
         params = sum(p.numel() for p in ddp.module.parameters())
         n_micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
 
         def step(i) -> list[int]:
-            lengths = micro_lengths(cfg, i, n_micro)  # the trainer's lengths: full windows unless varilen
+            lengths = micro_lengths(cfg, i, n_micro, objective)  # the trainer's: full windows unless varilen
             ddp.zero_grad_buffer()
             opt.zero_grad()
-            run_global_batch(cfg, ddp, data, special, step=i, noise_step=i, lengths=lengths)
+            run_global_batch(cfg, ddp, data, special, step=i, noise_step=i, lengths=lengths, objective=objective)
             opt.step()
             return lengths
 
@@ -103,7 +105,7 @@ def run_one(preset: str, mode: str, args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - tic
     mbs = cfg.train.micro_batch_size
-    flops = sum(training_flops(cfg, vocab, ls, mbs) for ls in lengths)
+    flops = sum(training_flops(cfg, vocab, ls, mbs, objective=objective) for ls in lengths)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     eff = efficiency(flops, elapsed, 1, peak_flops(device, cfg.train.peak_tflops))
     peak = (

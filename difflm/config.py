@@ -7,6 +7,7 @@ sections, and each stage's output directory is named by a hash of the sections i
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import hashlib
 import json
@@ -15,13 +16,24 @@ import types
 import typing
 import warnings
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializeAsAny,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic.fields import FieldInfo
 
 from difflm.errors import UserError
+from models.diffusion.modes import MODES, Objective, build_objective, objective_class
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -427,66 +439,28 @@ class ModelConfig(_Section):
         return 4 * self.hidden_size
 
 
+DEFAULT_MODE = "difflm-noshift"
+
+# The identity of before the per-mode sections: every mode's run name held these settings of the flat section (at
+# their defaults where the mode lacks them). Frozen, so those runs keep their directories; a setting added later
+# is IF_SET or belongs to its mode alone.
+FLAT_IDENTITY_DEFAULTS = {
+    "eps": 1e-3,
+    "loss_weighting": "inverse_t",
+    "uniform_loss": "elbo",
+    "normalize_by": "all_tokens",
+}
+
+
 class DiffusionConfig(_Section):
-    model_running_mode: Literal["difflm-noshift", "difflm-noshift-uniform", "difflm-shift", "ar", "difflm-block"] = (
-        Field(
-            "difflm-noshift",
-            description="difflm-noshift: masked diffusion, bidirectional (MegaDLMs' mode of that name; LLaDA/MDLM); "
-            "difflm-noshift-uniform: uniform-state diffusion (UDLM/DUO, this project's name); difflm-shift: masked "
-            "diffusion with shifted prediction to adapt AR checkpoints (DiffuLLaMA/Dream, this project's name); "
-            "ar: the causal autoregressive baseline (MegaDLMs' `vanilla`); difflm-block: block diffusion (BD3-LM: "
-            "trained on [x_t | x_0] with the block mask, decoded block by block with an exact KV cache).",
-        )
-    )
-    block_size: int = Field(
-        4,
-        ge=1,
-        json_schema_extra=IF_SET,
-        description="difflm-block: tokens per block (BD3-LM 4-16, SDAR 4, Fast-dLLM v2 32).",
-    )
-    clean_attention: Literal["block_causal", "token_causal"] = Field(
-        "block_causal",
-        json_schema_extra=IF_SET,
-        description="difflm-block: attention within the clean half. block_causal (BD3-LM): a clean token sees "
-        "its own block and the earlier ones; token_causal (Megatron-Bridge's sbd_block_diff): the clean half is "
-        "causal, an AR model (needed by ar_loss_weight).",
-    )
-    ar_loss_weight: float = Field(
-        0.0,
-        ge=0.0,
-        json_schema_extra=IF_SET,
-        description="difflm-block: weight of the next-token loss on the clean half, added to the diffusion loss "
-        "(Megatron-Bridge's 0.3 DLM + 1.0 AR is about 3.3 here, up to scale); needs clean_attention=token_causal.",
-    )
-    block_shift: bool = Field(
-        False,
-        json_schema_extra=IF_SET,
-        description="difflm-block: shifted prediction (Fast-dLLM v2, Dream-style): logit i predicts token i + 1, "
-        "so an AR checkpoint's head keeps its meaning; a block's first token is predicted by the clean logit of "
-        "the token before it. Token 0 is context (never masked or scored); the export decodes the same way.",
-    )
-    complementary_masks: bool = Field(
-        False,
-        json_schema_extra=IF_SET,
-        description="difflm-block: train each sequence twice, with its mask and with the mask's complement "
-        "(Fast-dLLM v2, LLaDA 2.0: every noisy-block token supervised once per pair; a doubled micro-batch, "
-        "twice the FLOPs); the loss averages both. Validation keeps the block ELBO.",
-    )
-    eps: float = Field(1e-3, gt=0.0, lt=1.0, description="t ~ U(eps, 1): lower bound of the noise level.")
-    loss_weighting: Literal["inverse_t", "masked_fraction", "none", "cart"] = Field(
-        "inverse_t",
-        description="Weight of masked-token CE: inverse_t (LLaDA: Bernoulli(t) masks, weight 1/t); "
-        "masked_fraction (MegaDLMs-style L/#masked, with exactly ceil(tL) masks so it stays an unbiased ELBO); "
-        "none (not a bound); cart (difflm-shift only: Dream's context-adaptive token reweighting, each masked "
-        "token weighted by 0.5 * sum over clean tokens i of p(1-p)^(|n-i|-1), p = cart_p; not a bound). "
-        "Validation reports the ELBO whatever the weighting.",
-    )
-    cart_p: float = Field(
-        0.3,
-        gt=0.0,
-        le=1.0,
-        json_schema_extra=IF_SET,
-        description="loss_weighting=cart: the geometric parameter p (Dream: 0.3).",
+    """The settings every mode shares. The section a config holds is the member of its mode (`diffusion_model`):
+    these plus the objective's own settings, declared once on its class in models/diffusion/modes.py."""
+
+    model_running_mode: str = Field(
+        DEFAULT_MODE,
+        description="The objective, one of models/diffusion/modes.py's MODES: difflm-noshift (masked diffusion, "
+        "LLaDA/MDLM), difflm-noshift-uniform (uniform-state, UDLM/DUO), difflm-shift (shifted masked diffusion to "
+        "adapt AR checkpoints, DiffuLLaMA/Dream), ar (the causal baseline), difflm-block (block diffusion, BD3-LM).",
     )
     attention_anneal_steps: int = Field(
         0,
@@ -496,15 +470,6 @@ class DiffusionConfig(_Section):
         "attention goes from causal to full, a query seeing a later key with probability step / N (one "
         "Bernoulli mask per step, shared by the batch): step 0 is exactly causal, steps >= N exactly full. "
         "Validation uses full attention (the adapted model's). 0: off. Bidirectional modes only.",
-    )
-    uniform_loss: Literal["elbo", "x0_ce"] = Field(
-        "elbo",
-        description="difflm-noshift-uniform only. elbo: UDLM's continuous-time ELBO (a bound, the "
-        "default); x0_ce: plain cross-entropy of the clean token at every position (UDLM's simple-CE ablation, "
-        "a denoiser surrogate, not a bound).",
-    )
-    normalize_by: Literal["all_tokens", "masked_tokens"] = Field(
-        "all_tokens", description="all_tokens: LLaDA/MegaDLMs convention (an ELBO); masked_tokens: mean over masked."
     )
     antithetic_t: bool = Field(False, description="Stratify t across the global batch (lower-variance loss).")
     varilen_prob: float = Field(
@@ -523,15 +488,88 @@ class DiffusionConfig(_Section):
     )
 
     @model_validator(mode="after")
-    def _adaptation_options(self) -> DiffusionConfig:
-        if self.loss_weighting == "cart" and self.model_running_mode != "difflm-shift":
-            raise ValueError(
-                f"diffusion.loss_weighting=cart (Dream's CART) needs model_running_mode=difflm-shift, "
-                f"not {self.model_running_mode}"
-            )
-        if self.attention_anneal_steps and self.model_running_mode == "ar":
-            raise ValueError("diffusion.attention_anneal_steps anneals towards full attention: not with mode ar")
+    def _objective_checks(self) -> DiffusionConfig:
+        if type(self) is not DiffusionConfig:  # a member: the objective's own checks of its settings
+            build_objective(self)
         return self
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema, handler):
+        if cls is not DiffusionConfig:
+            return handler(core_schema)
+        # the section as the form shows it: one member per mode, chosen by model_running_mode
+        members = tuple(diffusion_model(mode) for mode in MODES)
+        union = Annotated[typing.Union[members], Field(discriminator="model_running_mode")]  # noqa: UP007
+        return handler(TypeAdapter(union).core_schema)
+
+
+_MEMBERS: dict[type[Objective], type[DiffusionConfig]] = {}
+
+
+def diffusion_model(mode: str) -> type[DiffusionConfig]:
+    """The `diffusion` section of `mode`: the shared settings plus the objective class's own, built from its
+    dataclass fields (default, `Literal` choices, and the metadata of `modes.setting`). Built on first use, so a
+    mode registered in MODES later has its section too."""
+    cls = objective_class(mode)
+    member = _MEMBERS.get(cls)
+    if member is None:
+        hints = typing.get_type_hints(cls)
+        own = {f.name: (hints[f.name], _setting_field(f)) for f in dataclasses.fields(cls) if f.name in cls.settings()}
+        doc = (cls.__doc__ or "").split("\n\n")[0]
+        kind = (Literal[mode], Field(mode, description=" ".join(doc.split())))
+        name = "Diffusion" + "".join(part.title() for part in re.split(r"[^A-Za-z0-9]+", mode))
+        member = pydantic.create_model(name, __base__=DiffusionConfig, model_running_mode=kind, **own)
+        _MEMBERS[cls] = member
+    return member
+
+
+def _setting_field(f: dataclasses.Field) -> Any:
+    meta = dict(f.metadata)
+    identity = meta.pop("identity", None)
+    extra = None if identity is None else {"identity": identity}
+    if f.default_factory is not dataclasses.MISSING:
+        return Field(default_factory=f.default_factory, json_schema_extra=extra, **meta)
+    return Field(f.default, json_schema_extra=extra, **meta)
+
+
+def diffusion_section(value: Any) -> Any:
+    """A `diffusion` mapping as its mode's member. A setting of another mode is dropped at that mode's default (a
+    run's config.yaml of before the per-mode sections holds every setting) and refused otherwise."""
+    if type(value) is DiffusionConfig:  # the shared settings alone: the member of their mode
+        value = value.model_dump()
+    if not isinstance(value, dict):
+        return value
+    data = dict(value)
+    mode = data.setdefault("model_running_mode", DEFAULT_MODE)
+    if mode not in MODES:
+        raise ValueError(f"diffusion.model_running_mode {mode!r} is not a mode: one of {', '.join(map(repr, MODES))}")
+    member = diffusion_model(mode)
+    for name in [n for n in data if n not in member.model_fields]:
+        having = {m: c for m, c in MODES.items() if name in c.settings()}
+        if not having:
+            continue  # unknown everywhere: extra="forbid" names it, with a close match
+        if any(data[name] == _default(c, name) for c in having.values()):
+            del data[name]
+            continue
+        raise ValueError(
+            f"diffusion.{name} is a setting of {', '.join(having)}; model_running_mode is {mode} "
+            f"(switch the mode, or leave {name} out)"
+        )
+    return member.model_validate(data)
+
+
+def _default(cls: type[Objective], name: str) -> Any:
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def with_mode(cfg: PipelineConfig, mode: str, **settings: Any) -> PipelineConfig:
+    """`cfg` training `mode`: the shared settings kept, the settings of the old mode that the new one lacks dropped,
+    `settings` set."""
+    member = diffusion_model(mode)
+    data = {**cfg.diffusion.model_dump(), **settings, "model_running_mode": mode}
+    diffusion = member.model_validate({k: v for k, v in data.items() if k in member.model_fields})
+    return cfg.model_copy(update={"diffusion": diffusion})
 
 
 class TrainConfig(_Section):
@@ -798,7 +836,17 @@ class PipelineConfig(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
-    diffusion: DiffusionConfig = Field(default_factory=DiffusionConfig)
+    diffusion: SerializeAsAny[DiffusionConfig] = Field(
+        default_factory=lambda: diffusion_model(DEFAULT_MODE)(),
+        description="The objective's settings: those of model_running_mode's member (models/diffusion/modes.py) "
+        "plus the shared ones.",
+    )
+
+    @field_validator("diffusion", mode="before")
+    @classmethod
+    def _diffusion_member(cls, value: Any) -> Any:
+        return diffusion_section(value)
+
     train: TrainConfig = Field(default_factory=TrainConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -830,38 +878,18 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
-    def _block_diffusion(self) -> PipelineConfig:
+    def _objective_and_model(self) -> PipelineConfig:
         d = self.diffusion
-        if d.model_running_mode != "difflm-block":
-            if d.block_shift or d.complementary_masks:
-                raise ValueError(
-                    "diffusion.block_shift / complementary_masks are options of model_running_mode=difflm-block "
-                    "(full-sequence shifted prediction is difflm-shift)"
-                )
-            return self
-        if d.ar_loss_weight and d.clean_attention != "token_causal":
-            raise ValueError(
-                "diffusion.ar_loss_weight needs diffusion.clean_attention=token_causal: under block_causal a clean "
-                "token sees the next token of its block, so a next-token loss would be trivial"
-            )
-        if d.ar_loss_weight and d.normalize_by != "all_tokens":
-            raise ValueError(
-                "diffusion.ar_loss_weight shares the diffusion loss's token count: normalize_by=all_tokens"
-            )
-        if d.time_embedding:
-            raise ValueError(
-                "difflm-block draws one t per block: diffusion.time_embedding (one t per sequence) does not apply"
-            )
-        if self.model.backend == "te":
-            raise ValueError(
-                "difflm-block needs model.backend=torch (FlexAttention block mask on GPUs) or local (dense mask): "
-                "Transformer Engine takes causal / padding masks and THD sequences, not the two-stream block mask"
-            )
+        objective_class(d.model_running_mode).check_model(
+            self.model.backend, d.time_embedding, d.attention_anneal_steps
+        )
         return self
 
     # ---- identity of stage outputs -------------------------------------------------------------
     def identity(self, section: str) -> dict[str, Any]:
         """The fields of `section` that name its stage's output directory: all but the OPERATIONAL ones."""
+        if section == "diffusion":  # the settings every mode's name held before the per-mode sections
+            return {**FLAT_IDENTITY_DEFAULTS, **_identity(self.diffusion)}
         return _identity(getattr(self, section))
 
     def stage_hash(self, *sections: str) -> str:
@@ -933,7 +961,8 @@ def _format_validation_error(err: ValidationError) -> str:
 
 
 def _fields_at(loc: tuple) -> list[str]:
-    """The field names of the config section at `loc` (for "did you mean"); [] where loc is not a section."""
+    """The field names of the config section at `loc` (for "did you mean"); [] where loc is not a section. The
+    `diffusion` section offers the settings of every mode."""
     model: type[BaseModel] = PipelineConfig
     for part in loc:
         field = model.model_fields.get(part) if isinstance(part, str) else None
@@ -942,9 +971,13 @@ def _fields_at(loc: tuple) -> list[str]:
         ann = field.annotation
         if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union:  # X | None
             ann = next((a for a in typing.get_args(ann) if a is not type(None)), None)
+        if typing.get_origin(ann) is Annotated:  # SerializeAsAny[X]
+            ann = typing.get_args(ann)[0]
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return []
         model = ann
+    if model is DiffusionConfig:
+        return list(dict.fromkeys(name for mode in MODES for name in diffusion_model(mode).model_fields))
     return list(model.model_fields)
 
 

@@ -19,7 +19,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from difflm.config import PipelineConfig
+from difflm.config import PipelineConfig, with_mode
 from models.diffusion.arch import ModelArch
 from models.hf.importer import check_source, import_record, weight_files
 
@@ -156,10 +156,7 @@ def with_import(cfg: PipelineConfig, ckpt: Path) -> PipelineConfig:
 
 def ar_config(cfg: PipelineConfig) -> PipelineConfig:
     """`cfg` as the source's autoregressive model: mode ar, no adaptation options (same data, model, eval)."""
-    diffusion = cfg.diffusion.model_copy(
-        update={"model_running_mode": "ar", "loss_weighting": "inverse_t", "attention_anneal_steps": 0}
-    )
-    return cfg.model_copy(update={"diffusion": diffusion})
+    return with_mode(cfg, "ar", attention_anneal_steps=0)
 
 
 def export_source_ar(cfg: PipelineConfig, tokenizer: dict, ckpt: Path, out_dir: Path, lineage: dict) -> Path:

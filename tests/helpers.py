@@ -24,12 +24,15 @@ def tiny_config(workdir: Path, *overrides: str) -> PipelineConfig:
 
 
 def tiny_hf_model(mode: str = "difflm-noshift", seed: int = 0, vocab: int = 64, **over):
-    """A two-layer exported-model instance (ids 0 eos, 1 mask, 2 pad), seeded, in eval mode; `over` sets any
-    other DiffLMConfig field (block_size, clean_attention, block_shift, time conditioning, ...)."""
+    """A two-layer exported-model instance (ids 0 eos, 1 mask, 2 pad), seeded, in eval mode; `over` sets the
+    mode's settings (block_size, eps, ...: the config's objective entry) or any other DiffLMConfig field."""
     import torch
 
+    from models.diffusion.modes import objective_class
     from models.hf.configuration_difflm import DiffLMConfig
     from models.hf.modeling_difflm import DiffLMForMaskedLM
+
+    settings = {k: over.pop(k) for k in objective_class(mode).settings() if k in over}
 
     torch.manual_seed(seed)
     cfg = DiffLMConfig(
@@ -39,7 +42,7 @@ def tiny_hf_model(mode: str = "difflm-noshift", seed: int = 0, vocab: int = 64, 
         num_attention_heads=2,
         intermediate_size=64,
         bidirectional=mode != "ar",
-        model_running_mode=mode,
+        objective={"mode": mode, **settings},
         mask_token_id=1,
         eos_token_id=0,
         pad_token_id=2,

@@ -67,7 +67,7 @@ def test_cart_weights_the_shifted_loss_on_the_logit_that_predicts_each_masked_to
 
 
 def test_cart_is_an_option_of_the_shift_objective_only(tmp_path):
-    with pytest.raises(ValueError, match="needs difflm-shift"):
+    with pytest.raises(ValueError, match="needs model_running_mode=difflm-shift"):
         MaskedDiffusion(loss_weighting="cart")
     with pytest.raises(ConfigError, match="loss_weighting=cart .* needs model_running_mode=difflm-shift"):
         tiny_config(tmp_path, "diffusion.loss_weighting=cart")

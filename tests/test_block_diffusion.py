@@ -12,7 +12,7 @@ import torch
 from helpers import CharTokenizer, tiny_config, tiny_hf_model
 
 from models.diffusion.blocks import attention_pairs, block_elbo_terms, decode_keep, two_stream_keep
-from models.diffusion.modes import BlockDiffusion, objective_class
+from models.diffusion.modes import BlockDiffusion, build_objective, objective_class
 from models.diffusion.samplers import MaskedSampler
 
 V = 64  # ids 0 eos, 1 mask, 2 pad
@@ -169,9 +169,9 @@ def test_flops_count_two_streams_and_the_masked_pairs(tmp_path):
     block = tiny_config(tmp_path, "diffusion.model_running_mode=difflm-block", "diffusion.block_size=4")
     full = tiny_config(tmp_path)
     n = 64
-    f_block = forward_flops_per_sequence(block, 512, n)
-    f_full = forward_flops_per_sequence(full, 512, n)
-    f_full_2n = forward_flops_per_sequence(full, 512, 2 * n)
+    f_block = forward_flops_per_sequence(block, 512, n, objective=build_objective(block.diffusion))
+    f_full = forward_flops_per_sequence(full, 512, n, objective=build_objective(full.diffusion))
+    f_full_2n = forward_flops_per_sequence(full, 512, 2 * n, objective=build_objective(full.diffusion))
     assert f_full < f_block < f_full_2n  # twice the tokens, fewer attention pairs than (2n)^2
     assert objective_class("difflm-block")(block_size=4).attention_pairs(n) == attention_pairs(n, 4, False)
 
@@ -484,7 +484,7 @@ def test_megatron_two_stream_forward_matches_the_export(
 ):
     from models import diffusion
     from models.hf.convert import export_hf, load_hf
-    from models.megatron.forward_step import SpecialTokens, objective_of, two_stream_mask
+    from models.megatron.forward_step import SpecialTokens, two_stream_mask
 
     over = [f"diffusion.clean_attention={clean}", f"model.document_attention={str(documents).lower()}"]
     cfg, model = _megatron(tmp_path, backend, *over, *([f"model.kv_channels={head_dim}"] if head_dim else []))
@@ -494,13 +494,13 @@ def test_megatron_two_stream_forward_matches_the_export(
     xt = torch.where(torch.rand(2, 12) < 0.5, torch.full_like(x0, special.mask_id), x0)
     inputs = torch.cat([xt, x0], dim=1)
     pos = (torch.arange(24) % 12)[None].expand(2, -1)
-    mask = two_stream_mask(x0, cfg, special, objective_of(cfg, special))
+    mask = two_stream_mask(x0, cfg, special, build_objective(cfg.diffusion, special.ids()))
     with torch.no_grad():
         ref = model(inputs, pos, mask, two_stream=True)
     ckpt = tmp_path / f"ckpt-{backend}-{clean}-{documents}-{head_dim}"
     _save_ckpt(model, ckpt)
     hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / f"hf-{ckpt.name}"))
-    assert hf.config.block_size == 4 and hf.config.clean_attention == clean
+    assert hf.config.objective["block_size"] == 4 and hf.config.objective["clean_attention"] == clean
     docs = diffusion.document_ids(x0, special.eos_id) if documents else None
     got = hf(xt, clean_ids=x0, document_ids=docs).logits
     if documents:  # the documents matter: without them the logits differ

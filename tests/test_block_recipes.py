@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from helpers import tiny_config, tiny_hf_model
 
 from models.diffusion.blocks import block_elbo_terms
-from models.diffusion.modes import BlockDiffusion
+from models.diffusion.modes import BlockDiffusion, build_objective
 from models.diffusion.samplers import MaskedSampler
 
 V = 64  # ids 0 eos, 1 mask, 2 pad
@@ -208,12 +208,15 @@ def test_config_options_and_flops(tmp_path):
     from difflm.config import load_config
     from models.megatron.flops import training_flops
 
-    with pytest.raises(Exception, match="options of model_running_mode=difflm-block"):
+    with pytest.raises(
+        Exception, match="block_shift is a setting of difflm-block; model_running_mode is difflm-noshift"
+    ):
         load_config("test-tiny", [f"workdir={tmp_path}", "diffusion.block_shift=true"])
     base = ["diffusion.model_running_mode=difflm-block", "diffusion.block_size=4"]
     plain = tiny_config(tmp_path, *base)
     both = tiny_config(tmp_path, *base, "diffusion.complementary_masks=true", "diffusion.block_shift=true")
-    assert training_flops(both, 512, [64], 2) == 2 * training_flops(plain, 512, [64], 2)  # two rows a sequence
+    both_flops = training_flops(both, 512, [64], 2, objective=build_objective(both.diffusion))
+    assert both_flops == 2 * training_flops(plain, 512, [64], 2, objective=build_objective(plain.diffusion))  # two rows
 
 
 def test_megatron_forward_step_with_both_options(megatron_single_process, tmp_path, tiny_manifest):
@@ -247,16 +250,21 @@ def test_megatron_forward_step_with_both_options(megatron_single_process, tmp_pa
 
 
 def test_export_records_the_shift_and_decodes_with_it(megatron_single_process, tmp_path, tiny_manifest):
-    """A shifted block model's export carries `block_shift`: its objective, bound and decoder read it."""
+    """A shifted block model's export carries `block_shift` (its whole objective, as one entry): its objective,
+    bound and decoder read it; the training-only `complementary_masks` changes none of them (one mask)."""
     from test_block_diffusion import _megatron, _save_ckpt
 
     from models.hf.convert import export_hf, load_hf
+    from models.megatron.forward_step import SpecialTokens
 
     cfg, model = _megatron(tmp_path, "local", "diffusion.block_shift=true", "diffusion.complementary_masks=true")
     ckpt = tmp_path / "ckpt"
     _save_ckpt(model, ckpt)
     hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / "hf"))
-    assert hf.config.block_shift is True and hf.objective.block_shift and not hf.objective.complementary_masks
+    assert hf.config.objective["block_shift"] is True and hf.objective.block_shift
+    trained = build_objective(cfg.diffusion, SpecialTokens.from_manifest(tiny_manifest["tokenizer"]).ids())
+    assert hf.objective.to_dict() == trained.to_dict()  # the export's own copy of the class: compared as entries
+    assert hf.objective.rows_per_sequence(evaluation=True) == 1
     stats: dict = {}
     out = hf.generate_continuation(
         torch.randint(3, 500, (1, 4)), 8, MaskedSampler(steps=8, stop_at_eos=False), stats=stats
@@ -288,3 +296,15 @@ def test_a_megatron_global_batch_trains_and_validates_with_both_options(
     for forward_only in (False, True):
         loss = run_global_batch(cfg, ddp, train_ds, special, step=0, noise_step=0, forward_only=forward_only)
         assert loss is not None and 0 < loss < 100, (forward_only, loss)
+
+
+@pytest.mark.parametrize("weighting", ["masked_fraction", "inverse_t"])
+def test_complementary_pair_averages_to_the_block_elbo(weighting):
+    """With a per-token cross-entropy of 1 everywhere the block ELBO per token is exactly 1: the pair's loss must
+    be 1 (the exact-count complement used to skip the fully masked block, (2n - 1) / 2n of it)."""
+    B, n = 8192, 4
+    x0 = torch.randint(3, 60, (B, n), generator=torch.Generator().manual_seed(0))
+    obj = _objective(block_size=n, loss_weighting=weighting, complementary_masks=True)
+    prep = _prepare(obj, x0)
+    total, count = obj.loss_terms(torch.ones(prep["inputs"].shape), prep, False)
+    assert float(total / count) == pytest.approx(1.0, abs=0.02)

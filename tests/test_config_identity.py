@@ -18,10 +18,13 @@ from difflm.config import (
     SlurmConfig,
     SlurmLaunchConfig,
     apply_overrides,
+    diffusion_model,
     is_identity,
     load_config,
     validate,
+    with_mode,
 )
+from models.diffusion.modes import MODES
 
 TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")  # models.launch.torchrun's
 
@@ -274,6 +277,8 @@ OPERATIONAL_TRAIN = {
 def test_the_identity_fields_are_the_declared_ones(section):
     model = PipelineConfig.model_fields[section].annotation
     found = _identity_fields(model)
+    if section == "diffusion":  # one member per mode: the names any of them may hold
+        found = set().union(*(_identity_fields(diffusion_model(mode)) for mode in MODES))
     assert found == IDENTITY[section], (
         f"{section}: fields {sorted(found ^ IDENTITY[section])} changed whether they name the {section} stage's "
         f"directory; a field that does not change what the stage computes gets json_schema_extra=OPERATIONAL"
@@ -375,3 +380,112 @@ def test_the_adaln_description_matches_what_the_model_accepts():
 
     text = DiffusionConfig.model_fields["time_conditioning"].description
     assert "model.backend=torch or local" in text
+
+
+# Each mode with settings away from their defaults -> (stage_hash("diffusion"), stage_hash(*TRAIN_SECTIONS)), as
+# computed by the flat `diffusion` section of before the per-mode settings: those runs keep their directories.
+MODE_RUN_HASHES = [
+    (
+        [
+            "diffusion.model_running_mode=difflm-noshift",
+            "diffusion.eps=0.01",
+            "diffusion.loss_weighting=masked_fraction",
+            "diffusion.normalize_by=masked_tokens",
+            "diffusion.varilen_prob=0.01",
+            "diffusion.attention_anneal_steps=50",
+        ],
+        "78df3df630ba",
+        "5654a073b6cf",
+    ),
+    (
+        [
+            "diffusion.model_running_mode=difflm-shift",
+            "diffusion.loss_weighting=cart",
+            "diffusion.cart_p=0.5",
+            "diffusion.time_embedding=true",
+            "diffusion.time_conditioning=input",
+        ],
+        "62cc74f7b204",
+        "c1958f95138b",
+    ),
+    (
+        [
+            "diffusion.model_running_mode=difflm-noshift-uniform",
+            "diffusion.uniform_loss=x0_ce",
+            "diffusion.eps=0.002",
+            "diffusion.antithetic_t=true",
+        ],
+        "72a19c1a2526",
+        "d3043d79f422",
+    ),
+    (["diffusion.model_running_mode=ar", "diffusion.varilen_prob=0.5"], "d86590762438", "a9d07e5a1f34"),
+    (
+        [
+            "diffusion.model_running_mode=difflm-block",
+            "diffusion.block_size=8",
+            "diffusion.clean_attention=token_causal",
+            "diffusion.ar_loss_weight=0.5",
+            "diffusion.block_shift=true",
+            "diffusion.complementary_masks=true",
+            "diffusion.loss_weighting=masked_fraction",
+        ],
+        "29a1238dbc5b",
+        "3379c169b113",
+    ),
+    (["diffusion.model_running_mode=difflm-block"], "21e3b3948352", "4d6b885809ce"),
+    (["diffusion.model_running_mode=difflm-block", "diffusion.block_size=16"], "d922668d61fa", "e1bf4c809d06"),
+]
+
+
+@pytest.mark.parametrize("overrides, diffusion_hash, run_hash", MODE_RUN_HASHES, ids=[h for _, h, _ in MODE_RUN_HASHES])
+def test_every_mode_keeps_the_run_directories_of_the_flat_diffusion_section(overrides, diffusion_hash, run_hash):
+    cfg = validate(apply_overrides(copy.deepcopy(TEST_TINY), overrides))
+    assert cfg.stage_hash("diffusion") == diffusion_hash
+    assert cfg.stage_hash(*TRAIN_SECTIONS) == run_hash
+
+
+def test_the_ar_source_run_of_the_block_recipe_drops_the_block_settings():
+    """Switching to ar keeps the shared settings and drops the block ones (they named the AR run before the
+    per-mode sections: that baseline is retrained once, under this name)."""
+    cfg = with_mode(load_config("tiny-cpu-ar-to-block"), "ar", attention_anneal_steps=0)  # tasks.adapt.ar_config
+    assert "clean_attention" not in cfg.diffusion.model_dump() and cfg.diffusion.antithetic_t
+    assert (cfg.stage_hash("diffusion"), cfg.stage_hash(*TRAIN_SECTIONS)) == ("f17425ce3744", "a7085e2401d2")
+
+
+def test_a_run_config_of_the_flat_section_loads():
+    """A run's config.yaml of before the per-mode sections holds every setting at its default: those of other
+    modes are dropped, and the run keeps its name."""
+    flat = {
+        "model_running_mode": "ar",
+        "block_size": 4,
+        "clean_attention": "block_causal",
+        "ar_loss_weight": 0.0,
+        "block_shift": False,
+        "complementary_masks": False,
+        "eps": 0.001,
+        "loss_weighting": "inverse_t",
+        "cart_p": 0.3,
+        "attention_anneal_steps": 0,
+        "uniform_loss": "elbo",
+        "normalize_by": "all_tokens",
+        "antithetic_t": False,
+        "varilen_prob": 0.0,
+        "time_embedding": False,
+        "time_conditioning": "adaln",
+    }
+    cfg = validate({**copy.deepcopy(TEST_TINY), "diffusion": flat})
+    assert cfg.diffusion.model_dump() == {
+        "model_running_mode": "ar",
+        "attention_anneal_steps": 0,
+        "antithetic_t": False,
+        "varilen_prob": 0.0,
+        "time_embedding": False,
+        "time_conditioning": "adaln",
+    }
+    assert cfg.stage_hash("diffusion") == validate(
+        {**copy.deepcopy(TEST_TINY), "diffusion": {"model_running_mode": "ar"}}
+    ).stage_hash("diffusion")
+    with pytest.raises(
+        ConfigError, match="diffusion.block_size is a setting of difflm-block; model_running_mode is ar"
+    ):
+        validate({**copy.deepcopy(TEST_TINY), "diffusion": {**flat, "block_size": 8}})

@@ -8,7 +8,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from difflm.config import load_config
-from models.megatron.flops import efficiency, forward_flops_per_sequence, padded_vocab, peak_flops, training_flops
+from models.diffusion.modes import build_objective
+from models.megatron import flops
+from models.megatron.flops import efficiency, padded_vocab, peak_flops
 
 TOKENIZER = {"vocab_size": 1000, "mask_id": 1, "eos_id": 0, "pad_id": 2}
 SHAPE = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4"]
@@ -26,6 +28,17 @@ VARIANTS = {
     "time-input": ["diffusion.time_embedding=true", "diffusion.time_conditioning=input"],
     "time-adaln": ["diffusion.time_embedding=true", "diffusion.time_conditioning=adaln"],
 }
+
+
+def forward_flops_per_sequence(cfg, vocab_size: int, seq_len: int) -> float:
+    """The count for `cfg`'s objective, built as the trainer builds it."""
+    return flops.forward_flops_per_sequence(cfg, vocab_size, seq_len, objective=build_objective(cfg.diffusion))
+
+
+def training_flops(cfg, vocab_size: int, lengths: list[int], micro_batch_size: int, pairs=None) -> float:
+    return flops.training_flops(
+        cfg, vocab_size, lengths, micro_batch_size, pairs, objective=build_objective(cfg.diffusion)
+    )
 
 
 def _cfg(*overrides: str):
@@ -245,3 +258,22 @@ def test_a_training_step_counts_the_document_pairs_of_its_batches(megatron_singl
     assert training_flops(cfg, tok["vocab_size"], [t.seq_length] * n_micro, t.micro_batch_size, pairs) < training_flops(
         cfg, tok["vocab_size"], [t.seq_length] * n_micro, t.micro_batch_size
     )
+
+
+@pytest.mark.parametrize("length", [256, 2048])
+def test_complementary_masks_count_the_documents_of_both_rows(length):
+    """Complementary masks double the micro-batch: the document pairs of the clean sequences count for both rows,
+    so rows of one document each count what they count without documents, as without the option."""
+
+    def ratio(complementary: bool) -> float:
+        cfg = _cfg(
+            "model.preset=125m",
+            "diffusion.model_running_mode=difflm-block",
+            f"diffusion.complementary_masks={str(complementary).lower()}",
+            "model.document_attention=true",
+            f"train.seq_length={length}",
+        )
+        one_document_each = training_flops(cfg, 4096, [length], 4, pairs=[4 * length * length])
+        return one_document_each / training_flops(cfg, 4096, [length], 4)
+
+    assert ratio(True) == pytest.approx(ratio(False), rel=1e-12)

@@ -83,7 +83,7 @@ def test_uniform_conditional_nll_bounds_the_exact_value_and_greedy_match():
     """A model predicting uniform over the N states has -log p(continuation) = L log N exactly; the uniform bound,
     integral plus the exact last step from the trained eps, estimates it (at eps = 0.2 the last step alone is
     0.54 nats/token: leaving it out would be seen)."""
-    model = _model("difflm-noshift-uniform", time_embedding=True, diffusion_eps=0.2)
+    model = _model("difflm-noshift-uniform", time_embedding=True, eps=0.2)
     model.forward = lambda tokens, **_: types.SimpleNamespace(logits=torch.zeros(*tokens.shape, V))
     ids = torch.randint(3, V, (16, 28), generator=torch.Generator().manual_seed(0))
     target = torch.zeros_like(ids, dtype=torch.bool)

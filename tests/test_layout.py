@@ -102,7 +102,11 @@ RULES = {
         ),
         (),
     ),
-    "difflm is the ground floor": ("difflm/**/*.py", None, ("models", "flows", "tasks", "data_prep", "deploy")),
+    "difflm stands on models.diffusion only (the objectives' settings are its diffusion section)": (
+        "difflm/**/*.py",
+        None,
+        ("models.megatron", "models.hf", "models.evaluation", "models.launch", "flows", "tasks", "data_prep", "deploy"),
+    ),
     "data_prep stands on difflm only": ("data_prep/*.py", None, ("models", "flows", "tasks", "deploy")),
     "tasks never import flows": ("tasks/*.py", None, ("flows", "deploy")),
     "flows (and the CLI, the top floor) never import ops tooling": ("flows/**/*.py", None, ("deploy", "benchmarks")),
@@ -152,6 +156,21 @@ def test_diffusion_imports_with_frameworks_blocked():
     out = subprocess.run([sys.executable, "-c", BLOCKER], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[]", "3.912"]  # nothing blocked was loaded; ELBO of a uniform model = log 50
+
+
+LIGHT_CONFIG = """
+import sys
+import difflm.config
+print(sorted({m.split(".")[0] for m in sys.modules} & {"megatron", "transformers", "prefect", "mlflow"}))
+"""
+
+
+@pytest.mark.integration  # a Python subprocess
+def test_the_config_stands_on_the_diffusion_floor_only():
+    """The config builds its diffusion section from models.diffusion.modes: importing it stays light."""
+    out = subprocess.run([sys.executable, "-c", LIGHT_CONFIG], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]"]
 
 
 def test_export_ships_every_module_its_code_imports():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import math
 import types
-import typing
 import warnings
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from helpers import tiny_config
 from test_conditional import MASK, TinyBidirectional
 from test_hf_helpers import V, _model
 
-from difflm.config import DiffusionConfig
+from difflm.config import PipelineConfig
 from models.diffusion.modes import MODES, Objective, objective_class
 from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
 
@@ -36,7 +35,8 @@ def _batch(x0: torch.Tensor, loss_mask: torch.Tensor | None = None) -> dict:
 
 
 def test_every_configurable_mode_is_one_objective_class_with_its_facts():
-    modes = typing.get_args(DiffusionConfig.model_fields["model_running_mode"].annotation)
+    schema = PipelineConfig.model_json_schema()["$defs"]["DiffusionConfig"]  # one member per mode
+    modes = schema["discriminator"]["mapping"]
     assert set(modes) == set(MODES)
     facts = {
         m: (
@@ -321,8 +321,8 @@ def test_model_calls_are_counted_as_made():
 
 
 def test_the_uniform_bound_starts_at_the_trained_eps():
-    """The uniform conditional likelihood used eps = 1e-3 whatever the training; the export records diffusion_eps."""
-    model = _model("difflm-noshift-uniform", time_embedding=True, diffusion_eps=0.25)
+    """The uniform conditional likelihood used eps = 1e-3 whatever the training; the export records its eps."""
+    model = _model("difflm-noshift-uniform", time_embedding=True, eps=0.25)
     seen = []
     original = model.forward
 

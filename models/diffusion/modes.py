@@ -11,11 +11,18 @@ Pure torch, shipped flat in every export folder (relative imports only). One cla
    predicts token i + 1), `full_logits` (the loss needs every logit, not megatron's per-token cross-entropy),
    `exact` (its likelihood is exact, not a bound), `has_greedy`, `unmasks` (the masked sampler's settings and
    steps apply), `varilen` (variable-length training applies),
-   `attention_flops_factor` (the share of the s x s attention core a kernel computes).
+   `attention_flops_factor` (the share of the s x s attention core a kernel computes); `time_conditioned`
+   answers whether t reaches the network.
+
+Each class carries its family's settings as frozen dataclass fields (the tokenizer's ids are on the base). A
+process reads the config's mode once (`build_objective`) and passes the object on; an export records it as one
+entry (`Objective.to_dict`) read back by `objective_from_dict`.
 
 The formulas live in the modules beside this one (`objectives`, `bounds`, `conditional`, `samplers`, `uniform`);
 an objective composes them. Nothing outside this module compares the mode string: adding a mode is one class here
-(registered in `MODES`) plus its tests.
+(registered in `MODES`) plus its tests. Its settings (`setting`: default, description, bounds, identity marking;
+`Literal` annotations for choices) are the config's `diffusion` section for that mode (difflm/config.py builds
+it from them).
 
 Logits functions all take (tokens [b, s], t [b] or None) and return logits [b, s, V] aligned with the positions
 they predict (`align_logits` undoes the shift of `difflm-shift`); the conditional ones also take the attention
@@ -27,8 +34,8 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, Literal
 
 import torch
 
@@ -61,24 +68,53 @@ RowLogitsFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None, 
 GeneratorFor = Callable[[int], torch.Generator]  # the position of a sequence in the global batch -> its generator
 
 
+IF_SET = "if_set"  # identity marking (difflm/config.py): joins the run's name only when set to another value
+
+
+def setting(default, description: str, identity: str | bool | None = None, **bounds):
+    """A mode's setting: its default, its description and bounds (ge / gt / le / lt) and how it names a run
+    (`identity`: IF_SET, or False for an operational one); the config's `diffusion` section is built from these."""
+    metadata = {"description": description, **bounds}
+    if identity is not None:
+        metadata["identity"] = identity
+    return field(default=default, metadata=metadata)
+
+
+# A setting shared by several modes, declared once each (the default and the values it takes).
+def _eps():
+    return setting(1e-3, "t ~ U(eps, 1): lower bound of the noise level.", gt=0.0, lt=1.0)
+
+
+LossWeighting = Literal["inverse_t", "masked_fraction", "none", "cart"]
+
+
+def _loss_weighting():
+    return setting(
+        "inverse_t",
+        "Weight of masked-token CE: inverse_t (LLaDA: Bernoulli(t) masks, weight 1/t); masked_fraction "
+        "(MegaDLMs-style L/#masked, with exactly ceil(tL) masks so it stays an unbiased ELBO); none (not a bound); "
+        "cart (difflm-shift only: Dream's context-adaptive token reweighting, each masked token weighted by "
+        "0.5 * sum over clean tokens i of p(1-p)^(|n-i|-1), p = cart_p; not a bound). Validation reports the ELBO "
+        "whatever the weighting.",
+    )
+
+
+def _normalize_by():
+    return setting("all_tokens", "all_tokens: LLaDA/MegaDLMs convention (an ELBO); masked_tokens: mean over masked.")
+
+
+TOKEN_FIELDS = ("mask_id", "vocab_size", "pad_id", "eos_id")  # facts of the tokenizer, not settings of a mode
+
+
 @dataclass(frozen=True)
 class Objective(ABC):
-    """The settings every objective may read (each uses those of its family); facts are class attributes."""
+    """The tokenizer's ids every objective may read; each family adds its own settings as fields (`settings`);
+    facts are class attributes."""
 
     mask_id: int | None = None
     vocab_size: int | None = None  # the tokenizer's (real) vocabulary: uniform noise draws among it
     pad_id: int | None = None
     eos_id: int | None = None
-    eps: float = 1e-3  # the smallest noise level
-    loss_weighting: str = "inverse_t"  # masked training: inverse_t | masked_fraction | none
-    normalize_by: str = "all_tokens"  # masked training: all_tokens | masked_tokens
-    uniform_loss: str = "elbo"  # uniform training: elbo | x0_ce
-    block_size: int = 4  # block diffusion: tokens per block
-    clean_attention: str = "block_causal"  # block diffusion: the clean half's attention (block_causal | token_causal)
-    ar_loss_weight: float = 0.0  # block diffusion: weight of the next-token loss on the clean half
-    block_shift: bool = False  # block diffusion: logit i predicts token i + 1 (Fast-dLLM v2's shifted recipe)
-    complementary_masks: bool = False  # block diffusion training: each sequence also with its mask's complement
-    cart_p: float = 0.3  # loss_weighting=cart (shifted masked training): the geometric decay of CART
 
     name: ClassVar[str] = ""
     bidirectional: ClassVar[bool] = True
@@ -92,9 +128,27 @@ class Objective(ABC):
     varilen: ClassVar[bool] = True
     two_stream: ClassVar[bool] = False  # the model runs on [x_t | x_0] (2L tokens) under `two_stream_keep`
 
-    def __post_init__(self):
-        if self.loss_weighting == "cart" and not self.shifted:
-            raise ValueError(f"loss_weighting=cart (Dream's CART) needs difflm-shift, not {self.name}")
+    @classmethod
+    def settings(cls) -> tuple[str, ...]:
+        """The names of this mode's settings: its fields but the tokenizer's ids."""
+        return tuple(f.name for f in fields(cls) if f.name not in TOKEN_FIELDS)
+
+    def time_conditioned(self, time_embedding: bool) -> bool:
+        """Whether the network takes t: `time_embedding` is asked for and the mode has one t per sequence."""
+        return bool(time_embedding) and self.uses_t
+
+    @classmethod
+    def check_model(cls, backend: str, time_embedding: bool, attention_anneal_steps: int) -> None:
+        """Refuse the shared settings and model back-ends this mode cannot train with (the config asks this when
+        it validates; the mode's own settings are checked by the class's construction)."""
+        if attention_anneal_steps and not cls.bidirectional:
+            raise ValueError(
+                f"diffusion.attention_anneal_steps anneals towards full attention: not with mode {cls.name}"
+            )
+
+    def to_dict(self) -> dict:
+        """{'mode': name, setting: value, ...}: what an export records of its objective (`objective_from_dict`)."""
+        return {"mode": self.name, **{name: getattr(self, name) for name in self.settings()}}
 
     @classmethod
     def attention_flops_factor(cls) -> float:
@@ -113,21 +167,6 @@ class Objective(ABC):
         """Model rows `prepare` makes of one sequence (complementary masks train each sequence twice): megatron's
         micro-batch shape and the FLOPs count scale by it."""
         return 1
-
-    @classmethod
-    def from_hf_config(cls, config) -> Objective:
-        """The objective of an exported model, from its config (exports made before `diffusion_eps` was recorded
-        used eps = 1e-3)."""
-        return objective_class(config.model_running_mode)(
-            mask_id=config.mask_token_id,
-            vocab_size=getattr(config, "real_vocab_size", None) or config.vocab_size,
-            pad_id=config.pad_token_id,
-            eos_id=config.eos_token_id,
-            eps=getattr(config, "diffusion_eps", 1e-3),
-            block_size=getattr(config, "block_size", None) or 4,
-            clean_attention=getattr(config, "clean_attention", None) or "block_causal",
-            block_shift=bool(getattr(config, "block_shift", False)),
-        )
 
     # ---- positions -------------------------------------------------------------------------------------
     def align_logits(self, logits: torch.Tensor) -> torch.Tensor:
@@ -229,13 +268,24 @@ def _data_positions(label_ok: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.ones_like(label_ok[:, :1]), label_ok[:, :-1]], dim=1)
 
 
+@dataclass(frozen=True)
 class MaskedDiffusion(Objective):
     """Masked diffusion, bidirectional (MegaDLMs' difflm-noshift; LLaDA/MDLM): tokens are replaced by the mask
     at rate t ~ U(eps, 1); the loss is the cross-entropy on masked positions weighted by 1/t (or L/#masked);
     validation and evaluation report the discrete ELBO (exactly ceil(t L) masks, weight L/#masked)."""
 
+    eps: float = _eps()
+    loss_weighting: LossWeighting = _loss_weighting()
+    normalize_by: Literal["all_tokens", "masked_tokens"] = _normalize_by()
+
     name = "difflm-noshift"
     unmasks = True
+
+    def __post_init__(self):
+        if self.loss_weighting == "cart" and not self.shifted:
+            raise ValueError(
+                f"loss_weighting=cart (Dream's CART) needs model_running_mode=difflm-shift, not {self.name}"
+            )
 
     def _noisable(self, valid: torch.Tensor) -> torch.Tensor:
         """The positions noise may mask with exact counts: every data token."""
@@ -346,10 +396,15 @@ class MaskedDiffusion(Objective):
         )
 
 
+@dataclass(frozen=True)
 class ShiftedMaskedDiffusion(MaskedDiffusion):
     """Masked diffusion whose logit i predicts token i + 1 (MegaDLMs' difflm-shift; Dream), so an AR
     checkpoint's head keeps its meaning. No logit predicts token 0: it is never scored, and validation and
     evaluation condition on it (masks drawn among tokens 1..L-1, normalised by L - 1)."""
+
+    cart_p: float = setting(
+        0.3, "loss_weighting=cart: the geometric parameter p (Dream: 0.3).", identity=IF_SET, gt=0.0, le=1.0
+    )
 
     name = "difflm-shift"
     shifted = True
@@ -390,11 +445,19 @@ class ShiftedMaskedDiffusion(MaskedDiffusion):
         return super().sample(logits_fn, prompt, length, settings, generator, forbidden_ids, stats)
 
 
+@dataclass(frozen=True)
 class UniformDiffusion(Objective):
     """Uniform-state diffusion (UDLM/DUO; this project's difflm-noshift-uniform): tokens are replaced at rate t by
     uniform draws over the states (the vocabulary without mask and pad). The loss is UDLM's continuous-time NELBO
     (t from `mixture_t`, weighted back), or plain x0 cross-entropy (`uniform_loss=x0_ce`, not a bound); validation
     adds the exact last step eps -> 0, so it is an upper bound like the evaluation bound."""
+
+    eps: float = _eps()
+    uniform_loss: Literal["elbo", "x0_ce"] = setting(
+        "elbo",
+        "elbo: UDLM's continuous-time ELBO (a bound, the default); x0_ce: plain cross-entropy of the clean token at "
+        "every position (UDLM's simple-CE ablation, a denoiser surrogate, not a bound).",
+    )
 
     name = "difflm-noshift-uniform"
     requires_t = True
@@ -528,6 +591,7 @@ class Autoregressive(Objective):
         return ((pred == x0[:, 1:]) | ~target[:, 1:]).all(-1)
 
 
+@dataclass(frozen=True)
 class BlockDiffusion(Objective):
     """Block diffusion (BD3-LM; SDAR, Fast-dLLM v2 and Megatron-Bridge's variants): the model runs on
     `[x_t | x_0]` under `blocks.two_stream_keep` (a noisy block sees itself and the earlier clean blocks), noise
@@ -543,14 +607,72 @@ class BlockDiffusion(Objective):
     token of block j is predicted by the clean logit of the last token of block j - 1 (it sees exactly the
     earlier clean blocks, never the token itself); token 0 is context, never masked or scored.
     `complementary_masks` (Fast-dLLM v2, LLaDA 2.0): training doubles each sequence, once with its mask m and
-    once with the complement of m among the noisable tokens (weight 1/(1-t), or n/(n - count) with exact counts),
-    so every noisy-block token is supervised exactly once across the pair; the loss averages both. Validation
+    once with the complement of m among the noisable tokens (weight 1/(1-t); with exact counts the pair's count is
+    uniform on {0..n} and each side weighs (n + 1)/its count, so the pair averages to the block ELBO), so every
+    noisy-block token is supervised exactly once across the pair; the loss averages both. Validation
     and the bound are unchanged by it (one mask: the block ELBO)."""
+
+    eps: float = _eps()
+    loss_weighting: Literal["inverse_t", "masked_fraction", "none"] = _loss_weighting()
+    normalize_by: Literal["all_tokens", "masked_tokens"] = _normalize_by()
+    block_size: int = setting(4, "Tokens per block (BD3-LM 4-16, SDAR 4, Fast-dLLM v2 32).", identity=IF_SET, ge=1)
+    clean_attention: Literal["block_causal", "token_causal"] = setting(
+        "block_causal",
+        "Attention within the clean half. block_causal (BD3-LM): a clean token sees its own block and the earlier "
+        "ones; token_causal (Megatron-Bridge's sbd_block_diff): the clean half is causal, an AR model (needed by "
+        "ar_loss_weight).",
+        identity=IF_SET,
+    )
+    ar_loss_weight: float = setting(
+        0.0,
+        "Weight of the next-token loss on the clean half, added to the diffusion loss (Megatron-Bridge's 0.3 DLM + "
+        "1.0 AR is about 3.3 here, up to scale); needs clean_attention=token_causal.",
+        identity=IF_SET,
+        ge=0.0,
+    )
+    block_shift: bool = setting(
+        False,
+        "Shifted prediction (Fast-dLLM v2, Dream-style): logit i predicts token i + 1, so an AR checkpoint's head "
+        "keeps its meaning; a block's first token is predicted by the clean logit of the token before it. Token 0 "
+        "is context (never masked or scored); the export decodes the same way.",
+        identity=IF_SET,
+    )
+    complementary_masks: bool = setting(
+        False,
+        "Train each sequence twice, with its mask and with the mask's complement (Fast-dLLM v2, LLaDA 2.0: every "
+        "noisy-block token supervised once per pair; a doubled micro-batch, twice the FLOPs); the loss averages "
+        "both. Validation keeps the block ELBO.",
+        identity=IF_SET,
+    )
 
     name = "difflm-block"
     uses_t = False  # one t per block: no per-sequence time conditioning
     unmasks = True
     two_stream = True
+
+    def __post_init__(self):
+        if self.ar_loss_weight and self.clean_attention != "token_causal":
+            raise ValueError(
+                "diffusion.ar_loss_weight needs diffusion.clean_attention=token_causal: under block_causal a clean "
+                "token sees the next token of its block, so a next-token loss would be trivial"
+            )
+        if self.ar_loss_weight and self.normalize_by != "all_tokens":
+            raise ValueError(
+                "diffusion.ar_loss_weight shares the diffusion loss's token count: normalize_by=all_tokens"
+            )
+
+    @classmethod
+    def check_model(cls, backend, time_embedding, attention_anneal_steps):
+        super().check_model(backend, time_embedding, attention_anneal_steps)
+        if time_embedding:
+            raise ValueError(
+                "difflm-block draws one t per block: diffusion.time_embedding (one t per sequence) does not apply"
+            )
+        if backend == "te":
+            raise ValueError(
+                "difflm-block needs model.backend=torch (FlexAttention block mask on GPUs) or local (dense mask): "
+                "Transformer Engine takes causal / padding masks and THD sequences, not the two-stream block mask"
+            )
 
     @property
     def token_causal(self) -> bool:
@@ -617,7 +739,15 @@ class BlockDiffusion(Objective):
         g = generator_for(pos)
         index = torch.arange(nb) * batch_size + pos
         t = stratified_t(torch.rand(nb, generator=g), index, batch_size * nb, self.eps, antithetic or evaluation)
-        if evaluation or self.loss_weighting == "masked_fraction":  # exactly ceil(t n_j) masks: weight n_j / count
+        if self.rows_per_sequence(evaluation) == 2 and self.loss_weighting == "masked_fraction":
+            # the pair: count k uniform on {0..n_j} and the complement's n_j - k alike, each side weighted
+            # (n_j + 1) / its count, so the pair's expectation is twice the block ELBO (whose count is uniform
+            # on {1..n_j} with weight n_j / count), the fully masked block included
+            n = block_counts(ok[None], size)[0]
+            counts = torch.minimum((t * (n + 1)).ceil() - 1, n).clamp(min=0).long()
+            masked = mask_per_block(ok[None], counts[None], size, g)[0]
+            weight, complement = (n + 1) / counts.clamp(min=1), (n + 1) / (n - counts).clamp(min=1)
+        elif evaluation or self.loss_weighting == "masked_fraction":  # exactly ceil(t n_j) masks: weight n_j / count
             n = block_counts(ok[None], size)[0]
             counts = torch.minimum((t * n).ceil().clamp(min=1), n.clamp(min=1)).long() * (n > 0)
             masked = mask_per_block(ok[None], counts[None], size, g)[0]
@@ -731,6 +861,22 @@ def _nan_if_empty(per_token: torch.Tensor, scored: torch.Tensor) -> torch.Tensor
 MODES: dict[str, type[Objective]] = {
     cls.name: cls for cls in (MaskedDiffusion, ShiftedMaskedDiffusion, UniformDiffusion, Autoregressive, BlockDiffusion)
 }
+
+
+def build_objective(settings, tokens: dict | None = None) -> Objective:
+    """The objective of `settings.model_running_mode` (the config's `diffusion` section, or any object with the
+    mode's settings as attributes) with the tokenizer's ids `tokens`: the one reading of a config's mode. A process
+    builds it once (trainer start, export) and passes the object on."""
+    cls = objective_class(settings.model_running_mode)
+    return cls(**(tokens or {}), **{name: getattr(settings, name) for name in cls.settings()})
+
+
+def objective_from_dict(entry: dict, tokens: dict | None = None) -> Objective:
+    """The objective an export recorded (`Objective.to_dict`), with the tokenizer's ids `tokens`; a setting it does
+    not record keeps its default (an export older than a setting computed with its default)."""
+    cls = objective_class(entry["mode"])
+    known = set(cls.settings())
+    return cls(**(tokens or {}), **{k: v for k, v in entry.items() if k in known})
 
 
 def objective_class(mode: str) -> type[Objective]:

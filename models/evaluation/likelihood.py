@@ -69,7 +69,9 @@ def likelihood_bound(model, windows: torch.Tensor, cfg: PipelineConfig, batch_si
     for i in range(0, len(windows), batch_size):  # the same tokens for every family: 1.. given token 0
         x0 = windows[i : i + batch_size].to(device)
         nlls.append(
-            model.nll_per_token(x0, t_samples=cfg.eval.t_samples, generator=gen, prefix_len=1, eps=cfg.diffusion.eps)
+            model.nll_per_token(
+                x0, t_samples=cfg.eval.t_samples, generator=gen, prefix_len=1, eps=getattr(cfg.diffusion, "eps", None)
+            )
         )
     nll = float(torch.cat(nlls).mean())
     return EvalResult(

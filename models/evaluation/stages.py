@@ -14,12 +14,15 @@ import torch
 from difflm.config import EvalConfig, PipelineConfig
 from difflm.errors import UserError
 from difflm.rundir import EVAL_KEY, RunDir, is_export_of
+from models.diffusion.modes import build_objective
 from models.evaluation.generation import default_prompts, generate_samples, sampler_settings
 from models.evaluation.likelihood import likelihood_bound, validation_windows
 from models.evaluation.report import write_comparison
 from models.evaluation.scoring import Scorer
 from models.evaluation.tasks import build_items, heldout_documents, score_tasks, write_lm_eval_tasks
-from models.hf.convert import export_hf
+from models.hf.architectures import stock_problem
+from models.hf.convert import ConversionError, export_hf
+from models.hf.importer import export_stock
 
 
 def convert_checkpoint(cfg: PipelineConfig, manifest: dict, train_info: dict) -> Path:
@@ -36,12 +39,7 @@ def export_stock_class(cfg: PipelineConfig, manifest: dict, train_info: dict) ->
     """An `ar` run's final checkpoint also as the stock transformers class (<run>/hf-stock: Llama, or the class
     it was imported from), which `AutoModelForCausalLM.from_pretrained` and lm-eval's `hf` model load with no
     remote code; None for a diffusion model or a model no stock class computes (LayerNorm, GELU)."""
-    from models.diffusion.modes import objective_class
-    from models.hf.architectures import stock_problem
-    from models.hf.convert import ConversionError
-    from models.hf.importer import export_stock
-
-    if objective_class(cfg.diffusion.model_running_mode).bidirectional or stock_problem(cfg.model):
+    if build_objective(cfg.diffusion).bidirectional or stock_problem(cfg.model):
         return None
     out, ckpt = RunDir(train_info["run_dir"]).hf_stock, Path(train_info["checkpoint"])
     if is_export_of(out, ckpt):

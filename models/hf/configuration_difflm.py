@@ -32,10 +32,7 @@ class DiffLMConfig(PretrainedConfig):
         time_embedding: bool = False,
         time_conditioning: str = "input",
         document_attention: bool = False,
-        diffusion_eps: float = 1e-3,
-        block_size: int | None = None,
-        clean_attention: str | None = None,
-        block_shift: bool = False,
+        objective: dict | None = None,
         special_ids: list[int] | None = None,
         tie_word_embeddings: bool = True,
         initializer_range: float = 0.02,
@@ -62,10 +59,11 @@ class DiffLMConfig(PretrainedConfig):
         self.time_embedding = time_embedding
         self.time_conditioning = time_conditioning  # "input": embedding added to tokens; "adaln": every norm
         self.document_attention = document_attention  # attention kept within EOS-separated documents
-        self.diffusion_eps = diffusion_eps  # the smallest noise level of training (uniform noise's bound starts there)
-        self.block_size = block_size  # block diffusion: tokens per block (None for the other modes)
-        self.clean_attention = clean_attention  # block diffusion: block_causal | token_causal
-        self.block_shift = block_shift  # block diffusion: logit i predicts token i + 1 (the export decodes so)
+        # the mode's settings as trained ({"mode": ..., setting: value}, `Objective.to_dict`); None in exports
+        # written before it, which kept a few as fields of their own (`modeling_difflm.export_objective` reads both)
+        self.objective = objective
+        if objective:
+            self.model_running_mode = objective["mode"]
         self.special_ids = list(special_ids or [])
         self.initializer_range = initializer_range
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)

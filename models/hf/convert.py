@@ -24,7 +24,7 @@ from difflm.config import PipelineConfig
 from difflm.errors import UserError
 from difflm.rundir import EXPORT_MARKER
 from models.diffusion.arch import ModelArch
-from models.diffusion.modes import objective_class
+from models.diffusion.modes import build_objective
 from models.hf.configuration_difflm import DiffLMConfig
 from models.hf.modeling_difflm import DiffLMForMaskedLM
 
@@ -140,7 +140,7 @@ def to_hf_state_dict(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def hf_config(cfg: PipelineConfig, tokenizer: dict):
     from models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
 
-    m, objective = cfg.model, objective_class(cfg.diffusion.model_running_mode)
+    m, objective = cfg.model, build_objective(cfg.diffusion)  # the export's: built once, written as one entry
     return DiffLMConfig(
         vocab_size=padded_vocab_size(tokenizer["vocab_size"], cfg.parallel.tensor_model_parallel_size),
         real_vocab_size=tokenizer["vocab_size"],
@@ -154,15 +154,11 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
         rope_theta=float(m.rotary_base),
         max_position_embeddings=cfg.train.seq_length,
         bidirectional=objective.bidirectional,
-        model_running_mode=cfg.diffusion.model_running_mode,
+        objective=objective.to_dict(),
         mask_token_id=tokenizer["mask_id"],
         mask_token_added=bool(tokenizer.get("mask_added")),
-        time_embedding=cfg.diffusion.time_embedding and objective.uses_t,
+        time_embedding=objective.time_conditioned(cfg.diffusion.time_embedding),
         document_attention=cfg.model.document_attention,
-        diffusion_eps=cfg.diffusion.eps,
-        block_size=cfg.diffusion.block_size if objective.two_stream else None,
-        clean_attention=cfg.diffusion.clean_attention if objective.two_stream else None,
-        block_shift=cfg.diffusion.block_shift,
         time_conditioning=cfg.diffusion.time_conditioning,
         special_ids=tokenizer.get("special_ids") or [tokenizer["eos_id"], tokenizer["mask_id"], tokenizer["pad_id"]],
         eos_token_id=tokenizer["eos_id"],

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from difflm import outputs
-from difflm.config import PipelineConfig
+from difflm.config import PipelineConfig, with_mode
 from models.hf.architectures import (
     Shape,
     architecture_of,
@@ -183,7 +183,7 @@ def _single(cfg: PipelineConfig, causal: bool = False) -> PipelineConfig:
     update["train"] = cfg.train.model_copy(update={"nproc_per_node": 1, "nnodes": 1, "precision": "fp32"})
     update["model"] = cfg.model.model_copy(update={"backend": "local"})
     if causal:
-        update["diffusion"] = cfg.diffusion.model_copy(update={"model_running_mode": "ar", "time_embedding": False})
+        update["diffusion"] = with_mode(cfg, "ar", time_embedding=False).diffusion
         update["model"] = update["model"].model_copy(update={"document_attention": False})
     return cfg.model_copy(update=update)
 

@@ -22,7 +22,7 @@ from ..diffusion.arch import ModelArch
 from ..diffusion.blocks import DecodeLayout, decode_keep
 from ..diffusion.documents import document_attention_mask
 from ..diffusion.documents import document_ids as eos_document_ids
-from ..diffusion.modes import Objective
+from ..diffusion.modes import Objective, objective_from_dict
 from ..diffusion.samplers import (
     MaskedSampler,
     block_spans,
@@ -168,6 +168,28 @@ def _with_padding(keep: torch.Tensor, attention_mask: torch.Tensor | None, offse
 
 def _uses_adaln(config: DiffLMConfig) -> bool:
     return bool(config.time_embedding) and getattr(config, "time_conditioning", "input") == "adaln"
+
+
+def export_objective(config: DiffLMConfig) -> Objective:
+    """The objective an export was trained with: its `objective` entry, or in an export written before that entry
+    the mode and the settings it kept as fields of their own (eps = 1e-3 before `diffusion_eps` was recorded)."""
+    return objective_from_dict(*_objective_entry(config))
+
+
+def _objective_entry(config: DiffLMConfig) -> tuple[dict, dict]:
+    """(the objective's entry, the tokenizer's ids) of `config`."""
+    entry = getattr(config, "objective", None) or {
+        "mode": config.model_running_mode,
+        "eps": getattr(config, "diffusion_eps", 1e-3),
+        **{k: getattr(config, k) for k in ("block_size", "clean_attention", "block_shift") if getattr(config, k, None)},
+    }
+    tokens = {
+        "mask_id": config.mask_token_id,
+        "vocab_size": getattr(config, "real_vocab_size", None) or config.vocab_size,
+        "pad_id": config.pad_token_id,
+        "eos_id": config.eos_token_id,
+    }
+    return entry, tokens
 
 
 class PrefixCachedLogits:
@@ -386,9 +408,12 @@ class DiffLMForMaskedLM(PreTrainedModel):
 
     @property
     def objective(self) -> Objective:
-        """The objective of this model's mode: its bound, conditional likelihood, sampler and facts (built from
-        the config on each call: a small frozen object, never stale)."""
-        return Objective.from_hf_config(self.config)
+        """The objective of this model's mode: its bound, conditional likelihood, sampler and facts (built once
+        from the config, again only if the config's objective entry is replaced)."""
+        entry = _objective_entry(self.config)
+        if getattr(self, "_objective_entry", None) != entry:
+            self._objective, self._objective_entry = objective_from_dict(*entry), entry
+        return self._objective
 
     def _default_t(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         return self.objective.default_t(input_ids, attention_mask)
@@ -779,7 +804,9 @@ class DiffLMForMaskedLM(PreTrainedModel):
         """The likelihood of this model's mode per scored token [b]: exact for ar (tokens 1..), the ELBO otherwise."""
         input_ids, attention_mask, document_ids = self._on_device(input_ids, attention_mask, document_ids)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        objective = self.objective if eps is None else dataclasses.replace(self.objective, eps=eps)
+        objective = self.objective
+        if eps is not None and "eps" in objective.settings():
+            objective = dataclasses.replace(objective, eps=eps)
         docs = self._documents(input_ids, document_ids)
         return objective.nll_per_token(
             lambda x, t, clean=None: self._logits(x, attention_mask, t, docs, clean),

@@ -1,7 +1,7 @@
-"""Model FLOPs of the megatron GPT model of a config, device peak throughput, and MFU.
+"""Model FLOPs of the megatron GPT model of a config and its objective, device peak throughput, and MFU.
 
-Pure Python but for the mode's facts (its objective says whether attention is causal): the trainer, the
-benchmark and tests all count the same way.
+Pure Python: the caller's objective (`modes.build_objective`) says how many tokens the network runs on and which
+attention pairs it computes; the trainer, the benchmark and tests all count the same way.
 
 Counting convention (as PaLM's MFU, megatron's `num_floating_point_operations`, torchtitan):
 - 2 FLOPs per multiply-add of every matrix product: QKV, attention scores and weighted sum, output
@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 
 from models.diffusion.arch import ModelArch
 
-if TYPE_CHECKING:  # typing only: keeps this module free of pydantic at import time
+if TYPE_CHECKING:  # typing only: keeps this module free of pydantic and torch at import time
     from difflm.config import PipelineConfig
+    from models.diffusion.modes import Objective
 
 # models/diffusion/time_embedding.py: sinusoidal features of t and the adaLN modulation's hidden width
 _TIME_FREQ_DIM = 256
@@ -55,14 +56,13 @@ def _layer_matmul_flops_per_token(cfg: PipelineConfig) -> int:
     return qkv + proj + mlp
 
 
-def _attention_core_flops(cfg: PipelineConfig, seq_len: int, pairs: float | None = None) -> float:
+def _attention_core_flops(cfg: PipelineConfig, objective: Objective, seq_len: int, pairs: float | None = None) -> float:
     """Scores q.k and the weighted sum of v, one layer, one sequence of `seq_len` tokens whose queries and keys
     meet in `pairs` (query, key) pairs: s^2 by default, the sum of squared document lengths with packed
     documents. Causal: flash / cuDNN / TE kernels skip the tiles above the diagonal, so half of them (the usual
     convention; the diagonal tiles make it a little more at small s)."""
     m = cfg.model
     head_dim = ModelArch.of(m).head_width(m.hidden_size, m.num_attention_heads)
-    objective = _objective(cfg)
     if pairs is None:
         pairs = objective.attention_pairs(seq_len)  # s^2, halved when causal; the block mask's own count
     else:
@@ -70,21 +70,10 @@ def _attention_core_flops(cfg: PipelineConfig, seq_len: int, pairs: float | None
     return 2 * 2 * m.num_attention_heads * pairs * head_dim  # two [s, d] x [d, s]-sized products
 
 
-def _objective(cfg: PipelineConfig):
-    from models.diffusion.modes import objective_class
-
-    d = cfg.diffusion
-    return objective_class(d.model_running_mode)(
-        block_size=d.block_size, clean_attention=d.clean_attention, complementary_masks=d.complementary_masks
-    )
-
-
-def _time_conditioning_flops(cfg: PipelineConfig) -> int:
+def _time_conditioning_flops(cfg: PipelineConfig, objective: Objective) -> int:
     """FLOPs of the t -> embedding MLPs for one sequence (one t per sequence, not per token)."""
     d, h = cfg.diffusion, cfg.model.hidden_size
-    from models.diffusion.modes import objective_class
-
-    if not d.time_embedding or not objective_class(d.model_running_mode).uses_t:  # as gpt.build_model
+    if not objective.time_conditioned(d.time_embedding):  # as gpt.build_model
         return 0
     if d.time_conditioning == "adaln":  # one modulation MLP per norm: two norms per layer
         per_norm = 2 * (_TIME_FREQ_DIM * _ADALN_COND_DIM + _ADALN_COND_DIM * 2 * h)
@@ -92,20 +81,27 @@ def _time_conditioning_flops(cfg: PipelineConfig) -> int:
     return 2 * (_TIME_FREQ_DIM * h + h * h)  # input embedding: features -> h -> h
 
 
-def forward_flops_per_sequence(cfg: PipelineConfig, vocab_size: int, seq_len: int) -> float:
-    """Model FLOPs of one forward pass over one sequence of `seq_len` tokens.
+def forward_flops_per_sequence(cfg: PipelineConfig, vocab_size: int, seq_len: int, *, objective: Objective) -> float:
+    """Model FLOPs of one forward pass of `objective`'s model over one sequence of `seq_len` tokens.
 
     `vocab_size` is the tokenizer's (padded here as megatron pads it; a padded size is kept as is)."""
     m = cfg.model
     vocab = padded_vocab(vocab_size, cfg.parallel.tensor_model_parallel_size)
-    tokens = _objective(cfg).model_tokens(seq_len)  # block diffusion: the network runs on 2L tokens
-    layers = m.num_layers * (tokens * _layer_matmul_flops_per_token(cfg) + _attention_core_flops(cfg, seq_len))
+    tokens = objective.model_tokens(seq_len)  # block diffusion: the network runs on 2L tokens
+    attention = _attention_core_flops(cfg, objective, seq_len)
+    layers = m.num_layers * (tokens * _layer_matmul_flops_per_token(cfg) + attention)
     lm_head = 2 * tokens * m.hidden_size * vocab  # logits over every (padded) row, tied or not
-    return float(layers + lm_head + _time_conditioning_flops(cfg))
+    return float(layers + lm_head + _time_conditioning_flops(cfg, objective))
 
 
 def training_flops(
-    cfg: PipelineConfig, vocab_size: int, lengths: list[int], micro_batch_size: int, pairs: list[float] | None = None
+    cfg: PipelineConfig,
+    vocab_size: int,
+    lengths: list[int],
+    micro_batch_size: int,
+    pairs: list[float] | None = None,
+    *,
+    objective: Objective,
 ) -> float:
     """Forward + backward model FLOPs of micro-batches of `micro_batch_size` sequences, one per entry of
     `lengths` (variable-length steps give each micro-batch its own length). `pairs` (packed documents): per
@@ -115,13 +111,19 @@ def training_flops(
     Backward is twice the forward (a gradient for the input and one for the weight of every product), so
     3x forward. Counts what the given micro-batches compute: for a whole step under data parallelism pass
     every rank's micro-batches, or multiply one rank's figure by the data-parallel size."""
-    micro_batch_size *= _objective(cfg).rows_per_sequence(evaluation=False)  # complementary masks: two rows each
-    dense = [micro_batch_size * forward_flops_per_sequence(cfg, vocab_size, n) for n in lengths]
+    rows = objective.rows_per_sequence(evaluation=False)  # complementary masks: two rows each
+    micro_batch_size *= rows
+    dense = [micro_batch_size * forward_flops_per_sequence(cfg, vocab_size, n, objective=objective) for n in lengths]
     if pairs is None:
         return 3.0 * sum(dense)
     layers = cfg.model.num_layers
-    return 3.0 * sum(
-        f - layers * (micro_batch_size * _attention_core_flops(cfg, n) - _attention_core_flops(cfg, n, p))
+    return 3.0 * sum(  # `pairs` are the clean sequences' documents: every row of a sequence attends within them
+        f
+        - layers
+        * (
+            micro_batch_size * _attention_core_flops(cfg, objective, n)
+            - _attention_core_flops(cfg, objective, n, rows * p)
+        )
         for f, n, p in zip(dense, lengths, pairs)
     )
 

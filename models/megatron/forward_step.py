@@ -14,10 +14,15 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from difflm.config import PipelineConfig
 from models import diffusion
-from models.diffusion.modes import Objective, objective_class
+from models.diffusion.modes import Objective, build_objective
+from models.megatron.attention import DocumentMask, TwoStreamMask
+from models.megatron.backend import resolve_backend
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,10 @@ class SpecialTokens:
     def from_manifest(cls, tok: dict) -> SpecialTokens:
         special = tok.get("special_ids") or [tok["eos_id"], tok["mask_id"], tok["pad_id"]]
         return cls(tok["mask_id"], tok["vocab_size"], tuple(sorted(set(special))), tok["eos_id"], tok.get("pad_id"))
+
+    def ids(self) -> dict:
+        """The ids an objective reads (`Objective`'s token fields)."""
+        return {"mask_id": self.mask_id, "vocab_size": self.vocab_size, "pad_id": self.pad_id, "eos_id": self.eos_id}
 
 
 def _seed(*parts: int) -> int:
@@ -58,36 +67,24 @@ def varilen_length(seed: int, step: int, seq_length: int, prob: float, multiple:
     return min(seq_length, -(-length // multiple) * multiple)
 
 
-def objective_of(cfg: PipelineConfig, special: SpecialTokens) -> Objective:
-    """The objective of `cfg`'s mode with its training settings and the tokenizer's special tokens."""
-    d = cfg.diffusion
-    return objective_class(d.model_running_mode)(
-        mask_id=special.mask_id,
-        vocab_size=special.vocab_size,
-        pad_id=special.pad_id,
-        eos_id=special.eos_id,
-        eps=d.eps,
-        loss_weighting=d.loss_weighting,
-        normalize_by=d.normalize_by,
-        uniform_loss=d.uniform_loss,
-        block_size=d.block_size,
-        clean_attention=d.clean_attention,
-        ar_loss_weight=d.ar_loss_weight,
-        block_shift=d.block_shift,
-        complementary_masks=d.complementary_masks,
-        cart_p=d.cart_p,
-    )
-
-
-def corrupt(batch: dict, cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False) -> dict:
+def corrupt(
+    batch: dict,
+    cfg: PipelineConfig,
+    special: SpecialTokens,
+    step: int,
+    evaluation: bool = False,
+    objective: Objective | None = None,
+) -> dict:
     """Model inputs, targets, scored positions and t for one micro-batch of `cfg`'s objective (`Objective.prepare`).
 
     The dataset's loss_mask (False at padding megatron may add) is never scored, never counted. Evaluation uses
     the objective's bound (for masked modes the low-variance discrete ELBO: t stratified over the batch, exactly
-    ceil(t*L) tokens masked, weight L/#masked; see diffusion.elbo_nll_per_token)."""
+    ceil(t*L) tokens masked, weight L/#masked; see diffusion.elbo_nll_per_token). `objective`: the one the
+    caller built (`build_objective`), else `cfg`'s."""
     x0 = batch["tokens"]
     label_ok = batch.get("loss_mask", torch.ones_like(x0)).bool()  # megatron's: labels[i] = x[i + 1] is data
-    return objective_of(cfg, special).prepare(
+    objective = objective or build_objective(cfg.diffusion, special.ids())
+    return objective.prepare(
         x0,
         batch["labels"],
         label_ok,
@@ -105,14 +102,12 @@ def loss_terms(
     cfg: PipelineConfig,
     special: SpecialTokens | None = None,
     evaluation: bool = False,
+    objective: Objective | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum, count) of the objective's loss from megatron's output (per-token cross-entropy [b, s], or the full
     logits [b, s, V] for objectives that need them): loss = sum / count over the global batch."""
-    objective = objective_of(cfg, special or _NO_SPECIAL)
+    objective = objective or build_objective(cfg.diffusion, None if special is None else special.ids())
     return objective.loss_terms(output, prepared, evaluation)
-
-
-_NO_SPECIAL = SpecialTokens(mask_id=None, vocab_size=None, special_ids=())  # for objectives that need no token ids
 
 
 def _loss_func(prepared: dict, objective: Objective, evaluation: bool, output_tensor: torch.Tensor):
@@ -127,9 +122,6 @@ def _loss_func(prepared: dict, objective: Objective, evaluation: bool, output_te
 
 def _full_vocab(logits: torch.Tensor) -> torch.Tensor:
     """Logits [b, s, V/TP] gathered to the full vocabulary (the uniform ELBO sums over every state)."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return logits
     return gather_from_tensor_model_parallel_region(logits)
@@ -170,17 +162,14 @@ def document_form(backend: str, pipeline_parallel: int = 1, micro_batch_size: in
     return "dense" if pipeline_parallel > 1 and micro_batch_size > 1 else "thd"
 
 
-def configured_document_form(cfg: PipelineConfig) -> str | None:
-    """`document_form` of `cfg`'s backend and layout; None without `model.document_attention`."""
+def configured_document_form(cfg: PipelineConfig, objective: Objective) -> str | None:
+    """`document_form` of `cfg`'s backend and layout for `objective`; None without `model.document_attention`."""
     if not cfg.model.document_attention:
         return None
     if cfg.diffusion.attention_anneal_steps:  # the annealed mask is dense: documents join it there
         return "dense"
-    from models.megatron.backend import resolve_backend
-
-    two_stream = objective_class(cfg.diffusion.model_running_mode).two_stream
     return document_form(
-        resolve_backend(cfg.model.backend, two_stream),
+        resolve_backend(cfg.model.backend, objective.two_stream),
         cfg.parallel.pipeline_model_parallel_size,
         cfg.train.micro_batch_size,
     )
@@ -201,8 +190,6 @@ def packed_documents(doc_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 def packed_seq_params(doc_ids: torch.Tensor, device: torch.device):
     """megatron's `PackedSeqParams` (qkv_format 'thd') for the packed documents of `doc_ids` [b, s]. Give CPU ids:
     the boundaries and the longest length (a Python int TE needs) are then found without a device sync."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     cu_seqlens, longest = packed_documents(doc_ids)
     cu_seqlens = to_device({"cu": cu_seqlens}, device)["cu"]
     return PackedSeqParams(
@@ -210,16 +197,14 @@ def packed_seq_params(doc_ids: torch.Tensor, device: torch.device):
     )
 
 
-def attention_mask_for(tokens: torch.Tensor, cfg: PipelineConfig, special: SpecialTokens, form: str | None):
+def attention_mask_for(tokens: torch.Tensor, objective: Objective, special: SpecialTokens, form: str | None):
     """None, or the packed-document mask of `form` ('dense' or 'flex', see `document_form`): document ids in a
     `DocumentMask` for the torch spec (FlexAttention block mask on GPUs), a dense [b, 1, s, s] mask otherwise."""
     if form is None:
         return None
-    causal = not objective_class(cfg.diffusion.model_running_mode).bidirectional
+    causal = not objective.bidirectional
     doc = diffusion.document_ids(tokens, special.eos_id)
     if form == "flex":
-        from models.megatron.attention import DocumentMask
-
         return DocumentMask(doc, causal)
     return diffusion.document_attention_mask(doc, causal=causal)
 
@@ -227,9 +212,6 @@ def attention_mask_for(tokens: torch.Tensor, cfg: PipelineConfig, special: Speci
 def two_stream_mask(tokens: torch.Tensor, cfg: PipelineConfig, special: SpecialTokens, objective: Objective):
     """Block diffusion's attention for the [x_t | x_0] inputs of clean `tokens` [b, L]: a `TwoStreamMask` for the
     torch spec (FlexAttention on GPUs), megatron's dense mask (True = blocked) [b or 1, 1, 2L, 2L] for local."""
-    from models.megatron.attention import TwoStreamMask
-    from models.megatron.backend import resolve_backend
-
     doc = diffusion.document_ids(tokens, special.eos_id) if cfg.model.document_attention else None
     mask = TwoStreamMask(tokens.shape[1], objective.block_size, objective.token_causal, doc, tokens.device)
     if resolve_backend(cfg.model.backend, True) == "torch":
@@ -251,23 +233,29 @@ def annealed_mask(cfg: PipelineConfig, step: int, evaluation: bool) -> torch.Ten
 
 
 def make_forward_step(
-    cfg: PipelineConfig, special: SpecialTokens, step: int, evaluation: bool = False, documents: str | None = None
+    cfg: PipelineConfig,
+    special: SpecialTokens,
+    step: int,
+    evaluation: bool = False,
+    documents: str | None = None,
+    objective: Objective | None = None,
 ):
-    """A megatron `forward_step_func(data_iterator, model)` for training step `step`.
+    """A megatron `forward_step_func(data_iterator, model)` for training step `step` of `objective` (the trainer's;
+    `cfg`'s when not given).
 
     `documents` overrides the form of packed documents (`document_form`; the tests run every form on one spec)."""
-    objective = objective_of(cfg, special)
-    form = (documents or configured_document_form(cfg)) if cfg.model.document_attention else None
+    objective = objective or build_objective(cfg.diffusion, special.ids())
+    form = (documents or configured_document_form(cfg, objective)) if cfg.model.document_attention else None
     assert form in (None, *DOCUMENT_FORMS), form
     anneal = annealed_mask(cfg, step, evaluation)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         device = model_device(model)
-        prepared = to_device(corrupt(batch, cfg, special, step, evaluation), device)
+        prepared = to_device(corrupt(batch, cfg, special, step, evaluation, objective), device)
         inputs = prepared["inputs"]
         position_ids = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
-        extra = {"t": prepared["t"]} if cfg.diffusion.time_embedding and objective.uses_t else {}
+        extra = {"t": prepared["t"]} if objective.time_conditioned(cfg.diffusion.time_embedding) else {}
         if objective.two_stream:  # [x_t | x_0]: positions 0..L-1 twice, the block mask
             tokens = inputs[:, inputs.shape[1] // 2 :]  # the clean half: the batch's rows as the objective made them
             position_ids = position_ids % tokens.shape[1]
@@ -284,7 +272,7 @@ def make_forward_step(
             labels = None if labels is None else labels.reshape(1, -1)
             attention_mask = None
         else:
-            attention_mask = attention_mask_for(batch["tokens"].to(device), cfg, special, form)
+            attention_mask = attention_mask_for(batch["tokens"].to(device), objective, special, form)
         if anneal is not None:  # [1, 1, s, s], joined with the packed-document mask where there is one
             s = inputs.shape[1]
             blocked = anneal[:s, :s].to(device)[None, None]

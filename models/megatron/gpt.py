@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from difflm.config import ModelConfig, PipelineConfig
 from models.diffusion.arch import ModelArch
-from models.diffusion.modes import objective_class
+from models.diffusion.modes import Objective, build_objective
 from models.diffusion.time_embedding import AdaLNorm, TimeEmbedding
 from models.megatron.attention import block_spec, torch_layer_spec
 from models.megatron.backend import resolve_backend
@@ -45,9 +45,8 @@ def padded_vocab_size(vocab_size: int, tensor_parallel: int, multiple: int = 64)
     return (vocab_size + step - 1) // step * step
 
 
-def uses_adaln(cfg: PipelineConfig) -> bool:
-    d = cfg.diffusion
-    return d.time_embedding and d.time_conditioning == "adaln" and objective_class(d.model_running_mode).uses_t
+def uses_adaln(cfg: PipelineConfig, objective: Objective) -> bool:
+    return objective.time_conditioned(cfg.diffusion.time_embedding) and cfg.diffusion.time_conditioning == "adaln"
 
 
 class ZeroCenteredNorm(torch.nn.Module):
@@ -292,14 +291,17 @@ def build_model(
     post_process: bool = True,
     padded_vocab: int | None = None,
     never_targets: tuple[int, ...] = (),
+    *,
+    objective: Objective | None = None,
 ) -> DiffusionGPTModel:
-    """One pipeline stage of the megatron GPTModel for `cfg` (the whole model when PP=1).
+    """One pipeline stage of the megatron GPTModel for `cfg` and its `objective` (the caller's, built once; `cfg`'s
+    when not given) (the whole model when PP=1).
 
     `padded_vocab` overrides the embedding rows (conversion builds a TP=1 model with the padding of the
     layout it writes for). An objective with an exact likelihood (ar) normalises over the `vocab_size` tokens only:
     the padding rows, and the `never_targets` (a mask token an import added), get logits of -inf, so the NLL of an
     imported model is the source's."""
-    objective = objective_class(cfg.diffusion.model_running_mode)
+    objective = objective or build_objective(cfg.diffusion)
     backend = resolve_backend(cfg.model.backend, objective.two_stream)
     if cfg.train.fp8 and backend != "te":
         raise RuntimeError(
@@ -313,17 +315,17 @@ def build_model(
         )
     tcfg = transformer_config(cfg, backend)
     arch = ModelArch.of(cfg.model)
-    if arch.norm_offset and uses_adaln(cfg):
+    if arch.norm_offset and uses_adaln(cfg, objective):
         raise RuntimeError(
             "model.norm_offset=1 with diffusion.time_conditioning=adaln: the adaLN norms take their scale from t, "
             "not (1 + w); set diffusion.time_conditioning=input"
         )
     spec = layer_spec(
         cfg.model,
-        objective_class(cfg.diffusion.model_running_mode).bidirectional,
+        objective.bidirectional,
         backend,
-        uses_adaln(cfg),
-        configured_document_form(cfg),
+        uses_adaln(cfg, objective),
+        configured_document_form(cfg, objective),
         objective.two_stream,
         annealed=cfg.diffusion.attention_anneal_steps > 0,
     )
@@ -342,8 +344,8 @@ def build_model(
         share_embeddings_and_output_weights=cfg.model.tie_embeddings,
         position_embedding_type="rope",
         rotary_base=cfg.model.rotary_base,
-        time_embedding=cfg.diffusion.time_embedding and objective_class(cfg.diffusion.model_running_mode).uses_t,
-        adaln=uses_adaln(cfg),
+        time_embedding=objective.time_conditioned(cfg.diffusion.time_embedding),
+        adaln=uses_adaln(cfg, objective),
         embedding_multiplier=arch.embedding_multiplier(cfg.model.hidden_size),
         scored_vocab=vocab_size if objective.exact else None,
         never_targets=never_targets,

@@ -28,12 +28,12 @@ from difflm.config import PipelineConfig, load_config
 from difflm.errors import NonFiniteStop, TrainingPreempted
 from difflm.rundir import RunDir
 from models.diffusion.documents import document_ids, document_pairs
-from models.diffusion.modes import objective_class
+from models.diffusion.modes import Objective, build_objective
 from models.megatron import checkpointing, compat
 from models.megatron.backend import resolve_backend
 from models.megatron.data import build_datasets, micro_batch
 from models.megatron.flops import peak_flops, training_flops
-from models.megatron.forward_step import SpecialTokens, make_forward_step, objective_of, varilen_length
+from models.megatron.forward_step import SpecialTokens, make_forward_step, varilen_length
 from models.megatron.gpt import build_model
 from models.megatron.hooks import Hook, PreemptionFlag, Step, standard_hooks
 from models.megatron.kernels import check_sdpa, kernel_settings, sdpa_choice, sdpa_context, use_fused_adam
@@ -54,20 +54,21 @@ def init_distributed(cfg: PipelineConfig) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
 
 
-def build_training(cfg: PipelineConfig, vocab_size: int):
-    """(ddp_model, optimizer, scheduler) for this rank's pipeline stage."""
+def build_training(cfg: PipelineConfig, vocab_size: int, *, objective: Objective | None = None):
+    """(ddp_model, optimizer, scheduler) for this rank's pipeline stage of `objective`'s model (`cfg`'s by default)."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    objective = objective_class(cfg.diffusion.model_running_mode)
+    objective = objective or build_objective(cfg.diffusion)
     check_sdpa(cfg.model.sdpa_backend, resolve_backend(cfg.model.backend, objective.two_stream))
     model = build_model(
         cfg,
         vocab_size,
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
+        objective=objective,
     )
     if torch.cuda.is_available():
         model.cuda()
@@ -132,14 +133,14 @@ def device_peak(cfg: PipelineConfig) -> float | None:
     return peak_flops(name, cfg.train.peak_tflops)
 
 
-def micro_lengths(cfg: PipelineConfig, step: int, n_micro: int) -> list[int]:
+def micro_lengths(cfg: PipelineConfig, step: int, n_micro: int, objective: Objective | None = None) -> list[int]:
     """Sequence length of each micro-batch of training step `step` (variable-length training).
 
     One draw per micro-batch, as MegaDLMs, for diffusion modes only (the AR baseline always sees full
     windows). Pipeline stages exchange fixed-shape activations, so with PP > 1 the step's micro-batches
     share one length. Keyed by (seed, step, micro): the same on every rank and on resume."""
     t, d = cfg.train, cfg.diffusion
-    if d.varilen_prob <= 0 or not objective_class(d.model_running_mode).varilen:
+    if d.varilen_prob <= 0 or not (objective or build_objective(d)).varilen:
         return [t.seq_length] * n_micro
     one = cfg.parallel.pipeline_model_parallel_size > 1
     return [
@@ -162,6 +163,7 @@ def run_global_batch(
     lengths: list[int] | None = None,
     attention_pairs: list[int] | None = None,
     reduce: bool = True,
+    objective: Objective | None = None,
 ) -> float | torch.Tensor | None:
     """One global batch through megatron's forward-backward schedule; its loss on the last stage.
 
@@ -170,7 +172,8 @@ def run_global_batch(
     training). The loss is sum / count over the whole global batch (every micro-batch and DP rank).
     `attention_pairs`, when given, receives each micro-batch's (query, key) pairs within its packed documents
     (the FLOPs count of document attention). `reduce=False`: this rank's [sum, count] tensor, not reduced and
-    not read on the host (the trainer reduces it with the step's flags: `Trainer.agree`).
+    not read on the host (the trainer reduces it with the step's flags: `Trainer.agree`). `objective`: the
+    trainer's (`cfg`'s when not given).
     """
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -180,13 +183,14 @@ def run_global_batch(
     if attention_pairs is not None:
         attention_pairs.extend(document_pairs(document_ids(b["tokens"], special.eos_id)) for b in micro)
     batches = iter(micro)
+    objective = objective or build_objective(cfg.diffusion, special.ids())
     losses = get_forward_backward_func()(
-        forward_step_func=make_forward_step(cfg, special, noise_step, evaluation=forward_only),
+        forward_step_func=make_forward_step(cfg, special, noise_step, evaluation=forward_only, objective=objective),
         data_iterator=batches,
         model=[ddp],
         num_microbatches=n_micro,
-        seq_length=objective_of(cfg, special).model_tokens(max(lengths)),  # block diffusion: [x_t | x_0]
-        micro_batch_size=cfg.train.micro_batch_size * objective_of(cfg, special).rows_per_sequence(forward_only),
+        seq_length=objective.model_tokens(max(lengths)),  # block diffusion: [x_t | x_0]
+        micro_batch_size=cfg.train.micro_batch_size * objective.rows_per_sequence(forward_only),
         forward_only=forward_only,
     )
     if not parallel_state.is_pipeline_last_stage():
@@ -198,11 +202,11 @@ def run_global_batch(
     return float(total[0] / total[1].clamp(min=1))
 
 
-def evaluate(cfg, ddp, valid, special: SpecialTokens) -> float | None:
+def evaluate(cfg, ddp, valid, special: SpecialTokens, objective: Objective | None = None) -> float | None:
     ddp.eval()
     with torch.no_grad():
         vals = [
-            run_global_batch(cfg, ddp, valid, special, step=i, noise_step=-1 - i, forward_only=True)
+            run_global_batch(cfg, ddp, valid, special, step=i, noise_step=-1 - i, forward_only=True, objective=objective)
             for i in range(cfg.train.eval_iters)
         ]
     ddp.train()
@@ -252,10 +256,11 @@ class Trainer:
         t = cfg.train
         tok = manifest["tokenizer"]
         self.vocab_size, self.special = tok["vocab_size"], SpecialTokens.from_manifest(tok)
+        self.objective = build_objective(cfg.diffusion, self.special.ids())  # the one reading of the mode
         self.train_ds, self.valid_ds = build_datasets(
             cfg, manifest, t.train_iters * t.global_batch_size, (t.eval_iters + 1) * t.global_batch_size
         )
-        self.ddp, self.opt, self.sched = build_training(cfg, self.vocab_size)
+        self.ddp, self.opt, self.sched = build_training(cfg, self.vocab_size, objective=self.objective)
         self.start = 0
         latest = checkpointing.latest_iteration(self.run.checkpoints)
         if latest is not None:
@@ -293,7 +298,7 @@ class Trainer:
     def train(self) -> None:
         t = self.cfg.train
         self.log(
-            f"[train] mode={self.cfg.diffusion.model_running_mode} start_iter={self.start} train_iters={t.train_iters} "
+            f"[train] mode={self.objective.name} start_iter={self.start} train_iters={t.train_iters} "
             f"params/rank={sum(p.numel() for p in self.ddp.module.parameters()):,}"
         )
         self.log_kernels()
@@ -308,8 +313,8 @@ class Trainer:
         configured layout, in the log beside the run's other settings (metrics.jsonl holds numbers only)."""
         model = self.ddp.module
         param = next(model.parameters())
-        backend = resolve_backend(self.cfg.model.backend, objective_of(self.cfg, self.special).two_stream)
-        bidirectional = objective_of(self.cfg, self.special).bidirectional
+        backend = resolve_backend(self.cfg.model.backend, self.objective.two_stream)
+        bidirectional = self.objective.bidirectional
         sdpa = sdpa_choice(self.cfg, param.device, param.dtype, bidirectional) if backend == "torch" else None
         settings = {**self.kernels.describe(), "backend": backend, "sdpa_kernel": sdpa}
         self.log(f"[train] kernels: {json.dumps(settings)}")
@@ -319,7 +324,7 @@ class Trainer:
         t = self.cfg.train
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
-        lengths = micro_lengths(self.cfg, done, self.n_micro)
+        lengths = micro_lengths(self.cfg, done, self.n_micro, self.objective)
         pairs = [] if self.cfg.model.document_attention else None  # attention kept within packed documents
         terms = run_global_batch(
             self.cfg,
@@ -331,9 +336,13 @@ class Trainer:
             lengths=lengths,
             attention_pairs=pairs,
             reduce=False,
+            objective=self.objective,
         )
         # every DP rank runs these lengths; with documents, the other ranks' pairs are taken to be this rank's
-        flops = self.dp_size * training_flops(self.cfg, self.vocab_size, lengths, t.micro_batch_size, pairs)
+        per_rank = training_flops(
+            self.cfg, self.vocab_size, lengths, t.micro_batch_size, pairs, objective=self.objective
+        )
+        flops = self.dp_size * per_rank
         tokens = sum(lengths) * t.global_batch_size // self.n_micro
         step = Step(it=done + 1, loss=None, tokens=tokens, flops=flops, loss_terms=terms)
         self.run_hooks("pre_optim_step", step)
@@ -358,7 +367,7 @@ class Trainer:
         return step
 
     def validate(self) -> float | None:
-        return evaluate(self.cfg, self.ddp, self.valid_ds, self.special)
+        return evaluate(self.cfg, self.ddp, self.valid_ds, self.special, self.objective)
 
     def save(self, it: int) -> None:
         checkpointing.save_checkpoint(
