@@ -206,7 +206,9 @@ def evaluate(cfg, ddp, valid, special: SpecialTokens, objective: Objective | Non
     ddp.eval()
     with torch.no_grad():
         vals = [
-            run_global_batch(cfg, ddp, valid, special, step=i, noise_step=-1 - i, forward_only=True, objective=objective)
+            run_global_batch(
+                cfg, ddp, valid, special, step=i, noise_step=-1 - i, forward_only=True, objective=objective
+            )
             for i in range(cfg.train.eval_iters)
         ]
     ddp.train()
