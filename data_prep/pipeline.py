@@ -28,6 +28,7 @@ from data_prep.split import SPLITS, split_of
 from data_prep.tokenizer import TokenizerInfo, load_tokenizer, train_bpe
 from difflm.config import PARTITION, PipelineConfig, SourceConfig
 from difflm.errors import UserError
+from difflm.rundir import Workdir
 
 MANIFEST = "manifest.json"
 FAULTS = "logs/file_faults"  # one JSON report per damaged or unreadable input file
@@ -334,7 +335,7 @@ def summary_line(manifest: dict) -> str:
 
 
 def data_dir(cfg: PipelineConfig) -> Path:
-    return Path(cfg.workdir).resolve() / "data" / cfg.stage_hash("data", "tokenizer")
+    return Workdir.of(cfg).data(cfg.stage_hash("data", "tokenizer"))
 
 
 def prepare_data(cfg: PipelineConfig) -> dict:

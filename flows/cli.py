@@ -187,7 +187,7 @@ def cmd_train(cfg: PipelineConfig, args) -> int:
     from models.launch.torchrun import launch_training
 
     launch = {"slurm": submit_slurm, "kubernetes": submit_kubernetes}.get(cfg.train.launcher, launch_training)
-    print(json.dumps(launch(cfg, prepare_data(cfg)), indent=2))
+    print(json.dumps(launch(cfg, prepare_data(cfg)).to_dict(), indent=2))
     return 0
 
 

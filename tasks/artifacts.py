@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
+from difflm.rundir import TrainResult
+
 SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -54,18 +56,18 @@ def data_markdown(manifest: dict, cached: bool = False) -> str:
 
 
 def training_markdown(
-    train_info: dict, records: list[dict], cached: bool = False, curves_url: str | None = None
+    trained: TrainResult, records: list[dict], cached: bool = False, curves_url: str | None = None
 ) -> str:
     """`curves_url`: where a browser can fetch the run's curves.png (the MLflow server), shown as the figure."""
     loss = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     lines = [
-        f"# Training `{train_info['run_dir'].rstrip('/').split('/')[-1]}`",
+        f"# Training `{trained.run.name}`",
         "",
         f"Stage {_ran(cached)}"
-        + (" (the run directory already held the final checkpoint)" if train_info.get("reused") and not cached else "")
+        + (" (the run directory already held the final checkpoint)" if trained.reused and not cached else "")
         + ".",
-        f"Final checkpoint: `{train_info['checkpoint']}`",
+        f"Final checkpoint: `{trained.checkpoint}`",
         "",
     ]
     if loss:

@@ -159,7 +159,7 @@ def test_annealed_cart_training_runs_and_learns(session_dir, tiny_manifest):
         "checkpoint.save_interval=20",
     )
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
-    records = read_metrics(info["run_dir"])
+    records = read_metrics(info.run.path)
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(vals) == 2 and vals[-1] < vals[0], vals
     assert all(r["loss"] == r["loss"] for r in records if "loss" in r)  # finite

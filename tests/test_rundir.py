@@ -163,7 +163,7 @@ def own_run(tmp_path_factory) -> RunDir:
     )
     manifest = prepare_data(cfg)
     run = RunDir(run_dir(cfg, manifest))
-    write_run_inputs(cfg, manifest, run.path)
+    write_run_inputs(cfg, manifest, run)
     final = run.checkpoint(cfg.train.train_iters)
     final.mkdir(parents=True)
     (final / "metadata.json").write_text("{}")

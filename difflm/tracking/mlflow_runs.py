@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from difflm.config import PipelineConfig
+from difflm.rundir import TrainResult
 from difflm.tracking import registry
 
 
@@ -347,19 +348,19 @@ def reconcile_metrics(run_id: str, records: list[dict]) -> int:
 
 
 @tolerant
-def log_training(train_info: dict, records: list[dict], live: bool = True) -> None:
+def log_training(trained: TrainResult, records: list[dict], live: bool = True) -> None:
     """The run directory's curves (metrics.jsonl values the run lacks), its files and tags, into the active run.
     `live`: the trainer was sending to this run, so anything sent now was missed (said so); otherwise (the
     parent of a nested training run, a reused run) the curves are copied as a matter of course."""
     import mlflow
 
     sent = reconcile_metrics(mlflow.active_run().info.run_id, records)
-    if sent and live and not train_info["reused"]:
+    if sent and live and not trained.reused:
         print(f"tracking: backfilled {sent} training metrics the trainer could not send live", flush=True)
-    mlflow.set_tag("train.run_dir", train_info["run_dir"])
-    mlflow.set_tag("train.checkpoint", train_info["checkpoint"])
+    mlflow.set_tag("train.run_dir", str(trained.run.path))
+    mlflow.set_tag("train.checkpoint", str(trained.checkpoint))
     for name in ("metrics.jsonl", "train.log", "config.yaml", "curves.png"):
-        path = Path(train_info["run_dir"]) / name
+        path = trained.run.path / name
         if path.exists():
             mlflow.log_artifact(str(path), "train")
 
