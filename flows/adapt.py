@@ -1,6 +1,6 @@
 """The flow `adapt-difflm`: a pretrained autoregressive LM adapted into a diffusion LM, and compared with itself.
 
-The flagship's stages (`flows.pretrain.run_pipeline`) with the source's HF folder as `train.init_from`: data prep
+The flagship's stages (`flows.pretrain.run_pipeline`) with the source's HF folder as `train.init_from_hf`: data prep
 with the source's tokenizer -> import of its weights -> adaptation training from them (fresh optimizer; preset
 adapt-dream or adapt-diffullama) -> HF export -> evaluation -> registry. Then the source itself: the imported
 checkpoint exported as an `ar` model and evaluated on the same held-out tokens and task items. One MLflow run:
@@ -25,10 +25,10 @@ from tasks.stages import evaluate_task, export_source_task
 
 
 def adaptation_config(source: str, preset: str, overrides: list[str] | None) -> tuple[PipelineConfig, Path]:
-    """The preset, the fields the source fixes (architecture, tokenizer, `train.init_from`), then the user's
+    """The preset, the fields the source fixes (architecture, tokenizer, `train.init_from_hf`), then the user's
     overrides; and the source's folder."""
     folder = adapt.resolve_source(source)
-    fixed = [*adapt.source_overrides(folder), f"train.init_from={folder}"]
+    fixed = [*adapt.source_overrides(folder), f"train.init_from_hf={folder}"]
     return load_config(preset, [*fixed, *(overrides or [])]), folder
 
 
@@ -73,7 +73,7 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
     return {
         **summary,
         "source": lineage,
-        "checkpoint": trained.train.init_from,
+        "checkpoint": str(run["imported"].checkpoint),
         "source_hf_dir": source_hf,
         "adapted": summary["validation"]["trained"],
         "source_ar": source["bounds"]["trained"],
@@ -83,7 +83,7 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
     }
 
 
-# The source model exported as `ar` from the imported checkpoint (`cfg.train.init_from` once imported), evaluated
+# The source model exported as `ar` from the imported checkpoint, evaluated
 # like the adapted one: the same manifest, eval settings and seed, hence the same windows and task items. Both
 # stages are cached (the export by its checkpoint, the evaluation by its eval key).
 
@@ -101,9 +101,15 @@ EXPORT_SOURCE_AR = Stage(
     export_source_task,
     slot="source_hf",
     output=lambda run: _imports(run).hf_ar,
-    done=lambda run, out: is_export_of(out, run.cfg.train.init_from),
-    key=lambda run, out: cache_key("export-source-ar", out, run.cfg.train.init_from),
-    args=lambda run, out, key: (run.cfg, run["manifest"]["tokenizer"], run.cfg.train.init_from, str(out), run.lineage),
+    done=lambda run, out: is_export_of(out, run["imported"].checkpoint),
+    key=lambda run, out: cache_key("export-source-ar", out, run["imported"].checkpoint),
+    args=lambda run, out, key: (
+        run.cfg,
+        run["manifest"]["tokenizer"],
+        str(run["imported"].checkpoint),
+        str(out),
+        run.lineage,
+    ),
     tags=lambda run, out: {"export.hf_dir": out.result},
     status=ran_or_cached,
 )

@@ -39,7 +39,7 @@ def pretrain_difflm(
         config: a complete configuration (what the Prefect UI form edits).
     """
     cfg = resolve(config, preset, overrides)
-    if adapt.is_hf_folder(cfg.train.init_from):  # the model is the source's (the import checks every field)
+    if cfg.train.init_from_hf:  # the model is the source's (the import checks every field)
         cfg = adapt.with_source(cfg)
     logger = get_run_logger()
     tracking.DEGRADED.clear()  # what tracking could not do in THIS execution
@@ -115,13 +115,9 @@ def _register(run: PipelineRun, logger) -> dict:
 # ---- the rows ----------------------------------------------------------------------------------------------
 
 
-def _source(run: PipelineRun) -> Path:
-    return Path(run.cfg.train.init_from).expanduser().resolve()
-
-
 def _import_output(run: PipelineRun) -> Path:
     """<workdir>/imports/<source>/megatron: the source's weights, imported once (the lineage is read here once)."""
-    run.lineage = run.lineage or adapt.source_lineage(_source(run))
+    run.lineage = run.lineage or adapt.source_lineage(adapt.source_folder(run.cfg))
     return Workdir.of(run.cfg).import_for(run.cfg, run.lineage["sha256"]).checkpoint
 
 
@@ -132,8 +128,8 @@ def _source_tags(run: PipelineRun) -> dict:
 def _imported(run: PipelineRun, out: Outcome) -> None:
     """The rest of the pipeline trains from the imported checkpoint, reading data through its tokenizer."""
     if run.run_id:
-        tracking.set_tags({"train.init_from": out.result, **_source_tags(run)})
-    run.cfg = adapt.with_import(run.cfg, Path(out.result))
+        tracking.set_tags({"train.init_from": str(out.result.checkpoint), **_source_tags(run)})
+    run.cfg = adapt.with_import(run.cfg, out.result)
 
 
 def _data_stats(run: PipelineRun, out: Outcome) -> None:
@@ -174,12 +170,13 @@ def _evaluated(run: PipelineRun, out: Outcome) -> None:
 IMPORT = Stage(
     "import",
     import_task,
-    slot="checkpoint",
-    when=lambda run: adapt.is_hf_folder(run.cfg.train.init_from),
+    slot="imported",
+    when=lambda run: run.cfg.train.init_from_hf is not None,
     output=_import_output,
     done=lambda run, out: is_checkpoint(out),
-    args=lambda run, out, key: (run.cfg, str(_source(run)), str(out)),
-    tags=lambda run, out: {"checkpoint": out.result, **_source_tags(run)},
+    args=lambda run, out, key: (run.cfg, str(adapt.source_folder(run.cfg)), str(out), run.lineage),
+    read=lambda result: adapt.ImportedSource.read(result),
+    tags=lambda run, out: {"checkpoint": out.result.checkpoint, **_source_tags(run)},
     after=_imported,
 )
 DATA_PREP = Stage(
@@ -235,6 +232,6 @@ EVALUATE = Stage(
     summary=lambda run, out: artifacts.evaluation_markdown(out.result, out.cached),
     title="evaluation",
 )
-# data prep -> the import of an HF folder given as `train.init_from` (first: it sets the tokenizer the data is
+# the import of an HF folder given as `train.init_from_hf` (first: it sets the tokenizer the data is
 # read through) -> training -> HF export -> evaluation; the registry follows (`run_pipeline`)
 PRETRAIN_STAGES = [IMPORT, DATA_PREP, TRAIN, CONVERT, EVALUATE]

@@ -62,11 +62,11 @@ def train_task(cfg: PipelineConfig, manifest: dict, env: dict[str, str]) -> Trai
 
 
 @task(name="import-hf", cache_policy=NO_CACHE)
-def import_task(cfg: PipelineConfig, folder: str, out_dir: str) -> str:
-    """A pretrained model's HF folder -> a megatron checkpoint of its weights (`train.init_from`)."""
-    out = adapt.import_source(cfg, Path(folder), Path(out_dir))
-    get_run_logger().info(f"imported {folder} -> {out}")
-    return str(out)
+def import_task(cfg: PipelineConfig, folder: str, out_dir: str, lineage: dict | None = None) -> adapt.ImportedSource:
+    """A pretrained model's HF folder -> a megatron checkpoint of its weights (what `train.init_from` trains from)."""
+    imported = adapt.import_source(cfg, Path(folder), Path(out_dir), lineage)
+    get_run_logger().info(f"imported {folder} -> {imported.checkpoint}")
+    return imported
 
 
 @task(name="export-source-ar", cache_policy=NO_CACHE)

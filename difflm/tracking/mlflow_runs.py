@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from difflm.config import PipelineConfig
-from difflm.rundir import TrainResult
+from difflm.rundir import TrainResult, Workdir
 from difflm.tracking import registry
 
 
@@ -27,14 +27,16 @@ def tracking_uri(cfg: PipelineConfig) -> str:
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
-def _experiment_id(cfg: PipelineConfig) -> str:
+def experiment_id(cfg: PipelineConfig) -> str:
+    """The id of the config's MLflow experiment in the current tracking store, created when missing (the one
+    place that creates it: the pipeline's runs and evaluate-latest's alike)."""
     import mlflow
 
     exp = mlflow.get_experiment_by_name(cfg.tracking.experiment)
     if exp is None:
         artifacts = None
         if tracking_uri(cfg).startswith("sqlite:///"):  # keep artifacts beside the store, not in ./mlruns
-            artifacts = (Path(cfg.workdir) / "mlartifacts").resolve().as_uri()
+            artifacts = Workdir.of(cfg).mlartifacts.as_uri()
         exp = mlflow.get_experiment(mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts))
     if exp.tags.get(EXPERIMENT_KIND[0]) is None:  # a user's own choice in the UI is kept
         mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
@@ -94,7 +96,7 @@ def _start_pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]
         os.environ.setdefault(key, val)  # an unreachable server costs seconds, not MLflow's default minutes
     try:
         mlflow.set_tracking_uri(tracking_uri(cfg))
-        run = mlflow.start_run(experiment_id=_experiment_id(cfg), run_name=run_name, tags={**lineage_tags(), **tags})
+        run = mlflow.start_run(experiment_id=experiment_id(cfg), run_name=run_name, tags={**lineage_tags(), **tags})
         mlflow.log_params(cfg.flat())
         mlflow.log_dict(cfg.model_dump(mode="json"), "config/resolved.yaml")
         return run
