@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
+
 from difflm.rundir import TrainResult
+from difflm.tracking.registry import TRAINING_VIEW
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -131,8 +134,6 @@ def mlflow_run_url(uri: str | None, experiment_id: str | None, run_id: str | Non
     """The run's page on an MLflow server; None for a local store (no server to link to)."""
     if not (uri and run_id and experiment_id) or not uri.startswith(("http://", "https://")):
         return None
-    from difflm.tracking.registry import TRAINING_VIEW
-
     return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
 
 
@@ -142,8 +143,6 @@ def mlflow_curves_url(uri: str | None, experiment_id: str | None, run_id: str | 
     pass the `mlflow ui` address that will serve it."""
     if not (uri and run_id and experiment_id) or not uri.startswith(("http://", "https://")):
         return None
-    from difflm.tracking.registry import TRAINING_VIEW
-
     query = f"viewStateShareKey={run_id}&compareRunsMode=CHART&{TRAINING_VIEW}"
     return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs?{query}"
 
@@ -158,8 +157,6 @@ def mlflow_artifact_url(uri: str | None, run_id: str | None, path: str) -> str |
 def publish(key: str, markdown: str, description: str, link: str | None = None) -> None:
     """Attach the summary (and the MLflow link) to the current flow run; a failure is printed, not raised."""
     try:
-        from prefect.artifacts import create_link_artifact, create_markdown_artifact
-
         create_markdown_artifact(key=key, markdown=markdown, description=description)
         if link:
             create_link_artifact(
