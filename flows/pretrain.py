@@ -1,6 +1,7 @@
-"""The flagship flow `pretrain-difflm`: data prep -> training (torchrun, Slurm or Kubernetes) -> HF export ->
-evaluation. One MLflow run per execution with a nested run per stage; each stage cached by Prefect under the
-hash that names its output; a markdown summary per stage as a Prefect artifact."""
+"""The flagship flow `pretrain-difflm`: (the import of an HF source) -> data prep -> training (torchrun, Slurm or
+Kubernetes) -> HF export -> evaluation -> registry. The stages are the rows of PRETRAIN_STAGES (`flows.stages`):
+one MLflow run per execution with a nested run per stage; each stage cached by Prefect under the hash that names
+its output; a markdown summary per stage as a Prefect artifact."""
 
 from pathlib import Path
 

@@ -1,4 +1,7 @@
-"""MLflow tracking: one run per pipeline execution, a local sqlite store unless a URI is configured."""
+"""MLflow tracking: one run per pipeline execution, a local sqlite store unless a URI is configured.
+
+MLflow (seconds to import) is imported inside the functions that use it: the CLI's `--help` and runs with
+tracking off never load it."""
 
 from __future__ import annotations
 
