@@ -42,7 +42,7 @@ def run(mode: str, preset: str, iters: int | None, workdir: str) -> dict:
     return {
         "mode": mode,
         "what": MODES[mode][0],
-        "reused": info["reused"],
+        "reused": info.reused,
         "train_s": trained_s,
         "iters": cfg.train.train_iters,
         **results["bounds"],

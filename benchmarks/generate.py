@@ -30,6 +30,8 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from difflm.rundir import Workdir
+
 
 def samplers(n: int) -> dict[str, dict]:
     """name -> MaskedSampler fields; the first is the baseline."""
@@ -50,7 +52,7 @@ def samplers(n: int) -> dict[str, dict]:
 
 
 def newest_run(workdir: Path, mode: str = "difflm-noshift", required: bool = True) -> str | None:
-    runs = sorted((workdir / "runs").glob(f"{mode}-*/hf/config.json"), key=lambda p: p.stat().st_mtime)
+    runs = sorted(Workdir(workdir).runs.glob(f"{mode}-*/hf/config.json"), key=lambda p: p.stat().st_mtime)
     if not runs:
         if not required:
             return None

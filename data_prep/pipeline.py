@@ -34,6 +34,7 @@ from data_prep.tokenizer import TokenizerError, TokenizerInfo, describe, load_to
 from data_prep.verify import verify
 from difflm.config import PARTITION, PipelineConfig, SourceConfig
 from difflm.errors import UserError, disk_full, is_disk_full
+from difflm.rundir import Workdir
 
 MANIFEST = "manifest.json"
 FAULTS = "logs/file_faults"  # one JSON report per damaged or unreadable input file
@@ -326,7 +327,7 @@ def summary_line(manifest: dict) -> str:
 
 
 def data_dir(cfg: PipelineConfig) -> Path:
-    return Path(cfg.workdir).resolve() / "data" / cfg.stage_hash("data", "tokenizer")
+    return Workdir.of(cfg).data(cfg.stage_hash("data", "tokenizer"))
 
 
 def prepare_data(cfg: PipelineConfig) -> dict:

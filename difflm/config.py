@@ -572,6 +572,12 @@ def with_mode(cfg: PipelineConfig, mode: str, **settings: Any) -> PipelineConfig
     return cfg.model_copy(update={"diffusion": diffusion})
 
 
+def is_hf_folder(path: str | None) -> bool:
+    """A Hugging Face model folder (config.json), not a megatron checkpoint (metadata.json)."""
+    folder = Path(path).expanduser() if path else None
+    return bool(folder) and (folder / "config.json").exists() and not (folder / "metadata.json").exists()
+
+
 class TrainConfig(_Section):
     seq_length: int = Field(128, ge=8)
     micro_batch_size: int = Field(8, ge=1)
@@ -617,8 +623,14 @@ class TrainConfig(_Section):
     init_from: str | None = Field(
         None,
         description="Megatron checkpoint (model weights, any TP/PP) to start from, e.g. from "
-        "`difflm convert HF_DIR --out CKPT`; in the flows (`difflm run`, adapt-difflm) also an HF folder, imported "
-        "once into <workdir>/imports/. The optimizer starts fresh.",
+        "`difflm convert HF_DIR --out CKPT`. The optimizer starts fresh.",
+    )
+    init_from_hf: str | None = Field(
+        None,
+        json_schema_extra=IF_SET,  # the import replaces it by `init_from` = its checkpoint before the run is named
+        description="A pretrained model's Hugging Face folder to start from (the flows: `difflm run`, adapt-difflm): "
+        "imported once into <workdir>/imports/, then trained from as `init_from`; its architecture and tokenizer "
+        "are the model's.",
     )
     precision: Literal["fp32", "bf16"] = Field("fp32", description="bf16: bf16 params/compute, fp32 main weights.")
     fp8: Literal["hybrid", "e4m3"] | None = Field(None, description="FP8 recipe (Transformer Engine on GPU only).")
@@ -640,6 +652,20 @@ class TrainConfig(_Section):
     )
     slurm: SlurmLaunchConfig = Field(default_factory=SlurmLaunchConfig, json_schema_extra=OPERATIONAL)
     kubernetes: KubernetesLaunchConfig = Field(default_factory=KubernetesLaunchConfig, json_schema_extra=OPERATIONAL)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _hf_folder_as_init_from(cls, data: Any) -> Any:
+        """`init_from=<an HF folder>`, its meaning before `init_from_hf` existed, still works for a release."""
+        if isinstance(data, dict) and is_hf_folder(data.get("init_from")) and not data.get("init_from_hf"):
+            warnings.warn(
+                "train.init_from=<a Hugging Face folder> is deprecated: use train.init_from_hf (train.init_from "
+                "is a megatron checkpoint)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            data = {**data, "init_from": None, "init_from_hf": data["init_from"]}
+        return data
 
     @model_validator(mode="after")
     def _schedule(self) -> TrainConfig:

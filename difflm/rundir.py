@@ -14,14 +14,23 @@
         eval_latest/           hf/ and scores.json of evaluate-latest
         preempted.json, stopped.json   why the trainer stopped (resume me; non-finite values)
 
+The workdir around the runs is `Workdir`: `runs/` (named by `Workdir.run_for`), `data/<data hash>/`,
+`imports/<source>/` (`ImportDir`), `evals/`, `reports/` and `mlartifacts/`. Every launcher returns a `TrainResult`.
+
 An export (any folder with difflm_export.json) records the checkpoint it was written from: `exported_from`.
-Only the standard library and difflm.config: the launcher, the trainer, the flows and the CLI all read it.
+Only the standard library, pydantic-core and difflm.config: the launcher, the trainer, the flows and the CLI all
+read it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+from typing import Any
+
+from pydantic.dataclasses import dataclass
+from pydantic_core import core_schema
 
 from difflm.config import PipelineConfig, load_config
 
@@ -41,6 +50,12 @@ PREEMPTED = "preempted.json"  # written on a preemption signal: the launcher rea
 STOPPED = "stopped.json"  # written when training stops on non-finite values
 EXPORT_MARKER = "difflm_export.json"  # in an HF export: {"checkpoint": the folder it was exported from, ...}
 EVAL_KEY = ".cache_key"  # in an evaluation folder: what the pipeline's results there were computed for
+SCORES = "scores.json"  # in eval_latest/: {iteration: score} of the checkpoints evaluate-latest scored
+CHECKPOINT_METADATA = "metadata.json"  # in a megatron checkpoint folder: written last, so it marks one complete
+
+RUNS, DATA, IMPORTS, EVALS, REPORTS, MLARTIFACTS = "runs", "data", "imports", "evals", "reports", "mlartifacts"
+# the config sections that determine the trained weights: their hash names the run (with the mode and data hash)
+TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")
 
 
 # ---- checkpoints/ (no megatron needed to read which one is complete) ---------------------------------------
@@ -141,6 +156,11 @@ class RunDir:
         return self.path / EVAL_LATEST
 
     @property
+    def scores(self) -> Path:
+        """eval_latest/scores.json: what evaluate-latest scored, by iteration."""
+        return self.eval_latest / SCORES
+
+    @property
     def preempted(self) -> Path:
         return self.path / PREEMPTED
 
@@ -211,6 +231,14 @@ class RunDir:
         return None
 
     @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> core_schema.CoreSchema:
+        """Validated from a path and serialised as its text: a `TrainResult` crosses Prefect's JSON results."""
+        return core_schema.no_info_plain_validator_function(
+            lambda v: v if isinstance(v, RunDir) else cls(v),
+            serialization=core_schema.plain_serializer_function_ser_schema(lambda r: str(r.path)),
+        )
+
+    @classmethod
     def holding(cls, folder: str | Path) -> RunDir | None:
         """The run directory that `folder` belongs to: a run itself, its checkpoints/, one checkpoint, or an export
         (followed to the checkpoint it names, wherever the export lies); None if none."""
@@ -223,3 +251,111 @@ class RunDir:
             if run.is_run():
                 return run
         return None
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What every launcher (torchrun, Slurm, Kubernetes) returns for a finished run: the run directory, its final
+    checkpoint, and whether it was already finished (reused, nothing trained). A pydantic dataclass, so it is
+    stored and read back as JSON by Prefect's result store (the pipeline's cached stages)."""
+
+    run: RunDir
+    checkpoint: Path
+    reused: bool
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig, run: RunDir, reused: bool) -> TrainResult:
+        return cls(run, run.checkpoint(cfg.train.train_iters), reused)
+
+    @classmethod
+    def read(cls, value: TrainResult | dict) -> TrainResult:
+        """The result itself, or one a Prefect result store holds from before it was typed (a dict)."""
+        if isinstance(value, TrainResult):
+            return value
+        return cls(RunDir(value["run_dir"]), Path(value["checkpoint"]), bool(value["reused"]))
+
+    def to_dict(self) -> dict:
+        """{'run_dir', 'checkpoint', 'reused'}: what `difflm train` prints."""
+        return {"run_dir": str(self.run.path), "checkpoint": str(self.checkpoint), "reused": self.reused}
+
+
+def is_checkpoint(folder: str | Path) -> bool:
+    """A complete megatron checkpoint folder (its metadata.json is written last)."""
+    return (Path(folder) / CHECKPOINT_METADATA).exists()
+
+
+class ImportDir:
+    """<workdir>/imports/<source sha256[:16]>-tp<TP>-<mask token hash>: a source imported once. `megatron/` the
+    checkpoint of its weights, `hf-ar/` that checkpoint exported as an `ar` model, `eval-<data hash>/` its
+    evaluation."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"ImportDir({str(self.path)!r})"
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.path / "megatron"
+
+    @property
+    def hf_ar(self) -> Path:
+        return self.path / "hf-ar"
+
+    def eval_dir(self, data_hash: str) -> Path:
+        return self.path / f"eval-{data_hash}"
+
+    def is_complete(self) -> bool:
+        """The checkpoint was written whole (the importer writes metadata.json last)."""
+        return is_checkpoint(self.checkpoint)
+
+
+class Workdir:
+    """The folder everything of a config lives in (`cfg.workdir`): its runs, prepared data, imports, evaluations
+    of exports outside any run, reports and MLflow artifacts; and the rule that names a run."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path).resolve()
+
+    @classmethod
+    def of(cls, cfg: PipelineConfig) -> Workdir:
+        return cls(cfg.workdir)
+
+    def __repr__(self) -> str:
+        return f"Workdir({str(self.path)!r})"
+
+    @property
+    def runs(self) -> Path:
+        return self.path / RUNS
+
+    @property
+    def evals(self) -> Path:
+        return self.path / EVALS
+
+    @property
+    def reports(self) -> Path:
+        return self.path / REPORTS
+
+    @property
+    def mlartifacts(self) -> Path:
+        return self.path / MLARTIFACTS
+
+    def data(self, data_hash: str) -> Path:
+        """data/<hash of data + tokenizer settings>: the prepared data (`data_prep.pipeline`)."""
+        return self.path / DATA / data_hash
+
+    def run_for(self, cfg: PipelineConfig, manifest: dict) -> RunDir:
+        """runs/<mode>-<data hash>-<train hash>: the run that training `cfg` on the data of `manifest` writes."""
+        return RunDir(self.runs / run_name(cfg, manifest["hash"]))
+
+    def import_for(self, cfg: PipelineConfig, source_sha256: str) -> ImportDir:
+        """An import depends on the source's weights, the mask token and the vocabulary padding (TP) only."""
+        tp = cfg.parallel.tensor_model_parallel_size
+        mask = hashlib.sha256(cfg.tokenizer.mask_token.encode()).hexdigest()[:8]
+        return ImportDir(self.path / IMPORTS / f"{source_sha256[:16]}-tp{tp}-{mask}")
+
+
+def run_name(cfg: PipelineConfig, data_hash: str) -> str:
+    """<mode>-<data hash>-<hash of TRAIN_SECTIONS>: the name of the run training `cfg` on that data."""
+    return f"{cfg.diffusion.model_running_mode}-{data_hash}-{cfg.stage_hash(*TRAIN_SECTIONS)}"

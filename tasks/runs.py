@@ -8,9 +8,26 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import yaml
+
 from data_prep.pipeline import MANIFEST, prepare_data
-from difflm.config import PipelineConfig
-from difflm.rundir import EVAL_LATEST, HF, RunDir, is_export_of, iteration_of
+from data_prep.tokenizer import describe
+from difflm import tracking
+from difflm.config import PipelineConfig, load_config
+from difflm.rundir import EVAL_LATEST, HF, RunDir, is_checkpoint, is_export_of, iteration_of, run_name
+from models.evaluation.likelihood import likelihood_bound, validation_windows
+from models.evaluation.sources import resolve_export
+from models.evaluation.stages import (
+    EvaluationError,
+    check_tokenizer,
+    default_out_dir,
+    eval_device,
+    load_model,
+    placement,
+)
+from models.hf.convert import ConversionError, export_hf, import_hf
+from models.hf.importer import check_source, tokenizer_overrides
+from tasks import adapt
 
 CONVERT_HINT = (
     "pass a run directory (<workdir>/runs/<run>: its newest complete checkpoint), a megatron checkpoint "
@@ -30,12 +47,8 @@ def conversion_source(source: str | Path, to: str | None = None) -> dict:
     """What `source` converts from: {'to': 'hf' | 'megatron', 'path': the folder to read, 'run_dir': the training
     run holding it (or None), 'iteration': the checkpoint's iteration (or None)}. A run directory means its newest
     complete checkpoint (`checkpoints/latest`, written only after a save finished). ConversionError otherwise."""
-    from models.hf.convert import ConversionError
-
     path = Path(source).expanduser().resolve()
     if path.is_file() and path.suffix == ".gguf":
-        from models.hf.importer import check_source
-
         check_source(path)  # says how to make an HF folder of it
     if not path.is_dir():
         raise ConversionError(f"{source}: no such folder; {CONVERT_HINT}")
@@ -50,7 +63,7 @@ def conversion_source(source: str | Path, to: str | None = None) -> dict:
                 f"latest): wait for the first save (checkpoint.save_interval), or pass a checkpoint"
             )
         found = {"to": "hf", "path": run.checkpoint(it), "run_dir": path, "iteration": it}
-    elif (path / "metadata.json").exists():
+    elif is_checkpoint(path):
         found = {"to": "hf", "path": path, "run_dir": _run_of(path), "iteration": iteration_of(path)}
     elif is_stock_folder(path):  # Llama, Qwen2, Qwen3, Mistral...: models.hf.importer checks the rest
         found = {"to": "megatron", "path": path, "run_dir": None, "iteration": None, "stock": True}
@@ -77,24 +90,10 @@ def is_stock_folder(path: Path) -> bool:
     return config.exists() and json.loads(config.read_text()).get("model_type") != "difflm"
 
 
-def import_stock(cfg: PipelineConfig, src: Path, out: Path) -> list[str]:
-    """Import the stock HF folder `src` into the megatron checkpoint `out` (the model fields follow the source,
-    parallel.* sets the vocabulary padding); returns the overrides that train from it."""
-    from difflm.config import apply_overrides, validate
-    from models.hf.importer import import_pretrained, import_record, source_overrides, tokenizer_overrides
-
-    model = source_overrides(src)
-    cfg = validate(apply_overrides(cfg.model_dump(mode="json"), model))
-    import_pretrained(cfg, src, out)
-    return [f"train.init_from={out}", *tokenizer_overrides(import_record(out)["tokenizer"]), *model]
-
-
 def stage_config(run_dir: Path | None, preset: str | None = None, overrides: list[str] | None = None) -> PipelineConfig:
     """The config of a stage on an existing run: `preset` + overrides when a preset is given; else the run's own
     config.yaml (architecture and tokenizer settings as trained; workdir = the folder holding runs/, so MLflow is
     the training's store) + overrides; with neither, tiny-cpu + overrides."""
-    from difflm.config import load_config
-
     if preset or run_dir is None or not RunDir(run_dir).config_file.exists():
         return load_config(preset or "tiny-cpu", overrides or [])
     return RunDir(run_dir).config(overrides)
@@ -122,8 +121,6 @@ def source_config(
     `preset` given: preset + overrides. Else the config the run recorded + overrides; when these change its data
     and name no tokenizer.* field, tokenizer.path is the model's own tokenizer (the export's folder), so the other
     data is tokenized as the model was trained. A source outside any run: tiny-cpu + overrides."""
-    from difflm.config import load_config
-
     run = RunDir.holding(source)
     if preset or run is None or not run.has_inputs():
         return load_config(preset or "tiny-cpu", overrides or []), run
@@ -162,14 +159,8 @@ def evaluation_source(
 ) -> dict:
     """What `difflm eval SOURCE` evaluates: {'config', 'hf_dir', 'run_dir' (or None), 'manifest', 'out_dir',
     'other_data'}; data is prepared when it is not the run's recorded one (see `source_config`)."""
-    from difflm.tracking import tracking_uri as store_of
-    from models.evaluation.sources import resolve_export
-    from models.evaluation.stages import default_out_dir
-
     if source.startswith("models:/") and not tracking_uri:  # the store of the config the user named
-        from difflm.config import load_config
-
-        tracking_uri = store_of(load_config(preset or "tiny-cpu", overrides or []))
+        tracking_uri = tracking.tracking_uri(load_config(preset or "tiny-cpu", overrides or []))
     hf_dir = resolve_export(source, tracking_uri)
     cfg, run = source_config(hf_dir, preset, overrides)
     manifest = recorded_data(cfg, run) or prepare_data(cfg)
@@ -187,8 +178,6 @@ def evaluation_source(
 def export_checkpoint(cfg: PipelineConfig, manifest: dict, ckpt: Path, out: Path, iteration: int | None) -> bool:
     """Export `ckpt` to `out` unless `out` already holds its export; True when reused. A checkpoint pruned by the
     trainer while being read (checkpoint.keep_last) gives FileNotFoundError, so callers can take the newer one."""
-    from models.hf.convert import ConversionError, export_hf
-
     if is_export_of(out, ckpt):
         return True
     provenance = {"data_hash": manifest["hash"], "mode": cfg.diffusion.model_running_mode, "iteration": iteration}
@@ -219,9 +208,6 @@ def existing_export(run_dir: str | Path, ckpt: str | Path) -> Path | None:
 def convert_source(cfg: PipelineConfig, found: dict, out_dir: str | Path | None = None) -> dict:
     """Convert what `conversion_source` found; the output goes to `out_dir`, else <run>/exports/iter_XXXXXXX for a
     run's checkpoint, else next to the source (<name>-hf, <name>-megatron). Returns where and what."""
-    from data_prep.tokenizer import describe
-    from models.hf.convert import import_hf
-
     src, run = Path(found["path"]), found["run_dir"]
     done = existing_export(run, src) if run is not None and found["to"] == "hf" and not out_dir else None
     if done is not None:  # e.g. the run's own hf/ of its final checkpoint: no second copy of the same weights
@@ -247,8 +233,10 @@ def convert_source(cfg: PipelineConfig, found: dict, out_dir: str | Path | None 
         "out_dir": str(out),
         "reused": False,
     }
-    if found.get("stock"):
-        info["use"] = import_stock(cfg, src, out)
+    if found.get("stock"):  # the model fields follow the source, parallel.* sets the vocabulary padding
+        imported = adapt.import_source(adapt.with_source(cfg, src), src, out)
+        # what trains from it, printed for the user: `difflm train` takes these overrides
+        info["use"] = [f"train.init_from={out}", *tokenizer_overrides(imported.tokenizer), *adapt.source_overrides(src)]
         return info
     if found["to"] == "megatron":
         import_hf(cfg, src, out, describe(src, cfg.tokenizer).to_dict())
@@ -260,8 +248,6 @@ def convert_source(cfg: PipelineConfig, found: dict, out_dir: str | Path | None 
 
 def training_run_dir(run_dir: str | Path) -> Path:
     """`run_dir` resolved, checked to be a training run directory (EvaluationError saying what to pass)."""
-    from models.evaluation.stages import EvaluationError
-
     path = Path(run_dir).expanduser().resolve()
     if not RunDir(path).has_inputs():
         run = RunDir.holding(path)
@@ -275,13 +261,13 @@ def training_run_dir(run_dir: str | Path) -> Path:
 
 def evaluated_scores(run_dir: Path) -> dict[int, dict]:
     """{iteration: score record} of the checkpoints evaluate-latest has scored in this run."""
-    path = RunDir(run_dir).eval_latest / "scores.json"
+    path = RunDir(run_dir).scores
     return {int(k): v for k, v in json.loads(path.read_text()).items()} if path.exists() else {}
 
 
 def remember_score(run_dir: Path, record: dict) -> None:
     scores = {**evaluated_scores(run_dir), int(record["iteration"]): record}
-    path = RunDir(run_dir).eval_latest / "scores.json"
+    path = RunDir(run_dir).scores
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".part")  # a scheduled run killed mid-write leaves the old file intact
     tmp.write_text(json.dumps({str(k): v for k, v in sorted(scores.items())}, indent=2))
@@ -313,9 +299,6 @@ def export_newest(cfg: PipelineConfig, manifest: dict, run_dir: Path, attempts: 
 def score_export_bound(cfg: PipelineConfig, manifest: dict, hf_dir: Path, max_sequences: int) -> dict:
     """The held-out likelihood bound (ELBO; exact NLL for ar) of an export on at most `max_sequences` windows:
     the cheap score of evaluate-latest (the same estimator as the full evaluation, a smaller budget)."""
-    from models.evaluation.likelihood import likelihood_bound, validation_windows
-    from models.evaluation.stages import check_tokenizer, eval_device, load_model, placement
-
     model = load_model(hf_dir, *eval_device(cfg.eval))
     check_tokenizer(model, manifest, hf_dir)
     windows = validation_windows(
@@ -326,31 +309,12 @@ def score_export_bound(cfg: PipelineConfig, manifest: dict, hf_dir: Path, max_se
     return {**likelihood_bound(model, windows, cfg).to_dict(), **placement(model)}
 
 
-def _experiment(cfg: PipelineConfig) -> str:
-    """The id of the config's MLflow experiment, created as `difflm.tracking` creates it when missing."""
-    import mlflow
-
-    from difflm.tracking import tracking_uri
-
-    exp = mlflow.get_experiment_by_name(cfg.tracking.experiment)
-    if exp is not None:
-        return exp.experiment_id
-    local = tracking_uri(cfg).startswith("sqlite:///")  # artifacts beside the store, not in ./mlruns
-    return mlflow.create_experiment(
-        cfg.tracking.experiment,
-        artifact_location=((Path(cfg.workdir) / "mlartifacts").resolve().as_uri() if local else None),
-    )
-
-
 def training_mlflow_run(cfg: PipelineConfig, run_dir: Path, manifest: dict) -> str | None:
     """The MLflow run of the pretrain-difflm execution that trains `run_dir`, if any: the first run tagged with
     it (pretrain-difflm tags `train.run_dir` once training returns) or, while it trains, the newest
     pretrain-difflm run on the same data whose resolved config names this run directory."""
-    import mlflow
-    import yaml
+    import mlflow  # imported when tracking is on: runs with tracking.enabled=false never load it
     from mlflow.tracking import MlflowClient
-
-    from models.launch.torchrun import TRAIN_SECTIONS
 
     exp = mlflow.get_experiment_by_name(cfg.tracking.experiment)
     if exp is None:
@@ -378,8 +342,7 @@ def training_mlflow_run(cfg: PipelineConfig, run_dir: Path, manifest: dict) -> s
             )
         except Exception:  # no config artifact (tracking degraded then): not provably this run
             continue
-        name = f"{their.diffusion.model_running_mode}-{manifest['hash']}-{their.stage_hash(*TRAIN_SECTIONS)}"
-        if name == run_dir.name:
+        if run_name(their, manifest["hash"]) == run_dir.name:
             return run.info.run_id
     return None
 
@@ -388,18 +351,17 @@ def log_latest_score(cfg: PipelineConfig, run_dir: Path, manifest: dict, iterati
     """Log the score at step = `iteration` into the training's MLflow run, else into a run of its own (one per
     run directory, reused by every scheduled call, tagged difflm.run_dir); returns that run's id. Tracking
     problems degrade (reported, not raised), as everywhere in the pipeline."""
-    from difflm import tracking
 
     @tracking.tolerant
     def log() -> str:
-        import mlflow
+        import mlflow  # as above: only with tracking on
         from mlflow.tracking import MlflowClient
 
         mlflow.set_tracking_uri(tracking.tracking_uri(cfg))
         client = MlflowClient()
         run_id = training_mlflow_run(cfg, run_dir, manifest)
         if run_id is None:
-            exp = _experiment(cfg)
+            exp = tracking.experiment_id(cfg)
             mine = client.search_runs(
                 [exp], f"tags.flow = 'evaluate-latest' and tags.`difflm.run_dir` = '{run_dir}'", max_results=1
             )

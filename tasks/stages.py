@@ -17,10 +17,12 @@ from prefect.cache_policies import NO_CACHE
 from data_prep.pipeline import prepare_data
 from difflm.config import PipelineConfig
 from difflm.errors import DiffLMError
+from difflm.rundir import TrainResult
 from models.evaluation.likelihood import KIND_LABELS
 from models.evaluation.report import write_comparison
 from models.evaluation.stages import convert_checkpoint, evaluate_export, sweep_export
-from models.launch.cluster import submit_kubernetes, submit_slurm
+from models.launch.kubernetes import submit_kubernetes
+from models.launch.slurm import submit_slurm
 from models.launch.torchrun import launch_training
 from tasks import adapt
 from tasks.cache import eval_done
@@ -48,9 +50,9 @@ def _resumable(task, task_run, state) -> bool:
 
 
 @task(name="train", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=_resumable)
-def train_task(cfg: PipelineConfig, manifest: dict, env: dict[str, str]) -> dict:
+def train_task(cfg: PipelineConfig, manifest: dict, env: dict[str, str]) -> TrainResult:
     """Train with `train.launcher`: local torchrun, or a Slurm job / Kubernetes PyTorchJob submitted and waited for.
-    Every launcher trains into the same run directory and returns the same {'run_dir', 'checkpoint', 'reused'}."""
+    Every launcher trains into the same run directory and returns its `TrainResult`."""
     logger = get_run_logger()
     if cfg.train.launcher == "slurm":
         return submit_slurm(cfg, manifest, echo=logger.info, env=env)
@@ -60,11 +62,11 @@ def train_task(cfg: PipelineConfig, manifest: dict, env: dict[str, str]) -> dict
 
 
 @task(name="import-hf", cache_policy=NO_CACHE)
-def import_task(cfg: PipelineConfig, folder: str, out_dir: str) -> str:
-    """A pretrained model's HF folder -> a megatron checkpoint of its weights (`train.init_from`)."""
-    out = adapt.import_source(cfg, Path(folder), Path(out_dir))
-    get_run_logger().info(f"imported {folder} -> {out}")
-    return str(out)
+def import_task(cfg: PipelineConfig, folder: str, out_dir: str, lineage: dict | None = None) -> adapt.ImportedSource:
+    """A pretrained model's HF folder -> a megatron checkpoint of its weights (what `train.init_from` trains from)."""
+    imported = adapt.import_source(cfg, Path(folder), Path(out_dir), lineage)
+    get_run_logger().info(f"imported {folder} -> {imported.checkpoint}")
+    return imported
 
 
 @task(name="export-source-ar", cache_policy=NO_CACHE)
@@ -74,8 +76,8 @@ def export_source_task(cfg: PipelineConfig, tokenizer: dict, ckpt: str, out_dir:
 
 
 @task(name="convert-to-hf", cache_policy=NO_CACHE)
-def convert_task(cfg: PipelineConfig, manifest: dict, train_info: dict) -> str:
-    out = convert_checkpoint(cfg, manifest, train_info)
+def convert_task(cfg: PipelineConfig, manifest: dict, trained: TrainResult) -> str:
+    out = convert_checkpoint(cfg, manifest, trained)
     get_run_logger().info(f"Hugging Face export: {out}")
     return str(out)
 

@@ -160,7 +160,7 @@ def test_annealed_cart_training_runs_and_learns(session_dir, tiny_manifest):
         "checkpoint.save_interval=20",
     )
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
-    records = read_metrics(info["run_dir"])
+    records = read_metrics(info.run.path)
     vals = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(vals) == 2 and vals[-1] < vals[0], vals
     assert all(r["loss"] == r["loss"] for r in records if "loss" in r)  # finite
@@ -406,3 +406,33 @@ def test_smollm2_adapts_its_elbo_falls_and_sits_next_to_its_own_nll(session_dir,
         logits = reference(windows).logits[:, :-1]
     nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
     assert source["nll_per_token"] == pytest.approx(float(nll), rel=1e-4)
+
+
+# ---- train.init_from (a megatron checkpoint) apart from train.init_from_hf (an HF folder to import) -------------
+
+
+def test_an_hf_folder_as_init_from_moves_to_init_from_hf_with_a_warning(tmp_path):
+    folder, ckpt = tmp_path / "hf", tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    ckpt.mkdir()
+    (ckpt / "metadata.json").write_text("{}")
+    with pytest.warns(DeprecationWarning, match="train.init_from_hf"):
+        old = load_config("test-tiny", [f"workdir={tmp_path}", f"train.init_from={folder}"])
+    assert old.train.init_from is None and old.train.init_from_hf == str(folder)
+    assert load_config("test-tiny", [f"train.init_from={ckpt}"]).train.init_from == str(ckpt)  # a checkpoint stays
+
+
+def test_a_run_from_an_hf_folder_keeps_its_name(tmp_path):
+    """The import stage resolves init_from_hf once into a typed value; the config it trains is named as before
+    init_from_hf existed: init_from = the imported checkpoint, nothing else."""
+    from difflm.rundir import Workdir
+    from tasks.adapt import ImportedSource, with_import
+
+    ckpt = tmp_path / "imports" / "x" / "megatron"
+    cfg = load_config("test-tiny", [f"workdir={tmp_path}", "train.init_from_hf=/models/source"])
+    trained = with_import(cfg, ImportedSource(ckpt, None, {"sha256": "x"}))
+    before = load_config("test-tiny", [f"workdir={tmp_path}", f"train.init_from={ckpt}"])  # how it was named
+    manifest = {"hash": "d" * 16}
+    assert trained.train.init_from == str(ckpt) and trained.train.init_from_hf is None
+    assert Workdir.of(trained).run_for(trained, manifest) == Workdir.of(before).run_for(before, manifest)

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from difflm.rundir import RunDir, TrainResult
 from tasks import artifacts
 from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
 
@@ -32,7 +33,7 @@ def test_summaries_show_what_a_user_checks_first():
         {"step": s, "loss": 6.0 - s / 10, **({"val_loss": 6.1 - s / 10} if s % 5 == 0 else {})} for s in range(1, 21)
     ]
     train = artifacts.training_markdown(
-        {"run_dir": "/w/runs/difflm-noshift-abc", "checkpoint": "/c", "reused": False}, records, cached=True
+        TrainResult(RunDir("/w/runs/difflm-noshift-abc"), Path("/c"), reused=False), records, cached=True
     )
     assert "difflm-noshift-abc" in train and "loss 5.9000 → 4.0000 over 20 steps" in train
     assert "| 20 | 4.1000 |" in train and "Prefect cache" in train
@@ -53,7 +54,7 @@ def test_training_figure_from_the_mlflow_server():
     assert artifacts.mlflow_artifact_url("sqlite:///x.db", "r", "train/curves.png") is None
     url = artifacts.mlflow_artifact_url("http://h:5000", "r1", "train/curves.png")
     assert url == "http://h:5000/get-artifact?path=train/curves.png&run_id=r1"
-    md = artifacts.training_markdown({"run_dir": "/w/runs/x", "checkpoint": "/c"}, [], curves_url=url)
+    md = artifacts.training_markdown(TrainResult(RunDir("/w/runs/x"), Path("/c"), False), [], curves_url=url)
     assert f"![training curves]({url})" in md
 
 

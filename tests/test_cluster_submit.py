@@ -9,6 +9,7 @@ import json
 import os
 import stat
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -189,7 +190,7 @@ def test_kubernetes_launcher_trains_the_same_run_as_a_local_launch(
     # rerun: the failed job is deleted and a new one trains the run of a local launch
     monkeypatch.delenv("FAKE_K8S_POD_FAILS")
     info = train_task(cfg, tiny_manifest, {"DIFFLM_TEST_ENV": "into the pod"})
-    assert info["run_dir"] == str(rdir) and not info["reused"] and Path(info["checkpoint"]).name == "iter_0000004"
+    assert info.run.path == rdir and not info.reused and info.checkpoint.name == "iter_0000004"
     verbs = [c[1] for c in _calls(cluster, "kubectl") if c[1] in ("apply", "delete")]
     assert verbs == ["apply", "delete", "apply"]
     job = yaml.safe_load((rdir / "pytorchjob.yaml").read_text())
@@ -198,8 +199,8 @@ def test_kubernetes_launcher_trains_the_same_run_as_a_local_launch(
     assert container["command"][container["command"].index("--run-dir") + 1] == str(rdir)
     assert "[train] mode=difflm-noshift" in (tmp_path / "cluster" / f"pod-{name}-master-0.log").read_text()
 
-    assert launch_training(local, tiny_manifest, echo=lambda _: None) == {**info, "reused": True}
-    assert train_task(cfg, tiny_manifest, {}) == {**info, "reused": True}
+    assert launch_training(local, tiny_manifest, echo=lambda _: None) == replace(info, reused=True)
+    assert train_task(cfg, tiny_manifest, {}) == replace(info, reused=True)
     assert len([c for c in _calls(cluster, "kubectl") if c[1] == "apply"]) == 2
 
 

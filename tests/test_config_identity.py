@@ -250,6 +250,7 @@ IDENTITY = {
         "nproc_per_node",
         "nnodes",
         "init_from",
+        "init_from_hf",  # IF_SET: the import replaces it by init_from before a run is named
         "precision",
         "fp8",
         "torch_threads",
@@ -315,7 +316,9 @@ def test_an_operational_field_does_not_fork_the_run_directory():
 def test_identity_leaves_out_the_operational_fields_only():
     cfg = validate(copy.deepcopy(TEST_TINY))
     ident = cfg.identity("train")
-    assert set(ident) == IDENTITY["train"] and ident["lr"] == cfg.train.lr
+    assert set(ident) == IDENTITY["train"] - {"init_from_hf"} and ident["lr"] == cfg.train.lr  # IF_SET, unset
+    hf = validate(apply_overrides(copy.deepcopy(TEST_TINY), ["train.init_from_hf=/models/smollm2"]))
+    assert hf.identity("train")["init_from_hf"] == "/models/smollm2"
     assert cfg.identity("data")["slurm"] == cfg.data.slurm.model_dump(mode="json")
 
 

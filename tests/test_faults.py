@@ -19,6 +19,7 @@ import torch
 from fault_injection import fault_launch
 from helpers import assert_same_weights, tiny_config
 
+from difflm.rundir import TrainResult
 from models.launch.torchrun import TrainingError, TrainingPreempted, launch_training, read_metrics, run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,10 +34,10 @@ FAST = (
 )
 
 
-def _weights(info: dict) -> dict[str, torch.Tensor]:
+def _weights(info: TrainResult) -> dict[str, torch.Tensor]:
     from models.hf.convert import load_megatron_weights
 
-    return load_megatron_weights(Path(info["checkpoint"]))
+    return load_megatron_weights(info.checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +133,7 @@ def test_sigterm_checkpoints_exits_as_preempted_and_resumes_identically(session_
 def test_nonfinite_steps_are_skipped_or_stop_training(session_dir, tiny_manifest):
     cfg = tiny_config(session_dir / "faults-nan-skip", *FAST)
     info = launch_training(cfg, tiny_manifest, **fault_launch({6}), echo=lambda _: None)
-    recs = read_metrics(info["run_dir"])
+    recs = read_metrics(info.run.path)
     assert [r["nonfinite_skipped"] for r in recs if "nonfinite_skipped" in r] == [1]
     final = [r["loss"] for r in recs if "loss" in r and r["step"] == 16]
     assert final and final[0] == final[0] and final[0] < 100  # finite: the bad update was never applied
@@ -283,7 +284,7 @@ def test_prefect_retry_after_a_crash_resumes_training(session_dir, tiny_manifest
     threading.Thread(target=killer, daemon=True).start()
     info = train_only()
     log = (rdir / "train.log").read_text()
-    assert re.search(r"start_iter=[1-9]", log) and info["checkpoint"].endswith("iter_0000016")
+    assert re.search(r"start_iter=[1-9]", log) and info.checkpoint.name == "iter_0000016"
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import torch
 from conftest import tiny_config
 from hf_stock import KINDS, VOCAB, tiny_stock, tiny_tokenizer
 
+from difflm.rundir import RunDir, TrainResult
 from models.hf.convert import ConversionError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,7 +221,7 @@ def test_an_ar_run_exports_the_stock_class_that_lm_eval_scores(megatron_single_p
     ckpt = tmp_path / "run" / "checkpoints" / "iter_0000001"
     ckpt.mkdir(parents=True)
     dist_checkpointing.save(model.sharded_state_dict(prefix=""), str(ckpt))
-    info = {"run_dir": str(tmp_path / "run"), "checkpoint": str(ckpt)}
+    info = TrainResult(RunDir(tmp_path / "run"), ckpt, reused=False)
     stock = export_stock_class(cfg, tiny_manifest, info)
     assert stock == tmp_path / "run" / "hf-stock"
     assert type(AutoModelForCausalLM.from_pretrained(str(stock))).__name__ == "LlamaForCausalLM"
@@ -255,10 +256,10 @@ def test_training_starts_from_an_imported_qwen2(tmp_path):
         manifest = prepare_data(cfg)
         assert manifest["tokenizer"]["mask_id"] == VOCAB  # the added mask token
         info = launch_training(cfg, manifest, echo=lambda _: None)
-        starts.append([r["val_loss"] for r in read_metrics(info["run_dir"]) if r["step"] == 0 and "val_loss" in r][0])
+        starts.append([r["val_loss"] for r in read_metrics(info.run.path) if r["step"] == 0 and "val_loss" in r][0])
         if len(starts) == 1:
             convert_checkpoint(cfg, manifest, info)
-            config = json.loads((Path(info["run_dir"]) / "hf-stock" / "config.json").read_text())
+            config = json.loads((info.run.path / "hf-stock" / "config.json").read_text())
             assert config["architectures"] == ["Qwen2ForCausalLM"]
     assert starts[0] != pytest.approx(starts[1], rel=1e-3)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import tiny_config
 
-from difflm.rundir import RunDir, exported_from, is_export_of, iteration_of, latest_iteration
+from difflm.rundir import RunDir, TrainResult, Workdir, exported_from, is_export_of, iteration_of, latest_iteration
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -163,7 +163,7 @@ def own_run(tmp_path_factory) -> RunDir:
     )
     manifest = prepare_data(cfg)
     run = RunDir(run_dir(cfg, manifest))
-    write_run_inputs(cfg, manifest, run.path)
+    write_run_inputs(cfg, manifest, run)
     final = run.checkpoint(cfg.train.train_iters)
     final.mkdir(parents=True)
     (final / "metadata.json").write_text("{}")
@@ -289,3 +289,44 @@ def test_difflm_eval_of_a_run_and_of_its_export_uses_the_recorded_data(own_run, 
     out = capsys.readouterr().out
     assert "not the data its run was trained on" in out and f"{own_run.path}/eval-" in out
     assert (own_run.path / "eval" / "results.json").read_bytes() == before
+
+
+# ---- the workdir, and the typed results that cross Prefect's result store ------------------------------------
+
+
+def test_the_workdir_owns_its_folders_and_the_run_name(tmp_path):
+    from models.launch.torchrun import TRAIN_SECTIONS, run_dir
+
+    cfg = tiny_config(tmp_path)
+    manifest = {"hash": cfg.stage_hash("data", "tokenizer")}
+    work = Workdir.of(cfg)
+    run = work.run_for(cfg, manifest)
+    name = f"{cfg.diffusion.model_running_mode}-{manifest['hash']}-{cfg.stage_hash(*TRAIN_SECTIONS)}"
+    assert run == RunDir(tmp_path.resolve() / "runs" / name) and run_dir(cfg, manifest) == run.path
+    assert work.data(manifest["hash"]) == tmp_path.resolve() / "data" / manifest["hash"]
+    assert (work.evals, work.mlartifacts) == (tmp_path.resolve() / "evals", tmp_path.resolve() / "mlartifacts")
+    imported = work.import_for(cfg, "ab" * 32)
+    assert imported.path.parent == tmp_path.resolve() / "imports" and imported.path.name.startswith("ab" * 8 + "-tp1-")
+    assert not imported.is_complete()
+    imported.checkpoint.mkdir(parents=True)
+    (imported.checkpoint / "metadata.json").write_text("{}")
+    assert imported.is_complete() and run.scores == run.path / "eval_latest" / "scores.json"
+
+
+def test_typed_results_survive_prefects_json_result_store(tmp_path):
+    """The pipeline's stages persist results as JSON (tasks.cache.run_stage); a cache hit reads them back typed,
+    and a record stored before the results were typed (a dict, a path) still reads."""
+    from prefect.serializers import JSONSerializer
+
+    from tasks.adapt import ImportedSource
+
+    result = TrainResult(
+        RunDir(tmp_path / "runs" / "r"), tmp_path / "runs" / "r" / "checkpoints" / "iter_0000004", False
+    )
+    imported = ImportedSource(tmp_path / "megatron", {"path": "/t", "tokens": {"mask_token": "<m>"}}, {"sha256": "x"})
+    store = JSONSerializer()
+    for value in (result, imported):
+        assert store.loads(store.dumps(value)) == value
+    old = {"run_dir": str(result.run.path), "checkpoint": str(result.checkpoint), "reused": False}
+    assert TrainResult.read(store.loads(store.dumps(old))) == result and result.to_dict() == old
+    assert ImportedSource.read(str(tmp_path / "megatron")).checkpoint == tmp_path / "megatron"

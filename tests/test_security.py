@@ -340,7 +340,7 @@ def test_disk_full_during_a_checkpoint_save_is_one_line_and_the_rerun_resumes(tm
     assert "training resumes from iteration 4" in str(err.value)
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)  # space freed: resumes and finishes
     assert "start_iter=4" in (run_dir(cfg, tiny_manifest) / "train.log").read_text()
-    assert info["checkpoint"].endswith("iter_0000008")
+    assert info.checkpoint.name == "iter_0000008"
 
 
 # ---- difflm eval never runs an export's code -----------------------------------------------------------------

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from helpers import assert_same_weights, tiny_config
 from scenarios import SCENARIOS
 from servers import BIN, stop
 
+from difflm.rundir import TrainResult
 from models.launch.cluster import SLURM_ACTIVE, ClusterError, slurm_job_state, slurm_script, submit_slurm
 from models.launch.torchrun import TrainingError, is_finished, launch_training, read_metrics, run_dir
 
@@ -67,8 +69,8 @@ def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, slurm_cl
     # the real job: same run directory as a local launch (the launcher is not part of the run's identity)
     cfg = tiny_config(work, *SHORT, *SLURM)
     info = train_task(cfg, tiny_manifest, {"DIFFLM_TEST_ENV": "through sbatch"})
-    assert info["run_dir"] == str(rdir) and not info["reused"] and Path(info["checkpoint"]).is_dir()
-    assert Path(info["checkpoint"]).name == "iter_0000004" and (rdir / "curves.png").exists()
+    assert info.run.path == rdir and not info.reused and info.checkpoint.is_dir()
+    assert info.checkpoint.name == "iter_0000004" and (rdir / "curves.png").exists()
     job_id = json.loads((rdir / "slurm-job.json").read_text())["job_id"]
     assert job_id != failed_id and len(_job_logs(rdir)) == 2
     log = (rdir / f"slurm-{job_id}.out").read_text()
@@ -80,8 +82,8 @@ def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, slurm_cl
     assert "#SBATCH --gpus-per-node" not in script and "export DIFFLM_TEST_ENV='through sbatch'" in script
 
     # a local launch of the same config reuses it, and so does the slurm launcher, without submitting
-    assert launch_training(local, tiny_manifest, echo=lambda _: None) == {**info, "reused": True}
-    assert train_task(cfg, tiny_manifest, {}) == {**info, "reused": True}
+    assert launch_training(local, tiny_manifest, echo=lambda _: None) == replace(info, reused=True)
+    assert train_task(cfg, tiny_manifest, {}) == replace(info, reused=True)
     assert len(_job_logs(rdir)) == 2
 
 
@@ -126,7 +128,7 @@ PREEMPT += ["train.log_interval=1", f"train.eval_interval={PREEMPT_ITERS}", "tra
 
 
 @pytest.fixture(scope="module")
-def preempt_reference(tmp_path_factory, tiny_manifest) -> dict:
+def preempt_reference(tmp_path_factory, tiny_manifest) -> TrainResult:
     """The uninterrupted local run of PREEMPT that the preempted jobs must end equal to, bit for bit."""
     work = tmp_path_factory.mktemp("preempt-ref")
     return launch_training(tiny_config(work, *PREEMPT), tiny_manifest, echo=lambda _: None)
@@ -215,8 +217,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(
     preempted_at = int(saved.group(1))
     assert 2 <= preempted_at < PREEMPT_ITERS and f"start_iter={preempted_at}" in log  # the requeued job resumed
     assert len(_job_logs(rdir)) == 1 and json.loads((rdir / "slurm-job.json").read_text())["job_id"] == job_id
-    assert Path(info["checkpoint"]).name == f"iter_{PREEMPT_ITERS:07d}" and not info["reused"]
-    assert_same_weights(_weights(info["checkpoint"]), _weights(preempt_reference["checkpoint"]))
+    assert info.checkpoint.name == f"iter_{PREEMPT_ITERS:07d}" and not info.reused
+    assert_same_weights(_weights(info.checkpoint), _weights(preempt_reference.checkpoint))
 
 
 # ---- the time limit: --signal=B:USR1@N before it, checkpoint, requeue, resume ---------------------------------
@@ -278,8 +280,8 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(
     preempted_at = int(saved.group(1))
     assert 1 <= preempted_at < PREEMPT_ITERS and f"start_iter={preempted_at}" in log  # the requeued job resumed
     assert "DUE TO TIME LIMIT" not in log  # signalled before the limit, never killed by it
-    assert Path(info["checkpoint"]).name == f"iter_{PREEMPT_ITERS:07d}" and not info["reused"]
-    assert_same_weights(_weights(info["checkpoint"]), _weights(preempt_reference["checkpoint"]))
+    assert info.checkpoint.name == f"iter_{PREEMPT_ITERS:07d}" and not info.reused
+    assert_same_weights(_weights(info.checkpoint), _weights(preempt_reference.checkpoint))
 
 
 # ---- without training: submission problems, reattachment ---------------------------------------------------

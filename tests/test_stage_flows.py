@@ -30,7 +30,7 @@ def trained_run(session_dir, tiny_manifest) -> Path:
     from models.launch.torchrun import launch_training
 
     info = launch_training(tiny_config(session_dir / "stage-flows", *ITERS), tiny_manifest, echo=lambda _: None)
-    return Path(info["run_dir"])
+    return info.run.path
 
 
 def _copy_run(run: Path, workdir: Path, latest: int) -> Path:

@@ -37,10 +37,10 @@ def test_resume_reproduces_uninterrupted_run(session_dir, tiny_manifest, layout)
     full = {r["step"]: r for r in read_metrics(rdir) if "loss" in r}
     assert sorted(p.name for p in (rdir / "checkpoints").glob("iter_*")) == ["iter_0000006", "iter_0000012"]
     assert (rdir / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert not info["reused"]
+    assert not info.reused
 
     # a finished run is reused, not retrained
-    assert launch_training(cfg, tiny_manifest, echo=lambda _: None)["reused"]
+    assert launch_training(cfg, tiny_manifest, echo=lambda _: None).reused
 
     # simulate an interruption after iteration 6: drop the last checkpoint and metrics after it
     shutil.rmtree(rdir / "checkpoints" / "iter_0000012")
@@ -92,10 +92,10 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, 
         *extra,
     )
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
-    vals = [r["val_loss"] for r in read_metrics(info["run_dir"]) if "val_loss" in r]
+    vals = [r["val_loss"] for r in read_metrics(info.run.path) if "val_loss" in r]
     assert len(vals) == 2 and vals[-1] < vals[0], vals
     # a person can follow a long run: each interval's line says how long the rest will take
-    assert re.search(r"\[train\] iter +10/30 .* ETA \d+[smh]", (Path(info["run_dir"]) / "train.log").read_text())
+    assert re.search(r"\[train\] iter +10/30 .* ETA \d+[smh]", (info.run.path / "train.log").read_text())
     hf_dir = convert_checkpoint(cfg, tiny_manifest, info)
     lines: list[str] = []
     results = evaluate_export(cfg, tiny_manifest, hf_dir, echo=lines.append)
@@ -117,7 +117,7 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, 
         assert cloze["acc"] is None
     assert results["tasks"]["documents"]["bits_per_byte"] > 0
     report = Path(results["report"]).read_text()  # every mode trained on this data, side by side
-    assert f"| {mode} |" in report and Path(info["run_dir"]).name in report
+    assert f"| {mode} |" in report and info.run.path.name in report
 
 
 @pytest.mark.slow
@@ -135,7 +135,7 @@ def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, tmp_path)
         "train.eval_interval=6",
     )
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
-    source_final = [r["val_loss"] for r in read_metrics(info["run_dir"]) if "val_loss" in r][-1]
+    source_final = [r["val_loss"] for r in read_metrics(info.run.path) if "val_loss" in r][-1]
     hf_dir = convert_checkpoint(cfg, tiny_manifest, info)
     ckpt = import_hf(cfg, hf_dir, tmp_path / "imported", tiny_manifest["tokenizer"])
 
@@ -149,7 +149,7 @@ def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, tmp_path)
         "train.nproc_per_node=2",
     )
     info2 = launch_training(follow, tiny_manifest, echo=lambda _: None)
-    start_val = [r["val_loss"] for r in read_metrics(info2["run_dir"]) if r["step"] == 0][0]
+    start_val = [r["val_loss"] for r in read_metrics(info2.run.path) if r["step"] == 0][0]
     assert start_val == pytest.approx(source_final, rel=1e-5)  # resharded to TP=2 on load
 
     wrong = tiny_config(session_dir / "import", "model.hidden_size=64")
@@ -164,7 +164,7 @@ def test_an_ar_checkpoint_adapts_to_block_diffusion(session_dir, tiny_manifest):
     common = ["train.eval_interval=10", "checkpoint.save_interval=10", "train.warmup_iters=1"]
     ar = tiny_config(session_dir / "adapt", "diffusion.model_running_mode=ar", "train.train_iters=30", *common)
     info = launch_training(ar, tiny_manifest, echo=lambda _: None)
-    ckpt = Path(info["run_dir"]) / "checkpoints" / "iter_0000030"
+    ckpt = info.run.path / "checkpoints" / "iter_0000030"
     block = [
         "diffusion.model_running_mode=difflm-block",
         "diffusion.clean_attention=token_causal",
@@ -176,5 +176,5 @@ def test_an_ar_checkpoint_adapts_to_block_diffusion(session_dir, tiny_manifest):
     for name, extra in (("scratch", []), ("adapted", [f"train.init_from={ckpt}"])):
         cfg = tiny_config(session_dir / "adapt", *block, *extra)
         run = launch_training(cfg, tiny_manifest, echo=lambda _: None)
-        starts[name] = [r["val_loss"] for r in read_metrics(run["run_dir"]) if r["step"] == 0][0]
+        starts[name] = [r["val_loss"] for r in read_metrics(run.run.path) if r["step"] == 0][0]
     assert starts["adapted"] < starts["scratch"], starts

@@ -1,4 +1,7 @@
-"""MLflow tracking: one run per pipeline execution, a local sqlite store unless a URI is configured."""
+"""MLflow tracking: one run per pipeline execution, a local sqlite store unless a URI is configured.
+
+MLflow (seconds to import) is imported inside the functions that use it: the CLI's `--help` and runs with
+tracking off never load it."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from difflm.config import PipelineConfig
+from difflm.rundir import TrainResult, Workdir
 from difflm.tracking import registry
 
 
@@ -26,14 +30,16 @@ def tracking_uri(cfg: PipelineConfig) -> str:
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
-def _experiment_id(cfg: PipelineConfig) -> str:
+def experiment_id(cfg: PipelineConfig) -> str:
+    """The id of the config's MLflow experiment in the current tracking store, created when missing (the one
+    place that creates it: the pipeline's runs and evaluate-latest's alike)."""
     import mlflow
 
     exp = mlflow.get_experiment_by_name(cfg.tracking.experiment)
     if exp is None:
         artifacts = None
         if tracking_uri(cfg).startswith("sqlite:///"):  # keep artifacts beside the store, not in ./mlruns
-            artifacts = (Path(cfg.workdir) / "mlartifacts").resolve().as_uri()
+            artifacts = Workdir.of(cfg).mlartifacts.as_uri()
         exp = mlflow.get_experiment(mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts))
     if exp.tags.get(EXPERIMENT_KIND[0]) is None:  # a user's own choice in the UI is kept
         mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
@@ -93,7 +99,7 @@ def _start_pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]
         os.environ.setdefault(key, val)  # an unreachable server costs seconds, not MLflow's default minutes
     try:
         mlflow.set_tracking_uri(tracking_uri(cfg))
-        run = mlflow.start_run(experiment_id=_experiment_id(cfg), run_name=run_name, tags={**lineage_tags(), **tags})
+        run = mlflow.start_run(experiment_id=experiment_id(cfg), run_name=run_name, tags={**lineage_tags(), **tags})
         mlflow.log_params(cfg.flat())
         mlflow.log_dict(cfg.model_dump(mode="json"), "config/resolved.yaml")
         return run
@@ -347,19 +353,19 @@ def reconcile_metrics(run_id: str, records: list[dict]) -> int:
 
 
 @tolerant
-def log_training(train_info: dict, records: list[dict], live: bool = True) -> None:
+def log_training(trained: TrainResult, records: list[dict], live: bool = True) -> None:
     """The run directory's curves (metrics.jsonl values the run lacks), its files and tags, into the active run.
     `live`: the trainer was sending to this run, so anything sent now was missed (said so); otherwise (the
     parent of a nested training run, a reused run) the curves are copied as a matter of course."""
     import mlflow
 
     sent = reconcile_metrics(mlflow.active_run().info.run_id, records)
-    if sent and live and not train_info["reused"]:
+    if sent and live and not trained.reused:
         print(f"tracking: backfilled {sent} training metrics the trainer could not send live", flush=True)
-    mlflow.set_tag("train.run_dir", train_info["run_dir"])
-    mlflow.set_tag("train.checkpoint", train_info["checkpoint"])
+    mlflow.set_tag("train.run_dir", str(trained.run.path))
+    mlflow.set_tag("train.checkpoint", str(trained.checkpoint))
     for name in ("metrics.jsonl", "train.log", "config.yaml", "curves.png"):
-        path = Path(train_info["run_dir"]) / name
+        path = trained.run.path / name
         if path.exists():
             mlflow.log_artifact(str(path), "train")
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from difflm.rundir import Workdir
+
 COLUMNS = [  # (header, path into results.json, format)
     ("bound nats/token", ("bounds", "trained", "nll_per_token"), "{:.3f}"),
     ("cloze acc", ("tasks", "cloze", "acc"), "{:.3f}"),
@@ -51,11 +53,11 @@ def placement_label(res: dict) -> str:
 def write_comparison(workdir: Path, data_hash: str) -> Path:
     """<workdir>/reports/data-<hash>.md from every <workdir>/runs/*/eval/results.json on that data."""
     found = {}
-    for path in sorted((workdir / "runs").glob("*/eval/results.json")):
+    for path in sorted(Workdir(workdir).runs.glob("*/eval/results.json")):
         res = json.loads(path.read_text())
         if res.get("data_hash") == data_hash:
             found[path.parent.parent.name] = res
-    out = workdir / "reports" / f"data-{data_hash}.md"
+    out = Workdir(workdir).reports / f"data-{data_hash}.md"
     out.parent.mkdir(parents=True, exist_ok=True)
     note = (
         "Bounds: upper bounds on nats/token for diffusion modes (ELBO), exact for ar. Task NLLs are "

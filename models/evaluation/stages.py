@@ -13,7 +13,7 @@ import torch
 
 from difflm.config import EvalConfig, PipelineConfig
 from difflm.errors import UserError
-from difflm.rundir import EVAL_KEY, RunDir, is_export_of
+from difflm.rundir import EVAL_KEY, RunDir, TrainResult, Workdir, is_export_of
 from models.diffusion.modes import build_objective
 from models.evaluation.generation import default_prompts, generate_samples, sampler_settings
 from models.evaluation.likelihood import likelihood_bound, validation_windows
@@ -25,23 +25,23 @@ from models.hf.convert import ConversionError, export_hf
 from models.hf.importer import export_stock
 
 
-def convert_checkpoint(cfg: PipelineConfig, manifest: dict, train_info: dict) -> Path:
+def convert_checkpoint(cfg: PipelineConfig, manifest: dict, trained: TrainResult) -> Path:
     """The HF folder of the run's final checkpoint (reused when it was exported from that checkpoint)."""
-    out = RunDir(train_info["run_dir"]).hf
-    if is_export_of(out, train_info["checkpoint"]):
+    out = trained.run.hf
+    if is_export_of(out, trained.checkpoint):
         return out
     provenance = {"data_hash": manifest["hash"], "mode": cfg.diffusion.model_running_mode}
-    export_stock_class(cfg, manifest, train_info)
-    return export_hf(cfg, manifest["tokenizer"], Path(train_info["checkpoint"]), out, provenance)
+    export_stock_class(cfg, manifest, trained)
+    return export_hf(cfg, manifest["tokenizer"], trained.checkpoint, out, provenance)
 
 
-def export_stock_class(cfg: PipelineConfig, manifest: dict, train_info: dict) -> Path | None:
+def export_stock_class(cfg: PipelineConfig, manifest: dict, trained: TrainResult) -> Path | None:
     """An `ar` run's final checkpoint also as the stock transformers class (<run>/hf-stock: Llama, or the class
     it was imported from), which `AutoModelForCausalLM.from_pretrained` and lm-eval's `hf` model load with no
     remote code; None for a diffusion model or a model no stock class computes (LayerNorm, GELU)."""
     if build_objective(cfg.diffusion).bidirectional or stock_problem(cfg.model):
         return None
-    out, ckpt = RunDir(train_info["run_dir"]).hf_stock, Path(train_info["checkpoint"])
+    out, ckpt = trained.run.hf_stock, trained.checkpoint
     if is_export_of(out, ckpt):
         return out
     try:
@@ -213,7 +213,7 @@ def default_out_dir(cfg: PipelineConfig, source: str, hf_dir: Path, data_hash: s
     slug = "".join(c if c.isalnum() or c in "-_." else "_" for c in source.strip("/"))[-80:]
     if run is not None and data_hash and data_hash != run.data_hash():
         slug = f"{slug}-{data_hash}"
-    return Path(cfg.workdir) / "evals" / slug
+    return Workdir.of(cfg).evals / slug
 
 
 def sweep_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: Path) -> list[dict]:

@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
+
 from difflm.config import PipelineConfig, save_config
 from difflm.errors import (
     DiskFull,
@@ -29,31 +31,30 @@ from difflm.errors import (
     disk_full,
     is_disk_full,
 )
-from difflm.rundir import RunDir
+from difflm.rundir import TRAIN_SECTIONS, RunDir, TrainResult, Workdir
+from difflm.tracking.plots import plot_curves
 
-TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")
-
-
-__all__ = ["InvalidSetup", "NonFiniteStop", "TrainingError", "TrainingPreempted"]  # where callers used to find them
+# where callers used to find them
+__all__ = ["TRAIN_SECTIONS", "InvalidSetup", "NonFiniteStop", "TrainingError", "TrainingPreempted", "TrainResult"]
 
 
 def run_dir(cfg: PipelineConfig, manifest: dict) -> Path:
-    return (
-        Path(cfg.workdir).resolve()
-        / "runs"
-        / f"{cfg.diffusion.model_running_mode}-{manifest['hash']}-{cfg.stage_hash(*TRAIN_SECTIONS)}"
-    )
+    """The path of the run `cfg` trains on the data of `manifest` (`Workdir.run_for`)."""
+    return Workdir.of(cfg).run_for(cfg, manifest).path
 
 
-def is_finished(cfg: PipelineConfig, rdir: Path) -> bool:
-    return RunDir(rdir).is_finished(cfg.train.train_iters)
+def _as_run(run: RunDir | Path | str) -> RunDir:
+    return run if isinstance(run, RunDir) else RunDir(run)
 
 
-def write_run_inputs(cfg: PipelineConfig, manifest: dict, rdir: Path) -> tuple[Path, Path]:
+def is_finished(cfg: PipelineConfig, run: RunDir | Path) -> bool:
+    return _as_run(run).is_finished(cfg.train.train_iters)
+
+
+def write_run_inputs(cfg: PipelineConfig, manifest: dict, run: RunDir) -> tuple[Path, Path]:
     """Write the files a trainer reads into its run directory: (config.yaml, data_manifest.json).
     The run records exactly the config and data it was given, whoever launches it."""
-    rdir.mkdir(parents=True, exist_ok=True)
-    run = RunDir(rdir)
+    run.path.mkdir(parents=True, exist_ok=True)
     run.manifest_file.write_text(json.dumps(manifest, indent=2))
     return save_config(cfg, run.config_file), run.manifest_file
 
@@ -65,6 +66,11 @@ def free_port() -> int:
 
 
 TRAINER = "models.megatron.train"  # the module torchrun runs on every rank
+
+
+def trainer_args(config: Path, manifest: Path, run_dir: Path, trainer: str = TRAINER) -> list[str]:
+    """`-m <trainer> --config ... --manifest ... --run-dir ...`: what every launcher runs on every node."""
+    return ["-m", trainer, "--config", str(config), "--manifest", str(manifest), "--run-dir", str(run_dir)]
 
 
 def torchrun_command(
@@ -80,14 +86,7 @@ def torchrun_command(
         "127.0.0.1",
         "--master_port",
         str(free_port()),
-        "-m",
-        trainer,
-        "--config",
-        str(config_path),
-        "--manifest",
-        str(manifest_path),
-        "--run-dir",
-        str(rdir),
+        *trainer_args(config_path, manifest_path, rdir, trainer),
     ]
 
 
@@ -97,21 +96,22 @@ def launch_training(
     env: dict[str, str] | None = None,
     echo: Callable[[str], None] = print,
     trainer: str = TRAINER,
-) -> dict:
-    """Train (or reuse/resume) the run of `cfg`; returns {'run_dir', 'checkpoint', 'reused'}. `trainer`: the
-    module torchrun runs, the trainer or an entry module that calls its `main` with more hooks (as tests do)."""
-    rdir = run_dir(cfg, manifest)
+) -> TrainResult:
+    """Train (or reuse/resume) the run of `cfg`. `trainer`: the module torchrun runs, the trainer or an entry
+    module that calls its `main` with more hooks (as tests do)."""
+    run = Workdir.of(cfg).run_for(cfg, manifest)
+    rdir = run.path
     if cfg.train.nnodes > 1:
         raise InvalidSetup(
             f"train.nnodes={cfg.train.nnodes}: multi-node runs are launched on the cluster: "
             f"train.launcher=slurm|kubernetes, or write the launch file with `difflm launch "
             f"--target slurm|k8s` (same overrides)"
         )
-    if is_finished(cfg, rdir):
+    if is_finished(cfg, run):
         echo(f"[train] reusing finished run {rdir}")
-        return train_info(cfg, rdir, reused=True)
-    resumed = prepare_attempt(rdir)
-    config_path, manifest_path = write_run_inputs(cfg, manifest, rdir)
+        return TrainResult.of(cfg, run, reused=True)
+    resumed = prepare_attempt(run)
+    config_path, manifest_path = write_run_inputs(cfg, manifest, run)
     cmd = torchrun_command(cfg, config_path, manifest_path, rdir, trainer)
     echo(f"[train] {'resuming from iteration ' + str(resumed) if resumed else 'starting'}: {' '.join(cmd)}")
     tail: deque[str] = deque(maxlen=25)
@@ -120,37 +120,37 @@ def launch_training(
     # when a rank dies (kill -9, OOM), helper processes it spawned (checkpoint writers, in the rank's own
     # session) outlive it, holding the log pipe open: every descendant seen is killed once torchrun exits
     try:
-        code = _run_trainer(cmd, rdir, full_env, tail, errors, echo)
+        code = _run_trainer(cmd, run, full_env, tail, errors, echo)
     except OSError as err:
         if is_disk_full(err):
-            raise _train_disk_full(rdir) from None
+            raise _train_disk_full(run) from None
         raise
     if code == 0:
-        plot_run(rdir)
+        plot_run(run)
     if code != 0:
-        raise_for_markers(rdir, code)
+        raise_for_markers(run, code)
         if any("No space left on device" in line or "Disk quota exceeded" in line for line in [*errors, *tail]):
-            raise _train_disk_full(rdir)
+            raise _train_disk_full(run)
         raise TrainingError(
-            f"training failed (exit {code}); full log: {RunDir(rdir).train_log}. Rerunning resumes from the "
+            f"training failed (exit {code}); full log: {run.train_log}. Rerunning resumes from the "
             f"latest checkpoint. Errors from the ranks:\n" + "\n".join(errors or tail)
         )
-    return train_info(cfg, rdir, reused=False)
+    return TrainResult.of(cfg, run, reused=False)
 
 
-def _train_disk_full(rdir: Path) -> DiskFull:
-    last = RunDir(rdir).latest_iteration()
+def _train_disk_full(run: RunDir) -> DiskFull:
+    last = run.latest_iteration()
     return disk_full(
-        rdir,
+        run.path,
         "training (saving a checkpoint or writing its log)",
         f"training resumes from {'iteration ' + str(last) if last else 'the start'}, the latest complete checkpoint",
     )
 
 
-def _run_trainer(cmd, rdir: Path, full_env: dict, tail: deque, errors: deque, echo) -> int:
+def _run_trainer(cmd, run: RunDir, full_env: dict, tail: deque, errors: deque, echo) -> int:
     """Run torchrun, its output pumped into <run>/train.log, `tail` and `errors`; its exit code."""
     with (
-        RunDir(rdir).train_log.open("a") as log,
+        run.train_log.open("a") as log,
         subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
         ) as proc,
@@ -162,40 +162,32 @@ def _run_trainer(cmd, rdir: Path, full_env: dict, tail: deque, errors: deque, ec
             code = proc.wait()
         except BaseException as stop:  # Ctrl-C or a cancelled task: the trainer checkpoints on SIGTERM, then stops
             proc.send_signal(signal.SIGTERM)
-            echo(f"[train] stopping: the trainer saves a checkpoint first (up to 120 s); {rdir}")
+            echo(f"[train] stopping: the trainer saves a checkpoint first (up to 120 s); {run.path}")
             try:
                 proc.wait(timeout=120)
             except subprocess.TimeoutExpired:
                 pass
             family.kill_leftovers()
             if isinstance(stop, KeyboardInterrupt):  # one line with where to resume, not a traceback
-                interrupted(rdir)
+                interrupted(run)
             raise
         family.kill_leftovers()
         pump.join(timeout=10)
     return code
 
 
-def train_info(cfg: PipelineConfig, rdir: Path, reused: bool) -> dict:
-    """What every launcher returns for a finished run: {'run_dir', 'checkpoint' (the final one), 'reused'}."""
-    return {"run_dir": str(rdir), "checkpoint": str(RunDir(rdir).checkpoint(cfg.train.train_iters)), "reused": reused}
-
-
-def prepare_attempt(rdir: Path) -> int | None:
-    """Before a new training attempt starts on `rdir`: the iteration it resumes from (None: from scratch);
+def prepare_attempt(run: RunDir) -> int | None:
+    """Before a new training attempt starts on `run`: the iteration it resumes from (None: from scratch);
     metrics of an earlier attempt that never checkpointed are dropped."""
-    rdir.mkdir(parents=True, exist_ok=True)
-    run = RunDir(rdir)
+    run.path.mkdir(parents=True, exist_ok=True)
     resumed = run.latest_iteration()
     if resumed is None:
         run.metrics_file.unlink(missing_ok=True)
     return resumed
 
 
-def plot_run(rdir: Path) -> None:
-    from difflm.tracking.plots import plot_curves
-
-    plot_curves(read_metrics(rdir), RunDir(rdir).curves, rdir.name)
+def plot_run(run: RunDir) -> None:
+    plot_curves(run.metrics(), run.curves, run.name)
 
 
 def _pump(stream, log, tail: deque, errors: deque, echo) -> None:
@@ -218,15 +210,11 @@ class _Descendants:
     parent dies, so they must be seen before)."""
 
     def __init__(self, pid: int):
-        import psutil
-
         self.root, self.seen, self.done = psutil.Process(pid), {}, threading.Event()
         self.thread = threading.Thread(target=self._watch, daemon=True)
         self.thread.start()
 
     def _watch(self) -> None:
-        import psutil
-
         while not self.done.wait(0.5):
             try:
                 for p in self.root.children(recursive=True):
@@ -235,8 +223,6 @@ class _Descendants:
                 return
 
     def kill_leftovers(self) -> None:
-        import psutil
-
         self.done.set()
         for p in self.seen.values():
             try:
@@ -246,10 +232,10 @@ class _Descendants:
                 pass
 
 
-def raise_for_markers(rdir: Path, code: int | str | None, log: Path | None = None) -> None:
+def raise_for_markers(run: RunDir, code: int | str | None, log: Path | None = None) -> None:
     """What the trainer left behind says why it stopped: preempted (resume me) or non-finite values. `code`: the
     exit status (or the cluster job's end state); `log`: the log to name (default: <run>/train.log)."""
-    preempted, stopped = RunDir(rdir).markers
+    preempted, stopped = run.markers
     if preempted.exists():
         info = json.loads(preempted.read_text())
         raise TrainingPreempted(
@@ -259,20 +245,20 @@ def raise_for_markers(rdir: Path, code: int | str | None, log: Path | None = Non
             info["iteration"],
         )
     if stopped.exists():
-        raise NonFiniteStop(json.loads(stopped.read_text())["message"] + f"; full log: {log or RunDir(rdir).train_log}")
+        raise NonFiniteStop(json.loads(stopped.read_text())["message"] + f"; full log: {log or run.train_log}")
 
 
-def interrupted(rdir: Path) -> None:
+def interrupted(run: RunDir) -> None:
     """After Ctrl-C: raise Interrupted naming the checkpoint the trainer saved (exit 75; rerun to resume)."""
-    preempted, _ = RunDir(rdir).markers
+    preempted, _ = run.markers
     if preempted.exists():
         iteration = json.loads(preempted.read_text())["iteration"]
         raise Interrupted(
-            f"interrupted at iteration {iteration}; checkpoint saved: {RunDir(rdir).checkpoint(iteration)}; "
+            f"interrupted at iteration {iteration}; checkpoint saved: {run.checkpoint(iteration)}; "
             f"rerun the same command to resume",
             iteration,
         )
 
 
-def read_metrics(rdir: Path) -> list[dict]:
-    return RunDir(rdir).metrics()
+def read_metrics(run: RunDir | Path | str) -> list[dict]:
+    return _as_run(run).metrics()
