@@ -12,8 +12,8 @@ from conftest import tiny_config
 
 from difflm.config import ConfigError, load_config
 from models.diffusion import anneal_ratio, annealed_attention_mask, cart_weights
-from models.diffusion.modes import MaskedDiffusion, ShiftedMaskedDiffusion
-from models.megatron.forward_step import SpecialTokens, objective_of
+from models.diffusion.modes import MaskedDiffusion, ShiftedMaskedDiffusion, build_objective
+from models.megatron.forward_step import SpecialTokens
 
 # ---- CART (Dream) ------------------------------------------------------------------------------------------
 
@@ -189,7 +189,7 @@ def test_adaptation_presets_load_and_cite_their_sources(preset):
 def test_diffullama_preset_normalises_its_loss_by_the_masked_tokens():
     cfg = load_config("adapt-diffullama", [])
     special = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
-    objective = objective_of(cfg, special)
+    objective = build_objective(cfg.diffusion, special.ids())
     scored = torch.tensor([[True, False, True, False]])
     out = torch.ones(1, 4)
     prepared = {"scored": scored, "t": torch.tensor([0.5]), "valid": torch.ones(1, 4, dtype=torch.bool)}
