@@ -135,7 +135,8 @@ def test_noise_is_drawn_per_block_and_the_inputs_are_two_streams():
 
 def test_loss_takes_the_noisy_half_and_the_ar_term_on_the_clean_half():
     x0 = torch.randint(3, V, (2, 8))
-    plain, with_ar = _objective(block_size=4), _objective(block_size=4, ar_loss_weight=2.0)
+    plain = _objective(block_size=4)
+    with_ar = _objective(block_size=4, ar_loss_weight=2.0, clean_attention="token_causal")  # as the config needs
     prep = _prepare(plain, x0)
     ce = torch.rand(2, 16)
     total, count = plain.loss_terms(ce, prep, False)

@@ -264,6 +264,7 @@ def test_training_starts_from_an_imported_qwen2(tmp_path):
     assert starts[0] != pytest.approx(starts[1], rel=1e-3)
 
 
+@pytest.mark.integration  # saves a megatron checkpoint (its writer starts processes)
 def test_an_imported_ar_model_has_the_sources_exact_nll(tmp_path):
     """A tiny Qwen2 of 96 rows gets a new mask token (97 tokens) and zero rows up to 128: megatron's `ar` loss (its
     per-token cross-entropy, as training and val_loss use) and the export's `ar_nll` normalise over the source's

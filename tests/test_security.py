@@ -3,6 +3,8 @@ folders deleted that are not ours, pickles read from shared folders, oversize JS
 
 from __future__ import annotations
 
+import importlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -347,8 +349,6 @@ def test_disk_full_during_a_checkpoint_save_is_one_line_and_the_rerun_resumes(tm
 
 
 def test_the_pipeline_loader_never_runs_an_exports_code(tmp_path):
-    import runpy
-
     from models.evaluation.stages import load_model
     from models.hf.convert import hf_config, save_export
     from models.hf.modeling_difflm import DiffLMForMaskedLM
@@ -362,7 +362,13 @@ def test_the_pipeline_loader_never_runs_an_exports_code(tmp_path):
     for name in ("modeling_difflm.py", "configuration_difflm.py"):
         with (hf / name).open("a") as fh:
             fh.write(payload)
-    runpy.run_path(str(hf / "configuration_difflm.py"))  # the payload works when the file runs ...
+    sys.path.insert(0, str(tmp_path))  # the export folder as a (namespace) package: its relative imports resolve
+    try:
+        importlib.import_module("hf.configuration_difflm")  # the payload works when the file runs ...
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in [m for m in sys.modules if m == "hf" or m.startswith("hf.")]:
+            del sys.modules[name]
     assert mark.exists()
     mark.unlink()
     loaded = load_model(hf)  # ... and `difflm eval`'s loader never runs it: this project's class, the weights

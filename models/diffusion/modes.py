@@ -128,6 +128,13 @@ class Objective(ABC):
     varilen: ClassVar[bool] = True
     two_stream: ClassVar[bool] = False  # the model runs on [x_t | x_0] (2L tokens) under `two_stream_keep`
 
+    @staticmethod
+    def _id(value: int | None, name: str) -> int:
+        """A tokenizer id this objective needs (an objective built without its tokenizer cannot corrupt tokens)."""
+        if value is None:
+            raise ValueError(f"this objective was built without the tokenizer's {name}: pass it to build_objective")
+        return value
+
     @classmethod
     def settings(cls) -> tuple[str, ...]:
         """The names of this mode's settings: its fields but the tokenizer's ids."""
@@ -183,7 +190,7 @@ class Objective(ABC):
     def default_t(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
         """The noise level of inputs given without one: the share of mask tokens among the real positions (the
         quantity training's t is the expectation of)."""
-        masks = (input_ids == self.mask_id).float()
+        masks = input_ids.eq(self._id(self.mask_id, "mask_id")).float()
         if attention_mask is None:
             return masks.mean(-1)
         real = attention_mask.float()
@@ -465,7 +472,7 @@ class UniformDiffusion(Objective):
     has_greedy = False  # no greedy order: every position is always some token
 
     def states(self, device=None) -> torch.Tensor:
-        return uniform_states(self.vocab_size, self.mask_id, self.pad_id, device or "cpu")
+        return uniform_states(self._id(self.vocab_size, "vocab_size"), self.mask_id, self.pad_id, device or "cpu")
 
     def default_t(self, input_ids, attention_mask):
         raise ValueError(

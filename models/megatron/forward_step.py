@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from difflm.config import PipelineConfig
 from models import diffusion
-from models.diffusion.modes import Objective, build_objective
+from models.diffusion.modes import BlockDiffusion, Objective, build_objective
 from models.megatron.attention import DocumentMask, TwoStreamMask
 from models.megatron.backend import resolve_backend
 
@@ -212,6 +212,7 @@ def attention_mask_for(tokens: torch.Tensor, objective: Objective, special: Spec
 def two_stream_mask(tokens: torch.Tensor, cfg: PipelineConfig, special: SpecialTokens, objective: Objective):
     """Block diffusion's attention for the [x_t | x_0] inputs of clean `tokens` [b, L]: a `TwoStreamMask` for the
     torch spec (FlexAttention on GPUs), megatron's dense mask (True = blocked) [b or 1, 1, 2L, 2L] for local."""
+    assert isinstance(objective, BlockDiffusion), objective.name  # the only two-stream objective
     doc = diffusion.document_ids(tokens, special.eos_id) if cfg.model.document_attention else None
     mask = TwoStreamMask(tokens.shape[1], objective.block_size, objective.token_causal, doc, tokens.device)
     if resolve_backend(cfg.model.backend, True) == "torch":

@@ -60,7 +60,7 @@ class ZeroCenteredNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
         self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
         for p in self.parameters():  # as TorchNorm: replicated across TP, all-reduced under SP
-            p.sequence_parallel = config.sequence_parallel
+            p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # megatron's mark
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rms:
@@ -86,9 +86,9 @@ class MegatronAdaLNorm(AdaLNorm):
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
         super().__init__(hidden_size, eps, config.normalization)
-        self.time = None  # set by DiffusionGPTModel: an object whose .t is this forward's noise levels [b]
+        self.time: types.SimpleNamespace | None = None  # set by DiffusionGPTModel: .t is this forward's t [b]
         for p in self.parameters():  # replicated across TP; under SP each rank sees s/TP positions:
-            p.sequence_parallel = config.sequence_parallel  # megatron then all-reduces their grads
+            p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]  # megatron all-reduces their grads
 
     def forward(self, hidden_states):
         return super().forward(hidden_states, self.time.t, seq_dim=0)  # megatron's [s, b, h]
@@ -192,6 +192,8 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
 class DiffusionGPTModel(GPTModel):
     """megatron's GPTModel with optional time conditioning: everything else is GPTModel's own code."""
 
+    time: types.SimpleNamespace  # t of the current forward, read by this stage's adaLN norms
+
     def __init__(
         self,
         *args,
@@ -212,11 +214,11 @@ class DiffusionGPTModel(GPTModel):
         self.time_embedding = TimeEmbedding(self.config.hidden_size) if input_emb else None
         if self.time_embedding is not None:  # under SP each TP rank adds it to s/TP positions only:
             for p in self.time_embedding.parameters():  # megatron all-reduces grads marked so
-                p.sequence_parallel = self.config.sequence_parallel
+                p.sequence_parallel = self.config.sequence_parallel  # type: ignore[attr-defined]  # megatron's mark
         self.time = types.SimpleNamespace(t=None)  # read by this stage's adaLN norms during forward
         self.adaln = adaln
         for module in self.modules():
-            if isinstance(module, AdaLNorm):
+            if isinstance(module, MegatronAdaLNorm):
                 module.time = self.time
 
     def _unscored_rows_out(self, _module, _args, output):

@@ -109,7 +109,7 @@ def sdpa_choice(cfg: PipelineConfig, device: torch.device, dtype: torch.dtype, b
     s, b = cfg.train.seq_length, cfg.train.micro_batch_size
     q = torch.empty(b, heads, s, head_dim, device=device, dtype=dtype)
     k = v = torch.empty(b, groups, s, head_dim, device=device, dtype=dtype)
-    names = {int(v): n for n, v in SDPBackend.__members__.items()}
+    names = {v.value: n for n, v in SDPBackend.__members__.items()}
     try:
         with sdpa_context(m.sdpa_backend):
             choice = torch._fused_sdp_choice(q, k, v, is_causal=not bidirectional, enable_gqa=groups != heads)

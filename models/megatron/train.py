@@ -161,7 +161,7 @@ def run_global_batch(
     noise_step: int,
     forward_only: bool = False,
     lengths: list[int] | None = None,
-    attention_pairs: list[int] | None = None,
+    attention_pairs: list[float] | None = None,
     reduce: bool = True,
     objective: Objective | None = None,
 ) -> float | torch.Tensor | None:
@@ -212,7 +212,7 @@ def evaluate(cfg, ddp, valid, special: SpecialTokens, objective: Objective | Non
             for i in range(cfg.train.eval_iters)
         ]
     ddp.train()
-    return None if vals[0] is None else sum(vals) / len(vals)
+    return None if vals[0] is None else sum(float(v) for v in vals if v is not None) / len(vals)
 
 
 def _device() -> torch.device:
@@ -327,7 +327,7 @@ class Trainer:
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
         lengths = micro_lengths(self.cfg, done, self.n_micro, self.objective)
-        pairs = [] if self.cfg.model.document_attention else None  # attention kept within packed documents
+        pairs: list[float] | None = [] if self.cfg.model.document_attention else None  # attention within documents
         terms = run_global_batch(
             self.cfg,
             self.ddp,
@@ -346,6 +346,7 @@ class Trainer:
         )
         flops = self.dp_size * per_rank
         tokens = sum(lengths) * t.global_batch_size // self.n_micro
+        assert terms is None or isinstance(terms, torch.Tensor)  # reduce=False: this rank's [sum, count]
         step = Step(it=done + 1, loss=None, tokens=tokens, flops=flops, loss_terms=terms)
         self.run_hooks("pre_optim_step", step)
         self.agree(step)  # (done by NonFiniteGuard already, unless a hook list leaves it out)
@@ -427,4 +428,4 @@ def main(argv: list[str] | None = None, hooks: Sequence[Hook] = ()) -> None:
 
 
 if __name__ == "__main__":  # dist_checkpointing spawns helpers: the guard is required
-    sys.exit(main())
+    main()
