@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from difflm import set_offline_env
 
@@ -280,3 +281,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, tiny_manifest) -> dict[str, Path]:
+    """A random-weight export per mode (difflm-noshift, ar), written exactly as the pipeline writes them (the
+    evaluation tests' input)."""
+    from models.hf.convert import hf_config, save_export
+    from models.hf.modeling_difflm import DiffLMForMaskedLM
+
+    root = tmp_path_factory.mktemp("exports")
+    out = {}
+    for mode in ("difflm-noshift", "ar"):
+        cfg = tiny_config(root, f"diffusion.model_running_mode={mode}")
+        torch.manual_seed(0)
+        model = DiffLMForMaskedLM(hf_config(cfg, tiny_manifest["tokenizer"])).eval()
+        out[mode] = save_export(
+            model,
+            Path(tiny_manifest["tokenizer"]["path"]),
+            root / mode,
+            {"checkpoint": None, "mode": mode, "data_hash": tiny_manifest["hash"]},
+        )
+    return out

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers import CharTokenizer, tiny_config, tiny_hf_model
+from helpers import CharTokenizer, block_megatron, save_megatron_checkpoint, tiny_config, tiny_hf_model
 
 from models.diffusion.blocks import attention_pairs, block_elbo_terms, decode_keep, two_stream_keep
 from models.diffusion.modes import BlockDiffusion, build_objective, objective_class
@@ -450,24 +450,6 @@ def test_settings_validate_via_the_objective():
 # ---- megatron -------------------------------------------------------------------------------------------------
 
 
-def _megatron(tmp_path, backend: str, *over: str):
-    from models.megatron.gpt import build_model
-
-    cfg = tiny_config(
-        tmp_path,
-        "diffusion.model_running_mode=difflm-block",
-        "diffusion.block_size=4",
-        f"model.backend={backend}",
-        *over,
-    )
-    torch.manual_seed(0)
-    model = build_model(cfg, vocab_size=512).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
-    return cfg, model
-
-
 @pytest.mark.parametrize(
     "backend, clean, documents, head_dim",
     [
@@ -488,7 +470,7 @@ def test_megatron_two_stream_forward_matches_the_export(
     from models.megatron.forward_step import SpecialTokens, two_stream_mask
 
     over = [f"diffusion.clean_attention={clean}", f"model.document_attention={str(documents).lower()}"]
-    cfg, model = _megatron(tmp_path, backend, *over, *([f"model.kv_channels={head_dim}"] if head_dim else []))
+    cfg, model = block_megatron(tmp_path, backend, *over, *([f"model.kv_channels={head_dim}"] if head_dim else []))
     special = SpecialTokens.from_manifest(tiny_manifest["tokenizer"])
     x0 = torch.randint(3, 500, (2, 12))
     x0[:, 5] = special.eos_id  # two packed documents per row
@@ -499,7 +481,7 @@ def test_megatron_two_stream_forward_matches_the_export(
     with torch.no_grad():
         ref = model(inputs, pos, mask, two_stream=True)
     ckpt = tmp_path / f"ckpt-{backend}-{clean}-{documents}-{head_dim}"
-    _save_ckpt(model, ckpt)
+    save_megatron_checkpoint(model, ckpt)
     hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / f"hf-{ckpt.name}"))
     assert hf.config.objective["block_size"] == 4 and hf.config.objective["clean_attention"] == clean
     docs = diffusion.document_ids(x0, special.eos_id) if documents else None
@@ -509,17 +491,12 @@ def test_megatron_two_stream_forward_matches_the_export(
     assert torch.allclose(got, ref, atol=1e-4), (got - ref).abs().max()
 
 
-def _save_ckpt(model, path):
-    from megatron.core import dist_checkpointing
-
-    path.mkdir(parents=True)
-    dist_checkpointing.save({"model": model.sharded_state_dict(prefix="")}, str(path))
-
-
 def test_megatron_forward_step_loss_is_the_objective(megatron_single_process, tmp_path, tiny_manifest):
     from models.megatron.forward_step import SpecialTokens, make_forward_step
 
-    cfg, model = _megatron(tmp_path, "local", "diffusion.clean_attention=token_causal", "diffusion.ar_loss_weight=1.0")
+    cfg, model = block_megatron(
+        tmp_path, "local", "diffusion.clean_attention=token_causal", "diffusion.ar_loss_weight=1.0"
+    )
     special = SpecialTokens.from_manifest(tiny_manifest["tokenizer"])
     x0 = torch.randint(3, 500, (2, 16))
     batch = {

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import tiny_config, tiny_hf_model
+from helpers import block_megatron, save_megatron_checkpoint, tiny_config, tiny_hf_model
 
 from models.diffusion.blocks import block_elbo_terms
 from models.diffusion.modes import BlockDiffusion, build_objective
@@ -252,14 +252,12 @@ def test_megatron_forward_step_with_both_options(megatron_single_process, tmp_pa
 def test_export_records_the_shift_and_decodes_with_it(megatron_single_process, tmp_path, tiny_manifest):
     """A shifted block model's export carries `block_shift` (its whole objective, as one entry): its objective,
     bound and decoder read it; the training-only `complementary_masks` changes none of them (one mask)."""
-    from test_block_diffusion import _megatron, _save_ckpt
-
     from models.hf.convert import export_hf, load_hf
     from models.megatron.forward_step import SpecialTokens
 
-    cfg, model = _megatron(tmp_path, "local", "diffusion.block_shift=true", "diffusion.complementary_masks=true")
+    cfg, model = block_megatron(tmp_path, "local", "diffusion.block_shift=true", "diffusion.complementary_masks=true")
     ckpt = tmp_path / "ckpt"
-    _save_ckpt(model, ckpt)
+    save_megatron_checkpoint(model, ckpt)
     hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / "hf"))
     assert hf.config.objective["block_shift"] is True and hf.objective.block_shift
     trained = build_objective(cfg.diffusion, SpecialTokens.from_manifest(tiny_manifest["tokenizer"]).ids())

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from helpers import TinyBidirectional
 
 from models.diffusion import (
     MaskedSampler,
@@ -21,26 +22,7 @@ from models.diffusion import (
 )
 from models.diffusion.samplers import block_spans, filter_logits
 
-V, MASK, EOS = 5, 5, 0  # real tokens 0..4 (0 doubles as EOS), mask id 5
-
-
-class TinyBidirectional(torch.nn.Module):
-    """Logits at i depend on the token at i, its position, and the mean of every embedding (bidirectional)."""
-
-    def __init__(self, seed: int = 0, vocab: int = V + 1, dim: int = 8, seq: int = 16):
-        super().__init__()
-        g = torch.Generator().manual_seed(seed)
-        self.emb = torch.randn(vocab, dim, generator=g)
-        self.pos = torch.randn(seq, dim, generator=g)
-        self.mix = torch.randn(dim, dim, generator=g) / math.sqrt(dim)
-        self.out = torch.randn(dim, vocab, generator=g) * 1.5
-
-    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        e = self.emb[x] + self.pos[: x.shape[1]]
-        h = torch.tanh(e + e.mean(1, keepdim=True) @ self.mix)
-        logits = h @ self.out
-        logits[..., MASK] = -1e9  # a distribution over real tokens only
-        return logits
+V, MASK, EOS = TinyBidirectional.VOCAB, TinyBidirectional.MASK, TinyBidirectional.EOS
 
 
 MODEL = TinyBidirectional()

@@ -1,6 +1,6 @@
 """Where evaluation runs (issue #8): eval.device and eval.dtype resolved when the model is loaded, the scores
 of a bf16 evaluation against fp32 ones, and the device and dtype recorded beside the scores (results.json, the
-report, MLflow tags). The random-weight exports of tests/test_evaluation.py: no training here."""
+report, MLflow tags). The random-weight exports of the `exports` fixture (tests/conftest.py): no training here."""
 
 from __future__ import annotations
 
@@ -9,12 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import ROOT, tiny_config
 from pydantic import ValidationError
 
 from difflm.config import ConfigError, EvalConfig, load_config
 from models.evaluation.stages import EvaluationError, eval_device, resolve_device
-from tests.test_evaluation import exports  # noqa: F401  (the fixture: random-weight exports per mode)
 
 # bf16 against fp32 on the same export and noise, as the relative difference of each score (bounds, task NLLs,
 # bits per byte): measured at most 2e-5 on these random-weight exports (masked and ar; fp16 less), whose
@@ -53,8 +52,6 @@ def test_the_cli_prints_the_error_without_a_traceback(exports, tmp_path):  # noq
     import os
     import subprocess
     import sys
-
-    from tests.test_evaluation import ROOT
 
     run = subprocess.run(
         [

@@ -7,9 +7,10 @@ import types
 
 import pytest
 import torch
+from helpers import HF_VOCAB as V
+from helpers import timed_hf_model as _model
 
 from models.diffusion import MaskedSampler
-from tests.test_hf_helpers import V, _model
 
 
 def _left_pad(rows: list[list[int]], pad: int = 2) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import HF_VOCAB as V
+from helpers import timed_hf_model as _model
 
 from models.diffusion import MaskedSampler
-from tests.test_hf_helpers import V, _model
 
 # bf16 logits against fp32, as max |difference| / max |fp32 logit|, over 5 seeded batches of [4, 32] tokens on
 # the tiny random-init models below (CPU): measured 0.0041 (masked), 0.0044 (adaLN), 0.0079 (uniform),

@@ -10,21 +10,12 @@ import types
 
 import pytest
 import torch
-from helpers import tiny_hf_model
+from helpers import HF_VOCAB, timed_hf_model
 
 from models.diffusion import elbo_nll_per_token
-from models.hf.modeling_difflm import DiffLMForMaskedLM
 
-V = 64  # ids 0 eos, 1 mask, 2 pad
-
-
-def _model(mode: str = "difflm-noshift", **over) -> DiffLMForMaskedLM:
-    model = tiny_hf_model(mode, 0, V, **over)
-    with torch.no_grad():  # trained (non-zero) time conditioning: t changes the output
-        for name, p in model.named_parameters():
-            if "linear_2.weight" in name:
-                p.normal_(0, 0.5)
-    return model
+V = HF_VOCAB  # ids 0 eos, 1 mask, 2 pad
+_model = timed_hf_model
 
 
 def test_shift_mode_bound_of_a_perfect_model_is_zero():

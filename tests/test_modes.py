@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_config
-from test_conditional import MASK, TinyBidirectional
-from test_hf_helpers import V, _model
+from helpers import HF_VOCAB as V
+from helpers import TinyBidirectional, tiny_config
+from helpers import timed_hf_model as _model
 
 from difflm.config import PipelineConfig
 from models.diffusion.modes import MODES, Objective, objective_class
@@ -308,7 +308,7 @@ def test_model_calls_are_counted_as_made():
         fn,
         torch.zeros(1, 0, dtype=torch.long),
         6,
-        MASK,
+        TinyBidirectional.MASK,
         6,
         settings=MaskedSampler(steps=6, cfg_scale=2.0, stop_at_eos=False),
         stats=stats,

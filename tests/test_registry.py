@@ -4,10 +4,10 @@ version, `champion` only when the configured metric is strictly better, readable
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import pytest
+from helpers import fake_export
 
 from difflm import tracking
 from difflm.config import load_config
@@ -42,20 +42,6 @@ def store(tmp_path, monkeypatch):
     client = MlflowClient(uri)
     exp = client.create_experiment("reg", artifact_location=(tmp_path / "artifacts").as_uri())
     return uri, client, exp
-
-
-def fake_export(folder: Path) -> Path:
-    """An HF-like folder whose safetensors header says 10*4 + 4 = 44 parameters (no tensor data needed)."""
-    folder.mkdir(parents=True)
-    header = json.dumps(
-        {
-            "w": {"dtype": "F32", "shape": [10, 4], "data_offsets": [0, 160]},
-            "b": {"dtype": "F32", "shape": [4], "data_offsets": [160, 176]},
-        }
-    ).encode()
-    (folder / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(176))
-    (folder / "config.json").write_text("{}")
-    return folder
 
 
 def register(store, cfg, tmp_path, value: float | None, checkpoint: str, manifest: dict = MANIFEST) -> dict:

@@ -26,7 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_registry import fake_export  # an HF-like folder, 44 parameters, no weights
+from helpers import fake_export  # an HF-like folder, 44 parameters, no weights
 
 from difflm.config import load_config
 
