@@ -1,4 +1,4 @@
-"""Which fields name a run directory (declared per field in difflm/config.py), the nested sampler section and
+"""Which fields name a run directory (declared per field in difflm/config/), the nested sampler section and
 the shared Slurm schema. The compatibility fixture: run directories made before the marks existed keep their
 names, so a run trained then is reused, not retrained."""
 
