@@ -9,7 +9,7 @@ One module per section group: `base` (the section class, run identity, ConfigErr
 overrides, validation). Every public name is importable from `difflm.config`.
 """
 
-from difflm.config.base import IF_SET, OPERATIONAL, ConfigError, is_identity
+from difflm.config.base import FLATTEN, IF_SET, OPERATIONAL, ConfigError, deprecated, is_flattened, is_identity
 from difflm.config.data import DataConfig, SourceConfig, TokenizerConfig
 from difflm.config.diffusion import (
     DEFAULT_MODE,
@@ -25,7 +25,9 @@ from difflm.config.launch import (
     SBATCH_KEY,
     SBATCH_VALUE,
     SLURM_TIME,
+    JobWaitConfig,
     KubernetesLaunchConfig,
+    LaunchConfig,
     SlurmBase,
     SlurmConfig,
     SlurmLaunchConfig,
@@ -44,13 +46,14 @@ from difflm.config.loading import (
 from difflm.config.model import GEMM_TILE, GPU_WIDTH, MODEL_PRESETS, ModelConfig
 from difflm.config.pipeline import CheckpointConfig, ParallelConfig, PipelineConfig
 from difflm.config.tracking import TrackingConfig
-from difflm.config.train import TrainConfig, is_hf_folder
+from difflm.config.train import FaultsConfig, OptimizerConfig, ScheduleConfig, TrainConfig, is_hf_folder
 
 __all__ = [
     "CONFIG_DIR",
     "DEFAULT_MODE",
     "FLAT_IDENTITY_DEFAULTS",
     "FLAT_SAMPLER_FIELDS",
+    "FLATTEN",
     "GEMM_TILE",
     "GPU_WIDTH",
     "IF_SET",
@@ -65,11 +68,16 @@ __all__ = [
     "DataConfig",
     "DiffusionConfig",
     "EvalConfig",
+    "FaultsConfig",
+    "JobWaitConfig",
     "KubernetesLaunchConfig",
+    "LaunchConfig",
     "ModelConfig",
+    "OptimizerConfig",
     "ParallelConfig",
     "PipelineConfig",
     "SamplerConfig",
+    "ScheduleConfig",
     "SlurmBase",
     "SlurmConfig",
     "SlurmLaunchConfig",
@@ -78,8 +86,10 @@ __all__ = [
     "TrackingConfig",
     "TrainConfig",
     "apply_overrides",
+    "deprecated",
     "diffusion_model",
     "diffusion_section",
+    "is_flattened",
     "is_hf_folder",
     "is_identity",
     "load_config",

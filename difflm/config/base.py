@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-)
+from pydantic import BaseModel, ConfigDict
+from pydantic.config import JsonDict
 from pydantic.fields import FieldInfo
 
 from difflm.errors import UserError
@@ -19,8 +18,11 @@ from difflm.errors import UserError
 # unless it is OPERATIONAL or IF_SET: tests/test_config.py lists the identity fields, so adding one is a decision.
 # IF_SET marks an identity field added later whose default computes what runs made before it computed: it joins
 # the name only when set to another value, so those runs keep their directories.
-OPERATIONAL = {"identity": False}
-IF_SET = {"identity": "if_set"}
+# FLATTEN marks a sub-section that groups fields its parent held before: their identity is the parent's, under
+# their own names (`train.optimizer.lr` names the run as `train.lr` did).
+OPERATIONAL: JsonDict = {"identity": False}
+IF_SET: JsonDict = {"identity": "if_set"}
+FLATTEN: JsonDict = {"identity": "flatten"}
 
 
 def is_identity(field: FieldInfo) -> bool:
@@ -40,11 +42,16 @@ def _identity(section: BaseModel) -> dict[str, Any]:
 
     def prune(value: Any, dumped: Any) -> Any:
         if isinstance(value, BaseModel):
-            return {
-                field.serialization_alias or name: prune(getattr(value, name), dumped[name])
-                for name, field in type(value).model_fields.items()
-                if is_identity(field) and not (_if_set(field) and getattr(value, name) == field.default)
-            }
+            out: dict[str, Any] = {}
+            for name, field in type(value).model_fields.items():
+                if not is_identity(field) or (_if_set(field) and getattr(value, name) == field.default):
+                    continue
+                pruned = prune(getattr(value, name), dumped[name])
+                if is_flattened(field):
+                    out.update(pruned)
+                else:
+                    out[field.serialization_alias or name] = pruned
+            return out
         if isinstance(value, (list, tuple)):
             return [prune(v, d) for v, d in zip(value, dumped)]
         return dumped
@@ -52,12 +59,26 @@ def _identity(section: BaseModel) -> dict[str, Any]:
     return prune(section, section.model_dump(mode="json"))
 
 
-def _if_set(field: FieldInfo) -> bool:
+def _mark(field: FieldInfo) -> Any:
     extra = field.json_schema_extra
-    return isinstance(extra, dict) and extra.get("identity") == "if_set"
+    return extra.get("identity") if isinstance(extra, dict) else None
+
+
+def _if_set(field: FieldInfo) -> bool:
+    return _mark(field) == "if_set"
+
+
+def is_flattened(field: FieldInfo) -> bool:
+    """Whether a sub-section's identity fields count as its parent's (see FLATTEN)."""
+    return _mark(field) == "flatten"
 
 
 class ConfigError(UserError, ValueError):
     """An invalid configuration, with a message that names the field and what it accepts."""
 
     exit_code = 2  # a usage error, as argparse's
+
+
+def deprecated(old: str, new: str) -> None:
+    """An old spelling of a setting, read as its new one for a release."""
+    warnings.warn(f"{old} is deprecated: use {new}", DeprecationWarning, stacklevel=4)

@@ -96,11 +96,13 @@ def diffusion_model(mode: str) -> type[DiffusionConfig]:
     member = _MEMBERS.get(cls)
     if member is None:
         hints = typing.get_type_hints(cls)
-        own = {f.name: (hints[f.name], _setting_field(f)) for f in dataclasses.fields(cls) if f.name in cls.settings()}
+        own: dict[str, Any] = {
+            f.name: (hints[f.name], _setting_field(f)) for f in dataclasses.fields(cls) if f.name in cls.settings()
+        }
         doc = (cls.__doc__ or "").split("\n\n")[0]
-        kind = (Literal[mode], Field(mode, description=" ".join(doc.split())))
+        fields: dict[str, Any] = {"model_running_mode": (Literal[mode], Field(mode, description=" ".join(doc.split())))}
         name = "Diffusion" + "".join(part.title() for part in re.split(r"[^A-Za-z0-9]+", mode))
-        member = pydantic.create_model(name, __base__=DiffusionConfig, model_running_mode=kind, **own)
+        member = pydantic.create_model(name, __base__=DiffusionConfig, **{**fields, **own})
         _MEMBERS[cls] = member
     return member
 

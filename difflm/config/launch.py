@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import (
-    Field,
-    field_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
-from difflm.config.base import _Section
+from difflm.config.base import OPERATIONAL, _Section, deprecated
 
 # What may reach an sbatch script. Every value lands in a `#SBATCH --key=value` line, so a newline would start
 # a shell line and whitespace would end the option: one token of these characters, validated here (a config
@@ -33,7 +30,7 @@ def shell_safe_problem(value: str) -> str | None:
 
 class SlurmBase(_Section):
     """What every Slurm job of the pipeline is given: the data-prep jobs (`data.slurm`) and training
-    (`train.slurm`) add their own fields to these."""
+    (`train.launch.slurm`) add their own fields to these."""
 
     partition: str | None = Field(None, description="#SBATCH --partition (None: the cluster's default).")
     time: str = Field("04:00:00", description="#SBATCH --time: the time limit of one job.")
@@ -86,7 +83,7 @@ class SlurmConfig(SlurmBase):
 
 
 class SlurmLaunchConfig(SlurmBase):
-    """How training is submitted to Slurm: `train.launcher=slurm` and `difflm launch --target slurm`."""
+    """How training is submitted to Slurm: `train.launch.launcher=slurm` and `difflm launch --target slurm`."""
 
     time: str = Field(
         "24:00:00",
@@ -104,24 +101,17 @@ class SlurmLaunchConfig(SlurmBase):
     gpus_per_node: int | None = Field(
         None,
         ge=0,
-        description="#SBATCH --gpus-per-node (None: train.nproc_per_node; 0: no GPU request, for CPU nodes).",
+        description="#SBATCH --gpus-per-node (None: train.launch.nproc_per_node; 0: no GPU request, for CPU nodes).",
     )
     python: str | None = Field(
         None,
         description="Python on the compute nodes, with this project installed (None: the interpreter "
         "that submits, which must then live on the filesystem the nodes share).",
     )
-    poll_seconds: float = Field(30.0, gt=0.0, description="How often the launcher asks squeue about the job.")
-    wait_hours: float | None = Field(
-        None,
-        gt=0.0,
-        description="Stop waiting after this long (the job keeps running and a rerun reattaches "
-        "to it); None: wait for as long as the job lasts, queueing and requeues included.",
-    )
 
 
 class KubernetesLaunchConfig(_Section):
-    """How training is submitted to Kubernetes as a Kubeflow PyTorchJob: `train.launcher=kubernetes` and
+    """How training is submitted to Kubernetes as a Kubeflow PyTorchJob: `train.launch.launcher=kubernetes` and
     `difflm launch --target k8s`."""
 
     image: str = Field("difflm-pipeline:latest", description="Container image with this project installed.")
@@ -135,18 +125,69 @@ class KubernetesLaunchConfig(_Section):
     )
     namespace: str | None = Field(None, description="Namespace of the job (None: kubectl's current one).")
     gpus_per_pod: int | None = Field(
-        None, ge=0, description="nvidia.com/gpu limit per pod (None: train.nproc_per_node; 0: none, CPU pods)."
+        None, ge=0, description="nvidia.com/gpu limit per pod (None: train.launch.nproc_per_node; 0: none, CPU pods)."
     )
-    poll_seconds: float = Field(30.0, gt=0.0, description="How often the launcher reads the job's status.")
     start_timeout_minutes: float | None = Field(
         60.0,
         gt=0.0,
         description="Fail when the job is not Running after this long (pods unschedulable, image "
         "not pulled); the job is left in place for `kubectl describe`. None: wait.",
     )
+
+
+# Where the wait settings lived before `train.launch.wait`: each cluster section held its own copy.
+WAIT_FIELDS = ("poll_seconds", "wait_hours")
+
+
+class JobWaitConfig(_Section):
+    """How a cluster launcher (Slurm or Kubernetes) waits for the job it submitted."""
+
+    poll_seconds: float = Field(30.0, gt=0.0, description="How often the launcher asks the cluster about the job.")
     wait_hours: float | None = Field(
         None,
         gt=0.0,
         description="Stop waiting after this long (the job keeps running and a rerun reattaches "
-        "to it); None: wait for as long as the job lasts.",
+        "to it); None: wait for as long as the job lasts, queueing and requeues included.",
     )
+
+
+class LaunchConfig(_Section):
+    """Who runs the trainer and on how many processes: `train.launch`."""
+
+    launcher: Literal["local", "slurm", "kubernetes"] = Field(
+        "local",
+        json_schema_extra=OPERATIONAL,
+        description="Who runs torchrun. local: a subprocess here (one node); slurm: an sbatch job "
+        "(train.launch.slurm); kubernetes: a Kubeflow PyTorchJob (train.launch.kubernetes). Cluster launchers write "
+        "the same launch file as `difflm launch`, submit it, wait for the job (train.launch.wait) and read the run "
+        "directory, which must be on storage the nodes share. Operational: any launcher resumes any other's run.",
+    )
+    nproc_per_node: int = Field(1, ge=1, description="torchrun processes per node (GPUs per node; CPU: gloo ranks).")
+    nnodes: int = Field(1, ge=1, description="Nodes (cluster launches: `difflm launch`).")
+    slurm: SlurmLaunchConfig = Field(default_factory=SlurmLaunchConfig, json_schema_extra=OPERATIONAL)
+    kubernetes: KubernetesLaunchConfig = Field(default_factory=KubernetesLaunchConfig, json_schema_extra=OPERATIONAL)
+    wait: JobWaitConfig = Field(default_factory=JobWaitConfig, json_schema_extra=OPERATIONAL)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _wait_of_before(cls, data: Any) -> Any:
+        """`slurm.poll_seconds`, `kubernetes.wait_hours`, ... (a copy per cluster before `wait`) still work for a
+        release: moved into `wait`, the launcher in use's copy winning."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        moved: dict[str, Any] = {}
+        order = sorted(("kubernetes", "slurm"), key=lambda s: s == data.get("launcher"))  # the one in use last
+        for section in order:
+            sub = data.get(section)
+            if not isinstance(sub, dict) or not any(k in sub for k in WAIT_FIELDS):
+                continue
+            for key in [k for k in WAIT_FIELDS if k in sub]:
+                deprecated(f"train.{section}.{key}", f"train.launch.wait.{key}")
+                moved[key] = sub[key]
+            data[section] = {k: v for k, v in sub.items() if k not in WAIT_FIELDS}
+        if moved:
+            wait = data.get("wait")
+            wait = dict(wait) if isinstance(wait, dict) else {}
+            data["wait"] = {**moved, **wait}
+        return data

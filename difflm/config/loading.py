@@ -18,6 +18,7 @@ from difflm.config.base import ConfigError
 from difflm.config.diffusion import DiffusionConfig, diffusion_model
 from difflm.config.evaluation import FLAT_SAMPLER_FIELDS, nest_sampler_fields
 from difflm.config.pipeline import PipelineConfig
+from difflm.config.train import MOVED, TrainConfig, nest_train_fields, new_train_key
 from models.diffusion.modes import MODES
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
@@ -29,33 +30,37 @@ def _format_validation_error(err: ValidationError) -> str:
         loc = ".".join(str(p) for p in e["loc"]) or "config"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            close = difflib.get_close_matches(str(e["loc"][-1]), _fields_at(e["loc"][:-1]), n=1, cutoff=0.6)
-            hint = f"did you mean {'.'.join([*map(str, e['loc'][:-1]), close[0]])}? " if close else ""
+            fields = _fields_at(e["loc"][:-1])
+            close = difflib.get_close_matches(str(e["loc"][-1]), list(fields), n=1, cutoff=0.6)
+            hint = f"did you mean {'.'.join([*map(str, e['loc'][:-1]), fields[close[0]]])}? " if close else ""
             msg = f"unknown field ({hint}`difflm config show` lists every field)"
         got = e.get("input")
         lines.append(f"  {loc}: {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})"))
     return "\n".join(lines)
 
 
-def _fields_at(loc: tuple) -> list[str]:
-    """The field names of the config section at `loc` (for "did you mean"); [] where loc is not a section. The
-    `diffusion` section offers the settings of every mode."""
+def _fields_at(loc: tuple) -> dict[str, str]:
+    """The field names of the config section at `loc` (for "did you mean"), each with the key to suggest; {} where
+    loc is not a section. The `diffusion` section offers the settings of every mode, `train` the new keys of its flat
+    spelling of before (`lr` -> `optimizer.lr`)."""
     model: type[BaseModel] = PipelineConfig
     for part in loc:
         field = model.model_fields.get(part) if isinstance(part, str) else None
         if field is None:
-            return []
+            return {}
         ann = field.annotation
         if isinstance(ann, types.UnionType) or typing.get_origin(ann) is typing.Union:  # X | None
             ann = next((a for a in typing.get_args(ann) if a is not type(None)), None)
         if typing.get_origin(ann) is Annotated:  # SerializeAsAny[X]
             ann = typing.get_args(ann)[0]
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return []
+            return {}
         model = ann
     if model is DiffusionConfig:
-        return list(dict.fromkeys(name for mode in MODES for name in diffusion_model(mode).model_fields))
-    return list(model.model_fields)
+        return {name: name for mode in MODES for name in diffusion_model(mode).model_fields}
+    if model is TrainConfig:
+        return {**{old: f"{section}.{old}" for old, section in MOVED.items()}, **{n: n for n in model.model_fields}}
+    return {name: name for name in model.model_fields}
 
 
 def read_yaml(path: Path) -> dict[str, Any]:
@@ -105,8 +110,14 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             data["eval"] = nest_sampler_fields(data["eval"])
         except ValueError as err:
             raise ConfigError(str(err)) from None
+    if isinstance(data.get("train"), dict):  # the flat train section of before (a run's own config.yaml)
+        try:
+            data["train"] = nest_train_fields(data["train"])
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
     for text in overrides:
         keys, value = parse_override(text)
+        keys = new_train_key(keys)  # train.lr=... -> train.optimizer.lr=...
         if len(keys) == 2 and keys[0] == "eval" and keys[1] in FLAT_SAMPLER_FIELDS:  # eval.temperature=...
             keys = ["eval", "sampler", FLAT_SAMPLER_FIELDS[keys[1]]]
         node = data

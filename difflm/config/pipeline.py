@@ -76,10 +76,10 @@ class PipelineConfig(_Section):
     def _parallel_layout(self) -> PipelineConfig:
         p, t, m = self.parallel, self.train, self.model
         model_parallel = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
-        world = t.nproc_per_node * t.nnodes
+        world = t.launch.nproc_per_node * t.launch.nnodes
         if world % model_parallel:
             raise ValueError(
-                f"train.nproc_per_node x nnodes ({world}) must be a multiple of tensor x pipeline parallel size ({model_parallel})"
+                f"train.launch.nproc_per_node x nnodes ({world}) must be a multiple of tensor x pipeline parallel size ({model_parallel})"
             )
         dp = world // model_parallel
         if t.global_batch_size % (t.micro_batch_size * dp):

@@ -1,5 +1,7 @@
-"""The `train` section: run length and numerics, with the optimizer, the schedule, the fault policy and the
-launch as its sub-sections."""
+"""The `train` section: run length and numerics on the section itself, with the optimizer, the learning-rate
+schedule, the fault policy and the launch as its sub-sections (`train.optimizer.lr`, `train.schedule.warmup_iters`,
+`train.faults.on_nonfinite`, `train.launch.launcher`). The run's name reads the sub-sections as the flat section
+of before (FLATTEN), and the flat spellings (`train.lr=...`) still work for a release."""
 
 from __future__ import annotations
 
@@ -7,38 +9,56 @@ import warnings
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import (
-    Field,
-    model_validator,
-)
+from pydantic import Field, model_validator
 
-from difflm.config.base import IF_SET, OPERATIONAL, _Section
-from difflm.config.launch import KubernetesLaunchConfig, SlurmLaunchConfig
+from difflm.config.base import FLATTEN, IF_SET, OPERATIONAL, _Section, deprecated
+from difflm.config.launch import WAIT_FIELDS, LaunchConfig
 
 
 def is_hf_folder(path: str | None) -> bool:
     """A Hugging Face model folder (config.json), not a megatron checkpoint (metadata.json)."""
-    folder = Path(path).expanduser() if path else None
-    return bool(folder) and (folder / "config.json").exists() and not (folder / "metadata.json").exists()
+    if not path:
+        return False
+    folder = Path(path).expanduser()
+    return (folder / "config.json").exists() and not (folder / "metadata.json").exists()
 
 
-class TrainConfig(_Section):
-    seq_length: int = Field(128, ge=8)
-    micro_batch_size: int = Field(8, ge=1)
-    global_batch_size: int = Field(8, ge=1)
-    train_iters: int = Field(200, ge=1)
-    lr: float = Field(3e-3, gt=0.0)
-    min_lr: float = Field(3e-4, ge=0.0)
-    warmup_iters: int = Field(20, ge=0)
+Signal = Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]
+
+
+def _default_signals() -> list[Signal]:
+    return ["SIGTERM", "SIGUSR1"]
+
+
+class OptimizerConfig(_Section):
+    """AdamW: `train.optimizer`."""
+
+    lr: float = Field(3e-3, gt=0.0, description="Peak learning rate (after warmup).")
+    weight_decay: float = Field(0.01, ge=0.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.98, ge=0.0, lt=1.0)
+    clip_grad: float = Field(1.0, ge=0.0, description="Clip the gradient's global norm to this (0: off).")
+
+
+class ScheduleConfig(_Section):
+    """The learning rate over the run: `train.schedule`."""
+
+    warmup_iters: int = Field(20, ge=0, description="Linear warmup from 0 to train.optimizer.lr.")
     lr_schedule: Literal["cosine", "linear", "constant", "wsd"] = Field(
         "cosine",
         description="After warmup: cosine or linear decay to min_lr over the run, constant at lr, or "
         "wsd (warmup-stable-decay): constant at lr, then decay to min_lr over the last wsd_decay_fraction.",
     )
+    min_lr: float = Field(3e-4, ge=0.0, description="Where the decay ends.")
     wsd_decay_fraction: float = Field(0.2, gt=0.0, le=1.0, description="wsd: share of train_iters spent decaying.")
     wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = Field(
         "linear", description="wsd: shape of the final decay (megatron's lr_wsd_decay_style)."
     )
+
+
+class FaultsConfig(_Section):
+    """What the trainer does on a non-finite step or a preemption signal: `train.faults`. Operational."""
+
     on_nonfinite: Literal["skip", "stop"] = Field(
         "skip",
         json_schema_extra=OPERATIONAL,
@@ -48,22 +68,70 @@ class TrainConfig(_Section):
     max_nonfinite_skips: int = Field(
         10, ge=1, json_schema_extra=OPERATIONAL, description="Consecutive skipped steps before training stops anyway."
     )
-    preempt_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]] = Field(
-        default_factory=lambda: ["SIGTERM", "SIGUSR1"],
+    preempt_signals: list[Signal] = Field(
+        default_factory=_default_signals,
         json_schema_extra=OPERATIONAL,
         description="Signals on which the trainer finishes the "
         "current step, writes a checkpoint and exits as preempted (rerun / requeue resumes).",
     )
-    weight_decay: float = Field(0.01, ge=0.0)
-    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    adam_beta2: float = Field(0.98, ge=0.0, lt=1.0)
-    clip_grad: float = Field(1.0, ge=0.0)
+
+
+# The flat spellings of before the sub-sections (train.<old> -> train.<section>.<old>), read for a release.
+MOVED = {
+    **dict.fromkeys(OptimizerConfig.model_fields, "optimizer"),
+    **dict.fromkeys(ScheduleConfig.model_fields, "schedule"),
+    **dict.fromkeys(FaultsConfig.model_fields, "faults"),
+    **dict.fromkeys(("launcher", "nproc_per_node", "nnodes", "slurm", "kubernetes"), "launch"),
+}
+
+
+def nest_train_fields(train: dict[str, Any]) -> dict[str, Any]:
+    """`train` with the flat keys of before (`lr`, `launcher`, `slurm`, ...) moved into their sub-sections
+    (`optimizer.lr`, `launch.launcher`, `launch.slurm`); a setting given both ways is an error naming the one
+    spelling."""
+    if not any(k in MOVED for k in train):
+        return train
+    data = dict(train)
+    for old in [k for k in data if k in MOVED]:
+        section = MOVED[old]
+        sub = data.get(section)
+        sub = dict(sub) if isinstance(sub, dict) else {}
+        if old in sub:
+            raise ValueError(
+                f"train.{old} is the old spelling of train.{section}.{old}, which is also given: "
+                f"set only train.{section}.{old}"
+            )
+        deprecated(f"train.{old}", f"train.{section}.{old}")
+        sub[old] = data.pop(old)
+        data[section] = sub
+    return data
+
+
+def new_train_key(keys: list[str]) -> list[str]:
+    """An override's key in the new spelling: `train.lr` -> `train.optimizer.lr`, `train.slurm.poll_seconds` ->
+    `train.launch.wait.poll_seconds`."""
+    new = keys
+    if len(keys) >= 2 and keys[0] == "train" and keys[1] in MOVED:
+        new = ["train", MOVED[keys[1]], *keys[1:]]
+    if len(new) == 4 and new[:2] == ["train", "launch"] and new[2] in ("slurm", "kubernetes") and new[3] in WAIT_FIELDS:
+        new = ["train", "launch", "wait", new[3]]
+    if new != keys:
+        deprecated(".".join(keys), ".".join(new))
+    return new
+
+
+class TrainConfig(_Section):
+    seq_length: int = Field(128, ge=8)
+    micro_batch_size: int = Field(8, ge=1)
+    global_batch_size: int = Field(8, ge=1)
+    train_iters: int = Field(200, ge=1)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, json_schema_extra=FLATTEN)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, json_schema_extra=FLATTEN)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig, json_schema_extra=OPERATIONAL)
     seed: int = 1234
     log_interval: int = Field(10, ge=1)
     eval_interval: int = Field(50, ge=1)
     eval_iters: int = Field(4, ge=1)
-    nproc_per_node: int = Field(1, ge=1, description="torchrun processes per node (GPUs per node; CPU: gloo ranks).")
-    nnodes: int = Field(1, ge=1, description="Nodes (cluster launches: `difflm launch`).")
     init_from: str | None = Field(
         None,
         description="Megatron checkpoint (model weights, any TP/PP) to start from, e.g. from "
@@ -86,16 +154,12 @@ class TrainConfig(_Section):
         description="Peak dense bf16 TFLOP/s of one device for MFU (None: looked up by device name "
         "in models/megatron/flops.py; MFU is not reported for an unknown device or the CPU).",
     )
-    launcher: Literal["local", "slurm", "kubernetes"] = Field(
-        "local",
-        json_schema_extra=OPERATIONAL,
-        description="Who runs torchrun. local: a subprocess here (one node); slurm: an sbatch job "
-        "(train.slurm); kubernetes: a Kubeflow PyTorchJob (train.kubernetes). Cluster launchers write the same "
-        "launch file as `difflm launch`, submit it, wait for the job and read the run directory, which must be "
-        "on storage the nodes share. Operational: any launcher resumes any other's run.",
-    )
-    slurm: SlurmLaunchConfig = Field(default_factory=SlurmLaunchConfig, json_schema_extra=OPERATIONAL)
-    kubernetes: KubernetesLaunchConfig = Field(default_factory=KubernetesLaunchConfig, json_schema_extra=OPERATIONAL)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, json_schema_extra=FLATTEN)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_spelling_of_before(cls, data: Any) -> Any:
+        return nest_train_fields(data) if isinstance(data, dict) else data
 
     @model_validator(mode="before")
     @classmethod
@@ -113,11 +177,12 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _schedule(self) -> TrainConfig:
-        if self.warmup_iters >= self.train_iters:
+        warmup = self.schedule.warmup_iters
+        if warmup >= self.train_iters:
             raise ValueError(
-                f"warmup_iters ({self.warmup_iters}) must be below train_iters ({self.train_iters}): set "
-                f"train.warmup_iters too, e.g. train.warmup_iters={max(self.train_iters // 10, 0)}"
+                f"warmup_iters ({warmup}) must be below train_iters ({self.train_iters}): set "
+                f"train.schedule.warmup_iters too, e.g. train.schedule.warmup_iters={max(self.train_iters // 10, 0)}"
             )
-        if self.min_lr > self.lr:
-            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        if self.schedule.min_lr > self.optimizer.lr:
+            raise ValueError(f"min_lr ({self.schedule.min_lr}) must not exceed lr ({self.optimizer.lr})")
         return self
