@@ -71,7 +71,7 @@ slurm: $(STAMP)
 	else echo "slurm missing: tests/test_slurm.py will be skipped (fails under CI);" \
 	  "install it as root: make slurm, or apt-get install slurm-wlm munge"; fi
 
-# a local Slurm cluster to try train.launcher=slurm by hand (docs/slurm.md); state in SLURM_DIR
+# a local Slurm cluster to try train.launch.launcher=slurm by hand (docs/slurm.md); state in SLURM_DIR
 SLURM_DIR ?= .difflm-slurm
 slurm-up: slurm
 	$(BIN)/python -m deploy.slurm_local up --dir $(SLURM_DIR)

@@ -55,7 +55,7 @@ def bench_config(preset: str, mode: str, args: argparse.Namespace):
             f"train.global_batch_size={batch}",
             f"train.precision={args.precision}",
             "train.train_iters=1000",
-            "train.warmup_iters=1",
+            "train.schedule.warmup_iters=1",
             *([f"train.peak_tflops={args.peak_tflops}"] if args.peak_tflops else []),
             *args.override,
         ],
@@ -132,7 +132,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--presets",
         nargs="+",
         default=["tiny", "small"],
-        help="model presets (difflm/config.py MODEL_PRESETS: tiny small 125m 350m 1b 3b 7b); default: tiny small",
+        help="model presets (difflm/config/model.py MODEL_PRESETS: tiny small 125m 350m 1b 3b 7b); default: tiny small",
     )
     p.add_argument(
         "--modes",

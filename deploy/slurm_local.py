@@ -1,5 +1,5 @@
 """A real Slurm cluster on this host (munge + slurmctld + one slurmd per node, Debian's slurm-wlm), for the tests
-and for trying `train.launcher=slurm` or `data.executor=slurm` without a cluster:
+and for trying `train.launch.launcher=slurm` or `data.executor=slurm` without a cluster:
 
     python -m deploy.slurm_local install                 # apt-get install slurm-wlm munge (root; ~30 s)
     python -m deploy.slurm_local up   [--dir .difflm-slurm] # prints `export SLURM_CONF=...` for the clients

@@ -38,11 +38,11 @@ DOCS = "docs/cli.md"  # each verb's page: what it does, in detail, with examples
 EPILOG = f"""examples:
   difflm run                                   # the demo: tiny-cpu preset, every stage
   difflm run --preset configs/my.yaml diffusion.model_running_mode=ar
-  difflm config show train.lr=1e-3             # print the resolved configuration
+  difflm config show train.optimizer.lr=1e-3             # print the resolved configuration
   difflm eval .difflm/runs/<run> .difflm/runs/<ar run>   # tasks + bounds, side by side
   difflm convert .difflm/runs/<run>             # newest checkpoint -> <run>/exports/iter_XXXXXXX (HF)
   difflm generate .difflm/runs/<run> --prompt "The river" eval.sampler.threshold=0.9
-  difflm adapt smollm2 train.train_iters=20 train.warmup_iters=2  # AR -> diffusion from SmolLM2
+  difflm adapt smollm2 train.train_iters=20 train.schedule.warmup_iters=2  # AR -> diffusion from SmolLM2
 
 every command, its options and more examples: {DOCS}
 """
@@ -176,23 +176,39 @@ COMMANDS = (
     Command(
         "train",
         "data prep (reused) + training only, no Prefect/MLflow",
-        "Prepare the data (reused when done), then train with train.launcher (local torchrun, or a Slurm job or "
+        "Prepare the data (reused when done), then train with train.launch.launcher (local torchrun, or a Slurm job or "
         "Kubernetes PyTorchJob it submits and waits for). Prints the run directory and checkpoint.",
         lambda cfg, a: commands.train(cfg),
     ),
     Command(
         "launch",
         "write a Slurm script or Kubernetes PyTorchJob that trains this config",
-        "Prepare the data, then write a cluster launch file for torchrun on train.nnodes x train.nproc_per_node "
+        "Prepare the data, then write a cluster launch file for torchrun on train.launch.nnodes x train.launch.nproc_per_node "
         "GPUs into the run directory, to submit yourself. The options below set the config fields they name.",
         lambda cfg, a: commands.launch(cfg, a.target),
         (
             arg("--target", choices=["slurm", "k8s", "kubernetes"], default="slurm", help="default: slurm"),
-            arg("--partition", sets="train.slurm.partition", help="Slurm partition (sets train.slurm.partition)"),
-            arg("--time", sets="train.slurm.time", help="Slurm time limit (sets train.slurm.time)"),
-            arg("--python", sets="train.slurm.python", help="python on the nodes (sets train.slurm.python)"),
-            arg("--image", sets="train.kubernetes.image", help="container image (sets train.kubernetes.image)"),
-            arg("--pvc", sets="train.kubernetes.pvc", help="claim holding the workdir (sets train.kubernetes.pvc)"),
+            arg(
+                "--partition",
+                sets="train.launch.slurm.partition",
+                help="Slurm partition (sets train.launch.slurm.partition)",
+            ),
+            arg("--time", sets="train.launch.slurm.time", help="Slurm time limit (sets train.launch.slurm.time)"),
+            arg(
+                "--python",
+                sets="train.launch.slurm.python",
+                help="python on the nodes (sets train.launch.slurm.python)",
+            ),
+            arg(
+                "--image",
+                sets="train.launch.kubernetes.image",
+                help="container image (sets train.launch.kubernetes.image)",
+            ),
+            arg(
+                "--pvc",
+                sets="train.launch.kubernetes.pvc",
+                help="claim holding the workdir (sets train.launch.kubernetes.pvc)",
+            ),
         ),
     ),
     Command(

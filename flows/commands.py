@@ -132,12 +132,12 @@ def verify(cfg: PipelineConfig) -> int:
 
 
 def train(cfg: PipelineConfig) -> int:
-    """Data prep (reused), then training with train.launcher; prints the launcher's result as JSON."""
+    """Data prep (reused), then training with train.launch.launcher; prints the launcher's result as JSON."""
     from data_prep.pipeline import prepare_data
     from models.launch.cluster import submit_kubernetes, submit_slurm
     from models.launch.torchrun import launch_training
 
-    launch = {"slurm": submit_slurm, "kubernetes": submit_kubernetes}.get(cfg.train.launcher, launch_training)
+    launch = {"slurm": submit_slurm, "kubernetes": submit_kubernetes}.get(cfg.train.launch.launcher, launch_training)
     print(json.dumps(launch(cfg, prepare_data(cfg)).to_dict(), indent=2))
     return 0
 

@@ -51,12 +51,12 @@ def _resumable(task, task_run, state) -> bool:
 
 @task(name="train", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=_resumable)
 def train_task(cfg: PipelineConfig, manifest: dict, env: dict[str, str]) -> TrainResult:
-    """Train with `train.launcher`: local torchrun, or a Slurm job / Kubernetes PyTorchJob submitted and waited for.
+    """Train with `train.launch.launcher`: local torchrun, or a Slurm job / Kubernetes PyTorchJob submitted and waited for.
     Every launcher trains into the same run directory and returns its `TrainResult`."""
     logger = get_run_logger()
-    if cfg.train.launcher == "slurm":
+    if cfg.train.launch.launcher == "slurm":
         return submit_slurm(cfg, manifest, echo=logger.info, env=env)
-    if cfg.train.launcher == "kubernetes":
+    if cfg.train.launch.launcher == "kubernetes":
         return submit_kubernetes(cfg, manifest, echo=logger.info, env=env)
     return launch_training(cfg, manifest, env=env, echo=logger.info)
 

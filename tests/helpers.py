@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository
 # a four-step run that evaluates and checkpoints twice: the cluster launchers' tests train it
 SHORT_RUN = [
     "train.train_iters=4",
-    "train.warmup_iters=1",
+    "train.schedule.warmup_iters=1",
     "checkpoint.save_interval=2",
     "train.eval_interval=2",
     "train.log_interval=2",

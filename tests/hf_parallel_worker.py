@@ -69,7 +69,7 @@ def main(cases_file: str, out_dir: str) -> int:
             layout = [f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}"]
             b = probe["ids"].shape[0]
             batch = [f"train.micro_batch_size={b}", f"train.global_batch_size={b * dist.get_world_size()}"]
-            cfg = load_config("test-tiny", [*case["overrides"], *layout, *batch, "train.nproc_per_node=4"])
+            cfg = load_config("test-tiny", [*case["overrides"], *layout, *batch, "train.launch.nproc_per_node=4"])
             model = build_model(
                 cfg,
                 case["vocab_size"],

@@ -13,7 +13,7 @@ from pathlib import Path
 from helpers import SHORT_RUN
 
 STAGES = ("data-prep", "train", "convert", "evaluate")
-SIX_STEPS = ("train.train_iters=6", "train.warmup_iters=1", "checkpoint.save_interval=6")
+SIX_STEPS = ("train.train_iters=6", "train.schedule.warmup_iters=1", "checkpoint.save_interval=6")
 
 
 def _one_export(workdir: Path) -> None:
@@ -64,7 +64,7 @@ class Scenario:
 
 SCENARIOS: dict[str, Scenario] = {
     # tests/test_flow.py: the flagship flow in-process on a Prefect test server, long enough for training to help
-    "flagship": Scenario("test-tiny", ("train.train_iters=30", "train.lr=5e-3")),
+    "flagship": Scenario("test-tiny", ("train.train_iters=30", "train.optimizer.lr=5e-3")),
     # tests/test_deployment.py: `difflm serve pretrain-difflm` and `prefect deployment run ... --watch`
     "serve": Scenario("test-tiny", (*SIX_STEPS, "tracking.enabled=false"), deployment="pretrain-difflm/ci"),
     # tests/test_production_stack.py: prefect.yaml's deployment on the stack's process worker, tracked in MLflow
@@ -73,10 +73,10 @@ SCENARIOS: dict[str, Scenario] = {
     "slurm": Scenario(
         "test-tiny",
         (
-            "train.launcher=slurm",
-            "train.slurm.gpus_per_node=0",
+            "train.launch.launcher=slurm",
+            "train.launch.slurm.gpus_per_node=0",
             *SHORT_RUN,
-            "train.slurm.poll_seconds=0.5",
+            "train.launch.wait.poll_seconds=0.5",
             "tracking.enabled=false",
         ),
         expect=("one export", "evaluated", "trained in a Slurm job"),

@@ -155,7 +155,7 @@ def test_annealed_cart_training_runs_and_learns(session_dir, tiny_manifest):
         "diffusion.attention_anneal_steps=10",
         "model.document_attention=true",
         "train.train_iters=20",
-        "train.lr=5e-3",
+        "train.optimizer.lr=5e-3",
         "train.eval_interval=20",
         "checkpoint.save_interval=20",
     )
@@ -240,7 +240,7 @@ SMALL_RUN = [
     "train.seq_length=32",
     "train.micro_batch_size=4",
     "train.global_batch_size=4",
-    "train.warmup_iters=1",
+    "train.schedule.warmup_iters=1",
     "train.precision=fp32",
     "train.log_interval=5",
     "train.eval_interval=10",
@@ -263,7 +263,7 @@ def ar_source(session_dir, tiny_manifest):
     from models.launch.torchrun import launch_training
 
     cfg = tiny_config(
-        session_dir / "ar-source", "diffusion.model_running_mode=ar", "train.train_iters=20", "train.lr=5e-3"
+        session_dir / "ar-source", "diffusion.model_running_mode=ar", "train.train_iters=20", "train.optimizer.lr=5e-3"
     )
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
     return convert_checkpoint(cfg, tiny_manifest, info)
@@ -284,7 +284,7 @@ def test_adapt_difflm_flow_evaluates_the_adapted_and_the_source_model_on_the_sam
 
     workdir = session_dir / f"adapt-flow-{preset}"
     anneal = ["diffusion.attention_anneal_steps=5"] if preset == "adapt-diffullama" else []
-    overrides = [f"workdir={workdir}", *SMALL_RUN, "train.train_iters=10", "train.lr=3e-3", *anneal]
+    overrides = [f"workdir={workdir}", *SMALL_RUN, "train.train_iters=10", "train.optimizer.lr=3e-3", *anneal]
     summary = adapt_difflm(source=str(ar_source), preset=preset, overrides=overrides)
     assert summary["stages"] == dict.fromkeys(
         ("data-prep", "import", "train", "convert", "evaluate", "export-source-ar", "evaluate-source-ar"), "ran"
@@ -367,9 +367,9 @@ def test_smollm2_adapts_its_elbo_falls_and_sits_next_to_its_own_nll(session_dir,
         "train.micro_batch_size=2",
         "train.global_batch_size=2",
         "train.train_iters=8",
-        "train.warmup_iters=1",
-        "train.lr=1e-4",
-        "train.min_lr=1e-5",
+        "train.schedule.warmup_iters=1",
+        "train.optimizer.lr=1e-4",
+        "train.schedule.min_lr=1e-5",
         "train.precision=fp32",
         "train.eval_interval=8",
         "train.eval_iters=2",

@@ -82,7 +82,9 @@ def test_cache_keys_follow_the_inputs(tmp_path):
     (hf / "difflm_export.json").write_text('{"checkpoint": "/w/runs/a/checkpoints/iter_0000030"}')
     cfg = load_config("test-tiny")
     key = eval_key(cfg, MANIFEST, hf)
-    assert key == eval_key(load_config("test-tiny", ["train.lr=2e-3"]), MANIFEST, hf)  # training is not an input
+    assert key == eval_key(
+        load_config("test-tiny", ["train.optimizer.lr=2e-3"]), MANIFEST, hf
+    )  # training is not an input
     assert key != eval_key(load_config("test-tiny", ["eval.task_items=3"]), MANIFEST, hf)
     (hf / "difflm_export.json").write_text('{"checkpoint": "/w/runs/a/checkpoints/iter_0000040"}')
     assert key != eval_key(cfg, MANIFEST, hf)  # another checkpoint exported into the same folder

@@ -70,11 +70,11 @@ def test_options_that_set_config_fields_give_a_new_validated_config():
 
     cfg = load_config("tiny-cpu")
     assert cli.with_fields(cfg, {}) == cfg  # the dump round-trips
-    new = cli.with_fields(cfg, {"train.slurm.partition": "gpu", "train.kubernetes.image": "img:2"})
-    assert (new.train.slurm.partition, new.train.kubernetes.image) == ("gpu", "img:2")
-    assert cfg.train.slurm.partition != "gpu"  # the original is untouched
-    with pytest.raises(ConfigError, match="train.slurm.nodes|train.slurm"):
-        cli.with_fields(cfg, {"train.slurm.nodes_typo": 1})
+    new = cli.with_fields(cfg, {"train.launch.slurm.partition": "gpu", "train.launch.kubernetes.image": "img:2"})
+    assert (new.train.launch.slurm.partition, new.train.launch.kubernetes.image) == ("gpu", "img:2")
+    assert cfg.train.launch.slurm.partition != "gpu"  # the original is untouched
+    with pytest.raises(ConfigError, match="train.launch.slurm.nodes|train.launch.slurm"):
+        cli.with_fields(cfg, {"train.launch.slurm.nodes_typo": 1})
 
 
 @pytest.mark.parametrize("error, code", [("TrainingPreempted", 75), ("ConfigError", 2), ("SourceError", 1)])

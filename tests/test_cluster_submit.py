@@ -1,4 +1,4 @@
-"""`train.launcher=kubernetes`: the train task writes the launch file of `difflm launch`, applies it, waits and
+"""`train.launch.launcher=kubernetes`: the train task writes the launch file of `difflm launch`, applies it, waits and
 returns what a local launch returns. No Kubernetes cluster can run here: a fake `kubectl` (put first on PATH) really
 runs the job as the PyTorchJob operator would: the master replica's container command with the operator's
 variables. Slurm is tested on a real cluster (tests/test_slurm.py); `difflm launch` and the deployments are here."""
@@ -167,10 +167,10 @@ def test_kubernetes_launcher_trains_the_same_run_as_a_local_launch(
     work = tmp_path / "pvc" / "difflm"  # the claim is mounted at tmp_path/pvc in the worker and the pods
     k8s = [
         *SHORT,
-        "train.launcher=kubernetes",
-        f"train.kubernetes.mount={tmp_path / 'pvc'}",
-        "train.kubernetes.gpus_per_pod=0",
-        "train.kubernetes.poll_seconds=0.3",
+        "train.launch.launcher=kubernetes",
+        f"train.launch.kubernetes.mount={tmp_path / 'pvc'}",
+        "train.launch.kubernetes.gpus_per_pod=0",
+        "train.launch.wait.poll_seconds=0.3",
     ]
     cfg, local = tiny_config(work, *k8s), tiny_config(work, *SHORT)
     rdir = run_dir(local, tiny_manifest)
@@ -211,19 +211,21 @@ MANIFEST = {"hash": "0123456789abcdef", "dir": "/nowhere", "splits": {}}  # a ru
 
 def test_kubernetes_problems_are_cluster_errors(tmp_path, cluster):
     mount = tmp_path / "pvc"
-    outside = tiny_config(tmp_path / "elsewhere", "train.launcher=kubernetes", f"train.kubernetes.mount={mount}")
-    with pytest.raises(ClusterError, match=r"not under train.kubernetes.mount=.*set workdir under it"):
+    outside = tiny_config(
+        tmp_path / "elsewhere", "train.launch.launcher=kubernetes", f"train.launch.kubernetes.mount={mount}"
+    )
+    with pytest.raises(ClusterError, match=r"not under train.launch.kubernetes.mount=.*set workdir under it"):
         submit_kubernetes(outside, MANIFEST, echo=lambda _: None)
     assert not _calls(cluster, "kubectl")
 
     # a job whose pods never start (the image cannot be pulled): a clear error after start_timeout_minutes
     cfg = tiny_config(
         mount / "difflm",
-        "train.launcher=kubernetes",
-        f"train.kubernetes.mount={mount}",
-        "train.kubernetes.image=registry.example/unpullable:1",
-        "train.kubernetes.poll_seconds=0.1",
-        "train.kubernetes.start_timeout_minutes=0.01",
+        "train.launch.launcher=kubernetes",
+        f"train.launch.kubernetes.mount={mount}",
+        "train.launch.kubernetes.image=registry.example/unpullable:1",
+        "train.launch.wait.poll_seconds=0.1",
+        "train.launch.kubernetes.start_timeout_minutes=0.01",
     )
     name = pytorchjob_name(run_dir(cfg, MANIFEST))
     with pytest.raises(
@@ -243,20 +245,22 @@ def test_kubernetes_problems_are_cluster_errors(tmp_path, cluster):
 
 
 def test_launch_cli_writes_what_the_launchers_submit(session_dir, tiny_manifest, capsys):
-    """`difflm launch` options override train.slurm.* / train.kubernetes.*; the file is the one a launcher submits."""
+    """`difflm launch` options override train.launch.slurm.* / train.launch.kubernetes.*; the file is the one a launcher submits."""
     from flows.cli import main
 
     work = session_dir / "shared"  # where tiny_manifest's data is: reused
-    overrides = [f"workdir={work}", "train.train_iters=7", "train.warmup_iters=1"]
+    overrides = [f"workdir={work}", "train.train_iters=7", "train.schedule.warmup_iters=1"]
     assert main(["launch", "--preset", "test-tiny", *overrides, "--partition", "gpu", "--time", "01:00:00"]) == 0
-    cfg = tiny_config(work, *overrides[1:], "train.slurm.partition=gpu", "train.slurm.time=01:00:00")
+    cfg = tiny_config(work, *overrides[1:], "train.launch.slurm.partition=gpu", "train.launch.slurm.time=01:00:00")
     rdir = run_dir(cfg, tiny_manifest)
     written = (rdir / "launch.sbatch").read_text()
     submit = f"submit: sbatch --time=01:00:00 --partition=gpu {rdir / 'launch.sbatch'}\n"
     assert submit in capsys.readouterr().out and "--partition" not in written  # sbatch arguments, not #SBATCH lines
     assert written == write_launch_file(cfg, tiny_manifest, "slurm").read_text()
     assert main(["launch", "--preset", "test-tiny", *overrides, "--target", "k8s", "--image", "img:2"]) == 0
-    assert "is not under train.kubernetes.mount=/data" in capsys.readouterr().err  # a warning, the file is written
+    assert (
+        "is not under train.launch.kubernetes.mount=/data" in capsys.readouterr().err
+    )  # a warning, the file is written
     job = yaml.safe_load((rdir / "pytorchjob.yaml").read_text())
     assert job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]["image"] == "img:2"
 
@@ -270,7 +274,7 @@ def test_cluster_deployments_resolve_to_their_launchers():
     for name in ("slurm", "kubernetes"):
         params = entries[name]["parameters"]
         cfg = load_config(params["preset"], params["overrides"])
-        assert cfg.train.launcher == name and Path(cfg.workdir).is_absolute()
+        assert cfg.train.launch.launcher == name and Path(cfg.workdir).is_absolute()
         # the launcher does not change the run: the same run directory as the local deployment's config
         assert cfg.stage_hash("train") == load_config(params["preset"]).stage_hash("train")
     k8s = load_config(entries["kubernetes"]["parameters"]["preset"], entries["kubernetes"]["parameters"]["overrides"])

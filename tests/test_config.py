@@ -20,14 +20,14 @@ def test_overrides_are_typed():
     cfg = load_config(
         "tiny-cpu",
         [
-            "train.lr=1e-3",
+            "train.optimizer.lr=1e-3",
             "model.num_layers=6",
             "model.qk_layernorm=true",
             "data.sources=[a.jsonl, b.jsonl]",
             "data.max_documents=null",
         ],
     )
-    assert cfg.train.lr == 1e-3 and cfg.model.num_layers == 6 and cfg.model.qk_layernorm is True
+    assert cfg.train.optimizer.lr == 1e-3 and cfg.model.num_layers == 6 and cfg.model.qk_layernorm is True
     assert [s.path for s in cfg.data.sources] == ["a.jsonl", "b.jsonl"] and cfg.data.max_documents is None
 
 
@@ -54,9 +54,9 @@ def test_unknown_field_is_an_error():
     "overrides, fragment",
     [
         (["model.hidden_size=100", "model.num_attention_heads=3"], "divisible by num_attention_heads"),
-        (["train.nproc_per_node=3", "parallel.tensor_model_parallel_size=2"], "multiple of tensor x pipeline"),
+        (["train.launch.nproc_per_node=3", "parallel.tensor_model_parallel_size=2"], "multiple of tensor x pipeline"),
         (["train.global_batch_size=12", "train.micro_batch_size=8"], "multiple of micro_batch_size"),
-        (["train.warmup_iters=500", "train.train_iters=100"], "warmup_iters"),
+        (["train.schedule.warmup_iters=500", "train.train_iters=100"], "warmup_iters"),
         (["data.valid_fraction=0.9"], "data.valid_fraction"),
     ],
 )
@@ -72,15 +72,15 @@ def test_unknown_preset_lists_presets():
 
 def test_stage_hash_tracks_only_its_sections():
     a = load_config("tiny-cpu")
-    b = load_config("tiny-cpu", ["train.lr=1e-3"])
+    b = load_config("tiny-cpu", ["train.optimizer.lr=1e-3"])
     assert a.stage_hash("data", "tokenizer") == b.stage_hash("data", "tokenizer")
     assert a.stage_hash("train") != b.stage_hash("train")
 
 
 def test_roundtrip_through_yaml(tmp_path):
-    cfg = load_config("tiny-cpu", ["train.lr=1e-3"])
+    cfg = load_config("tiny-cpu", ["train.optimizer.lr=1e-3"])
     assert load_config(str(save_config(cfg, tmp_path / "c.yaml"))) == cfg
-    assert "train.lr" in cfg.flat() and isinstance(PipelineConfig().flat()["model.num_layers"], int)
+    assert "train.optimizer.lr" in cfg.flat() and isinstance(PipelineConfig().flat()["model.num_layers"], int)
 
 
 @pytest.mark.integration  # runs the CLI in a subprocess
@@ -140,8 +140,8 @@ def test_cluster_launch_files(tmp_path):
     cfg = load_config(
         "tiny-cpu",
         [
-            "train.nnodes=4",
-            "train.nproc_per_node=8",
+            "train.launch.nnodes=4",
+            "train.launch.nproc_per_node=8",
             "train.global_batch_size=512",
             "parallel.tensor_model_parallel_size=2",
         ],
@@ -159,7 +159,7 @@ def test_cluster_launch_files(tmp_path):
     container = specs["Worker"]["template"]["spec"]["containers"][0]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 8 and "models.megatron.train" in container["command"]
     with pytest.raises(ConfigError, match="nproc_per_node x nnodes"):
-        load_config("tiny-cpu", ["train.nnodes=3", "parallel.tensor_model_parallel_size=2"])
+        load_config("tiny-cpu", ["train.launch.nnodes=3", "parallel.tensor_model_parallel_size=2"])
 
 
 @pytest.mark.integration  # runs the CLI in a subprocess
@@ -186,7 +186,7 @@ def test_malformed_preset_is_one_line_with_file_line_and_column(tmp_path):
 @pytest.mark.parametrize(
     "override, suggestion",
     [
-        ("train.lrr=1e-3", "did you mean train.lr?"),
+        ("train.lrr=1e-3", "did you mean train.optimizer.lr?"),
         ("diffusion.model_runing_mode=ar", "did you mean diffusion.model_running_mode?"),
         ("modle.num_layers=2", "did you mean model?"),
     ],
@@ -197,6 +197,6 @@ def test_misspelt_field_suggests_the_right_one(override, suggestion):
 
 
 def test_a_shorter_run_says_which_warmup_to_set():
-    with pytest.raises(ConfigError, match=r"set train.warmup_iters too, e.g. train.warmup_iters=5"):
+    with pytest.raises(ConfigError, match=r"set train.schedule.warmup_iters too, e.g. train.schedule.warmup_iters=5"):
         load_config("tiny-cpu", ["train.train_iters=50"])
-    assert load_config("tiny-cpu", ["train.train_iters=50", "train.warmup_iters=5"]).train.train_iters == 50
+    assert load_config("tiny-cpu", ["train.train_iters=50", "train.schedule.warmup_iters=5"]).train.train_iters == 50

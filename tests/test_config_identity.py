@@ -1,4 +1,4 @@
-"""Which fields name a run directory (declared per field in difflm/config.py), the nested sampler section and
+"""Which fields name a run directory (declared per field in difflm/config/), the nested sampler section and
 the shared Slurm schema. The compatibility fixture: run directories made before the marks existed keep their
 names, so a run trained then is reused, not retrained."""
 
@@ -12,6 +12,9 @@ from pydantic import BaseModel
 from difflm.config import (
     OPERATIONAL,
     ConfigError,
+    FaultsConfig,
+    KubernetesLaunchConfig,
+    LaunchConfig,
     PipelineConfig,
     SamplerConfig,
     SlurmBase,
@@ -19,11 +22,13 @@ from difflm.config import (
     SlurmLaunchConfig,
     apply_overrides,
     diffusion_model,
+    is_flattened,
     is_identity,
     load_config,
     validate,
     with_mode,
 )
+from difflm.config.train import MOVED
 from models.diffusion.modes import MODES
 
 TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")  # models.launch.torchrun's
@@ -155,7 +160,7 @@ def _identity_fields(model: type, prefix: str = "") -> set[str]:
             continue
         sub = field.annotation
         if isinstance(sub, type) and issubclass(sub, BaseModel):  # a nested section
-            out |= _identity_fields(sub, f"{prefix}{name}.")
+            out |= _identity_fields(sub, prefix if is_flattened(field) else f"{prefix}{name}.")
         else:
             out.add(f"{prefix}{name}")
     return out
@@ -263,15 +268,19 @@ IDENTITY = {
     },
     "checkpoint": {"save_interval", "keep_last"},
 }
-OPERATIONAL_TRAIN = {
-    "on_nonfinite",
-    "max_nonfinite_skips",
-    "preempt_signals",
-    "peak_tflops",
-    "launcher",
-    "slurm",
-    "kubernetes",
-}
+# train's operational fields, the sub-sections that group fields of the flat section of before (FLATTEN) read as
+# part of it: train.faults whole, train.launch.launcher / slurm / kubernetes / wait
+OPERATIONAL_TRAIN = {"faults", "peak_tflops", "launcher", "slurm", "kubernetes", "wait"}
+
+
+def _operational_fields(model: type) -> set[str]:
+    out = set()
+    for name, field in model.model_fields.items():
+        if is_flattened(field):
+            out |= _operational_fields(field.annotation)
+        elif not is_identity(field):
+            out.add(name)
+    return out
 
 
 @pytest.mark.parametrize("section", sorted(IDENTITY))
@@ -288,19 +297,21 @@ def test_the_identity_fields_are_the_declared_ones(section):
 
 def test_operational_fields_are_marked_where_they_are_declared():
     train = PipelineConfig.model_fields["train"].annotation
-    assert {n for n, f in train.model_fields.items() if not is_identity(f)} == OPERATIONAL_TRAIN
-    assert train.model_fields["launcher"].json_schema_extra == OPERATIONAL
+    assert _operational_fields(train) == OPERATIONAL_TRAIN
+    assert LaunchConfig.model_fields["launcher"].json_schema_extra == OPERATIONAL
+    assert all(f.json_schema_extra == OPERATIONAL for f in FaultsConfig.model_fields.values())  # marked where declared
     schema = PipelineConfig.model_json_schema()  # `difflm config schema` shows the marks
-    assert schema["$defs"]["TrainConfig"]["properties"]["launcher"]["identity"] is False
+    assert schema["$defs"]["LaunchConfig"]["properties"]["launcher"]["identity"] is False
 
 
 def test_an_operational_field_does_not_fork_the_run_directory():
     base = validate(copy.deepcopy(TEST_TINY))
     for override in (
-        "train.on_nonfinite=stop",
-        "train.launcher=kubernetes",
-        "train.slurm.time=01:00:00",
-        "train.kubernetes.namespace=ml",
+        "train.faults.on_nonfinite=stop",
+        "train.launch.launcher=kubernetes",
+        "train.launch.slurm.time=01:00:00",
+        "train.launch.kubernetes.namespace=ml",
+        "train.launch.wait.poll_seconds=5",
         "train.peak_tflops=989",
         "eval.sampler.steps=99",
         "tracking.enabled=false",
@@ -308,7 +319,7 @@ def test_an_operational_field_does_not_fork_the_run_directory():
     ):
         other = validate(apply_overrides(copy.deepcopy(TEST_TINY), [override]))
         assert other.stage_hash(*TRAIN_SECTIONS) == base.stage_hash(*TRAIN_SECTIONS), override
-    assert validate(apply_overrides(copy.deepcopy(TEST_TINY), ["train.lr=1e-2"])).stage_hash(
+    assert validate(apply_overrides(copy.deepcopy(TEST_TINY), ["train.optimizer.lr=1e-2"])).stage_hash(
         *TRAIN_SECTIONS
     ) != base.stage_hash(*TRAIN_SECTIONS)
 
@@ -316,7 +327,7 @@ def test_an_operational_field_does_not_fork_the_run_directory():
 def test_identity_leaves_out_the_operational_fields_only():
     cfg = validate(copy.deepcopy(TEST_TINY))
     ident = cfg.identity("train")
-    assert set(ident) == IDENTITY["train"] - {"init_from_hf"} and ident["lr"] == cfg.train.lr  # IF_SET, unset
+    assert set(ident) == IDENTITY["train"] - {"init_from_hf"} and ident["lr"] == cfg.train.optimizer.lr  # IF_SET, unset
     hf = validate(apply_overrides(copy.deepcopy(TEST_TINY), ["train.init_from_hf=/models/smollm2"]))
     assert hf.identity("train")["init_from_hf"] == "/models/smollm2"
     assert cfg.identity("data")["slurm"] == cfg.data.slurm.model_dump(mode="json")
@@ -370,12 +381,12 @@ def test_both_slurm_sections_share_one_schema():
         [
             "data.slurm.partition=cpu",
             "data.slurm.sbatch_args={account: a}",
-            "train.slurm.partition=gpu",
-            "train.slurm.sbatch_args={qos: high}",
+            "train.launch.slurm.partition=gpu",
+            "train.launch.slurm.sbatch_args={qos: high}",
         ],
     )
-    assert (cfg.data.slurm.partition, cfg.train.slurm.partition) == ("cpu", "gpu")
-    assert (cfg.data.slurm.time, cfg.train.slurm.time) == ("04:00:00", "24:00:00")  # each its own default
+    assert (cfg.data.slurm.partition, cfg.train.launch.slurm.partition) == ("cpu", "gpu")
+    assert (cfg.data.slurm.time, cfg.train.launch.slurm.time) == ("04:00:00", "24:00:00")  # each its own default
 
 
 def test_the_adaln_description_matches_what_the_model_accepts():
@@ -492,3 +503,136 @@ def test_a_run_config_of_the_flat_section_loads():
         ConfigError, match="diffusion.block_size is a setting of difflm-block; model_running_mode is ar"
     ):
         validate({**copy.deepcopy(TEST_TINY), "diffusion": {**flat, "block_size": 8}})
+
+
+# ---- train's sub-sections: optimizer, schedule, faults, launch (with one job wait) ---------------------------
+
+# (overrides on TEST_TINY, the train hash) computed at ddfe0e1, before the sub-sections, in the flat spelling
+FLAT_TRAIN_RUN_HASHES = [
+    (["train.lr=0.001"], "bb005f4d3c51"),
+    (
+        [
+            "train.lr=0.001",
+            "train.min_lr=0.0001",
+            "train.weight_decay=0.1",
+            "train.clip_grad=0.5",
+            "train.adam_beta2=0.95",
+        ],
+        "83bdbde6a16a",
+    ),
+    (["train.lr_schedule=wsd", "train.wsd_decay_fraction=0.3", "train.wsd_decay_style=cosine"], "1883332ed224"),
+    (["train.warmup_iters=5", "train.lr_schedule=linear"], "b9f2ecac5155"),
+    (["train.on_nonfinite=stop", "train.max_nonfinite_skips=2"], "fec8076e2812"),
+    (
+        [
+            "train.launcher=slurm",
+            "train.slurm.poll_seconds=5",
+            "train.slurm.wait_hours=2",
+            "train.nnodes=2",
+            "train.micro_batch_size=2",
+        ],
+        "0a2dc379e4ae",
+    ),
+    (["train.launcher=kubernetes", "train.kubernetes.poll_seconds=7", "train.kubernetes.wait_hours=1"], "fec8076e2812"),
+]
+NEW_SPELLING = {
+    "train.slurm.poll_seconds": "train.launch.wait.poll_seconds",
+    "train.slurm.wait_hours": "train.launch.wait.wait_hours",
+    "train.kubernetes.poll_seconds": "train.launch.wait.poll_seconds",
+    "train.kubernetes.wait_hours": "train.launch.wait.wait_hours",
+    **{f"train.{k}": f"train.{s}.{k}" for k, s in MOVED.items()},
+}
+
+
+def _new_spelling(override: str) -> str:
+    key, _, value = override.partition("=")
+    return f"{NEW_SPELLING.get(key, key)}={value}"
+
+
+@pytest.mark.parametrize("overrides, train_hash", FLAT_TRAIN_RUN_HASHES, ids=[h for _, h in FLAT_TRAIN_RUN_HASHES])
+@pytest.mark.parametrize("spelling", ["flat", "nested"])
+def test_the_train_sub_sections_keep_the_run_directories_of_the_flat_section(overrides, train_hash, spelling):
+    if spelling == "nested":
+        overrides = [_new_spelling(o) for o in overrides]
+    cfg = validate(apply_overrides(copy.deepcopy(TEST_TINY), overrides))
+    assert _run_name(cfg) == f"{cfg.diffusion.model_running_mode}-ae93725590ed-{train_hash}"
+
+
+# a run's config.yaml train section as ddfe0e1 wrote it (the flat section, a wait setting in each cluster section)
+FLAT_TRAIN_DUMP = {
+    "seq_length": 32, "micro_batch_size": 4, "global_batch_size": 4, "train_iters": 20, "lr": 0.001,
+    "min_lr": 0.0003, "warmup_iters": 2, "lr_schedule": "cosine", "wsd_decay_fraction": 0.2,
+    "wsd_decay_style": "linear", "on_nonfinite": "skip", "max_nonfinite_skips": 10,
+    "preempt_signals": ["SIGTERM", "SIGUSR1"], "weight_decay": 0.01, "adam_beta1": 0.9, "adam_beta2": 0.98,
+    "clip_grad": 1.0, "seed": 1234, "log_interval": 5, "eval_interval": 10, "eval_iters": 2, "nproc_per_node": 1,
+    "nnodes": 1, "init_from": None, "init_from_hf": None, "precision": "fp32", "fp8": None, "torch_threads": None,
+    "peak_tflops": None, "launcher": "kubernetes",
+    "slurm": {"partition": None, "time": "24:00:00", "sbatch_args": {}, "signal_seconds": 120, "gpus_per_node": None,
+              "python": None, "poll_seconds": 5.0, "wait_hours": None},
+    "kubernetes": {"image": "difflm-pipeline:latest", "pvc": "difflm-data", "mount": "/data", "namespace": None,
+                   "gpus_per_pod": None, "poll_seconds": 7.0, "start_timeout_minutes": 60.0, "wait_hours": None},
+}  # fmt: skip
+
+
+def test_a_run_config_of_the_flat_train_section_loads(tmp_path):
+    old = tmp_path / "config.yaml"
+    old.write_text(yaml.safe_dump({**TEST_TINY, "train": FLAT_TRAIN_DUMP}))
+    with pytest.warns(DeprecationWarning, match=r"train\.lr is deprecated: use train\.optimizer\.lr"):
+        cfg = load_config(str(old))
+    t = cfg.train
+    assert (t.optimizer.lr, t.schedule.min_lr, t.schedule.warmup_iters, t.faults.on_nonfinite) == (
+        0.001,
+        3e-4,
+        2,
+        "skip",
+    )
+    assert (t.launch.launcher, t.launch.kubernetes.pvc) == ("kubernetes", "difflm-data")
+    assert t.launch.wait.poll_seconds == 7.0  # the copy of the launcher in use
+    assert _run_name(cfg).endswith("bb005f4d3c51")  # train.lr=0.001's run of before
+    again = tmp_path / "again.yaml"  # written back in the new spelling, it reads the same
+    again.write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    assert load_config(str(again)) == cfg
+
+
+def test_an_old_train_key_warns_naming_the_new_one():
+    with pytest.warns(DeprecationWarning, match=r"train\.launcher is deprecated: use train\.launch\.launcher"):
+        cfg = load_config("test-tiny", ["train.launcher=slurm"])
+    assert cfg.train.launch.launcher == "slurm"
+    with pytest.warns(DeprecationWarning, match=r"train\.slurm\.poll_seconds is deprecated: use train\.launch\.wait"):
+        assert load_config("test-tiny", ["train.slurm.poll_seconds=3"]).train.launch.wait.poll_seconds == 3
+    with pytest.warns(DeprecationWarning, match=r"use train\.faults\.preempt_signals"):
+        assert load_config("test-tiny", ["train.preempt_signals=[SIGINT]"]).train.faults.preempt_signals == ["SIGINT"]
+
+
+def test_a_train_setting_given_both_ways_names_the_one_spelling():
+    assert load_config("tiny-cpu", ["train.lr=1e-3"]).train.optimizer.lr == 1e-3  # an old override on a new preset
+    assert load_config("tiny-cpu", ["train.lr=1e-3", "train.optimizer.lr=2e-3"]).train.optimizer.lr == 2e-3  # the last
+    with pytest.raises(ConfigError, match="train.lr is the old spelling of train.optimizer.lr"):
+        validate({"train": {"lr": 1e-3, "optimizer": {"lr": 2e-3}}})  # one file, both spellings
+
+
+def test_one_wait_section_for_both_clusters():
+    assert "poll_seconds" not in SlurmLaunchConfig.model_fields and "wait_hours" not in SlurmLaunchConfig.model_fields
+    assert "poll_seconds" not in KubernetesLaunchConfig.model_fields
+    cfg = load_config("test-tiny", ["train.launch.wait.poll_seconds=2", "train.launch.wait.wait_hours=1"])
+    assert (cfg.train.launch.wait.poll_seconds, cfg.train.launch.wait.wait_hours) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("train.optimizer.lrr=1", "train.optimizer.lr"),
+        ("train.schedule.warmup_iter=1", "train.schedule.warmup_iters"),
+        ("train.launch.nnode=1", "train.launch.nnodes"),
+        ("train.lrr=1", "train.optimizer.lr"),  # a misspelt old key: the new one
+    ],
+)
+def test_a_misspelt_train_key_gets_the_new_name_suggested(override, suggestion):
+    with pytest.raises(ConfigError, match=f"did you mean {suggestion}\\?"):
+        load_config("test-tiny", [override])
+
+
+def test_the_form_schema_holds_the_sub_sections():
+    train = PipelineConfig.model_json_schema()["$defs"]["TrainConfig"]["properties"]
+    assert {"optimizer", "schedule", "faults", "launch"} <= set(train) and "lr" not in train
+    assert set(PipelineConfig().flat()) >= {"train.optimizer.lr", "train.launch.wait.poll_seconds"}

@@ -30,7 +30,7 @@ FAST = (
     "train.log_interval=1",
     "train.eval_interval=8",
     "checkpoint.keep_last=10",
-    "train.warmup_iters=2",
+    "train.schedule.warmup_iters=2",
 )
 
 
@@ -138,11 +138,11 @@ def test_nonfinite_steps_are_skipped_or_stop_training(session_dir, tiny_manifest
     final = [r["loss"] for r in recs if "loss" in r and r["step"] == 16]
     assert final and final[0] == final[0] and final[0] < 100  # finite: the bad update was never applied
 
-    stop = tiny_config(session_dir / "faults-nan-stop", *FAST, "train.on_nonfinite=stop")
+    stop = tiny_config(session_dir / "faults-nan-stop", *FAST, "train.faults.on_nonfinite=stop")
     with pytest.raises(TrainingError, match="stopped at iteration 6: non-finite.*iteration 4, is kept"):
         launch_training(stop, tiny_manifest, **fault_launch({6}), echo=lambda _: None)
 
-    limit = tiny_config(session_dir / "faults-nan-limit", *FAST, "train.max_nonfinite_skips=2")
+    limit = tiny_config(session_dir / "faults-nan-limit", *FAST, "train.faults.max_nonfinite_skips=2")
     with pytest.raises(TrainingError, match="stopped at iteration 7: .*3 step\\(s\\) in a row"):
         launch_training(limit, tiny_manifest, **fault_launch({5, 6, 7}), echo=lambda _: None)
 
@@ -178,7 +178,12 @@ def test_lr_schedules():
 
     def curve(*over):
         cfg = tiny_config(
-            Path("/tmp"), "train.train_iters=100", "train.warmup_iters=10", "train.lr=1.0", "train.min_lr=0.1", *over
+            Path("/tmp"),
+            "train.train_iters=100",
+            "train.schedule.warmup_iters=10",
+            "train.optimizer.lr=1.0",
+            "train.schedule.min_lr=0.1",
+            *over,
         )
         sched = OptimizerParamScheduler(Opt(), **scheduler_kwargs(cfg))
         out = []
@@ -187,12 +192,12 @@ def test_lr_schedules():
             out.append(Opt.param_groups[0]["lr"])
         return out
 
-    wsd = curve("train.lr_schedule=wsd", "train.wsd_decay_fraction=0.2")
+    wsd = curve("train.schedule.lr_schedule=wsd", "train.schedule.wsd_decay_fraction=0.2")
     assert wsd[4] < 1.0 and all(v == pytest.approx(1.0) for v in wsd[10:80])  # warmup, then stable
     assert wsd[89] == pytest.approx(0.55, abs=0.02) and wsd[-1] == pytest.approx(0.1)  # linear decay to min
-    const = curve("train.lr_schedule=constant")
+    const = curve("train.schedule.lr_schedule=constant")
     assert all(v == pytest.approx(1.0) for v in const[10:])
-    lin, cos = curve("train.lr_schedule=linear"), curve()
+    lin, cos = curve("train.schedule.lr_schedule=linear"), curve()
     assert lin[54] == pytest.approx(0.55, abs=0.02) and cos[54] == pytest.approx(0.55, abs=0.02)
     assert lin[30] < cos[30] and lin[-1] == pytest.approx(0.1) and cos[-1] == pytest.approx(0.1)
 
@@ -293,7 +298,11 @@ def test_ctrl_c_during_difflm_run_exits_75_with_one_line_and_resumes(session_dir
     (Prefect's temporary server shared the terminal's process group and died first) and a second Ctrl-C printed
     about 120 lines of tracebacks. Now: one line naming the checkpoint, exit 75, within seconds."""
     workdir = session_dir / "shared"  # the prepared data of tiny_manifest is reused
-    overrides = ["train.train_iters=100000", "train.log_interval=1", "train.warmup_iters=2"]  # stopped long before
+    overrides = [
+        "train.train_iters=100000",
+        "train.log_interval=1",
+        "train.schedule.warmup_iters=2",
+    ]  # stopped long before
     overrides += ["checkpoint.save_interval=1000", "tracking.registry=false"]
     rdir = run_dir(tiny_config(workdir, *overrides), tiny_manifest)  # this run's directory, not another test's
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}

@@ -171,7 +171,9 @@ def test_a_changed_input_reruns_only_what_depends_on_it(first, session_dir):
 
     changed_eval = pretrain_difflm(config=tiny_config(session_dir / "flow", *FLOW, "eval.task_items=2"))
     assert changed_eval["stages"] == {"data-prep": "cached", "train": "cached", "convert": "cached", "evaluate": "ran"}
-    changed_train = pretrain_difflm(config=tiny_config(session_dir / "flow", "train.train_iters=20", "train.lr=5e-3"))
+    changed_train = pretrain_difflm(
+        config=tiny_config(session_dir / "flow", "train.train_iters=20", "train.optimizer.lr=5e-3")
+    )
     assert changed_train["stages"] == {"data-prep": "cached", "train": "ran", "convert": "ran", "evaluate": "ran"}
     assert changed_train["run_dir"] != first["summary"]["run_dir"]
 

@@ -93,7 +93,7 @@ def test_import_at_tp_and_pp_gives_the_source_logits(tmp_path):
     for kind in KINDS:
         src = tiny_stock(kind, tmp_path / kind)
         ckpt = import_pretrained(
-            _cfg(tmp_path, src, "parallel.tensor_model_parallel_size=2", "train.nproc_per_node=2"),
+            _cfg(tmp_path, src, "parallel.tensor_model_parallel_size=2", "train.launch.nproc_per_node=2"),
             src,
             tmp_path / f"{kind}-mg",
         )
@@ -248,7 +248,7 @@ def test_training_starts_from_an_imported_qwen2(tmp_path):
     proc = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     use = shlex.split(proc.stdout.split("start training from it with: ")[1].splitlines()[0])
-    run = ["diffusion.model_running_mode=ar", "train.train_iters=2", "train.warmup_iters=1"]
+    run = ["diffusion.model_running_mode=ar", "train.train_iters=2", "train.schedule.warmup_iters=1"]
     run += ["train.eval_interval=2", "checkpoint.save_interval=2", "tracking.enabled=false"]
     starts = []
     for init in (use, [u for u in use if not u.startswith("train.init_from=")]):

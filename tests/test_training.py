@@ -17,7 +17,7 @@ from models.megatron import checkpointing
     "layout",
     [
         [],
-        ["train.nproc_per_node=2", "train.micro_batch_size=2", "parallel.use_distributed_optimizer=true"],
+        ["train.launch.nproc_per_node=2", "train.micro_batch_size=2", "parallel.use_distributed_optimizer=true"],
         ["model.dropout=0.1"],
     ],
     ids=["single", "dp2-distopt", "dropout"],
@@ -63,7 +63,7 @@ def test_failed_training_reports_the_log(session_dir, tiny_manifest):
             "train": {**tiny_manifest["splits"]["train"], "prefixes": ["/nonexistent/shard"]},
         },
     }
-    cfg = tiny_config(session_dir / "broken", "train.train_iters=3", "train.warmup_iters=1")
+    cfg = tiny_config(session_dir / "broken", "train.train_iters=3", "train.schedule.warmup_iters=1")
     with pytest.raises(TrainingError, match="training failed .* full log"):
         launch_training(cfg, broken, echo=lambda _: None)
 
@@ -86,7 +86,7 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, 
         session_dir / "modes",
         f"diffusion.model_running_mode={mode}",
         "train.train_iters=30",
-        "train.lr=5e-3",
+        "train.optimizer.lr=5e-3",
         "train.eval_interval=30",
         "checkpoint.save_interval=30",
         *extra,
@@ -130,7 +130,7 @@ def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, tmp_path)
     cfg = tiny_config(
         session_dir / "import",
         "train.train_iters=6",
-        "train.warmup_iters=1",
+        "train.schedule.warmup_iters=1",
         "checkpoint.save_interval=6",
         "train.eval_interval=6",
     )
@@ -142,11 +142,11 @@ def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, tmp_path)
     follow = tiny_config(
         session_dir / "import",
         "train.train_iters=3",
-        "train.warmup_iters=1",
+        "train.schedule.warmup_iters=1",
         "checkpoint.save_interval=3",
         f"train.init_from={ckpt}",
         "parallel.tensor_model_parallel_size=2",
-        "train.nproc_per_node=2",
+        "train.launch.nproc_per_node=2",
     )
     info2 = launch_training(follow, tiny_manifest, echo=lambda _: None)
     start_val = [r["val_loss"] for r in read_metrics(info2.run.path) if r["step"] == 0][0]
@@ -161,7 +161,7 @@ def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, tmp_path)
 def test_an_ar_checkpoint_adapts_to_block_diffusion(session_dir, tiny_manifest):
     """AR -> block diffusion (SDAR / Megatron-Bridge): the block run starts from the AR run's weights, and its
     first validation bound is already below a block run from scratch (the AR model knows the data)."""
-    common = ["train.eval_interval=10", "checkpoint.save_interval=10", "train.warmup_iters=1"]
+    common = ["train.eval_interval=10", "checkpoint.save_interval=10", "train.schedule.warmup_iters=1"]
     ar = tiny_config(session_dir / "adapt", "diffusion.model_running_mode=ar", "train.train_iters=30", *common)
     info = launch_training(ar, tiny_manifest, echo=lambda _: None)
     ckpt = info.run.path / "checkpoints" / "iter_0000030"

@@ -21,7 +21,7 @@ entry (`Objective.to_dict`) read back by `objective_from_dict`.
 The formulas live in the modules beside this one (`objectives`, `bounds`, `conditional`, `samplers`, `uniform`);
 an objective composes them. Nothing outside this module compares the mode string: adding a mode is one class here
 (registered in `MODES`) plus its tests. Its settings (`setting`: default, description, bounds, identity marking;
-`Literal` annotations for choices) are the config's `diffusion` section for that mode (difflm/config.py builds
+`Literal` annotations for choices) are the config's `diffusion` section for that mode (difflm/config/diffusion.py builds
 it from them).
 
 Logits functions all take (tokens [b, s], t [b] or None) and return logits [b, s, V] aligned with the positions
@@ -68,7 +68,7 @@ RowLogitsFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor | None, 
 GeneratorFor = Callable[[int], torch.Generator]  # the position of a sequence in the global batch -> its generator
 
 
-IF_SET = "if_set"  # identity marking (difflm/config.py): joins the run's name only when set to another value
+IF_SET = "if_set"  # identity marking (difflm/config/base.py): joins the run's name only when set to another value
 
 
 def setting(default, description: str, identity: str | bool | None = None, **bounds):

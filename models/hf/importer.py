@@ -180,7 +180,8 @@ def _single(cfg: PipelineConfig, causal: bool = False) -> PipelineConfig:
     update = {
         "parallel": cfg.parallel.model_copy(update={"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1})
     }
-    update["train"] = cfg.train.model_copy(update={"nproc_per_node": 1, "nnodes": 1, "precision": "fp32"})
+    launch = cfg.train.launch.model_copy(update={"nproc_per_node": 1, "nnodes": 1})
+    update["train"] = cfg.train.model_copy(update={"launch": launch, "precision": "fp32"})
     update["model"] = cfg.model.model_copy(update={"backend": "local"})
     if causal:
         update["diffusion"] = with_mode(cfg, "ar", time_embedding=False).diffusion

@@ -1,7 +1,7 @@
 """Cluster launch files for the same trainer entry point, and the names callers import: a Slurm batch script
 (`models.launch.slurm`) and a Kubernetes PyTorchJob (`models.launch.kubernetes`), both waited for by
 `models.launch.jobs.wait_for_job`. `write_launch_file` writes either (`difflm launch`); `submit_slurm` /
-`submit_kubernetes` also submit it, wait for the job and return what `launch_training` returns (`train.launcher`).
+`submit_kubernetes` also submit it, wait for the job and return what `launch_training` returns (`train.launch.launcher`).
 """
 
 from __future__ import annotations

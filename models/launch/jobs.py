@@ -45,8 +45,8 @@ def run_command(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 
 def missing(program: str, launcher: str, where: str) -> ClusterError:
     return ClusterError(
-        f"`{program}` is not on the PATH of this process: train.launcher={launcher} submits from "
-        f"{where}. Run the flow (its Prefect worker) there, or train.launcher=local"
+        f"`{program}` is not on the PATH of this process: train.launch.launcher={launcher} submits from "
+        f"{where}. Run the flow (its Prefect worker) there, or train.launch.launcher=local"
     )
 
 

@@ -54,19 +54,19 @@ def k8s_pytorchjob(
     mount: str | None = None,
     env: dict[str, str] | None = None,
 ) -> str:
-    """A Kubeflow PyTorchJob: 1 master + (nnodes - 1) workers, `train.nproc_per_node` ranks per pod.
-    image/pvc/mount default to `train.kubernetes.*`."""
-    t, k = cfg.train, cfg.train.kubernetes
-    gpus = t.nproc_per_node if k.gpus_per_pod is None else k.gpus_per_pod
+    """A Kubeflow PyTorchJob: 1 master + (nnodes - 1) workers, `train.launch.nproc_per_node` ranks per pod.
+    image/pvc/mount default to `train.launch.kubernetes.*`."""
+    t, k = cfg.train, cfg.train.launch.kubernetes
+    gpus = t.launch.nproc_per_node if k.gpus_per_pod is None else k.gpus_per_pod
     container = {
         "name": "pytorch",
         "image": image or k.image,
         "command": [
             "torchrun",
             "--nnodes",
-            str(t.nnodes),
+            str(t.launch.nnodes),
             "--nproc_per_node",
-            str(t.nproc_per_node),
+            str(t.launch.nproc_per_node),
             *trainer_args(config, manifest, run_dir),
         ],
         "env": [
@@ -87,8 +87,8 @@ def k8s_pytorchjob(
         }
     }
     replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
-    if t.nnodes > 1:
-        replicas["Worker"] = {"replicas": t.nnodes - 1, "restartPolicy": "OnFailure", "template": pod}
+    if t.launch.nnodes > 1:
+        replicas["Worker"] = {"replicas": t.launch.nnodes - 1, "restartPolicy": "OnFailure", "template": pod}
     job = {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
@@ -110,18 +110,18 @@ def write_kubernetes_file(cfg: PipelineConfig, manifest: dict, env: dict[str, st
 
 def mount_problem(cfg: PipelineConfig, rdir: Path) -> str | None:
     """Why the pods would not see `rdir` at the same path (None: they would)."""
-    mount = Path(cfg.train.kubernetes.mount)
+    mount = Path(cfg.train.launch.kubernetes.mount)
     if mount in rdir.parents:
         return None
     return (
-        f"the run directory {rdir} is not under train.kubernetes.mount={mount}, where the pods mount the "
-        f"claim {cfg.train.kubernetes.pvc}: set workdir under it (e.g. workdir={mount / 'difflm'}), with the "
+        f"the run directory {rdir} is not under train.launch.kubernetes.mount={mount}, where the pods mount the "
+        f"claim {cfg.train.launch.kubernetes.pvc}: set workdir under it (e.g. workdir={mount / 'difflm'}), with the "
         f"claim mounted at that path wherever the pipeline runs"
     )
 
 
 def _kubectl(cfg: PipelineConfig, *args: str) -> subprocess.CompletedProcess:
-    ns = cfg.train.kubernetes.namespace
+    ns = cfg.train.launch.kubernetes.namespace
     proc = run_command(["kubectl", *(["--namespace", ns] if ns else []), *args])
     if proc.returncode == 127:
         raise missing("kubectl", "kubernetes", "a machine (or in-cluster pod) whose kubectl reaches the cluster")
@@ -183,9 +183,10 @@ class PyTorchJob:
     prefix = "[k8s]"
 
     def __init__(self, cfg: PipelineConfig, name: str, run: RunDir, reattached: bool):
-        self.cfg, self.name, self.settings = cfg, name, cfg.train.kubernetes
+        self.cfg, self.name, self.settings = cfg, name, cfg.train.launch.kubernetes
         self.label, self.stop = f"PyTorchJob {name}", f"kubectl delete pytorchjob {name}"
-        self.poll_seconds, self.wait_hours = self.settings.poll_seconds, self.settings.wait_hours
+        wait = cfg.train.launch.wait
+        self.poll_seconds, self.wait_hours = wait.poll_seconds, wait.wait_hours
         minutes = self.settings.start_timeout_minutes
         self.started = Deadline(minutes and minutes / 60)
         self.follower = Follower(run.metrics_file, from_end=reattached)
@@ -211,7 +212,7 @@ class PyTorchJob:
         k, name = self.settings, self.name
         if not self.running and self.started.passed():
             raise ClusterError(
-                f"PyTorchJob {name} is not Running after train.kubernetes.start_timeout_minutes="
+                f"PyTorchJob {name} is not Running after train.launch.kubernetes.start_timeout_minutes="
                 f"{k.start_timeout_minutes} (still {state}): see why its pods wait (kubectl describe "
                 f"pods -l training.kubeflow.org/job-name={name}: scheduling, image pull, claim "
                 f"{k.pvc}). The job is left in place; a rerun reattaches, or delete it"
@@ -219,7 +220,7 @@ class PyTorchJob:
 
     def still_running(self, state: str | None) -> ClusterError:
         return ClusterError(
-            f"PyTorchJob {self.name} is still {state} after train.kubernetes.wait_hours="
+            f"PyTorchJob {self.name} is still {state} after train.launch.wait.wait_hours="
             f"{self.wait_hours}; it keeps running. Rerun to wait again (reattaches) or delete it: "
             f"kubectl delete pytorchjob {self.name}"
         )
@@ -240,7 +241,7 @@ class PyTorchJob:
 def submit_kubernetes(
     cfg: PipelineConfig, manifest: dict, echo: Callable[[str], None] = print, env: dict[str, str] | None = None
 ) -> TrainResult:
-    """Train the run of `cfg` as a Kubeflow PyTorchJob (`train.kubernetes`): reuse a finished run, reattach to its
+    """Train the run of `cfg` as a Kubeflow PyTorchJob (`train.launch.kubernetes`): reuse a finished run, reattach to its
     job when one is still active, else (deleting a finished job of the same name) write `pytorchjob.yaml` (as
     `difflm launch --target k8s`) and `kubectl apply` it; wait, echo progress and return the run's result as
     `launch_training`. The pods must mount the workdir at the same path."""
@@ -250,7 +251,7 @@ def submit_kubernetes(
         return TrainResult.of(cfg, run, reused=True)
     problem = mount_problem(cfg, run.path)
     if problem:
-        raise ClusterError(f"train.launcher=kubernetes: {problem}")
+        raise ClusterError(f"train.launch.launcher=kubernetes: {problem}")
     name = pytorchjob_name(run.path)
     attached = _reattach(cfg, name, run, echo)
     if not attached:
@@ -260,7 +261,7 @@ def submit_kubernetes(
         if applied.returncode != 0:
             raise ClusterError(
                 f"kubectl apply -f {path} failed: {output(applied)}\nIs the Kubeflow training "
-                f"operator installed (the PyTorchJob kind) and train.kubernetes.* right?"
+                f"operator installed (the PyTorchJob kind) and train.launch.kubernetes.* right?"
             )
         echo(
             f"[k8s] submitted PyTorchJob {name} ({'resuming from iteration ' + str(resumed) if resumed else 'starting'})"
@@ -278,7 +279,7 @@ def _reattach(cfg: PipelineConfig, name: str, run: RunDir, echo: Callable[[str],
     if theirs != str(run.path):
         raise ClusterError(
             f"a PyTorchJob {name} exists for another run directory ({theirs}): delete it "
-            f"(kubectl delete pytorchjob {name}) or set train.kubernetes.namespace"
+            f"(kubectl delete pytorchjob {name}) or set train.launch.kubernetes.namespace"
         )
     if phase not in K8S_FINAL:
         echo(f"[k8s] PyTorchJob {name} of this run is still {phase}: waiting for it instead of submitting again")

@@ -84,21 +84,21 @@ def _check_script_values(run_dir: Path, env: dict[str, str] | None) -> None:
 
 
 def sbatch_options(cfg: PipelineConfig, partition: str | None = None, time: str | None = None) -> list[str]:
-    """`train.slurm`'s time, partition and sbatch_args as `sbatch` arguments (partition/time: these instead).
+    """`train.launch.slurm`'s time, partition and sbatch_args as `sbatch` arguments (partition/time: these instead).
     They go on sbatch's command line, not into the script: a value never becomes a line of a file that a shell
     runs (validated all the same; a bad one is a ConfigError naming the field)."""
-    s = cfg.train.slurm
+    s = cfg.train.launch.slurm
     partition, time = partition or s.partition, time or s.time
-    try:  # the validators of train.slurm, for values given as arguments
+    try:  # the validators of train.launch.slurm, for values given as arguments
         SlurmBase(partition=partition, time=time, sbatch_args=dict(s.sbatch_args))
     except ValueError as err:
-        raise ConfigError(f"train.slurm: {err}") from None
+        raise ConfigError(f"train.launch.slurm: {err}") from None
     extra = [f"--{k}={v}" if str(v) != "" else f"--{k}" for k, v in s.sbatch_args.items()]
     return [f"--time={time}", *([f"--partition={partition}"] if partition else []), *extra]
 
 
 def sbatch_command(cfg: PipelineConfig, script: Path, *flags: str) -> list[str]:
-    """How to submit the run's script: `sbatch [flags] <train.slurm options> script`."""
+    """How to submit the run's script: `sbatch [flags] <train.launch.slurm options> script`."""
     return ["sbatch", *flags, *sbatch_options(cfg), str(script)]
 
 
@@ -111,23 +111,23 @@ def slurm_script(
     env: dict[str, str] | None = None,
     trainer: str = TRAINER,
 ) -> str:
-    """An sbatch script: one torchrun per node, `train.nproc_per_node` ranks each, `train.nnodes` nodes; python
-    defaults to `train.slurm.python`, else this interpreter. Time, partition and sbatch_args are not in it: they
+    """An sbatch script: one torchrun per node, `train.launch.nproc_per_node` ranks each, `train.launch.nnodes` nodes; python
+    defaults to `train.launch.slurm.python`, else this interpreter. Time, partition and sbatch_args are not in it: they
     are `sbatch` arguments (`sbatch_command`). `trainer`: the module torchrun runs (as in `launch_training`)."""
-    t, s = cfg.train, cfg.train.slurm
+    t, s = cfg.train, cfg.train.launch.slurm
     python = python or s.python or sys.executable
-    gpus = t.nproc_per_node if s.gpus_per_node is None else s.gpus_per_node
+    gpus = t.launch.nproc_per_node if s.gpus_per_node is None else s.gpus_per_node
     _check_script_values(run_dir, env)
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name=difflm-{run_dir.name[:40]}",
-        f"#SBATCH --nodes={t.nnodes}",
+        f"#SBATCH --nodes={t.launch.nnodes}",
         "#SBATCH --ntasks-per-node=1",
         *([f"#SBATCH --gpus-per-node={gpus}"] if gpus else []),
         f"#SBATCH --output={_directive_path(f'{run_dir}/slurm-%j.out')}",
         "#SBATCH --open-mode=append",
         f"#SBATCH --chdir={_directive_path(str(ROOT))}",
-        # preemption: train.slurm.signal_seconds before the time limit (Slurm checks every 30 s and may send it up
+        # preemption: train.launch.slurm.signal_seconds before the time limit (Slurm checks every 30 s and may send it up
         # to 60 s earlier), or on scancel --signal=USR1 -b, the batch shell gets
         # USR1, asks the trainer to checkpoint (SIGTERM to the job's steps: torchrun, which passes it to the
         # ranks), then requeues the job, which resumes from that checkpoint
@@ -154,7 +154,7 @@ def slurm_script(
                 "--nnodes",
                 "$SLURM_NNODES",
                 "--nproc_per_node",
-                str(t.nproc_per_node),
+                str(t.launch.nproc_per_node),
                 "--rdzv_backend",
                 "c10d",
                 "--rdzv_endpoint",
@@ -236,9 +236,10 @@ class SlurmJob:
     prefix = "[slurm]"
 
     def __init__(self, cfg: PipelineConfig, job_id: str, log: Path, reattached: bool):
-        self.job_id, self.log, self.settings = job_id, log, cfg.train.slurm
+        self.job_id, self.log, self.settings = job_id, log, cfg.train.launch.slurm
         self.label, self.stop = f"job {job_id}", f"scancel {job_id}"
-        self.poll_seconds, self.wait_hours = self.settings.poll_seconds, self.settings.wait_hours
+        wait = cfg.train.launch.wait
+        self.poll_seconds, self.wait_hours = wait.poll_seconds, wait.wait_hours
         self.follower = Follower(log, from_end=reattached)
         self.code: str | None = None
         self.unanswered = 0
@@ -267,7 +268,7 @@ class SlurmJob:
 
     def still_running(self, state: str | None) -> ClusterError:
         return ClusterError(
-            f"Slurm job {self.job_id} is still {state} after train.slurm.wait_hours="
+            f"Slurm job {self.job_id} is still {state} after train.launch.wait.wait_hours="
             f"{self.wait_hours}; it keeps running (log: {self.log}). Rerun to wait again (reattaches) "
             f"or stop it: scancel {self.job_id}"
         )
@@ -290,7 +291,7 @@ def submit_slurm(
     env: dict[str, str] | None = None,
     trainer: str = TRAINER,
 ) -> TrainResult:
-    """Train the run of `cfg` as a Slurm job (`train.slurm`): reuse a finished run, reattach to its job when one is
+    """Train the run of `cfg` as a Slurm job (`train.launch.slurm`): reuse a finished run, reattach to its job when one is
     still queued or running, else write `launch.sbatch` (as `difflm launch`) and submit it; wait, echo progress
     and return the run's result as `launch_training`. The run directory must be on a filesystem the compute
     nodes share with this process. `trainer`: the module torchrun runs (`launch_training`)."""
@@ -318,7 +319,7 @@ def _submit(cfg: PipelineConfig, manifest: dict, run: RunDir, env, trainer: str,
         raise missing("sbatch", "slurm", "a Slurm login node")
     if sub.returncode != 0 or not sub.stdout.strip():
         raise ClusterError(
-            f"sbatch did not take {script}: {output(sub)}\nFix train.slurm.* (partition, time, "
+            f"sbatch did not take {script}: {output(sub)}\nFix train.launch.slurm.* (partition, time, "
             f"gpus_per_node, sbatch_args) and rerun; `difflm launch --target slurm` writes the same "
             f"script to try by hand"
         )

@@ -81,7 +81,7 @@ def torchrun_command(
         "-m",
         "torch.distributed.run",
         "--nproc_per_node",
-        str(cfg.train.nproc_per_node),
+        str(cfg.train.launch.nproc_per_node),
         "--master_addr",
         "127.0.0.1",
         "--master_port",
@@ -101,10 +101,10 @@ def launch_training(
     module that calls its `main` with more hooks (as tests do)."""
     run = Workdir.of(cfg).run_for(cfg, manifest)
     rdir = run.path
-    if cfg.train.nnodes > 1:
+    if cfg.train.launch.nnodes > 1:
         raise InvalidSetup(
-            f"train.nnodes={cfg.train.nnodes}: multi-node runs are launched on the cluster: "
-            f"train.launcher=slurm|kubernetes, or write the launch file with `difflm launch "
+            f"train.launch.nnodes={cfg.train.launch.nnodes}: multi-node runs are launched on the cluster: "
+            f"train.launch.launcher=slurm|kubernetes, or write the launch file with `difflm launch "
             f"--target slurm|k8s` (same overrides)"
         )
     if is_finished(cfg, run):

@@ -144,8 +144,8 @@ class Hook:
 
 
 class NonFiniteGuard(Hook):
-    """A non-finite loss or gradient on any rank: the update is skipped (train.on_nonfinite=skip, at most
-    train.max_nonfinite_skips in a row), or training stops (stopped.json; the last good checkpoint is kept)."""
+    """A non-finite loss or gradient on any rank: the update is skipped (train.faults.on_nonfinite=skip, at most
+    train.faults.max_nonfinite_skips in a row), or training stops (stopped.json; the last good checkpoint is kept)."""
 
     def __init__(self):
         self.in_a_row = self.total = 0
@@ -161,22 +161,22 @@ class NonFiniteGuard(Hook):
         self.total += 1
         step.skip_update = True
         trainer.metrics.log(step.it, nonfinite_skipped=self.total)
-        t = trainer.cfg.train
+        t = trainer.cfg.train.faults
         if t.on_nonfinite == "stop" or self.in_a_row > t.max_nonfinite_skips:
             self._stop(trainer, step.it)
         trainer.log(
             f"[train] iter {step.it}: non-finite loss or gradients (loss {step.loss}); update skipped "
-            f"({self.in_a_row} in a row, limit {t.max_nonfinite_skips}; train.on_nonfinite=skip)"
+            f"({self.in_a_row} in a row, limit {t.max_nonfinite_skips}; train.faults.on_nonfinite=skip)"
         )
 
     def _stop(self, trainer: Trainer, it: int) -> None:
-        t = trainer.cfg.train
+        t = trainer.cfg.train.faults
         last = checkpointing.latest_iteration(trainer.run.checkpoints)
         where = f"the last good checkpoint, iteration {last}, is kept" if last else "no checkpoint was written yet"
         msg = (
             f"training stopped at iteration {it}: non-finite loss or gradients ({self.in_a_row} step(s) in a "
-            f"row; train.on_nonfinite={t.on_nonfinite}, max_nonfinite_skips={t.max_nonfinite_skips}); "
-            f"{where}. Lower train.lr, raise warmup, or check the data; train.on_nonfinite=skip skips such steps"
+            f"row; train.faults.on_nonfinite={t.on_nonfinite}, max_nonfinite_skips={t.max_nonfinite_skips}); "
+            f"{where}. Lower train.optimizer.lr, raise warmup, or check the data; train.faults.on_nonfinite=skip skips such steps"
         )
         if trainer.reporting:  # one rank writes: the run directory is shared
             trainer.run.stopped.write_text(json.dumps({"iteration": it, "message": msg}))
@@ -272,13 +272,13 @@ class Checkpointer(Hook):
 
 
 class PreemptionWatcher(Hook):
-    """A preemption signal (train.preempt_signals) to any rank: the step in flight finishes, every rank agrees,
+    """A preemption signal (train.faults.preempt_signals) to any rank: the step in flight finishes, every rank agrees,
     a checkpoint is saved (unless this step's already was), preempted.json says so, and training ends with
     TrainingPreempted (exit 75: rerunning the same command resumes). The last step is never interrupted."""
 
     def on_start(self, trainer: Trainer) -> None:
         trainer.run.preempted.unlink(missing_ok=True)
-        self.flag = trainer.preemption = PreemptionFlag(trainer.cfg.train.preempt_signals)
+        self.flag = trainer.preemption = PreemptionFlag(trainer.cfg.train.faults.preempt_signals)
 
     def post_step(self, trainer: Trainer, step: Step) -> None:
         if step.it >= trainer.cfg.train.train_iters or not trainer.agree(step).preempted:

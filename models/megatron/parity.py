@@ -60,13 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     from models.megatron.train import build_training, init_distributed, run_global_batch
 
     world = int(os.environ.get("WORLD_SIZE", 1))
-    cfg = load_config(args.config, [*args.overrides, f"train.nproc_per_node={world}"])
+    cfg = load_config(args.config, [*args.overrides, f"train.launch.nproc_per_node={world}"])
     manifest = json.loads(Path(args.manifest).read_text())
     init_distributed(cfg)
     special = SpecialTokens.from_manifest(manifest["tokenizer"])
     train_ds, _ = build_datasets(cfg, manifest, args.steps * cfg.train.global_batch_size, cfg.train.global_batch_size)
     ddp, opt, sched = build_training(cfg, manifest["tokenizer"]["vocab_size"])
-    sched.step(increment=cfg.train.warmup_iters)  # start at the peak rate: warmup's first lr is 0, no update
+    sched.step(increment=cfg.train.schedule.warmup_iters)  # start at the peak rate: warmup's first lr is 0, no update
     weights = Path(args.weights)
     if args.save:
         if dist.get_rank() == 0:

@@ -84,17 +84,17 @@ def build_training(cfg: PipelineConfig, vocab_size: int, *, objective: Objective
     )
     model.config.no_sync_func = ddp.no_sync
     model.config.finalize_model_grads_func = finalize_model_grads
-    t = cfg.train
+    o = cfg.train.optimizer
     opt = get_megatron_optimizer(
         OptimizerConfig(
             optimizer="adam",
-            lr=t.lr,
-            min_lr=t.min_lr,
-            weight_decay=t.weight_decay,
-            adam_beta1=t.adam_beta1,
-            adam_beta2=t.adam_beta2,
-            clip_grad=t.clip_grad,
-            bf16=t.precision == "bf16",
+            lr=o.lr,
+            min_lr=cfg.train.schedule.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.adam_beta1,
+            adam_beta2=o.adam_beta2,
+            clip_grad=o.clip_grad,
+            bf16=cfg.train.precision == "bf16",
             fp16=False,
             use_distributed_optimizer=dist_opt,
         ),
@@ -106,22 +106,22 @@ def build_training(cfg: PipelineConfig, vocab_size: int, *, objective: Objective
 
 
 def scheduler_kwargs(cfg: PipelineConfig) -> dict:
-    """megatron OptimizerParamScheduler arguments for train.lr_schedule (warmup, then the schedule)."""
-    t = cfg.train
-    style = {"cosine": "cosine", "linear": "linear", "constant": "constant", "wsd": "WSD"}[t.lr_schedule]
+    """megatron OptimizerParamScheduler arguments for train.schedule.lr_schedule (warmup, then the schedule)."""
+    t, s, o = cfg.train, cfg.train.schedule, cfg.train.optimizer
+    style = {"cosine": "cosine", "linear": "linear", "constant": "constant", "wsd": "WSD"}[s.lr_schedule]
     extra = {}
     if style == "WSD":  # the decay phase takes the last fraction, never the warmup
-        decay = max(1, min(round(t.wsd_decay_fraction * t.train_iters), t.train_iters - t.warmup_iters))
-        extra = {"wsd_decay_steps": decay, "lr_wsd_decay_style": t.wsd_decay_style}
+        decay = max(1, min(round(s.wsd_decay_fraction * t.train_iters), t.train_iters - s.warmup_iters))
+        extra = {"wsd_decay_steps": decay, "lr_wsd_decay_style": s.wsd_decay_style}
     return dict(
         init_lr=0.0,
-        max_lr=t.lr,
-        min_lr=t.min_lr,
-        lr_warmup_steps=t.warmup_iters,
+        max_lr=o.lr,
+        min_lr=s.min_lr,
+        lr_warmup_steps=s.warmup_iters,
         lr_decay_steps=t.train_iters,
         lr_decay_style=style,
-        start_wd=t.weight_decay,
-        end_wd=t.weight_decay,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
         wd_incr_steps=t.train_iters,
         wd_incr_style="constant",
         **extra,
