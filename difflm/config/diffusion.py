@@ -15,10 +15,18 @@ from pydantic import (
 )
 
 from difflm.config.base import IF_SET, _Section
-from models.diffusion.modes import MODES, Objective, build_objective, objective_class
 
 if TYPE_CHECKING:
     from difflm.config.pipeline import PipelineConfig
+    from models.diffusion.modes import Objective
+
+
+def modes():
+    """models.diffusion.modes, imported when a config is first validated: it imports torch, which `difflm --help`
+    (it loads this package) should not wait for."""
+    from models.diffusion import modes as module
+
+    return module
 
 
 DEFAULT_MODE = "difflm-noshift"
@@ -72,7 +80,7 @@ class DiffusionConfig(_Section):
     @model_validator(mode="after")
     def _objective_checks(self) -> DiffusionConfig:
         if type(self) is not DiffusionConfig:  # a member: the objective's own checks of its settings
-            build_objective(self)
+            modes().build_objective(self)
         return self
 
     @classmethod
@@ -80,7 +88,7 @@ class DiffusionConfig(_Section):
         if cls is not DiffusionConfig:
             return handler(core_schema)
         # the section as the form shows it: one member per mode, chosen by model_running_mode
-        members = tuple(diffusion_model(mode) for mode in MODES)
+        members = tuple(diffusion_model(mode) for mode in modes().MODES)
         union = Annotated[typing.Union[members], Field(discriminator="model_running_mode")]  # noqa: UP007
         return handler(TypeAdapter(union).core_schema)
 
@@ -92,7 +100,7 @@ def diffusion_model(mode: str) -> type[DiffusionConfig]:
     """The `diffusion` section of `mode`: the shared settings plus the objective class's own, built from its
     dataclass fields (default, `Literal` choices, and the metadata of `modes.setting`). Built on first use, so a
     mode registered in MODES later has its section too."""
-    cls = objective_class(mode)
+    cls = modes().objective_class(mode)
     member = _MEMBERS.get(cls)
     if member is None:
         hints = typing.get_type_hints(cls)
@@ -125,11 +133,12 @@ def diffusion_section(value: Any) -> Any:
         return value
     data = dict(value)
     mode = data.setdefault("model_running_mode", DEFAULT_MODE)
-    if mode not in MODES:
-        raise ValueError(f"diffusion.model_running_mode {mode!r} is not a mode: one of {', '.join(map(repr, MODES))}")
+    known = modes().MODES
+    if mode not in known:
+        raise ValueError(f"diffusion.model_running_mode {mode!r} is not a mode: one of {', '.join(map(repr, known))}")
     member = diffusion_model(mode)
     for name in [n for n in data if n not in member.model_fields]:
-        having = {m: c for m, c in MODES.items() if name in c.settings()}
+        having = {m: c for m, c in modes().MODES.items() if name in c.settings()}
         if not having:
             continue  # unknown everywhere: extra="forbid" names it, with a close match
         if any(data[name] == _default(c, name) for c in having.values()):

@@ -15,11 +15,10 @@ from pydantic import (
 )
 
 from difflm.config.base import ConfigError
-from difflm.config.diffusion import DiffusionConfig, diffusion_model
+from difflm.config.diffusion import DiffusionConfig, diffusion_model, modes
 from difflm.config.evaluation import FLAT_SAMPLER_FIELDS, nest_sampler_fields
 from difflm.config.pipeline import PipelineConfig
 from difflm.config.train import MOVED, TrainConfig, nest_train_fields, new_train_key
-from models.diffusion.modes import MODES
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
@@ -57,7 +56,7 @@ def _fields_at(loc: tuple) -> dict[str, str]:
             return {}
         model = ann
     if model is DiffusionConfig:
-        return {name: name for mode in MODES for name in diffusion_model(mode).model_fields}
+        return {name: name for mode in modes().MODES for name in diffusion_model(mode).model_fields}
     if model is TrainConfig:
         return {**{old: f"{section}.{old}" for old, section in MOVED.items()}, **{n: n for n in model.model_fields}}
     return {name: name for name in model.model_fields}

@@ -21,12 +21,12 @@ from difflm.config.diffusion import (
     DiffusionConfig,
     diffusion_model,
     diffusion_section,
+    modes,
 )
 from difflm.config.evaluation import EvalConfig
 from difflm.config.model import ModelConfig
 from difflm.config.tracking import TrackingConfig
 from difflm.config.train import TrainConfig
-from models.diffusion.modes import objective_class
 
 
 class ParallelConfig(_Section):
@@ -99,7 +99,7 @@ class PipelineConfig(_Section):
     @model_validator(mode="after")
     def _objective_and_model(self) -> PipelineConfig:
         d = self.diffusion
-        objective_class(d.model_running_mode).check_model(
+        modes().objective_class(d.model_running_mode).check_model(
             self.model.backend, d.time_embedding, d.attention_anneal_steps
         )
         return self
