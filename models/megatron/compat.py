@@ -92,7 +92,7 @@ def _patch_megatron() -> None:
         return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
     tutils.get_default_causal_mask = cpu_causal_mask
-    try:  # fused_softmax imports the function by name; it is absent from some megatron-core builds
+    try:  # fused_softmax imports the function by name; guarded: a build may lack the fused kernels
         from megatron.core.fusions import fused_softmax
 
         fused_softmax.get_default_causal_mask = cpu_causal_mask
