@@ -16,6 +16,11 @@ import argparse
 import os
 import time
 
+from data_prep.pipeline import prepare_data
+from difflm.config import load_config
+from models.evaluation.stages import convert_checkpoint, evaluate_export
+from models.launch.torchrun import launch_training
+
 MODES = {  # mode: (what it is, extra overrides)
     "difflm-noshift": ("masked diffusion: LLaDA/MDLM discrete ELBO", []),
     "difflm-noshift-uniform": ("uniform diffusion: UDLM continuous-time ELBO", ["diffusion.time_embedding=true"]),
@@ -25,11 +30,6 @@ MODES = {  # mode: (what it is, extra overrides)
 
 
 def run(mode: str, preset: str, iters: int | None, workdir: str) -> dict:
-    from data_prep.pipeline import prepare_data
-    from difflm.config import load_config
-    from models.evaluation.stages import convert_checkpoint, evaluate_export
-    from models.launch.torchrun import launch_training
-
     overrides = [f"workdir={workdir}", f"diffusion.model_running_mode={mode}", *MODES[mode][1]]
     if iters:
         overrides.append(f"train.train_iters={iters}")

@@ -19,6 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# Each case runs in its own process whose peak RSS is the measurement: a case imports only what it runs (the
+# tokenizer-only ceiling never loads datatrove), so the imports stay inside the functions.
+
 
 def corpus(repeat: int, folder: Path) -> Path:
     from data_prep.corpus import demo_corpus

@@ -30,7 +30,17 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
+from data_prep.pipeline import prepare_data
+from difflm.config import load_config
 from difflm.rundir import Workdir
+from models.diffusion import MaskedSampler
+from models.evaluation.scoring import Scorer
+from models.evaluation.sources import resolve_export
+from models.evaluation.stages import load_model, load_tokenizer
+from models.evaluation.sweep import first_word
+from models.evaluation.tasks import cloze_items, heldout_documents
 
 
 def samplers(n: int) -> dict[str, dict]:
@@ -80,17 +90,6 @@ def main() -> None:
     p.add_argument("--ar", help="an ar export, run or models:/ URI (default: the workdir's newest)")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = p.parse_intermixed_args()
-
-    import torch
-
-    from data_prep.pipeline import prepare_data
-    from difflm.config import load_config
-    from models.diffusion import MaskedSampler
-    from models.evaluation.scoring import Scorer
-    from models.evaluation.sources import resolve_export
-    from models.evaluation.stages import load_model, load_tokenizer
-    from models.evaluation.sweep import first_word
-    from models.evaluation.tasks import cloze_items, heldout_documents
 
     cfg = load_config(args.preset, args.overrides)
     folder = resolve_export(args.source or newest_run(Path(cfg.workdir)))

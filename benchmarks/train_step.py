@@ -21,14 +21,24 @@ import subprocess
 import sys
 import time
 
+import torch
+from megatron.core import parallel_state, tensor_parallel
+
+from difflm.config import load_config
+from models.diffusion.modes import build_objective, objective_class
+from models.megatron import compat
+from models.megatron.backend import resolve_backend
+from models.megatron.distributed import single_process_group
+from models.megatron.flops import efficiency, peak_flops, training_flops
+from models.megatron.forward_step import SpecialTokens
+from models.megatron.train import build_training, micro_lengths, run_global_batch
+
 
 class RandomTokens:
     """A stand-in for megatron's GPTDataset: random sequences, same dict layout, on the CPU as GPTDataset's
     are (the trainer's forward step moves each micro-batch to the model's device after corrupting it)."""
 
     def __init__(self, vocab: int, seq: int, n: int = 64, seed: int = 0):
-        import torch
-
         g = torch.Generator().manual_seed(seed)
         self.data = torch.randint(3, vocab, (n, seq + 1), generator=g)
 
@@ -41,8 +51,6 @@ class RandomTokens:
 
 
 def bench_config(preset: str, mode: str, args: argparse.Namespace):
-    from difflm.config import load_config
-
     seq, batch = args.seq, args.batch
     return load_config(
         None,
@@ -63,23 +71,10 @@ def bench_config(preset: str, mode: str, args: argparse.Namespace):
 
 
 def run_one(preset: str, mode: str, args: argparse.Namespace) -> dict:
-    import torch
-
-    from models.diffusion.modes import build_objective
-    from models.megatron.backend import resolve_backend
-    from models.megatron.distributed import single_process_group
-    from models.megatron.flops import efficiency, peak_flops, training_flops
-    from models.megatron.forward_step import SpecialTokens
-
     cfg, vocab = bench_config(preset, mode, args), args.vocab
     special = SpecialTokens(mask_id=1, vocab_size=vocab, special_ids=(0, 1, 2))
     objective = build_objective(cfg.diffusion, special.ids())  # once, as the trainer builds it
     with single_process_group():
-        from megatron.core import parallel_state, tensor_parallel
-
-        from models.megatron import compat
-        from models.megatron.train import build_training, micro_lengths, run_global_batch
-
         compat.activate()
         parallel_state.initialize_model_parallel(1, 1)
         tensor_parallel.model_parallel_cuda_manual_seed(0)
@@ -176,8 +171,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--one", nargs=2, metavar=("PRESET", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.precision is None:
-        import torch
-
         args.precision = "bf16" if torch.cuda.is_available() else "fp32"
     return args
 
@@ -209,10 +202,6 @@ def case_command(preset: str, mode: str, args: argparse.Namespace) -> list[str]:
 
 
 def print_table(rows: list[dict], args: argparse.Namespace) -> None:
-    import torch
-
-    from models.diffusion.modes import objective_class
-
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({os.cpu_count()} cores)"
     memory = "max allocated CUDA" if torch.cuda.is_available() else "peak RSS"
     print(

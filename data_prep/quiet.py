@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 
+import datatrove.executor.base as base
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.utils.logging import logger
 
@@ -39,8 +40,6 @@ class QuietLocalExecutor(LocalPipelineExecutor):
     """`LocalPipelineExecutor` whose tasks log INFO to their files only (see the module)."""
 
     def _run_for_rank(self, rank: int, local_rank: int = 0, node_rank: int = -1):
-        import datatrove.executor.base as base
-
         original = base.add_task_logger  # the name `_run_for_rank` looks up; restored after the task
         base.add_task_logger = quiet_task_logger
         try:

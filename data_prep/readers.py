@@ -29,9 +29,12 @@ from contextlib import contextmanager
 from fnmatch import fnmatch
 from pathlib import Path
 
+import orjson
 import pyarrow as pa
 from datatrove.data import Document, DocumentsPipeline
+from datatrove.pipeline.readers import ParquetReader
 from datatrove.pipeline.readers.base import BaseDiskReader
+from datatrove.pipeline.readers.ipc import IpcReader
 from datatrove.utils.logging import logger
 
 from difflm.errors import UserError
@@ -127,8 +130,6 @@ def _text_problem(record: dict, key: str) -> tuple[str, str] | None:
 def _loads(line: str):
     """(value, lenient) of one JSON line: orjson, else the stdlib's lenient parser for what orjson rejects
     but is readable: lone surrogate escapes ("\\ud800") and raw control characters inside strings."""
-    import orjson
-
     try:
         return orjson.loads(line), False
     except orjson.JSONDecodeError as err:
@@ -473,14 +474,10 @@ def make_reader(path: Path, fmt: str, text_key: str, source: str, progress: bool
     elif fmt == "text":
         reader = TextFolderSource(str(folder), glob_pattern=glob or "**/*.txt", source=source, doc_progress=progress)
     elif fmt == "parquet":
-        from datatrove.pipeline.readers import ParquetReader
-
         reader = _tabular(ParquetReader, source, text_key)(
             str(folder), glob_pattern=glob or "**/*.parquet", text_key=text_key, doc_progress=progress
         )
     elif fmt == "hf_disk":  # `datasets.save_to_disk` writes Arrow IPC streams
-        from datatrove.pipeline.readers.ipc import IpcReader
-
         reader = _tabular(IpcReader, source, text_key)(
             str(folder), glob_pattern=glob or "**/*.arrow", stream=True, text_key=text_key, doc_progress=progress
         )

@@ -12,8 +12,11 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from difflm.config import TokenizerConfig
 from difflm.errors import UserError
+from difflm.outputs import staged_output
 
 
 class TokenizerError(UserError, ValueError):
@@ -58,9 +61,8 @@ def _special_ids(tok, cfg: TokenizerConfig, where: str) -> tuple[int, int, int]:
 
 def _save_hf_folder(tok, cfg: TokenizerConfig, folder: Path) -> None:
     """Save as an HF tokenizer folder, atomically: an interrupted save never looks like a tokenizer."""
+    # transformers (seconds to import) only to write the HF folder: data prep's preflight and workers load without it
     from transformers import PreTrainedTokenizerFast
-
-    from difflm.outputs import staged_output
 
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token=cfg.eos_token, mask_token=cfg.mask_token, pad_token=cfg.pad_token
@@ -71,8 +73,6 @@ def _save_hf_folder(tok, cfg: TokenizerConfig, folder: Path) -> None:
 
 def describe(folder: Path, cfg: TokenizerConfig) -> TokenizerInfo:
     """The TokenizerInfo of a saved tokenizer folder (checks the special tokens again)."""
-    from tokenizers import Tokenizer
-
     tok_file = folder / "tokenizer.json"
     tok = Tokenizer.from_file(str(tok_file))
     eos, mask, pad = _special_ids(tok, cfg, str(folder))
@@ -89,8 +89,6 @@ def describe(folder: Path, cfg: TokenizerConfig) -> TokenizerInfo:
 
 def train_bpe(texts: Iterable[str], cfg: TokenizerConfig, folder: Path) -> TokenizerInfo:
     """Train a byte-level BPE (GPT-2 style) with the special tokens first; save an HF folder."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -107,8 +105,6 @@ def train_bpe(texts: Iterable[str], cfg: TokenizerConfig, folder: Path) -> Token
 
 def load_tokenizer(cfg: TokenizerConfig, folder: Path) -> TokenizerInfo:
     """Copy a user tokenizer (folder with tokenizer.json, or the file) into `folder` and describe it."""
-    from tokenizers import Tokenizer
-
     src = Path(cfg.path).expanduser()
     tok_file = src / "tokenizer.json" if src.is_dir() else src
     if not tok_file.exists():

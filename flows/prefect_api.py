@@ -18,6 +18,8 @@ from contextlib import contextmanager
 
 from difflm.errors import UserError
 
+# Prefect is imported inside the functions: the CLI loads this module for every command (`--help` included),
+# and Prefect reads its settings when imported, which must come after the CLI has pointed PREFECT_HOME at the workdir
 SERVER_START_TIMEOUT_S = 180
 
 

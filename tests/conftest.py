@@ -167,6 +167,8 @@ def session_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("difflm")
 
 
+# Fixtures import what they set up: this module loads for every run, one test file included, so megatron, data
+# prep and deploy (seconds each) stay out of it, and Prefect reads PREFECT_HOME when imported, set just before.
 @pytest.fixture(scope="session")
 def tiny_manifest(session_dir) -> dict:
     """Data prep of the test-tiny preset, shared by the tests that need real tokenized data."""

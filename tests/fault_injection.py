@@ -12,11 +12,13 @@ way to load code by name, and the launcher only learns which module torchrun run
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
 from pathlib import Path
 
+from models.megatron import checkpointing
 from models.megatron.hooks import Hook, Step
 from models.megatron.train import Trainer, main
 
@@ -73,10 +75,6 @@ def fault_launch(
 
 def _fill_disk_at(iteration: int) -> None:
     """The save at `iteration` writes part of its folder, then fails as a full disk does."""
-    import errno
-
-    from models.megatron import checkpointing
-
     real = checkpointing.save_checkpoint
 
     def save_checkpoint(root, it, *args, **kwargs):

@@ -11,6 +11,9 @@ from pathlib import Path
 import torch
 
 from difflm.config import PipelineConfig, load_config
+from models.diffusion.modes import objective_class
+from models.hf.configuration_difflm import DiffLMConfig
+from models.hf.modeling_difflm import DiffLMForMaskedLM
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository
 
@@ -33,12 +36,6 @@ def tiny_config(workdir: Path, *overrides: str) -> PipelineConfig:
 def tiny_hf_model(mode: str = "difflm-noshift", seed: int = 0, vocab: int = 64, **over):
     """A two-layer exported-model instance (ids 0 eos, 1 mask, 2 pad), seeded, in eval mode; `over` sets the
     mode's settings (block_size, eps, ...: the config's objective entry) or any other DiffLMConfig field."""
-    import torch
-
-    from models.diffusion.modes import objective_class
-    from models.hf.configuration_difflm import DiffLMConfig
-    from models.hf.modeling_difflm import DiffLMForMaskedLM
-
     settings = {k: over.pop(k) for k in objective_class(mode).settings() if k in over}
 
     torch.manual_seed(seed)
@@ -72,8 +69,6 @@ class CharTokenizer:
 
 def assert_same_weights(a, b, where: str = "") -> None:
     """Bit for bit: a resumed or requeued run against an uninterrupted one (nested dicts of tensors)."""
-    import torch
-
     if isinstance(a, dict):
         assert a.keys() == b.keys(), where
         for key in a:

@@ -16,14 +16,19 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from difflm.config import load_config
+from models.megatron import compat
+from models.megatron.checkpointing import load_model_weights
+from models.megatron.gpt import build_model
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
 
 def logits_at_layout(cfg, model, ids: torch.Tensor) -> torch.Tensor | None:
     """[b, s, v] of `ids` through megatron's forward-only schedule; None off the last pipeline stage."""
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data, model):
         x = next(data)
@@ -50,13 +55,6 @@ def logits_at_layout(cfg, model, ids: torch.Tensor) -> torch.Tensor | None:
 
 
 def main(cases_file: str, out_dir: str) -> int:
-    from megatron.core import parallel_state, tensor_parallel
-
-    from difflm.config import load_config
-    from models.megatron import compat
-    from models.megatron.checkpointing import load_model_weights
-    from models.megatron.gpt import build_model
-
     dist.init_process_group("gloo")
     compat.activate()
     torch.set_num_threads(1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 VOCAB = 96  # tokens of the tiny tokenizer, = the checkpoints' embedding rows
 KINDS = {  # name -> (model_type, config fields): MHA and GQA, tied and untied, bias, qk-norm, head_dim apart
@@ -20,8 +21,8 @@ KINDS = {  # name -> (model_type, config fields): MHA and GQA, tied and untied, 
 
 def tiny_tokenizer(folder: Path, vocab: int = VOCAB, reserved: str | None = None) -> None:
     """A word-level tokenizer of `vocab` tokens (EOS `</s>`); `reserved` names its last token (a spare id)."""
+    # here, not at the top: tokenizers' `models` would shadow this project's `models` package in the module
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     words = {"<unk>": 0, "</s>": 1, **{f"w{i}": i for i in range(2, vocab)}}
     if reserved:
@@ -34,8 +35,6 @@ def tiny_tokenizer(folder: Path, vocab: int = VOCAB, reserved: str | None = None
 def tiny_stock(kind: str, folder: Path, seed: int = 0, reserved: str | None = None, **save) -> Path:
     """A random stock model of `kind` (KINDS) saved with its tokenizer into `folder`; norms and biases moved off
     their ones/zeros init so a mapping that swaps or drops them shows in the logits."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     model_type, extra = KINDS[kind]
     extra = dict(extra)
     theta = extra.pop("rope_theta", 10000.0)

@@ -6,14 +6,28 @@ import json
 import math
 from pathlib import Path
 
+import mlflow
 import pytest
 import torch
 from conftest import tiny_config
+from mlflow.tracking import MlflowClient
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from difflm.config import ConfigError, load_config
+from difflm.config import CONFIG_DIR, ConfigError, load_config
+from difflm.rundir import Workdir
+from difflm.tracking import tracking_uri
+from flows.adapt import adapt_difflm, adaptation_config
+from flows.pretrain import pretrain_difflm
 from models.diffusion import anneal_ratio, annealed_attention_mask, cart_weights
 from models.diffusion.modes import MaskedDiffusion, ShiftedMaskedDiffusion, build_objective
-from models.megatron.forward_step import SpecialTokens
+from models.evaluation.likelihood import validation_windows
+from models.evaluation.stages import convert_checkpoint, evaluate_export
+from models.hf.convert import ConversionError
+from models.hf.pretrained import SMOLLM2, fetch_gguf, load_gguf_model, sha256_file, smollm2_folder
+from models.launch.torchrun import launch_training, read_metrics
+from models.megatron.forward_step import SpecialTokens, annealed_mask
+from models.megatron.gpt import build_model
+from tasks.adapt import ImportedSource, ar_config, resolve_source, source_lineage, with_import
 
 # ---- CART (Dream) ------------------------------------------------------------------------------------------
 
@@ -114,9 +128,6 @@ def test_annealed_mask_is_causal_at_step_0_and_full_from_step_n():
 def test_the_annealed_model_is_the_ar_model_at_step_0_and_the_bidirectional_one_from_step_n(
     megatron_single_process, tmp_path
 ):
-    from models.megatron.forward_step import annealed_mask
-    from models.megatron.gpt import build_model
-
     def model(*over):
         cfg = tiny_config(tmp_path, *over)
         torch.manual_seed(0)
@@ -146,8 +157,6 @@ def test_the_annealed_model_is_the_ar_model_at_step_0_and_the_bidirectional_one_
 @pytest.mark.slow
 def test_annealed_cart_training_runs_and_learns(session_dir, tiny_manifest):
     """A short difflm-shift run with CART and annealing over 10 of its 20 steps: the validation ELBO falls."""
-    from models.launch.torchrun import launch_training, read_metrics
-
     cfg = tiny_config(
         session_dir / "adapt",
         "diffusion.model_running_mode=difflm-shift",
@@ -171,8 +180,6 @@ def test_annealed_cart_training_runs_and_learns(session_dir, tiny_manifest):
 
 @pytest.mark.parametrize("preset", ["adapt-dream", "adapt-diffullama"])
 def test_adaptation_presets_load_and_cite_their_sources(preset):
-    from difflm.config import CONFIG_DIR
-
     cfg = load_config(preset, [])
     assert cfg.diffusion.model_running_mode == "difflm-shift"
     text = (CONFIG_DIR / f"{preset}.yaml").read_text()
@@ -202,17 +209,11 @@ def test_diffullama_preset_normalises_its_loss_by_the_masked_tokens():
 
 @pytest.fixture(scope="module")
 def smollm2():
-    from models.hf.pretrained import smollm2_folder
-
     return smollm2_folder()
 
 
 @pytest.mark.slow
 def test_smollm2_folder_gives_the_dequantized_gguf_logits(smollm2):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from models.hf.pretrained import SMOLLM2, fetch_gguf, load_gguf_model, sha256_file
-
     gguf = fetch_gguf(SMOLLM2)
     assert sha256_file(gguf) == SMOLLM2.sha256
     reference, ref_tok = load_gguf_model(gguf)
@@ -259,9 +260,6 @@ SMALL_RUN = [
 @pytest.fixture(scope="module")
 def ar_source(session_dir, tiny_manifest):
     """An `ar` model trained by the pipeline and exported: a source the import of this checkout reads."""
-    from models.evaluation.stages import convert_checkpoint
-    from models.launch.torchrun import launch_training
-
     cfg = tiny_config(
         session_dir / "ar-source", "diffusion.model_running_mode=ar", "train.train_iters=20", "train.optimizer.lr=5e-3"
     )
@@ -274,14 +272,6 @@ def ar_source(session_dir, tiny_manifest):
 def test_adapt_difflm_flow_evaluates_the_adapted_and_the_source_model_on_the_same_tokens(
     session_dir, prefect_harness, ar_source, preset
 ):
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from difflm.tracking import tracking_uri
-    from flows.adapt import adapt_difflm, adaptation_config
-    from models.evaluation.stages import evaluate_export
-    from tasks.adapt import ar_config, source_lineage
-
     workdir = session_dir / f"adapt-flow-{preset}"
     anneal = ["diffusion.attention_anneal_steps=5"] if preset == "adapt-diffullama" else []
     overrides = [f"workdir={workdir}", *SMALL_RUN, "train.train_iters=10", "train.optimizer.lr=3e-3", *anneal]
@@ -323,22 +313,15 @@ def test_adapt_difflm_flow_evaluates_the_adapted_and_the_source_model_on_the_sam
         assert set(again["stages"].values()) == {"cached"}, again["stages"]
         assert again["comparison"] == summary["comparison"]
         # the flagship takes the same HF folder as train.init_from: the same import, the same run
-        from flows.pretrain import pretrain_difflm
-
         flagship = pretrain_difflm(config=cfg)
         assert flagship["run_dir"] == summary["run_dir"] and flagship["stages"]["import"] == "cached"
 
 
 def read_metrics_of(run_dir):
-    from models.launch.torchrun import read_metrics
-
     return read_metrics(run_dir)
 
 
 def test_a_gguf_file_or_a_folder_without_weights_is_refused_with_what_to_do(tmp_path):
-    from models.hf.convert import ConversionError
-    from tasks.adapt import resolve_source, source_lineage
-
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
     with pytest.raises(ConversionError, match="is a GGUF file, not an HF folder: dequantize it"):
@@ -357,8 +340,6 @@ def test_smollm2_adapts_its_elbo_falls_and_sits_next_to_its_own_nll(session_dir,
     """The real example end to end on 2 cores: SmolLM2-135M-Instruct imported (parity on real weights: its ar
     export scores the NLL transformers' own LlamaForCausalLM gives on the same windows), a few adaptation steps
     whose validation ELBO falls, and the adapted ELBO next to the source's exact NLL on the same tokens."""
-    from flows.adapt import adapt_difflm
-
     overrides = [
         f"workdir={session_dir / 'smollm2-adapt'}",
         "data.max_documents=60",
@@ -395,10 +376,6 @@ def test_smollm2_adapts_its_elbo_falls_and_sits_next_to_its_own_nll(session_dir,
     )
     print(summary["comparison"])
     # import parity on real weights: the ar export of the imported checkpoint is transformers' model
-    from transformers import AutoModelForCausalLM
-
-    from models.evaluation.likelihood import validation_windows
-
     manifest = json.loads((Path(summary["data_dir"]) / "manifest.json").read_text())
     windows = validation_windows(manifest, 64, 4)
     reference = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
@@ -426,9 +403,6 @@ def test_an_hf_folder_as_init_from_moves_to_init_from_hf_with_a_warning(tmp_path
 def test_a_run_from_an_hf_folder_keeps_its_name(tmp_path):
     """The import stage resolves init_from_hf once into a typed value; the config it trains is named as before
     init_from_hf existed: init_from = the imported checkpoint, nothing else."""
-    from difflm.rundir import Workdir
-    from tasks.adapt import ImportedSource, with_import
-
     ckpt = tmp_path / "imports" / "x" / "megatron"
     cfg = load_config("test-tiny", [f"workdir={tmp_path}", "train.init_from_hf=/models/source"])
     trained = with_import(cfg, ImportedSource(ckpt, None, {"sha256": "x"}))

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+from difflm.config import load_config
 from difflm.rundir import RunDir, TrainResult
 from tasks import artifacts
 from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
@@ -73,8 +74,6 @@ def test_mlflow_links_only_for_a_server():
 
 
 def test_cache_keys_follow_the_inputs(tmp_path):
-    from difflm.config import load_config
-
     assert cache_key("train", Path("/w/runs/a")) == cache_key("train", "/w/runs/a")
     assert cache_key("train", "/w/runs/a") != cache_key("train", "/w/runs/b") != cache_key("convert", "/w/runs/b")
     hf = tmp_path / "hf"

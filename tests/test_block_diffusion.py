@@ -10,10 +10,19 @@ import math
 import pytest
 import torch
 from helpers import CharTokenizer, block_megatron, save_megatron_checkpoint, tiny_config, tiny_hf_model
+from torch.nn.attention.flex_attention import flex_attention
 
+from difflm.config import load_config
+from models import diffusion
 from models.diffusion.blocks import attention_pairs, block_elbo_terms, decode_keep, two_stream_keep
 from models.diffusion.modes import BlockDiffusion, build_objective, objective_class
 from models.diffusion.samplers import MaskedSampler
+from models.evaluation.scoring import Scorer
+from models.hf.convert import export_hf, load_hf
+from models.megatron.attention import TwoStreamMask, _flex_attention
+from models.megatron.flops import forward_flops_per_sequence
+from models.megatron.forward_step import SpecialTokens, make_forward_step, two_stream_mask
+from models.megatron.gpt import layer_spec
 
 V = 64  # ids 0 eos, 1 mask, 2 pad
 
@@ -68,8 +77,6 @@ def test_decode_mask_is_the_training_rule_on_the_decoded_layout():
 
 def test_flex_attention_mask_mod_gives_the_dense_mask():
     """The mask_mod the GPU path hands FlexAttention, materialised on the CPU: the same rule, documents too."""
-    from models.megatron.attention import TwoStreamMask
-
     length, size = 12, 4
     doc = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
     for token_causal in (False, True):
@@ -83,8 +90,6 @@ def test_flex_attention_mask_mod_gives_the_dense_mask():
         plain = TwoStreamMask(length, size, token_causal).dense_keep()[0, 0]
         assert torch.equal(plain, brute_force_keep(length, size, token_causal))
     try:
-        from torch.nn.attention.flex_attention import flex_attention
-
         bm = TwoStreamMask(length, size, False, device=torch.device("cpu")).block_mask()
         qkv = torch.randn(3, 1, 2, 24, 8)
         got = flex_attention(*qkv, block_mask=bm)
@@ -148,8 +153,6 @@ def test_loss_takes_the_noisy_half_and_the_ar_term_on_the_clean_half():
 
 
 def test_config_refuses_what_does_not_apply(tmp_path):
-    from difflm.config import load_config
-
     base = ["diffusion.model_running_mode=difflm-block"]
     with pytest.raises(Exception, match="token_causal"):
         load_config("test-tiny", [f"workdir={tmp_path}", *base, "diffusion.ar_loss_weight=1.0"])
@@ -165,8 +168,6 @@ def test_config_refuses_what_does_not_apply(tmp_path):
 
 
 def test_flops_count_two_streams_and_the_masked_pairs(tmp_path):
-    from models.megatron.flops import forward_flops_per_sequence
-
     block = tiny_config(tmp_path, "diffusion.model_running_mode=difflm-block", "diffusion.block_size=4")
     full = tiny_config(tmp_path)
     n = 64
@@ -465,10 +466,6 @@ def test_settings_validate_via_the_objective():
 def test_megatron_two_stream_forward_matches_the_export(
     megatron_single_process, tmp_path, tiny_manifest, backend, clean, documents, head_dim
 ):
-    from models import diffusion
-    from models.hf.convert import export_hf, load_hf
-    from models.megatron.forward_step import SpecialTokens, two_stream_mask
-
     over = [f"diffusion.clean_attention={clean}", f"model.document_attention={str(documents).lower()}"]
     cfg, model = block_megatron(tmp_path, backend, *over, *([f"model.kv_channels={head_dim}"] if head_dim else []))
     special = SpecialTokens.from_manifest(tiny_manifest["tokenizer"])
@@ -492,8 +489,6 @@ def test_megatron_two_stream_forward_matches_the_export(
 
 
 def test_megatron_forward_step_loss_is_the_objective(megatron_single_process, tmp_path, tiny_manifest):
-    from models.megatron.forward_step import SpecialTokens, make_forward_step
-
     cfg, model = block_megatron(
         tmp_path, "local", "diffusion.clean_attention=token_causal", "diffusion.ar_loss_weight=1.0"
     )
@@ -513,9 +508,6 @@ def test_megatron_forward_step_loss_is_the_objective(megatron_single_process, tm
 
 
 def test_transformer_engine_is_refused_with_a_clear_line(tmp_path):
-    from difflm.config import load_config
-    from models.megatron.gpt import layer_spec
-
     cfg = load_config("test-tiny", [f"workdir={tmp_path}"])
     with pytest.raises(RuntimeError, match="needs model.backend=torch or local"):
         layer_spec(cfg.model, True, "te", two_stream=True)
@@ -526,8 +518,6 @@ def test_transformer_engine_is_refused_with_a_clear_line(tmp_path):
 def test_cuda_flex_attention_two_stream_mask_matches_dense_with_gradients():
     """The compiled FlexAttention path the torch spec takes on GPUs: the block mask skips tiles (no dense 2L x 2L
     tensor) and gives the dense mask's outputs and gradients."""
-    from models.megatron.attention import TwoStreamMask, _flex_attention
-
     length = 512
     for token_causal in (False, True):
         mask = TwoStreamMask(length, 128, token_causal, device=torch.device("cuda"))
@@ -546,8 +536,6 @@ def test_cuda_flex_attention_two_stream_mask_matches_dense_with_gradients():
 def test_lm_eval_scoring_and_generation_go_through_the_block_objective():
     """The scorer behind `difflm eval` and the lm-eval adapter: log-likelihood (with is_greedy), rolling
     log-likelihood over windows, and generation with the block decoder's settings recorded per sample."""
-    from models.evaluation.scoring import Scorer
-
     scorer = Scorer(_model(size=4), CharTokenizer(), mc_samples=4, max_length=24)
     scores = scorer.loglikelihood([("the cat", " sat"), ("a dog", " ran far")])
     assert all(math.isfinite(ll) and ll < 0 and isinstance(greedy, bool) for ll, greedy in scores)

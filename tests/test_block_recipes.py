@@ -9,9 +9,16 @@ import torch
 import torch.nn.functional as F
 from helpers import block_megatron, save_megatron_checkpoint, tiny_config, tiny_hf_model
 
+from difflm.config import load_config
 from models.diffusion.blocks import block_elbo_terms
 from models.diffusion.modes import BlockDiffusion, build_objective
 from models.diffusion.samplers import MaskedSampler
+from models.hf.convert import export_hf, load_hf
+from models.megatron.data import build_datasets
+from models.megatron.flops import training_flops
+from models.megatron.forward_step import SpecialTokens, make_forward_step
+from models.megatron.gpt import build_model
+from models.megatron.train import build_training, run_global_batch
 
 V = 64  # ids 0 eos, 1 mask, 2 pad
 
@@ -205,9 +212,6 @@ def test_shifted_greedy_match_is_what_block_decoding_produces(p):
 
 
 def test_config_options_and_flops(tmp_path):
-    from difflm.config import load_config
-    from models.megatron.flops import training_flops
-
     with pytest.raises(
         Exception, match="block_shift is a setting of difflm-block; model_running_mode is difflm-noshift"
     ):
@@ -220,9 +224,6 @@ def test_config_options_and_flops(tmp_path):
 
 
 def test_megatron_forward_step_with_both_options(megatron_single_process, tmp_path, tiny_manifest):
-    from models.megatron.forward_step import SpecialTokens, make_forward_step
-    from models.megatron.gpt import build_model
-
     cfg = tiny_config(
         tmp_path,
         "diffusion.model_running_mode=difflm-block",
@@ -252,9 +253,6 @@ def test_megatron_forward_step_with_both_options(megatron_single_process, tmp_pa
 def test_export_records_the_shift_and_decodes_with_it(megatron_single_process, tmp_path, tiny_manifest):
     """A shifted block model's export carries `block_shift` (its whole objective, as one entry): its objective,
     bound and decoder read it; the training-only `complementary_masks` changes none of them (one mask)."""
-    from models.hf.convert import export_hf, load_hf
-    from models.megatron.forward_step import SpecialTokens
-
     cfg, model = block_megatron(tmp_path, "local", "diffusion.block_shift=true", "diffusion.complementary_masks=true")
     ckpt = tmp_path / "ckpt"
     save_megatron_checkpoint(model, ckpt)
@@ -275,10 +273,6 @@ def test_a_megatron_global_batch_trains_and_validates_with_both_options(
 ):
     """megatron's schedule gets the doubled micro-batch in training (complementary pairs), the plain one in
     validation; both losses finite."""
-    from models.megatron.data import build_datasets
-    from models.megatron.forward_step import SpecialTokens
-    from models.megatron.train import build_training, run_global_batch
-
     cfg = tiny_config(
         tmp_path,
         "diffusion.model_running_mode=difflm-block",

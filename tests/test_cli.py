@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import ast
+import importlib
+import re
+import shlex
 import subprocess
 import sys
 from dataclasses import replace
@@ -10,7 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from difflm.config import ConfigError, load_config, resolve_preset
+from difflm.errors import DiffLMError, TrainingPreempted, UserError
 from flows import cli
+from models.evaluation.sources import SourceError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,8 +72,6 @@ def test_help_loads_no_framework():
 
 
 def test_options_that_set_config_fields_give_a_new_validated_config():
-    from difflm.config import ConfigError, load_config
-
     cfg = load_config("tiny-cpu")
     assert cli.with_fields(cfg, {}) == cfg  # the dump round-trips
     new = cli.with_fields(cfg, {"train.launch.slurm.partition": "gpu", "train.launch.kubernetes.image": "img:2"})
@@ -79,10 +83,6 @@ def test_options_that_set_config_fields_give_a_new_validated_config():
 
 @pytest.mark.parametrize("error, code", [("TrainingPreempted", 75), ("ConfigError", 2), ("SourceError", 1)])
 def test_exit_code_follows_the_error_type(error, code, monkeypatch, capsys):
-    from difflm.config import ConfigError
-    from difflm.errors import TrainingPreempted
-    from models.evaluation.sources import SourceError
-
     err = {
         "TrainingPreempted": TrainingPreempted("preempted at 4: rerun to resume", 4),
         "ConfigError": ConfigError("bad field"),
@@ -111,10 +111,6 @@ def _error_classes() -> list[tuple[str, str]]:
 
 def test_every_error_the_pipeline_defines_is_a_user_error():
     """One hierarchy: the CLI catches UserError (no list of classes), Prefect retries by `retryable`."""
-    import importlib
-
-    from difflm.errors import DiffLMError, UserError
-
     classes = _error_classes()
     assert len(classes) >= 12, classes
     for module, name in classes:
@@ -147,11 +143,6 @@ def _documented_commands() -> list[tuple[str, str]]:
 def test_every_documented_example_parses_and_its_config_validates():
     """What a user copies from `--help` or the docs must at least parse and give a valid config (a test runs
     each command itself elsewhere; this one catches an example that drifted from the config's rules)."""
-    import re
-    import shlex
-
-    from difflm.config import resolve_preset
-
     examples = _documented_commands()
     assert len(examples) >= 10, examples
     for where, line in examples:

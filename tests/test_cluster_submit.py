@@ -17,13 +17,17 @@ import yaml
 from helpers import SHORT_RUN as SHORT
 from helpers import tiny_config
 
+from difflm.config import load_config
+from flows.cli import main
 from models.launch.cluster import (
     ClusterError,
+    mount_problem,
     pytorchjob_name,
     submit_kubernetes,
     write_launch_file,
 )
 from models.launch.torchrun import TrainingError, launch_training, run_dir
+from tasks.stages import train_task
 
 pytestmark = pytest.mark.integration  # the fake kubectl runs as Python processes
 
@@ -153,8 +157,6 @@ def _calls(state: Path, prog: str) -> list[list[str]]:
 
 
 def _untried_train_task():
-    from tasks.stages import train_task
-
     return train_task.with_options(retries=0)
 
 
@@ -162,8 +164,6 @@ def _untried_train_task():
 def test_kubernetes_launcher_trains_the_same_run_as_a_local_launch(
     tmp_path, cluster, tiny_manifest, prefect_harness, monkeypatch
 ):
-    from tasks.stages import train_task
-
     work = tmp_path / "pvc" / "difflm"  # the claim is mounted at tmp_path/pvc in the worker and the pods
     k8s = [
         *SHORT,
@@ -246,8 +246,6 @@ def test_kubernetes_problems_are_cluster_errors(tmp_path, cluster):
 
 def test_launch_cli_writes_what_the_launchers_submit(session_dir, tiny_manifest, capsys):
     """`difflm launch` options override train.launch.slurm.* / train.launch.kubernetes.*; the file is the one a launcher submits."""
-    from flows.cli import main
-
     work = session_dir / "shared"  # where tiny_manifest's data is: reused
     overrides = [f"workdir={work}", "train.train_iters=7", "train.schedule.warmup_iters=1"]
     assert main(["launch", "--preset", "test-tiny", *overrides, "--partition", "gpu", "--time", "01:00:00"]) == 0
@@ -267,9 +265,6 @@ def test_launch_cli_writes_what_the_launchers_submit(session_dir, tiny_manifest,
 
 def test_cluster_deployments_resolve_to_their_launchers():
     """The prefect.yaml entries pretrain-difflm/slurm and /kubernetes give valid configs for their launcher."""
-    from difflm.config import load_config
-    from models.launch.cluster import mount_problem
-
     entries = {d["name"]: d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
     for name in ("slurm", "kubernetes"):
         params = entries[name]["parameters"]

@@ -15,9 +15,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from datatrove.utils.logging import setup_default_logger
 from helpers import tiny_config
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from tokenizers import Tokenizer
 
 from data_prep.pipeline import DataPrepError, data_dir, prepare_data
+from data_prep.readers import make_reader
 
 ROOT = Path(__file__).resolve().parent.parent
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -28,8 +32,6 @@ def _restore_loguru():
     """datatrove points loguru at the sys.stderr of the moment (pytest's capture of this test): re-point it
     afterwards, so that later tests do not log into a closed capture."""
     yield
-    from datatrove.utils.logging import setup_default_logger
-
     setup_default_logger()
 
 
@@ -207,9 +209,6 @@ def _merge(*corpora: Corpus) -> tuple[set[str], dict[str, int]]:
 
 def _kept_texts(manifest: dict) -> list[str]:
     """Every document in the written shards, decoded (the tokenizer is byte-level: decoding is exact)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(Path(manifest["tokenizer"]["path"]) / "tokenizer.json"))
     texts = []
     for s in manifest["splits"].values():
@@ -275,8 +274,6 @@ def test_every_readable_record_is_kept_and_every_other_counted(tmp_path, tiny_ma
 
 def test_truncated_zst_keeps_every_record_before_the_damage(tmp_path):
     """pyarrow's zstd stream drops what it decoded in a read that hits the damage; the reader recovers it."""
-    from data_prep.readers import make_reader
-
     lines = [_line(f"record {i} " + "x" * (i % 97)) for i in range(3000)]  # several 64 KiB reads
     (tmp_path / "big.jsonl.zst").write_bytes(_zst(b"".join(lines)) + _cut_off(_zst))
     reader = make_reader(tmp_path / "big.jsonl.zst", "jsonl", "text", "big")

@@ -2,11 +2,19 @@
 
 import gzip
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import datasets
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from helpers import tiny_config
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from tokenizers import Tokenizer
 
 from data_prep.pipeline import DataPrepError, data_dir, prepare_data
 from data_prep.split import split_of
@@ -33,8 +41,6 @@ def _cfg(tmp_path, tiny_manifest, *overrides):
 
 
 def test_manifest_matches_written_shards(tiny_manifest):
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     tok = tiny_manifest["tokenizer"]
     assert tok["vocab_size"] == 512 and tok["mask_id"] != tok["eos_id"] and tiny_manifest["token_bytes"] == 2
     for split in ("train", "valid"):
@@ -63,9 +69,6 @@ def test_split_is_a_stable_function_of_text():
 
 
 def _split_texts(manifest, tokenizer_path) -> dict[str, set[str]]:
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-    from tokenizers import Tokenizer
-
     tok = Tokenizer.from_file(str(Path(tokenizer_path) / "tokenizer.json"))
     out = {}
     for split, s in manifest["splits"].items():
@@ -79,10 +82,6 @@ def _split_texts(manifest, tokenizer_path) -> dict[str, set[str]]:
 
 def test_every_reader_and_blending(tmp_path, tiny_manifest):
     """JSONL.gz, Parquet, a .txt folder and a saved HF dataset, in one run, with blend weights."""
-    import datasets
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     src = tmp_path / "src"
     src.mkdir()
     with gzip.open(src / "a.jsonl.gz", "wt") as f:
@@ -119,8 +118,6 @@ def test_splits_do_not_depend_on_worker_count(tmp_path, tiny_manifest):
     assert len(two["splits"]["train"]["prefixes"]) == 2  # one shard per task
     tr = two["splits"]["train"]
     tokens = [tr["sources"]["docs"]["tokens"] * w for w in tr["weights"]]  # no weights set: mix by size
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
-
     shards = [IndexedDataset(p) for p in tr["prefixes"]]  # keep them alive: their arrays are views of an mmap
     assert tokens == pytest.approx([int(d.sequence_lengths.sum()) for d in shards])
     assert _split_texts(one, one["tokenizer"]["path"]) == _split_texts(two, two["tokenizer"]["path"])
@@ -273,7 +270,8 @@ def test_everything_filtered_says_what_happened(tmp_path, tiny_manifest):
 
 
 def test_tokenizer_without_mask_token_and_unloadable(tmp_path, tiny_manifest):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    # here, not at the top: tokenizers' `models` would shadow this project's `models` package in the module
+    from tokenizers import models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel()
@@ -308,10 +306,6 @@ prepare_data(load_config("test-tiny", sys.argv[1:]))
 def test_terminal_shows_no_per_file_lines_and_the_stats_once(tmp_path, tiny_manifest, workers):
     """datatrove's per-file "Reading input file" lines and each task's stats go to the task logs only; the merged
     stats print once; a bad record's warning and the progress stay on the terminal."""
-    import os
-    import subprocess
-    import sys
-
     src = tmp_path / "txt"
     src.mkdir()
     for i, t in enumerate(_docs(12, "quiet")):

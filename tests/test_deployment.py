@@ -13,6 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
+from prefect.cli.deploy._models import PrefectYamlModel
+from prefect.cli.deploy._schedules import _schedule_config_to_deployment_schedule
+from prefect.client.schemas.schedules import IntervalSchedule
 from scenarios import SCENARIOS
 from servers import BIN, stop
 
@@ -110,11 +114,6 @@ def test_prefect_yaml_deployments_load_and_validate():
     """What `prefect deploy --all` needs from each entry, without a server: the file parses with Prefect's own
     model, every entrypoint loads a flow whose parameter schema accepts the entry's parameters, and every
     schedule becomes a Prefect schedule."""
-    import yaml
-    from prefect.cli.deploy._models import PrefectYamlModel
-    from prefect.cli.deploy._schedules import _schedule_config_to_deployment_schedule
-    from prefect.client.schemas.schedules import IntervalSchedule
-
     raw = yaml.safe_load((ROOT / "prefect.yaml").read_text())
     model = PrefectYamlModel.model_validate(raw)
     flows = {}

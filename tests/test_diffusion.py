@@ -3,9 +3,11 @@
 import math
 
 import torch
+from helpers import tiny_config
 
 from models import diffusion
 from models.diffusion.samplers import sample_masked_diffusion, unmask_schedule
+from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms, varilen_length
 
 
 def test_sample_t_range_and_antithetic_bins():
@@ -143,10 +145,6 @@ def test_masked_fraction_weighting():
 
 
 def test_noise_does_not_depend_on_the_micro_batch_split():
-    from helpers import tiny_config
-
-    from models.megatron.forward_step import SpecialTokens, corrupt
-
     cfg = tiny_config(
         "/tmp/unused", "train.global_batch_size=4", "train.micro_batch_size=2", "diffusion.antithetic_t=true"
     )
@@ -170,8 +168,6 @@ def test_noise_does_not_depend_on_the_micro_batch_split():
 
 
 def test_varilen_length_is_reproducible_and_divisible():
-    from models.megatron.forward_step import varilen_length
-
     lengths = [varilen_length(7, step, 128, 0.5, multiple=4) for step in range(400)]
     assert lengths == [varilen_length(7, step, 128, 0.5, multiple=4) for step in range(400)]
     short = [n for n in lengths if n < 128]
@@ -191,10 +187,6 @@ def test_document_ids_and_mask():
 
 
 def test_evaluation_noise_masks_exact_counts_and_scores_the_elbo():
-    from helpers import tiny_config
-
-    from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
-
     cfg = tiny_config("/tmp/unused", "train.global_batch_size=4", "train.micro_batch_size=4")
     special = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2))
     x0 = torch.randint(3, 50, (4, 32))

@@ -8,6 +8,9 @@ import re
 from pathlib import Path
 
 import pytest
+from mkdocs.commands.build import build
+from mkdocs.config import load_config
+from mkdocs.exceptions import Abort
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -16,10 +19,6 @@ USER_DOCS = [README, *sorted((ROOT / "docs").glob("**/*.md"))]
 
 def test_the_docs_site_builds_with_warnings_as_errors(tmp_path, monkeypatch):
     """What `make docs` runs (`mkdocs build --strict`), in process; the warnings are shown when it fails."""
-    from mkdocs.commands.build import build
-    from mkdocs.config import load_config
-    from mkdocs.exceptions import Abort
-
     monkeypatch.chdir(ROOT)
     warnings: list[str] = []
     handler = logging.Handler(logging.WARNING)

@@ -5,15 +5,22 @@ report, MLflow tags). The random-weight exports of the `exports` fixture (tests/
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import mlflow
 import pytest
 import torch
 from helpers import ROOT, tiny_config
+from mlflow.tracking import MlflowClient
 from pydantic import ValidationError
 
+from difflm import tracking
 from difflm.config import ConfigError, EvalConfig, load_config
-from models.evaluation.stages import EvaluationError, eval_device, resolve_device
+from models.evaluation.report import comparison_table
+from models.evaluation.stages import EvaluationError, eval_device, evaluate_export, resolve_device, sweep_export
 
 # bf16 against fp32 on the same export and noise, as the relative difference of each score (bounds, task NLLs,
 # bits per byte): measured at most 2e-5 on these random-weight exports (masked and ar; fp16 less), whose
@@ -49,9 +56,6 @@ def test_cuda_without_cuda_is_an_error_that_says_what_to_set(no_cuda, device):
 
 def test_the_cli_prints_the_error_without_a_traceback(exports, tmp_path):  # noqa: F811
     """`difflm generate` asked for CUDA where torch sees none (CUDA_VISIBLE_DEVICES empty: on GPU machines too)."""
-    import os
-    import subprocess
-    import sys
 
     run = subprocess.run(
         [
@@ -101,8 +105,6 @@ def test_device_form_is_checked_by_the_config_and_dtype_by_the_resolver():
 
 # ---- evaluation in bf16 on the CPU ------------------------------------------------------------------------
 def _evaluate(exports, tiny_manifest, workdir: Path, *overrides: str) -> dict:  # noqa: F811
-    from models.evaluation.stages import evaluate_export
-
     cfg = tiny_config(workdir, "diffusion.model_running_mode=difflm-noshift", *overrides)
     return evaluate_export(cfg, tiny_manifest, exports["difflm-noshift"], workdir / "eval")
 
@@ -128,8 +130,6 @@ def _assert_close(got: dict, ref: dict, rel: float) -> None:
 
 
 def test_bf16_evaluation_on_the_cpu_tracks_fp32(exports, tiny_manifest, fp32_results, tmp_path):  # noqa: F811
-    from models.evaluation.report import comparison_table
-
     bf16 = _evaluate(exports, tiny_manifest, tmp_path, "eval.dtype=bfloat16")  # device auto: the CPU here
     assert (fp32_results["device"], fp32_results["dtype"]) == ("cpu", "float32")
     assert (bf16["device"], bf16["dtype"], bf16["device_name"]) == ("cpu", "bfloat16", "cpu")
@@ -147,11 +147,6 @@ def test_bf16_evaluation_on_the_cpu_tracks_fp32(exports, tiny_manifest, fp32_res
 
 def test_mlflow_run_says_what_was_asked_and_what_ran(fp32_results, tmp_path):
     """Params: the config as given (eval.device=auto); tags: what it resolved to."""
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from difflm import tracking
-
     cfg = tiny_config(tmp_path)
     with tracking.pipeline_run(cfg, "eval-device", {"flow": "test"}) as run_id:
         tracking.log_evaluation(fp32_results)
@@ -172,8 +167,6 @@ def test_cuda_bf16_evaluation_tracks_the_cpu(exports, tiny_manifest, fp32_result
     res = _evaluate(exports, tiny_manifest, tmp_path)
     assert res["device"].startswith("cuda") and res["dtype"] == "bfloat16" and res["device_name"] != "cpu"
     _assert_close(_scores(res), _scores(fp32_results), CUDA_BF16_REL)
-
-    from models.evaluation.stages import sweep_export
 
     cfg = tiny_config(tmp_path, "diffusion.model_running_mode=difflm-noshift", "eval.steps_sweep=[1,2]")
     rows = sweep_export(cfg, tiny_manifest, exports["difflm-noshift"], tmp_path / "sweep")

@@ -13,20 +13,19 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
+from models.diffusion import MaskedSampler
+from models.evaluation.scoring import Scorer
+from models.evaluation.stages import load_model, load_tokenizer
+from models.evaluation.tasks import build_items, heldout_documents, score_tasks, write_lm_eval_tasks
+
 
 @pytest.fixture(scope="module")
 def items(tiny_manifest, exports):
-    from models.evaluation.stages import load_tokenizer
-    from models.evaluation.tasks import build_items, heldout_documents
-
     docs = heldout_documents(tiny_manifest, load_tokenizer(exports["ar"]))
     return docs, build_items(docs, 6, seed=0)
 
 
 def test_tasks_come_from_the_heldout_split_and_are_reproducible(items, tiny_manifest, exports):
-    from models.evaluation.stages import load_tokenizer
-    from models.evaluation.tasks import build_items, heldout_documents
-
     docs, tasks = items
     assert len(docs) == tiny_manifest["splits"]["valid"]["documents"]
     assert tasks == build_items(heldout_documents(tiny_manifest, load_tokenizer(exports["ar"])), 6, seed=0)
@@ -43,11 +42,6 @@ def test_tasks_come_from_the_heldout_split_and_are_reproducible(items, tiny_mani
 
 
 def test_scorer_tasks_and_generation_on_every_mode(exports, items):
-    from models.diffusion import MaskedSampler
-    from models.evaluation.scoring import Scorer
-    from models.evaluation.stages import load_model, load_tokenizer
-    from models.evaluation.tasks import score_tasks
-
     _, tasks = items
     for mode, folder in exports.items():
         scorer = Scorer(load_model(folder), load_tokenizer(folder), mc_samples=4)
@@ -127,8 +121,6 @@ def test_difflm_eval_and_generate_commands(exports, session_dir, tmp_path):
 @pytest.mark.slow
 def test_lm_eval_runs_difflm_through_its_own_entry_point(exports, items, tmp_path):
     """loglikelihood, multiple_choice, loglikelihood_rolling and generate_until on local task files."""
-    from models.evaluation.tasks import write_lm_eval_tasks
-
     _, tasks = items
     task_dir = write_lm_eval_tasks(tasks, tmp_path / "tasks")
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -13,14 +13,23 @@ import threading
 import time
 from pathlib import Path
 
+import mlflow
 import psutil
 import pytest
 import torch
 from fault_injection import fault_launch
 from helpers import assert_same_weights, tiny_config
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from mlflow.tracking import MlflowClient
+from prefect import flow
 
-from difflm.rundir import TrainResult
+from difflm import tracking
+from difflm.rundir import RunDir, TrainResult
+from difflm.tracking import mlflow_runs
+from models.hf.convert import load_megatron_weights
 from models.launch.torchrun import TrainingError, TrainingPreempted, launch_training, read_metrics, run_dir
+from models.megatron.train import scheduler_kwargs
+from tasks.stages import train_task
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,8 +44,6 @@ FAST = (
 
 
 def _weights(info: TrainResult) -> dict[str, torch.Tensor]:
-    from models.hf.convert import load_megatron_weights
-
     return load_megatron_weights(info.checkpoint)
 
 
@@ -169,10 +176,6 @@ def test_an_attempt_resumed_from_an_older_checkpoint_logs_each_step_once(session
 
 
 def test_lr_schedules():
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from models.megatron.train import scheduler_kwargs
-
     class Opt:  # the scheduler only writes param_groups
         param_groups = [{}]
 
@@ -206,12 +209,6 @@ def test_lr_schedules():
 def test_tracking_outage_never_stops_training_and_nothing_is_lost(
     session_dir, tiny_manifest, mlflow_server, monkeypatch
 ):
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from difflm import tracking
-    from difflm.tracking import mlflow_runs
-
     # mlflow.set_tracking_uri also sets $MLFLOW_TRACKING_URI: put it back for the tests that follow
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # records the original (unset) value for teardown
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
@@ -270,10 +267,6 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(
 
 @pytest.mark.slow
 def test_prefect_retry_after_a_crash_resumes_training(session_dir, tiny_manifest, prefect_harness):
-    from prefect import flow
-
-    from tasks.stages import train_task
-
     cfg = tiny_config(session_dir / "faults-prefect", *FAST)
     rdir = run_dir(cfg, tiny_manifest)
 
@@ -348,7 +341,5 @@ def _interrupt_and_check(proc: subprocess.Popen, rdir: Path, err_file: Path) -> 
     assert "Traceback" not in err, err[-5000:]
     assert took < 120, took  # the checkpoint is written, then the command ends (it hung for minutes before)
     iteration = int(re.search(r"interrupted at iteration (\d+)", last).group(1))
-    from difflm.rundir import RunDir
-
     assert (rdir / "checkpoints" / f"iter_{iteration:07d}").is_dir()
     assert RunDir(rdir).latest_iteration() == iteration  # where a rerun resumes (resume exactness: tests above)

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from difflm.config import load_config
+from models.diffusion.documents import document_ids, document_pairs
 from models.diffusion.modes import build_objective
+from models.hf.convert import hf_config
+from models.hf.modeling_difflm import DiffLMForMaskedLM
 from models.megatron import flops
+from models.megatron.data import build_datasets, micro_batch
 from models.megatron.flops import efficiency, padded_vocab, peak_flops
+from models.megatron.forward_step import SpecialTokens
+from models.megatron.gpt import build_model, padded_vocab_size
+from models.megatron.train import build_training, run_global_batch
 
 TOKENIZER = {"vocab_size": 1000, "mask_id": 1, "eos_id": 0, "pad_id": 2}
 SHAPE = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4"]
@@ -83,8 +91,6 @@ def test_time_conditioning_is_per_sequence():
 
 
 def test_vocab_is_padded_as_megatron_pads_it():
-    from models.megatron.gpt import padded_vocab_size
-
     for v in (50, 64, 65, 1000, 50257):
         for tp in (1, 2, 8):
             assert padded_vocab(v, tp) == padded_vocab_size(v, tp)
@@ -99,9 +105,6 @@ def test_matches_a_counted_forward_of_the_hf_model(variant):
 
     The math SDPA backend: FlopCounterMode has no formula for the CPU's fused attention kernel
     (`_scaled_dot_product_flash_attention_for_cpu`) and would count no attention at all."""
-    from models.hf.convert import hf_config
-    from models.hf.modeling_difflm import DiffLMForMaskedLM
-
     cfg = _cfg(*SHAPE, *VARIANTS[variant])
     torch.manual_seed(0)
     model = DiffLMForMaskedLM(hf_config(cfg, TOKENIZER)).eval()
@@ -117,9 +120,6 @@ def test_matches_a_counted_forward_of_the_hf_model(variant):
 def test_causal_counts_half_the_attention_a_counter_sees_in_full():
     """The counter (and the math/unfused kernels it can see) computes the whole s x s and masks it; flash
     kernels skip the masked half, which is what the formula counts for `ar`."""
-    from models.hf.convert import hf_config
-    from models.hf.modeling_difflm import DiffLMForMaskedLM
-
     ar = _cfg(*SHAPE, "diffusion.model_running_mode=ar")
     model = DiffLMForMaskedLM(hf_config(ar, TOKENIZER)).eval()
     s = 96
@@ -132,8 +132,6 @@ def test_causal_counts_half_the_attention_a_counter_sees_in_full():
 
 def test_training_is_three_forwards_of_the_megatron_model(megatron_single_process):
     """Forward + backward of the model training builds (megatron-core, local spec), counted."""
-    from models.megatron.gpt import build_model
-
     cfg = _cfg(*SHAPE, "model.backend=local")
     model = build_model(cfg, TOKENIZER["vocab_size"])
     device = next(model.parameters()).device
@@ -214,8 +212,6 @@ def test_packed_documents_count_the_attention_they_keep(preset, doc_len, oversta
 
 
 def test_document_pairs_sum_the_squared_document_lengths_of_every_row():
-    from models.diffusion.documents import document_ids, document_pairs
-
     tokens = torch.tensor([[5, 0, 5, 5, 0, 5], [0, 5, 5, 5, 5, 5]])  # EOS (0) ends its own document
     assert document_pairs(document_ids(tokens, 0)) == (2**2 + 3**2 + 1) + (1 + 5**2)
     assert document_pairs(document_ids(torch.full((3, 8), 7), 0)) == 3 * 64
@@ -223,13 +219,6 @@ def test_document_pairs_sum_the_squared_document_lengths_of_every_row():
 
 def test_a_training_step_counts_the_document_pairs_of_its_batches(megatron_single_process, tiny_manifest, tmp_path):
     """The trainer hands the FLOPs count each micro-batch's pairs within its documents (fewer than s^2 a row)."""
-    from helpers import tiny_config
-
-    from models.diffusion.documents import document_ids, document_pairs
-    from models.megatron.data import build_datasets, micro_batch
-    from models.megatron.forward_step import SpecialTokens
-    from models.megatron.train import build_training, run_global_batch
-
     cfg = tiny_config(tmp_path, "model.document_attention=true", "train.seq_length=512")
     t, tok = cfg.train, tiny_manifest["tokenizer"]
     ddp, _, _ = build_training(cfg, tok["vocab_size"])

@@ -1,11 +1,21 @@
 """The flagship flow end to end on the test-tiny preset, on a real Prefect server and MLflow store."""
 
 import json
+import os
 from pathlib import Path
 
+import mlflow
 import pytest
 from helpers import tiny_config
+from mlflow.tracking import MlflowClient
+from prefect.artifacts import Artifact
 from scenarios import SCENARIOS
+
+from difflm.tracking import tracking_uri, training_view
+from flows.data_prep import data_prep
+from flows.evaluate import evaluate
+from flows.pretrain import pretrain_difflm
+from models.hf.convert import load_hf
 
 FLOW = SCENARIOS["flagship"].overrides
 STAGES = SCENARIOS["flagship"].stages
@@ -15,14 +25,6 @@ STAGES = SCENARIOS["flagship"].stages
 def first(session_dir, prefect_harness) -> dict:
     """One run of the flagship flow from nothing (the tests below each check one property of it): its summary,
     config, MLflow client, run and the nested runs of its stages."""
-    import os
-
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from difflm.tracking import tracking_uri
-    from flows.pretrain import pretrain_difflm
-
     sampling = {"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1", "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING": "1"}
     saved = {k: os.environ.get(k) for k in sampling}
     os.environ.update(sampling)  # system metrics sampled within a short training
@@ -50,8 +52,6 @@ def test_every_stage_ran_the_first_time(first):
 
 @pytest.mark.slow
 def test_data_checkpoint_and_an_export_transformers_loads(first):
-    from models.hf.convert import load_hf
-
     summary = first["summary"]
     assert (Path(summary["data_dir"]) / "manifest.json").exists()
     assert (Path(summary["run_dir"]) / "checkpoints" / "iter_0000030" / "metadata.json").exists()
@@ -92,8 +92,6 @@ def test_the_data_is_a_dataset_input_not_metrics(first):
 
 @pytest.mark.slow
 def test_the_run_opens_in_the_model_training_view_with_its_lineage(first):
-    from difflm.tracking import training_view
-
     run, summary = first["run"], first["summary"]
     exp = first["client"].get_experiment(run.info.experiment_id)
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # the model-training view
@@ -120,8 +118,6 @@ def test_a_nested_run_per_stage_with_live_curves_and_system_metrics(first):
 
 @pytest.mark.slow
 def test_a_markdown_summary_per_stage_in_prefect(first):
-    from prefect.artifacts import Artifact
-
     train_md = Artifact.get("train-summary")
     assert train_md and "loss" in train_md.data and Path(first["summary"]["run_dir"]).name in train_md.data
     assert first["manifest"]["hash"] in Artifact.get("data-prep-summary").data
@@ -148,10 +144,6 @@ def test_the_first_version_is_candidate_and_champion(first):
 
 @pytest.mark.slow
 def test_a_rerun_reuses_everything(first):
-    from prefect.artifacts import Artifact
-
-    from flows.pretrain import pretrain_difflm
-
     client, summary = first["client"], first["summary"]
     again = pretrain_difflm(config=first["cfg"])
     assert again["run_dir"] == summary["run_dir"] and again["mlflow_run_id"] != summary["mlflow_run_id"]
@@ -167,8 +159,6 @@ def test_a_rerun_reuses_everything(first):
 
 @pytest.mark.slow
 def test_a_changed_input_reruns_only_what_depends_on_it(first, session_dir):
-    from flows.pretrain import pretrain_difflm
-
     changed_eval = pretrain_difflm(config=tiny_config(session_dir / "flow", *FLOW, "eval.task_items=2"))
     assert changed_eval["stages"] == {"data-prep": "cached", "train": "cached", "convert": "cached", "evaluate": "ran"}
     changed_train = pretrain_difflm(
@@ -180,8 +170,6 @@ def test_a_changed_input_reruns_only_what_depends_on_it(first, session_dir):
 
 @pytest.mark.slow
 def test_the_evaluate_flow_on_the_registered_champion(first, session_dir, capfd, caplog):
-    from flows.evaluate import evaluate
-
     client, summary = first["client"], first["summary"]
     ev_cfg = tiny_config(session_dir / "flow", *FLOW, "eval.steps_sweep=[1,2]")
     res = evaluate(source=f"models:/{summary['registered_model']}@champion", config=ev_cfg)
@@ -197,12 +185,6 @@ def test_the_evaluate_flow_on_the_registered_champion(first, session_dir, capfd,
 
 
 def test_data_prep_flow_logs_statistics(session_dir, prefect_harness, tiny_manifest):
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from difflm.tracking import tracking_uri
-    from flows.data_prep import data_prep
-
     cfg = tiny_config(session_dir / "shared")  # the same config as tiny_manifest: the prep is reused
     manifest = data_prep(config=cfg)
     assert manifest["hash"] == tiny_manifest["hash"]

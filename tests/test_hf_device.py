@@ -16,8 +16,12 @@ import pytest
 import torch
 from helpers import HF_VOCAB as V
 from helpers import timed_hf_model as _model
+from transformers import AutoModel
 
 from models.diffusion import MaskedSampler
+from models.evaluation.likelihood import likelihood_bound
+from models.evaluation.scoring import Scorer
+from models.hf.convert import AUTO_MAP, save_export
 
 # bf16 logits against fp32, as max |difference| / max |fp32 logit|, over 5 seeded batches of [4, 32] tokens on
 # the tiny random-init models below (CPU): measured 0.0041 (masked), 0.0044 (adaLN), 0.0079 (uniform),
@@ -146,9 +150,6 @@ class _CharTokenizer:
 @pytest.mark.parametrize("mode", ["masked", "ar", "uniform"])
 def test_evaluation_creates_no_tensor_on_the_default_device(models, mode):
     """The scorer behind `difflm eval` and lm-eval, and the held-out likelihood, under the same check."""
-    from models.evaluation.likelihood import likelihood_bound
-    from models.evaluation.scoring import Scorer
-
     scorer = Scorer(models[mode], _CharTokenizer(), mc_samples=2, batch_size=2)
     settings = MaskedSampler(steps=3, temperature=1.0)
 
@@ -165,8 +166,6 @@ def test_evaluation_creates_no_tensor_on_the_default_device(models, mode):
 # ---- bf16 / fp16, on the CPU ------------------------------------------------------------------------------
 def _export(model, folder: Path) -> Path:
     """`model` written as an export folder (weights, config with the auto_map, model code), no tokenizer."""
-    from models.hf.convert import AUTO_MAP, save_export
-
     model.config.auto_map = dict(AUTO_MAP)
     (folder / "tokenizer").mkdir(parents=True)
     return save_export(model, folder / "tokenizer", folder / "hf", {})
@@ -180,8 +179,6 @@ def export(request, tmp_path_factory) -> Path:
 
 def _load(folder: Path, dtype: torch.dtype = torch.float32):
     """As LLaDA and Dream users load: AutoModel, the folder's own code, `dtype=` (transformers 5)."""
-    from transformers import AutoModel
-
     return AutoModel.from_pretrained(str(folder), trust_remote_code=True, local_files_only=True, dtype=dtype).eval()
 
 
@@ -278,9 +275,6 @@ def test_cuda_fp32_draws_the_same_noise_as_the_cpu(export):
 @needs_cuda
 def test_cuda_evaluation_scores_on_the_model_device(models):
     """The held-out likelihood and the scorer take CPU data and a CUDA model."""
-    from models.evaluation.likelihood import likelihood_bound
-    from models.evaluation.scoring import Scorer
-
     for name in ("masked", "ar", "uniform"):
         cpu_bound = likelihood_bound(models[name], X, EVAL_CFG).nll_per_token
         gpu = copy.deepcopy(models[name]).cuda()

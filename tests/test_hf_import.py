@@ -13,24 +13,33 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_config
+from helpers import tiny_hf_model
 from hf_stock import KINDS, VOCAB, tiny_stock, tiny_tokenizer
+from megatron.core import dist_checkpointing
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
+from data_prep.pipeline import prepare_data
+from difflm.config import load_config
 from difflm.rundir import RunDir, TrainResult
-from models.hf.convert import ConversionError
+from models.diffusion.arch import ModelArch
+from models.evaluation.stages import convert_checkpoint, export_stock_class
+from models.hf import importer
+from models.hf.architectures import Shape, architecture_of, stock_problem, stock_to_ours
+from models.hf.convert import ConversionError, _local_key, export_hf, load_hf, repad_vocab
+from models.hf.importer import export_stock, import_pretrained, import_record, prepare_tokenizer, source_overrides
+from models.launch.torchrun import free_port, launch_training, read_metrics
+from models.megatron.gpt import build_model, padded_vocab_size
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (tests/conftest.py)
 
 
 def _cfg(tmp_path, folder, *extra):
-    from models.hf.importer import source_overrides
-
     return tiny_config(tmp_path, *source_overrides(folder), "diffusion.model_running_mode=ar", *extra)
 
 
 def _hf_logits(folder, ids):
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).float().eval()
     with torch.no_grad():
         return model(ids).logits
@@ -46,11 +55,6 @@ def _rel(ref, got):
 def test_import_then_stock_export_give_the_source_logits(tmp_path, kind):
     """HF -> megatron (parity checked inside, recorded) -> stock class without remote code, and -> our class (as
     an `ar` export of our own code, which must carry bias, qk-norm and head_dim): each gives the source's logits."""
-    from transformers import AutoModelForCausalLM
-
-    from models.hf.convert import export_hf, load_hf
-    from models.hf.importer import export_stock, import_pretrained, import_record
-
     reserved = "<|mask|>" if kind == "mistral" else None  # a spare token of the vocabulary becomes the mask
     src = tiny_stock(kind, tmp_path / "src", reserved=reserved)
     cfg = _cfg(tmp_path, src)
@@ -76,8 +80,6 @@ def test_import_then_stock_export_give_the_source_logits(tmp_path, kind):
     with torch.no_grad():
         assert _rel(ref, ours(ids).logits) <= 1e-4
     if kind == "mistral":  # a diffusion target with adaLN: the source's weights plus its own new parameters
-        from megatron.core import dist_checkpointing
-
         timed = _cfg(tmp_path, src, "diffusion.model_running_mode=difflm-shift", "diffusion.time_embedding=true")
         meta = dist_checkpointing.load_tensors_metadata(str(import_pretrained(timed, src, tmp_path / "mg-t")))
         assert any("modulation" in k for k in meta) and "decoder.final_layernorm.weight" in meta
@@ -86,9 +88,6 @@ def test_import_then_stock_export_give_the_source_logits(tmp_path, kind):
 @pytest.mark.slow
 def test_import_at_tp_and_pp_gives_the_source_logits(tmp_path):
     """One torchrun of 4 ranks: every case at TP in {1,2} x PP in {1,2} gives transformers' logits."""
-    from models.hf.importer import import_pretrained, import_record, source_overrides
-    from models.launch.torchrun import free_port
-
     cases = []
     for kind in KINDS:
         src = tiny_stock(kind, tmp_path / kind)
@@ -147,8 +146,6 @@ BAD = {  # name -> (how the folder is spoiled, what the one line says)
 
 @pytest.mark.parametrize("bad", list(BAD))
 def test_bad_input_says_what_to_do_and_writes_nothing(tmp_path, bad):
-    from models.hf.importer import import_pretrained
-
     src = tiny_stock("llama-gqa-untied", tmp_path / "src")
     cfg = _cfg(tmp_path, src)
     spoil, says = BAD[bad]
@@ -160,8 +157,6 @@ def test_bad_input_says_what_to_do_and_writes_nothing(tmp_path, bad):
 
 @pytest.mark.integration  # megatron's checkpoint writer starts processes
 def test_sharded_folders_gguf_files_and_another_architecture_config(tmp_path):
-    from models.hf.importer import import_pretrained, import_record, prepare_tokenizer
-
     src = tiny_stock("qwen2-bias", tmp_path / "src", max_shard_size="20KB")
     shards = sorted(src.glob("model-*.safetensors"))
     assert len(shards) > 1 and (src / "model.safetensors.index.json").exists()
@@ -186,8 +181,6 @@ def test_sharded_folders_gguf_files_and_another_architecture_config(tmp_path):
 def test_difflm_convert_imports_a_stock_folder(tmp_path):
     """`difflm convert HF_DIR --out CKPT` on a stock folder: the checkpoint, its tokenizer with a mask token, and
     the overrides that train from it, which make a valid config; a GGUF file gets its one line."""
-    from difflm.config import load_config
-
     src = tiny_stock("qwen3-qknorm-hd", tmp_path / "src")
     cli = [sys.executable, "-m", "flows.cli", "convert"]
     proc = subprocess.run([*cli, str(src), "--out", str(tmp_path / "mg")], capture_output=True, text=True, cwd=ROOT)
@@ -207,13 +200,9 @@ def test_an_ar_run_exports_the_stock_class_that_lm_eval_scores(megatron_single_p
     """The pipeline's export stage of an `ar` run also writes <run>/hf-stock: a Llama (trained here, so no recorded
     architecture) that AutoModelForCausalLM loads without remote code, giving the megatron model's logits (checked
     inside), and that lm-eval's stock `hf` model scores; a diffusion run writes none."""
+    # lm-eval is an optional back-end: only this test loads it
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
-    from megatron.core import dist_checkpointing
-    from transformers import AutoModelForCausalLM
-
-    from models.evaluation.stages import export_stock_class
-    from models.megatron.gpt import build_model
 
     cfg = tiny_config(tmp_path, "diffusion.model_running_mode=ar", "model.num_query_groups=1")
     torch.manual_seed(0)
@@ -239,10 +228,6 @@ def test_training_starts_from_an_imported_qwen2(tmp_path):
     """The two steps a user takes: `difflm convert HF_DIR --out CKPT`, then training with the overrides it printed
     (data prep reads through the imported tokenizer with its mask token); the ar run's export stage writes the
     stock Qwen2 class back. Step 0's validation loss is the imported model's, so it differs from a fresh init's."""
-    from data_prep.pipeline import prepare_data
-    from models.evaluation.stages import convert_checkpoint
-    from models.launch.torchrun import launch_training, read_metrics
-
     src = tiny_stock("qwen2-bias", tmp_path / "src")
     cli = [sys.executable, "-m", "flows.cli", "convert", str(src), "--out", str(tmp_path / "mg")]
     proc = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT)
@@ -269,13 +254,6 @@ def test_an_imported_ar_model_has_the_sources_exact_nll(tmp_path):
     """A tiny Qwen2 of 96 rows gets a new mask token (97 tokens) and zero rows up to 128: megatron's `ar` loss (its
     per-token cross-entropy, as training and val_loss use) and the export's `ar_nll` normalise over the source's
     tokens only, so both give transformers' NLL, not one raised by the mass of the 32 rows the import added."""
-    from safetensors.torch import load_file, save_file
-
-    from models.hf import importer
-    from models.hf.architectures import Shape, stock_to_ours
-    from models.hf.convert import _local_key, export_hf, load_hf, repad_vocab
-    from models.megatron.gpt import padded_vocab_size
-
     src = tiny_stock("qwen2-bias", tmp_path / "src")
     sd = load_file(str(src / "model.safetensors"))  # sharper logits, closer to a trained model's scale
     sd["model.norm.weight"] = sd["model.norm.weight"] * 4
@@ -309,7 +287,6 @@ def test_an_imported_ar_model_has_the_sources_exact_nll(tmp_path):
 def test_each_row_sets_the_architecture_record(tmp_path):
     """A model trained here exports to the row whose switches it has (the defaults are a Llama's, Gemma's are
     GELU-tanh, (1 + w) norms, scaled embeddings); switches no row has, or another row's, say why."""
-    from models.hf.architectures import architecture_of, stock_problem
 
     def arch(*over):
         m = tiny_config(tmp_path, *over).model
@@ -327,10 +304,7 @@ def test_each_row_sets_the_architecture_record(tmp_path):
 
 def test_an_exports_record_gives_the_overrides_that_adapt_it(tmp_path):
     """`difflm adapt` of one of this project's exports reads its architecture record back into `model.*`."""
-    from helpers import tiny_hf_model
-
-    from difflm.config import load_config
-    from models.diffusion.arch import ModelArch
+    # inside: the module imports the importer's function of the same name
     from tasks.adapt import source_overrides
 
     record = ModelArch(activation="gelu_tanh", norm_offset=1, embedding_scale=True, qk_norm=True, head_dim=24)

@@ -11,7 +11,9 @@ import torch
 from helpers import tiny_config
 
 from difflm.config import MODEL_PRESETS, ConfigError, ModelConfig
-from models.megatron import kernels
+from models.megatron import gpt, kernels
+from models.megatron.gpt import build_model
+from models.megatron.train import step_vector
 
 
 def test_fusions_on_cuda_only_and_as_configured(tmp_path):
@@ -37,8 +39,6 @@ def test_no_compiler_means_unfused_not_a_failed_first_forward(tmp_path, monkeypa
 
 
 def test_cuda_settings_make_a_valid_megatron_config(tmp_path, monkeypatch):
-    from models.megatron import gpt
-
     cfg = tiny_config(tmp_path, "train.precision=bf16", "model.backend=torch")
     monkeypatch.setattr(gpt, "kernel_settings", lambda c: kernels.kernel_settings(c, cuda=True, compiler_ok=True))
     tcfg = gpt.transformer_config(cfg, "torch")
@@ -110,8 +110,6 @@ def test_gpu_presets_fill_gemm_tiles():
 def test_step_vector_flags_any_non_finite_gradient_and_sums_the_owned_loss():
     buf = types.SimpleNamespace(grad_data=torch.ones(1000))
     ddp = types.SimpleNamespace(buffers=[buf])
-    from models.megatron.train import step_vector
-
     terms = torch.tensor([6.0, 3.0])
     assert step_vector(ddp, terms, True, False).tolist() == [6.0, 3.0, 0.0, 0.0]
     assert step_vector(ddp, terms, False, True).tolist() == [0.0, 0.0, 0.0, 1.0]  # a TP replica adds no loss
@@ -129,8 +127,6 @@ def test_compiled_swiglu_and_fused_cross_entropy_match_the_reference(
 ):
     """The CUDA settings run on the CPU too (torch.compile, ~20 s of compiles): same weights, per-token losses
     and gradients as the reference path (CE fusion in bf16 only, as on CUDA)."""
-    from models.megatron import gpt
-
     cfg = tiny_config(
         tmp_path, f"train.precision={precision}", "model.backend=torch", "diffusion.model_running_mode=ar"
     )
@@ -159,8 +155,6 @@ def test_compiled_swiglu_and_fused_cross_entropy_match_the_reference(
 def test_rope_table_is_cached_per_length(megatron_single_process, tmp_path):
     """What megatron-core offers for RoPE without Transformer Engine: its cos/sin angle table, computed once per
     sequence length (an lru_cache on RotaryEmbedding.forward), so each forward pays only the rotation itself."""
-    from models.megatron.gpt import build_model
-
     model = build_model(tiny_config(tmp_path, "model.backend=torch"), 512)
     assert not model.config.apply_rope_fusion  # Transformer Engine's kernel: not available here
     assert model.rotary_pos_emb(24) is model.rotary_pos_emb(24)

@@ -13,6 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
+from models.hf.convert import export_code, load_hf
+from models.hf.modeling_difflm import DiffLMForMaskedLM
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "export_before_layout_move"
@@ -179,8 +183,6 @@ def test_the_config_stands_on_the_diffusion_floor_only():
 
 
 def test_export_ships_every_module_its_code_imports():
-    from models.hf.convert import export_code
-
     code = export_code()
     for name, src in code.items():
         for node in ast.walk(ast.parse(src)):
@@ -190,8 +192,6 @@ def test_export_ships_every_module_its_code_imports():
 
 
 def _expected():
-    from safetensors.torch import load_file
-
     return load_file(str(FIXTURE / "expected_outputs.safetensors"))
 
 
@@ -206,8 +206,6 @@ def _outputs(model, exp):
 
 def test_export_made_before_the_layout_move_still_loads():
     """An export written by the flat `models/` (commit 0c145af) loads with its own shipped code."""
-    from models.hf.convert import load_hf
-
     exp = _expected()
     logits, elbo, sample = _outputs(load_hf(FIXTURE), exp)
     assert torch.allclose(logits, exp["logits"], atol=1e-5)
@@ -217,8 +215,6 @@ def test_export_made_before_the_layout_move_still_loads():
 
 def test_todays_model_code_computes_what_the_old_export_did():
     """The moved code gives the pre-move export's logits, ELBO and samples on the same weights."""
-    from models.hf.modeling_difflm import DiffLMForMaskedLM
-
     exp = _expected()
     model = DiffLMForMaskedLM.from_pretrained(str(FIXTURE)).eval()
     logits, elbo, sample = _outputs(model, exp)

@@ -5,14 +5,16 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import tiny_config
+from megatron.core import dist_checkpointing
 
 from difflm.config import load_config
+from models import diffusion
 from models.diffusion.arch import ModelArch
+from models.hf.convert import ConversionError, export_hf, import_hf, load_hf
+from models.megatron.gpt import build_model
 
 
 def _model(mode: str, tmp_path, **over):
-    from models.megatron.gpt import build_model
-
     extra = [f"{k}={v}" for k, v in over.items()]
     cfg = tiny_config(tmp_path, f"diffusion.model_running_mode={mode}", *extra)
     torch.manual_seed(0)
@@ -36,8 +38,6 @@ def test_attention_direction(megatron_single_process, tmp_path, mode, sees_futur
 
 
 def _save_model_only(model, path: Path):
-    from megatron.core import dist_checkpointing
-
     path.mkdir(parents=True)
     dist_checkpointing.save({"model": model.sharded_state_dict(prefix="")}, str(path))
 
@@ -87,8 +87,6 @@ def _save_model_only(model, path: Path):
     ],
 )
 def test_hf_export_gives_megatron_logits(megatron_single_process, tmp_path, tiny_manifest, mode, over):
-    from models.hf.convert import export_hf, load_hf
-
     cfg, model = _model(mode, tmp_path, **over)
     with torch.no_grad():  # move weights off their init so norms/biases are not all ones/zeros
         for p in model.parameters():
@@ -134,17 +132,12 @@ def test_time_embedding_conditions_the_output(megatron_single_process, tmp_path,
 
 
 def test_conversion_rejects_a_non_checkpoint(tmp_path, tiny_manifest):
-    from models.hf.convert import ConversionError, export_hf
-
     with pytest.raises(ConversionError, match="not a megatron distributed checkpoint"):
         export_hf(load_config("test-tiny"), tiny_manifest["tokenizer"], tmp_path, tmp_path / "hf")
 
 
 @pytest.mark.parametrize("mode", ["difflm-noshift", "ar"])
 def test_packed_documents_do_not_see_each_other(megatron_single_process, tmp_path, tiny_manifest, mode):
-    from models import diffusion
-    from models.hf.convert import export_hf, load_hf
-
     cfg, model = _model(mode, tmp_path, **{"model.document_attention": "true"})
     eos = tiny_manifest["tokenizer"]["eos_id"]
     x = torch.randint(3, 500, (1, 20))
@@ -168,8 +161,6 @@ def test_packed_documents_do_not_see_each_other(megatron_single_process, tmp_pat
 
 
 def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_process, tmp_path):
-    from models.megatron.gpt import build_model
-
     cfg = load_config(
         "test-tiny",
         [
@@ -188,11 +179,6 @@ def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_pro
 def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_process, tmp_path, tiny_manifest, extra):
     """3,871 tokens pad to 3,904 rows at TP=1 and 3,968 at TP=2; an export from one layout imports
     for the other (the check compares the true vocabulary, the rows are cut or zero-padded)."""
-    from megatron.core import dist_checkpointing
-
-    from models.hf.convert import export_hf, import_hf
-    from models.megatron.gpt import build_model
-
     tok = {**tiny_manifest["tokenizer"], "vocab_size": 3871}
     cfg = tiny_config(tmp_path, *extra)
     torch.manual_seed(0)
@@ -233,8 +219,6 @@ def test_old_exports_flat_fields_read_as_the_record():
 def test_ar_keeps_the_padding_rows_out_of_its_loss(megatron_single_process, tmp_path):
     """500 tokens in 512 rows: in `ar` the 12 padding rows get -inf, so the loss is the cross-entropy over the 500
     tokens and its gradients stay finite; a diffusion mode's logits keep every row (its losses are unchanged)."""
-    from models.megatron.gpt import build_model
-
     x = torch.randint(3, 500, (2, 16))
     pos = torch.arange(16)[None].expand(2, 16)
     for mode in ("ar", "difflm-noshift"):

@@ -17,7 +17,12 @@ from helpers import TinyBidirectional, tiny_config
 from helpers import timed_hf_model as _model
 
 from difflm.config import PipelineConfig
+from models.diffusion import MaskedSampler, sample_masked_diffusion
+from models.diffusion.conditional import conditional_masked_nll
+from models.diffusion.documents import document_ids
 from models.diffusion.modes import MODES, Objective, objective_class
+from models.evaluation.scoring import Scorer
+from models.evaluation.tasks import score_cloze
 from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -203,9 +208,6 @@ def _oracle(seq):
 def test_uniform_is_greedy_is_not_measured_rather_than_false():
     """The scorer hard-coded is_greedy False for uniform models, so cloze accuracy 0.000 was published as if
     measured. Now: None (n/a) for uniform, True for a masked oracle; score_cloze reports acc None."""
-    from models.evaluation.scoring import Scorer
-    from models.evaluation.tasks import score_cloze
-
     ctx, cont = [0, 5, 9, 11], [40, 7, 8]
     got = {}
     for mode, kw in (("difflm-noshift", {}), ("difflm-noshift-uniform", {"time_embedding": True})):
@@ -224,9 +226,6 @@ def test_uniform_is_greedy_is_not_measured_rather_than_false():
 def test_conditional_scores_use_the_document_segmentation_of_training():
     """conditional_nll and greedy_match ignored document attention: the continuation attended to the EOS the
     scorer puts at position 0, which training never let it see."""
-    from models.diffusion.conditional import conditional_masked_nll
-    from models.diffusion.documents import document_ids
-
     model = _model(document_attention=True)
     ids = torch.tensor([[0, 5, 9, 11, 40, 7, 8]])
     target = torch.zeros_like(ids, dtype=torch.bool)
@@ -265,8 +264,6 @@ class _CharTokenizer:
 def test_generate_caps_new_tokens_to_the_model_length():
     """With max_new_tokens >= max_length (lm-eval's default 256 against 128), the prompt slice kept 228
     tokens and produced 428 positions. Now the request is capped, with a warning, and the prompt keeps >= 1 token."""
-    from models.evaluation.scoring import Scorer
-
     model = _model()
     scorer = Scorer(model, _CharTokenizer(), max_length=16)
     lengths = []
@@ -277,8 +274,6 @@ def test_generate_caps_new_tokens_to_the_model_length():
         return original(prompt_ids, length, *a, **kw)
 
     model.diffusion_generate = spy
-    from models.diffusion import MaskedSampler
-
     with pytest.warns(UserWarning, match="max_new_tokens=40 does not fit"):
         scorer.generate(["a long prompt of many characters"], 40, MaskedSampler(steps=4, stop_at_eos=False))
     assert lengths == [(1, 15)]
@@ -299,8 +294,6 @@ def test_a_row_with_nothing_to_score_gets_no_bound():
 
 def test_model_calls_are_counted_as_made():
     """Guidance without a prompt makes one call per step, not two; the uniform sampler reports its calls."""
-    from models.diffusion import MaskedSampler, sample_masked_diffusion
-
     model, calls = TinyBidirectional(), []
     fn = lambda x: calls.append(1) or model(x)  # noqa: E731
     stats: dict = {}
@@ -340,9 +333,6 @@ def test_the_uniform_bound_starts_at_the_trained_eps():
 
 def test_sampled_generations_do_not_depend_on_the_batch():
     """Sampled generations were seeded once per batch: a prompt's completion changed with its neighbours."""
-    from models.diffusion import MaskedSampler
-    from models.evaluation.scoring import Scorer
-
     model = _model()
     settings = MaskedSampler(steps=4, temperature=1.0, stop_at_eos=False)
     with warnings.catch_warnings():

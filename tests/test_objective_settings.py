@@ -12,6 +12,7 @@ from helpers import tiny_config, tiny_hf_model
 from difflm.config import DiffusionConfig, diffusion_model, load_config
 from models.diffusion.modes import MODES, TOKEN_FIELDS, build_objective, objective_from_dict
 from models.hf.configuration_difflm import DiffLMConfig
+from models.hf.convert import hf_config
 from models.hf.modeling_difflm import export_objective
 
 TOKENS = {"mask_id": 1, "vocab_size": 64, "pad_id": 2, "eos_id": 0}
@@ -78,8 +79,6 @@ def test_the_time_conditioning_rule_is_one_method():
 
 
 def test_an_export_records_its_objective_as_one_entry(tmp_path):
-    from models.hf.convert import hf_config
-
     cfg = load_config(
         "test-tiny",
         [f"workdir={tmp_path}", "diffusion.model_running_mode=difflm-block", "diffusion.block_size=8"],

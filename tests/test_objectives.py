@@ -9,6 +9,8 @@ import torch
 from helpers import tiny_config
 
 from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
+from models.megatron.hooks import IntervalMeter
+from models.megatron.train import micro_lengths
 
 SPECIAL = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
 
@@ -92,8 +94,6 @@ def test_ar_loss_honours_the_loss_mask():
 
 def test_varilen_draws_a_length_per_micro_batch_for_diffusion_modes_only():
     """One length per micro-batch (as MegaDLMs), full windows for ar, one per step under PP."""
-    from models.megatron.train import micro_lengths
-
     cfg = tiny_config("/tmp/unused", "diffusion.varilen_prob=1.0", "train.seq_length=64")
     per_step = [micro_lengths(cfg, step, 4) for step in range(20)]
     assert per_step == [micro_lengths(cfg, step, 4) for step in range(20)]  # reproducible (resume)
@@ -112,8 +112,6 @@ def test_varilen_draws_a_length_per_micro_batch_for_diffusion_modes_only():
 
 def test_logged_loss_is_the_interval_mean_and_throughput_counts_real_tokens():
     """Megatron-style interval averages; a truncated (varilen) step counts only the tokens it ran."""
-    from models.megatron.hooks import IntervalMeter
-
     meter = IntervalMeter(now=100.0)
     for loss, tokens in [(3.0, 2048), (5.0, 512), (4.0, 2048)]:
         meter.add(loss, tokens)

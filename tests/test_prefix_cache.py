@@ -8,6 +8,8 @@ import torch
 from helpers import CharTokenizer, tiny_hf_model
 
 from models.diffusion.samplers import MaskedSampler
+from models.evaluation.scoring import Scorer
+from models.hf.modeling_difflm import PrefixCachedLogits
 
 V = 64  # ids 0 eos, 1 mask, 2 pad
 
@@ -55,8 +57,6 @@ def test_one_step_per_block_is_exactly_the_uncached_decoding(kind):
 
 @torch.no_grad()
 def test_first_step_of_each_block_gives_the_uncached_logits_then_fewer_positions():
-    from models.hf.modeling_difflm import PrefixCachedLogits
-
     model = _model()
     settings = MaskedSampler(steps=12, block_length=4, prefix_cache=True)
     prompt = torch.randint(3, V, (2, 5))
@@ -109,8 +109,6 @@ def test_prefix_cache_refuses_what_it_cannot_do():
 
 @torch.no_grad()
 def test_every_sample_records_the_flag():
-    from models.evaluation.scoring import Scorer
-
     scorer = Scorer(_model(), CharTokenizer(), mc_samples=2, max_length=32)
     for flag in (True, False):
         recs = scorer.generate(["the cat", "a", "dog"], 8, MaskedSampler(steps=8, block_length=4, prefix_cache=flag))

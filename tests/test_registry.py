@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from urllib.parse import urlparse
 
+import mlflow
 import pytest
 from helpers import fake_export
+from mlflow.tracking import MlflowClient
 
 from difflm import tracking
 from difflm.config import load_config
@@ -34,8 +37,6 @@ def results(nll: float) -> dict:
 @pytest.fixture
 def store(tmp_path, monkeypatch):
     """(uri, client, experiment id) of a fresh sqlite store with its artifacts in tmp_path."""
-    from mlflow.tracking import MlflowClient
-
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # records the original (unset) value for teardown ...
     monkeypatch.delenv("MLFLOW_TRACKING_URI")  # ... which mlflow.set_tracking_uri would otherwise leak
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
@@ -185,8 +186,6 @@ def test_run_links_point_at_the_ui_of_a_server():
 
 @pytest.mark.parametrize("off", ["tracking.registry=false", "tracking.registered_model="])
 def test_disabled_registration_registers_nothing(store, tmp_path, off):
-    import mlflow
-
     uri, client, exp = store
     cfg = load_config("test-tiny", [f"workdir={tmp_path}", f"tracking.tracking_uri={uri}", off])
     mlflow.set_tracking_uri(uri)
@@ -197,8 +196,6 @@ def test_disabled_registration_registers_nothing(store, tmp_path, off):
 
 
 def test_the_flow_wrapper_registers_under_the_derived_name(store, tmp_path):
-    import mlflow
-
     uri, client, exp = store
     cfg = load_config("test-tiny", [f"workdir={tmp_path}", f"tracking.tracking_uri={uri}"])
     mlflow.set_tracking_uri(uri)
@@ -218,8 +215,6 @@ def test_the_flow_wrapper_registers_under_the_derived_name(store, tmp_path):
 def test_a_tampered_registered_export_is_refused(store, tmp_path):
     """The review's registry poisoning: the files behind a registered version are replaced (here in the artifact
     store itself); downloading the version checks every file's SHA-256 recorded at registration."""
-    import mlflow
-
     uri, client, exp = store
     cfg = load_config("test-tiny", [f"workdir={tmp_path}", f"tracking.tracking_uri={uri}"])
     mlflow.set_tracking_uri(uri)
@@ -233,8 +228,6 @@ def test_a_tampered_registered_export_is_refused(store, tmp_path):
     assert json.loads(client.get_model_version(out["registered_model"], "1").tags[registry.TAG_FILES]) == (
         registry.export_digests(folder)
     )
-    from urllib.parse import urlparse
-
     stored = Path(urlparse(client.get_run(run.info.run_id).info.artifact_uri).path) / "hf_model"
     assert stored.is_dir()
     (stored / "modeling_difflm.py").write_text("import os; os.system('id')\n")  # a payload planted in the export

@@ -7,13 +7,26 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from helpers import tiny_config
+from prefect.serializers import JSONSerializer
 
+from data_prep.pipeline import prepare_data
 from difflm.rundir import RunDir, TrainResult, Workdir, exported_from, is_export_of, iteration_of, latest_iteration
+from flows.cli import main
+from models.evaluation.stages import evaluate_export
+from models.hf.convert import hf_config, save_export
+from models.hf.modeling_difflm import DiffLMForMaskedLM
+from models.launch.torchrun import TRAIN_SECTIONS, run_dir, write_run_inputs
+from models.megatron import checkpointing
+from tasks.adapt import ImportedSource
+from tasks.cache import eval_done, mark_eval_done
+from tasks.runs import conversion_source, evaluation_source, is_other_data, recorded_data, source_config, stage_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,8 +75,6 @@ def test_latest_iteration_is_the_newest_complete_checkpoint(tmp_path):
 
 
 def test_megatron_checkpointing_reads_the_same_layout():
-    from models.megatron import checkpointing
-
     assert (
         checkpointing.latest_iteration is latest_iteration
         and checkpointing.iter_dir is RunDir.checkpoint.__globals__["iter_dir"]
@@ -141,13 +152,6 @@ WORDS = (
 def own_run(tmp_path_factory) -> RunDir:
     """A test-tiny run trained (here: random weights, written as the pipeline writes them) on a corpus of the
     user's own, with its own BPE tokenizer; its final export in hf/."""
-    import numpy as np
-
-    from data_prep.pipeline import prepare_data
-    from models.hf.convert import hf_config, save_export
-    from models.hf.modeling_difflm import DiffLMForMaskedLM
-    from models.launch.torchrun import run_dir, write_run_inputs
-
     root = tmp_path_factory.mktemp("own-corpus")
     rng = np.random.default_rng(0)
     corpus = root / "notes.jsonl"
@@ -180,8 +184,6 @@ def own_run(tmp_path_factory) -> RunDir:
 
 
 def test_eval_of_a_run_defaults_to_the_data_it_recorded(own_run):
-    from tasks.runs import evaluation_source
-
     for source in (own_run.path, own_run.hf):  # the run, and its export (refused before: "pass the preset")
         plan = evaluation_source(str(source))
         assert plan["hf_dir"] == own_run.hf and plan["run_dir"] == own_run.path
@@ -193,10 +195,6 @@ def test_eval_of_a_run_defaults_to_the_data_it_recorded(own_run):
 
 
 def test_eval_on_other_data_is_explicit_and_writes_elsewhere(own_run):
-    from models.evaluation.stages import evaluate_export
-    from tasks.cache import eval_done, mark_eval_done
-    from tasks.runs import evaluation_source
-
     own = evaluation_source(str(own_run.path))
     mine = evaluate_export(own["config"], own["manifest"], own["hf_dir"], own["out_dir"], untrained=False)
     results = own_run.path / "eval" / "results.json"
@@ -228,8 +226,6 @@ def test_eval_on_other_data_is_explicit_and_writes_elsewhere(own_run):
 
 
 def test_an_explicit_preset_is_other_data_too(own_run):
-    from tasks.runs import is_other_data, source_config
-
     cfg, run = source_config(own_run.hf, "test-tiny")
     assert run == own_run and cfg.data.sources[0].path == "demo:enwiki" and is_other_data(cfg, run)
     cfg, _ = source_config(own_run.hf, None, ["eval.max_sequences=2"])  # eval settings: still the run's data
@@ -239,10 +235,6 @@ def test_an_explicit_preset_is_other_data_too(own_run):
 
 
 def test_a_removed_data_folder_is_prepared_again(own_run, tmp_path):
-    import shutil
-
-    from tasks.runs import recorded_data
-
     cfg = own_run.config()
     assert recorded_data(cfg, own_run)["hash"] == own_run.data_hash()
     data = Path(own_run.manifest()["dir"])
@@ -255,8 +247,6 @@ def test_a_removed_data_folder_is_prepared_again(own_run, tmp_path):
 
 
 def test_convert_and_eval_latest_default_to_the_run_config(own_run):
-    from tasks.runs import conversion_source, stage_config
-
     found = conversion_source(own_run.path)
     assert found["run_dir"] == own_run.path.resolve() and found["iteration"] == 20
     assert stage_config(found["run_dir"]).data == own_run.config().data
@@ -264,8 +254,6 @@ def test_convert_and_eval_latest_default_to_the_run_config(own_run):
 
 def test_difflm_eval_of_a_run_and_of_its_export_uses_the_recorded_data(own_run, capsys):
     """The trial as a new user typed it: `difflm eval RUN` with no data overrides, then `difflm eval RUN/hf`."""
-    from flows.cli import main
-
     for source in (own_run.path, own_run.hf):
         assert main(["eval", str(source), "eval.task_items=4", "eval.mc_samples=2"]) == 0
         assert f"results in {own_run.path / 'eval'}" in capsys.readouterr().out
@@ -295,8 +283,6 @@ def test_difflm_eval_of_a_run_and_of_its_export_uses_the_recorded_data(own_run, 
 
 
 def test_the_workdir_owns_its_folders_and_the_run_name(tmp_path):
-    from models.launch.torchrun import TRAIN_SECTIONS, run_dir
-
     cfg = tiny_config(tmp_path)
     manifest = {"hash": cfg.stage_hash("data", "tokenizer")}
     work = Workdir.of(cfg)
@@ -316,10 +302,6 @@ def test_the_workdir_owns_its_folders_and_the_run_name(tmp_path):
 def test_typed_results_survive_prefects_json_result_store(tmp_path):
     """The pipeline's stages persist results as JSON (tasks.cache.run_stage); a cache hit reads them back typed,
     and a record stored before the results were typed (a dict, a path) still reads."""
-    from prefect.serializers import JSONSerializer
-
-    from tasks.adapt import ImportedSource
-
     result = TrainResult(
         RunDir(tmp_path / "runs" / "r"), tmp_path / "runs" / "r" / "checkpoints" / "iter_0000004", False
     )

@@ -3,14 +3,41 @@ folders deleted that are not ours, pickles read from shared folders, oversize JS
 
 from __future__ import annotations
 
+import errno
+import gzip
 import importlib
+import json
+import os
+import pickle
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from fault_injection import fault_launch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+from prefect import flow, task
+from prefect.results import ResultRecord, ResultRecordMetadata
+from prefect.serializers import PickleSerializer
+from prefect.settings import get_current_settings
 
+from data_prep import pipeline
+from deploy import stack
 from difflm.config import ConfigError, load_config
+from difflm.errors import DiskFull, UserError
+from difflm.outputs import OutputInTheWay, staged_output
+from flows import cli
+from flows.cli import main
+from models.evaluation.stages import load_model
+from models.hf.convert import check_replaceable, hf_config, import_hf, load_megatron_weights, save_export
+from models.hf.modeling_difflm import DiffLMForMaskedLM
 from models.launch.cluster import sbatch_command, sbatch_options, slurm_script
+from models.launch.torchrun import launch_training, run_dir
+from models.megatron import checkpointing
+from models.megatron.safe_pickle import UnsafeCheckpoint, guard_dcp
+from tasks.cache import run_stage
 
 RUN = Path("/shared/difflm/runs/difflm-noshift-abc-def")
 
@@ -82,9 +109,6 @@ def _dataset(root: Path) -> Path:
 
 
 def test_convert_out_never_replaces_a_folder_without_our_marker(tmp_path):
-    from difflm.errors import UserError
-    from models.hf.convert import check_replaceable, import_hf
-
     ds = _dataset(tmp_path)
     for kind in ("hf", "megatron"):
         with pytest.raises(UserError, match="nothing in it was deleted"):
@@ -101,8 +125,6 @@ def test_convert_out_never_replaces_a_folder_without_our_marker(tmp_path):
 
 
 def test_staged_output_replaces_only_marked_folders_and_cleans_up(tmp_path):
-    from difflm.outputs import OutputInTheWay, staged_output
-
     out = tmp_path / "export"
     with staged_output(out, "difflm_export.json") as tmp:
         (tmp / "difflm_export.json").write_text("{}")
@@ -133,15 +155,10 @@ class _Payload:
         self.mark = mark
 
     def __reduce__(self):
-        import os
-
         return (os.system, (f"id > {self.mark}",))
 
 
 def _crafted_checkpoint(root: Path, mark: Path) -> Path:
-    import json
-    import pickle
-
     ck = root / "evil_ckpt" / "iter_0000020"
     ck.mkdir(parents=True)
     backends = {"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch"}
@@ -151,9 +168,6 @@ def _crafted_checkpoint(root: Path, mark: Path) -> Path:
 
 
 def test_crafted_dcp_metadata_is_refused_without_running_code(tmp_path):
-    from models.hf.convert import load_megatron_weights
-    from models.megatron.safe_pickle import UnsafeCheckpoint
-
     mark = tmp_path / "PWNED_dcp_metadata"
     ck = _crafted_checkpoint(tmp_path, mark)
     with pytest.raises(UnsafeCheckpoint, match="posix.system.*refused without running it.*checkpoints you trust"):
@@ -163,10 +177,6 @@ def test_crafted_dcp_metadata_is_refused_without_running_code(tmp_path):
 
 @pytest.mark.integration  # the CLI in a subprocess
 def test_convert_cli_refuses_a_crafted_checkpoint_in_one_line(tmp_path):
-    import os
-    import subprocess
-    import sys
-
     mark = tmp_path / "PWNED_cli"
     ck = _crafted_checkpoint(tmp_path, mark)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
@@ -180,15 +190,8 @@ def test_convert_cli_refuses_a_crafted_checkpoint_in_one_line(tmp_path):
 
 
 def test_real_dcp_metadata_loads_through_the_restricted_unpickler(tmp_path, megatron_single_process):
-    import torch
-    from megatron.core import dist_checkpointing
-
-    from models.megatron.safe_pickle import guard_dcp
-
     guard_dcp()
     state = {"w": torch.arange(6.0).reshape(2, 3)}
-    from megatron.core.dist_checkpointing import ShardedTensor
-
     sharded = {"w": ShardedTensor.from_rank_offsets("w", state["w"], replica_id=0)}
     dist_checkpointing.save(sharded, str(tmp_path))
     empty = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(2, 3), replica_id=0)}
@@ -196,12 +199,6 @@ def test_real_dcp_metadata_loads_through_the_restricted_unpickler(tmp_path, mega
 
 
 def test_crafted_rng_file_is_refused(tmp_path, megatron_single_process):
-    import pickle
-
-    import torch
-
-    from models.megatron import checkpointing
-
     mark = tmp_path / "PWNED_rng"
     (tmp_path / "rng").mkdir()
     (tmp_path / "rng" / "rank00000.pt").write_bytes(pickle.dumps(_Payload(mark)))
@@ -230,11 +227,6 @@ print(texts, skips, hwm // 1024)
 
 @pytest.mark.integration  # a subprocess with a memory limit
 def test_a_huge_line_in_a_tiny_gzip_is_a_counted_skip_in_bounded_memory(tmp_path):
-    import gzip
-    import os
-    import subprocess
-    import sys
-
     path = tmp_path / "big.jsonl.gz"
     with gzip.open(path, "wb", compresslevel=1) as f:
         f.write(b'{"text": "before"}\n{"text": "')
@@ -272,11 +264,6 @@ print(counts, skips, hwm // 1024)
 def test_a_file_past_the_per_file_cap_is_a_counted_skip_in_bounded_memory(tmp_path):
     """64 MiB of short lines in a small gzip, read with a 16 MiB cap per file: the lines before the cap are
     kept, the rest is one counted skip naming the file; a plain file over the cap is not read at all."""
-    import gzip
-    import os
-    import subprocess
-    import sys
-
     line = b'{"text": "' + b"b" * 1000 + b'"}\n'  # 1012 bytes
     with gzip.open(tmp_path / "many.jsonl.gz", "wb", compresslevel=1) as f:
         for _ in range(64):  # 64 MiB decompressed
@@ -301,17 +288,10 @@ def test_a_file_past_the_per_file_cap_is_a_counted_skip_in_bounded_memory(tmp_pa
 
 
 def _enospc(*_args, **_kwargs):
-    import errno
-    import os
-
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/data/shard_00001.bin")
 
 
 def test_disk_full_during_data_prep_is_one_line(tmp_path, tiny_manifest, monkeypatch, capsys):
-    from data_prep import pipeline
-    from difflm.errors import DiskFull
-    from flows.cli import main
-
     cfg = load_config("test-tiny", [f"workdir={tmp_path}"])
     monkeypatch.setattr(pipeline, "run_pipeline", _enospc)
     with pytest.raises(DiskFull, match=r"no space left on the device of .*/data/\w+ while preparing data: free"):
@@ -323,8 +303,6 @@ def test_disk_full_during_data_prep_is_one_line(tmp_path, tiny_manifest, monkeyp
 
 
 def test_disk_full_anywhere_under_the_cli_is_one_line(tmp_path, monkeypatch, capsys):
-    from flows import cli
-
     monkeypatch.setattr(cli, "resolve_config", _enospc)
     assert cli.main(["config", "show"]) == 1
     err = capsys.readouterr().err.strip()
@@ -334,11 +312,6 @@ def test_disk_full_anywhere_under_the_cli_is_one_line(tmp_path, monkeypatch, cap
 
 @pytest.mark.slow
 def test_disk_full_during_a_checkpoint_save_is_one_line_and_the_rerun_resumes(tmp_path, tiny_manifest):
-    from fault_injection import fault_launch
-
-    from difflm.errors import DiskFull
-    from models.launch.torchrun import launch_training, run_dir
-
     cfg = load_config(
         "test-tiny",
         [f"workdir={tmp_path}", "train.train_iters=8", "checkpoint.save_interval=4", "train.schedule.warmup_iters=1"],
@@ -356,10 +329,6 @@ def test_disk_full_during_a_checkpoint_save_is_one_line_and_the_rerun_resumes(tm
 
 
 def test_the_pipeline_loader_never_runs_an_exports_code(tmp_path):
-    from models.evaluation.stages import load_model
-    from models.hf.convert import hf_config, save_export
-    from models.hf.modeling_difflm import DiffLMForMaskedLM
-
     cfg = load_config("test-tiny", [])
     model = DiffLMForMaskedLM(hf_config(cfg, {"vocab_size": 64, "mask_id": 1, "eos_id": 0, "pad_id": 2}))
     (tmp_path / "tokenizer").mkdir()
@@ -383,10 +352,6 @@ def test_the_pipeline_loader_never_runs_an_exports_code(tmp_path):
 
 
 def test_the_stack_starts_its_services_with_a_private_umask(monkeypatch, tmp_path):
-    import os
-
-    from deploy import stack
-
     seen = []
 
     def up(*_, **__):
@@ -409,11 +374,6 @@ def test_the_stack_starts_its_services_with_a_private_umask(monkeypatch, tmp_pat
 
 
 def test_the_cli_writes_with_a_private_umask(monkeypatch):
-    import os
-
-    from difflm.errors import UserError
-    from flows import cli
-
     seen = []
 
     def resolve(*_):
@@ -436,19 +396,10 @@ class _Boom:
         self.mark = mark
 
     def __reduce__(self):
-        import os
-
         return (os.system, (f"touch {self.mark}",))
 
 
 def test_a_planted_pickle_result_is_never_read(tmp_path, prefect_harness):
-    from prefect import flow, task
-    from prefect.results import ResultRecord, ResultRecordMetadata
-    from prefect.serializers import PickleSerializer
-    from prefect.settings import get_current_settings
-
-    from tasks.cache import run_stage
-
     @task
     def stage(x: int) -> dict:
         return {"x": x, "path": str(tmp_path)}

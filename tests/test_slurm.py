@@ -17,14 +17,22 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from fault_injection import fault_launch
 from helpers import SHORT_RUN as SHORT
 from helpers import assert_same_weights, tiny_config
+from prep_gate import Gate
 from scenarios import SCENARIOS
 from servers import BIN, stop
 
+from data_prep import pipeline
+from data_prep.pipeline import SubmittedToCluster, prepare_data
+from data_prep.steps import SplitSourceWriter
 from difflm.rundir import TrainResult
+from flows.cli import main
+from models.hf.convert import load_megatron_weights
 from models.launch.cluster import SLURM_ACTIVE, ClusterError, slurm_job_state, slurm_script, submit_slurm
 from models.launch.torchrun import TrainingError, is_finished, launch_training, read_metrics, run_dir
+from tasks.stages import train_task
 
 SLURM = ["train.launch.launcher=slurm", "train.launch.slurm.gpus_per_node=0", "train.launch.wait.poll_seconds=0.3"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,15 +51,11 @@ def _job_logs(rdir: Path) -> list[Path]:
 
 
 def _untried_train_task():
-    from tasks.stages import train_task
-
     return train_task.with_options(retries=0)
 
 
 @pytest.mark.slow
 def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, slurm_cluster, tiny_manifest, prefect_harness):
-    from tasks.stages import train_task
-
     work = tmp_path / "shared"
     local = tiny_config(work, *SHORT)
     rdir = run_dir(local, tiny_manifest)
@@ -94,8 +98,6 @@ def test_a_two_node_job_written_by_difflm_launch_and_submitted_by_hand_trains(
     """`difflm launch --target slurm train.launch.nnodes=2`, then `sbatch` by hand: on the cluster's two nodes (two slurmd
     on this host) srun starts one torchrun per node and they meet at the c10d rendezvous on the first node (a
     rendezvous of --nnodes 2 completes only with both)."""
-    from flows.cli import main
-
     if len(slurm_cluster.nodes) < 2:
         pytest.skip("one node only: this host's short name is `localhost`")
     work = session_dir / "shared"  # where tiny_manifest's data is: reused
@@ -135,8 +137,6 @@ def preempt_reference(tmp_path_factory, tiny_manifest) -> TrainResult:
 
 
 def _weights(checkpoint: str) -> dict:
-    from models.hf.convert import load_megatron_weights
-
     return load_megatron_weights(Path(checkpoint))
 
 
@@ -253,8 +253,6 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(
     time-limit checks, so the signal comes at the next one, ~30 s in: the trainer (slowed down, from scratch
     only, by tests/fault_injection.py) is then training, not starting up. The requeued job is released at once
     (as in the test above) and, at full speed, ends before the controller's next check."""
-    from fault_injection import fault_launch
-
     cfg = tiny_config(tmp_path / "shared", *PREEMPT, *SLURM, *TIME_LIMIT)
     rdir = run_dir(cfg, tiny_manifest)
     done = threading.Event()
@@ -340,10 +338,6 @@ def _prep_settled() -> bool:
 
 def _gated(gate: Path, rank: int, after: int):
     """`cleaning_steps` with tests/prep_gate.py's Gate at the end: task `rank` stops mid-way while `gate` exists."""
-    from prep_gate import Gate
-
-    from data_prep import pipeline
-
     real = pipeline.cleaning_steps
     return lambda cfg: [*real(cfg), Gate(str(gate), rank, after)]
 
@@ -352,10 +346,6 @@ def _gated(gate: Path, rank: int, after: int):
 def test_data_prep_on_slurm_writes_the_local_shards_byte_for_byte(tmp_path, slurm_cluster, tiny_manifest, monkeypatch):
     """Two tasks of three are lost: one is cancelled before it starts, one is killed mid-way (it has read its
     input and begun writing its shards). The rerun submits both again, and the shards equal the local ones."""
-    from data_prep import pipeline
-    from data_prep.pipeline import SubmittedToCluster, prepare_data
-    from data_prep.steps import SplitSourceWriter
-
     src = tmp_path / "docs.jsonl"
     words = "alpha beta gamma delta epsilon zeta eta theta".split()
     src.write_text("".join(json.dumps({"text": f"doc {i}: " + " ".join(words[i % 8 :] * 9)}) + "\n" for i in range(40)))

@@ -5,12 +5,25 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
+import mlflow
 import pytest
 import torch
 from helpers import tiny_config
+from mlflow.tracking import MlflowClient
 from servers import BIN, stop
+
+from difflm import tracking
+from flows.cli import main
+from flows.convert import convert_checkpoint
+from flows.evaluate_latest import evaluate_latest
+from models.evaluation.stages import EvaluationError
+from models.hf.convert import ConversionError, load_hf, load_megatron_weights
+from models.launch.torchrun import launch_training
+from tasks.runs import evaluated_scores, run_manifest, stage_config
 
 # every test here uses trained_run, which trains through torchrun: multi-process, so out of make test-dev
 pytestmark = pytest.mark.slow
@@ -27,8 +40,6 @@ ITERS = (
 @pytest.fixture(scope="module")
 def trained_run(session_dir, tiny_manifest) -> Path:
     """A test-tiny run with complete checkpoints at iterations 4 and 8."""
-    from models.launch.torchrun import launch_training
-
     info = launch_training(tiny_config(session_dir / "stage-flows", *ITERS), tiny_manifest, echo=lambda _: None)
     return info.run.path
 
@@ -42,8 +53,6 @@ def _copy_run(run: Path, workdir: Path, latest: int) -> Path:
 
 
 def _model_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
-    from models.hf.convert import load_megatron_weights
-
     return {
         k: v
         for k, v in load_megatron_weights(ckpt).items()
@@ -52,9 +61,6 @@ def _model_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def test_convert_checkpoint_flow_both_ways(trained_run, prefect_harness, tmp_path):
-    from flows.convert import convert_checkpoint
-    from models.hf.convert import load_hf
-
     # a run directory: its newest complete checkpoint, exported inside the run
     to_hf = convert_checkpoint(source=str(trained_run))
     assert to_hf["to"] == "hf" and to_hf["iteration"] == 8 and not to_hf["reused"]
@@ -82,10 +88,6 @@ def test_convert_checkpoint_flow_both_ways(trained_run, prefect_harness, tmp_pat
 
 
 def test_convert_says_what_to_pass_for_other_folders(trained_run, prefect_harness, tmp_path, capsys):
-    from flows.cli import main
-    from flows.convert import convert_checkpoint
-    from models.hf.convert import ConversionError
-
     (tmp_path / "notes").mkdir()
     with pytest.raises(ConversionError, match="neither a run directory.*pass a run directory"):
         convert_checkpoint(source=str(tmp_path / "notes"))
@@ -116,14 +118,6 @@ def test_convert_says_what_to_pass_for_other_folders(trained_run, prefect_harnes
 
 
 def test_evaluate_latest_scores_each_new_checkpoint_once(trained_run, prefect_harness, tmp_path, capsys):
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from difflm import tracking
-    from flows.cli import main
-    from flows.evaluate_latest import evaluate_latest
-    from tasks.runs import evaluated_scores, run_manifest, stage_config
-
     run = _copy_run(trained_run, tmp_path, latest=4)  # as if training had saved only iteration 4 so far
     first = evaluate_latest(run_dir=str(run))
     assert first["iteration"] == 4 and first["kind"] == "elbo" and 0 < first["score"] < 20 and not first.get("skipped")
@@ -165,9 +159,6 @@ def test_evaluate_latest_scores_each_new_checkpoint_once(trained_run, prefect_ha
 
 
 def test_evaluate_latest_rejects_what_is_not_a_run(trained_run, prefect_harness, tmp_path):
-    from flows.evaluate_latest import evaluate_latest
-    from models.evaluation.stages import EvaluationError
-
     with pytest.raises(EvaluationError, match=r"inside one: pass .*runs"):
         evaluate_latest(run_dir=str(trained_run / "checkpoints" / "iter_0000008"))
     young = tmp_path / "runs" / "young"
@@ -180,15 +171,6 @@ def test_evaluate_latest_rejects_what_is_not_a_run(trained_run, prefect_harness,
 def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained_run, tmp_path, prefect_server):
     """`difflm serve evaluate-latest` on a real Prefect server: the interval schedule creates the flow runs,
     and each new complete checkpoint of the (still training) run gets scored once, at its step in MLflow."""
-    import subprocess
-    import time
-
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from difflm import tracking
-    from tasks.runs import evaluated_scores, stage_config
-
     run = _copy_run(trained_run, tmp_path / "work", latest=4)  # only iteration 4 saved so far
     server = prefect_server(PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2", PREFECT_RUNNER_POLL_FREQUENCY="2")
     env = server.env

@@ -1,8 +1,12 @@
 """The MLflow run context managers of difflm.tracking: a stage's own error always reaches the caller, with or
 without tracking, and a stage run is a child of the pipeline run in the same experiment."""
 
+import mlflow
 import pytest
 from helpers import tiny_config
+from mlflow.tracking import MlflowClient
+
+from difflm import tracking
 
 
 class StageFailed(Exception):
@@ -10,8 +14,6 @@ class StageFailed(Exception):
 
 
 def test_errors_pass_through_without_tracking(tmp_path):
-    from difflm import tracking
-
     with pytest.raises(StageFailed):  # no active run: the stage run is nothing, the error is the stage's
         with tracking.stage_run("train") as sid:
             assert sid is None
@@ -25,11 +27,6 @@ def test_errors_pass_through_without_tracking(tmp_path):
 
 @pytest.mark.integration  # an MLflow store
 def test_stage_runs_nest_and_fail_with_their_stage(tmp_path, monkeypatch):
-    import mlflow
-    from mlflow.tracking import MlflowClient
-
-    from difflm import tracking
-
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # set_tracking_uri exports it: restore after the test
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     cfg = tiny_config(tmp_path)

@@ -8,10 +8,14 @@ from __future__ import annotations
 import json
 import types
 
+import mlflow.tracking
 import pytest
 from helpers import tiny_config
+from mlflow.entities import Metric
 
+from difflm import tracking
 from models.megatron.hooks import Checkpointer, Hook, IntervalLogger, Step, Validator
+from models.megatron.metrics import MetricsWriter
 from models.megatron.train import Trainer
 
 
@@ -93,8 +97,6 @@ def _write(path, records, torn: bool = False) -> None:
 
 
 def test_a_resumed_attempt_drops_what_it_logs_again(tmp_path):
-    from models.megatron.metrics import MetricsWriter
-
     path = tmp_path / "metrics.jsonl"
     first = [{"step": 0, "time": 1.0, "val_loss": 9.0}] + _records(range(1, 9), loss=3.0)
     _write(path, first, torn=True)  # killed after iteration 8, mid-write; resumes from checkpoint 5
@@ -118,8 +120,6 @@ class FakeMlflow:
     """An MLflow client holding some metrics already; records what it is sent."""
 
     def __init__(self, on_server: dict[str, list[int]] | None = None):
-        from mlflow.entities import Metric
-
         self.history = {k: [Metric(k, 1.0, 0, s) for s in steps] for k, steps in (on_server or {}).items()}
         self.sent: list = []
 
@@ -134,8 +134,6 @@ class FakeMlflow:
 
 @pytest.fixture
 def fake_mlflow(monkeypatch):
-    import mlflow.tracking
-
     client = FakeMlflow()
     monkeypatch.setattr(mlflow.tracking, "MlflowClient", lambda *a, **k: client)
     return client
@@ -144,8 +142,6 @@ def fake_mlflow(monkeypatch):
 def test_live_metrics_never_resend_what_the_interrupted_attempt_sent(tmp_path, fake_mlflow):
     """The first attempt logged iterations 1..8 and sent 1..7 before it was killed; the second resumes from
     checkpoint 5 and logs 6..10 again: MLflow gets 8, 9 and 10, and holds one value per (key, step)."""
-    from models.megatron.metrics import MetricsWriter
-
     fake_mlflow.history = FakeMlflow({"loss": list(range(1, 8)), "lr": list(range(1, 8))}).history
     path = tmp_path / "metrics.jsonl"
     _write(path, _records(range(1, 9), loss=3.0, lr=0.1))
@@ -163,8 +159,6 @@ def test_backfill_sends_one_value_per_key_and_step_the_last_one(fake_mlflow):
     """A metrics.jsonl written before the fix holds steps 6 and 7 twice (a crash after 7,
     a resume from checkpoint 5); the server got nothing. The backfill sends each (key, step) once, the copy
     logged last, and stays idempotent."""
-    from difflm import tracking
-
     records = _records(range(1, 8), loss=3.0, tokens_per_s=1000.0)
     records += [{**r, "time": r["time"] + 100, "tokens_per_s": 900.0} for r in _records(range(6, 11), loss=3.0)]
     sent = tracking.reconcile_metrics("run", records)

@@ -8,6 +8,8 @@ import pytest
 from helpers import tiny_config
 
 from models.diffusion.modes import objective_class
+from models.evaluation.stages import convert_checkpoint, evaluate_export
+from models.hf.convert import ConversionError, import_hf
 from models.launch.torchrun import TrainingError, launch_training, read_metrics, run_dir
 from models.megatron import checkpointing
 
@@ -80,8 +82,6 @@ def test_failed_training_reports_the_log(session_dir, tiny_manifest):
     ],
 )
 def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, extra):
-    from models.evaluation.stages import convert_checkpoint, evaluate_export
-
     cfg = tiny_config(
         session_dir / "modes",
         f"diffusion.model_running_mode={mode}",
@@ -124,9 +124,6 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, 
 def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, tmp_path):
     """megatron -> HF -> megatron gives the same model: a run initialised from the imported weights
     starts at exactly the validation loss the source run ended with."""
-    from models.evaluation.stages import convert_checkpoint
-    from models.hf.convert import ConversionError, import_hf
-
     cfg = tiny_config(
         session_dir / "import",
         "train.train_iters=6",

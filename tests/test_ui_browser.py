@@ -25,10 +25,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import mlflow
+import mlflow.tracking._tracking_service.utils as uri_state
 import pytest
 from helpers import fake_export  # an HF-like folder, 44 parameters, no weights
 
+from difflm import tracking
 from difflm.config import load_config
+from tasks.artifacts import mlflow_curves_url
 
 MANIFEST = {
     "hash": "feedc0ffee42",
@@ -64,10 +68,6 @@ def _anonymous_status(url: str) -> int:
 def _trained_and_registered(cfg, hf_dir: Path) -> dict:
     """A run as the pipeline makes it (config params, dataset input, loss/val_loss curves, evaluation) and its
     export registered through difflm.tracking: {run_id, experiment_id, registered_model, version, aliases}."""
-    import mlflow
-
-    from difflm import tracking
-
     results = {"bounds": {"trained": {"nll_per_token": 3.25, "ppl": 25.8, "bound": True}}, "tasks": {}}
     with tracking.pipeline_run(cfg, RUN_NAME, {"stage": "train", "preset": cfg.name}) as run_id:
         assert run_id, tracking.DEGRADED
@@ -176,8 +176,6 @@ class Browser:
 def _isolate_tracking_state(monkeypatch, password: str) -> None:
     """The pipeline's mlflow.set_tracking_uri sets $MLFLOW_TRACKING_URI (and HTTP settings): undone after the
     test; the client logs in as the admin through the environment, as the stack's clients do."""
-    import mlflow.tracking._tracking_service.utils as uri_state
-
     for key in ("MLFLOW_TRACKING_URI", "MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
         monkeypatch.setenv(key, "")  # records the original (unset) value for teardown ...
         monkeypatch.delenv(key)
@@ -189,8 +187,6 @@ def _isolate_tracking_state(monkeypatch, password: str) -> None:
 def _check_curves_view(browser: Browser, base: str, reg: dict, out: Path) -> None:
     """The link `difflm run` prints: the model-training view of the run, section "Training curves" first with
     one chart holding loss and val_loss (their legend entries), the one-value charts after it."""
-    from tasks.artifacts import mlflow_curves_url
-
     url = mlflow_curves_url(base, reg["experiment_id"], reg["run_id"])
     legend = [f"{RUN_NAME} ({m})" for m in ("loss", "val_loss")]
     dom, text = browser.render(url, out, ready=(*legend, "eval.trained.nll_per_token"))

@@ -5,12 +5,16 @@ tracking off never load it."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import subprocess
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import numpy as np
 
 from difflm.config import PipelineConfig
 from difflm.rundir import TrainResult, Workdir
@@ -48,11 +52,9 @@ def experiment_id(cfg: PipelineConfig) -> str:
 
 def lineage_tags() -> dict[str, str]:
     """Where this execution comes from: the Prefect flow run (id and UI link) and the code's git commit."""
-    import subprocess
-
     tags = {}
     try:
-        from prefect.runtime import flow_run
+        from prefect.runtime import flow_run  # prefect (seconds to import) stays out of difflm's own import
 
         if flow_run.id:
             tags["prefect.flow_run_id"] = str(flow_run.id)
@@ -169,7 +171,6 @@ def degrade(what: str, err: BaseException) -> None:
 
 def tolerant(fn):
     """A tracking call that never fails the pipeline: errors are reported by `degrade` and return None."""
-    import functools
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -303,7 +304,6 @@ def log_data_stats(manifest: dict, context: str = "training") -> None:
 
 def dataset(manifest: dict):
     """An `mlflow.data` dataset for a data-prep manifest (no data is uploaded: the source is its folder)."""
-    import numpy as np
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.types import Schema, TensorSpec

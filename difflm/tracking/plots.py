@@ -11,6 +11,8 @@ def plot_curves(records: list[dict], path: Path, title: str = "") -> Path | None
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
     if not train and not val:
         return None
+    # matplotlib is loaded here, not at import: its backend must be set to Agg before pyplot loads, and a
+    # process that only imports this module (the launcher, the CLI) neither pays for it nor has its backend set
     import matplotlib
 
     matplotlib.use("Agg")  # no display: write files only

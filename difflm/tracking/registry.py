@@ -186,7 +186,7 @@ def register_version(
     """A version of `name` for `source` (logged by run `run_id` in the store at `uri`), described and promoted;
     or the version already registered from `checkpoint`, left as it is once its promotion was decided.
     Returns {registered_model, version, promotion, promoted, champion_version, aliases}."""
-    from mlflow.tracking import MlflowClient
+    from mlflow.tracking import MlflowClient  # mlflow takes seconds to import: loaded only when a version is registered
 
     client = MlflowClient(uri)
     ensure_model(client, name)

@@ -44,6 +44,7 @@ class EvalResult:
 
 def validation_windows(manifest: dict, seq_length: int, max_sequences: int) -> torch.Tensor:
     """[n, seq_length] windows over the held-out split, in document order."""
+    # megatron-core only to read prepared shards: scoring an export loads without it
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     chunks = []

@@ -29,6 +29,7 @@ from tqdm import tqdm
 from models.diffusion import MaskedSampler
 from models.evaluation.scoring import Scorer
 from models.evaluation.sources import resolve_export
+from models.evaluation.stages import load_model, load_tokenizer, resolve_device
 
 SAMPLER_ARGS = ("steps", "block_length", "remasking", "threshold", "temperature", "top_k", "top_p", "cfg_scale")
 
@@ -56,8 +57,6 @@ class DiffLMEval(LM):
                 "pipeline's own model class and never runs code from the folder",
                 file=sys.stderr,
             )
-        from models.evaluation.stages import load_model, load_tokenizer, resolve_device
-
         folder = resolve_export(str(pretrained), tracking_uri)
         if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             device = "cuda" if torch.cuda.is_available() else "cpu"  # lm_eval's --device defaults to cuda
@@ -120,7 +119,7 @@ class DiffLMEval(LM):
 
 
 def main() -> None:
-    from lm_eval.__main__ import cli_evaluate
+    from lm_eval.__main__ import cli_evaluate  # lm-eval's command line, loaded only when run as one
 
     sys.argv[0] = "lm_eval"
     cli_evaluate()

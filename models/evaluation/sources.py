@@ -7,6 +7,7 @@ from pathlib import Path
 
 from difflm.errors import UserError
 from difflm.rundir import RunDir
+from difflm.tracking import download_model_version
 
 
 class SourceError(UserError, ValueError):
@@ -37,8 +38,6 @@ def resolve_export(source: str, tracking_uri: str | None = None) -> Path:
 
 
 def _download(uri: str, tracking_uri: str | None) -> Path:
-    from difflm.tracking import download_model_version
-
     store = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not store:
         raise SourceError(f"{uri}: set --tracking-uri or MLFLOW_TRACKING_URI to the MLflow store it is registered in")

@@ -10,19 +10,24 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 from difflm.config import EvalConfig, PipelineConfig
 from difflm.errors import UserError
 from difflm.rundir import EVAL_KEY, RunDir, TrainResult, Workdir, is_export_of
+from difflm.tracking.plots import plot_sweep
 from models.diffusion.modes import build_objective
 from models.evaluation.generation import default_prompts, generate_samples, sampler_settings
 from models.evaluation.likelihood import likelihood_bound, validation_windows
 from models.evaluation.report import write_comparison
 from models.evaluation.scoring import Scorer
+from models.evaluation.sweep import sweep_steps
 from models.evaluation.tasks import build_items, heldout_documents, score_tasks, write_lm_eval_tasks
 from models.hf.architectures import stock_problem
 from models.hf.convert import ConversionError, export_hf
 from models.hf.importer import export_stock
+from models.hf.modeling_difflm import DiffLMForMaskedLM
 
 
 def convert_checkpoint(cfg: PipelineConfig, manifest: dict, trained: TrainResult) -> Path:
@@ -99,10 +104,6 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
     """An export with this project's model class (same weights and config as the folder's own code, which
     users load with trust_remote_code), in `dtype` on `device`: exports written by older versions gain
     today's helpers. The defaults are the CPU in float32; evaluation passes `eval_device(cfg.eval)`."""
-    from transformers.utils import logging as hf_logging
-
-    from models.hf.modeling_difflm import DiffLMForMaskedLM
-
     hf_logging.disable_progress_bar()  # one bar per load is noise in eval tables and logs
     # cast while loading (as LLaDA/Dream users pass torch_dtype): a large model is never built in fp32 on the host
     model = DiffLMForMaskedLM.from_pretrained(str(folder), local_files_only=True, dtype=dtype)
@@ -117,8 +118,6 @@ def placement(model) -> dict[str, str]:
 
 
 def load_tokenizer(folder: Path):
-    from transformers import PreTrainedTokenizerFast
-
     return PreTrainedTokenizerFast.from_pretrained(str(folder))
 
 
@@ -145,8 +144,6 @@ def evaluate_export(
     the held-out split, and samples; written to `out_dir` (default: `default_out_dir`) with the lm-eval task
     files of the same items, and the comparison report of every run on the same data updated. `echo`: one line
     per part with its time (on 2 CPU cores the whole takes minutes; it used to be silent)."""
-    from models.hf.modeling_difflm import DiffLMForMaskedLM
-
     e = cfg.eval
     device, dtype = eval_device(e)
     model, tok = load_model(hf_dir, device, dtype), load_tokenizer(hf_dir)
@@ -219,9 +216,6 @@ def default_out_dir(cfg: PipelineConfig, source: str, hf_dir: Path, data_hash: s
 def sweep_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: Path) -> list[dict]:
     """Cloze accuracy of generated words and tokens/s at each of eval.steps_sweep (masked modes only);
     sweep.json and sweep.png in out_dir."""
-    from difflm.tracking.plots import plot_sweep
-    from models.evaluation.sweep import sweep_steps
-
     e = cfg.eval
     model, tok = load_model(hf_dir, *eval_device(e)), load_tokenizer(hf_dir)
     if not e.steps_sweep or not model.objective.unmasks:

@@ -30,6 +30,7 @@ SENTENCE_END = re.compile(r"^([A-Za-z][A-Za-z'-]*[A-Za-z])[.!?]['\")]*$")
 
 def heldout_documents(manifest: dict, tokenizer, limit: int = 2000) -> list[str]:
     """The held-out documents as text (special tokens dropped), in order."""
+    # megatron-core only to read prepared shards: scoring an export loads without it
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     docs = []

@@ -36,6 +36,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.utils import divide
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from models.diffusion.blocks import allowed, two_stream_keep
 from models.diffusion.documents import document_attention_mask
@@ -61,8 +62,6 @@ class DocumentMask:
 
     def block_mask(self):
         if self._block is None:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             doc, causal = self.doc_ids, self.causal
 
             def same_document(b, h, q, k):
@@ -111,8 +110,6 @@ class TwoStreamMask:
 
     def block_mask(self, device=None):
         if self._block is None:
-            from torch.nn.attention.flex_attention import create_block_mask
-
             b = None if self.doc_ids is None else self.doc_ids.shape[0]
             n = 2 * self.length
             dev = torch.device(device if device is not None else self.device)
@@ -149,8 +146,6 @@ def _flex_attention():
     """FlexAttention compiled once per process: uncompiled, it is a slow O(s^2) reference implementation."""
     global _FLEX
     if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
         _FLEX = torch.compile(flex_attention, dynamic=None)  # dynamic shapes after a second length is seen
     return _FLEX
 

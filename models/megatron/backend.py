@@ -18,7 +18,7 @@ BACKENDS = ("torch", "local", "te")
 @functools.cache
 def transformer_engine_available() -> bool:
     try:
-        import transformer_engine.pytorch  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401  # optional back-end: probed, not required
     except Exception:  # the PyPI meta package imports but raises; a broken CUDA install raises too
         return False
     return True

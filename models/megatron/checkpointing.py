@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
 # the run layout's owner (reading which checkpoint is complete needs no megatron); re-exported for callers here
 from difflm.rundir import LATEST, iter_dir, latest_iteration  # noqa: F401
@@ -26,8 +27,6 @@ def _model_sharded(model) -> dict:
 
 
 def save_checkpoint(root: Path, iteration: int, model, optimizer, scheduler, keep_last: int) -> Path:
-    from megatron.core import dist_checkpointing
-
     path = iter_dir(root, iteration)
     rank = torch.distributed.get_rank()
     if rank == 0:
@@ -64,8 +63,6 @@ def _prune(root: Path, keep_last: int, keep: int) -> None:
 
 def load_checkpoint(root: Path, iteration: int, model, optimizer=None, scheduler=None) -> int:
     """Load model (and optimizer/scheduler when given) in place; returns the iteration."""
-    from megatron.core import dist_checkpointing
-
     guard_dcp()
     path = iter_dir(root, iteration)
     model_sd = _model_sharded(model)
@@ -88,8 +85,6 @@ def load_checkpoint(root: Path, iteration: int, model, optimizer=None, scheduler
 
 
 def _layout() -> dict:
-    from megatron.core import parallel_state
-
     return {
         "world": torch.distributed.get_world_size(),
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
@@ -104,8 +99,6 @@ def _rng_file(path: Path) -> Path:
 def _rng_state() -> dict:
     """This rank's random streams: torch's default generator (hidden dropout), megatron's RNG tracker
     (attention dropout, per TP rank) and CUDA's."""
-    from megatron.core import tensor_parallel
-
     state = {
         "layout": _layout(),
         "torch": torch.get_rng_state(),
@@ -117,8 +110,6 @@ def _rng_state() -> dict:
 
 
 def _restore_rng(path: Path) -> None:
-    from megatron.core import tensor_parallel
-
     file = _rng_file(path)
     if not file.exists():
         return  # a checkpoint from before RNG states were saved: dropout masks differ from an unbroken run
@@ -139,8 +130,6 @@ def _restore_rng(path: Path) -> None:
 
 def load_model_weights(path: Path, model) -> None:
     """Initialise `model` from a model-only (or full) dist checkpoint; resharded to this TP/PP layout."""
-    from megatron.core import dist_checkpointing
-
     if not (Path(path) / "metadata.json").exists():
         raise FileNotFoundError(f"train.init_from={path}: not a megatron distributed checkpoint")
     guard_dcp()

@@ -12,6 +12,8 @@ import contextlib
 from typing import Any
 
 import torch
+from megatron.core.tensor_parallel import random as mrandom
+from megatron.core.transformer import utils as tutils
 from torch.overrides import TorchFunctionMode
 
 _ACTIVE: _CpuDeviceMode | None = None
@@ -83,9 +85,6 @@ def _patch_torch_cuda() -> None:
 
 
 def _patch_megatron() -> None:
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer import utils as tutils
-
     mrandom._get_cuda_rng_state = lambda *_, **__: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *_, **__: torch.set_rng_state(state)
 
@@ -93,7 +92,7 @@ def _patch_megatron() -> None:
         return torch.triu(torch.ones(sq, sq, device="cpu"), diagonal=1).bool()
 
     tutils.get_default_causal_mask = cpu_causal_mask
-    try:  # fused_softmax imports the function by name
+    try:  # fused_softmax imports the function by name; guarded: a build may lack the fused kernels
         from megatron.core.fusions import fused_softmax
 
         fused_softmax.get_default_causal_mask = cpu_causal_mask

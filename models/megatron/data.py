@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from difflm.config import PipelineConfig
 
@@ -32,9 +34,6 @@ class DatasetTokenizer:
 
 def build_datasets(cfg: PipelineConfig, manifest: dict, train_samples: int, valid_samples: int):
     """(train, valid) megatron GPTDatasets over the manifest's shards."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
     tok = manifest["tokenizer"]
     splits = manifest["splits"]
     blend = lambda s: (splits[s]["prefixes"], splits[s].get("weights"))  # noqa: E731 - manifest blend weights

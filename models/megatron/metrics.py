@@ -69,7 +69,7 @@ class BackgroundMlflow:
     def __init__(
         self, run_id: str, max_pending: int = 200_000, say=print, maybe_sent: dict[str, set[int]] | None = None
     ):
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # mlflow (seconds to import) only when metrics go to a server
 
         self.run_id, self.say, self.max_pending = run_id, say, max_pending
         self.maybe_sent = maybe_sent or {}

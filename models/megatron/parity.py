@@ -18,17 +18,20 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+from megatron.core import dist_checkpointing, parallel_state
 
 from difflm.config import load_config
+from models.megatron.data import build_datasets
+from models.megatron.forward_step import SpecialTokens
+from models.megatron.safe_pickle import guard_dcp
+from models.megatron.train import build_training, init_distributed, run_global_batch
 
 
 def replica_spread(model) -> float:
     """Largest difference, across tensor-parallel ranks, of the parameters every TP rank holds a full copy of
     (norms, time embedding): 0 when their gradients are reduced correctly, > 0 once they drift."""
-    import torch
-    from megatron.core import parallel_state
-
     group = parallel_state.get_tensor_model_parallel_group()
     replicated = [
         p.detach().float().flatten() for p in model.parameters() if not getattr(p, "tensor_model_parallel", False)
@@ -53,12 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
 
-    from megatron.core import dist_checkpointing, parallel_state
-
-    from models.megatron.data import build_datasets
-    from models.megatron.forward_step import SpecialTokens
-    from models.megatron.train import build_training, init_distributed, run_global_batch
-
     world = int(os.environ.get("WORLD_SIZE", 1))
     cfg = load_config(args.config, [*args.overrides, f"train.launch.nproc_per_node={world}"])
     manifest = json.loads(Path(args.manifest).read_text())
@@ -74,8 +71,6 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
         dist_checkpointing.save(ddp.module.sharded_state_dict(prefix=""), str(weights))
     else:
-        from models.megatron.safe_pickle import guard_dcp
-
         guard_dcp()
         state = dist_checkpointing.load(ddp.module.sharded_state_dict(prefix=""), str(weights))
         ddp.module.load_state_dict(state)

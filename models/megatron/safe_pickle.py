@@ -15,6 +15,9 @@ import io
 import pickle
 import types
 
+import torch
+from torch.distributed.checkpoint import filesystem
+
 from difflm.errors import UserError
 
 # modules whose own classes (dataclasses, enums) make up DCP metadata
@@ -40,8 +43,6 @@ class _MetadataUnpickler(pickle.Unpickler):
     source = "a checkpoint's .metadata"
 
     def find_class(self, module: str, name: str):
-        import torch
-
         allowed = (module, name) in _ALLOWED
         if not allowed and module == "torch":
             allowed = isinstance(getattr(torch, name, None), torch.dtype | torch.layout)
@@ -88,6 +89,4 @@ _SHIM = _PickleShim("pickle")
 
 def guard_dcp() -> None:
     """Make torch DCP read `.metadata` through the restricted unpickler (idempotent; call before any load)."""
-    from torch.distributed.checkpoint import filesystem
-
     filesystem.pickle = _SHIM

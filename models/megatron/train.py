@@ -22,7 +22,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
 
 from difflm.config import PipelineConfig, load_config
 from difflm.errors import NonFiniteStop, TrainingPreempted
@@ -56,11 +60,6 @@ def init_distributed(cfg: PipelineConfig) -> None:
 
 def build_training(cfg: PipelineConfig, vocab_size: int, *, objective: Objective | None = None):
     """(ddp_model, optimizer, scheduler) for this rank's pipeline stage of `objective`'s model (`cfg`'s by default)."""
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
     objective = objective or build_objective(cfg.diffusion)
     check_sdpa(cfg.model.sdpa_backend, resolve_backend(cfg.model.backend, objective.two_stream))
     model = build_model(
@@ -73,9 +72,7 @@ def build_training(cfg: PipelineConfig, vocab_size: int, *, objective: Objective
     if torch.cuda.is_available():
         model.cuda()
     if cfg.train.precision == "bf16":  # every parameter bf16 (torch norms, time embedding too), fp32 outputs;
-        from megatron.core.transformer.module import Float16Module  # the optimizer keeps fp32 main weights
-
-        model = Float16Module(model.config, model)
+        model = Float16Module(model.config, model)  # the optimizer keeps fp32 main weights
     dist_opt = cfg.parallel.use_distributed_optimizer
     ddp = DistributedDataParallel(
         model.config,
@@ -251,8 +248,6 @@ class Trainer:
         hooks: Sequence[Hook],
         clock: Callable[[], float] = time.perf_counter,
     ):
-        from megatron.core import parallel_state
-
         init_distributed(cfg)
         self.cfg, self.run, self.hooks, self.clock = cfg, RunDir(run_dir), list(hooks), clock
         t = cfg.train
