@@ -1,6 +1,6 @@
 # Image of the pipeline, for docker-compose.yml: the MLflow server, the Prefect server and the Prefect worker
 # that runs the flows. Its offline ENV is difflm.OFFLINE_ENV (a native `python -m deploy.stack up` sets the same;
-# tests/test_production_stack.py checks that they agree).
+# tests/integration/test_production_stack.py checks that they agree).
 # CPU torch by default; for GPUs build FROM an NGC PyTorch image and install '.[gpu]'.
 FROM python:3.11-slim
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=true \

@@ -37,16 +37,16 @@ test-dev: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m unit --durations=10 $(ARGS)
 
-# the documentation site (docs/, mkdocs.yml) into site/; tests/test_docs.py builds it with warnings as errors
+# the documentation site (docs/, mkdocs.yml) into site/; tests/unit/test_docs.py builds it with warnings as errors
 docs: $(STAMP)
 	$(BIN)/python -m mkdocs build --strict
 
-# the suite runs these too (tests/test_lint.py); `make lint` fixes what ruff can, then type-checks the core
+# the suite runs these too (tests/integration/test_lint.py); `make lint` fixes what ruff can, then type-checks the core
 # (mypy on the packages [tool.mypy] names in pyproject.toml)
 lint: $(STAMP)
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format . && $(BIN)/mypy
 
-# headless Chromium (Debian package) for tests/test_ui_browser.py: installed when root (~20 s), else that test is
+# headless Chromium (Debian package) for tests/integration/test_ui_browser.py: installed when root (~20 s), else that test is
 # skipped (under CI it fails). An install that fails only warns: the rest of the suite still runs.
 browser:
 	@if command -v chromium >/dev/null 2>&1; then echo "browser test: using $$(command -v chromium)"; \
@@ -54,11 +54,11 @@ browser:
 	  echo "installing chromium (Debian package) for the browser test ..."; s=$$(date +%s); \
 	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive DEBCONF_NOWARNINGS=yes apt-get install -y -qq \
 	    --no-install-recommends chromium >/dev/null; } && echo "chromium installed in $$(( $$(date +%s) - s )) s" \
-	    || echo "chromium install failed: tests/test_ui_browser.py will be skipped (fails under CI)"; \
-	else echo "chromium missing: tests/test_ui_browser.py will be skipped (fails under CI);" \
+	    || echo "chromium install failed: tests/integration/test_ui_browser.py will be skipped (fails under CI)"; \
+	else echo "chromium missing: tests/integration/test_ui_browser.py will be skipped (fails under CI);" \
 	  "install it as root: make browser, or apt-get install chromium"; fi
 
-# Slurm (Debian's slurm-wlm + munge) for tests/test_slurm.py, a real single-node cluster the tests start and stop
+# Slurm (Debian's slurm-wlm + munge) for tests/integration/test_slurm.py, a real single-node cluster the tests start and stop
 # (deploy/slurm_local.py): installed when root (~30 s), else those tests are skipped (under CI they fail). An
 # install that fails only warns, as for chromium.
 slurm: $(STAMP)
@@ -67,8 +67,8 @@ slurm: $(STAMP)
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "installing slurm-wlm and munge (Debian packages) for the Slurm tests ..."; \
 	  $(BIN)/python -m deploy.slurm_local install \
-	    || echo "slurm install failed: tests/test_slurm.py will be skipped (fails under CI)"; \
-	else echo "slurm missing: tests/test_slurm.py will be skipped (fails under CI);" \
+	    || echo "slurm install failed: tests/integration/test_slurm.py will be skipped (fails under CI)"; \
+	else echo "slurm missing: tests/integration/test_slurm.py will be skipped (fails under CI);" \
 	  "install it as root: make slurm, or apt-get install slurm-wlm munge"; fi
 
 # a local Slurm cluster to try train.launch.launcher=slurm by hand (docs/slurm.md); state in SLURM_DIR

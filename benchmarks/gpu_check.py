@@ -755,7 +755,7 @@ class Check:
 # ---- sections -------------------------------------------------------------------------------------------
 def gpu_tests(check: Check, name: str, selection: str) -> dict:
     """The `gpu`-marked tests of `selection` (-k), their output in NAME.log as it comes."""
-    files = [f for f in ("tests/test_gpu.py", "tests/test_hf_device.py") if (ROOT / f).exists()]
+    files = [f for f in ("tests/gpu/test_gpu.py", "tests/unit/models/hf/test_hf_device.py") if (ROOT / f).exists()]
     log = check.out / f"{name}.log"
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-k", selection, "-q", "-p", "no:cacheprovider", *files]
     code = run_logged(cmd, log, check.timeout())

@@ -11,7 +11,7 @@ the missing ones into it. Secure by default: the Prefect API requires its auth s
 worker: Prefect OSS has no roles), checks CSRF tokens and allows only the UI's origin; MLflow runs its basic-auth
 app (admin password generated, users in PostgreSQL); PostgreSQL and Prefect listen on loopback, MLflow on
 --mlflow-host (the cluster nodes log to it). `up` writes `<dir>/client.env` (0600) for clients to source.
-tests/test_production_stack.py checks that docker-compose.yml runs the commands and environments `services()`
+tests/integration/test_production_stack.py checks that docker-compose.yml runs the commands and environments `services()`
 gives for its network.
 """
 

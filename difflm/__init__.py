@@ -1,7 +1,7 @@
 """Ground floor: the typed config (`config`), the exception hierarchy (`errors`), the layout of a run directory
 (`rundir`), and MLflow tracking, registry and plots (`tracking/`).
 
-Imports no other package of the project (`flows`, `tasks`, `models`, `data_prep` stand on it; tests/test_layout.py
+Imports no other package of the project (`flows`, `tasks`, `models`, `data_prep` stand on it; tests/unit/test_layout.py
 checks the arrows). The command line lives on the top floor, in `flows/cli.py`.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 # Local state and no phoning home: the one list. The CLI and tests/conftest.py set it in the process, the
-# production stack (deploy/stack.py) in each service; the Dockerfile's ENV repeats it (tests/test_production_stack.py
+# production stack (deploy/stack.py) in each service; the Dockerfile's ENV repeats it (tests/integration/test_production_stack.py
 # checks that the two agree).
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",

@@ -1,4 +1,4 @@
 """Diffusion LMs: `diffusion` (pure maths) <- `megatron` (training) <- `hf` (export) <- `evaluation`; `launch`.
 
-Arrows point at what a package may import; `tests/test_layout.py` checks them.
+Arrows point at what a package may import; `tests/unit/test_layout.py` checks them.
 """

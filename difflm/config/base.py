@@ -15,7 +15,7 @@ from difflm.errors import UserError
 # (`PipelineConfig.stage_hash`): every field is part of that name unless it is marked OPERATIONAL, i.e. it
 # changes how a run is carried out (who launches it, how it reacts to faults) but not what it computes, so
 # any setting of it resumes and reuses the same directory. A new field forks every existing run directory
-# unless it is OPERATIONAL or IF_SET: tests/test_config.py lists the identity fields, so adding one is a decision.
+# unless it is OPERATIONAL or IF_SET: tests/unit/difflm/test_config.py lists the identity fields, so adding one is a decision.
 # IF_SET marks an identity field added later whose default computes what runs made before it computed: it joins
 # the name only when set to another value, so those runs keep their directories.
 # FLATTEN marks a sub-section that groups fields its parent held before: their identity is the parent's, under

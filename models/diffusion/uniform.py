@@ -10,7 +10,7 @@ i = z_t, clean one-hot x and prediction x_theta (a distribution over the states)
     NELBO = int_0^1 (-alpha'_t / alpha_t) E_{z_t} [ 1/b_i - 1/a_i + 1/(N a_i) sum_j a_j log(a_j b_i / (a_i b_j)) ] dt
 
 It is the T -> infinity limit of the sum of KL(q(z_s | z_t, x) || q(z_s | z_t, x_theta)) over T steps
-(`tests/test_uniform_diffusion.py` checks this against the discrete sum and against the exact NLL of the
+(`tests/unit/models/diffusion/test_uniform_diffusion.py` checks this against the discrete sum and against the exact NLL of the
 reverse chain, computed by enumeration). Integrating from t = eps instead of 0 drops a positive term;
 `reconstruction_nll` adds the exact last step eps -> 0, so `eps`-truncated estimates stay upper bounds.
 """

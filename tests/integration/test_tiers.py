@@ -1,0 +1,67 @@
+"""The fast tier keeps its promise (docs/testing.md): tests/conftest.py fails a unit test that starts a process,
+even one that catches the error, or that uses more than its CPU budget; an integration test may do both."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+OFFENDERS = """
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+
+def test_cheap():
+    assert sum(range(10)) == 45
+
+
+def test_starts_the_cli():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+def test_starts_a_shell_and_catches_the_error():
+    try:
+        os.system("true")
+    except Exception:
+        pass
+
+
+def test_burns_cpu():
+    start = time.process_time()
+    while time.process_time() - start < 1.5:
+        pass
+
+
+@pytest.mark.integration
+def test_an_integration_test_may_do_both():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    start = time.process_time()
+    while time.process_time() - start < 1.5:
+        pass
+"""
+
+
+@pytest.mark.integration  # a pytest in a subprocess
+def test_a_unit_test_that_starts_a_process_or_burns_cpu_fails_the_tier(tmp_path):
+    (tmp_path / "test_offenders.py").write_text(OFFENDERS)
+    path = os.pathsep.join(str(p) for p in (ROOT / "tests", ROOT / "tests" / "support", ROOT))  # conftest, helpers
+    env = {**os.environ, "PYTHONPATH": path, "DIFFLM_UNIT_CPU_BUDGET": "1"}
+    argv = [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q", "-rf"]
+    proc = subprocess.run([*argv, "test_offenders.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert "3 failed, 2 passed" in out, out[-3000:]
+    failed = {line.split("::")[1].split(" ")[0] for line in out.splitlines() if line.startswith("FAILED")}
+    assert failed == {"test_starts_the_cli", "test_starts_a_shell_and_catches_the_error", "test_burns_cpu"}, out
+    assert "a unit test started a process (subprocess" in out and "(os.system)" in out
+    assert "over the budget of 1 s: mark it @pytest.mark.integration (or slow), or make it cheaper" in out
+    assert "unit tests: 4," in out  # the summary line

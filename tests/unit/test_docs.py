@@ -1,0 +1,58 @@
+"""The documentation stays true: the site builds with warnings as errors (a broken link, a missing anchor or a page
+left out of the nav fails), the README's links resolve, and user docs cite no internal review ids or paths."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import pytest
+from mkdocs.commands.build import build
+from mkdocs.config import load_config
+from mkdocs.exceptions import Abort
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+USER_DOCS = [README, *sorted((ROOT / "docs").glob("**/*.md"))]
+
+
+def test_the_docs_site_builds_with_warnings_as_errors(tmp_path, monkeypatch):
+    """What `make docs` runs (`mkdocs build --strict`), in process; the warnings are shown when it fails."""
+    monkeypatch.chdir(ROOT)
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logger = logging.getLogger("mkdocs")
+    logger.addHandler(handler)
+    try:
+        config = load_config(str(ROOT / "mkdocs.yml"), site_dir=str(tmp_path / "site"), strict=True)
+        assert config.strict and config.validation.links.anchors == logging.WARNING
+        try:
+            build(config)
+        except Abort:
+            pytest.fail("mkdocs build --strict:\n" + "\n".join(warnings))
+    finally:
+        logger.removeHandler(handler)
+    assert warnings == []
+    assert (tmp_path / "site" / "testing" / "index.html").exists()
+
+
+def test_the_readme_stays_short_and_its_relative_links_resolve():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 250
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    assert any(t.startswith("docs/") for t in targets)
+    for target in targets:
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path = target.split("#")[0]
+        assert not path or (ROOT / path).exists(), f"README links to {target}, which does not exist"
+
+
+@pytest.mark.parametrize("doc", USER_DOCS, ids=[str(p.relative_to(ROOT)) for p in USER_DOCS])
+def test_user_docs_cite_no_review_ids_or_internal_paths(doc):
+    text = doc.read_text()
+    assert "../shared" not in text
+    ids = re.findall(r"\b(?:review [A-Z]?\d+|[FM]\d\b)", text)
+    assert not ids, f"{doc.name} cites review ids {ids}: say what the finding was instead"

@@ -1,0 +1,248 @@
+"""The layout of the code: which package may import which, the pure diffusion maths, and old exports.
+
+`models/` is four rooms with arrows (see `models/__init__.py` and the README's layout table); these tests
+read every import statement (lazy ones inside functions included) and fail on an arrow the layout forbids.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from models.hf.convert import export_code, load_hf
+from models.hf.modeling_difflm import DiffLMForMaskedLM
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = ROOT / "tests" / "fixtures" / "export_before_layout_move"
+STDLIB = set(sys.stdlib_module_names)
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Absolute names of every module `path` imports, relative imports resolved."""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
+            for alias in node.names:  # `from pkg import mod` imports the module pkg.mod
+                sub = ROOT.joinpath(*module.split("."), alias.name)
+                is_module = sub.with_suffix(".py").exists() or (sub / "__init__.py").exists()
+                names.add(f"{module}.{alias.name}" if is_module else module)
+    return names
+
+
+def _within(name: str, prefixes: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def _files(pattern: str) -> list[Path]:
+    files = sorted(ROOT.glob(pattern))
+    assert files, f"no files match {pattern}: the layout this test describes has moved"
+    return files
+
+
+# (files, allowed: imports must be stdlib or start with one of these; None = no allow-list,
+#  forbidden: imports that must not appear)
+RULES = {
+    "diffusion is pure torch": ("models/diffusion/*.py", ("torch", "models.diffusion"), ()),
+    "exported model code: diffusion + transformers": (
+        "models/hf/*_difflm.py",
+        ("torch", "transformers", "models.diffusion", "models.hf.configuration_difflm"),
+        (),
+    ),
+    "megatron never reaches up": (
+        "models/megatron/*.py",
+        None,
+        (
+            "models.hf",
+            "models.evaluation",
+            "models.launch",
+            "transformers",
+            "prefect",
+            "flows",
+            "tasks",
+            "data_prep",
+            "deploy",
+            "difflm.tracking",
+        ),
+    ),
+    "hf: no orchestration": (
+        "models/hf/*.py",
+        None,
+        ("models.evaluation", "models.launch", "prefect", "mlflow", "flows", "tasks", "data_prep"),
+    ),
+    "evaluation scores the export, not megatron": (
+        "models/evaluation/*.py",
+        None,
+        ("models.megatron", "models.launch", "prefect", "mlflow", "flows", "tasks"),
+    ),
+    "launch: config and checkpoints only": (
+        "models/launch/*.py",
+        (
+            "yaml",
+            "psutil",
+            "difflm.config",
+            "difflm.errors",
+            "difflm.rundir",
+            "difflm.tracking.plots",
+            "models.launch",
+            "models.megatron.checkpointing",
+        ),
+        (),
+    ),
+    "difflm stands on models.diffusion only (the objectives' settings are its diffusion section)": (
+        "difflm/**/*.py",
+        None,
+        ("models.megatron", "models.hf", "models.evaluation", "models.launch", "flows", "tasks", "data_prep", "deploy"),
+    ),
+    "the config package: pydantic, yaml, difflm's base and the objectives' settings": (
+        "difflm/config/*.py",
+        ("pydantic", "yaml", "difflm.config", "difflm.errors", "models.diffusion"),
+        (),
+    ),
+    "data_prep stands on difflm only": ("data_prep/*.py", None, ("models", "flows", "tasks", "deploy")),
+    "tasks never import flows": ("tasks/*.py", None, ("flows", "deploy")),
+    "flows (and the CLI, the top floor) never import ops tooling": ("flows/**/*.py", None, ("deploy", "benchmarks")),
+}
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_import_arrows(rule):
+    pattern, allowed, forbidden = RULES[rule]
+    bad = []
+    for path in _files(pattern):
+        for name in sorted(imports_of(path)):
+            top = name.split(".")[0]
+            if _within(name, forbidden) or (allowed is not None and top not in STDLIB and not _within(name, allowed)):
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, f"{rule}:\n" + "\n".join(bad)
+
+
+def test_the_arrow_check_sees_lazy_and_relative_imports(tmp_path):
+    """The checker itself: an import inside a function and a relative import are both seen."""
+    fake = ROOT / "models" / "hf" / "modeling_difflm.py"
+    names = imports_of(fake)
+    assert "models.diffusion.modes" in names and "transformers" in names
+    assert "models.megatron.distributed" in imports_of(ROOT / "models" / "hf" / "convert.py")  # a lazy one
+
+
+BLOCKER = """
+import importlib.abc, pkgutil, sys
+BLOCKED = {"megatron", "transformers", "prefect", "mlflow", "datatrove", "safetensors", "difflm"}
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"blocked: {name}")
+sys.meta_path.insert(0, Block())
+import torch
+import models.diffusion as d
+for info in pkgutil.iter_modules(d.__path__):
+    __import__(f"models.diffusion.{info.name}")
+x0 = torch.randint(3, 50, (2, 16))
+nll = d.elbo_nll_per_token(lambda x: torch.zeros(*x.shape, 50), x0, 1, 2, torch.Generator().manual_seed(0))
+print(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED), round(float(nll.mean()), 4))
+"""
+
+
+@pytest.mark.integration  # a Python subprocess
+def test_diffusion_imports_with_frameworks_blocked():
+    out = subprocess.run([sys.executable, "-c", BLOCKER], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]", "3.912"]  # nothing blocked was loaded; ELBO of a uniform model = log 50
+
+
+LIGHT_CONFIG = """
+import sys
+import difflm.config
+print(sorted({m.split(".")[0] for m in sys.modules} & {"megatron", "transformers", "prefect", "mlflow"}))
+"""
+
+
+@pytest.mark.integration  # a Python subprocess
+def test_the_config_stands_on_the_diffusion_floor_only():
+    """The config builds its diffusion section from models.diffusion.modes: importing it stays light."""
+    out = subprocess.run([sys.executable, "-c", LIGHT_CONFIG], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["[]"]
+
+
+def test_export_ships_every_module_its_code_imports():
+    code = export_code()
+    for name, src in code.items():
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                assert node.level == 1 and f"{node.module}.py" in code, f"{name}: from {'.' * node.level}{node.module}"
+    assert {"modeling_difflm.py", "configuration_difflm.py", "bounds.py", "samplers.py"} <= code.keys()
+
+
+def _expected():
+    return load_file(str(FIXTURE / "expected_outputs.safetensors"))
+
+
+def _outputs(model, exp):
+    x, t = exp["input_ids"], exp["t"]
+    return (
+        model(x, t=t).logits,
+        model.elbo_nll(x, generator=torch.Generator().manual_seed(0), t_samples=4),
+        model.diffusion_generate(x[:, :5], length=8, steps=4),
+    )
+
+
+def test_export_made_before_the_layout_move_still_loads():
+    """An export written by the flat `models/` (commit 0c145af) loads with its own shipped code."""
+    exp = _expected()
+    logits, elbo, sample = _outputs(load_hf(FIXTURE), exp)
+    assert torch.allclose(logits, exp["logits"], atol=1e-5)
+    assert torch.allclose(elbo, exp["elbo_nll"], atol=1e-5)
+    assert torch.equal(sample, exp["sample"])
+
+
+def test_todays_model_code_computes_what_the_old_export_did():
+    """The moved code gives the pre-move export's logits, ELBO and samples on the same weights."""
+    exp = _expected()
+    model = DiffLMForMaskedLM.from_pretrained(str(FIXTURE)).eval()
+    logits, elbo, sample = _outputs(model, exp)
+    assert torch.allclose(logits, exp["logits"], atol=1e-5)
+    assert torch.allclose(elbo, exp["elbo_nll"], atol=1e-5)
+    assert torch.equal(sample, exp["sample"])
+
+
+@pytest.mark.slow
+def test_train_step_benchmark_still_runs():
+    """benchmarks/ import the trainer's internals: a tiny run keeps them from rotting unnoticed."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/train_step.py",
+            "--presets",
+            "tiny",
+            "--steps",
+            "1",
+            "--seq",
+            "32",
+            "--batch",
+            "2",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "difflm-noshift" in out.stdout and "tokens/s" in out.stdout
