@@ -225,7 +225,9 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(
 
 # a one-minute limit and a signal 55 s before it: Slurm sends it at its first time-limit check after the job
 # starts (the controller checks every 30 s and may signal up to 60 s early), i.e. 0-30 s into the job
-TIME_LIMIT = ["train.launch.slurm.time=1", "train.launch.slurm.signal_seconds=55"]
+# two minutes, signalled 115 s before the end: the signal comes at the first time-limit check, ~30 s in, and the
+# requeued job has the whole limit (one minute was too close once the resumed job also had to start up)
+TIME_LIMIT = ["train.launch.slurm.time=2", "train.launch.slurm.signal_seconds=115"]
 TICK = "debug2: Testing job time limits and checkpoints"  # slurmctld's time-limit check, logged at debug2
 STEP_SLEEP = 0.4  # 100 steps: ~40 s from scratch, so the signal, ~30 s after the job starts, finds it training
 
@@ -247,12 +249,12 @@ def _release_requeued_of(rdir: Path, done: threading.Event) -> None:
 def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(
     tmp_path, slurm_cluster, tiny_manifest, preempt_reference
 ):
-    """A job of one minute with `train.launch.slurm.signal_seconds=55` (`#SBATCH --signal=B:USR1@55`): Slurm, not the
+    """A job of two minutes with `train.launch.slurm.signal_seconds=115` (`#SBATCH --signal=B:USR1@115`): Slurm, not the
     test, signals the batch shell before the limit; the job checkpoints, requeues itself and resumes, and ends
     with the weights of an uninterrupted run. The job is submitted just after one of the controller's 30-s
     time-limit checks, so the signal comes at the next one, ~30 s in: the trainer (slowed down, from scratch
     only, by tests/support/fault_injection.py) is then training, not starting up. The requeued job is released at once
-    (as in the test above) and, at full speed, ends before the controller's next check."""
+    (as in the test above) and, at full speed, ends well inside its own limit."""
     cfg = tiny_config(tmp_path / "shared", *PREEMPT, *SLURM, *TIME_LIMIT)
     rdir = run_dir(cfg, tiny_manifest)
     done = threading.Event()
@@ -268,7 +270,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(
         _slurm("scontrol", "setdebug", "info")
     job_id = json.loads((rdir / "slurm-job.json").read_text())["job_id"]
     script = (rdir / "launch.sbatch").read_text()
-    assert "#SBATCH --signal=B:USR1@55" in script and "-m fault_injection" in script
+    assert "#SBATCH --signal=B:USR1@115" in script and "-m fault_injection" in script
     submitted = [x for x in lines if x.startswith("[slurm] submitted job ")]  # one job, requeued under its id
     assert len(submitted) == 1 and submitted[0].startswith(f"[slurm] submitted job {job_id} ")
     log = (rdir / f"slurm-{job_id}.out").read_text()
