@@ -1,8 +1,14 @@
 """Raw text -> tokenized, packed Megatron .bin/.idx per (split, source), verified, with a manifest.
 
-One datatrove pipeline: per source a reader, then hash sharding over tasks, optional cleaning
+One datatrove pipeline: per source a reader of this task's share of the input bytes, optional cleaning
 (unicode normalisation, length filter, exact dedup), and a writer that tokenizes and routes each
 document to its split (hash of the text) and source. Executors: datatrove local (workers), Slurm, Ray.
+With `data.dedup` or `data.max_documents`, every task reads every record and a hash of the text picks
+the documents of each task instead (see data_prep.readers).
+
+What does not depend on the number of tasks (nor on how the input is cut into files): the documents of
+each (split, source), with their tokens, and so each split's document and token counts. Their order
+within and across the per-task shards does.
 
 The output folder is named by a hash of the data and tokenizer config. datatrove's completion
 markers make an interrupted run finish only its missing tasks (the result is byte-identical to an
@@ -87,11 +93,18 @@ def reader_steps(
     steps = []
     for src, path, fmt in resolved:
         reader = make_reader(path, fmt, src.text_key or cfg.data.text_key, src.label, progress)
+        reader.by_input = reads_by_input(cfg)
         reader.limit = cfg.data.max_documents or -1
         reader.strict = cfg.data.strict
         reader.report_dir = str(report_dir) if report_dir else None
         steps.append(reader)
     return steps
+
+
+def reads_by_input(cfg: PipelineConfig) -> bool:
+    """Whether each task reads only its share of the input: exact dedup and a document count need every
+    document in view, so with either every task reads everything and keeps its documents by text hash."""
+    return not (cfg.data.dedup or cfg.data.max_documents)
 
 
 def check_inputs(cfg: PipelineConfig, resolved) -> None:
@@ -225,7 +238,7 @@ def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -
     d = cfg.data
     pipeline = [
         *reader_steps(cfg, resolved, progress=d.workers == 1, report_dir=out / FAULTS),
-        HashShard(),
+        *([] if reads_by_input(cfg) else [HashShard()]),
         *cleaning_steps(cfg),
         SplitSourceWriter(
             str(out),

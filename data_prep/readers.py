@@ -1,19 +1,24 @@
 """datatrove readers for every input format, tolerant of bad records and damaged files.
 
-Every reader yields all documents of its source (each task reads every file) and a `HashShard` step
-keeps the documents of one task by a hash of their text. So the partition of documents over tasks
-depends only on content (stable across reruns and file layouts), and exact duplicates always meet in
-the same task, which makes per-task de-duplication global.
+Each task reads about 1/N of the input bytes (`data_prep.sharding`: files dealt across tasks, uncompressed
+JSON lines cut at record boundaries into byte ranges), so reading costs O(corpus) whatever the number of
+tasks; every record is read, and counted, by exactly one task. `data.dedup` and `data.max_documents` need
+every document in view: with either, every task reads every record, a `HashShard` step keeps the documents
+of one task by a hash of their text (exact duplicates meet in the same task), and only the first task counts.
 
 Nothing readable is lost:
 - bad records are skipped and counted in datatrove's stats (`skipped_<reason>`), the first ones logged
-  with their file and line; only the first task counts and logs, since every task reads every record;
+  with their file and line (or byte offset, in a range of a file);
 - a file that breaks off (truncated or corrupt .gz/.zst/.bz2/.xz, I/O error) keeps the records before the
   damage and is counted (`skipped_damaged_file`) and reported; one that cannot be opened at all is
   `skipped_unreadable_file`. With `strict`, either raises `DamagedFileError` instead;
+- a record over `MAX_RECORD_BYTES` (a JSONL line, a .txt file, a Parquet/Arrow text value, judged from the
+  Parquet metadata before the row group is read) is a counted skip (`skipped_oversize_record`);
 - texts are repaired, not dropped: a byte-order mark and Windows line endings of .txt files go, lone
   surrogate escapes in JSON become U+FFFD (`replaced_lone_surrogates`), NUL characters are removed
   (`stripped_nul_bytes`); both counts are of records.
+
+Each task records the input bytes it read as the stat `read_bytes`.
 """
 
 from __future__ import annotations
@@ -31,12 +36,15 @@ from pathlib import Path
 
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 from datatrove.data import Document, DocumentsPipeline
-from datatrove.pipeline.readers import ParquetReader
 from datatrove.pipeline.readers.base import BaseDiskReader
 from datatrove.pipeline.readers.ipc import IpcReader
 from datatrove.utils.logging import logger
+from tqdm import tqdm
 
+from data_prep.sharding import InputFile, Piece, plan
 from difflm.errors import UserError
 
 FORMATS = ("jsonl", "parquet", "text", "hf_disk")
@@ -200,41 +208,69 @@ class _ZstdRaw(io.RawIOBase):
         super().close()
 
 
-class _AllFilesMixin:
-    """Read every file in every task (HashShard does the partition), count in the first task only, and
-    keep the records of a file read before it breaks off."""
+class _TolerantMixin:
+    """Read this task's share of the input (or, with `by_input` off, every file in every task, counting in the
+    first task only), and keep the records of a file read before it breaks off."""
 
     quiet = False  # set for extra passes over the input (tokenizer training): skips are logged once
     strict = False  # a damaged or unreadable file raises DamagedFileError
     report_dir: str | None = None  # where damaged/unreadable files are reported (one JSON file each)
     patterns: tuple[str, ...] = ()  # read only files named so (folder sources); others are listed apart
+    by_input = True  # False: every task reads every record (a HashShard step partitions the documents)
     _counting = True
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         self._logged = 0
-        self._counting = rank == 0  # every task reads every record: one count, not one per task
-        yield from super().run(data, 0, 1)  # type: ignore[misc]
+        if not self.by_input:
+            self._counting = rank == 0  # every task reads every record: one count, not one per task
+            yield from super().run(data, 0, 1)  # type: ignore[misc]
+            return
+        self._counting = True
+        if data:
+            yield from data
+        pieces = plan(self._input_files(), rank, world_size)
+        with tqdm(desc="Document progress", unit="doc", disable=not self.doc_progress) as bar:  # type: ignore[attr-defined]
+            for piece in pieces:
+                n = 0
+                for doc in self.read_file(piece.path, piece):
+                    n += 1
+                    yield doc
+                bar.update(n)
+                self.stat_update("documents", value=n, unit="input_file")  # type: ignore[attr-defined]
+
+    def _input_files(self) -> list[InputFile]:
+        folder = self.data_folder  # type: ignore[attr-defined]
+        files = folder.list_files(recursive=self.recursive, glob_pattern=self.glob_pattern)  # type: ignore[attr-defined]
+        if self.patterns:
+            files = [f for f in files if _matches(Path(f).name, self.patterns)]
+        return [InputFile(f, _size(folder, f), self._splittable(f)) for f in files]
+
+    def _splittable(self, filepath: str) -> bool:
+        return False
 
     def read_files_shard(self, shard: list[str]) -> DocumentsPipeline:
         if self.patterns:
             shard = [f for f in shard if _matches(Path(f).name, self.patterns)]
         return super().read_files_shard(shard)  # type: ignore[misc]
 
-    def read_file(self, filepath: str) -> DocumentsPipeline:
-        """The documents of one file. Caught here, not left to datatrove, a file that breaks off keeps the
-        documents read before the damage instead of aborting the whole prep."""
+    def read_file(self, filepath: str, piece: Piece | None = None) -> DocumentsPipeline:
+        """The documents of one file (or of its `piece`). Caught here, not left to datatrove, a file that breaks
+        off keeps the documents read before the damage instead of aborting the whole prep."""
         read = 0
+        piece = piece or Piece(filepath)
         try:
-            for doc in self._records(filepath):
+            for doc in self._records(piece):
                 read += 1
                 yield doc
         except _FILE_ERRORS as err:
             self._file_fault(filepath, err, read)
+        if piece.whole:
+            self.stat_update("read_bytes", value=_size(self.data_folder, filepath))  # type: ignore[attr-defined]
 
-    def _records(self, filepath: str) -> DocumentsPipeline:
-        """The documents of one file, format by format: every reader of this module defines it (JSONL, text
-        files, the tabular readers); `read_file` wraps it with the damaged-file handling."""
-        raise NotImplementedError(f"{type(self).__name__} must define _records(filepath)")
+    def _records(self, piece: Piece) -> DocumentsPipeline:
+        """The documents of one file (or of a byte range of it, for the readers that can cut files), format by
+        format: every reader of this module defines it; `read_file` wraps it with the damaged-file handling."""
+        raise NotImplementedError(f"{type(self).__name__} must define _records(piece)")
 
     def _file_fault(self, filepath: str, err: BaseException, read: int) -> None:
         path = self.data_folder.resolve_paths(filepath)  # type: ignore[attr-defined]
@@ -253,8 +289,12 @@ class _AllFilesMixin:
         if self._counting:
             self.stat_update(key)  # type: ignore[attr-defined]
 
-    def _skip(self, reason: str, where: str, detail: str = "") -> None:
-        self._count(f"skipped_{reason}")
+    def _skip(self, reason: str, where: str, detail: str = "", n: int = 1) -> None:
+        """`n` records skipped for `reason` (counted, the first ones logged); `where` names the first."""
+        if not n:
+            return
+        if self._counting:
+            self.stat_update(f"skipped_{reason}", value=n)  # type: ignore[attr-defined]
         if self._counting and not self.quiet and self._logged < _MAX_LOGGED:
             self._logged += 1
             logger.warning(f"skipping record at {where}: {reason.replace('_', ' ')} {detail}".rstrip())
@@ -332,6 +372,16 @@ class _CappedReader:
         return line
 
 
+def _past_line(f) -> int:
+    """Read binary file `f` past the end of the current line (1 MiB at a time); the bytes read."""
+    n = 0
+    while True:
+        rest = f.readline(1 << 20)
+        n += len(rest)
+        if not rest or rest.endswith(b"\n"):
+            return n
+
+
 def _bounded_lines(f, limit: int):
     """The lines of binary file `f`, each read with at most `limit` bytes in memory: a longer line is yielded
     as None once its rest has been read past."""
@@ -340,16 +390,21 @@ def _bounded_lines(f, limit: int):
         if not line:
             return
         if len(line) > limit and not line.endswith(b"\n"):
-            while True:  # skip to the end of this line without keeping it
-                rest = f.readline(1 << 20)
-                if not rest or rest.endswith(b"\n"):
-                    break
+            _past_line(f)  # skip to the end of this line without keeping it
             yield None
         else:
             yield line
 
 
-class JsonlSource(_AllFilesMixin, BaseDiskReader):
+def _size(folder, filepath: str) -> int:
+    """A file's size, 0 when it cannot be read (a dangling link): reading it then reports it."""
+    try:
+        return folder.size(filepath)
+    except OSError:
+        return 0
+
+
+class JsonlSource(_TolerantMixin, BaseDiskReader):
     """JSON lines (optionally .gz/.zst/.bz2/.xz): invalid UTF-8, malformed JSON, non-objects and records
     without a string text field are counted skips."""
 
@@ -371,10 +426,17 @@ class JsonlSource(_AllFilesMixin, BaseDiskReader):
             with self.data_folder.open(filepath, "rb", compression="infer") as f:
                 yield f
 
-    def _records(self, filepath: str) -> DocumentsPipeline:
-        cap = self.max_file_bytes
-        if not filepath.endswith(_COMPRESSED) and self.data_folder.size(filepath) > cap:
-            self._skip_file(filepath, f"({self.data_folder.size(filepath)} bytes, over {cap}: not read)")
+    def _splittable(self, filepath: str) -> bool:
+        return not filepath.endswith(_COMPRESSED)
+
+    def _records(self, piece: Piece) -> DocumentsPipeline:
+        filepath, cap = piece.path, self.max_file_bytes
+        if not filepath.endswith(_COMPRESSED) and (size := self.data_folder.size(filepath)) > cap:
+            if piece.start == 0:  # one count, by the task whose piece opens the file
+                self._skip_file(filepath, f"({size} bytes, over {cap}: not read)")
+            return
+        if not piece.whole:
+            yield from self._range(piece)
             return
         li = 0
         try:
@@ -388,6 +450,33 @@ class JsonlSource(_AllFilesMixin, BaseDiskReader):
                         yield Document(text=text, id=f"{self.source}:{filepath}:{li}", metadata={"source": self.source})
         except _OversizeFile:
             self._skip_file(filepath, f"(decompressed past {cap} bytes at line {li + 1}: the lines before are kept)")
+
+    def _range(self, piece: Piece) -> DocumentsPipeline:
+        """The records of an uncompressed file that start in bytes [piece.start, piece.end): the line that holds
+        byte start - 1 belongs to the range before, and the last record is read to its end."""
+        assert piece.end is not None
+        filepath, pos = piece.path, piece.start
+        with self.data_folder.open(filepath, "rb") as f:
+            if pos:
+                f.seek(pos - 1)
+                pos += _past_line(f) - 1
+            first = max(piece.start - 1, 0)
+            try:
+                while pos < piece.end:
+                    raw = f.readline(MAX_RECORD_BYTES + 1)
+                    if not raw:
+                        break
+                    where = f"{filepath} byte {pos}"
+                    pos += len(raw)
+                    if len(raw) > MAX_RECORD_BYTES and not raw.endswith(b"\n"):
+                        pos += _past_line(f)
+                        self._skip("oversize_record", where, f"(a line over {MAX_RECORD_BYTES >> 20} MiB)")
+                        continue
+                    text = self._text_of_line(raw, where)
+                    if text is not None:
+                        yield Document(text=text, id=f"{self.source}:{where}", metadata={"source": self.source})
+            finally:
+                self.stat_update("read_bytes", value=pos - first)
 
     def _skip_file(self, filepath: str, detail: str) -> None:
         """The (rest of the) file is over `max_file_bytes`: one counted skip, logged with the file."""
@@ -419,7 +508,7 @@ class JsonlSource(_AllFilesMixin, BaseDiskReader):
         return None if text is None else self._repaired(text, lenient)
 
 
-class TextFolderSource(_AllFilesMixin, BaseDiskReader):
+class TextFolderSource(_TolerantMixin, BaseDiskReader):
     """A folder of .txt files, one document per file."""
 
     name = "📄 Text files"
@@ -428,7 +517,8 @@ class TextFolderSource(_AllFilesMixin, BaseDiskReader):
         super().__init__(data_folder, glob_pattern=glob_pattern, **kwargs)
         self.source = source
 
-    def _records(self, filepath: str) -> DocumentsPipeline:
+    def _records(self, piece: Piece) -> DocumentsPipeline:
+        filepath = piece.path
         with self.data_folder.open(filepath, "rb") as f:
             raw = f.read(MAX_RECORD_BYTES + 1)
         if len(raw) > MAX_RECORD_BYTES:
@@ -443,13 +533,73 @@ class TextFolderSource(_AllFilesMixin, BaseDiskReader):
         yield Document(text=self._repaired(text), id=f"{self.source}:{filepath}", metadata={"source": self.source})
 
 
-def _tabular(reader_cls, source: str, text_key: str):
-    """A datatrove tabular reader (Parquet, Arrow IPC) that reads all files and tags the source."""
+# A Parquet row group's text column is read only after its decompressed size, from the file's metadata, is known:
+# a 16 KiB file can hold one 512 MiB document (2.15 GB of memory to read it unbounded). One row over this is a
+# counted `skipped_oversize_record`, never read; a larger group of many rows is read a few MiB of rows at a time
+# (Parquet records no per-value sizes, so one huge value among many rows is still read before it is skipped).
+MAX_ROW_GROUP_TEXT_BYTES = 256 << 20
+_PARQUET_BATCH_BYTES = 8 << 20
 
-    class Tabular(_AllFilesMixin, reader_cls):
-        def _records(self, filepath: str) -> DocumentsPipeline:
+
+class ParquetSource(_TolerantMixin, BaseDiskReader):
+    """Parquet files, the text column read in bounded batches, row group by row group."""
+
+    name = "📒 Parquet (bounded)"
+
+    def __init__(self, data_folder, glob_pattern: str | None = None, text_key: str = "text", source="", **kwargs):
+        super().__init__(data_folder, glob_pattern=glob_pattern, text_key=text_key, **kwargs)
+        self.source = source
+
+    def _records(self, piece: Piece) -> DocumentsPipeline:
+        filepath, row = piece.path, 0
+        with self.data_folder.open(filepath, "rb") as f, pq.ParquetFile(f, buffer_size=1 << 20) as pqf:
+            meta = pqf.metadata
+            if self.text_key not in pqf.schema_arrow.names:
+                fields = sorted(pqf.schema_arrow.names)[:8]
+                detail = f"(no field {self.text_key!r}; fields: {fields}; set the source's text_key)"
+                self._skip("missing_text", f"{filepath} row 0", detail, n=meta.num_rows)
+                return
+            column = pqf.schema_arrow.names.index(self.text_key)
+            for group in range(meta.num_row_groups):
+                rows = meta.row_group(group).num_rows
+                size = _text_column_bytes(meta.row_group(group), self.text_key, column)
+                if rows == 1 and size > MAX_ROW_GROUP_TEXT_BYTES:
+                    self._skip("oversize_record", f"{filepath} row {row}", f"({size} bytes of text, over the limit)")
+                    row += rows
+                    continue
+                batch_rows = max(1, _PARQUET_BATCH_BYTES * rows // max(size, 1))
+                for batch in pqf.iter_batches(batch_size=batch_rows, row_groups=[group], columns=[self.text_key]):
+                    for doc in self._batch_documents(batch.column(0), filepath, row):
+                        yield doc
+                    row += batch.num_rows
+
+    def _batch_documents(self, values: pa.Array, filepath: str, row: int) -> DocumentsPipeline:
+        is_text = pa.types.is_string(values.type) or pa.types.is_large_string(values.type)
+        sizes = pc.binary_length(values).to_pylist() if is_text else [0] * len(values)
+        for i, (value, size) in enumerate(zip(values.to_pylist(), sizes)):
+            where = f"{filepath} row {row + i}"
+            if size and size > MAX_RECORD_BYTES:
+                self._skip("oversize_record", where, f"(a text over {MAX_RECORD_BYTES >> 20} MiB)")
+                continue
+            text = self._usable_text({self.text_key: value}, where)
+            if text is not None:
+                yield Document(text=self._repaired(text), id=f"{self.source}:{where}", metadata={"source": self.source})
+
+
+def _text_column_bytes(group, name: str, column: int) -> int:
+    """The decompressed bytes of column `name` in one row group's metadata (its leaf columns together)."""
+    paths = [group.column(j).path_in_schema for j in range(group.num_columns)]
+    leaves = [j for j, p in enumerate(paths) if p == name or p.startswith(f"{name}.")] or [column]
+    return sum(group.column(j).total_uncompressed_size for j in leaves)
+
+
+def _tabular(reader_cls, source: str, text_key: str):
+    """A datatrove tabular reader (Arrow IPC) that tolerates bad records and tags the source."""
+
+    class Tabular(_TolerantMixin, reader_cls):
+        def _records(self, piece: Piece) -> DocumentsPipeline:
             self._row = 0  # datatrove's id_in_file counts kept rows only; messages name the real row
-            return reader_cls.read_file(self, filepath)
+            return reader_cls.read_file(self, piece.path)
 
         def get_document_from_dict(self, data: dict, source_file: str, id_in_file):
             where, self._row = f"{source_file} row {self._row}", self._row + 1
@@ -474,8 +624,8 @@ def make_reader(path: Path, fmt: str, text_key: str, source: str, progress: bool
     elif fmt == "text":
         reader = TextFolderSource(str(folder), glob_pattern=glob or "**/*.txt", source=source, doc_progress=progress)
     elif fmt == "parquet":
-        reader = _tabular(ParquetReader, source, text_key)(
-            str(folder), glob_pattern=glob or "**/*.parquet", text_key=text_key, doc_progress=progress
+        reader = ParquetSource(
+            str(folder), glob_pattern=glob or "**/*.parquet", text_key=text_key, source=source, doc_progress=progress
         )
     elif fmt == "hf_disk":  # `datasets.save_to_disk` writes Arrow IPC streams
         reader = _tabular(IpcReader, source, text_key)(
