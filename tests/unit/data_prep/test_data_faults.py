@@ -368,3 +368,36 @@ def test_prep_killed_with_sigkill_resumes_byte_identically(tmp_path):
     digests = _shard_digests(Path(resumed["dir"]))
     assert len(digests) >= 4 and digests == _shard_digests(Path(reference["dir"]))
     assert resumed["splits"]["train"]["documents"] == reference["splits"]["train"]["documents"] > 0
+
+
+_WRITE_BOMB = """
+import sys
+import numpy as np, pyarrow as pa, pyarrow.parquet as pq
+n = 512 << 20  # one document of 512 MiB (zero pages: nothing to fill), lz4: about 2 MB on disk
+text = pa.LargeStringArray.from_buffers(1, pa.py_buffer(np.array([0, n], np.int64)), pa.py_buffer(np.zeros(n, np.uint8)))
+pq.write_table(pa.table({"text": text}), sys.argv[1], compression="lz4", use_dictionary=False, write_statistics=False)
+"""
+_READ_BOMB = """
+import json, re, sys
+from pathlib import Path
+from data_prep.readers import make_reader
+reader = make_reader(Path(sys.argv[1]), "parquet", "text", "bomb")
+docs = sum(1 for _ in reader.run())
+# this process's own peak: getrusage's ru_maxrss keeps the launching process's peak across exec (pytest's)
+peak_mb = int(re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)) / 1024
+print(json.dumps({"docs": docs, "skipped": reader.stats["skipped_oversize_record"].total, "peak_mb": peak_mb}))
+"""
+
+
+@pytest.mark.integration  # two processes: the writer's memory must not count, the reader's peak is measured
+def test_a_parquet_file_holding_one_huge_document_is_skipped_in_bounded_memory(tmp_path):
+    bomb = tmp_path / "bomb.parquet"
+    subprocess.run([sys.executable, "-c", _WRITE_BOMB, str(bomb)], check=True)
+    assert bomb.stat().st_size < 4 << 20
+    out = subprocess.run(
+        [sys.executable, "-c", _READ_BOMB, str(bomb)], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["docs"] == 0 and result["skipped"] == 1, result
+    assert result["peak_mb"] < 400, result
+    assert "bomb.parquet row 0: oversize record" in out.stderr
