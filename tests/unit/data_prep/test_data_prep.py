@@ -123,10 +123,12 @@ def test_splits_do_not_depend_on_worker_count(tmp_path, tiny_manifest):
     assert _split_texts(one, one["tokenizer"]["path"]) == _split_texts(two, two["tokenizer"]["path"])
 
 
-def test_resume_finishes_only_missing_tasks_byte_identically(tmp_path, tiny_manifest):
+# each task its share of the input bytes (the default), or every task every record (max_documents needs it)
+@pytest.mark.parametrize("reading", ["data.max_documents=null", "data.max_documents=40"], ids=["by-input", "all"])
+def test_resume_finishes_only_missing_tasks_byte_identically(tmp_path, tiny_manifest, reading):
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in _docs(40, "r")))
-    cfg = _cfg(tmp_path, tiny_manifest, f"data.sources=[{src}]", "data.tasks=3", "data.workers=1")
+    cfg = _cfg(tmp_path, tiny_manifest, f"data.sources=[{src}]", "data.tasks=3", "data.workers=1", reading)
     m = prepare_data(cfg)
     out = Path(m["dir"])
     files = sorted(p for p in out.rglob("*_tokens.*"))
