@@ -1,10 +1,14 @@
-"""Data-prep throughput: tokens/s and peak memory of the datatrove pipeline with 1 and 2 workers on
-the demo corpus, against the raw throughput of the tokenizer alone on the same text (the ceiling).
+"""Data-prep throughput, side by side in one run on the same corpus: the tokenizer alone (the ceiling), the
+datatrove pipeline with 1 and 2 workers, Megatron-LM's `tools/preprocess_data.py` (or why it was skipped),
+and the input bytes each task reads for 1, 2, 4 and 8 tasks (a count: exact on any machine).
 
-    .venv/bin/python benchmarks/data_prep_throughput.py [--repeat 4] [--workers 1 2]
+    .venv/bin/python benchmarks/data_prep_throughput.py [--repeat 4] [--workers 1 2] [--megatron-lm DIR]
 
-The corpus is repeated (with a counter so that no document is a duplicate) to make the run long
-enough to measure. Each case runs in a fresh process so peak RSS is its own (children included).
+The corpus is the demo corpus repeated (with a counter so that no document is a duplicate) to make the run
+long enough to measure. Each timed case runs in a fresh process so peak RSS is its own (children included).
+Megatron-LM: megatron-core's wheel ships no `tools/preprocess_data.py` (it is in the Megatron-LM repository
+only), so it runs from a checkout given as `--megatron-lm DIR` (with this environment's packages on the path;
+the script's `megatron.training` imports must resolve here), else the row says why it was skipped.
 """
 
 from __future__ import annotations
@@ -41,9 +45,9 @@ def tokenizer_ceiling(path: Path, tokenizer_json: str) -> dict:
     tok = Tokenizer.from_file(tokenizer_json)
     texts = [json.loads(line)["text"] for line in path.read_text().splitlines()]
     tic = time.perf_counter()
-    n = sum(len(e.ids) + 1 for e in tok.encode_batch(texts))
+    n = sum(len(e.ids) + 1 for e in tok.encode_batch_fast(texts))
     dt = time.perf_counter() - tic
-    return {"case": "tokenizer only (encode_batch)", "tokens": n, "seconds": dt}
+    return {"case": "tokenizer alone (encode_batch_fast)", "tokens": n, "seconds": dt}
 
 
 def pipeline_case(path: Path, workers: int, workdir: Path, tokenizer_dir: str) -> dict:
@@ -58,6 +62,9 @@ def pipeline_case(path: Path, workers: int, workdir: Path, tokenizer_dir: str) -
             f"data.workers={workers}",
             f"tokenizer.path={tokenizer_dir}",
             "tracking.enabled=false",
+            "data.max_documents=null",  # each task reads its share of the input (dedup and a count read all)
+            "data.dedup=false",
+            "data.min_chars=0",
         ],
     )
     tic = time.perf_counter()
@@ -67,10 +74,53 @@ def pipeline_case(path: Path, workers: int, workdir: Path, tokenizer_dir: str) -
     return {"case": f"datatrove pipeline, {workers} worker(s)", "tokens": n, "seconds": dt}
 
 
+def megatron_case(path: Path, workers: int, checkout: str | None, tokenizer_dir: str, out: Path) -> dict:
+    """Megatron-LM's preprocess_data.py on the same corpus and tokenizer (EOS appended, as ours), or why not."""
+    case = f"Megatron-LM preprocess_data.py, {workers} worker(s)"
+    if not checkout:
+        return {"case": case, "skipped": "megatron-core's wheel ships no tools/preprocess_data.py: pass --megatron-lm"}
+    script = Path(checkout) / "tools" / "preprocess_data.py"
+    cmd = [sys.executable, str(script), "--input", str(path), "--output-prefix", str(out / "megatron")]
+    cmd += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_dir]
+    cmd += ["--workers", str(workers), "--append-eod"]
+    env = {**os.environ, "PYTHONPATH": checkout, "PYTHONWARNINGS": "ignore"}
+    out.mkdir(parents=True, exist_ok=True)
+    tic = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=checkout)
+    dt = time.perf_counter() - tic
+    if proc.returncode:
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return {"case": case, "skipped": f"it failed here: {last}"}
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    (idx,) = out.glob("*.idx")
+    n = int(IndexedDataset(str(idx.with_suffix(""))).sequence_lengths.sum())
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return {"case": case, "tokens": n, "seconds": dt, "peak_mb": peak}
+
+
+def bytes_read_per_task(path: Path, counts=(1, 2, 4, 8)) -> dict[int, list[int]]:
+    """The input bytes each task's reader reads (its `read_bytes` stat), for each number of tasks."""
+    from data_prep.readers import make_reader
+
+    result = {}
+    for n in counts:
+        per_task = []
+        for rank in range(n):
+            reader = make_reader(path, "jsonl", "text", "bench")
+            reader.quiet = True
+            for _ in reader.run(None, rank, n):
+                pass
+            per_task.append(reader.stats["read_bytes"].total)
+        result[n] = per_task
+    return result
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--repeat", type=int, default=4)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--megatron-lm", help="a Megatron-LM checkout whose tools/preprocess_data.py to run")
     p.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # kind path arg workdir
     args = p.parse_args()
     if args.one:
@@ -106,16 +156,25 @@ def main() -> int:
                 print(out.stderr[-3000:], file=sys.stderr)
                 return 1
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        mb = path.stat().st_size / 2**20
+        rows += [megatron_case(path, w, args.megatron_lm, tok_dir, tmp / f"m{w}") for w in args.workers]
+        reads = bytes_read_per_task(path)
+        size = path.stat().st_size
+        mb = size / 2**20
     print(f"\ndata prep on the demo corpus x{args.repeat} ({mb:.1f} MB of JSONL), {os.cpu_count()} CPU cores")
     print(f"{'case':<36}{'tokens':>12}{'seconds':>10}{'tokens/s':>12}{'peak MB':>10}{'of ceiling':>12}")
     ceiling = rows[0]["tokens"] / rows[0]["seconds"]
     for r in rows:
+        if "skipped" in r:
+            print(f"{r['case']:<36} skipped: {r['skipped']}")
+            continue
         rate = r["tokens"] / r["seconds"]
         print(
             f"{r['case']:<36}{r['tokens']:>12,}{r['seconds']:>10.2f}{rate:>12,.0f}{r['peak_mb']:>10.0f}"
             f"{rate / ceiling:>11.0%}"
         )
+    print(f"\ninput bytes read per task ({size:,} bytes in all)")
+    for n, per_task in reads.items():
+        print(f"{n} task(s): max {max(per_task):,} ({max(per_task) / size:.1%}), sum {sum(per_task):,}: {per_task}")
     return 0
 
 

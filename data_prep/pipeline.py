@@ -22,6 +22,7 @@ each, and the run ends with one summary line. `data.strict` turns a damaged file
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -234,6 +235,15 @@ def build_executor(cfg: PipelineConfig, pipeline: list, logging_dir: Path):
     return QuietLocalExecutor(pipeline=pipeline, tasks=d.num_tasks, workers=d.workers, logging_dir=str(logging_dir))
 
 
+def tokenizer_threads(cfg: PipelineConfig) -> int | None:
+    """Tokenizer threads per task: local workers share this machine's cores (each would start one thread per
+    core); one worker, Slurm and Ray tasks keep the tokenizer's default (all the cores the task sees)."""
+    d = cfg.data
+    if d.executor != "local" or d.workers == 1:
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // d.workers)
+
+
 def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -> None:
     d = cfg.data
     pipeline = [
@@ -248,6 +258,7 @@ def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -
             d.test_fraction,
             d.split_seed,
             mask_token=cfg.tokenizer.mask_token,
+            threads=tokenizer_threads(cfg),
         ),
     ]
     executor = build_executor(cfg, pipeline, out / "logs")
