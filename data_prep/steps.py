@@ -146,6 +146,20 @@ class SplitSourceWriter(PipelineStep):
     def run(self, data: DocumentsPipeline, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         if self.threads:  # read once, when the tokenizer's thread pool starts (the first batch of this process)
             os.environ["RAYON_NUM_THREADS"] = str(self.threads)
+        # the CLI turns the tokenizer's threads off for the whole process (OFFLINE_ENV); the writer needs them
+        before = os.environ.get("TOKENIZERS_PARALLELISM")
+        os.environ["TOKENIZERS_PARALLELISM"] = "true"
+        try:
+            self._write(data, rank)
+        finally:
+            if before is None:
+                os.environ.pop("TOKENIZERS_PARALLELISM", None)
+            else:
+                os.environ["TOKENIZERS_PARALLELISM"] = before
+        return
+        yield  # a generator step that ends the pipeline
+
+    def _write(self, data: DocumentsPipeline, rank: int) -> None:
         tok, plain = self._tokenizer(), self._tokenizer(split_special=True)
         token_size = 4 if tok.get_vocab_size() > 65536 else 2
         folder = get_datafolder(self.output_folder)
@@ -168,5 +182,3 @@ class SplitSourceWriter(PipelineStep):
                 self.stat_update(name, value=n, unit="batch")
         for w in writers.values():
             w.close()
-        return
-        yield  # a generator step that ends the pipeline
