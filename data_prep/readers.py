@@ -171,6 +171,8 @@ class _TolerantMixin:
         pieces = plan(self._input_files(), rank, world_size)
         with tqdm(desc="Document progress", unit="doc", disable=not self.doc_progress) as bar:  # type: ignore[attr-defined]
             for piece in pieces:
+                part = "" if piece.whole else f" bytes {piece.start}-{piece.end}"
+                logger.info(f"Reading input file {piece.path}{part}")  # the task's log only (data_prep.quiet)
                 n = 0
                 for doc in self.read_file(piece.path, piece):
                     n += 1
