@@ -6,6 +6,7 @@ returns the run's `TrainResult` as a local launch does."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import sys
@@ -83,6 +84,17 @@ def _check_script_values(run_dir: Path, env: dict[str, str] | None) -> None:
             )
 
 
+def _check_python(python: str) -> None:
+    """The job's python is an executable file here (the nodes see the same shared filesystem): a typo or a path to
+    something else is refused before anything is submitted."""
+    path = Path(python)
+    if not (path.is_absolute() and path.is_file() and os.access(path, os.X_OK)):
+        raise ConfigError(
+            f"train.launch.slurm.python={python!r} is not an executable file: give the absolute path of the python "
+            f"(with this project installed) on the filesystem the nodes share"
+        )
+
+
 def sbatch_options(cfg: PipelineConfig, partition: str | None = None, time: str | None = None) -> list[str]:
     """`train.launch.slurm`'s time, partition and sbatch_args as `sbatch` arguments (partition/time: these instead).
     They go on sbatch's command line, not into the script: a value never becomes a line of a file that a shell
@@ -116,6 +128,7 @@ def slurm_script(
     are `sbatch` arguments (`sbatch_command`). `trainer`: the module torchrun runs (as in `launch_training`)."""
     t, s = cfg.train, cfg.train.launch.slurm
     python = python or s.python or sys.executable
+    _check_python(python)
     gpus = t.launch.nproc_per_node if s.gpus_per_node is None else s.gpus_per_node
     _check_script_values(run_dir, env)
     lines = [

@@ -60,14 +60,18 @@ def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, slurm_cl
     local = tiny_config(work, *SHORT)
     rdir = run_dir(local, tiny_manifest)
 
-    # a job that fails on its node (no such python there): the error names the job, its exit code and its log
-    broken = tiny_config(work, *SHORT, *SLURM, "train.launch.slurm.python=/nonexistent/python")
+    # a job that fails on its node (its python's interpreter is not there): the error names the job, its exit code
+    # and its log
+    python = tmp_path / "python"
+    python.write_text("#!/nonexistent/python\n")
+    python.chmod(0o755)
+    broken = tiny_config(work, *SHORT, *SLURM, f"train.launch.slurm.python={python}")
     with pytest.raises(TrainingError) as err:
         _untried_train_task()(broken, tiny_manifest, {})
     failed_id, msg = json.loads((rdir / "slurm-job.json").read_text())["job_id"], str(err.value)
     assert f"Slurm job {failed_id} ended FAILED (exit 2:0) without the final checkpoint" in msg
     assert f"log: {rdir / f'slurm-{failed_id}.out'}" in msg and "resumes from the latest checkpoint" in msg
-    assert "execve(): /nonexistent/python: No such file or directory" in msg  # the log's last lines
+    assert f"execve(): {python}: No such file or directory" in msg  # the log's last lines
     assert not isinstance(err.value, ClusterError)  # the train task retries it
 
     # the real job: same run directory as a local launch (the launcher is not part of the run's identity)

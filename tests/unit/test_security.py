@@ -66,6 +66,58 @@ def test_injected_sbatch_values_are_config_errors(override, field):
         load_config("test-tiny", [override])
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        "{export: 'ALL,BASH_ENV=evil.sh'}",
+        "{output: /root/.bashrc}",
+        "{error: /etc/cron.d/x}",
+        "{wrap: id}",
+        "{chdir: /tmp}",
+        "{'--export': NONE}",
+        "{get-user-env: ''}",
+        "{container: /tmp/x}",
+    ],
+)
+@pytest.mark.parametrize("section", ["train.launch.slurm", "data.slurm"])
+def test_sbatch_args_outside_the_scheduling_options_are_refused(section, option):
+    with pytest.raises(ConfigError) as err:
+        load_config("test-tiny", [f"{section}.sbatch_args={option}"])
+    msg = str(err.value)
+    assert f"{section}.sbatch_args" in msg and "is not one sbatch_args may set" in msg
+    assert "allowed: account, begin, " in msg and "qos" in msg and len(msg.splitlines()) == 2  # heading, field
+
+
+@pytest.mark.parametrize(
+    "option", ["{mem: lots}", "{nodes: two}", "{cpus-per-task: -1}", "{gpus: 'a100:x'}", "{nice: high}"]
+)
+def test_sbatch_args_values_are_checked_for_their_options_shape(option):
+    with pytest.raises(ConfigError, match=r"train\.launch\.slurm\.sbatch_args.* is not a value of --"):
+        load_config("test-tiny", [f"train.launch.slurm.sbatch_args={option}"])
+
+
+def test_scheduling_sbatch_args_pass():
+    args = "{account: proj, qos: high, gres: 'gpu:a100:4', gpus-per-node: 4, nodes: 2, ntasks-per-node: 1, "
+    args += "cpus_per_task: 32, mem: 0, mem-per-cpu: 4G, exclusive: '', begin: 'now+1hour', nice: 10, "
+    args += "mail-type: 'END,FAIL', mail-user: me@example.org, reservation: maint, constraint: 'a100|h100'}"
+    cfg = load_config("test-tiny", [f"train.launch.slurm.sbatch_args={args}"])
+    options = sbatch_options(cfg)
+    assert "--cpus-per-task=32" in options and "--exclusive" in options and "--gres=gpu:a100:4" in options
+
+
+def test_the_jobs_python_must_be_an_executable_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.launch\.slurm\.python.*not an absolute path"):
+        load_config("test-tiny", ["train.launch.slurm.python=python3"])
+    data = tmp_path / "notes.txt"
+    data.write_text("")
+    for python in ("/nonexistent/python", str(data), str(tmp_path)):
+        cfg = load_config("test-tiny", [f"train.launch.slurm.python={python}"])
+        with pytest.raises(ConfigError, match=r"train\.launch\.slurm\.python=.* is not an executable file"):
+            slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
+    cfg = load_config("test-tiny", [f"train.launch.slurm.python={sys.executable}"])
+    assert sys.executable in slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
+
+
 @pytest.mark.parametrize("time", ["30", "00:30", "04:00:00", "2-00", "2-12:00", "1-00:00:00", "UNLIMITED"])
 def test_slurm_time_formats_are_accepted(time):
     cfg = load_config(
