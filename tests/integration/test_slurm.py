@@ -73,7 +73,7 @@ def test_slurm_launcher_trains_the_same_run_as_a_local_launch(
     failed_id, msg = json.loads((rdir / "slurm-job.json").read_text())["job_id"], str(err.value)
     assert f"Slurm job {failed_id} ended FAILED (exit 2:0) without the final checkpoint" in msg
     assert f"log: {rdir / f'slurm-{failed_id}.out'}" in msg and "resumes from the latest checkpoint" in msg
-    assert f"execve(): {python}: No such file or directory" in msg  # the log's last lines
+    assert "execve(): bad interpreter(/nonexistent/python): No such file or directory" in msg  # the log's last lines
     assert not isinstance(err.value, ClusterError)  # the train task retries it
 
     # the real job: same run directory as a local launch (the launcher is not part of the run's identity); the
