@@ -36,6 +36,7 @@ SUMMARY_KEYS = (
     "mlflow_curves_url",
     "registered_model",
     "version",
+    "registered_by",
     "promotion",
 )
 SERVE_GRACE_SECONDS = 10.0
@@ -284,7 +285,7 @@ def generate(
     from models.evaluation.stages import eval_device, load_model, load_tokenizer, placement
     from models.evaluation.tasks import heldout_documents
 
-    hf_dir = resolve_export(source, tracking_uri or config_tracking_uri(cfg))
+    hf_dir = resolve_export(source, tracking_uri or config_tracking_uri(cfg), cfg.tracking)
     model, tok = load_model(hf_dir, *eval_device(cfg.eval)), load_tokenizer(hf_dir)
     prompts = prompts or cfg.eval.prompts
     if not prompts:

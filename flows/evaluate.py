@@ -38,7 +38,8 @@ def evaluate(
         out_dir: where results go (default: <run>/eval on the run's data, <run>/eval-<data hash> on other data,
             or <workdir>/evals/<source>).
     """
-    hf_dir = resolve_export(source, tracking.tracking_uri(resolve(config, preset or "tiny-cpu", overrides)))
+    named = resolve(config, preset or "tiny-cpu", overrides)
+    hf_dir = resolve_export(source, tracking.tracking_uri(named), named.tracking)
     if config is not None:
         cfg, run = resolve(config, "tiny-cpu", None), RunDir.holding(hf_dir)
     else:

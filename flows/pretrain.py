@@ -109,7 +109,10 @@ def _register(run: PipelineRun, logger) -> dict:
         or {}
     )
     if registered.get("version"):
-        logger.info(f"registered {registered['registered_model']} v{registered['version']}: {registered['promotion']}")
+        logger.info(
+            f"registered {registered['registered_model']} v{registered['version']} by "
+            f"{registered.get('registered_by', 'unknown')}: {registered['promotion']}"
+        )
     return registered
 
 

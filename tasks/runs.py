@@ -159,9 +159,10 @@ def evaluation_source(
 ) -> dict:
     """What `difflm eval SOURCE` evaluates: {'config', 'hf_dir', 'run_dir' (or None), 'manifest', 'out_dir',
     'other_data'}; data is prepared when it is not the run's recorded one (see `source_config`)."""
-    if source.startswith("models:/") and not tracking_uri:  # the store of the config the user named
-        tracking_uri = tracking.tracking_uri(load_config(preset or "tiny-cpu", overrides or []))
-    hf_dir = resolve_export(source, tracking_uri)
+    named = load_config(preset or "tiny-cpu", overrides or []) if source.startswith("models:/") else None
+    if named is not None and not tracking_uri:  # the store of the config the user named
+        tracking_uri = tracking.tracking_uri(named)
+    hf_dir = resolve_export(source, tracking_uri, named.tracking if named is not None else None)
     cfg, run = source_config(hf_dir, preset, overrides)
     manifest = recorded_data(cfg, run) or prepare_data(cfg)
     out = Path(out_dir) if out_dir else default_out_dir(cfg, source, hf_dir, manifest["hash"])

@@ -19,6 +19,60 @@ PARTITION = re.compile(r"[\w.,-]+")
 # days-hours:minutes:seconds; or UNLIMITED / INFINITE
 SLURM_TIME = re.compile(r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|UNLIMITED|INFINITE", re.IGNORECASE)
 
+_NAME = re.compile(r"[\w.-]+")
+_COUNT = re.compile(r"\d+")
+_GPUS = re.compile(r"([\w.-]+:)?\d+(,([\w.-]+:)?\d+)*")  # 4, a100:4, a100:2,v100:1
+_MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
+_MAIL_TYPE = r"NONE|BEGIN|END|FAIL|REQUEUE|ALL|INVALID_DEPEND|STAGE_OUT|TIME_LIMIT(_50|_80|_90)?|ARRAY_TASKS"
+# The sbatch options `sbatch_args` may set, each with the shape of its value. Only scheduling: where and when the
+# job runs and on what. Options that change what the job runs, its environment or where it writes (export, wrap,
+# chdir, output, error, input, get-user-env, container, ...) are refused: a deployment parameter reaches them.
+SBATCH_OPTIONS: dict[str, re.Pattern[str]] = {
+    "account": _NAME,
+    "partition": PARTITION,
+    "qos": _NAME,
+    "reservation": re.compile(r"[\w.,-]+"),
+    "wckey": _NAME,
+    "constraint": re.compile(r"[\w.:,&|!*\[\]()-]+"),
+    "licenses": re.compile(r"[\w.:,@-]+"),
+    "gres": re.compile(r"[\w.:,-]+"),
+    "gpus": _GPUS,
+    "gpus-per-node": _GPUS,
+    "gpus-per-task": _GPUS,
+    "cpus-per-gpu": _COUNT,
+    "nodes": re.compile(r"\d+(-\d+)?"),
+    "ntasks": _COUNT,
+    "ntasks-per-node": _COUNT,
+    "cpus-per-task": _COUNT,
+    "mem": _MEM,
+    "mem-per-cpu": _MEM,
+    "mem-per-gpu": _MEM,
+    "time": SLURM_TIME,
+    "time-min": SLURM_TIME,
+    "exclusive": re.compile(r"|user|mcs|topo"),
+    "begin": re.compile(r"[\w:+-]+"),  # now+1hour, 16:00, 2026-12-05T16:00:00
+    "nice": re.compile(r"-?\d+"),
+    "mail-type": re.compile(rf"({_MAIL_TYPE})(,({_MAIL_TYPE}))*", re.IGNORECASE),
+    "mail-user": re.compile(r"[\w.+-]+(@[\w.-]+)?"),
+}
+
+
+def sbatch_option_problem(key: str, value: str) -> str | None:
+    """Why `--key=value` may not be given to sbatch through `sbatch_args`, or None."""
+    shape = SBATCH_OPTIONS.get(key)
+    if shape is None:
+        return (
+            f"option {key!r} is not one sbatch_args may set (it could change what the job runs, its environment or "
+            f"where it writes); allowed: {', '.join(sorted(SBATCH_OPTIONS))}"
+        )
+    if not shape.fullmatch(value):
+        why = shell_safe_problem(value) or f"is not a value of --{key}"
+        return f"{key}={value!r} {why}: give one token, e.g. {key}={_EXAMPLES.get(key, 'see man sbatch')}"
+    return None
+
+
+_EXAMPLES = {"account": "proj", "mem": "64G", "gpus": "a100:4", "nodes": "2", "time": "04:00:00", "exclusive": "''"}
+
 
 def shell_safe_problem(value: str) -> str | None:
     """Why `value` may not go into a generated script unquoted (a control character or whitespace), or None."""
@@ -36,8 +90,9 @@ class SlurmBase(_Section):
     time: str = Field("04:00:00", description="#SBATCH --time: the time limit of one job.")
     sbatch_args: dict[str, str] = Field(
         default_factory=dict,
-        description="More #SBATCH options, e.g. {account: proj, qos: high, cpus-per-task: '32', mem: 0}. "
-        "One token each: no whitespace, quotes, '$', ';' or newlines.",
+        description="More sbatch options, e.g. {account: proj, qos: high, cpus-per-task: '32', mem: 0}: scheduling "
+        "options only (account, partition, qos, reservation, constraint, gres, gpus, nodes, cpus-per-task, mem, "
+        "time, exclusive, begin, nice, mail-type, ...), each value of its option's shape.",
     )
 
     @field_validator("partition")
@@ -64,13 +119,11 @@ class SlurmBase(_Section):
             return value
         out = {}
         for key, val in value.items():
-            key, val = str(key), "" if val is None else str(val)
-            if not SBATCH_KEY.fullmatch(key.removeprefix("--")):
-                raise ValueError(f"option {key!r} is not an sbatch option name (e.g. account, cpus-per-task)")
-            if not SBATCH_VALUE.fullmatch(val):
-                why = shell_safe_problem(val) or "contains a quote, '$', ';', '<', '>' or a backslash"
-                raise ValueError(f"{key}={val!r} {why}: give one token, e.g. account=proj")
-            out[key.removeprefix("--")] = val
+            key, val = str(key).removeprefix("--").replace("_", "-"), "" if val is None else str(val)
+            problem = sbatch_option_problem(key, val)
+            if problem:
+                raise ValueError(problem)
+            out[key] = val
         return out
 
 
@@ -105,9 +158,17 @@ class SlurmLaunchConfig(SlurmBase):
     )
     python: str | None = Field(
         None,
-        description="Python on the compute nodes, with this project installed (None: the interpreter "
-        "that submits, which must then live on the filesystem the nodes share).",
+        description="Python on the compute nodes, with this project installed: an absolute path to an executable "
+        "file on the filesystem the nodes share, checked when the job script is written (None: the interpreter "
+        "that submits, which must then live there too).",
     )
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, value: str | None) -> str | None:
+        if value is not None and (not value.startswith("/") or shell_safe_problem(value)):
+            raise ValueError(f"{value!r} is not an absolute path to a python executable, e.g. /shared/venv/bin/python")
+        return value
 
 
 class KubernetesLaunchConfig(_Section):

@@ -36,3 +36,15 @@ class TrackingConfig(_Section):
         description="Sample CPU, memory, disk, network (and GPU) utilisation into the training stage's "
         "MLflow run while it trains (MLflow's system metrics, every 10 s).",
     )
+    pipeline_user: str | None = Field(
+        None,
+        description="The MLflow user the pipeline registers versions as: every version is tagged with who "
+        "registered it, and a registered version (models:/...) is loaded only when that is this user or one of "
+        "trusted_registrants (None: MLFLOW_TRACKING_USERNAME of this process, else the local user name).",
+    )
+    trusted_registrants: list[str] = Field(
+        default_factory=list,
+        description="Other MLflow users whose registered versions are loaded (evaluated, served); by default only "
+        "the pipeline user's are. Another user who can write to the registry could otherwise put her weights "
+        "(and code) behind the pipeline's model name and aliases.",
+    )

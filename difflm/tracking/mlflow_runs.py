@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from difflm.config import PipelineConfig
+from difflm.config import PipelineConfig, TrackingConfig
 from difflm.rundir import TrainResult, Workdir
 from difflm.tracking import registry
 
@@ -462,10 +462,12 @@ def log_and_register_model(
     return out
 
 
-def download_model_version(uri: str, store: str) -> Path:
+def download_model_version(uri: str, store: str, tracking: TrackingConfig | None = None) -> Path:
     """The folder of a registered version, `models:/<name>/<version>` or `models:/<name>@<alias>`, downloaded
     from the MLflow store (a local artifact store is read in place). LookupError when it does not exist;
-    registry.ExportMismatch when its files are not the ones registered (their SHA-256 in the version's tags)."""
+    registry.UntrustedVersion, before anything is downloaded, when neither the pipeline user nor a user of
+    `tracking.trusted_registrants` registered it; registry.ExportMismatch when its files are not the ones
+    registered (their SHA-256 in the version's tags)."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
@@ -481,6 +483,9 @@ def download_model_version(uri: str, store: str) -> Path:
             mv = client.get_model_version(name, version)
     except Exception as err:  # MlflowException RESOURCE_DOES_NOT_EXIST, or a malformed reference
         raise LookupError(f"{uri}: no such registered model version in {store} ({err})") from err
+    what = f"{uri} (version {mv.version}, {mv.source})"
+    registry.recorded_digests(mv.tags, what)  # tags only: checked before anything is downloaded
+    registry.check_owner(mv.tags, tracking or TrackingConfig(), what)
     folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source))
     registry.verify_export(folder, mv.tags, f"{uri} (version {mv.version}, {mv.source})")
     return folder

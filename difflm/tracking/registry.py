@@ -7,13 +7,15 @@ Plain MLflow client calls (no active run needed), so the rules are tested on a b
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import json
+import os
 import re
 import struct
 from pathlib import Path
 
-from difflm.config import PipelineConfig
+from difflm.config import PipelineConfig, TrackingConfig
 from difflm.errors import UserError
 
 CANDIDATE, CHAMPION = "candidate", "champion"
@@ -25,6 +27,32 @@ TAG_CHECKPOINT, TAG_METRIC, TAG_VALUE, TAG_PROMOTION = (
     "champion_metric_value",
     "promotion",
 )
+
+
+# who registered the version (the MLflow user of the registering process), checked before a version is loaded
+TAG_OWNER = "difflm.registered_by"
+
+
+class UntrustedVersion(UserError):
+    """A registered version whose registrant is neither the pipeline user nor a trusted one."""
+
+
+def pipeline_user(t: TrackingConfig) -> str:
+    """The MLflow user the pipeline registers as: `tracking.pipeline_user`, else the one this process
+    authenticates as (MLFLOW_TRACKING_USERNAME), else the local user name (a store without accounts)."""
+    return t.pipeline_user or os.environ.get("MLFLOW_TRACKING_USERNAME") or getpass.getuser()
+
+
+def check_owner(tags: dict, t: TrackingConfig, what: str) -> str:
+    """The version's registrant when it is the pipeline user or a trusted one; UntrustedVersion otherwise."""
+    owner, me = tags.get(TAG_OWNER), pipeline_user(t)
+    if owner and (owner == me or owner in t.trusted_registrants):
+        return owner
+    raise UntrustedVersion(
+        f"{what} was registered by {owner or 'an unknown user (no ' + TAG_OWNER + ' tag)'}, not by the pipeline "
+        f"user {me!r}: refused, nothing of it was loaded. If you trust that user, add them to "
+        f"tracking.trusted_registrants (e.g. 'tracking.trusted_registrants=[{owner or 'NAME'}]')"
+    )
 
 
 # the SHA-256 of every file of the export, {relative path: hex digest}: a downloaded version is checked against it
@@ -47,8 +75,8 @@ def export_digests(folder: Path) -> dict[str, str]:
     return out
 
 
-def verify_export(folder: Path, tags: dict, what: str) -> None:
-    """Raise ExportMismatch when `folder` is not exactly the files whose digests the version's tags recorded."""
+def recorded_digests(tags: dict, what: str) -> dict[str, str]:
+    """The file digests a version's tags recorded; ExportMismatch when there are none (nothing to check against)."""
     recorded = tags.get(TAG_FILES)
     if not recorded:
         raise ExportMismatch(
@@ -56,7 +84,12 @@ def verify_export(folder: Path, tags: dict, what: str) -> None:
             f"digests were recorded), so what was downloaded cannot be checked; register it again (rerun the "
             f"pipeline) or load the folder itself after checking it"
         )
-    want, got = json.loads(recorded), export_digests(folder)
+    return json.loads(recorded)
+
+
+def verify_export(folder: Path, tags: dict, what: str) -> None:
+    """Raise ExportMismatch when `folder` is not exactly the files whose digests the version's tags recorded."""
+    want, got = recorded_digests(tags, what), export_digests(folder)
     changed = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
     if changed:
         raise ExportMismatch(
@@ -197,6 +230,7 @@ def register_version(
         return {
             **out,
             "version": str(mv.version),
+            "registered_by": mv.tags.get(TAG_OWNER, "unknown"),
             "promoted": False,
             "champion_version": str(champ.version) if champ else None,
             "promotion": f"reused v{mv.version} (same checkpoint; was: {mv.tags[TAG_PROMOTION]})",
@@ -217,6 +251,7 @@ def register_version(
         )
         tags = {
             TAG_CHECKPOINT: checkpoint,
+            TAG_OWNER: pipeline_user(cfg.tracking),
             "mode": cfg.diffusion.model_running_mode,
             "preset": cfg.name,
             **({TAG_DATA: manifest["hash"]} if manifest and "hash" in manifest else {}),
@@ -227,6 +262,7 @@ def register_version(
     return {
         **out,
         "version": str(mv.version),
+        "registered_by": mv.tags.get(TAG_OWNER, "unknown"),
         **promote(client, name, mv.version, t.champion_metric, t.champion_higher_is_better),
     }
 

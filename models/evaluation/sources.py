@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from difflm.config import TrackingConfig
 from difflm.errors import UserError
 from difflm.rundir import RunDir
 from difflm.tracking import download_model_version
@@ -14,14 +15,15 @@ class SourceError(UserError, ValueError):
     """The model source cannot be resolved; the message says what was expected."""
 
 
-def resolve_export(source: str, tracking_uri: str | None = None) -> Path:
+def resolve_export(source: str, tracking_uri: str | None = None, tracking: TrackingConfig | None = None) -> Path:
     """The HF export folder for `source`:
     - a folder with config.json (an export, e.g. <run dir>/hf);
     - a run directory (<workdir>/runs/<run>): its `hf` export;
     - `models:/<name>/<version>` or `models:/<name>@<alias>`: the registered version, downloaded from MLflow
-      (`tracking_uri`, else $MLFLOW_TRACKING_URI)."""
+      (`tracking_uri`, else $MLFLOW_TRACKING_URI), when the pipeline user or one of `tracking`'s
+      trusted_registrants registered it."""
     if source.startswith("models:/"):
-        return _download(source, tracking_uri)
+        return _download(source, tracking_uri, tracking)
     path = Path(source).expanduser()
     if (path / "config.json").exists():
         return path
@@ -37,11 +39,11 @@ def resolve_export(source: str, tracking_uri: str | None = None) -> Path:
     raise SourceError(f"{source}: not an export folder (config.json), a run directory (hf/) or models:/name/version")
 
 
-def _download(uri: str, tracking_uri: str | None) -> Path:
+def _download(uri: str, tracking_uri: str | None, tracking: TrackingConfig | None) -> Path:
     store = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not store:
         raise SourceError(f"{uri}: set --tracking-uri or MLFLOW_TRACKING_URI to the MLflow store it is registered in")
     try:
-        return download_model_version(uri, store)
+        return download_model_version(uri, store, tracking)
     except LookupError as err:
         raise SourceError(str(err)) from err

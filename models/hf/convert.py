@@ -11,6 +11,7 @@ goes through megatron-core (and, for HF -> megatron, our model build), so this b
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -34,6 +35,37 @@ from models.hf.modeling_difflm import DiffLMForMaskedLM
 
 class ConversionError(UserError, RuntimeError):
     """The source cannot be converted (unknown layout, architecture mismatch); the message says why."""
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """`path` resolves into `folder` (resolved), or into the blob store of the Hugging Face cache `folder` is a
+    snapshot of (`<repo>/snapshots/<rev>/<file>` links to `<repo>/blobs/<hash>`: the hub's own layout)."""
+    target = path.resolve()
+    if target.is_relative_to(folder):
+        return True
+    return folder.parent.name == "snapshots" and target.parent == folder.parent.parent / "blobs"
+
+
+def check_inside(folder: Path, names: list[str] | tuple[str, ...] = ()) -> None:
+    """Refuse a model folder whose files (weights, config, tokenizer: every file in it, and `names`, relative
+    paths it names, such as a shard index's weight map) resolve outside it: a symlink to another file or an
+    absolute or `../` name would make an import read, and copy into its output, what the folder's owner chose."""
+    root = Path(folder).resolve()
+    entries = [  # every file and folder under it, symlinked folders not entered (os.walk does not follow them)
+        (name, Path(top) / name) for top, dirs, files in os.walk(folder) for name in sorted([*dirs, *files])
+    ]
+    for name in names:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise ConversionError(
+                f"{folder}: the weight file name {name!r} points outside the folder; shards must be files in it"
+            )
+        entries.append((name, Path(folder) / name))
+    for name, path in entries:
+        if not _inside(path, root):
+            raise ConversionError(
+                f"{folder}: {path.relative_to(folder) if path.is_relative_to(folder) else name} resolves outside "
+                f"the folder ({path.resolve()}); copy the files into it (cp -L) instead of linking them"
+            )
 
 
 # adaLN norms: megatron's local spec renames "input_layernorm." to "self_attention.linear_qkv.layer_norm_" (TE
@@ -290,6 +322,7 @@ def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict)
     hf_dir = Path(hf_dir)
     if not (hf_dir / "model.safetensors").exists() or not (hf_dir / "config.json").exists():
         raise ConversionError(f"{hf_dir}: expected a Hugging Face folder with config.json and model.safetensors")
+    check_inside(hf_dir)
     check_replaceable(out_dir, "megatron")  # before any work
     _check_compatible(cfg, json.loads((hf_dir / "config.json").read_text()), tokenizer)
     rows = padded_vocab_size(tokenizer["vocab_size"], cfg.parallel.tensor_model_parallel_size)

@@ -41,6 +41,7 @@ from models.hf.architectures import (
 from models.hf.convert import (
     ConversionError,
     _local_key,
+    check_inside,
     check_replaceable,
     load_megatron_weights,
     repad_vocab,
@@ -60,8 +61,10 @@ def weight_files(folder: Path) -> list[Path]:
     """The safetensors files of `folder` (one file, or the shards its index names); ConversionError otherwise."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
+    check_inside(folder)
     if index.exists():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        check_inside(folder, names)
         missing = [n for n in names if not (folder / n).exists()]
         if missing:
             raise ConversionError(
@@ -89,6 +92,7 @@ def check_source(folder: str | Path):
         )
     if not folder.is_dir():
         raise ConversionError(f"{folder}: no such folder; pass a Hugging Face model folder")
+    check_inside(folder)  # config, tokenizer and weights: before reading any of them
     arch, c = read_config(folder)
     weight_files(folder)
     if not (folder / "tokenizer.json").exists():

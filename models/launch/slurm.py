@@ -6,6 +6,7 @@ returns the run's `TrainResult` as a local launch does."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shlex
 import sys
@@ -40,6 +41,18 @@ ROOT = Path(__file__).resolve().parent.parent.parent  # the project: `-m models.
 SLURM_RECORD = "slurm-job.json"  # <run>/slurm-job.json: the job submitted for this run (reattached to)
 LAUNCH_FILE = "launch.sbatch"
 ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# Credentials never go into the job's environment: Slurm keeps a job's environment (and its script) in its state
+# directory (StateSaveLocation/hash.N/job.N/environment) for as long as it holds the job. They go into a file
+# only this user reads, in a private folder of the run, named to the job by path, read by the batch shell at
+# start and removed when the job ends (not at a requeue: the requeued job reads it again).
+CREDENTIAL = re.compile(
+    r"(^|_)(PASSWORD|PASSWD|SECRET|SECRET_KEY|TOKEN|AUTH_STRING|API_KEY|ACCESS_KEY|PRIVATE_KEY)$"
+    r"|DATABASE_(URL|URI)|CONNECTION_URL$",
+    re.IGNORECASE,
+)
+CREDENTIALS_DIR, CREDENTIALS_FILE = ".credentials", "slurm-job.env"
+CREDENTIALS_VAR = "DIFFLM_CREDENTIALS_FILE"  # the job's environment names the file, not what is in it
+CREDENTIAL_NAMES = "DIFFLM_CREDENTIAL_NAMES"  # in the file: which variables it set, for the job's log
 
 # squeue states of a job that is not over yet (a requeued job passes through REQUEUED and PENDING again)
 SLURM_ACTIVE = {
@@ -83,6 +96,17 @@ def _check_script_values(run_dir: Path, env: dict[str, str] | None) -> None:
             )
 
 
+def _check_python(python: str) -> None:
+    """The job's python is an executable file here (the nodes see the same shared filesystem): a typo or a path to
+    something else is refused before anything is submitted."""
+    path = Path(python)
+    if not (path.is_absolute() and path.is_file() and os.access(path, os.X_OK)):
+        raise ConfigError(
+            f"train.launch.slurm.python={python!r} is not an executable file: give the absolute path of the python "
+            f"(with this project installed) on the filesystem the nodes share"
+        )
+
+
 def sbatch_options(cfg: PipelineConfig, partition: str | None = None, time: str | None = None) -> list[str]:
     """`train.launch.slurm`'s time, partition and sbatch_args as `sbatch` arguments (partition/time: these instead).
     They go on sbatch's command line, not into the script: a value never becomes a line of a file that a shell
@@ -116,6 +140,7 @@ def slurm_script(
     are `sbatch` arguments (`sbatch_command`). `trainer`: the module torchrun runs (as in `launch_training`)."""
     t, s = cfg.train, cfg.train.launch.slurm
     python = python or s.python or sys.executable
+    _check_python(python)
     gpus = t.launch.nproc_per_node if s.gpus_per_node is None else s.gpus_per_node
     _check_script_values(run_dir, env)
     lines = [
@@ -140,7 +165,12 @@ def slurm_script(
         # which nodes met where: the first thing to read in the log of a multi-node job that does not start
         'echo "difflm: job $SLURM_JOB_ID on $SLURM_NNODES node(s) $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"',
         "export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1",
-        *(f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items()),
+        *(f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items() if not is_credential(k)),
+        # credentials: from the file the submitter wrote (mode 0600), never from the job's stored environment
+        f'if [ -n "${{{CREDENTIALS_VAR}:-}}" ]; then',
+        f'  set -a; . "${CREDENTIALS_VAR}" || exit 1; set +a',
+        f'  echo "difflm: credentials read from ${CREDENTIALS_VAR}: ${{{CREDENTIAL_NAMES}:-}}"',
+        "fi",
         "preempted=0",
         # `scancel --signal=TERM JOB` reaches the steps (torchrun) and not this shell; a SIGTERM to srun itself
         # would make srun kill the step at once (`srun: forcing job termination`), losing the checkpoint
@@ -173,6 +203,7 @@ def slurm_script(
         '  echo "difflm: requeueing job $SLURM_JOB_ID to resume from the checkpoint"; scontrol requeue "$SLURM_JOB_ID"',
         "  exit 0",
         "fi",
+        f'[ -n "${{{CREDENTIALS_VAR}:-}}" ] && rm -f "${CREDENTIALS_VAR}"  # the job is over',
         'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
@@ -188,6 +219,36 @@ def write_slurm_file(
     out = run.path / LAUNCH_FILE
     out.write_text(slurm_script(cfg, config, manifest_path, run.path, env=env, trainer=trainer))
     return out
+
+
+def is_credential(name: str) -> bool:
+    """Whether an environment variable holds a credential (a password, token, auth string, key, database URL)."""
+    return bool(CREDENTIAL.search(name))
+
+
+def credentials_file(run: RunDir) -> Path:
+    return run.path / CREDENTIALS_DIR / CREDENTIALS_FILE
+
+
+def write_credentials(run: RunDir, env: dict[str, str] | None) -> dict[str, str]:
+    """Move the credentials of this process's environment and `env` into the run's credentials file (a folder
+    0700, the file 0600, written before it holds anything); the environment for `sbatch`: this process's
+    without them, naming the file. No credentials: no file."""
+    secret = {k: v for k, v in {**os.environ, **(env or {})}.items() if is_credential(k)}
+    clean = {k: v for k, v in os.environ.items() if not is_credential(k)}
+    path = credentials_file(run)
+    if not secret:
+        path.unlink(missing_ok=True)
+        return clean
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    path.parent.chmod(0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)  # an older file of another mode
+    names = sorted(k for k in secret if ENV_KEY.fullmatch(k))
+    with os.fdopen(fd, "w") as fh:
+        fh.writelines(f"{k}={shlex.quote(secret[k])}\n" for k in names)
+        fh.write(f"{CREDENTIAL_NAMES}={shlex.quote(' '.join(names))}\n")
+    return {**clean, CREDENTIALS_VAR: str(path)}
 
 
 def slurm_job_state(job_id: str) -> tuple[str | None, str | None]:
@@ -307,14 +368,21 @@ def submit_slurm(
         job_id = _submit(cfg, manifest, run, env, trainer, echo)
     log = run.path / f"slurm-{job_id}.out"
     echo(f"[slurm] job log: {log}")
-    return wait_for_job(cfg, run, SlurmJob(cfg, job_id, log, reattached=bool(found)), echo)
+    try:
+        result = wait_for_job(cfg, run, SlurmJob(cfg, job_id, log, reattached=bool(found)), echo)
+    except Exception as err:
+        if not isinstance(err, ClusterError):  # the job is over; one that may still run still needs the file
+            credentials_file(run).unlink(missing_ok=True)
+        raise
+    credentials_file(run).unlink(missing_ok=True)  # the job removed it too, unless it was killed
+    return result
 
 
 def _submit(cfg: PipelineConfig, manifest: dict, run: RunDir, env, trainer: str, echo) -> str:
     """Write the run's script and sbatch it; the job id (recorded in the run directory for a rerun to reattach)."""
     resumed = prepare_attempt(run)
     script = write_slurm_file(cfg, manifest, env, trainer)
-    sub = run_command(sbatch_command(cfg, script, "--parsable"), cwd=ROOT)
+    sub = run_command(sbatch_command(cfg, script, "--parsable"), cwd=ROOT, env=write_credentials(run, env))
     if sub.returncode == 127:
         raise missing("sbatch", "slurm", "a Slurm login node")
     if sub.returncode != 0 or not sub.stdout.strip():

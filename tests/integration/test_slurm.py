@@ -55,22 +55,32 @@ def _untried_train_task():
 
 
 @pytest.mark.slow
-def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, slurm_cluster, tiny_manifest, prefect_harness):
+def test_slurm_launcher_trains_the_same_run_as_a_local_launch(
+    tmp_path, slurm_cluster, tiny_manifest, prefect_harness, monkeypatch
+):
     work = tmp_path / "shared"
     local = tiny_config(work, *SHORT)
     rdir = run_dir(local, tiny_manifest)
 
-    # a job that fails on its node (no such python there): the error names the job, its exit code and its log
-    broken = tiny_config(work, *SHORT, *SLURM, "train.launch.slurm.python=/nonexistent/python")
+    # a job that fails on its node (its python's interpreter is not there): the error names the job, its exit code
+    # and its log
+    python = tmp_path / "python"
+    python.write_text("#!/nonexistent/python\n")
+    python.chmod(0o755)
+    broken = tiny_config(work, *SHORT, *SLURM, f"train.launch.slurm.python={python}")
     with pytest.raises(TrainingError) as err:
         _untried_train_task()(broken, tiny_manifest, {})
     failed_id, msg = json.loads((rdir / "slurm-job.json").read_text())["job_id"], str(err.value)
     assert f"Slurm job {failed_id} ended FAILED (exit 2:0) without the final checkpoint" in msg
     assert f"log: {rdir / f'slurm-{failed_id}.out'}" in msg and "resumes from the latest checkpoint" in msg
-    assert "execve(): /nonexistent/python: No such file or directory" in msg  # the log's last lines
+    assert "execve(): bad interpreter(/nonexistent/python): No such file or directory" in msg  # the log's last lines
     assert not isinstance(err.value, ClusterError)  # the train task retries it
 
-    # the real job: same run directory as a local launch (the launcher is not part of the run's identity)
+    # the real job: same run directory as a local launch (the launcher is not part of the run's identity); the
+    # worker's credentials reach it through a private file, not the job environment that Slurm stores
+    secrets = {"MLFLOW_TRACKING_PASSWORD": f"pw-{os.urandom(8).hex()}", "HF_TOKEN": f"hf-{os.urandom(8).hex()}"}
+    for key, value in secrets.items():
+        monkeypatch.setenv(key, value)
     cfg = tiny_config(work, *SHORT, *SLURM)
     info = train_task(cfg, tiny_manifest, {"DIFFLM_TEST_ENV": "through sbatch"})
     assert info.run.path == rdir and not info.reused and info.checkpoint.is_dir()
@@ -79,6 +89,14 @@ def test_slurm_launcher_trains_the_same_run_as_a_local_launch(tmp_path, slurm_cl
     assert job_id != failed_id and len(_job_logs(rdir)) == 2
     log = (rdir / f"slurm-{job_id}.out").read_text()
     assert "[train] mode=difflm-noshift start_iter=0" in log
+    creds = rdir / ".credentials" / "slurm-job.env"
+    assert f"difflm: credentials read from {creds}: HF_TOKEN MLFLOW_TRACKING_PASSWORD" in log
+    assert not creds.exists()  # removed when the job ended
+    state = slurm_cluster.root / "state"
+    stored = state / f"hash.{int(job_id) % 10}" / f"job.{job_id}" / "environment"
+    assert f"DIFFLM_CREDENTIALS_FILE={creds}".encode() in stored.read_bytes()
+    for path in (p for p in state.rglob("*") if p.is_file()):  # the job's environment and script, job_state
+        assert not any(v.encode() in path.read_bytes() for v in secrets.values()), path
     script = (rdir / "launch.sbatch").read_text()
     assert script == slurm_script(
         cfg, rdir / "config.yaml", rdir / "data_manifest.json", rdir, env={"DIFFLM_TEST_ENV": "through sbatch"}

@@ -9,6 +9,7 @@ import importlib
 import json
 import os
 import pickle
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -28,12 +29,14 @@ from deploy import stack
 from difflm.config import ConfigError, load_config
 from difflm.errors import DiskFull, UserError
 from difflm.outputs import OutputInTheWay, staged_output
+from difflm.rundir import RunDir
 from flows import cli
 from flows.cli import main
 from models.evaluation.stages import load_model
 from models.hf.convert import check_replaceable, hf_config, import_hf, load_megatron_weights, save_export
 from models.hf.modeling_difflm import DiffLMForMaskedLM
 from models.launch.cluster import sbatch_command, sbatch_options, slurm_script
+from models.launch.slurm import write_credentials
 from models.launch.torchrun import launch_training, run_dir
 from models.megatron import checkpointing
 from models.megatron.safe_pickle import UnsafeCheckpoint, guard_dcp
@@ -66,6 +69,58 @@ def test_injected_sbatch_values_are_config_errors(override, field):
         load_config("test-tiny", [override])
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        "{export: 'ALL,BASH_ENV=evil.sh'}",
+        "{output: /root/.bashrc}",
+        "{error: /etc/cron.d/x}",
+        "{wrap: id}",
+        "{chdir: /tmp}",
+        "{'--export': NONE}",
+        "{get-user-env: ''}",
+        "{container: /tmp/x}",
+    ],
+)
+@pytest.mark.parametrize("section", ["train.launch.slurm", "data.slurm"])
+def test_sbatch_args_outside_the_scheduling_options_are_refused(section, option):
+    with pytest.raises(ConfigError) as err:
+        load_config("test-tiny", [f"{section}.sbatch_args={option}"])
+    msg = str(err.value)
+    assert f"{section}.sbatch_args" in msg and "is not one sbatch_args may set" in msg
+    assert "allowed: account, begin, " in msg and "qos" in msg and len(msg.splitlines()) == 2  # heading, field
+
+
+@pytest.mark.parametrize(
+    "option", ["{mem: lots}", "{nodes: two}", "{cpus-per-task: -1}", "{gpus: 'a100:x'}", "{nice: high}"]
+)
+def test_sbatch_args_values_are_checked_for_their_options_shape(option):
+    with pytest.raises(ConfigError, match=r"train\.launch\.slurm\.sbatch_args.* is not a value of --"):
+        load_config("test-tiny", [f"train.launch.slurm.sbatch_args={option}"])
+
+
+def test_scheduling_sbatch_args_pass():
+    args = "{account: proj, qos: high, gres: 'gpu:a100:4', gpus-per-node: 4, nodes: 2, ntasks-per-node: 1, "
+    args += "cpus_per_task: 32, mem: 0, mem-per-cpu: 4G, exclusive: '', begin: 'now+1hour', nice: 10, "
+    args += "mail-type: 'END,FAIL', mail-user: me@example.org, reservation: maint, constraint: 'a100|h100'}"
+    cfg = load_config("test-tiny", [f"train.launch.slurm.sbatch_args={args}"])
+    options = sbatch_options(cfg)
+    assert "--cpus-per-task=32" in options and "--exclusive" in options and "--gres=gpu:a100:4" in options
+
+
+def test_the_jobs_python_must_be_an_executable_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.launch\.slurm\.python.*not an absolute path"):
+        load_config("test-tiny", ["train.launch.slurm.python=python3"])
+    data = tmp_path / "notes.txt"
+    data.write_text("")
+    for python in ("/nonexistent/python", str(data), str(tmp_path)):
+        cfg = load_config("test-tiny", [f"train.launch.slurm.python={python}"])
+        with pytest.raises(ConfigError, match=r"train\.launch\.slurm\.python=.* is not an executable file"):
+            slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
+    cfg = load_config("test-tiny", [f"train.launch.slurm.python={sys.executable}"])
+    assert sys.executable in slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
+
+
 @pytest.mark.parametrize("time", ["30", "00:30", "04:00:00", "2-00", "2-12:00", "1-00:00:00", "UNLIMITED"])
 def test_slurm_time_formats_are_accepted(time):
     cfg = load_config(
@@ -94,6 +149,29 @@ def test_script_refuses_unsafe_run_dirs_arguments_and_env_keys():
         slurm_script(cfg, RUN / "c.yaml", RUN / "m.json", RUN, env={"BAD;touch $SCRATCH/PWNED_envkey;X": "v"})
     script = slurm_script(cfg, RUN / "c.yaml", RUN / "m.json", RUN, env={"MLFLOW_TRACKING_URI": "http://x;id"})
     assert "export MLFLOW_TRACKING_URI='http://x;id'\n" in script
+
+
+def test_credentials_go_to_the_slurm_job_through_a_private_file_not_its_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "pw with 'quotes'\n$(id)")
+    monkeypatch.setenv("PREFECT_API_AUTH_STRING", "admin:s3cret")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # not a credential
+    run = RunDir(tmp_path / "run")
+    run.path.mkdir()
+    env = write_credentials(run, {"HF_TOKEN": "hf_x", "DIFFLM_MLFLOW_RUN_ID": "abc"})
+    path = Path(env["DIFFLM_CREDENTIALS_FILE"])
+    assert path.parent.parent == run.path and path.stat().st_mode & 0o777 == 0o600
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert not {"MLFLOW_TRACKING_PASSWORD", "PREFECT_API_AUTH_STRING", "HF_TOKEN"} & set(env)
+    assert env["TOKENIZERS_PARALLELISM"] == "false"
+    read = dict(word.split("=", 1) for word in shlex.split(path.read_text()))  # what the job's shell reads
+    assert read["MLFLOW_TRACKING_PASSWORD"] == "pw with 'quotes'\n$(id)" and read["HF_TOKEN"] == "hf_x"
+    assert read["DIFFLM_CREDENTIAL_NAMES"] == "HF_TOKEN MLFLOW_TRACKING_PASSWORD PREFECT_API_AUTH_STRING"
+    cfg = load_config("test-tiny", [])
+    script = slurm_script(cfg, RUN / "c.yaml", RUN / "m.json", RUN, env={"HF_TOKEN": "hf_x", "A": "1"})
+    assert "hf_x" not in script and "export A=1" in script and '. "$DIFFLM_CREDENTIALS_FILE"' in script
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD")
+    monkeypatch.delenv("PREFECT_API_AUTH_STRING")
+    assert "DIFFLM_CREDENTIALS_FILE" not in write_credentials(run, {}) and not path.exists()  # none: no file
 
 
 # ---- deleting only our own folders ---------------------------------------------------------------------------

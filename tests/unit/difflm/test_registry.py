@@ -205,6 +205,11 @@ def test_the_flow_wrapper_registers_under_the_derived_name(store, tmp_path):
             cfg, fake_export(tmp_path / "hf"), run.info.run_id, "ckpt", manifest=MANIFEST, results=results(6.5)
         )
     assert out["registered_model"] == "difflm-test-tiny-difflm-noshift-enwiki" and out["promoted"]
+    owner = registry.pipeline_user(cfg.tracking)  # who registered it: on the version, in what the CLI prints
+    assert (
+        out["registered_by"] == owner
+        and client.get_model_version(out["registered_model"], "1").tags[registry.TAG_OWNER] == owner
+    )
     assert (
         client.get_run(run.info.run_id).data.tags["registered_model_version"]
         == "difflm-test-tiny-difflm-noshift-enwiki/1"
