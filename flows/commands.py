@@ -353,7 +353,7 @@ def serve(
     where = f" on {params['run_dir']}" if "run_dir" in params else ""
     print(f"serving {served}/{name}{where}{every}; {LATE_RUNS[cfg.pipeline.late_runs]}", flush=True)
     with _stops_on_ctrl_c():
-        flow.serve(name=name, parameters=params, concurrency_limit=one_at_a_time(cfg), **schedule)
+        flow.serve(name=name, parameters=params, global_limit=one_at_a_time(cfg), **schedule)
     return 0
 
 

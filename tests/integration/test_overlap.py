@@ -46,7 +46,11 @@ def test_a_run_of_a_deployment_that_comes_while_one_runs_waits_for_it(tmp_path, 
     held = exclusive(lock_file(data_dir(tiny_config(workdir))), "data-prep output (the test)", "fail")
     log = tmp_path / "serve.log"
     serve = None
-    with held, temporary_settings({PREFECT_API_URL: server.env["PREFECT_API_URL"]}), get_client(True) as client:
+    with (
+        held,
+        temporary_settings({PREFECT_API_URL: server.env["PREFECT_API_URL"]}),
+        get_client(sync_client=True) as client,
+    ):
         try:
             serve = subprocess.Popen(
                 [str(BIN / "difflm"), "serve", "pretrain-difflm", "--preset", "test-tiny", "--name", "once"]
@@ -62,7 +66,8 @@ def test_a_run_of_a_deployment_that_comes_while_one_runs_waits_for_it(tmp_path, 
                 return found[0] if found else None
 
             deployment = _until(registered, 120)
-            assert deployment.concurrency_limit == 1
+            assert deployment.global_concurrency_limit and deployment.global_concurrency_limit.limit == 1
+            assert deployment.concurrency_options.collision_strategy == "ENQUEUE"
             assert "one run at a time: a run that comes while one runs waits for it" in log.read_text()
             first = client.create_flow_run_from_deployment(deployment.id)
             second = client.create_flow_run_from_deployment(deployment.id)
