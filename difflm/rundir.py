@@ -17,7 +17,8 @@
 The workdir around the runs is `Workdir`: `runs/` (named by `Workdir.run_for`), `data/<data hash>/`,
 `imports/<source>/` (`ImportDir`), `evals/`, `reports/` and `mlartifacts/`. Every launcher returns a `TrainResult`.
 
-An export (any folder with difflm_export.json) records the checkpoint it was written from: `exported_from`.
+Each stage's output folder has its lock file beside it (`lock_file`: `.<name>.lock`), held by the one process
+writing it. An export (any folder with difflm_export.json) records the checkpoint it was written from: `exported_from`.
 Only the standard library, pydantic-core and difflm.config: the launcher, the trainer, the flows and the CLI all
 read it.
 """
@@ -73,6 +74,13 @@ def latest_iteration(root: Path) -> int | None:
         return None
     it = int(marker.read_text().strip())
     return it if iter_dir(root, it).exists() else None
+
+
+def lock_file(folder: str | Path) -> Path:
+    """The lock file of an output folder (or store file): `.<name>.lock` beside it, so it exists before the
+    folder does and is never part of what the folder holds (`difflm.locks.exclusive` takes it)."""
+    folder = Path(folder)
+    return folder.parent / f".{folder.name}.lock"
 
 
 def iteration_of(checkpoint: Path) -> int | None:

@@ -33,6 +33,7 @@ from flows.prefect_api import prefect_api
 # only what it runs (torch, megatron, Prefect and MLflow take seconds to import).
 
 DEFAULT_PRESET = "tiny-cpu"
+SERVED = ["pretrain-difflm", "adapt-difflm", "evaluate-latest"]  # what `difflm serve` serves
 DOCS = "docs/cli.md"  # each verb's page: what it does, in detail, with examples
 
 EPILOG = f"""examples:
@@ -279,18 +280,31 @@ COMMANDS = (
     ),
     Command(
         "serve",
-        "serve a flow (pretrain-difflm or evaluate-latest) as a Prefect deployment, optionally scheduled",
+        "serve a flow (pretrain-difflm, adapt-difflm or evaluate-latest) as a Prefect deployment, optionally scheduled",
         "Register a deployment of FLOW and run its flow runs in this process until stopped (Ctrl-C): "
-        "pretrain-difflm on the config, or evaluate-latest on --run-dir (default: every 600 s).",
+        "pretrain-difflm on the config, adapt-difflm on --source, or evaluate-latest on --run-dir (default: every "
+        "600 s). One flow run at a time per deployment: a late run waits, or with pipeline.late_runs=cancel is "
+        "cancelled.",
         lambda cfg, a: commands.serve(
-            a.served, a.name, a.cron, a.interval, a.run_dir, a.max_sequences, a.preset, DEFAULT_PRESET, a.overrides
+            cfg,
+            a.served,
+            a.name,
+            a.cron,
+            a.interval,
+            a.run_dir,
+            a.max_sequences,
+            a.preset,
+            DEFAULT_PRESET,
+            a.overrides,
+            a.source,
         ),
         (
-            arg("served", metavar="FLOW", choices=["pretrain-difflm", "evaluate-latest"], help="the flow to serve"),
+            arg("served", metavar="FLOW", choices=SERVED, help="the flow to serve"),
             arg("--name", default="demo", help="deployment name (run it: prefect deployment run 'FLOW/NAME')"),
             arg("--cron", default=None, help="cron schedule, e.g. '0 3 * * *'"),
             arg("--interval", type=float, default=None, help="interval in seconds (evaluate-latest default: 600)"),
             arg("--run-dir", default=None, help="evaluate-latest: the training run directory to score"),
+            arg("--source", default=None, help="adapt-difflm: the HF folder (or smollm2) to adapt"),
             arg("--max-sequences", type=int, default=16, help="evaluate-latest: held-out windows per score"),
         ),
         run_of=_run_of_served,

@@ -307,6 +307,7 @@ def generate(
 
 
 def serve(
+    cfg: PipelineConfig,
     served: str,
     name: str,
     cron: str | None,
@@ -316,38 +317,62 @@ def serve(
     preset: str | None,
     default_preset: str,
     overrides: list[str],
+    source: str | None = None,
 ) -> int:
-    """Serve a flow as a deployment of this process: pretrain-difflm (the config), or evaluate-latest on a run."""
+    """Serve a flow as a deployment of this process, one flow run at a time: pretrain-difflm (the config),
+    adapt-difflm (a source) or evaluate-latest on a run."""
     from prefect.deployments.runner import EntrypointType
 
     # flow runs load the flow by module (flows.pretrain), not by file: a file puts flows/ first on sys.path,
     # where flows/data_prep.py would shadow the data_prep package
     schedule = {"cron": cron} if cron else {"interval": interval} if interval else {}
     schedule["entrypoint_type"] = EntrypointType.MODULE_PATH
-    if served != "evaluate-latest":
+    if served == "pretrain-difflm":
         from flows.pretrain import pretrain_difflm
 
-        with _stops_on_ctrl_c():
-            pretrain_difflm.serve(
-                name=name, parameters={"preset": preset or default_preset, "overrides": overrides}, **schedule
-            )
-        return 0
-    if not run_dir:
-        raise UserError(
-            "difflm serve evaluate-latest needs --run-dir <workdir>/runs/<run> (the run to score while it trains)"
-        )
-    from flows.evaluate_latest import evaluate_latest
-    from tasks.runs import training_run_dir
+        flow, params = pretrain_difflm, {"preset": preset or default_preset, "overrides": overrides}
+    elif served == "adapt-difflm":
+        from flows.adapt import adapt_difflm
 
-    schedule = schedule if len(schedule) > 1 else {**schedule, "interval": 600}
-    params = {"run_dir": str(training_run_dir(run_dir)), "max_sequences": max_sequences, "overrides": overrides}
-    if preset:  # else the run's own config.yaml
-        params["preset"] = preset
-    every = f" every {interval:g} s" if interval and not cron else ""
-    print(f"serving evaluate-latest/{name} on {params['run_dir']}{every}", flush=True)
+        if not source:
+            raise UserError("difflm serve adapt-difflm needs --source <HF folder or smollm2> (the model to adapt)")
+        flow, params = adapt_difflm, {"source": source, "preset": preset or "adapt-dream", "overrides": overrides}
+    else:
+        from flows.evaluate_latest import evaluate_latest
+        from tasks.runs import training_run_dir
+
+        if not run_dir:
+            raise UserError(
+                "difflm serve evaluate-latest needs --run-dir <workdir>/runs/<run> (the run to score while it trains)"
+            )
+        schedule = schedule if len(schedule) > 1 else {**schedule, "interval": 600}
+        flow = evaluate_latest
+        params = {"run_dir": str(training_run_dir(run_dir)), "max_sequences": max_sequences, "overrides": overrides}
+        if preset:  # else the run's own config.yaml
+            params["preset"] = preset
+    every = f" every {interval:g} s" if interval and not cron else f" on cron '{cron}'" if cron else ""
+    where = f" on {params['run_dir']}" if "run_dir" in params else ""
+    print(f"serving {served}/{name}{where}{every}; {LATE_RUNS[cfg.pipeline.late_runs]}", flush=True)
     with _stops_on_ctrl_c():
-        evaluate_latest.serve(name=name, parameters=params, limit=1, **schedule)  # one at a time
+        flow.serve(name=name, parameters=params, global_limit=one_at_a_time(cfg), **schedule)
     return 0
+
+
+# what `serve` says a run that comes while the deployment's last one still runs does (pipeline.late_runs)
+LATE_RUNS = {
+    "queue": "one run at a time: a run that comes while one runs waits for it (pipeline.late_runs=queue)",
+    "cancel": "one run at a time: a run that comes while one runs is cancelled (pipeline.late_runs=cancel)",
+}
+
+
+def one_at_a_time(cfg: PipelineConfig):
+    """Prefect's deployment concurrency limit of one: the server holds a late run in AwaitingConcurrencySlot
+    until the running one ends (queue), or cancels it (cancel). A schedule that fires while the last run still
+    trains never starts a second pipeline on the same outputs."""
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+
+    strategy = {"queue": ConcurrencyLimitStrategy.ENQUEUE, "cancel": ConcurrencyLimitStrategy.CANCEL_NEW}
+    return ConcurrencyLimitConfig(limit=1, collision_strategy=strategy[cfg.pipeline.late_runs])
 
 
 @contextmanager

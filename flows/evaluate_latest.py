@@ -6,11 +6,13 @@ skipped. From the command line: `difflm eval-latest RUN_DIR` (once) or `difflm s
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from prefect import flow, get_run_logger
 
 from difflm.config import PipelineConfig
-from difflm.rundir import RunDir
+from difflm.locks import exclusive
+from difflm.rundir import RunDir, lock_file
 from tasks.runs import evaluated_scores, log_latest_score, remember_score, run_manifest, stage_config, training_run_dir
 from tasks.stages import export_newest_task, score_bound_task
 
@@ -40,6 +42,13 @@ def evaluate_latest(
         cfg = stage_config(rdir, preset, overrides)
     else:
         cfg = config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
+    # one scorer of the run at a time (a slow call and the next scheduled one would export into the same
+    # folder); the trainer never takes this lock, so scoring never holds training up
+    with exclusive(lock_file(RunDir(rdir).eval_latest), "evaluate-latest output", cfg.pipeline.on_busy, logger.info):
+        return _score_newest(cfg, rdir, max_sequences, force, logger)
+
+
+def _score_newest(cfg: PipelineConfig, rdir: Path, max_sequences: int, force: bool, logger) -> dict:
     newest, done = RunDir(rdir).latest_iteration(), evaluated_scores(rdir)
     if newest is None:
         logger.info(f"{rdir.name}: no complete checkpoint yet; nothing to evaluate")

@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from difflm.errors import UserError
+from difflm.locks import exclusive
+from difflm.rundir import lock_file
 
 # Prefect is imported inside the functions: the CLI loads this module for every command (`--help` included),
 # and Prefect reads its settings when imported, which must come after the CLI has pointed PREFECT_HOME at the workdir
@@ -55,7 +57,7 @@ def prefect_api(needed: bool) -> Iterator[None]:
 
 @contextmanager
 def _temporary_server_unless_configured() -> Iterator[None]:
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     if PREFECT_API_URL.value():  # the environment, a profile, or a test harness's temporary settings
         yield
@@ -74,8 +76,12 @@ def _temporary_server_unless_configured() -> Iterator[None]:
                 prefect_server.subprocess = saved
 
     server = OwnSessionServer()
-    # Prefect waits 20 s by default; a busy machine (a suite, a data prep) needs longer to start a server
-    server.start(timeout=SERVER_START_TIMEOUT_S)
+    # one server at a time creates and migrates the database in PREFECT_HOME: two at once raced ('index ...
+    # already exists'); the second starts once the first is up, on the migrated database
+    database = get_current_settings().home / "prefect.db"
+    with exclusive(lock_file(database), f"the Prefect database {database}", "wait", print):
+        # Prefect waits 20 s by default; a busy machine (a suite, a data prep) needs longer to start a server
+        server.start(timeout=SERVER_START_TIMEOUT_S)
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
             try:

@@ -5,7 +5,9 @@ of rows (flows/pretrain.py, flows/adapt.py); a new stage is a function and one r
 
 Every row behaves the same way: a nested MLflow run named after the stage (tags `cached` and the row's own), the
 Prefect cache keyed by what names its output (`tasks.cache.run_stage`: a cache hit only while the output is on
-disk), a status `ran` / `cached` / `reused`, and a markdown artifact `<name>-summary` linking the MLflow run.
+disk), a status `ran` / `cached` / `reused`, and a markdown artifact `<name>-summary` linking the MLflow run. A row
+holds its output's lock (`difflm.locks`) from the check of whether it is done to its `after` hook, so two
+pipelines on one workdir never write the same folder: the second waits (or fails, `pipeline.on_busy`) and reuses.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefect import Task, task
+from prefect import Task, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.exceptions import MissingContextError
 
 from difflm import tracking
 from difflm.config import PipelineConfig
+from difflm.locks import exclusive
+from difflm.rundir import lock_file
 from tasks import artifacts
 from tasks.cache import cache_key, run_stage
 
@@ -103,22 +108,37 @@ def run_stages(run: PipelineRun, rows: list[Stage]) -> None:
         if not stage.when(run):
             continue
         output = stage.output(run)
-        done = stage.done(run, output)
-        key = stage.key(run, output) if stage.key else cache_key(stage.name, output)
-        sampled = stage.system_metrics and run.cfg.tracking.system_metrics and not done
-        with tracking.stage_run(stage.name, system_metrics=sampled) as sid:
-            run.sid = sid
-            if stage.before:
-                stage.before(run)
-            result, cached = run_stage(stage.as_task(), key, done, *stage.args(run, output, key))
-            result = run.results[stage.slot] = stage.read(result)
-            out = Outcome(result, cached, done, output, key, sid)
-            tracking.log_stage(sid, cached, **stage.tags(run, out))
-            if sid and stage.log:
-                stage.log(run, out)
-        run.sid = None
-        run.stages[stage.name] = stage.status(cached, done)
-        if stage.after:
-            stage.after(run, out)
+        # one writer per output: a second pipeline waits here, then finds the output done and reuses it
+        with exclusive(lock_file(output), f"{stage.name} output {output}", run.cfg.pipeline.on_busy, _log_line):
+            out = _run_row(run, stage, output)
         if stage.summary:
             artifacts.publish(f"{stage.name}-summary", stage.summary(run, out), stage.title, run.link)
+
+
+def _run_row(run: PipelineRun, stage: Stage, output: Path) -> Outcome:
+    """One row, its output locked by the caller: whether it is done is read only now."""
+    done = stage.done(run, output)
+    key = stage.key(run, output) if stage.key else cache_key(stage.name, output)
+    sampled = stage.system_metrics and run.cfg.tracking.system_metrics and not done
+    with tracking.stage_run(stage.name, system_metrics=sampled) as sid:
+        run.sid = sid
+        if stage.before:
+            stage.before(run)
+        result, cached = run_stage(stage.as_task(), key, done, *stage.args(run, output, key))
+        result = run.results[stage.slot] = stage.read(result)
+        out = Outcome(result, cached, done, output, key, sid)
+        tracking.log_stage(sid, cached, **stage.tags(run, out))
+        if sid and stage.log:
+            stage.log(run, out)
+    run.sid = None
+    run.stages[stage.name] = stage.status(cached, done)
+    if stage.after:
+        stage.after(run, out)
+    return out
+
+
+def _log_line(line: str) -> None:
+    try:
+        get_run_logger().info(line)
+    except MissingContextError:  # rows run outside a flow (a test, a script)
+        print(line, flush=True)

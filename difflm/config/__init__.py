@@ -10,6 +10,7 @@ overrides, validation). Every public name is importable from `difflm.config`.
 """
 
 from difflm.config.base import FLATTEN, IF_SET, OPERATIONAL, ConfigError, deprecated, is_flattened, is_identity
+from difflm.config.concurrency import ConcurrencyConfig
 from difflm.config.data import DataConfig, SourceConfig, TokenizerConfig
 from difflm.config.diffusion import (
     DEFAULT_MODE,
@@ -49,6 +50,7 @@ from difflm.config.tracking import TrackingConfig
 from difflm.config.train import FaultsConfig, OptimizerConfig, ScheduleConfig, TrainConfig, is_hf_folder
 
 __all__ = [
+    "ConcurrencyConfig",
     "CONFIG_DIR",
     "DEFAULT_MODE",
     "FLAT_IDENTITY_DEFAULTS",

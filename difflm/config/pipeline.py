@@ -14,6 +14,7 @@ from pydantic import (
 )
 
 from difflm.config.base import _identity, _Section
+from difflm.config.concurrency import ConcurrencyConfig
 from difflm.config.data import DataConfig, TokenizerConfig
 from difflm.config.diffusion import (
     DEFAULT_MODE,
@@ -71,6 +72,7 @@ class PipelineConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    pipeline: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
 
     @model_validator(mode="after")
     def _parallel_layout(self) -> PipelineConfig:

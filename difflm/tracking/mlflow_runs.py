@@ -11,14 +11,17 @@ import os
 import subprocess
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
 
 from difflm.config import PipelineConfig, TrackingConfig
-from difflm.rundir import TrainResult, Workdir
+from difflm.locks import exclusive
+from difflm.rundir import TrainResult, Workdir, lock_file
 from difflm.tracking import registry
+
+SQLITE = "sqlite:///"
 
 
 def tracking_uri(cfg: PipelineConfig) -> str:
@@ -27,7 +30,7 @@ def tracking_uri(cfg: PipelineConfig) -> str:
         return cfg.tracking.tracking_uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    return f"sqlite:///{(Path(cfg.workdir) / 'mlflow.db').resolve()}"
+    return f"{SQLITE}{(Path(cfg.workdir) / 'mlflow.db').resolve()}"
 
 
 # MLflow 3 opens an experiment without this tag in its GenAI view (traces, token usage); ours train models
@@ -39,15 +42,26 @@ def experiment_id(cfg: PipelineConfig) -> str:
     place that creates it: the pipeline's runs and evaluate-latest's alike)."""
     import mlflow
 
-    exp = mlflow.get_experiment_by_name(cfg.tracking.experiment)
-    if exp is None:
-        artifacts = None
-        if tracking_uri(cfg).startswith("sqlite:///"):  # keep artifacts beside the store, not in ./mlruns
-            artifacts = Workdir.of(cfg).mlartifacts.as_uri()
-        exp = mlflow.get_experiment(mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts))
-    if exp.tags.get(EXPERIMENT_KIND[0]) is None:  # a user's own choice in the UI is kept
-        mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
+    with store_created(cfg):
+        exp = mlflow.get_experiment_by_name(cfg.tracking.experiment)
+        if exp is None:
+            artifacts = None
+            if tracking_uri(cfg).startswith(SQLITE):  # keep artifacts beside the store, not in ./mlruns
+                artifacts = Workdir.of(cfg).mlartifacts.as_uri()
+            exp = mlflow.get_experiment(mlflow.create_experiment(cfg.tracking.experiment, artifact_location=artifacts))
+        if exp.tags.get(EXPERIMENT_KIND[0]) is None:  # a user's own choice in the UI is kept
+            mlflow.MlflowClient().set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
     return exp.experiment_id
+
+
+def store_created(cfg: PipelineConfig) -> AbstractContextManager:
+    """Within: this process alone creates (and migrates) a local sqlite store, and the experiment in it; two
+    processes doing it at once raced in MLflow's migrations ('duplicate column name'). A server's store: nothing."""
+    uri = tracking_uri(cfg)
+    if not uri.startswith(SQLITE):
+        return nullcontext()
+    db = Path(uri.removeprefix(SQLITE))
+    return exclusive(lock_file(db), f"the MLflow store {db}", "wait", lambda line: print(line, flush=True))
 
 
 def lineage_tags() -> dict[str, str]:

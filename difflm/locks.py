@@ -1,0 +1,87 @@
+"""One writer per output: an exclusive OS file lock (`fcntl.flock`) held while a process writes a stage's output
+folder or creates a store.
+
+The lock belongs to the open file, so it ends with the process however that ends (SIGKILL, OOM, a node reboot
+for a local disk): nothing stale is ever left that stops the next run. The lock file stays (removing it would let
+two processes lock two different files of one name); what it holds, the current holder's pid, host and start
+time, is only read while the lock is held, to tell a second process who it waits for.
+
+Across nodes, flock is as good as the shared filesystem's locks: NFSv4 and NFSv3 with the NLM lock manager
+(Linux >= 2.6.12 turns flock into whole-file POSIX locks there), Lustre mounted with `-o flock`, GPFS/Spectrum
+Scale, BeeGFS with `tuneUseGlobalFileLocks`, CephFS all lock across nodes. NFS mounted `nolock`/`local_lock=all`,
+Lustre with `localflock` (or neither option: flock then fails, which is reported) and most FUSE filesystems
+(sshfs, gcsfuse, s3fs) lock on one node only.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from difflm.errors import UserError
+
+ON_BUSY = ("wait", "fail")
+
+
+class OutputBusy(UserError):
+    """Another process is writing the output this one asked for (and `on_busy` is `fail`)."""
+
+    exit_code = 75  # EX_TEMPFAIL: the same command succeeds once the other process is done
+
+
+def holder(lock_file: Path) -> str:
+    """Who holds `lock_file`, in words: 'pid 12 on node1 since 2026-12-05 15:50:03 UTC'."""
+    try:
+        info = json.loads(Path(lock_file).read_text())
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["since"]))
+        return f"pid {info['pid']} on {info['host']} since {since}"
+    except (OSError, ValueError, KeyError, TypeError):  # taken a moment ago: its holder has not written yet
+        return "another process"
+
+
+@contextmanager
+def exclusive(
+    lock_file: Path, what: str, on_busy: str = "wait", echo: Callable[[str], object] = print
+) -> Iterator[None]:
+    """Within: this process alone holds `lock_file` (for `what`, as the busy line names it). When another
+    process holds it, one line says who; then wait for it (`on_busy='wait'`) or raise OutputBusy ('fail')."""
+    if on_busy not in ON_BUSY:
+        raise ValueError(f"on_busy must be one of {ON_BUSY}, not {on_busy!r}")
+    lock_file = Path(lock_file)
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        if not _try_lock(fd, lock_file):
+            line = f"{what} is being written by {holder(lock_file)} (lock {lock_file})"
+            if on_busy == "fail":
+                raise OutputBusy(f"{line}: run again when it has finished, or set pipeline.on_busy=wait to wait")
+            echo(f"{line}: waiting for it, then reusing what it wrote")
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _try_lock(fd: int, lock_file: Path) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as err:
+        if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            raise UserError(
+                f"the filesystem of {lock_file} does not support file locks ({err.strerror}): put the workdir on "
+                "one that does (a local disk, NFSv4, Lustre mounted with -o flock)"
+            ) from err
+        raise

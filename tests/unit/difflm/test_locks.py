@@ -1,0 +1,89 @@
+"""One writer per output (`difflm.locks`): a second process is told who holds the lock, waits or fails, and a
+holder killed with SIGKILL leaves nothing that stops the next one."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from difflm.locks import OutputBusy, exclusive
+from difflm.rundir import lock_file
+
+# a child that takes the lock as `exclusive` does (flock on the file, its pid/host/time written), says so, then
+# holds it until its stdin closes
+HOLDER = """
+import fcntl, json, os, socket, sys, time
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.ftruncate(fd, 0)
+os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}).encode(), 0)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.fixture
+def holder(tmp_path):
+    out = tmp_path / "runs" / "run-a"
+    lock = lock_file(out)
+    lock.parent.mkdir(parents=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(lock)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout.readline() == "held\n"
+    yield proc, out
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def test_the_lock_file_sits_beside_the_output_not_in_it(tmp_path):
+    assert lock_file(tmp_path / "runs" / "run-a") == tmp_path / "runs" / ".run-a.lock"
+
+
+@pytest.mark.integration  # a real second process (a python that only imports fcntl)
+def test_a_busy_output_fails_at_once_with_one_line_naming_its_holder(holder):
+    proc, out = holder
+    t0 = time.monotonic()
+    with pytest.raises(OutputBusy) as err, exclusive(lock_file(out), f"train output {out}", "fail"):
+        pytest.fail("the lock was taken while another process held it")
+    line = str(err.value)
+    assert time.monotonic() - t0 < 2 and "\n" not in line
+    assert f"pid {proc.pid} on {socket.gethostname()} since " in line and "UTC" in line and str(out) in line
+    assert "pipeline.on_busy=wait" in line
+
+
+@pytest.mark.integration  # a real second process (a python that only imports fcntl)
+def test_a_second_writer_waits_for_the_first_then_holds_the_lock(holder):
+    proc, out = holder
+    lines = []
+
+    def said(line: str) -> None:  # told who it waits for: now let the holder finish
+        lines.append(line)
+        proc.stdin.close()
+
+    with exclusive(lock_file(out), "train output", "wait", said):
+        assert proc.wait(timeout=10) == 0  # it held the lock until it ended
+    assert len(lines) == 1 and f"pid {proc.pid}" in lines[0] and "waiting for it" in lines[0]
+
+
+@pytest.mark.integration  # a real second process (a python that only imports fcntl)
+def test_a_holder_killed_with_sigkill_leaves_nothing_that_stops_the_next_run(holder):
+    proc, out = holder
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert lock_file(out).exists()  # the file stays; its lock died with the process
+    with exclusive(lock_file(out), "train output", "fail"):
+        assert f'"pid": {os.getpid()}' in lock_file(out).read_text()
+
+
+def test_within_one_process_the_lock_is_released_on_the_way_out(tmp_path):
+    lock = lock_file(tmp_path / "data" / "abc")
+    with pytest.raises(RuntimeError), exclusive(lock, "data-prep output", "fail"):
+        raise RuntimeError("the stage failed")
+    with exclusive(lock, "data-prep output", "fail"):  # free again after the failure
+        pass
