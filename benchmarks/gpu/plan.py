@@ -66,7 +66,7 @@ def plan(dry: bool) -> dict:
             "seq": 64,
             "mbs": 2,
             "steps": 6,
-            "block_steps": 6,
+            "block_steps": 4,
             "block_seq": 64,
             "big": "tiny",
             "big_seq": 64,

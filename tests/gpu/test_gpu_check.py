@@ -89,7 +89,7 @@ def test_gpu_check_dry_run_in_an_environment_built_like_the_gpu_image(tmp_path):
         [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out), "--dry-run", "--wheels", str(wheels)],
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=1800,
         cwd=tmp_path,
         env=env,
     )
@@ -200,7 +200,7 @@ def test_gpu_check_killed_mid_run_keeps_the_finished_sections(tmp_path):
     assert sections["probe"]["result"]["ceilings"]["matmul"]["ms"] > 0
     md = (out / "report.md").read_text()
     assert "| microbatch-1b | ok |" in md and "| train-difflm | running |" in md
-    assert "Largest micro-batch: 2" in md
+    assert "Headline: seq 64, micro-batch 2: MFU" in md
 
 
 def test_gpu_check_environment_guards(monkeypatch):
@@ -317,3 +317,22 @@ def test_corpus_documents_vary_in_length_and_can_have_a_dominant_successor():
     assert 0.2 < np.mean([b == table[a][0] for d in uniform for a, b in zip(d[:-1], d[1:])]) < 0.3
     with pytest.raises(ValueError, match="dominant successor"):
         corpus.successor_probabilities(0.1)
+
+
+def test_check_configs_use_the_current_keys(tmp_path):
+    """The check builds its runs in the config tree's current spelling (train.optimizer / train.schedule, no
+    deprecated flat aliases), with the section overrides it passes (block size, document masks, the levers)."""
+    import warnings
+
+    from benchmarks.gpu.plan import config
+
+    p = plan(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        cfg = config(p, tmp_path, "tiny", 64, "difflm-block", steps=4, diffusion={"block_size": 4})
+        knob = config(p, tmp_path, "tiny", 64, "difflm-noshift", model={"recompute": "full", "compile": "rope"})
+    assert cfg.train.optimizer.lr == 3e-3 and cfg.train.schedule.warmup_iters == 1 and cfg.train.train_iters == 4
+    assert cfg.diffusion.block_size == 4 and cfg.train.precision == "bf16"
+    assert knob.model.recompute == "full" and knob.model.compile == "rope"
+    assert {k["name"] for k in p["jobs"]["mfu-knobs"]["knobs"]} >= {"off", "recompute=selective", "compile=rope"}
+    assert "compile=layers" in {k["name"] for k in plan(False)["jobs"]["mfu-knobs"]["knobs"]}

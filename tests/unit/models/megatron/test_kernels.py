@@ -176,7 +176,7 @@ def test_activation_recompute_trains_as_without(megatron_single_process, tmp_pat
     for model in (ref, again):
         model.train()
         calls = [0]
-        model.decoder.layers[0].mlp.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+        model.decoder.layers[0].mlp.register_forward_hook(lambda *_, calls=calls: calls.__setitem__(0, calls[0] + 1))
         loss = model(x, pos, None, labels=torch.roll(x, -1, 1))
         loss.float().mean().backward()
         losses.append(loss.float())
