@@ -60,8 +60,8 @@ def plan(dry: bool) -> dict:
         return {
             **common,
             "vocab": 512,
-            "documents": 200,
-            "doc_len": [16, 200],  # document lengths drawn uniformly in this range
+            "documents": 400,
+            "doc_len": [8, 64],  # document lengths drawn uniformly in this range: several per window
             "small": "tiny",
             "seq": 64,
             "mbs": 2,

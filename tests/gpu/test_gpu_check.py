@@ -139,7 +139,7 @@ def test_gpu_check_dry_run_in_an_environment_built_like_the_gpu_image(tmp_path):
         ("ar", 128),
         ("ar", 256),
     ]
-    assert all(0 < r["pairs_share"] < 0.5 for r in long["rows"]), long["rows"]  # documents of 16-200 tokens
+    assert all(0 < r["pairs_share"] < 0.5 for r in long["rows"]), long["rows"]  # documents of 8-64 tokens
     assert [p["micro_batch"] for p in sections["profile-350m"]["result"]["profiles"]] == [1, 2]
     block = sections["train-block"]["result"]
     assert block["block"]["mode"] == "difflm-block" and block["complementary"]["complementary_masks"]
