@@ -66,6 +66,7 @@ def _lines(stdout: str) -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 14 sections, most in a child process of their own: about 10 minutes on 2 idle cores
 def test_gpu_check_dry_run_in_an_environment_built_like_the_gpu_image(tmp_path):
     """The rehearsal: `benchmarks/gpu_check.py --dry-run` where megatron-core and pydantic are absent and come
     from a wheels folder (installed into a target folder, as on the GPU machine; here this venv's copies
