@@ -72,6 +72,20 @@ class ModelConfig(_Section):
         "cross-entropy (bf16) and torch's fused AdamW; the CPU keeps the reference path. off: the reference path "
         "everywhere (the trainer logs the settings in use).",
     )
+    recompute: Literal["off", "selective", "full"] = Field(
+        "off",
+        json_schema_extra=OPERATIONAL,
+        description="Activation recompute (megatron's recompute_granularity): the backward recomputes what the "
+        "forward did not keep, for larger micro-batches in the same memory (the same numbers, more time). "
+        "selective: the core attention and the MLP of every layer; full: every layer from its input.",
+    )
+    compile: Literal["off", "rope", "layers"] = Field(
+        "off",
+        json_schema_extra=OPERATIONAL,
+        description="torch.compile for the elementwise work, without Transformer Engine: rope compiles the rotary "
+        "embedding; layers compiles every transformer layer whole (norms, residual adds, RoPE and activations "
+        "fused). The same numbers up to the fused kernels' rounding; compiles cost seconds per process.",
+    )
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=8)
     num_attention_heads: int = Field(4, ge=1)

@@ -30,6 +30,7 @@ from difflm.config import ModelConfig, PipelineConfig
 from models.diffusion.arch import ModelArch
 from models.diffusion.modes import Objective, build_objective
 from models.diffusion.time_embedding import AdaLNorm, TimeEmbedding
+from models.megatron import compiled
 from models.megatron.attention import block_spec, torch_layer_spec
 from models.megatron.backend import resolve_backend
 from models.megatron.forward_step import configured_document_form, document_form
@@ -139,6 +140,15 @@ def layer_spec(
     return spec
 
 
+# model.recompute -> megatron's activation recompute: selective checkpoints the core attention and the MLP (the
+# MLP's 3 x ffn activations are the largest saved tensors), full every layer from its input (uniform, 1 layer a unit)
+RECOMPUTE: dict[str, dict] = {
+    "off": {},
+    "selective": {"recompute_granularity": "selective", "recompute_modules": ["core_attn", "mlp"]},
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
 def transformer_config(cfg: PipelineConfig, backend: str = "local"):
     """Our small ModelConfig mapped onto megatron's TransformerConfig, in this one function."""
     m, p = cfg.model, cfg.parallel
@@ -186,6 +196,7 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
+        **RECOMPUTE[m.recompute],
     )
 
 
@@ -335,7 +346,7 @@ def build_model(
         spec = zero_centered(spec, tcfg)
     elif backend == "torch":  # the final norm as well must accept sequence parallelism
         spec = block_spec(spec, tcfg)
-    return DiffusionGPTModel(
+    model = DiffusionGPTModel(
         config=tcfg,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab or padded_vocab_size(vocab_size, cfg.parallel.tensor_model_parallel_size),
@@ -352,3 +363,5 @@ def build_model(
         scored_vocab=vocab_size if objective.exact else None,
         never_targets=never_targets,
     )
+    compiled.apply(model, cfg.model.compile)
+    return model

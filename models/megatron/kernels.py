@@ -10,6 +10,8 @@ On CUDA, with `model.fusions=auto`:
 - AdamW: torch's `fused=True` kernel instead of the foreach default megatron builds without apex / TE.
 - RoPE: unfused. megatron's `apply_rope_fusion` is Transformer Engine's kernel only; what megatron-core offers
   without it is its `RotaryEmbedding` table, cached per sequence length (`lru_cache`), which is in use.
+  `model.compile=rope` compiles the rotation, `model.compile=layers` every layer whole (models/megatron/compiled.py);
+  both off by default until a GPU measures them faster (benchmarks/gpu_check.py's mfu-knobs section).
 The CPU keeps the reference path: the compiles cost ~16 s per process there (measured) for no gain at test sizes.
 
 The attention kernel of the torch backend is PyTorch's SDPA choice (flash / cuDNN / memory-efficient), or the one
@@ -43,6 +45,8 @@ class Kernels:
     sdpa_backend: str  # as configured: auto or a forced kernel
     rope: str = ROPE
     compile_unavailable: str | None = None  # why the compiled fusions are off on this CUDA machine, if they are
+    compile: str = "off"  # model.compile: torch.compile of RoPE or of whole layers (models/megatron/compiled.py)
+    recompute: str = "off"  # model.recompute: megatron's activation recompute
 
     def describe(self) -> dict:
         return asdict(self)
@@ -74,6 +78,8 @@ def kernel_settings(cfg: PipelineConfig, cuda: bool | None = None, compiler_ok: 
         fused_adam=on,
         sdpa_backend=cfg.model.sdpa_backend,
         compile_unavailable=missing,
+        compile=cfg.model.compile,
+        recompute=cfg.model.recompute,
     )
 
 

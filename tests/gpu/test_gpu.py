@@ -1,5 +1,5 @@
 """The GPU path: the device rule of the forward step, the `torch` backend (SDPA / FlexAttention core attention)
-against megatron's local spec, backend choice, and the one-shot GPU check's dry run.
+against megatron's local spec, backend choice. (The one-shot GPU check's own tests: test_gpu_check.py.)
 
 Tests marked `gpu` need CUDA and are skipped without it; `benchmarks/gpu_check.py` runs them on a GPU. The rest
 runs on the CPU, where the torch spec runs too (SDPA; dense masks instead of FlexAttention, which has no CPU
@@ -7,11 +7,6 @@ backward)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -168,295 +163,6 @@ def test_backend_choice(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(backend, "transformer_engine_available", lambda: False)
     assert backend.resolve_backend("auto") == "torch"  # a GPU without Transformer Engine
-
-
-ABSENT_ON_THE_GPU_IMAGE = ("prefect", "mlflow", "datatrove", "lm_eval", "data_prep", "flows", "tasks")
-# on the GPU image these come from benchmarks/gpu_wheels/ (installed by the check into a target folder)
-FROM_THE_WHEELS = ("megatron", "pydantic", "pydantic_core", "annotated_types", "typing_inspection")
-SECTIONS = (
-    "environment",
-    "probe",
-    "data",
-    "microbatch-1b",
-    "train-difflm",
-    "export",
-    "spec-parity",
-    "gpu-tests",
-    "train-ar",
-    "gpu-tests-flex",
-)
-
-
-def _gpu_check():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _image_env(tmp_path, hide_wheel_packages: bool) -> dict:
-    """An environment built like the GPU image, in every process the check starts (sitecustomize runs at each
-    interpreter's start): the orchestration stack blocked, and (hide_wheel_packages) megatron-core / pydantic
-    invisible in this venv, so that only a copy the check installs from the wheels can be imported."""
-    absent = tmp_path / "absent"
-    absent.mkdir()
-    hidden = FROM_THE_WHEELS if hide_wheel_packages else ()
-    (absent / "sitecustomize.py").write_text(
-        f"""import importlib.machinery, sys, sysconfig
-for name in {ABSENT_ON_THE_GPU_IMAGE!r}:
-    sys.modules[name] = None
-HIDDEN = {hidden!r}
-VENV = {{sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}}
-
-
-class HideVenvCopies:
-    # top-level HIDDEN packages are looked up everywhere but this venv's site-packages
-    @staticmethod
-    def find_spec(name, path=None, target=None):
-        if name not in HIDDEN:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, [p for p in sys.path if p not in VENV])
-        if spec is None:
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-        return spec
-
-
-sys.meta_path.insert(0, HideVenvCopies)
-"""
-    )
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(absent), os.environ.get("PYTHONPATH", "")])}
-
-
-def _lines(stdout: str) -> list[dict]:
-    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
-
-
-@pytest.mark.slow
-def test_gpu_check_dry_run_in_an_environment_built_like_the_gpu_image(tmp_path):
-    """The rehearsal: `benchmarks/gpu_check.py --dry-run` where megatron-core and pydantic are absent and come
-    from a wheels folder (installed into a target folder, as on the GPU machine; here this venv's copies
-    repacked) and prefect / mlflow / datatrove / lm_eval cannot be imported. Every section runs, in the GPU
-    order, each with its JSON line on stdout. (The check once died here on find_spec.)"""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_wheels
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    for name in gpu_wheels.PACKAGES:
-        gpu_wheels.repack_installed(name, wheels)
-    env = _image_env(tmp_path, hide_wheel_packages=True)
-    probe = subprocess.run(
-        [sys.executable, "-c", "import importlib.util as u; u.find_spec('megatron.core')"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert "No module named 'megatron'" in probe.stderr  # the environment hides this venv's megatron
-    out = tmp_path / "report"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out), "--dry-run", "--wheels", str(wheels)],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        cwd=tmp_path,
-        env=env,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    report = json.loads((out / "report.json").read_text())
-    sections = report["sections"]
-    assert list(sections) == list(SECTIONS)
-    assert {n: s["status"] for n, s in sections.items()} == {n: "ok" for n in SECTIONS}, proc.stdout[-4000:]
-    lines = _lines(proc.stdout)
-    assert [x["section"] for x in lines if "status" in x] == list(SECTIONS)  # one line per section, in order
-    assert lines[-1]["failed"] == []
-    environment = report["environment"]
-    assert environment["installed_from_wheels"] == ["megatron-core", "pydantic"]
-    assert environment["megatron_core"] == "0.16.1" and str(out / ".site") in environment["megatron_path"]
-    assert environment["env"]["HF_HUB_OFFLINE"] == "1"
-    probe = sections["probe"]["result"]
-    assert probe["collectives"]["gloo"]["ok"] and probe["ceilings"]["matmul"]["ms"] > 0
-    assert all(r["chosen"] and r["default_ms"] > 0 for r in probe["attention"].values())
-    for mode in ("difflm", "ar"):
-        trained = sections[f"train-{mode}"]["result"]
-        assert trained["tokens_per_s_per_device"] > 0 and trained["tflops_per_device"] > 0
-        assert trained["mfu"] is None  # no peak figure for a CPU: no made-up MFU
-    parity = sections["spec-parity"]["result"]
-    assert parity["fp32_rel_diff"] < 1e-5 and parity["bf16_rel_diff"] < 5e-2
-    exported = sections["export"]["result"]
-    assert exported["fp32_parity_ok"] and exported["fp32"]["max_abs_diff"] < 1e-3
-    assert exported["bf16_parity_ok"], exported["bf16"]
-    assert exported["masked_tokens"] > 0
-    micro = sections["microbatch-1b"]["result"]
-    assert micro["largest_micro_batch"] == 2 and micro["difflm_over_ar_tflops"] > 0
-    assert [(r["mode"], r["micro_batch"]) for r in micro["rows"]] == [
-        ("difflm-noshift", 1),
-        ("difflm-noshift", 2),
-        ("ar", 2),
-    ]
-    shares = micro["profile"]["share"]
-    assert shares["gemm"] > 0 and abs(sum(shares.values()) - 1) < 0.01
-    assert micro["profile"]["optimizer_ms"] > 0
-    for name in ("gpu-tests", "gpu-tests-flex"):  # the flex tests apart, last (on the CPU: skipped, no CUDA)
-        assert "skipped" in sections[name]["result"]["summary"] and "deselected" in sections[name]["result"]["summary"]
-    md = (out / "report.md").read_text()
-    assert "| train-difflm | ok |" in md and "Profiled step" in md
-
-
-def _kill_leftovers(marker: str) -> None:
-    """This test's own processes (their command lines name its folder) that outlived the check."""
-    import psutil
-
-    mine = [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
-    for p in mine:
-        p.kill()
-    psutil.wait_procs(mine, timeout=10)
-
-
-@pytest.mark.slow
-def test_gpu_check_killed_mid_run_keeps_the_finished_sections(tmp_path):
-    """A check killed (SIGKILL, no chance to clean up) during its fifth section: report.json / report.md hold
-    the figures of every section that finished, the sweep's rows were in the report while it ran, and the
-    section in flight says 'running'."""
-    import signal
-
-    out = tmp_path / "report"
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out), "--dry-run"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        cwd=tmp_path,
-        env=_image_env(tmp_path, hide_wheel_packages=False),
-        start_new_session=True,
-    )
-    seen_rows_in_report = False
-    try:
-        for line in proc.stdout:
-            msg = json.loads(line)
-            if msg.get("section") == "microbatch-1b" and "row" in msg and not seen_rows_in_report:
-                partial = json.loads((out / "report.json").read_text())["sections"]["microbatch-1b"]
-                assert partial["status"] == "running" and partial["partial"]["rows"]
-                seen_rows_in_report = True
-            if msg.get("section") == "microbatch-1b" and "status" in msg:
-                time.sleep(1.0)  # train-difflm starts
-                break
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(30)
-        _kill_leftovers(str(out))  # torchrun's worker runs in a session of its own: SIGKILL orphans it
-    assert seen_rows_in_report
-    sections = json.loads((out / "report.json").read_text())["sections"]
-    assert {n: sections[n]["status"] for n in SECTIONS[:4]} == {n: "ok" for n in SECTIONS[:4]}
-    assert sections["train-difflm"]["status"] == "running"
-    assert sections["microbatch-1b"]["result"]["rows"][0]["tokens_per_s"] > 0
-    assert sections["probe"]["result"]["ceilings"]["matmul"]["ms"] > 0
-    md = (out / "report.md").read_text()
-    assert "| microbatch-1b | ok |" in md and "| train-difflm | running |" in md
-    assert "Largest micro-batch: 2" in md
-
-
-def test_gpu_check_environment_guards(monkeypatch):
-    """find_spec of a submodule whose parent is absent raises (it does not return None): guarded; a
-    typing-extensions too old for pydantic counts as missing; the wheel set carries it and psutil."""
-    import importlib.metadata
-
-    check = _gpu_check()
-    assert check.present("json") and not check.present("no_such_package_xyz.core")
-    assert check.missing_packages() == []
-    real = importlib.metadata.version
-    monkeypatch.setattr(
-        importlib.metadata, "version", lambda name: "4.12.2" if name == "typing-extensions" else real(name)
-    )
-    assert check.missing_packages() == ["typing-extensions"]
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_wheels
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    assert {"megatron-core", "pydantic", "pydantic-core", "typing-extensions", "psutil"} <= set(gpu_wheels.PACKAGES)
-
-
-def test_gpu_check_section_statuses_reach_the_report_at_once(tmp_path, capsys):
-    """ok / failed / timeout (a child out of time) / skipped (budget), each in report.json and report.md as soon
-    as the section ends, with one JSON line on stdout."""
-    check = _gpu_check()
-    run = check.Check(tmp_path, check.plan(True), 100.0, {"dry_run": True})
-
-    def timed_out():
-        raise subprocess.TimeoutExpired(["torchrun"], 5)
-
-    run.section("a", lambda: {"x": 1})
-    assert json.loads((tmp_path / "report.json").read_text())["sections"]["a"]["status"] == "ok"
-    run.section("b", timed_out)
-    run.section("c", lambda: 1 / 0)
-    run.section("d", lambda: {}, need_s=1e9)
-    sections = json.loads((tmp_path / "report.json").read_text())["sections"]
-    assert [s["status"].split(":")[0] for s in sections.values()] == ["ok", "timeout", "failed", "skipped"]
-    assert "ZeroDivisionError" in sections["c"]["error"]
-    assert "| b | timeout |" in (tmp_path / "report.md").read_text()
-    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
-    assert [(x["section"], x["status"]) for x in lines] == [
-        ("a", "ok"),
-        ("b", "timeout"),
-        ("c", "failed"),
-        ("d", "skipped"),
-    ]
-
-
-def test_gpu_check_only_runs_the_named_sections_and_refuses_unknown_names(tmp_path):
-    """--only (a second device call for what the first ran out of time for): environment and data always run;
-    a misspelt name is an argument error listing the sections."""
-    check = _gpu_check()
-    assert check._sections("gpu-tests-flex, train-ar") == {"gpu-tests-flex", "train-ar"}
-    with pytest.raises(Exception, match="unknown section.*flex.*choose from environment"):
-        check._sections("flex")
-    run = check.Check(tmp_path, check.plan(True), 100.0, {"dry_run": True}, only={"gpu-tests-flex"})
-    ran = [n for n in ("environment", "data", "probe", "gpu-tests-flex") if run.section(n, lambda: {"x": 1})]
-    assert ran == ["environment", "data", "gpu-tests-flex"]
-    assert run.sections["probe"]["status"] == "skipped: not in --only"
-
-
-def test_gpu_check_installs_wheels_without_pip(tmp_path, monkeypatch):
-    """An image without pip: the wheels are unpacked into the target folder."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_wheels
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    check = _gpu_check()
-    wheels = tmp_path / "wheels"
-    wheels.mkdir()
-    gpu_wheels.repack_installed("typing-extensions", wheels)
-    monkeypatch.setattr(check, "has_pip", lambda: False)
-    check.install_wheels(wheels, tmp_path / "site")
-    assert (tmp_path / "site" / "typing_extensions.py").exists()
-    assert list((tmp_path / "site").glob("typing_extensions-*.dist-info/METADATA"))
-
-
-def test_gpu_check_row_errors_and_kernel_categories():
-    check = _gpu_check()
-    assert check.memory_error(torch.OutOfMemoryError("CUDA out of memory"))
-    assert check.memory_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
-    assert not check.memory_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    assert check.kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
-    assert check.kernel_category("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN") == "gemm"
-    assert check.kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
-    assert check.kernel_category("fmha_cutlassF_bf16_aligned_64x128_rf_sm80") == "attention"
-    assert check.kernel_category("void at::native::multi_tensor_apply_kernel<FusedAdam>") == "optimizer"
-    assert check.kernel_category("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "communication"
-    assert check.kernel_category("void at::native::vectorized_elementwise_kernel<4, silu>") == "elementwise"
-    # a sweep cut short: the figures of the rows it has
-    rows = [
-        {"mode": "difflm-noshift", "micro_batch": 8, "step_s": 1.0, "tflops": 300.0, "mfu": 0.3, "tokens_per_s": 1},
-        {"mode": "difflm-noshift", "micro_batch": 12, "oom": False, "error": "RuntimeError: CUDA error: misaligned"},
-    ]
-    summary = check.microbatch_summary({"big": "1b", "big_seq": 2048}, rows)
-    assert summary["largest_micro_batch"] == 8 and summary["mfu"] == 0.3 and summary["ar_mfu"] is None
 
 
 # ---- packed documents as THD sequences (Transformer Engine's form), tested on the torch spec -----------------
@@ -662,6 +368,29 @@ def test_cuda_flex_attention_document_mask_matches_dense_with_gradients():
         grads = torch.autograd.grad(got.sum(), (q, k, v))
         ref = torch.autograd.grad(want.sum(), (q, k, v))
         assert all((a - b).abs().max().item() < 1e-3 for a, b in zip(grads, ref))
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("token_causal", [False, True], ids=["block-causal", "token-causal"])
+def test_cuda_flex_attention_block_mask_matches_dense_with_gradients(token_causal):
+    """Block diffusion's [x_t | x_0] mask on FlexAttention (the compiled block mask the GPU trains with) against
+    SDPA with the dense keep mask, packed documents included: outputs and the gradients of q, k and v."""
+    from models import diffusion
+    from models.megatron.attention import TwoStreamMask, _flex_attention
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(3, 500, (2, 128), generator=g)
+    x[:, [30, 90]] = 0
+    doc = diffusion.document_ids(x, 0).cuda()
+    mask = TwoStreamMask(128, 4, token_causal, doc)
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", requires_grad=True) for _ in range(3))
+    got = _flex_attention()(q, k, v, block_mask=mask.block_mask())
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense_keep())
+    assert (got - want).abs().max().item() < 1e-4
+    grads = torch.autograd.grad(got.sum(), (q, k, v))
+    ref = torch.autograd.grad(want.sum(), (q, k, v))
+    assert all((a - b).abs().max().item() < 1e-3 for a, b in zip(grads, ref))
 
 
 @cuda

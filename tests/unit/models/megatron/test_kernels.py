@@ -158,3 +158,57 @@ def test_rope_table_is_cached_per_length(megatron_single_process, tmp_path):
     model = build_model(tiny_config(tmp_path, "model.backend=torch"), 512)
     assert not model.config.apply_rope_fusion  # Transformer Engine's kernel: not available here
     assert model.rotary_pos_emb(24) is model.rotary_pos_emb(24)
+
+
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_activation_recompute_trains_as_without(megatron_single_process, tmp_path, recompute):
+    """model.recompute (megatron's activation recompute, for larger micro-batches in the same memory): the same
+    loss and gradients as without it, in training mode, where megatron checkpoints."""
+    base = ("model.backend=torch", "diffusion.model_running_mode=ar")
+    torch.manual_seed(0)
+    ref = gpt.build_model(tiny_config(tmp_path, *base), 512)
+    again = gpt.build_model(tiny_config(tmp_path, *base, f"model.recompute={recompute}"), 512)
+    assert again.config.recompute_granularity == recompute and ref.config.recompute_granularity is None
+    again.load_state_dict(ref.state_dict())
+    x = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(24)[None].expand(2, -1)
+    losses, mlp_calls = [], []
+    for model in (ref, again):
+        model.train()
+        calls = [0]
+        model.decoder.layers[0].mlp.register_forward_hook(lambda *_, calls=calls: calls.__setitem__(0, calls[0] + 1))
+        loss = model(x, pos, None, labels=torch.roll(x, -1, 1))
+        loss.float().mean().backward()
+        losses.append(loss.float())
+        mlp_calls.append(calls[0])
+    assert mlp_calls == [1, 2]  # the backward ran the MLP again: the switch does recompute
+    assert torch.allclose(losses[0], losses[1], atol=1e-6)
+    for (name, a), b in zip(ref.named_parameters(), again.parameters()):
+        assert torch.allclose(a.grad, b.grad, atol=1e-6), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", ["rope", "layers"])
+def test_compiled_rope_and_layers_train_as_without(megatron_single_process, tmp_path, setting):
+    """model.compile (torch.compile of the elementwise work, no Transformer Engine; Inductor on the CPU here,
+    ~20-60 s of compiles): the same loss and gradients as off, to fp32 rounding; the kernels line says so."""
+    base = ("model.backend=torch", "diffusion.model_running_mode=ar")
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    ref = gpt.build_model(tiny_config(tmp_path, *base), 512)
+    cfg = tiny_config(tmp_path, *base, f"model.compile={setting}")
+    again = gpt.build_model(cfg, 512)
+    assert kernels.kernel_settings(cfg).describe()["compile"] == setting
+    again.load_state_dict(ref.state_dict())
+    x = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(24)[None].expand(2, -1)
+    losses = []
+    for model in (ref, again):
+        loss = model(x, pos, None, labels=torch.roll(x, -1, 1))
+        loss.float().mean().backward()
+        losses.append(loss.float())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # something was compiled
+    assert (losses[0] - losses[1]).abs().max().item() < 1e-5
+    for (name, a), b in zip(ref.named_parameters(), again.parameters()):
+        scale = a.grad.abs().max().item() + 1e-6
+        assert (a.grad - b.grad).abs().max().item() / scale < 1e-4, name

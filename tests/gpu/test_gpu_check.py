@@ -1,0 +1,339 @@
+"""The one-shot GPU check (benchmarks/gpu_check.py and benchmarks/gpu/): its dry run in an environment built like
+the GPU image, a kill mid-run, the offline installs, the report's statuses, --only, and the figures of the
+micro-batch harness (pure functions)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import gpu_check as check
+from benchmarks import gpu_wheels
+from benchmarks.gpu import corpus, figures, runtime
+from benchmarks.gpu.plan import plan
+from benchmarks.gpu.report import Check
+
+ROOT = Path(__file__).resolve().parents[2]
+SECTIONS = check.NAMES  # the check's own table: a new section is rehearsed here without another list to edit
+
+ABSENT_ON_THE_GPU_IMAGE = ("prefect", "mlflow", "datatrove", "lm_eval", "data_prep", "flows", "tasks")
+# on the GPU image these come from benchmarks/gpu_wheels/ (installed by the check into a target folder)
+FROM_THE_WHEELS = ("megatron", "pydantic", "pydantic_core", "annotated_types", "typing_inspection")
+
+
+def _image_env(tmp_path, hide_wheel_packages: bool) -> dict:
+    """An environment built like the GPU image, in every process the check starts (sitecustomize runs at each
+    interpreter's start): the orchestration stack blocked, and (hide_wheel_packages) megatron-core / pydantic
+    invisible in this venv, so that only a copy the check installs from the wheels can be imported."""
+    absent = tmp_path / "absent"
+    absent.mkdir()
+    hidden = FROM_THE_WHEELS if hide_wheel_packages else ()
+    (absent / "sitecustomize.py").write_text(
+        f"""import importlib.machinery, sys, sysconfig
+for name in {ABSENT_ON_THE_GPU_IMAGE!r}:
+    sys.modules[name] = None
+HIDDEN = {hidden!r}
+VENV = {{sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}}
+
+
+class HideVenvCopies:
+    # top-level HIDDEN packages are looked up everywhere but this venv's site-packages
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name not in HIDDEN:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, [p for p in sys.path if p not in VENV])
+        if spec is None:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return spec
+
+
+sys.meta_path.insert(0, HideVenvCopies)
+"""
+    )
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(absent), os.environ.get("PYTHONPATH", "")])}
+
+
+def _lines(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # 14 sections, most in a child process of their own: about 10 minutes on 2 idle cores
+def test_gpu_check_dry_run_in_an_environment_built_like_the_gpu_image(tmp_path):
+    """The rehearsal: `benchmarks/gpu_check.py --dry-run` where megatron-core and pydantic are absent and come
+    from a wheels folder (installed into a target folder, as on the GPU machine; here this venv's copies
+    repacked) and prefect / mlflow / datatrove / lm_eval cannot be imported. Every section runs, in the GPU
+    order, each with its JSON line on stdout. (The check once died here on find_spec.)"""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    for name in gpu_wheels.PACKAGES:
+        gpu_wheels.repack_installed(name, wheels)
+    env = _image_env(tmp_path, hide_wheel_packages=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import importlib.util as u; u.find_spec('megatron.core')"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert "No module named 'megatron'" in probe.stderr  # the environment hides this venv's megatron
+    out = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out), "--dry-run", "--wheels", str(wheels)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads((out / "report.json").read_text())
+    sections = report["sections"]
+    assert list(sections) == list(SECTIONS)
+    assert {n: s["status"] for n, s in sections.items()} == {n: "ok" for n in SECTIONS}, proc.stdout[-4000:]
+    lines = _lines(proc.stdout)
+    assert [x["section"] for x in lines if "status" in x] == list(SECTIONS)  # one line per section, in order
+    assert lines[-1]["failed"] == []
+    environment = report["environment"]
+    assert environment["installed_from_wheels"] == ["megatron-core", "pydantic"]
+    assert environment["megatron_core"] == "0.16.1" and str(out / ".site") in environment["megatron_path"]
+    assert environment["env"]["HF_HUB_OFFLINE"] == "1"
+    probe = sections["probe"]["result"]
+    assert probe["collectives"]["gloo"]["ok"] and probe["ceilings"]["matmul"]["ms"] > 0
+    assert all(r["chosen"] and r["default_ms"] > 0 for r in probe["attention"].values())
+    for mode in ("difflm", "ar"):
+        trained = sections[f"train-{mode}"]["result"]
+        assert trained["tokens_per_s_per_device"] > 0 and trained["tflops_per_device"] > 0
+        assert trained["mfu"] is None  # no peak figure for a CPU: no made-up MFU
+    parity = sections["spec-parity"]["result"]
+    assert parity["fp32_rel_diff"] < 1e-5 and parity["bf16_rel_diff"] < 5e-2
+    exported = sections["export"]["result"]
+    assert exported["fp32_parity_ok"] and exported["fp32"]["max_abs_diff"] < 1e-3
+    assert exported["bf16_parity_ok"], exported["bf16"]
+    assert exported["masked_tokens"] > 0
+    micro = sections["microbatch-1b"]["result"]
+    assert micro["largest_micro_batch"] == 2 and micro["over_baseline_tflops"] > 0
+    assert [(r["mode"], r["micro_batch"], r.get("repeat")) for r in micro["rows"]] == [
+        ("difflm-noshift", 1, None),
+        ("difflm-noshift", 2, None),
+        ("difflm-noshift", 2, True),  # the headline row once more: the run-to-run spread
+        ("ar", 2, None),
+    ]
+    assert all(r["timed_steps"] == 2 and r["step_min_s"] <= r["step_s"] <= r["step_max_s"] for r in micro["rows"])
+    assert micro["repeat_mfu"] is None and micro["mfu_without_optimizer"] is None  # no MFU on a CPU
+    (prof,) = micro["profiles"]
+    assert prof["share"]["gemm"] > 0 and abs(sum(prof["share"].values()) - 1) < 0.01
+    assert prof["optimizer_ms"] > 0 and prof["unprofiled_step_ms"] > 0 and prof["top_elementwise"]
+    # long context with document masks: both modes at both lengths, the attention counted from the real documents
+    long = sections["long-context"]["result"]
+    assert [(r["mode"], r["seq"]) for r in long["rows"]] == [
+        ("difflm-noshift", 128),
+        ("difflm-noshift", 256),
+        ("ar", 128),
+        ("ar", 256),
+    ]
+    assert all(0 < r["pairs_share"] < 0.5 for r in long["rows"]), long["rows"]  # documents of 8-64 tokens
+    assert [p["micro_batch"] for p in sections["profile-350m"]["result"]["profiles"]] == [1, 2]
+    block = sections["train-block"]["result"]
+    assert block["block"]["mode"] == "difflm-block" and block["complementary"]["complementary_masks"]
+    assert all(r["tokens_per_s_per_device"] > 0 and r["tflops_per_device"] > 0 for r in block.values())
+    for name in ("gpu-tests", "gpu-tests-flex"):  # the flex tests apart, last (on the CPU: skipped, no CUDA)
+        assert "skipped" in sections[name]["result"]["summary"] and "deselected" in sections[name]["result"]["summary"]
+    md = (out / "report.md").read_text()
+    assert "| train-difflm | ok |" in md and "Profiled step" in md and "| long-context | ok |" in md
+
+
+def _kill_leftovers(marker: str) -> None:
+    """This test's own processes (their command lines name its folder) that outlived the check."""
+    import psutil
+
+    mine = [p for p in psutil.process_iter(["cmdline"]) if marker in " ".join(p.info["cmdline"] or [])]
+    for p in mine:
+        p.kill()
+    psutil.wait_procs(mine, timeout=10)
+
+
+@pytest.mark.slow
+def test_gpu_check_killed_mid_run_keeps_the_finished_sections(tmp_path):
+    """A check killed (SIGKILL, no chance to clean up) during its fifth section: report.json / report.md hold
+    the figures of every section that finished, the sweep's rows were in the report while it ran, and the
+    section in flight says 'running'."""
+    import signal
+
+    out = tmp_path / "report"
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out), "--dry-run"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=tmp_path,
+        env=_image_env(tmp_path, hide_wheel_packages=False),
+        start_new_session=True,
+    )
+    seen_rows_in_report = False
+    try:
+        for line in proc.stdout:
+            msg = json.loads(line)
+            if msg.get("section") == "microbatch-1b" and "row" in msg and not seen_rows_in_report:
+                partial = json.loads((out / "report.json").read_text())["sections"]["microbatch-1b"]
+                assert partial["status"] == "running" and partial["partial"]["rows"]
+                seen_rows_in_report = True
+            if msg.get("section") == "microbatch-1b" and "status" in msg:
+                time.sleep(1.0)  # train-difflm starts
+                break
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        _kill_leftovers(str(out))  # torchrun's worker runs in a session of its own: SIGKILL orphans it
+    assert seen_rows_in_report
+    sections = json.loads((out / "report.json").read_text())["sections"]
+    assert {n: sections[n]["status"] for n in SECTIONS[:4]} == {n: "ok" for n in SECTIONS[:4]}
+    assert sections["train-difflm"]["status"] == "running"
+    assert sections["microbatch-1b"]["result"]["rows"][0]["tokens_per_s"] > 0
+    assert sections["probe"]["result"]["ceilings"]["matmul"]["ms"] > 0
+    md = (out / "report.md").read_text()
+    assert "| microbatch-1b | ok |" in md and "| train-difflm | running |" in md
+    assert "Headline: seq 64, micro-batch 2: MFU" in md
+
+
+def test_gpu_check_environment_guards(monkeypatch):
+    """find_spec of a submodule whose parent is absent raises (it does not return None): guarded; a
+    typing-extensions too old for pydantic counts as missing; the wheel set carries it and psutil."""
+    assert runtime.present("json") and not runtime.present("no_such_package_xyz.core")
+    assert runtime.missing_packages() == []
+    real = runtime.version
+    monkeypatch.setattr(runtime, "version", lambda name: "4.12.2" if name == "typing-extensions" else real(name))
+    assert runtime.missing_packages() == ["typing-extensions"]
+    assert {"megatron-core", "pydantic", "pydantic-core", "typing-extensions", "psutil"} <= set(gpu_wheels.PACKAGES)
+
+
+def test_gpu_check_section_statuses_reach_the_report_at_once(tmp_path, capsys):
+    """ok / failed / timeout (a child out of time) / skipped (budget), each in report.json and report.md as soon
+    as the section ends, with one JSON line on stdout."""
+    run = Check(tmp_path, plan(True), 100.0, {"dry_run": True})
+
+    def timed_out():
+        raise subprocess.TimeoutExpired(["torchrun"], 5)
+
+    run.section("a", lambda: {"x": 1})
+    assert json.loads((tmp_path / "report.json").read_text())["sections"]["a"]["status"] == "ok"
+    run.section("b", timed_out)
+    run.section("c", lambda: 1 / 0)
+    run.section("d", lambda: {}, need_s=1e9)
+    sections = json.loads((tmp_path / "report.json").read_text())["sections"]
+    assert [s["status"].split(":")[0] for s in sections.values()] == ["ok", "timeout", "failed", "skipped"]
+    assert "ZeroDivisionError" in sections["c"]["error"]
+    assert "| b | timeout |" in (tmp_path / "report.md").read_text()
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [(x["section"], x["status"]) for x in lines] == [
+        ("a", "ok"),
+        ("b", "timeout"),
+        ("c", "failed"),
+        ("d", "skipped"),
+    ]
+
+
+def test_gpu_check_only_runs_the_named_sections_and_refuses_unknown_names(tmp_path):
+    """--only (a second device call for what the first ran out of time for): environment and data always run;
+    a misspelt name is an argument error listing the sections."""
+    assert check._sections("gpu-tests-flex, train-ar") == {"gpu-tests-flex", "train-ar"}
+    with pytest.raises(Exception, match="unknown section.*flex.*choose from environment"):
+        check._sections("flex")
+    run = Check(tmp_path, plan(True), 100.0, {"dry_run": True}, only={"gpu-tests-flex"}, always=check.ALWAYS)
+    ran = [n for n in ("environment", "data", "probe", "gpu-tests-flex") if run.section(n, lambda: {"x": 1})]
+    assert ran == ["environment", "data", "gpu-tests-flex"]
+    assert run.sections["probe"]["status"] == "skipped: not in --only"
+
+
+def test_gpu_check_installs_wheels_without_pip(tmp_path, monkeypatch):
+    """An image without pip: the wheels are unpacked into the target folder."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    gpu_wheels.repack_installed("typing-extensions", wheels)
+    monkeypatch.setattr(runtime, "has_pip", lambda: False)
+    runtime.install_wheels(wheels, tmp_path / "site")
+    assert (tmp_path / "site" / "typing_extensions.py").exists()
+    assert list((tmp_path / "site").glob("typing_extensions-*.dist-info/METADATA"))
+
+
+def test_gpu_check_row_errors_and_kernel_categories():
+    assert figures.memory_error(torch.OutOfMemoryError("CUDA out of memory"))
+    assert figures.memory_error(RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate"))
+    assert not figures.memory_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert figures.kernel_category("sm90_xmma_gemm_bf16bf16_bf16f32") == "gemm"
+    assert figures.kernel_category("nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NTN") == "gemm"
+    assert figures.kernel_category("cudnn_generated_fort_native_sdpa_sm90_flash_fprop") == "attention"
+    assert figures.kernel_category("fmha_cutlassF_bf16_aligned_64x128_rf_sm80") == "attention"
+    assert figures.kernel_category("void at::native::multi_tensor_apply_kernel<FusedAdam>") == "optimizer"
+    assert figures.kernel_category("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "communication"
+    assert figures.kernel_category("void at::native::vectorized_elementwise_kernel<4, silu>") == "elementwise"
+    # a sweep cut short: the figures of the rows it has
+    rows = [
+        {"mode": "difflm-noshift", "micro_batch": 8, "step_s": 1.0, "tflops": 300.0, "mfu": 0.3, "tokens_per_s": 1},
+        {"mode": "difflm-noshift", "micro_batch": 12, "oom": False, "error": "RuntimeError: CUDA error: misaligned"},
+    ]
+    summary = figures.summary("microbatch-1b", plan(False), [{**r, "seq": 2048} for r in rows])
+    assert summary["largest_micro_batch"] == 8 and summary["mfu"] == 0.3 and summary["baseline_mfu"] is None
+
+
+def test_microbatch_figures_come_from_the_unprofiled_steps():
+    """MFU without the optimizer: the unprofiled steps' forward+backward; device busy share: kernel time over the
+    unprofiled step (a profiled wall would count the profiler's overhead as idle device time); the baseline and
+    the repeat are picked by mode and shape."""
+    best = {"mode": "difflm-noshift", "seq": 2048, "micro_batch": 24, "step_s": 0.875, "mfu": 0.477}
+    rows = [
+        {**best, "tflops": 472.0, "forward_backward_s": 0.85},
+        {**best, "repeat": True, "mfu": 0.475, "step_s": 0.878, "tflops": 470.0},
+        {"mode": "ar", "seq": 2048, "micro_batch": 24, "step_s": 0.82, "mfu": 0.473, "tflops": 468.0},
+    ]
+    got = figures.summary("microbatch-1b", plan(False), rows)
+    assert got["mfu_without_optimizer"] == pytest.approx(0.477 * 0.875 / 0.85)
+    assert got["repeat_mfu"] == 0.475 and got["baseline_mfu"] == 0.473 and got["baseline_mode"] == "ar"
+    assert got["over_baseline_tflops"] == pytest.approx(472 / 468)
+    assert figures.busy_share(828.0, 0.875) == pytest.approx(0.946, abs=1e-3)  # not 828 / 1002 profiled
+    assert figures.spread([0.9, 0.8, 1.0, 0.85]) == {"median": 0.875, "min": 0.8, "max": 1.0, "n": 4}
+
+
+def test_corpus_documents_vary_in_length_and_can_have_a_dominant_successor():
+    """Documents of lengths drawn in the plan's range (document masks at long context see many of them); with a
+    dominant successor the chain's first choice comes at about that rate (a model can be confident)."""
+    import numpy as np
+
+    p = {"documents": 400, "doc_len": [16, 200]}
+    table = corpus.markov_table(64)
+    docs = corpus.markov_documents(p, table, dominant=0.9)
+    lengths = [len(d) for d in docs]
+    assert min(lengths) >= 16 and max(lengths) <= 200 and len(set(lengths)) > 50
+    first = np.mean([b == table[a][0] for d in docs for a, b in zip(d[:-1], d[1:])])
+    assert 0.85 < first < 0.95
+    uniform = corpus.markov_documents(p, table)
+    assert 0.2 < np.mean([b == table[a][0] for d in uniform for a, b in zip(d[:-1], d[1:])]) < 0.3
+    with pytest.raises(ValueError, match="dominant successor"):
+        corpus.successor_probabilities(0.1)
+
+
+def test_check_configs_use_the_current_keys(tmp_path):
+    """The check builds its runs in the config tree's current spelling (train.optimizer / train.schedule, no
+    deprecated flat aliases), with the section overrides it passes (block size, document masks, the levers)."""
+    import warnings
+
+    from benchmarks.gpu.plan import config
+
+    p = plan(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        cfg = config(p, tmp_path, "tiny", 64, "difflm-block", steps=4, diffusion={"block_size": 4})
+        knob = config(p, tmp_path, "tiny", 64, "difflm-noshift", model={"recompute": "full", "compile": "rope"})
+    assert cfg.train.optimizer.lr == 3e-3 and cfg.train.schedule.warmup_iters == 1 and cfg.train.train_iters == 4
+    assert cfg.diffusion.block_size == 4 and cfg.train.precision == "bf16"
+    assert knob.model.recompute == "full" and knob.model.compile == "rope"
+    assert {k["name"] for k in p["jobs"]["mfu-knobs"]["knobs"]} >= {"off", "recompute=selective", "compile=rope"}
+    assert "compile=layers" in {k["name"] for k in plan(False)["jobs"]["mfu-knobs"]["knobs"]}
