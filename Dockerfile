@@ -38,5 +38,7 @@ COPY flows flows
 COPY configs configs
 COPY deploy deploy
 RUN pip install --no-deps --no-build-isolation --quiet -e . && rm -rf build
+# the Prefect server writes its UI (with the API URL filled in) at start: not into the root-owned venv
+ENV PREFECT_UI_STATIC_DIRECTORY=/home/difflm/.prefect/ui
 USER difflm
 CMD ["difflm", "--help"]

@@ -42,6 +42,7 @@ POSTGRES = "local/postgres:15-bookworm"
 DEPS = "local/difflm-deps"  # tagged with a hash of pyproject.toml: the dependency layer survives the test
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
+TORCH_INDEX_PORT = 38953  # where a build on this host finds the torch wheel (see _TorchIndex)
 
 
 class DockerUnavailable(RuntimeError):
@@ -252,6 +253,11 @@ def ensure_bases(d: Daemon, echo=print) -> None:
     )
 
 
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format, *args):  # noqa: A002 (the base class's signature)
+        pass
+
+
 class _TorchIndex:
     """A PEP 503 index of one folder's torch wheels on 127.0.0.1, for builds on a host whose torch CPU wheel lies
     on disk (PIP_FIND_LINKS) and which does not reach download.pytorch.org."""
@@ -264,8 +270,11 @@ class _TorchIndex:
             os.symlink(w, page / w.name)
         links = "".join(f'<a href="{w.name}">{w.name}</a>\n' for w in wheels)
         (page / "index.html").write_text(f"<html><body>\n{links}</body></html>\n")
-        handler = lambda *a: http.server.SimpleHTTPRequestHandler(*a, directory=self.dir.name)  # noqa: E731
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        handler = lambda *a: _QuietHandler(*a, directory=self.dir.name)  # noqa: E731
+        try:  # the URL is a build argument: the same one keeps the dependency layer's build cache valid
+            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", TORCH_INDEX_PORT), handler)
+        except OSError:  # taken: any port (the dependency layer is then rebuilt)
+            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
