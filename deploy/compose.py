@@ -68,13 +68,21 @@ class Compose:
             raise ComposeError(_first_error(done.stderr or "") or f"{' '.join(args[:2])} failed ({done.returncode})")
         return done
 
+    @property
+    def project(self) -> str:
+        """Compose's project name: COMPOSE_PROJECT_NAME, else the project folder's name as Compose normalises it."""
+        return self.env.get("COMPOSE_PROJECT_NAME") or re.sub(
+            r"[^a-z0-9_-]", "", self.project_dir.resolve().name.lower()
+        )
+
     def docker(self, *args: str) -> subprocess.CompletedProcess:
         docker = self.env.get("DIFFLM_DOCKER") or shutil.which("docker") or "docker"
         return subprocess.run([docker, *args], env=self.env, capture_output=True, text=True)
 
     def containers(self) -> dict[str, dict]:
         """service -> docker inspect's State of its container (services not created are absent)."""
-        ids = self.run("ps", "-q").stdout.split()
+        # by the project's label, not `compose ps`: that needs every secret set to read the file
+        ids = self.docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={self.project}").stdout.split()
         if not ids:
             return {}
         out = json.loads(self.docker("inspect", *ids).stdout or "[]")

@@ -222,7 +222,7 @@ def test_bad_input_gets_one_line_and_changes_nothing(engine, tmp_path):
             "com.docker.compose.volume=db",
             volume,
         )
-        write = "mkdir -p $PGDATA && chmod 700 $PGDATA && echo 14 > $PGDATA/PG_VERSION"
+        write = "initdb -D $PGDATA -U postgres >/dev/null && echo 14 > $PGDATA/PG_VERSION"  # a cluster of PostgreSQL 14
         engine.docker(
             "run",
             "--rm",
