@@ -157,6 +157,9 @@ def stop(d: Daemon, grace: float = 30) -> None:
     """Stop this daemon only: SIGTERM to the pid of its pid file (its containers stop with it), then wait."""
     try:
         _stop(d.root / "docker.pid", grace)
+        netns = d.root / "exec" / "netns" / "default"  # dockerd leaves its network namespace mounted
+        if os.path.ismount(netns):
+            subprocess.run(["umount", str(netns)], check=False)
     finally:
         if d.lock is not None:
             os.close(d.lock)  # releases the flock
