@@ -9,7 +9,7 @@ ARGS ?=
 # the offline environment (no telemetry, no hub) is difflm.OFFLINE_ENV: the CLI and tests/conftest.py set it
 OFFLINE_ENV = $(shell $(BIN)/python -c "import difflm; print(*(f'{k}={v}' for k, v in difflm.OFFLINE_ENV.items()))" 2>/dev/null)
 
-.PHONY: demo test test-fast test-dev docs lint env clean mlflow-ui browser slurm slurm-up slurm-down
+.PHONY: demo test test-fast test-dev docs lint env clean mlflow-ui browser slurm slurm-up slurm-down docker stack-docker
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (Python 3.11)"; exit 1; }
@@ -70,6 +70,24 @@ slurm: $(STAMP)
 	    || echo "slurm install failed: tests/integration/test_slurm.py will be skipped (fails under CI)"; \
 	else echo "slurm missing: tests/integration/test_slurm.py will be skipped (fails under CI);" \
 	  "install it as root: make slurm, or apt-get install slurm-wlm munge"; fi
+
+# Docker (Debian's docker.io, docker-compose, debootstrap) for tests/integration/test_docker_compose.py, which starts a
+# private dockerd of its own (deploy/docker_local.py): installed when root (~30 s), else that test is skipped (under
+# CI it fails). An install that fails only warns, as for chromium.
+docker: $(STAMP)
+	@if [ -x /usr/bin/docker ] && [ -x /usr/bin/docker-compose ] && [ -x /usr/sbin/dockerd ] && [ -x /usr/sbin/debootstrap ]; then \
+	  echo "docker test: using /usr/bin/docker"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "installing docker.io, docker-compose and debootstrap (Debian packages) for the Docker test ..."; \
+	  $(BIN)/python -m deploy.docker_local install \
+	    || echo "docker install failed: tests/integration/test_docker_compose.py will be skipped (fails under CI)"; \
+	else echo "docker missing: tests/integration/test_docker_compose.py will be skipped (fails under CI);" \
+	  "install it as root: make docker, or apt-get install docker.io docker-compose debootstrap"; fi
+
+# the production stack on Docker (docker-compose.yml): secrets into .env (0600), build, up, wait until healthy, register
+# the deployments; prints the two URLs and where the credentials are. `docker compose down` stops it (volumes stay).
+stack-docker:
+	python3 -m deploy.compose up
 
 # a local Slurm cluster to try train.launch.launcher=slurm by hand (docs/slurm.md); state in SLURM_DIR
 SLURM_DIR ?= .difflm-slurm

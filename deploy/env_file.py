@@ -12,6 +12,7 @@ DB_SECRETS = ("POSTGRES_PASSWORD", "MLFLOW_DB_PASSWORD", "PREFECT_DB_PASSWORD")
 # worker), MLflow's admin password and its Flask session secret
 AUTH_SECRETS = ("PREFECT_AUTH_STRING", "MLFLOW_ADMIN_PASSWORD", "MLFLOW_SECRET_KEY")
 SECRETS = DB_SECRETS + AUTH_SECRETS
+MLFLOW_ADMIN = "admin"  # the MLflow basic-auth admin user (its password: MLFLOW_ADMIN_PASSWORD)
 
 
 def generate_secrets() -> dict[str, str]:

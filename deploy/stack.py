@@ -33,13 +33,12 @@ from pathlib import Path
 from urllib.parse import quote
 
 from data_prep import corpus
-from deploy.env_file import SECRETS, ensure_secrets, read_env_file, write_private
+from deploy.env_file import MLFLOW_ADMIN, SECRETS, ensure_secrets, read_env_file, write_private
 from difflm import OFFLINE_ENV
 from difflm.outputs import private_umask
 
 ROOT = Path(__file__).resolve().parent.parent
 INIT_SCRIPT = ROOT / "deploy" / "postgres-init.sh"
-MLFLOW_ADMIN = "admin"
 WORK_POOL = "difflm"
 IMAGE_ENV = OFFLINE_ENV  # the Dockerfile's ENV: what a native start gives every service too
 

@@ -53,16 +53,22 @@ def _compose() -> dict:
 
 def test_compose_runs_the_services_of_difflm_stack():
     compose, want = _compose(), stack.services(stack.compose_stack())
-    assert set(compose) == {"db", *want}
+    assert {n for n, svc in compose.items() if "profiles" not in svc} == {"db", *want}
     for name, svc in want.items():
         got = compose[name]
         assert got["command"] == svc.argv, name
         assert {k: str(v) for k, v in got["environment"].items()} == svc.env, name
-        assert got["image"] == "difflm-pipeline:latest" and got["build"] == ".", name
+        assert got["image"] == "difflm-pipeline:latest", name
+        assert got["build"] == {"context": ".", "args": {"BASE_IMAGE": "${DIFFLM_BASE_IMAGE:-python:3.11-slim}"}}
+    # the GPU worker (profile gpu) is the worker on another image, with the NVIDIA devices
+    gpu = compose["worker-gpu"]
+    assert gpu["profiles"] == ["gpu"] and gpu["command"] == want["worker"].argv
+    assert {k: str(v) for k, v in gpu["environment"].items()} == want["worker"].env
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
 
     s = stack.compose_stack()
     db = compose["db"]
-    assert db["image"] == "postgres:15"
+    assert db["image"] == "${DIFFLM_POSTGRES_IMAGE:-postgres:15}" and db["user"] == "postgres"  # not root
     assert s.secrets == {k: PLACEHOLDER.format(k) for k in stack.SECRETS}
     assert db["environment"] == {k: PLACEHOLDER.format(k) for k in env_file.DB_SECRETS}
     init = [v for v in db["volumes"] if v.startswith("./deploy/postgres-init.sh:/docker-entrypoint-initdb.d/")]
@@ -72,8 +78,8 @@ def test_compose_runs_the_services_of_difflm_stack():
 
     # published on the loopback interface only, at the ports the services listen on; the database not at all
     assert "ports" not in db and "ports" not in compose["worker"]
-    assert compose["mlflow"]["ports"] == [f"127.0.0.1:{s.mlflow_port}:{s.mlflow_port}"]
-    assert compose["prefect-server"]["ports"] == [f"127.0.0.1:{s.prefect_port}:{s.prefect_port}"]
+    assert compose["mlflow"]["ports"] == [f"127.0.0.1:${{MLFLOW_PORT:-{s.mlflow_port}}}:{s.mlflow_port}"]
+    assert compose["prefect-server"]["ports"] == [f"127.0.0.1:${{PREFECT_PORT:-{s.prefect_port}}}:{s.prefect_port}"]
     # the volumes hold what the services write
     assert f"mlartifacts:{s.artifacts}" in compose["mlflow"]["volumes"]
     assert any(s.cache.startswith(v.split(":")[1] + "/") for v in compose["worker"]["volumes"])
@@ -91,8 +97,9 @@ def test_compose_runs_the_services_of_difflm_stack():
     }
     # the image's ENV is what a native start gives every service
     dockerfile = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    env_line = next(line for line in dockerfile.splitlines() if line.startswith("ENV "))
-    image_env = dict(kv.split("=", 1) for kv in env_line.split()[1:])
+    final_stage = dockerfile.rsplit("\nFROM ", 1)[1]  # the runtime stage: what the services run with
+    env_lines = [line for line in final_stage.splitlines() if line.startswith("ENV ")]
+    image_env = dict(kv.split("=", 1) for line in env_lines for kv in line.split()[1:])
     assert stack.IMAGE_ENV.items() <= image_env.items()
 
 

@@ -69,6 +69,9 @@ SCENARIOS: dict[str, Scenario] = {
     "serve": Scenario("test-tiny", (*SIX_STEPS, "tracking.enabled=false"), deployment="pretrain-difflm/ci"),
     # tests/integration/test_production_stack.py: prefect.yaml's deployment on the stack's process worker, tracked in MLflow
     "stack": Scenario("test-tiny", SIX_STEPS, deployment="pretrain-difflm/local"),
+    # tests/integration/test_docker_compose.py: prefect.yaml's deployment on docker-compose.yml's worker container, in
+    # MLflow (its workdir lies in the container's volume: checked through MLflow, not here)
+    "docker": Scenario("test-tiny", SIX_STEPS, expect=(), deployment="pretrain-difflm/tiny-cpu"),
     # tests/integration/test_slurm.py: prefect.yaml's Slurm deployment, training as a job of the local cluster
     "slurm": Scenario(
         "test-tiny",

@@ -1,0 +1,223 @@
+"""docker-compose.yml brought up and checked: `make stack-docker` runs `python -m deploy.compose up`.
+
+    python -m deploy.compose up   [--env-file .env] [--no-build]   # secrets, build, up, wait healthy, deploy
+    python -m deploy.compose down [--env-file .env]                 # stops; the volumes stay
+
+`up` generates the missing secrets into the env file (mode 0600, deploy/env_file.py, as the native stack does),
+refuses an empty one, a published port that something else holds and a database volume of another PostgreSQL
+major version (one line each, nothing changed), runs `docker compose up -d`, waits until every service is healthy,
+registers the deployments of prefect.yaml from the worker, and prints the two URLs and where the credentials are.
+The compose client: $DIFFLM_COMPOSE (e.g. `/usr/bin/docker-compose`), else `docker compose` (v2), else
+`docker-compose` (v1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# standard library and deploy.env_file only: `make stack-docker` needs no virtual environment, just python3
+from deploy.env_file import MLFLOW_ADMIN, SECRETS, ensure_secrets, read_env_file
+
+ROOT = Path(__file__).resolve().parent.parent
+PORTS = {"mlflow": ("MLFLOW_PORT", 5000), "prefect-server": ("PREFECT_PORT", 4200)}  # published on 127.0.0.1
+HEALTHY = ("db", "mlflow", "prefect-server")  # the services with a healthcheck; the worker only runs
+
+
+class ComposeError(SystemExit):
+    """Bad input or a failed start, said in one line."""
+
+
+def compose_client() -> list[str]:
+    chosen = os.environ.get("DIFFLM_COMPOSE")
+    if chosen:
+        argv = shlex.split(chosen)
+        if not argv or not shutil.which(argv[0]):
+            raise ComposeError(f"DIFFLM_COMPOSE={chosen!r}: no such program; unset it or name a compose client")
+        return argv
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        return [docker, "compose"]
+    if shutil.which("docker-compose"):
+        return [shutil.which("docker-compose") or "docker-compose"]
+    raise ComposeError("no Docker Compose: install Docker with its compose plugin (docs.docker.com/compose/install)")
+
+
+class Compose:
+    """The compose client on docker-compose.yml of `project_dir`, with `env_file` as its variables."""
+
+    def __init__(self, env_file: Path, project_dir: Path = ROOT, client: list[str] | None = None, env=None):
+        self.env_file, self.project_dir = Path(env_file).resolve(), Path(project_dir)
+        self.client = client or compose_client()
+        self.env = dict(env if env is not None else os.environ)
+
+    def run(self, *args: str, check: bool = True, capture: bool = True, timeout: float | None = None):
+        argv = [*self.client, "--project-directory", str(self.project_dir), "--env-file", str(self.env_file)]
+        argv += ["-f", str(self.project_dir / "docker-compose.yml"), *args]
+        done = subprocess.run(argv, env=self.env, capture_output=capture, text=True, timeout=timeout)
+        if check and done.returncode != 0:
+            raise ComposeError(_first_error(done.stderr or "") or f"{' '.join(args[:2])} failed ({done.returncode})")
+        return done
+
+    @property
+    def project(self) -> str:
+        """Compose's project name: COMPOSE_PROJECT_NAME, else the project folder's name as Compose normalises it."""
+        return self.env.get("COMPOSE_PROJECT_NAME") or re.sub(
+            r"[^a-z0-9_-]", "", self.project_dir.resolve().name.lower()
+        )
+
+    def docker(self, *args: str) -> subprocess.CompletedProcess:
+        docker = self.env.get("DIFFLM_DOCKER") or shutil.which("docker") or "docker"
+        return subprocess.run([docker, *args], env=self.env, capture_output=True, text=True)
+
+    def containers(self) -> dict[str, dict]:
+        """service -> docker inspect's State of its container (services not created are absent)."""
+        # by the project's label, not `compose ps`: that needs every secret set to read the file
+        ids = self.docker("ps", "-aq", "--filter", f"label=com.docker.compose.project={self.project}").stdout.split()
+        if not ids:
+            return {}
+        out = json.loads(self.docker("inspect", *ids).stdout or "[]")
+        return {c["Config"]["Labels"].get("com.docker.compose.service", c["Name"]): c["State"] for c in out}
+
+    def variables(self) -> dict[str, str]:
+        """What compose interpolates: the environment over the env file."""
+        return {**read_env_file(self.env_file), **{k: v for k, v in self.env.items()}}
+
+
+def _first_error(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for ln in lines:
+        if "ERROR" in ln or "error" in ln.lower():
+            return ln.removeprefix("ERROR: ")
+    return lines[-1] if lines else ""
+
+
+def ports(c: Compose) -> dict[str, int]:
+    values, out = c.variables(), {}
+    for service, (var, default) in PORTS.items():
+        raw = values.get(var) or str(default)
+        if not raw.isdigit() or not 0 < int(raw) < 65536:
+            raise ComposeError(f"{var}={raw!r} in {c.env_file}: a port number (1-65535)")
+        out[service] = int(raw)
+    return out
+
+
+def check_secrets(c: Compose) -> None:
+    values = c.variables()
+    empty = [k for k in SECRETS if k in values and not values[k]]
+    if empty:
+        raise ComposeError(
+            f"{', '.join(empty)} empty in {c.env_file}: delete the line (`up` then generates it) or set a value "
+            f"(openssl rand -hex 24)"
+        )
+
+
+def check_ports(c: Compose, running: set[str]) -> None:
+    """A published port held by something else (not this stack's container) is refused before anything starts."""
+    for service, port in ports(c).items():
+        if service in running:
+            continue
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                var = PORTS[service][0]
+                raise ComposeError(
+                    f"port {port} on 127.0.0.1 is taken (wanted by {service}): stop what listens there, or set "
+                    f"{var}=<a free port> in {c.env_file}"
+                ) from None
+
+
+def diagnose(c: Compose, service: str) -> str:
+    """One line on why `service` did not come up, from its log."""
+    log = c.run("logs", "--no-color", "--tail", "60", service, check=False).stdout or ""
+    old = re.search(r"initialized by PostgreSQL version (\d+), which is not compatible with this version (\d+)", log)
+    if old:
+        return (
+            f"the database volume holds a PostgreSQL {old[1]} cluster and this image runs {old[2]}: nothing was "
+            f"changed; dump it with a PostgreSQL {old[1]} image (pg_dumpall) and restore into a fresh volume "
+            f"(docs/production-stack.md)"
+        )
+    denied = re.search(r"Permission denied: '(/[^']+)'", log)
+    if denied:
+        return (
+            f"{service} cannot write {denied[1]}: its volume comes from an older image that ran as root; "
+            f"`docker compose run --rm --user root {service} chown -R 10001:10001 {denied[1]}` fixes the owner"
+        )
+    last = [ln for ln in log.splitlines() if ln.strip()][-1:] or ["(no log)"]
+    return f"{service} did not become healthy: {last[0].strip()[:300]} (docker compose logs {service})"
+
+
+def wait_healthy(c: Compose, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = c.containers()
+        for name, st in states.items():
+            if st.get("Status") in ("exited", "dead") or (st.get("Health") or {}).get("Status") == "unhealthy":
+                raise ComposeError(diagnose(c, name))
+        if all((states.get(n, {}).get("Health") or {}).get("Status") == "healthy" for n in HEALTHY) and states.get(
+            "worker", {}
+        ).get("Running"):
+            return
+        if time.monotonic() > deadline:
+            waiting = [n for n in HEALTHY if (states.get(n, {}).get("Health") or {}).get("Status") != "healthy"]
+            raise ComposeError(f"not healthy after {timeout:.0f} s: {', '.join(waiting)} (docker compose logs)")
+        time.sleep(2)
+
+
+def up(c: Compose, build: bool = True, timeout: float = 600) -> dict[str, int]:
+    """Secrets, checks, `up -d`, healthy, deployments registered; returns the published ports."""
+    present = read_env_file(c.env_file) if c.env_file.exists() else {}
+    check_secrets(c)
+    ensure_secrets(c.env_file, {**present, **{k: c.env[k] for k in SECRETS if c.env.get(k)}})
+    running = {n for n, st in c.containers().items() if st.get("Running")}
+    check_ports(c, running)
+    done = c.run("up", "-d", *(["--build"] if build else []), check=False, capture=True, timeout=timeout)
+    if done.returncode != 0:
+        states = c.containers()
+        failed = [n for n, st in states.items() if st.get("Status") in ("exited", "dead")]
+        failed += [n for n, st in states.items() if (st.get("Health") or {}).get("Status") == "unhealthy"]
+        raise ComposeError(diagnose(c, failed[0]) if failed else _first_error(done.stderr) or "compose up failed")
+    wait_healthy(c, timeout)
+    # the deployments of prefect.yaml (tiny-cpu, ...), registered from the worker's image (idempotent)
+    c.run("exec", "-T", "-w", "/app", "worker", "prefect", "--no-prompt", "deploy", "--all", timeout=timeout)
+    return ports(c)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m deploy.compose", description=__doc__.split("\n\n")[0])
+    p.add_argument("action", choices=["up", "down"])
+    p.add_argument("--env-file", type=Path, default=ROOT / ".env", help="the secrets (deploy/stack.env.example)")
+    p.add_argument("--no-build", action="store_true", help="use the images as they are")
+    a = p.parse_args(argv)
+    try:
+        c = Compose(a.env_file)
+        if a.action == "down":
+            c.run("down", capture=False)
+            print("stopped; the volumes (database, artifacts, workdir) stay: `docker compose down -v` drops them")
+            return 0
+        got = up(c, build=not a.no_build)
+    except ComposeError as err:
+        print(err.code, file=sys.stderr)
+        return 1
+    print(
+        f"MLflow  http://127.0.0.1:{got['mlflow']} (user {MLFLOW_ADMIN}, password MLFLOW_ADMIN_PASSWORD in "
+        f"{a.env_file})\nPrefect http://127.0.0.1:{got['prefect-server']} (log in with PREFECT_AUTH_STRING of "
+        f"{a.env_file})\nrun: docker compose exec worker prefect deployment run 'pretrain-difflm/tiny-cpu' --watch\n"
+        f"logs: docker compose logs -f SERVICE; stop: docker compose down (the volumes stay)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
