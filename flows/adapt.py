@@ -15,21 +15,13 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from difflm import tracking
-from difflm.config import PipelineConfig, load_config
 from difflm.rundir import ImportDir, Workdir, is_export_of
 from flows.pretrain import PRETRAIN_STAGES, run_pipeline
 from flows.stages import PipelineRun, Stage, ran_or_cached
 from tasks import adapt
+from tasks.adapt import adaptation_config
 from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
 from tasks.stages import evaluate_task, export_source_task
-
-
-def adaptation_config(source: str, preset: str, overrides: list[str] | None) -> tuple[PipelineConfig, Path]:
-    """The preset, the fields the source fixes (architecture, tokenizer, `train.init_from_hf`), then the user's
-    overrides; and the source's folder."""
-    folder = adapt.resolve_source(source)
-    fixed = [*adapt.source_overrides(folder), f"train.init_from_hf={folder}"]
-    return load_config(preset, [*fixed, *(overrides or [])]), folder
 
 
 @flow(name="adapt-difflm", log_prints=True)

@@ -25,6 +25,7 @@ from models.evaluation.stages import (
     load_model,
     placement,
 )
+from models.hf.architectures import config_json
 from models.hf.convert import ConversionError, export_hf, import_hf
 from models.hf.importer import check_source, tokenizer_overrides
 from tasks import adapt
@@ -87,7 +88,7 @@ def conversion_source(source: str | Path, to: str | None = None) -> dict:
 def is_stock_folder(path: Path) -> bool:
     """A Hugging Face model folder of a transformers class (not this project's export)."""
     config = Path(path) / "config.json"
-    return config.exists() and json.loads(config.read_text()).get("model_type") != "difflm"
+    return config.exists() and config_json(path).get("model_type") != "difflm"
 
 
 def stage_config(run_dir: Path | None, preset: str | None = None, overrides: list[str] | None = None) -> PipelineConfig:
