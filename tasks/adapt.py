@@ -37,7 +37,6 @@ from models.hf.pretrained import smollm2_folder
 __all__ = ["is_hf_folder"]  # where the flows read it
 
 
-
 def resolve_source(source: str) -> Path:
     """The HF folder of `source`: a local folder, or the name of an offline example (EXAMPLE_SOURCES). What is
     not a folder with config.json is refused with the importer's line (a GGUF file, a missing folder)."""
