@@ -46,7 +46,7 @@ def training_bytes(cfg: PipelineConfig) -> tuple[int, int]:
     parts = p.tensor_model_parallel_size * p.pipeline_model_parallel_size
     data_parallel = max(1, cfg.train.launch.nproc_per_node // parts)
     weights = 2 if cfg.train.precision == "bf16" else 4
-    optimizer = ADAM_BYTES + (4 if cfg.train.precision == "bf16" else 0)  # bf16 keeps fp32 main weights
+    optimizer: float = ADAM_BYTES + (4 if cfg.train.precision == "bf16" else 0)  # bf16 keeps fp32 main weights
     if p.use_distributed_optimizer:
         optimizer /= data_parallel
     count = parameter_count(cfg)
