@@ -27,7 +27,7 @@ from models.evaluation.stages import (
 )
 from models.hf.architectures import config_json
 from models.hf.convert import ConversionError, export_hf, import_hf
-from models.hf.importer import check_source, tokenizer_overrides
+from models.hf.importer import check_source, import_record, tokenizer_overrides
 from tasks import adapt
 
 CONVERT_HINT = (
@@ -238,6 +238,7 @@ def convert_source(cfg: PipelineConfig, found: dict, out_dir: str | Path | None 
         imported = adapt.import_source(adapt.with_source(cfg, src), src, out)
         # what trains from it, printed for the user: `difflm train` takes these overrides
         info["use"] = [f"train.init_from={out}", *tokenizer_overrides(imported.tokenizer), *adapt.source_overrides(src)]
+        info["parity"] = (import_record(out) or {}).get("parity")  # the logit check the import passed
         return info
     if found["to"] == "megatron":
         import_hf(cfg, src, out, describe(src, cfg.tokenizer).to_dict())
