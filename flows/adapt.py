@@ -10,13 +10,14 @@ the source checkpoint (path, sha256, architecture) as lineage (tags `source.*`),
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
 from difflm import tracking
 from difflm.rundir import ImportDir, Workdir, is_export_of
-from flows.pretrain import PRETRAIN_STAGES, run_pipeline
+from flows.pretrain import EVALUATE, PRETRAIN_STAGES, run_pipeline
 from flows.stages import PipelineRun, Stage, ran_or_cached
 from tasks import adapt
 from tasks.adapt import adaptation_config
@@ -117,5 +118,14 @@ EVALUATE_SOURCE_AR = Stage(
     after=lambda run, out: mark_eval_done(out.output, out.key),
     status=ran_or_cached,
 )
+# the adapted model's evaluation without a randomly initialised model of its size: its baseline is the source AR
+# model (EVALUATE_SOURCE_AR), and scoring a random init took minutes on a CPU for a 135M model
+EVALUATE_ADAPTED = replace(
+    EVALUATE, args=lambda run, out, key: (run.cfg, run["manifest"], run["hf_dir"], str(out), False, key)
+)
 # the flagship's stages, then the source's own export and evaluation
-ADAPT_STAGES = [*PRETRAIN_STAGES, EXPORT_SOURCE_AR, EVALUATE_SOURCE_AR]
+ADAPT_STAGES = [
+    *(EVALUATE_ADAPTED if stage is EVALUATE else stage for stage in PRETRAIN_STAGES),
+    EXPORT_SOURCE_AR,
+    EVALUATE_SOURCE_AR,
+]
