@@ -163,11 +163,15 @@ def evaluate_export(
         untrained_model = DiffLMForMaskedLM(model.config).to(device=device, dtype=dtype).eval()
         bounds["untrained"] = likelihood_bound(untrained_model, windows, cfg).to_dict()
     docs = heldout_documents(manifest, tok)
-    scorer = Scorer(model, tok, mc_samples=e.mc_samples, seed=e.seed, progress=Progress("tasks", "requests", say))
+    scorer = Scorer(model, tok, mc_samples=e.mc_samples, seed=e.seed)
     items = build_items(docs, e.task_items, e.seed) if e.task_items else {}
     out_dir = Path(out_dir) if out_dir else default_out_dir(cfg, str(hf_dir), Path(hf_dir), manifest["hash"])
     part(f"tasks: {', '.join(f'{name} ({len(v)} items)' for name, v in items.items()) or 'none'}")
-    tasks = score_tasks(scorer, items)
+    tasks: dict[str, dict] = {}
+    for name, task_items in items.items():  # one progress line per task: its own total and ETA
+        scorer.progress = Progress(f"task {name}", "requests", say)
+        tasks.update(score_tasks(scorer, {name: task_items}))
+    scorer.progress = None
     part(f"{e.num_samples} samples, {e.sampler.steps} sampler steps")
     samples = generate_samples(scorer, e, e.prompts or default_prompts(docs, e.num_samples, e.prompt_words))
     part("done: writing results")
