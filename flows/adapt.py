@@ -10,26 +10,19 @@ the source checkpoint (path, sha256, architecture) as lineage (tags `source.*`),
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from prefect import flow, get_run_logger
 
 from difflm import tracking
-from difflm.config import PipelineConfig, load_config
 from difflm.rundir import ImportDir, Workdir, is_export_of
-from flows.pretrain import PRETRAIN_STAGES, run_pipeline
+from flows.pretrain import EVALUATE, PRETRAIN_STAGES, run_pipeline
 from flows.stages import PipelineRun, Stage, ran_or_cached
 from tasks import adapt
+from tasks.adapt import adaptation_config
 from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
 from tasks.stages import evaluate_task, export_source_task
-
-
-def adaptation_config(source: str, preset: str, overrides: list[str] | None) -> tuple[PipelineConfig, Path]:
-    """The preset, the fields the source fixes (architecture, tokenizer, `train.init_from_hf`), then the user's
-    overrides; and the source's folder."""
-    folder = adapt.resolve_source(source)
-    fixed = [*adapt.source_overrides(folder), f"train.init_from_hf={folder}"]
-    return load_config(preset, [*fixed, *(overrides or [])]), folder
 
 
 @flow(name="adapt-difflm", log_prints=True)
@@ -125,5 +118,14 @@ EVALUATE_SOURCE_AR = Stage(
     after=lambda run, out: mark_eval_done(out.output, out.key),
     status=ran_or_cached,
 )
+# the adapted model's evaluation without a randomly initialised model of its size: its baseline is the source AR
+# model (EVALUATE_SOURCE_AR), and scoring a random init took minutes on a CPU for a 135M model
+EVALUATE_ADAPTED = replace(
+    EVALUATE, args=lambda run, out, key: (run.cfg, run["manifest"], run["hf_dir"], str(out), False, key)
+)
 # the flagship's stages, then the source's own export and evaluation
-ADAPT_STAGES = [*PRETRAIN_STAGES, EXPORT_SOURCE_AR, EVALUATE_SOURCE_AR]
+ADAPT_STAGES = [
+    *(EVALUATE_ADAPTED if stage is EVALUATE else stage for stage in PRETRAIN_STAGES),
+    EXPORT_SOURCE_AR,
+    EVALUATE_SOURCE_AR,
+]

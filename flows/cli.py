@@ -26,6 +26,7 @@ from difflm.errors import UserError, disk_full, is_disk_full
 from difflm.outputs import private_umask
 from difflm.rundir import RunDir
 from flows import commands
+from flows.prechecks import check_before_work
 from flows.prefect_api import prefect_api
 
 # Stages, flows and models are imported inside flows/commands.py's functions, `_run_of_*` and `resolve_config`
@@ -433,6 +434,7 @@ def main(argv: list[str] | None = None) -> int:
 def _main(cmd, args) -> int:
     try:
         cfg = resolve_config(cmd, args)
+        check_before_work(cmd.name, cfg, args)  # what needs no server fails before one starts
         _offline_env(cfg)  # Prefect's state beside the config's workdir (a run's own, for a command on a run)
         with prefect_api(needed=cmd.name == "run" or bool(getattr(args, "flow", False))):
             return cmd.handler(cfg, args)

@@ -175,6 +175,8 @@ def convert(cfg: PipelineConfig, source: str, out: str | None, flow: bool) -> in
     if info["to"] == "megatron":
         use = info.get("use") or [f"train.init_from={info['out_dir']}"]
         print(f"megatron checkpoint: {info['out_dir']}\nstart training from it with: {shlex.join(use)}")
+        if info.get("parity"):
+            print(parity_line(info["parity"]))
     else:
         print(
             f"Hugging Face export: {info['out_dir']}"
@@ -182,6 +184,15 @@ def convert(cfg: PipelineConfig, source: str, out: str | None, flow: bool) -> in
             + (f"\n  from iteration {info['iteration']} of {info['run_dir']}" if info["run_dir"] else "")
         )
     return 0
+
+
+def parity_line(parity: dict) -> str:
+    """The import's logit check, as `difflm convert HF_DIR` prints it."""
+    tokens = " x ".join(map(str, parity["tokens"]))
+    return (
+        f"parity: max |logit difference| / max |logit| = {parity['rel_max_logit_diff']:.2e} against the source "
+        f"model on {tokens} tokens (tolerance {parity['tolerance']:.0e})"
+    )
 
 
 def adapt(cfg: PipelineConfig, source: str, preset: str, overrides: list[str]) -> int:

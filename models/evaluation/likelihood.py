@@ -19,6 +19,7 @@ import torch
 
 from difflm.config import PipelineConfig
 from models import diffusion
+from models.evaluation.progress import Progress
 
 # What the validation number of each kind is, for logs and the CLI summary.
 KIND_LABELS = {
@@ -59,7 +60,9 @@ def validation_windows(manifest: dict, seq_length: int, max_sequences: int) -> t
 
 
 @torch.no_grad()
-def likelihood_bound(model, windows: torch.Tensor, cfg: PipelineConfig, batch_size: int = 8) -> EvalResult:
+def likelihood_bound(
+    model, windows: torch.Tensor, cfg: PipelineConfig, batch_size: int = 8, progress: Progress | None = None
+) -> EvalResult:
     """NLL per token of the held-out windows: an upper bound (ELBO) for diffusion modes, exact for ar.
     The windows go to the model's device a batch at a time; the noise comes from a CPU generator, so the
     bound is the same number on every device (up to the model's arithmetic)."""
@@ -67,6 +70,8 @@ def likelihood_bound(model, windows: torch.Tensor, cfg: PipelineConfig, batch_si
     device = next(model.parameters()).device
     kind = "exact" if model.objective.exact else "elbo"  # the export's objective, not the config's
     nlls = []
+    if progress is not None:
+        progress.expect(len(windows))
     for i in range(0, len(windows), batch_size):  # the same tokens for every family: 1.. given token 0
         x0 = windows[i : i + batch_size].to(device)
         nlls.append(
@@ -74,6 +79,8 @@ def likelihood_bound(model, windows: torch.Tensor, cfg: PipelineConfig, batch_si
                 x0, t_samples=cfg.eval.t_samples, generator=gen, prefix_len=1, eps=getattr(cfg.diffusion, "eps", None)
             )
         )
+        if progress is not None:
+            progress(len(x0))
     nll = float(torch.cat(nlls).mean())
     return EvalResult(
         nll_per_token=nll,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 import warnings
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -41,6 +42,7 @@ class Scorer:
     seed: int = 0
     max_length: int | None = None  # default: the model's max_position_embeddings (its training seq_length)
     greedy: bool = True  # compute is_greedy (costs one model call per continuation token for diffusion)
+    progress: Callable[[int], None] | None = None  # called with the requests each model call scored
 
     def __post_init__(self):
         self.max_length = self.max_length or int(self.model.config.max_position_embeddings)
@@ -96,6 +98,9 @@ class Scorer:
             for c, a, z in rolling_windows(len(ids), self.max_length, self.max_length // 2, first=len(ctx)):
                 parts.append((ids[c:a], ids[a:z]))
                 owner.append(k)
+        progress = progress or self.progress
+        if hasattr(progress, "expect"):  # a Progress learns the total here (lm-eval's bar knows its own)
+            progress.expect(len(parts))
         order = sorted(range(len(parts)), key=lambda i: -(len(parts[i][0]) + len(parts[i][1])))
         defined = self.objective.has_greedy or not self.greedy  # uniform noise has no greedy order: n/a (None)
         totals, greedy = [0.0] * len(requests), [True if defined else None] * len(requests)

@@ -20,6 +20,7 @@ from difflm.tracking.plots import plot_sweep
 from models.diffusion.modes import build_objective
 from models.evaluation.generation import default_prompts, generate_samples, sampler_settings
 from models.evaluation.likelihood import likelihood_bound, validation_windows
+from models.evaluation.progress import Progress
 from models.evaluation.report import write_comparison
 from models.evaluation.scoring import Scorer
 from models.evaluation.sweep import sweep_steps
@@ -151,9 +152,10 @@ def evaluate_export(
     windows = validation_windows(
         manifest, min(cfg.train.seq_length, model.config.max_position_embeddings), e.max_sequences
     )
-    part = _timed(echo or (lambda line: print(line, file=sys.stderr)))  # stdout may be a JSON result
+    say = echo or (lambda line: print(line, file=sys.stderr))  # stdout may be a JSON result
+    part = _timed(say)
     part(f"bound of the trained model: {len(windows)} held-out windows, {e.mc_samples} noise draws each")
-    bounds = {"trained": likelihood_bound(model, windows, cfg).to_dict()}
+    bounds = {"trained": likelihood_bound(model, windows, cfg, progress=Progress("bound", "windows", say)).to_dict()}
     if untrained:
         part("bound of an untrained model (the baseline)")
         torch.manual_seed(cfg.train.seed)  # the same init distribution as training, weights never updated
@@ -165,7 +167,11 @@ def evaluate_export(
     items = build_items(docs, e.task_items, e.seed) if e.task_items else {}
     out_dir = Path(out_dir) if out_dir else default_out_dir(cfg, str(hf_dir), Path(hf_dir), manifest["hash"])
     part(f"tasks: {', '.join(f'{name} ({len(v)} items)' for name, v in items.items()) or 'none'}")
-    tasks = score_tasks(scorer, items)
+    tasks: dict[str, dict] = {}
+    for name, task_items in items.items():  # one progress line per task: its own total and ETA
+        scorer.progress = Progress(f"task {name}", "requests", say)
+        tasks.update(score_tasks(scorer, {name: task_items}))
+    scorer.progress = None
     part(f"{e.num_samples} samples, {e.sampler.steps} sampler steps")
     samples = generate_samples(scorer, e, e.prompts or default_prompts(docs, e.num_samples, e.prompt_words))
     part("done: writing results")

@@ -83,12 +83,26 @@ def architecture_of(model_cfg) -> Architecture:
 
 
 # ---- reading a stock folder's config ---------------------------------------------------------------------------
+def config_json(folder: Path) -> dict:
+    """The parsed config.json of an HF folder; ConversionError, one line, when it is not a JSON object."""
+    path = Path(folder) / "config.json"
+    try:
+        c = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConversionError(f"{path} is not valid JSON ({err}): restore it from the model's original files") from None
+    if not isinstance(c, dict):
+        raise ConversionError(
+            f"{path} holds a {type(c).__name__}, not a JSON object: restore it from the model's files"
+        )
+    return c
+
+
 def read_config(folder: Path) -> tuple[Architecture, dict]:
     """(architecture, config.json) of a stock HF folder; ConversionError naming the fix for what we do not build."""
     path = Path(folder) / "config.json"
     if not path.exists():
         raise ConversionError(f"{folder}: no config.json; pass a Hugging Face model folder ({SUPPORTED})")
-    c = json.loads(path.read_text())
+    c = config_json(folder)
     arch = ARCHITECTURES.get(c.get("model_type"))
     if c.get("model_type") in _NOT_BUILT:
         raise ConversionError(f"{folder}: {c['model_type']}: {_NOT_BUILT[c['model_type']]}; import one of {SUPPORTED}")

@@ -138,11 +138,12 @@ def load_megatron_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     from megatron.core import dist_checkpointing  # megatron: lazy (above)
 
     from models.megatron.distributed import single_process_group
-    from models.megatron.safe_pickle import guard_dcp
+    from models.megatron.safe_pickle import check_common, guard_dcp
 
     if not (Path(ckpt_dir) / "metadata.json").exists():
         raise ConversionError(f"{ckpt_dir} is not a megatron distributed checkpoint (no metadata.json)")
     guard_dcp()  # .metadata is a pickle: read it without running code
+    check_common(ckpt_dir)  # a crafted common.pt: one line, not torch's page
     with single_process_group():
         meta = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
         wanted = {k: v for k, v in meta.items() if not k.startswith("optimizer.")}

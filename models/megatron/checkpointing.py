@@ -15,7 +15,7 @@ from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
 # the run layout's owner (reading which checkpoint is complete needs no megatron); re-exported for callers here
 from difflm.rundir import LATEST, iter_dir, latest_iteration  # noqa: F401
-from models.megatron.safe_pickle import guard_dcp
+from models.megatron.safe_pickle import check_common, guard_dcp
 
 # The distributed optimizer's default sharding type cannot be saved on this stack
 # ("flattened_range is not supported"); dp_reshardable can, and reloads at another DP size.
@@ -65,6 +65,7 @@ def load_checkpoint(root: Path, iteration: int, model, optimizer=None, scheduler
     """Load model (and optimizer/scheduler when given) in place; returns the iteration."""
     guard_dcp()
     path = iter_dir(root, iteration)
+    check_common(path)
     model_sd = _model_sharded(model)
     sharded = {"model": model_sd}
     if optimizer is not None:
@@ -133,6 +134,7 @@ def load_model_weights(path: Path, model) -> None:
     if not (Path(path) / "metadata.json").exists():
         raise FileNotFoundError(f"train.init_from={path}: not a megatron distributed checkpoint")
     guard_dcp()
+    check_common(path)
     sharded = model.sharded_state_dict(prefix="")
     full = dist_checkpointing.load_tensors_metadata(str(path))
     if not any(k.startswith("optimizer.") for k in full):  # a model-only checkpoint: keys at the top level

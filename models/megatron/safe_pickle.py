@@ -5,7 +5,8 @@ torch DCP stores a checkpoint's index (`<ckpt>/.metadata`) as a pickle and reads
 (`difflm convert`, `train.init_from`, a resume, evaluate-latest). `guard_dcp()` makes DCP read it through an
 unpickler that builds only what DCP metadata consists of (its dataclasses and enums, torch.Size, dtypes,
 layouts); anything else is refused with `UnsafeCheckpoint` before it is built. Megatron's `common.pt` goes
-through `torch.load`, weights-only by default since torch 2.6; the RNG files are loaded with weights_only=True.
+through `torch.load`, weights-only by default since torch 2.6; `check_common` reads it so first, to refuse a
+crafted one in one line rather than torch's page of advice; the RNG files are loaded with weights_only=True.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib
 import io
 import pickle
 import types
+from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import filesystem
@@ -90,3 +92,23 @@ _SHIM = _PickleShim("pickle")
 def guard_dcp() -> None:
     """Make torch DCP read `.metadata` through the restricted unpickler (idempotent; call before any load)."""
     filesystem.pickle = _SHIM
+
+
+COMMON = "common.pt"  # megatron's non-tensor state of a dist checkpoint (iteration, scheduler, param groups)
+
+
+def check_common(ckpt_dir: Path) -> None:
+    """Read `<ckpt_dir>/common.pt` weights-only (tensors and plain containers; nothing runs); UnsafeCheckpoint, one
+    line, when it holds anything else. No common.pt: nothing to check (a model-only checkpoint)."""
+    path = Path(ckpt_dir) / COMMON
+    if not path.is_file():
+        return
+    try:
+        torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = [ln.strip().rstrip(".") for ln in str(err).splitlines() if "unsupported" in ln.lower()]
+        what = f" ({found[0]})" if found else ""
+        raise UnsafeCheckpoint(
+            f"{path} is refused by the weights-only loader{what}: it holds objects a checkpoint "
+            f"does not (it may be crafted to run code), nothing was run; load only checkpoints you trust"
+        ) from None

@@ -56,3 +56,22 @@ def test_user_docs_cite_no_review_ids_or_internal_paths(doc):
     assert "../shared" not in text
     ids = re.findall(r"\b(?:review [A-Z]?\d+|[FM]\d\b)", text)
     assert not ids, f"{doc.name} cites review ids {ids}: say what the finding was instead"
+
+
+PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.name for p in PRESETS])
+def test_preset_comments_cite_only_files_of_the_project(preset):
+    """A preset is read by users of a clone: a file its comments name must be in it (a cited recipe of another
+    project is named by its project, not by a path)."""
+    comments = " ".join(line.split("#", 1)[1] for line in preset.read_text().splitlines() if "#" in line)
+    cited = re.findall(r"[\w.-]*/[\w./-]*\.(?:md|py|yaml|yml|json)\b", comments)
+    missing = [c for c in cited if not (ROOT / c).exists() and not (ROOT / "docs" / c).exists()]
+    assert not missing, f"{preset.name} cites files outside the project: {missing}"
+
+
+def test_status_lists_as_missing_only_what_is_missing():
+    """Block decoding reuses the finished blocks' keys and values (models/hf/modeling_difflm.py `kv_cache`)."""
+    missing = next(p for p in (ROOT / "docs" / "status.md").read_text().split("\n- ") if "Not yet built" in p)
+    assert "KV reuse across" not in missing and "diffusion blocks" not in missing, missing

@@ -14,6 +14,7 @@ import pytest
 from helpers import ROOT
 
 from models.diffusion import MaskedSampler
+from models.evaluation.progress import Progress
 from models.evaluation.scoring import Scorer
 from models.evaluation.stages import load_model, load_tokenizer
 from models.evaluation.tasks import build_items, heldout_documents, score_tasks, write_lm_eval_tasks
@@ -55,7 +56,12 @@ def test_scorer_tasks_and_generation_on_every_mode(exports, items):
         assert scores["cloze"]["nll"] > 0
         assert scores["cloze"]["nll"] == pytest.approx(-sum(ll for ll, _ in own) / len(own), rel=1e-9)
         assert scores["choice"]["items"] == 6 and scores["documents"]["bits_per_byte"] > 0
+        lines: list[str] = []
+        scorer.progress = Progress("tasks", "requests", lines.append, every_s=0.0)  # shown as training shows steps
         assert score_tasks(scorer, tasks) == scores  # seeded per request: the same numbers again
+        done = scorer.progress.total
+        assert done > 0 and lines[-1].startswith(f"[eval] tasks: {done}/{done} requests, ") and "ETA 0 s" in lines[-1]
+        scorer.progress = None
         # a request's score does not depend on the batch it is in
         pair = (tasks["cloze"][0]["context"], " " + tasks["cloze"][0]["target"])
         alone = Scorer(scorer.model, scorer.tokenizer, mc_samples=4, batch_size=1).loglikelihood([pair])[0][0]

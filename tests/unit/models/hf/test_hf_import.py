@@ -180,13 +180,16 @@ def test_sharded_folders_gguf_files_and_another_architecture_config(tmp_path):
 @pytest.mark.integration  # the CLI in a subprocess
 def test_difflm_convert_imports_a_stock_folder(tmp_path):
     """`difflm convert HF_DIR --out CKPT` on a stock folder: the checkpoint, its tokenizer with a mask token, and
-    the overrides that train from it, which make a valid config; a GGUF file gets its one line."""
+    the overrides that train from it, which make a valid config, and the parity figure; a GGUF file gets its one
+    line."""
     src = tiny_stock("qwen3-qknorm-hd", tmp_path / "src")
     cli = [sys.executable, "-m", "flows.cli", "convert"]
     proc = subprocess.run([*cli, str(src), "--out", str(tmp_path / "mg")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    use = shlex.split(proc.stdout.split("start training from it with: ")[1])  # quoted for the shell
+    use = shlex.split(proc.stdout.split("start training from it with: ")[1].splitlines()[0])  # quoted for the shell
     assert f"train.init_from={tmp_path / 'mg'}" in use and "model.kv_channels=12" in use
+    parity = import_record(tmp_path / "mg")["parity"]  # the figure the import checked, printed, not only recorded
+    assert f"parity: max |logit difference| / max |logit| = {parity['rel_max_logit_diff']:.2e}" in proc.stdout
     assert "tokenizer.mask_token=<|mask|>" in use and (tmp_path / "mg" / "tokenizer" / "tokenizer.json").exists()
     cfg = load_config("test-tiny", use)
     assert cfg.model.qk_layernorm and cfg.model.hf_architecture == "qwen3"
