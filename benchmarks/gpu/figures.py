@@ -56,10 +56,6 @@ def without_optimizer(row: dict) -> float | None:
     return row["mfu"] * row["step_s"] / row["forward_backward_s"]
 
 
-def _is_causal(mode: str) -> bool:
-    return mode == "ar"
-
-
 def summary(job: str, p: dict, rows: list[dict]) -> dict:
     """A job's figures from its rows: the rows themselves, profiles and kernels apart; the headline (the largest
     fitting row of the first mode), its repeat, and the baseline at the same shape."""
