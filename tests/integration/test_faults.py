@@ -343,3 +343,18 @@ def _interrupt_and_check(proc: subprocess.Popen, rdir: Path, err_file: Path) -> 
     iteration = int(re.search(r"interrupted at iteration (\d+)", last).group(1))
     assert (rdir / "checkpoints" / f"iter_{iteration:07d}").is_dir()
     assert RunDir(rdir).latest_iteration() == iteration  # where a rerun resumes (resume exactness: tests above)
+
+
+@pytest.mark.integration
+def test_a_temporary_prefect_server_too_slow_to_start_names_the_setting(tmp_path):
+    """On a loaded machine the temporary server timed out with Prefect's own message, which names no setting. A
+    one-second budget (the server takes seconds to import) makes it time out here: one line naming the setting."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1")
+    cli = [sys.executable, "-m", "flows.cli", "prep", "--flow", "--preset", "test-tiny", f"workdir={tmp_path}"]
+    proc = subprocess.run(cli, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("difflm: the temporary Prefect server did not answer within 1 s"), proc.stderr[-3000:]
+    assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS=<seconds>" in last
+    assert "Traceback" not in proc.stderr and not (tmp_path / "data").exists()
