@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
+from difflm.rundir import Workdir
 from models.diffusion import MaskedSampler
 from models.evaluation.scoring import Scorer
 from models.evaluation.stages import load_model, load_tokenizer
@@ -116,6 +117,37 @@ def test_difflm_eval_and_generate_commands(exports, session_dir, tmp_path):
 
     bad = _difflm("eval", str(tmp_path / "nowhere"), workdir=workdir)
     assert bad.returncode == 1 and "not an export folder" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_generate_refuses_more_tokens_than_the_model_has_and_never_creates_a_store(exports, session_dir, tmp_path):
+    """`--max-new-tokens 64` on a 32-position model returned 31 tokens without a word; `generate models:/...` with
+    no store looked in the default workdir, failed, and left an empty mlflow.db there."""
+    workdir = session_dir / "shared"
+    long = _difflm(
+        "generate", str(exports["difflm-noshift"]), "--prompt", "A", "--max-new-tokens", "64", workdir=workdir
+    )
+    assert long.returncode == 1 and "Traceback" not in long.stderr, long.stderr[-3000:]
+    assert long.stderr.strip().splitlines()[-1].endswith("pass --max-new-tokens 31 or less"), long.stderr[-3000:]
+
+    empty = tmp_path / "empty"
+    reg = _difflm("generate", "models:/difflm-test-tiny@champion", workdir=empty)
+    assert reg.returncode == 1 and "Traceback" not in reg.stderr, reg.stderr[-3000:]
+    assert f"no MLflow store at {empty / 'mlflow.db'}" in reg.stderr.strip().splitlines()[-1], reg.stderr[-3000:]
+    assert not (empty / "mlflow.db").exists()
+
+
+def test_the_docs_python_snippet_finds_the_last_run_of_any_preset(exports, tmp_path):
+    """The docs' "Using the export in Python" read `.difflm/last_run.json`: after a run of the test preset (workdir
+    .difflm-test) it raised FileNotFoundError. It reads the workdir the last run recorded in `.difflm-last`."""
+    docs = (ROOT / "docs" / "evaluation.md").read_text()
+    snippet = docs.split("## Using the export in Python", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    workdir = Workdir(tmp_path / ".difflm-test")  # as `difflm run --preset test-tiny` leaves it (flows/commands.py)
+    workdir.path.mkdir()
+    workdir.last_run_file.write_text(json.dumps({"hf_dir": str(exports["difflm-noshift"])}))
+    workdir.remember(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 @pytest.mark.slow
