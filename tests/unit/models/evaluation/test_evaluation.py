@@ -4,6 +4,7 @@ no megatron needed, the numbers are not the point, the plumbing is)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
+from difflm.config import load_config, save_config
 from difflm.rundir import Workdir
 from models.diffusion import MaskedSampler
 from models.evaluation.scoring import Scorer
@@ -214,3 +216,17 @@ def test_generate_benchmark_runs(exports, session_dir, tmp_path):
     assert rows[10]["settings"]["prefix_cache"] and rows[10]["model_calls_per_batch"] == 8
     assert {r["model_calls_per_batch"] for r in rows[:3]} == {8, 4, 2}  # 1, 2 and 4 tokens per step
     assert all(r["model_calls_per_batch"] <= 8 for r in rows if "threshold" in r["sampler"])
+
+
+def test_the_generate_benchmark_reads_the_sources_own_data(tmp_path):
+    """`benchmarks/generate.py SOURCE` prepared tiny-cpu's data whatever SOURCE was trained on: it takes the config
+    its run recorded (hence its data), unless --preset says otherwise."""
+    generate = importlib.import_module("benchmarks.generate")
+    run = tmp_path / "work" / "runs" / "difflm-noshift-abc-def"
+    (run / "checkpoints").mkdir(parents=True)
+    save_config(load_config("test-tiny", ["data.valid_fraction=0.25"]), run / "config.yaml")
+    (run / "data_manifest.json").write_text("{}")
+    own = generate.source_config(str(run / "hf"), None, [])
+    assert own.name == "test-tiny" and own.data.valid_fraction == 0.25 and Path(own.workdir) == tmp_path / "work"
+    assert generate.source_config(str(run / "hf"), "test-tiny", []).data.valid_fraction != 0.25
+    assert generate.source_config(None, None, []).name == "tiny-cpu"
