@@ -368,3 +368,18 @@ def test_prep_killed_with_sigkill_resumes_byte_identically(tmp_path):
     digests = _shard_digests(Path(resumed["dir"]))
     assert len(digests) >= 4 and digests == _shard_digests(Path(reference["dir"]))
     assert resumed["splits"]["train"]["documents"] == reference["splits"]["train"]["documents"] > 0
+
+
+def test_an_empty_input_file_is_named_once_and_leaves_nothing(tmp_path, tiny_manifest):
+    """An empty JSONL said "the train split is empty ... change data.valid_fraction" five times and left a half-made
+    data folder: one line naming the file, nothing written."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    workdir = tmp_path / "w"
+    proc = _cli_prep(workdir, f"data.sources=[{empty}]", f"tokenizer.path={tiny_manifest['tokenizer']['path']}")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert [ln for ln in err.splitlines() if ln.startswith("difflm:") or "split is empty" in ln] == [
+        f"difflm: {empty} has no readable records (source 'empty'): give it documents, or remove it from data.sources"
+    ], err[-3000:]
+    assert not (workdir / "data").exists()
