@@ -9,7 +9,12 @@ ARGS ?=
 # the offline environment (no telemetry, no hub) is difflm.OFFLINE_ENV: the CLI and tests/conftest.py set it
 OFFLINE_ENV = $(shell $(BIN)/python -c "import difflm; print(*(f'{k}={v}' for k, v in difflm.OFFLINE_ENV.items()))" 2>/dev/null)
 
-.PHONY: demo test test-fast test-dev docs lint env clean mlflow-ui browser slurm slurm-up slurm-down docker stack-docker
+.PHONY: help demo test test-fast test-dev docs lint env clean mlflow-ui browser slurm slurm-up slurm-down docker stack-docker
+.DEFAULT_GOAL := help
+
+# every target with its `## ` comment (tests/integration/test_tiers.py checks that none is missing)
+help:  ## list the targets
+	@awk -F':.*## ' '/^[a-z-]+:.*## /{printf "  make %-11s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null 2>&1 || { echo "need $(PY) (Python 3.11)"; exit 1; }
@@ -20,35 +25,35 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-env: $(STAMP)
+env: $(STAMP)  ## create .venv and install the project (4-7 min on a loaded 2-core machine)
 
-demo: $(STAMP)
+demo: $(STAMP)  ## the whole pipeline on the embedded corpus: make demo [PRESET=tiny-cpu] [ARGS=...]
 	$(BIN)/difflm run --preset $(PRESET) $(ARGS)
 
 # the tiers (docs/testing.md): test is everything (what .ci/run calls); test-dev leaves out the tests marked slow;
 # test-fast runs the unit tests alone (no process, no server, no data prep, at most 5 s of CPU each: tests/conftest.py
 # marks them and fails one that breaks the rule)
-test: $(STAMP) browser slurm
+test: $(STAMP) browser slurm  ## the whole suite (installs chromium and Slurm when root), as CI runs it
 	$(BIN)/python -m pytest -q --durations=30 $(ARGS)
 
-test-dev: $(STAMP)
+test-dev: $(STAMP)  ## every test not marked slow
 	$(BIN)/python -m pytest -q -m "not slow" --durations=15 $(ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(STAMP)  ## the unit tests alone
 	$(BIN)/python -m pytest -q -m unit --durations=10 $(ARGS)
 
 # the documentation site (docs/, mkdocs.yml) into site/; tests/unit/test_docs.py builds it with warnings as errors
-docs: $(STAMP)
+docs: $(STAMP)  ## build these docs into site/
 	$(BIN)/python -m mkdocs build --strict
 
 # the suite runs these too (tests/integration/test_lint.py); `make lint` fixes what ruff can, then type-checks the core
 # (mypy on the packages [tool.mypy] names in pyproject.toml)
-lint: $(STAMP)
+lint: $(STAMP)  ## ruff fix + format, then mypy
 	$(BIN)/ruff check --fix . && $(BIN)/ruff format . && $(BIN)/mypy
 
 # headless Chromium (Debian package) for tests/integration/test_ui_browser.py: installed when root (~20 s), else that test is
 # skipped (under CI it fails). An install that fails only warns: the rest of the suite still runs.
-browser:
+browser:  ## headless Chromium for the browser test
 	@if command -v chromium >/dev/null 2>&1; then echo "browser test: using $$(command -v chromium)"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "installing chromium (Debian package) for the browser test ..."; s=$$(date +%s); \
@@ -61,7 +66,7 @@ browser:
 # Slurm (Debian's slurm-wlm + munge) for tests/integration/test_slurm.py, a real single-node cluster the tests start and stop
 # (deploy/slurm_local.py): installed when root (~30 s), else those tests are skipped (under CI they fail). An
 # install that fails only warns, as for chromium.
-slurm: $(STAMP)
+slurm: $(STAMP)  ## Slurm (slurm-wlm + munge) for the Slurm tests
 	@if command -v sbatch >/dev/null 2>&1 && PATH="$$PATH:/usr/sbin:/sbin" command -v slurmctld >/dev/null 2>&1; then \
 	  echo "slurm tests: using $$(command -v sbatch)"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
@@ -72,34 +77,36 @@ slurm: $(STAMP)
 	  "install it as root: make slurm, or apt-get install slurm-wlm munge"; fi
 
 # Docker (Debian's docker.io, docker-compose, debootstrap) for tests/integration/test_docker_compose.py, which starts a
-# private dockerd of its own (deploy/docker_local.py): installed when root (~30 s), else that test is skipped (under
-# CI it fails). An install that fails only warns, as for chromium.
-docker: $(STAMP)
+# private dockerd of its own (deploy/docker_local.py); the test is opt-in (DIFFLM_DOCKER_TESTS=1: its first image
+# build takes 20+ min). An install that fails only warns, as for chromium.
+docker: $(STAMP)  ## Docker (docker.io, docker-compose, debootstrap) for the opt-in Compose test, when root
 	@if [ -x /usr/bin/docker ] && [ -x /usr/bin/docker-compose ] && [ -x /usr/sbin/dockerd ] && [ -x /usr/sbin/debootstrap ]; then \
 	  echo "docker test: using /usr/bin/docker"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 	  echo "installing docker.io, docker-compose and debootstrap (Debian packages) for the Docker test ..."; \
 	  $(BIN)/python -m deploy.docker_local install \
-	    || echo "docker install failed: tests/integration/test_docker_compose.py will be skipped (fails under CI)"; \
-	else echo "docker missing: tests/integration/test_docker_compose.py will be skipped (fails under CI);" \
+	    || echo "docker install failed: tests/integration/test_docker_compose.py cannot run"; \
+	else echo "docker missing: tests/integration/test_docker_compose.py cannot run;" \
 	  "install it as root: make docker, or apt-get install docker.io docker-compose debootstrap"; fi
 
 # the production stack on Docker (docker-compose.yml): secrets into .env (0600), build, up, wait until healthy, register
 # the deployments; prints the two URLs and where the credentials are. `docker compose down` stops it (volumes stay).
-stack-docker:
+stack-docker:  ## the production stack on Docker Compose: secrets, build, up, healthy; prints the URLs
 	python3 -m deploy.compose up
 
 # a local Slurm cluster to try train.launch.launcher=slurm by hand (docs/slurm.md); state in SLURM_DIR
 SLURM_DIR ?= .difflm-slurm
-slurm-up: slurm
+slurm-up: slurm  ## start a local Slurm cluster: make slurm-up [SLURM_DIR=.difflm-slurm]
 	$(BIN)/python -m deploy.slurm_local up --dir $(SLURM_DIR)
 
-slurm-down: $(STAMP)
+slurm-down: $(STAMP)  ## stop it
 	$(BIN)/python -m deploy.slurm_local down --dir $(SLURM_DIR)
 
-WORKDIR ?= .difflm
-mlflow-ui: $(STAMP)  # make mlflow-ui [WORKDIR=.difflm]
+# the workdir of the last `difflm run` (the path in .difflm-last, difflm.rundir.Workdir.last), else .difflm
+WORKDIR ?= $(shell cat .difflm-last 2>/dev/null || echo .difflm)
+mlflow-ui: $(STAMP)  ## the MLflow UI of the last run's store: make mlflow-ui [WORKDIR=...]
+	@test -f $(WORKDIR)/mlflow.db || { echo "no MLflow store at $(WORKDIR)/mlflow.db: run make demo first, or name one: make mlflow-ui WORKDIR=..."; exit 1; }
 	env $(OFFLINE_ENV) $(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath $(WORKDIR))/mlflow.db --host 127.0.0.1 --port 5000
 
-clean:
+clean:  ## remove .difflm/
 	rm -rf .difflm

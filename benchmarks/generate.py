@@ -4,7 +4,9 @@ each strays from the baseline, one-token-per-step low-confidence decoding, measu
     .venv/bin/python benchmarks/generate.py [SOURCE] [--items 48] [--new-tokens 32] [--preset tiny-cpu] [k=v ...]
 
 SOURCE: an export folder, run directory or models:/name/version (default: the newest difflm-noshift run of
-the preset's workdir, e.g. after `make demo`). The items are the cloze task of the held-out split (the
+the preset's workdir, e.g. after `make demo`). The data is SOURCE's own (the config and data its run recorded)
+unless --preset names another, or SOURCE belongs to no run (then tiny-cpu's). The items are the cloze task of
+the held-out split (the
 context up to the last word of a sentence): each sampler continues every context by --new-tokens tokens;
 `accuracy` is the share whose first generated word is the target, `agreement` the share of generated
 tokens equal to the baseline's. Greedy everywhere (temperature 0), so differences come from the sampler.
@@ -15,8 +17,9 @@ and finished blocks within each block: its agreement with the uncached "blocks o
 approximation costs.
 
 `--block SOURCE` and `--ar SOURCE` (or the newest difflm-block / ar exports of the workdir, when there are any)
-add rows for block diffusion (block by block with an exact KV cache) and for AR decoding with its
-cache, on the same items: tokens/s, model calls per generated token, and agreement with the baseline (other
+add rows for block diffusion (block by block, with its exact KV cache and without it: `kv_cache=False`,
+eval.sampler.kv_cache, recomputes the prefix at every step) and for AR decoding with its cache, on the same
+items (`--others-only`: the baseline row and these): tokens/s, model calls per generated token, and agreement with the baseline (other
 models: agreement is only indicative). Train them at the same size to compare decoders, e.g.
 `difflm run --preset tiny-cpu diffusion.model_running_mode=difflm-block`.
 """
@@ -33,8 +36,8 @@ from pathlib import Path
 import torch
 
 from data_prep.pipeline import prepare_data
-from difflm.config import load_config
-from difflm.rundir import Workdir
+from difflm.config import PipelineConfig, load_config
+from difflm.rundir import RunDir, Workdir
 from models.diffusion import MaskedSampler
 from models.evaluation.scoring import Scorer
 from models.evaluation.sources import resolve_export
@@ -75,13 +78,27 @@ def other_decoders(n: int) -> dict[str, dict]:
     return {
         "block diffusion + KV cache, 1 token/step": dict(steps=n),
         "block diffusion + KV cache, threshold 0.9": dict(threshold=0.9),
+        "block diffusion, no KV cache, 1 token/step": dict(steps=n, kv_cache=False),
     }
+
+
+def source_config(source: str | None, preset: str | None, overrides: list[str]) -> PipelineConfig:
+    """The config of SOURCE's own run (its data) unless --preset is given; else the preset's (default tiny-cpu)."""
+    run = None
+    if source and not preset and not source.startswith("models:/"):
+        run = RunDir.holding(Path(source).expanduser())
+    if run is not None and run.has_inputs():
+        return run.config(overrides)
+    return load_config(preset or "tiny-cpu", overrides)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", nargs="?", help="export folder, run directory or models:/name/version")
-    p.add_argument("--preset", default="tiny-cpu", help="the config whose held-out data gives the items")
+    p.add_argument(
+        "--preset", default=None, help="the config whose held-out data gives the items (default: SOURCE's run's)"
+    )
+    p.add_argument("--others-only", action="store_true", help="only the baseline row, then the --block/--ar rows")
     p.add_argument("--items", type=int, default=48)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--batch-size", type=int, default=8)
@@ -91,7 +108,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
     args = p.parse_intermixed_args()
 
-    cfg = load_config(args.preset, args.overrides)
+    cfg = source_config(args.source, args.preset, args.overrides)
     folder = resolve_export(args.source or newest_run(Path(cfg.workdir)))
     model, tok = load_model(folder), load_tokenizer(folder)
     if not model.objective.unmasks:
@@ -134,8 +151,9 @@ def main() -> None:
         )
 
     scorer.generate(contexts[: args.batch_size], n, MaskedSampler(steps=n))  # warm-up, not timed
-    for name, fields in samplers(n).items():
-        measure(scorer, name, fields)
+    for i, (name, fields) in enumerate(samplers(n).items()):
+        if i == 0 or not args.others_only:
+            measure(scorer, name, fields)
     for mode, source, decoders in (
         ("difflm-block", args.block, other_decoders(n)),
         ("ar", args.ar, {"autoregressive + KV cache (greedy)": {}}),

@@ -117,6 +117,23 @@ def check_inputs(cfg: PipelineConfig, resolved) -> None:
             pass
 
 
+def refuse_empty_sources(cfg: PipelineConfig, resolved) -> None:
+    """A source with no record at all (an empty file, a folder of them) is named in one error: the empty splits it
+    led to said "change data.valid_fraction", once per split and stage. Reads up to one record of each source."""
+    for reader, (src, path, fmt) in zip(reader_steps(cfg, resolved), resolved, strict=True):
+        reader.quiet, reader.limit, reader.strict = True, 1, False
+        if next(iter(reader.run(None, rank=0, world_size=1)), None) is None:
+            if cfg.data.strict:  # a damaged file is named as such first
+                try:
+                    check_inputs(cfg, [(src, path, fmt)])
+                except DamagedFileError as err:
+                    raise DataPrepError(f"data.strict: {err}") from None
+            raise DataPrepError(
+                f"{path} has no readable records (source {src.label!r}): give it documents, or remove it from "
+                "data.sources"
+            )
+
+
 def ignored_files(resolved) -> list[dict]:
     """Files of the source folders that no reader reads, each named in one warning line."""
     found = []
@@ -370,9 +387,10 @@ def _prepare_data(cfg: PipelineConfig) -> dict:
     manifest_path = out / MANIFEST
     if manifest_path.exists():
         return json.loads(manifest_path.read_text())
+    resolved = [(src, *resolve_source(src)) for src in cfg.data.sources]
+    refuse_empty_sources(cfg, resolved)  # before the data folder exists: a refused prep leaves nothing behind
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
-    resolved = [(src, *resolve_source(src)) for src in cfg.data.sources]
     ignored = ignored_files(resolved)
     tok = _read_inputs(cfg, resolved, out)
     splits = shard_stats(out, cfg.data.sources)

@@ -15,7 +15,8 @@
         preempted.json, stopped.json   why the trainer stopped (resume me; non-finite values)
 
 The workdir around the runs is `Workdir`: `runs/` (named by `Workdir.run_for`), `data/<data hash>/`,
-`imports/<source>/` (`ImportDir`), `evals/`, `reports/` and `mlartifacts/`. Every launcher returns a `TrainResult`.
+`imports/<source>/` (`ImportDir`), `evals/`, `reports/`, `mlflow.db`, `mlartifacts/` and `last_run.json`; the
+workdir used last is named by `.difflm-last` in the current directory (`Workdir.remember`, `Workdir.last`). Every launcher returns a `TrainResult`.
 
 Each stage's output folder has its lock file beside it (`lock_file`: `.<name>.lock`), held by the one process
 writing it. An export (any folder with difflm_export.json) records the checkpoint it was written from: `exported_from`.
@@ -55,6 +56,9 @@ SCORES = "scores.json"  # in eval_latest/: {iteration: score} of the checkpoints
 CHECKPOINT_METADATA = "metadata.json"  # in a megatron checkpoint folder: written last, so it marks one complete
 
 RUNS, DATA, IMPORTS, EVALS, REPORTS, MLARTIFACTS = "runs", "data", "imports", "evals", "reports", "mlartifacts"
+MLFLOW_DB = "mlflow.db"  # the local MLflow store in a workdir
+LAST_RUN = "last_run.json"  # in a workdir: the summary of the last `difflm run`
+LAST_POINTER = ".difflm-last"  # in the current directory: the absolute path of the workdir used last
 # the config sections that determine the trained weights: their hash names the run (with the mode and data hash)
 TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")
 
@@ -321,7 +325,13 @@ class ImportDir:
 
 class Workdir:
     """The folder everything of a config lives in (`cfg.workdir`): its runs, prepared data, imports, evaluations
-    of exports outside any run, reports and MLflow artifacts; and the rule that names a run."""
+    of exports outside any run, reports, the local MLflow store and artifacts; the rule that names a run; and which
+    workdir was used last.
+
+    The one rule for "where did my results go": `difflm run` and `difflm adapt` write their workdir's absolute path
+    to `.difflm-last` in the current directory (`remember`). What reads a run's results without naming a workdir
+    reads that one (`last`): `models:/` sources of `difflm eval`/`generate` without --preset, `make mlflow-ui`, the
+    docs' Python snippets. Each preset keeps its own workdir."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path).resolve()
@@ -348,6 +358,35 @@ class Workdir:
     @property
     def mlartifacts(self) -> Path:
         return self.path / MLARTIFACTS
+
+    @property
+    def mlflow_store(self) -> Path:
+        """The local MLflow store (sqlite), when no tracking server is configured."""
+        return self.path / MLFLOW_DB
+
+    @property
+    def last_run_file(self) -> Path:
+        """The summary of the last `difflm run` here (hf_dir, run_dir, mlflow_uri, ...)."""
+        return self.path / LAST_RUN
+
+    def last_run(self) -> dict | None:
+        """That summary, or None when no `difflm run` finished here."""
+        return json.loads(self.last_run_file.read_text()) if self.last_run_file.exists() else None
+
+    def remember(self, cwd: Path | None = None) -> Path:
+        """Make this the workdir used last (the pointer `.difflm-last` in `cwd`, default the current directory)."""
+        pointer = Path(cwd or Path.cwd()) / LAST_POINTER
+        pointer.write_text(f"{self.path}\n")
+        return pointer
+
+    @classmethod
+    def last(cls, cwd: Path | None = None) -> Workdir | None:
+        """The workdir `remember`ed in `cwd` (default the current directory), if it still exists."""
+        pointer = Path(cwd or Path.cwd()) / LAST_POINTER
+        if not pointer.is_file():
+            return None
+        found = cls(pointer.read_text().strip())
+        return found if found.path.is_dir() else None
 
     def data(self, data_hash: str) -> Path:
         """data/<hash of data + tokenizer settings>: the prepared data (`data_prep.pipeline`)."""

@@ -13,9 +13,12 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import signal
 import sys
+import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,7 @@ from difflm import set_offline_env
 from difflm.config import PipelineConfig, load_config, validate
 from difflm.errors import UserError, disk_full, is_disk_full
 from difflm.outputs import private_umask
-from difflm.rundir import RunDir
+from difflm.rundir import RunDir, Workdir
 from flows import commands
 from flows.prechecks import check_before_work
 from flows.prefect_api import prefect_api
@@ -130,12 +133,19 @@ def _run_of_run_dir(args) -> Path | None:
 
 
 def _run_of_sources(args) -> Path | None:
-    """The run the first SOURCE (eval, generate) belongs to, when it recorded its config and data."""
+    """The run the first SOURCE (eval, generate) belongs to, when it recorded its config and data; for a models:/
+    source, the last `difflm run` of the workdir used last (whose MLflow store it is read from)."""
     for source in getattr(args, "sources", None) or [args.source]:
-        run = None if source.startswith("models:/") else RunDir.holding(Path(source).expanduser())
+        run = _last_run() if source.startswith("models:/") else RunDir.holding(Path(source).expanduser())
         if run is not None and run.has_inputs():
             return run.path
     return None
+
+
+def _last_run() -> RunDir | None:
+    last = Workdir.last()
+    summary = last.last_run() if last else None
+    return RunDir(summary["run_dir"]) if summary and summary.get("run_dir") else None
 
 
 def _run_of_served(args) -> Path | None:
@@ -421,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # what the pipeline writes (data, checkpoints, exports, Prefect state) is not for other users of the
         # host, also in the trainers it starts
-        with private_umask():
+        with private_umask(), _sigterm_as_ctrl_c():
             return _main(cmd, args)
     finally:
         for key, value in before.items():  # an in-process caller (tests) keeps its own environment
@@ -429,6 +439,21 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextmanager
+def _sigterm_as_ctrl_c() -> Iterator[None]:
+    """SIGTERM (`kill`, a scheduler) ends a command as Ctrl-C does: by the exception, so that what it started (the
+    temporary Prefect server) is stopped on the way out; by default it ended the process at once, leaving the server
+    running. (While training, the launcher treats both signals as a request to checkpoint and stop.)"""
+    if threading.current_thread() is not threading.main_thread():  # handlers belong to the main thread
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _main(cmd, args) -> int:

@@ -23,6 +23,7 @@ import yaml
 
 from difflm.config import CONFIG_DIR, PipelineConfig
 from difflm.errors import UserError
+from difflm.rundir import Workdir
 
 LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store (the line `run` prints)
 SUMMARY_KEYS = (
@@ -75,9 +76,20 @@ def run(cfg: PipelineConfig) -> int:
             f"MLflow UI: {Path(sys.executable).parent / 'mlflow'} ui --backend-store-uri {summary['mlflow_uri']} "
             f"--host 127.0.0.1 --port 5000\n     then open: {link}"
         )
+    lines.append(remembered(cfg))
     print("\n".join(lines))
-    Path(cfg.workdir, "last_run.json").write_text(json.dumps(summary, indent=2))
+    Workdir.of(cfg).last_run_file.write_text(json.dumps(summary, indent=2))
     return 0
+
+
+def remembered(cfg: PipelineConfig) -> str:
+    """Make the config's workdir the one used last (`Workdir.remember`); the summary line that says so."""
+    workdir = Workdir.of(cfg)
+    pointer = workdir.remember()
+    return (
+        f"{'workdir':>16}: {workdir.path}  (named in {pointer}: `make mlflow-ui`, models:/ sources and the docs' "
+        "snippets read this one)"
+    )
 
 
 def config(cfg: PipelineConfig, action: str) -> int:
@@ -204,7 +216,12 @@ def adapt(cfg: PipelineConfig, source: str, preset: str, overrides: list[str]) -
     keys = ("checkpoint", "source_hf_dir", "run_dir", "hf_dir", "mlflow_run_id")
     print(
         "\n".join(
-            ["\n=== adapt-difflm done ===\n" + summary["comparison"], f"stages: {stages}", *_fields(summary, keys)]
+            [
+                "\n=== adapt-difflm done ===\n" + summary["comparison"],
+                f"stages: {stages}",
+                *_fields(summary, keys),
+                remembered(cfg),
+            ]
         )
     )
     Path(cfg.workdir, "last_adapt.json").write_text(json.dumps(summary, indent=2))
@@ -303,7 +320,8 @@ def generate(
         held_out = heldout_documents(prepare_data(cfg), tok)
         prompts = default_prompts(held_out, cfg.eval.num_samples or 3, cfg.eval.prompt_words)
     scorer = Scorer(model, tok, seed=cfg.eval.seed)
-    records = scorer.generate(prompts, max_new_tokens or cfg.eval.sample_length, sampler_settings(cfg.eval))
+    length = _new_tokens(hf_dir, scorer.max_length, max_new_tokens, cfg.eval.sample_length)
+    records = scorer.generate(prompts, length, sampler_settings(cfg.eval))
     if as_json:
         print(json.dumps(records, indent=2))
         return 0
@@ -315,6 +333,25 @@ def generate(
     settings = {k: v for k, v in records[0]["sampler"].items() if v is not None} if records else {}
     print(f"sampler: {json.dumps(settings)}\ndevice / dtype: {placement_label(placement(model))}")
     return 0
+
+
+def _new_tokens(hf_dir: Path, max_length: int, asked: int | None, configured: int) -> int:
+    """How many tokens to generate after a prompt: at most max_length - 1 (one position for the prompt). An asked
+    --max-new-tokens beyond that is refused with the maximum; the config's eval.sample_length is capped, with a
+    warning (it was silently cut to the model's length)."""
+    most = max_length - 1
+    if asked is not None and not 1 <= asked <= most:
+        raise UserError(
+            f"--max-new-tokens {asked}: {hf_dir} generates 1 to {most} tokens after a prompt (its max_length is "
+            f"{max_length}): pass --max-new-tokens {most} or less"
+        )
+    if asked is None and configured > most:
+        print(
+            f"difflm: warning: eval.sample_length={configured} does not fit {hf_dir} (max_length {max_length}): "
+            f"generating {most} tokens",
+            file=sys.stderr,
+        )
+    return asked if asked is not None else min(configured, most)
 
 
 def serve(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import subprocess
 import types
 from collections.abc import Iterator
@@ -22,6 +23,9 @@ from difflm.rundir import lock_file
 
 # Prefect is imported inside the functions: the CLI loads this module for every command (`--help` included),
 # and Prefect reads its settings when imported, which must come after the CLI has pointed PREFECT_HOME at the workdir
+# Prefect waits 20 s by default; a busy machine (a suite, a data prep) needs longer to start a server. The user's
+# own value of Prefect's setting wins.
+START_TIMEOUT_SETTING = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 SERVER_START_TIMEOUT_S = 180
 
 
@@ -80,8 +84,7 @@ def _temporary_server_unless_configured() -> Iterator[None]:
     # already exists'); the second starts once the first is up, on the migrated database
     database = get_current_settings().home / "prefect.db"
     with exclusive(lock_file(database), f"the Prefect database {database}", "wait", print):
-        # Prefect waits 20 s by default; a busy machine (a suite, a data prep) needs longer to start a server
-        server.start(timeout=SERVER_START_TIMEOUT_S)
+        _start(server)
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
             try:
@@ -92,3 +95,28 @@ def _temporary_server_unless_configured() -> Iterator[None]:
                         handler.flush()
     finally:
         server.stop()
+
+
+def start_timeout_s() -> int:
+    """How long to wait for the temporary server: the setting when the user set it, else SERVER_START_TIMEOUT_S."""
+    given = os.environ.get(START_TIMEOUT_SETTING, "").strip()
+    if not given:
+        return SERVER_START_TIMEOUT_S
+    if not given.isdigit() or int(given) < 1:
+        raise UserError(f"{START_TIMEOUT_SETTING}={given!r} is not a whole number of seconds >= 1")
+    return int(given)
+
+
+def _start(server) -> None:
+    """Start the temporary server, or say in one line which setting gives it longer."""
+    timeout = start_timeout_s()
+    try:
+        server.start(timeout=timeout)
+    except RuntimeError as err:
+        server.stop()  # a server that answered too late is not left running
+        if "Timed out" not in str(err):
+            raise
+        raise UserError(
+            f"the temporary Prefect server did not answer within {timeout} s (a busy machine?): give it longer "
+            f"with {START_TIMEOUT_SETTING}=<seconds>, or point PREFECT_API_URL at a running server"
+        ) from None

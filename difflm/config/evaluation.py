@@ -58,7 +58,13 @@ class SamplerConfig(_Section):
         description="Fast-dLLM's prefix KV cache for full-sequence masked models: the prompt's and finished blocks' "
         "keys and values are computed at each block's first step and reused for its other steps (approximate: "
         "bidirectional attention would update them; fewer model FLOPs per token). Block-diffusion models always "
-        "use their exact cache.",
+        "use their exact cache (kv_cache).",
+    )
+    kv_cache: bool = Field(
+        True,
+        description="Block diffusion's exact KV cache: each finished block runs once and its keys and values are "
+        "kept (the same tokens as without it, fewer model calls' worth of FLOPs per token); false recomputes the "
+        "prefix at every step. Full-sequence models ignore it (prefix_cache).",
     )
 
 

@@ -30,7 +30,7 @@ def tracking_uri(cfg: PipelineConfig) -> str:
         return cfg.tracking.tracking_uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    return f"{SQLITE}{(Path(cfg.workdir) / 'mlflow.db').resolve()}"
+    return f"{SQLITE}{Workdir.of(cfg).mlflow_store}"
 
 
 # MLflow 3 opens an experiment without this tag in its GenAI view (traces, token usage); ours train models

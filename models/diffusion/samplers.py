@@ -81,7 +81,10 @@ class MaskedSampler:
         of the prompt and the finished blocks are kept; the block's other steps run only the current block and
         what follows it against them. Approximate: under bidirectional attention the prefix would change as the
         block is unmasked (each block's first step is exact). Block-diffusion models ignore it: their KV cache is
-        exact and always on.
+        exact (`kv_cache`).
+    kv_cache: block diffusion's exact KV cache: every finished block is run once as clean tokens and its keys and
+        values are kept (the same tokens as without it, fewer model FLOPs per token); False recomputes the prefix at
+        every step (to measure the cache, or to rule it out). Full-sequence models ignore it (`prefix_cache`).
     """
 
     steps: int = 32
@@ -94,6 +97,7 @@ class MaskedSampler:
     cfg_scale: float = 0.0
     stop_at_eos: bool = True
     prefix_cache: bool = False
+    kv_cache: bool = True
 
     def __post_init__(self):
         if self.remasking not in REMASKING:

@@ -43,6 +43,12 @@ def _download(uri: str, tracking_uri: str | None, tracking: TrackingConfig | Non
     store = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
     if not store:
         raise SourceError(f"{uri}: set --tracking-uri or MLFLOW_TRACKING_URI to the MLflow store it is registered in")
+    local = Path(store.removeprefix("sqlite:///")) if store.startswith("sqlite:///") else None
+    if local is not None and not local.is_file():  # MLflow would create an empty store there, then not find it
+        raise SourceError(
+            f"{uri}: no MLflow store at {local} (no run registered a model there): run `difflm run` first, or "
+            "name the store with --tracking-uri, or the preset whose workdir holds it with --preset"
+        )
     try:
         return download_model_version(uri, store, tracking)
     except LookupError as err:

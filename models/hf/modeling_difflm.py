@@ -531,16 +531,17 @@ class DiffLMForMaskedLM(PreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         forbidden_ids: tuple[int, ...] = (),
         stats: dict | None = None,
-        use_cache: bool = True,
+        use_cache: bool | None = None,
     ) -> torch.Tensor:
         """Block diffusion decoding (BD3-LM): the blocks of training, `config.block_size` tokens counted from each
         row's first prompt token (the prompt's last, partial block is the first one decoded, its prompt tokens
         kept; `blocks.DecodeLayout` places a LEFT-padded batch), one at a time. Inside a block the masked
         sampler's rules (`settings`: remasking, threshold, top-k/top-p; `settings.block_length` below the block
         size decodes it in sub-blocks, as Fast-dLLM v2); a block of B positions gets ceil(steps B / new tokens)
-        steps (`settings.steps` spread over the new tokens). With `use_cache` every finished block is run once as
-        clean tokens and its keys and values kept: exact, since no clean token attends a noisy one (the same
-        tokens as `use_cache=False`, which recomputes the prefix at every step). Rows stop at EOS
+        steps (`settings.steps` spread over the new tokens). With the KV cache (`use_cache`, default
+        `settings.kv_cache`) every finished block is run once as clean tokens and its keys and values kept: exact,
+        since no clean token attends a noisy one (the same tokens as without it, which recomputes the prefix at
+        every step). Rows stop at EOS
         (`settings.stop_at_eos`): later blocks are EOS. `stats` gets the model calls and the settings. Returns
         [b, p + max_new_tokens]."""
         objective = self.objective
@@ -555,6 +556,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
         keys, generated = layout.keys(), layout.generated()
         rule = self._block_rule(prompt_ids, layout)
         block_steps = max(1, -(-settings.steps * size // max(max_new_tokens, 1)))
+        use_cache = settings.kv_cache if use_cache is None else use_cache
         run = _BlockRun(self, rule, keys, use_cache)
         run.prefix(x, layout.first_block * size)
         done = torch.zeros(b, dtype=torch.bool, device=self.device)

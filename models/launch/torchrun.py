@@ -15,7 +15,8 @@ import subprocess
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -158,10 +159,12 @@ def _run_trainer(cmd, run: RunDir, full_env: dict, tail: deque, errors: deque, e
         pump = threading.Thread(target=_pump, args=(proc.stdout, log, tail, errors, echo), daemon=True)
         pump.start()
         family = _Descendants(proc.pid)
+        received: list[signal.Signals] = []
         try:
-            code = proc.wait()
-        except BaseException as stop:  # Ctrl-C or a cancelled task: the trainer checkpoints on SIGTERM, then stops
-            proc.send_signal(signal.SIGTERM)
+            with _stop_signals(received):
+                code = proc.wait()
+        except BaseException as stop:  # a signal or a cancelled task: the trainer checkpoints on it, then stops
+            proc.send_signal(received[-1] if received else signal.SIGTERM)  # torchrun passes it to the ranks
             echo(f"[train] stopping: the trainer saves a checkpoint first (up to 120 s); {run.path}")
             try:
                 proc.wait(timeout=120)
@@ -174,6 +177,29 @@ def _run_trainer(cmd, run: RunDir, full_env: dict, tail: deque, errors: deque, e
         family.kill_leftovers()
         pump.join(timeout=10)
     return code
+
+
+@contextmanager
+def _stop_signals(received: list[signal.Signals]) -> Iterator[None]:
+    """While the trainer runs, SIGINT (Ctrl-C) and SIGTERM (`kill`, a scheduler) to this process both raise
+    KeyboardInterrupt here: both stop the trainer the same way (checkpoint, one line, exit 75); `received` gets
+    the signal, which is forwarded as it came. (A SIGTERM otherwise ended the command in Prefect's crash
+    handling, before the temporary server was stopped.) A signal ignored before stays ignored."""
+    if threading.current_thread() is not threading.main_thread():  # handlers belong to the main thread
+        yield
+        return
+
+    def on_signal(signum: int, _frame) -> None:
+        received.append(signal.Signals(signum))
+        raise KeyboardInterrupt
+
+    sigs = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) is not signal.SIG_IGN]
+    previous = {sig: signal.signal(sig, on_signal) for sig in sigs}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def prepare_attempt(run: RunDir) -> int | None:
@@ -249,12 +275,14 @@ def raise_for_markers(run: RunDir, code: int | str | None, log: Path | None = No
 
 
 def interrupted(run: RunDir) -> None:
-    """After Ctrl-C: raise Interrupted naming the checkpoint the trainer saved (exit 75; rerun to resume)."""
+    """After Ctrl-C or a SIGTERM: raise Interrupted naming the signal and the checkpoint the trainer saved (exit 75;
+    rerun to resume)."""
     preempted, _ = run.markers
     if preempted.exists():
-        iteration = json.loads(preempted.read_text())["iteration"]
+        info = json.loads(preempted.read_text())
+        iteration, got = info["iteration"], f" ({info['signal']})" if info.get("signal") else ""
         raise Interrupted(
-            f"interrupted at iteration {iteration}; checkpoint saved: {run.checkpoint(iteration)}; "
+            f"interrupted at iteration {iteration}{got}; checkpoint saved: {run.checkpoint(iteration)}; "
             f"rerun the same command to resume",
             iteration,
         )

@@ -72,12 +72,17 @@ def peak_memory_gb() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
+# Ctrl-C: the local launcher forwards the signal it got (SIGINT), which stops training as a preemption does
+INTERACTIVE_STOP = "SIGINT"
+
+
 class PreemptionFlag:
-    """Set by the configured signals; the step in flight finishes, then every rank agrees to stop."""
+    """Set by the configured signals and by SIGINT; the step in flight finishes, then every rank agrees to stop.
+    `signal`: the name of the signal received, as the log and preempted.json say it."""
 
     def __init__(self, names: Sequence[str]):
         self.signal: str | None = None
-        sigs = [getattr(signal, name) for name in names]
+        sigs = [getattr(signal, name) for name in dict.fromkeys([*names, INTERACTIVE_STOP])]
         _start_checkpoint_writer_immune(sigs)
         for sig in sigs:
             signal.signal(sig, self._handler)
@@ -287,9 +292,9 @@ class PreemptionWatcher(Hook):
             trainer.save(step.it)
         if trainer.reporting:
             trainer.run.preempted.write_text(json.dumps({"iteration": step.it, "signal": self.flag.signal}))
+        why = f"{self.flag.signal} received" if self.flag.signal else "another rank was signalled"
         trainer.log(
-            f"[train] preempted ({self.flag.signal or 'another rank'}) at iter {step.it}: checkpoint saved; "
-            f"rerunning the same command resumes from it"
+            f"[train] stopping at iter {step.it} ({why}): checkpoint saved; rerunning the same command resumes from it"
         )
         raise TrainingPreempted(f"training preempted at iteration {step.it}", step.it)
 

@@ -4,6 +4,7 @@ even one that catches the error, or that uses more than its CPU budget; an integ
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 OFFENDERS = """
 import os
+import re
 import subprocess
 import sys
 import time
@@ -65,3 +67,15 @@ def test_a_unit_test_that_starts_a_process_or_burns_cpu_fails_the_tier(tmp_path)
     assert "a unit test started a process (subprocess" in out and "(os.system)" in out
     assert "over the budget of 1 s: mark it @pytest.mark.integration (or slow), or make it cheaper" in out
     assert "unit tests: 4," in out  # the summary line
+
+
+@pytest.mark.integration
+def test_make_help_lists_every_target():
+    """`make` alone prints the targets (it did not exist: a new user had to read the Makefile), each of them."""
+    makefile = (ROOT / "Makefile").read_text()
+    targets = {line.split(":")[0] for line in makefile.splitlines() if re.match(r"^[a-z][a-z-]*:", line)}
+    assert {"help", "env", "demo", "test", "mlflow-ui"} <= targets
+    for command in (["make", "help"], ["make"]):
+        shown = subprocess.run([*command, "-s", "-C", str(ROOT)], capture_output=True, text=True, check=True).stdout
+        listed = {line.split()[1] for line in shown.splitlines() if line.startswith("  make ")}
+        assert listed == targets, (sorted(targets - listed), shown)

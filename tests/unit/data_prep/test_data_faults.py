@@ -401,3 +401,18 @@ def test_a_parquet_file_holding_one_huge_document_is_skipped_in_bounded_memory(t
     assert result["docs"] == 0 and result["skipped"] == 1, result
     assert result["peak_mb"] < 400, result
     assert "bomb.parquet row 0: oversize record" in out.stderr
+
+
+def test_an_empty_input_file_is_named_once_and_leaves_nothing(tmp_path, tiny_manifest):
+    """An empty JSONL said "the train split is empty ... change data.valid_fraction" five times and left a half-made
+    data folder: one line naming the file, nothing written."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    workdir = tmp_path / "w"
+    proc = _cli_prep(workdir, f"data.sources=[{empty}]", f"tokenizer.path={tiny_manifest['tokenizer']['path']}")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
+    assert [ln for ln in err.splitlines() if ln.startswith("difflm:") or "split is empty" in ln] == [
+        f"difflm: {empty} has no readable records (source 'empty'): give it documents, or remove it from data.sources"
+    ], err[-3000:]
+    assert not (workdir / "data").exists()

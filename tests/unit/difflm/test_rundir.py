@@ -312,3 +312,18 @@ def test_typed_results_survive_prefects_json_result_store(tmp_path):
     old = {"run_dir": str(result.run.path), "checkpoint": str(result.checkpoint), "reused": False}
     assert TrainResult.read(store.loads(store.dumps(old))) == result and result.to_dict() == old
     assert ImportedSource.read(str(tmp_path / "megatron")).checkpoint == tmp_path / "megatron"
+
+
+def test_the_workdir_used_last_is_remembered_in_the_current_directory(tmp_path):
+    """One rule for every reader of a run's results: `.difflm-last` names the workdir of the last run."""
+    assert Workdir.last(tmp_path) is None
+    work = Workdir(tmp_path / ".difflm-test")
+    work.path.mkdir()
+    assert work.last_run() is None
+    work.last_run_file.write_text(json.dumps({"hf_dir": "/x/hf"}))
+    pointer = work.remember(tmp_path)
+    assert pointer == tmp_path / ".difflm-last" and Workdir.last(tmp_path).path == work.path
+    assert Workdir.last(tmp_path).last_run() == {"hf_dir": "/x/hf"}
+    assert work.mlflow_store == work.path / "mlflow.db"
+    work.path.rename(tmp_path / "gone")
+    assert Workdir.last(tmp_path) is None  # a workdir since removed is not "the last one"

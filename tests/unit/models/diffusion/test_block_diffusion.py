@@ -17,6 +17,7 @@ from models import diffusion
 from models.diffusion.blocks import attention_pairs, block_elbo_terms, decode_keep, two_stream_keep
 from models.diffusion.modes import BlockDiffusion, build_objective, objective_class
 from models.diffusion.samplers import MaskedSampler
+from models.evaluation.generation import sampler_settings
 from models.evaluation.scoring import Scorer
 from models.hf.convert import export_hf, load_hf
 from models.megatron.attention import TwoStreamMask, _flex_attention
@@ -368,6 +369,12 @@ def test_greedy_match_holds_for_prompts_that_end_inside_a_block(clean):
 # ---- decoding -------------------------------------------------------------------------------------------------
 
 
+def test_the_kv_cache_is_a_sampler_setting_the_command_line_turns_off():
+    """`eval.sampler.kv_cache=false` was unknown (only Python had an undocumented use_cache)."""
+    assert sampler_settings(load_config("test-tiny").eval).kv_cache is True
+    assert sampler_settings(load_config("test-tiny", ["eval.sampler.kv_cache=false"]).eval).kv_cache is False
+
+
 @pytest.mark.parametrize("documents", [False, True])
 @pytest.mark.parametrize("clean", ["block_causal", "token_causal"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -381,9 +388,8 @@ def test_kv_cached_decoding_gives_the_uncached_tokens(clean, temperature, docume
     out = {}
     for cache in (True, False):
         stats: dict = {}
-        out[cache] = model.block_generate(
-            prompt, 10, settings, torch.Generator().manual_seed(5), use_cache=cache, stats=stats
-        )
+        with_cache = dataclasses.replace(settings, kv_cache=cache)  # the sampler setting eval.sampler.kv_cache
+        out[cache] = model.block_generate(prompt, 10, with_cache, torch.Generator().manual_seed(5), stats=stats)
         assert stats["settings"]["kv_cache"] == cache and stats["settings"]["block_size"] == 4
     assert out[True].shape == (2, 16) and torch.equal(out[True][:, :6], prompt)
     assert torch.equal(out[True], out[False])

@@ -4,6 +4,7 @@ no megatron needed, the numbers are not the point, the plumbing is)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
+from difflm.config import load_config, save_config
+from difflm.rundir import Workdir
 from models.diffusion import MaskedSampler
 from models.evaluation.progress import Progress
 from models.evaluation.scoring import Scorer
@@ -124,6 +127,38 @@ def test_difflm_eval_and_generate_commands(exports, session_dir, tmp_path):
     assert bad.returncode == 1 and "not an export folder" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_generate_refuses_more_tokens_than_the_model_has_and_never_creates_a_store(exports, session_dir, tmp_path):
+    """`--max-new-tokens 64` on a 32-position model returned 31 tokens without a word; `generate models:/...` with
+    no store looked in the default workdir, failed, and left an empty mlflow.db there."""
+    workdir = session_dir / "shared"
+    long = _difflm(
+        "generate", str(exports["difflm-noshift"]), "--prompt", "A", "--max-new-tokens", "64", workdir=workdir
+    )
+    assert long.returncode == 1 and "Traceback" not in long.stderr, long.stderr[-3000:]
+    assert long.stderr.strip().splitlines()[-1].endswith("pass --max-new-tokens 31 or less"), long.stderr[-3000:]
+
+    empty = tmp_path / "empty"
+    reg = _difflm("generate", "models:/difflm-test-tiny@champion", workdir=empty)
+    assert reg.returncode == 1 and "Traceback" not in reg.stderr, reg.stderr[-3000:]
+    assert f"no MLflow store at {empty / 'mlflow.db'}" in reg.stderr.strip().splitlines()[-1], reg.stderr[-3000:]
+    assert not (empty / "mlflow.db").exists()
+
+
+def test_the_docs_python_snippet_finds_the_last_run_of_any_preset(exports, tmp_path):
+    """The docs' "Using the export in Python" read `.difflm/last_run.json`: after a run of the test preset (workdir
+    .difflm-test) it raised FileNotFoundError. It reads the workdir the last run recorded in `.difflm-last`."""
+    docs = (ROOT / "docs" / "evaluation.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in docs.split("## Using the export in Python", 1)[1].split("```python\n")[1:]]
+    snippet = next(b for b in blocks if "Workdir.last()" in b)  # the block that finds hf_dir
+    workdir = Workdir(tmp_path / ".difflm-test")  # as `difflm run --preset test-tiny` leaves it (flows/commands.py)
+    workdir.path.mkdir()
+    workdir.last_run_file.write_text(json.dumps({"hf_dir": str(exports["difflm-noshift"])}))
+    workdir.remember(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = subprocess.run([sys.executable, "-c", snippet], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_lm_eval_runs_difflm_through_its_own_entry_point(exports, items, tmp_path):
     """loglikelihood, multiple_choice, loglikelihood_rolling and generate_until on local task files."""
@@ -188,3 +223,17 @@ def test_generate_benchmark_runs(exports, session_dir, tmp_path):
     assert rows[10]["settings"]["prefix_cache"] and rows[10]["model_calls_per_batch"] == 8
     assert {r["model_calls_per_batch"] for r in rows[:3]} == {8, 4, 2}  # 1, 2 and 4 tokens per step
     assert all(r["model_calls_per_batch"] <= 8 for r in rows if "threshold" in r["sampler"])
+
+
+def test_the_generate_benchmark_reads_the_sources_own_data(tmp_path):
+    """`benchmarks/generate.py SOURCE` prepared tiny-cpu's data whatever SOURCE was trained on: it takes the config
+    its run recorded (hence its data), unless --preset says otherwise."""
+    generate = importlib.import_module("benchmarks.generate")
+    run = tmp_path / "work" / "runs" / "difflm-noshift-abc-def"
+    (run / "checkpoints").mkdir(parents=True)
+    save_config(load_config("test-tiny", ["data.valid_fraction=0.25"]), run / "config.yaml")
+    (run / "data_manifest.json").write_text("{}")
+    own = generate.source_config(str(run / "hf"), None, [])
+    assert own.name == "test-tiny" and own.data.valid_fraction == 0.25 and Path(own.workdir) == tmp_path / "work"
+    assert generate.source_config(str(run / "hf"), "test-tiny", []).data.valid_fraction != 0.25
+    assert generate.source_config(None, None, []).name == "tiny-cpu"
