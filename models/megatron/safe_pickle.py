@@ -11,6 +11,7 @@ crafted one in one line rather than torch's page of advice; the RNG files are lo
 
 from __future__ import annotations
 
+import enum
 import importlib
 import io
 import pickle
@@ -41,10 +42,24 @@ class UnsafeCheckpoint(UserError, pickle.UnpicklingError):
     """A checkpoint's metadata asks to build something that is not checkpoint metadata (possibly code)."""
 
 
+def _enum_member(cls, name):
+    """`getattr` as some Pythons pickle an enum member (3.11.0-3.11.3 and 3.12+ may write `getattr(Enum, name)`):
+    only a member of an enum class the unpickler already allowed, by its name; any other attribute lookup (a way to
+    reach functions and modules from a harmless class) is refused."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls.__members__[name]
+    raise UnsafeCheckpoint(
+        f"a checkpoint's .metadata asks for attribute {name!r} of {cls!r}, which is not a member of a checkpoint "
+        f"enum: refused without running it (it may be crafted to run code); load only checkpoints you trust"
+    )
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     source = "a checkpoint's .metadata"
 
     def find_class(self, module: str, name: str):
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         allowed = (module, name) in _ALLOWED
         if not allowed and module == "torch":
             allowed = isinstance(getattr(torch, name, None), torch.dtype | torch.layout)

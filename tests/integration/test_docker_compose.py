@@ -119,11 +119,6 @@ def _down(c: compose.Compose, volumes: bool) -> None:
     c.run("down", *(["-v"] if volumes else []), "--remove-orphans", timeout=120)
 
 
-# Known failure (2026-12-05): on the local base's Python 3.11.2 (Debian bookworm) the convert stage refuses the
-# checkpoint's DCP .metadata (models/megatron/safe_pickle.py: `builtins.getattr`, how 3.11.2 pickles enums); the
-# official python:3.11-slim (3.11.7+) is not affected. Strict: once the unpickler handles it, this test passes and
-# the marker must go.
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="safe_pickle refuses Python 3.11.2's enum pickles")
 def test_compose_runs_the_pipeline_and_keeps_it_across_down_and_up(engine, tmp_path, monkeypatch):
     c = _project(engine, tmp_path, f"difflmtest{os.getpid()}")
     times = engine.times

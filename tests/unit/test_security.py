@@ -23,6 +23,7 @@ from prefect import flow, task
 from prefect.results import ResultRecord, ResultRecordMetadata
 from prefect.serializers import PickleSerializer
 from prefect.settings import get_current_settings
+from torch.distributed.checkpoint.planner import WriteItemType
 
 from data_prep import pipeline
 from deploy import stack
@@ -39,7 +40,7 @@ from models.launch.cluster import sbatch_command, sbatch_options, slurm_script
 from models.launch.slurm import write_credentials
 from models.launch.torchrun import launch_training, run_dir
 from models.megatron import checkpointing
-from models.megatron.safe_pickle import UnsafeCheckpoint, guard_dcp
+from models.megatron.safe_pickle import UnsafeCheckpoint, guard_dcp, restricted_loads
 from tasks.cache import run_stage
 
 RUN = Path("/shared/difflm/runs/difflm-noshift-abc-def")
@@ -265,6 +266,26 @@ def test_convert_cli_refuses_a_crafted_checkpoint_in_one_line(tmp_path):
     )  # fmt: skip
     assert proc.returncode != 0 and not mark.exists(), proc.stderr
     assert "Traceback" not in proc.stderr and "refused without running it" in proc.stderr, proc.stderr
+
+
+class _ByName:
+    """Pickles as `getattr(target, name)`, the way some Pythons write an enum member."""
+
+    def __init__(self, target, name):
+        self.target, self.name = target, name
+
+    def __reduce__(self):
+        return (getattr, (self.target, self.name))
+
+
+def test_an_enum_member_pickled_by_name_loads_and_other_getattrs_are_refused():
+    """Python 3.11.2 (Debian bookworm, the Docker base) writes DCP's enums as `getattr(WriteItemType, 'TENSOR')`:
+    the restricted unpickler refused `builtins.getattr` and no checkpoint written there converted. getattr is
+    allowed for an allowed enum's members only: reaching a function or module from an allowed class is refused."""
+    assert restricted_loads(pickle.dumps(_ByName(WriteItemType, "TENSOR"))) is WriteItemType.TENSOR
+    for target, name in [(WriteItemType, "__init__"), (WriteItemType, "__class__"), (torch.Size, "__init__")]:
+        with pytest.raises(UnsafeCheckpoint, match="refused without running it"):
+            restricted_loads(pickle.dumps(_ByName(target, name)))
 
 
 def test_real_dcp_metadata_loads_through_the_restricted_unpickler(tmp_path, megatron_single_process):
