@@ -29,7 +29,7 @@ from difflm.errors import UserError, disk_full, is_disk_full
 from difflm.outputs import private_umask
 from difflm.rundir import RunDir, Workdir
 from flows import commands
-from flows.prechecks import check_before_work
+from flows.prechecks import check_arguments, check_before_work
 from flows.prefect_api import prefect_api
 
 # Stages, flows and models are imported inside flows/commands.py's functions, `_run_of_*` and `resolve_config`
@@ -458,6 +458,7 @@ def _sigterm_as_ctrl_c() -> Iterator[None]:
 
 def _main(cmd, args) -> int:
     try:
+        check_arguments(cmd.name, args)  # a mistyped path, before the config (and torch) is loaded
         cfg = resolve_config(cmd, args)
         check_before_work(cmd.name, cfg, args)  # what needs no server fails before one starts
         _offline_env(cfg)  # Prefect's state beside the config's workdir (a run's own, for a command on a run)
