@@ -370,9 +370,11 @@ def test_smollm2_adapts_its_elbo_falls_and_sits_next_to_its_own_nll(session_dir,
     assert len(vals) == 2 and vals[-1] < vals[0], vals  # the diffusion ELBO falls in a few steps
     source, adapted = summary["source_ar"], summary["adapted"]
     assert source["kind"] == "exact" and adapted["kind"] == "elbo"
+    # the source model is the baseline: no randomly initialised model of its size is scored (minutes on a CPU)
+    assert "untrained" not in summary["validation"]
     print(
         f"\nSmolLM2 validation ELBO {vals}; source AR NLL {source['nll_per_token']:.4f}, adapted ELBO "
-        f"{adapted['nll_per_token']:.4f}, untrained {summary['validation']['untrained']['nll_per_token']:.4f}"
+        f"{adapted['nll_per_token']:.4f}"
     )
     print(summary["comparison"])
     # import parity on real weights: the ar export of the imported checkpoint is transformers' model
