@@ -230,7 +230,7 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(
     assert f"[slurm] job {job_id} of this run is still PENDING: waiting for it instead of submitting another" in lines
     log = (rdir / f"slurm-{job_id}.out").read_text()
     assert "difflm: preemption signal: checkpointing" in log and f"requeueing job {job_id}" in log
-    saved = re.search(r"\[train\] preempted \(SIGTERM\) at iter (\d+): checkpoint saved", log)
+    saved = re.search(r"\[train\] stopping at iter (\d+) \(SIGTERM received\): checkpoint saved", log)
     assert saved, f"the trainer did not checkpoint on the signal:\n{log[-3000:]}"
     preempted_at = int(saved.group(1))
     assert 2 <= preempted_at < PREEMPT_ITERS and f"start_iter={preempted_at}" in log  # the requeued job resumed
@@ -293,7 +293,7 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(
     assert len(submitted) == 1 and submitted[0].startswith(f"[slurm] submitted job {job_id} ")
     log = (rdir / f"slurm-{job_id}.out").read_text()
     assert "difflm: preemption signal: checkpointing" in log and f"requeueing job {job_id}" in log, log[-3000:]
-    saved = re.search(r"\[train\] preempted \(SIGTERM\) at iter (\d+): checkpoint saved", log)
+    saved = re.search(r"\[train\] stopping at iter (\d+) \(SIGTERM received\): checkpoint saved", log)
     assert saved, f"the trainer did not checkpoint on the signal:\n{log[-3000:]}"
     preempted_at = int(saved.group(1))
     assert 1 <= preempted_at < PREEMPT_ITERS and f"start_iter={preempted_at}" in log  # the requeued job resumed
