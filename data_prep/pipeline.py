@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from datatrove.executor import SlurmPipelineExecutor
+from datatrove.utils.logging import logger
 
 from data_prep.corpus import SOURCES, demo_corpus
 from data_prep.quiet import QuietLocalExecutor  # per-file and per-task INFO to the task logs only
@@ -121,8 +122,8 @@ def refuse_empty_sources(cfg: PipelineConfig, resolved) -> None:
     """A source with no record at all (an empty file, a folder of them) is named in one error: the empty splits it
     led to said "change data.valid_fraction", once per split and stage. Reads up to one record of each source."""
     for reader, (src, path, fmt) in zip(reader_steps(cfg, resolved), resolved, strict=True):
-        reader.quiet, reader.limit, reader.strict = True, 1, False
-        if next(iter(reader.run(None, rank=0, world_size=1)), None) is None:
+        reader.quiet, reader.limit, reader.strict, reader.doc_progress = True, 1, False, False
+        if _first_record(reader) is None:
             if cfg.data.strict:  # a damaged file is named as such first
                 try:
                     check_inputs(cfg, [(src, path, fmt)])
@@ -132,6 +133,18 @@ def refuse_empty_sources(cfg: PipelineConfig, resolved) -> None:
                 f"{path} has no readable records (source {src.label!r}): give it documents, or remove it from "
                 "data.sources"
             )
+
+
+def _first_record(reader):
+    """One record of a reader, its per-file INFO lines off: outside the executor's quiet task logger they would
+    reach the terminal (datatrove's default sink), before the prep has even started."""
+    for module in ("datatrove", "data_prep"):
+        logger.disable(module)
+    try:
+        return next(iter(reader.run(None, rank=0, world_size=1)), None)
+    finally:
+        for module in ("datatrove", "data_prep"):
+            logger.enable(module)
 
 
 def ignored_files(resolved) -> list[dict]:
