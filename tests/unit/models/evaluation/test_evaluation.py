@@ -124,6 +124,11 @@ def test_difflm_eval_and_generate_commands(exports, session_dir, tmp_path):
     assert records[0]["sampler"]["threshold"] == 0.5 and records[0]["sampler"]["block_length"] == 4
 
     bad = _difflm("eval", str(tmp_path / "nowhere"), workdir=workdir)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr, bad.stderr[-3000:]
+    assert "no such file or folder; pass an export folder" in bad.stderr.strip().splitlines()[-1], bad.stderr
+    notexport = tmp_path / "plain"
+    notexport.mkdir()
+    bad = _difflm("eval", str(notexport), workdir=workdir)
     assert bad.returncode == 1 and "not an export folder" in bad.stderr and "Traceback" not in bad.stderr
 
 
