@@ -163,6 +163,19 @@ def pytest_terminal_summary(terminalreporter):
         )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _mlflow_uri_left_as_found() -> Iterator[None]:
+    """`mlflow.set_tracking_uri` (the pipeline's, a test's) also sets $MLFLOW_TRACKING_URI, which `tracking.uri`
+    falls back to: left behind, it sent a later module's CLI processes to another test's store. Each module leaves
+    it as it found it."""
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    yield
+    if before is None:
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
+    else:
+        os.environ["MLFLOW_TRACKING_URI"] = before
+
+
 @pytest.fixture(scope="session")
 def session_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("difflm")

@@ -120,7 +120,8 @@ def test_two_pipelines_on_one_workdir_train_once_and_latest_checkpoint_reads_onl
     the latest checkpoint in a loop, as evaluate-latest does: every export is of a complete checkpoint."""
     workdir = tmp_path / "work"
     cfg = tiny_config(workdir, *EVERY_STEP)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}  # temporary servers, one DB
+    # temporary Prefect servers on one database; MLflow in the workdir's own store (not one a test left in the env)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API") and k != "MLFLOW_TRACKING_URI"}
     cli = [sys.executable, "-m", "flows.cli", "run", "--preset", "test-tiny", f"workdir={workdir}", *EVERY_STEP]
     outs = [tmp_path / f"out{i}.txt" for i in (1, 2)]
     procs = [subprocess.Popen(cli, cwd=ROOT, env=env, stdout=o.open("w"), stderr=subprocess.STDOUT) for o in outs]
@@ -150,6 +151,7 @@ def test_two_pipelines_on_one_workdir_train_once_and_latest_checkpoint_reads_onl
     assert sorted(steps) == sorted(set(steps)) and max(steps) == 8, steps
     assert exported and exported == sorted(exported), exported  # read beside the training, never going back
 
+    os.environ.pop("MLFLOW_TRACKING_URI", None)  # the workdir's store, as the two processes used
     mlflow.set_tracking_uri(tracking_uri(cfg))
     client = MlflowClient()
     experiment = client.get_experiment_by_name(cfg.tracking.experiment)

@@ -74,11 +74,13 @@ def test_scorer_tasks_and_generation_on_every_mode(exports, items):
 
 
 def _difflm(*args: str, workdir: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the workdir's store
     return subprocess.run(
         [sys.executable, "-m", "flows.cli", *args, "--preset", "test-tiny", f"workdir={workdir}"],
         capture_output=True,
         text=True,
         cwd=ROOT,
+        env=env,
         timeout=600,
     )
 
