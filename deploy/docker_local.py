@@ -63,7 +63,7 @@ def unavailable() -> str | None:
     if missing:
         return (
             f"Docker not installed ({', '.join(missing)} missing): as root, `make docker` or `python -m "
-            f"deploy.docker_local install` (apt-get install {' '.join(PACKAGES)}; `make test` does it)"
+            f"deploy.docker_local install` (apt-get install {' '.join(PACKAGES)})"
         )
     if os.geteuid() != 0:
         return "a private dockerd runs as root: run the Docker test as root"

@@ -30,6 +30,7 @@ import pytest
 from conftest import skip_or_fail
 from mlflow.tracking import MlflowClient
 from scenarios import SCENARIOS
+from servers import free_ports
 
 from deploy import compose, docker_local
 from deploy.env_file import MLFLOW_ADMIN, ensure_secrets, read_env_file
@@ -80,20 +81,9 @@ def engine():
         print("docker test times (s):", {k: round(v, 1) for k, v in times.items()})
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _project(d: docker_local.Daemon, tmp_path: Path, name: str) -> compose.Compose:
     """docker-compose.yml of this checkout as project `name`, its env file in tmp_path at free ports."""
-    mlflow_port, prefect_port = _free_ports(2)
+    mlflow_port, prefect_port = free_ports(2)
     env_file = tmp_path / f"{name}.env"
     env_file.write_text(f"MLFLOW_PORT={mlflow_port}\nPREFECT_PORT={prefect_port}\n")
     env = {

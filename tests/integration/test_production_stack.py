@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 from scenarios import SCENARIOS, Scenario
+from servers import free_ports
 
 from data_prep.corpus import cache_dir
 from deploy import env_file, stack
@@ -238,17 +238,6 @@ def _postgres_or_skip() -> None:
         pytest.skip(why)
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 def _left_behind(state: Path, pids: dict[str, int]) -> list[str]:
     """Processes of the stack still there: marked ones (services and every child, flow runs included) and members
     of the services' sessions (PostgreSQL's backends overwrite their environment with their status line)."""
@@ -389,7 +378,7 @@ def stack_run() -> Iterator[StackRun]:
     # basetemp is not
     base = Path(tempfile.mkdtemp(prefix="difflm-stack-test-"))
     os.chmod(base, 0o755)
-    db_port, mlflow_port, prefect_port = _free_ports(3)
+    db_port, mlflow_port, prefect_port = free_ports(3)
     run = StackRun(
         base=base,
         state=base / "stack",

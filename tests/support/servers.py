@@ -20,10 +20,20 @@ BIN = Path(sys.executable).parent
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct free ports (all bound at once, so none is handed out twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def stop(proc: subprocess.Popen, grace: float = 20) -> None:
