@@ -247,7 +247,8 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(
 # requeued job has the whole limit (one minute was too close once the resumed job also had to start up)
 TIME_LIMIT = ["train.launch.slurm.time=2", "train.launch.slurm.signal_seconds=115"]
 TICK = "debug2: Testing job time limits and checkpoints"  # slurmctld's time-limit check, logged at debug2
-STEP_SLEEP = 0.4  # 100 steps: ~40 s from scratch, so the signal, ~30 s after the job starts, finds it training
+STEP_SLEEP = 0.6  # 100 steps: ~60 s from scratch, so the signal, ~30 s after the job starts, finds it training
+# (once, on CI, it came ~20 s late and found the job at step 88 of 100: the margin is for that)
 
 
 def _ticks(cluster) -> int:
@@ -282,7 +283,11 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(
         _until(lambda: _ticks(slurm_cluster) > seen, timeout=45)
         threading.Thread(target=_release_requeued_of, args=(rdir, done), daemon=True).start()
         lines: list[str] = []
-        info = submit_slurm(cfg, tiny_manifest, echo=lines.append, **fault_launch(step_sleep=STEP_SLEEP))
+        try:
+            info = submit_slurm(cfg, tiny_manifest, echo=lines.append, **fault_launch(step_sleep=STEP_SLEEP))
+        except Exception as err:  # what the job and the submitter saw: the only trace of a timing problem
+            logs = "\n".join(f"--- {p.name}:\n{p.read_text()[-4000:]}" for p in _job_logs(rdir))
+            pytest.fail(f"{err}\n--- submitter:\n" + "\n".join(lines[-40:]) + f"\n{logs}")
     finally:
         done.set()
         _slurm("scontrol", "setdebug", "info")
