@@ -336,4 +336,11 @@ def test_check_configs_use_the_current_keys(tmp_path):
     assert cfg.diffusion.block_size == 4 and cfg.train.precision == "bf16"
     assert knob.model.recompute == "full" and knob.model.compile == "rope"
     assert {k["name"] for k in p["jobs"]["mfu-knobs"]["knobs"]} >= {"off", "recompute=selective", "compile=rope"}
-    assert "compile=layers" in {k["name"] for k in plan(False)["jobs"]["mfu-knobs"]["knobs"]}
+    gpu_knobs = {k["name"]: k for k in plan(False)["jobs"]["mfu-knobs"]["knobs"]}
+    assert "compile=layers" in gpu_knobs
+    graphs = gpu_knobs["cuda_graphs=layers, 350m"]  # the small model's launch overhead, beside its own off row
+    assert graphs["preset"] == gpu_knobs["off, 350m"]["preset"] == "350m" and graphs["shape"] == [2048, 8]
+    assert config(p, tmp_path, graphs["preset"], 64, "difflm-noshift", model=graphs["model"]).model.cuda_graphs == (
+        "layers"
+    )
+    assert not any("cuda_graphs" in k.get("model", {}) for k in p["jobs"]["mfu-knobs"]["knobs"])  # no CUDA
