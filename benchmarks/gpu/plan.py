@@ -82,7 +82,10 @@ def plan(dry: bool) -> dict:
             "probe_iters": 2,
             "probe_matmul": 256,
             "probe_copy_mb": 8,
-        }
+            "decode": {"random": "tiny", "vocab": 64, "documents": 120, "doc_len": [16, 64], "dominant": 0.9,
+                       "preset": "tiny", "seq": 64, "steps": 4, "mbs": 2, "lr": 3e-3, "block_size": 4,
+                       "prompt_len": 8, "new_tokens": 8, "batches": [1, 4], "batch1_prompts": 2},
+        }  # fmt: skip
     return {
         **common,
         "vocab": 32768,
@@ -103,7 +106,13 @@ def plan(dry: bool) -> dict:
         "probe_iters": 5,
         "probe_matmul": 8192,
         "probe_copy_mb": 1024,
-    }
+        # decoding: random SmolLM2-135M-shaped models (a call's cost at that size); confident models of the small
+        # preset trained on a 0.9-dominant chain over a small vocabulary (1,024 ids: each successor seen ~100s of
+        # times in 300 steps), so threshold decoding has probabilities above 0.25 to act on
+        "decode": {"random": "smollm2-135m", "vocab": 1024, "documents": 2000, "doc_len": [128, 1024],
+                   "dominant": 0.9, "preset": "small", "seq": 256, "steps": 300, "mbs": 16, "lr": 1e-3,
+                   "block_size": 8, "prompt_len": 64, "new_tokens": 64, "batches": [1, 16], "batch1_prompts": 4},
+    }  # fmt: skip
 
 
 def config(p: dict, workdir: Path, preset: str, seq: int, mode: str, *, steps: int | None = None, **sections):
