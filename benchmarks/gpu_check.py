@@ -111,7 +111,7 @@ SECTIONS: tuple[Section, ...] = (
     Section("long-context", _job("long-context"), 45, 120, "1B difflm vs AR, document masks, seq 4096 and 8192"),
     Section("mfu-knobs", _job("mfu-knobs", "knobs"), 45, 150,
             "1B: compiled RoPE / layers, recompute, vs off; CUDA graphs on the 350M"),
-    Section("decode", decode.section, 45, 120,
+    Section("decode", decode.section, 45, 100,
             "decoders' tokens/s, calls/token, memory: random 135M-shaped and confident trained models"),
 )  # fmt: skip
 ALWAYS = {"environment", "data"}  # every other section needs the packages; the training ones need the data
