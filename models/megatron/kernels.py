@@ -32,6 +32,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from difflm.config import PipelineConfig
+from difflm.errors import UserError
 from models.diffusion.arch import ModelArch
 
 SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -87,10 +88,11 @@ def kernel_settings(cfg: PipelineConfig, cuda: bool | None = None, compiler_ok: 
 
 
 def check_cuda_graphs(setting: str, cuda: bool | None = None) -> None:
-    """CUDA graphs capture CUDA kernels: refused in one line where there is no CUDA device."""
+    """CUDA graphs capture CUDA kernels: refused in one line where there is no CUDA device (the CLI checks it
+    before a local run starts, flows/prechecks.py; the trainer again before it builds the model)."""
     cuda = torch.cuda.is_available() if cuda is None else cuda
     if setting != "off" and not cuda:
-        raise RuntimeError(
+        raise UserError(
             f"model.cuda_graphs={setting} captures CUDA kernels and this machine has no CUDA device: "
             "set model.cuda_graphs=off"
         )

@@ -11,6 +11,7 @@ import torch
 from helpers import tiny_config
 
 from difflm.config import MODEL_PRESETS, ConfigError, ModelConfig
+from difflm.errors import UserError
 from models.megatron import gpt, kernels
 from models.megatron.gpt import build_model
 from models.megatron.train import step_vector
@@ -46,16 +47,29 @@ def test_cuda_settings_make_a_valid_megatron_config(tmp_path, monkeypatch):
     assert tcfg.cross_entropy_fusion_impl == "native" and not tcfg.apply_rope_fusion
 
 
+def _precheck(cfg, gpus=None):
+    """The CLI's check of a training command before anything starts (its data and size checks stubbed)."""
+    from flows import prechecks
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prechecks, "_data", lambda c: None)
+        mp.setattr(prechecks, "check_fits", lambda c: None)
+        mp.setattr(prechecks, "gpu_memory", lambda: gpus)
+        prechecks._training(cfg)
+
+
 def test_cuda_graphs_are_refused_in_one_line_without_cuda(tmp_path):
-    """model.cuda_graphs (megatron's per-layer CUDA graphs) on this CPU: one line naming the fix, before any
-    model or RNG tracker is built; off is the default and builds as before."""
+    """model.cuda_graphs (megatron's per-layer CUDA graphs) on this CPU: one line naming the fix (a UserError: the
+    CLI prints it without a traceback), before a local run starts and before any model or RNG tracker is built;
+    off is the default and builds as before."""
     from models.megatron.train import graph_safe_rng
 
     cfg = tiny_config(tmp_path, "model.cuda_graphs=layers")
-    for refuse in (lambda: gpt.transformer_config(cfg), lambda: graph_safe_rng(cfg)):
-        with pytest.raises(RuntimeError, match="no CUDA device: set model.cuda_graphs=off") as err:
+    for refuse in (lambda: gpt.transformer_config(cfg), lambda: graph_safe_rng(cfg), lambda: _precheck(cfg)):
+        with pytest.raises(UserError, match="no CUDA device: set model.cuda_graphs=off") as err:
             refuse()
         assert "\n" not in str(err.value)
+    _precheck(cfg, gpus=80 * 2**30)  # a machine with a GPU: the switch passes the CLI's check
     assert tiny_config(tmp_path).model.cuda_graphs == "off"
     assert gpt.transformer_config(tiny_config(tmp_path)).cuda_graph_impl == "none"
     with pytest.raises(ConfigError, match="cuda_graphs"):
