@@ -25,7 +25,7 @@ import torch
 
 from benchmarks.gpu import decoding, training
 from benchmarks.gpu.corpus import SPECIALS, make_dataset, markov_documents
-from benchmarks.gpu.runtime import worker
+from benchmarks.gpu.runtime import SectionFailed, read_jsonl, worker
 from models.evaluation.scoring import Scorer
 
 MODES = ("difflm-noshift", "difflm-block", "ar")
@@ -34,7 +34,7 @@ MODES = ("difflm-noshift", "difflm-block", "ar")
 # those), and at the small preset and length 256 the dense masks cost nothing
 QUICK_TO_START = {"backend": "local", "fusions": "off"}
 RANDOM = "random"
-CONFIDENT = "confident"
+CONFIDENT = "confident"  # (a row's model label starts with it)
 # the random models' shapes by the plan's name: SmolLM2-135M's, or a tiny one for the dry run
 SHAPES = {
     "smollm2-135m": decoding.SMOLLM2_135M,
@@ -62,8 +62,9 @@ def decoders(mode: str, n: int) -> dict[str, dict]:
 
 
 def section(check, state: dict) -> dict:
-    """The confident corpus, the random models' rows, the three confident models trained and exported, their rows.
-    A mode whose training fails is recorded and left out; the others are measured."""
+    """The confident corpus; the three confident models trained and exported; then one decoding worker, the
+    confident models first (the goal's rows), the random ones after. A mode whose training fails is recorded and
+    left out; a worker that fails or runs out of time keeps the rows it measured (the rows file)."""
     from difflm.config import load_config
     from difflm.rundir import RunDir
     from models.hf.convert import export_hf
@@ -72,34 +73,33 @@ def section(check, state: dict) -> dict:
     corpus = {**p, "vocab": d["vocab"], "documents": d["documents"], "doc_len": d["doc_len"]}
     manifest = make_dataset(corpus, out / "data-confident", dominant=d["dominant"])
     manifest_path = out / "data-confident" / "manifest.json"
-    result: dict = {"dominant": d["dominant"], "trained": {}, "errors": {}}
-    result[RANDOM] = _measure(check, manifest_path, RANDOM, {})
-    folders = {}
+    trained, errors, folders = {}, {}, {}
     for mode in MODES:
         tag = f"confident-{mode}"
         diffusion = {"block_size": d["block_size"]} if mode == "difflm-block" else {}
         try:
-            trained = training.train(
+            trained[mode] = training.train(
                 check, "decode", manifest_path, mode, tag, preset=d["preset"], seq=d["seq"], steps=d["steps"],
                 train={"micro_batch_size": d["mbs"], "global_batch_size": d["mbs"], "optimizer": {"lr": d["lr"]}},
                 diffusion=diffusion, model=QUICK_TO_START,
             )  # fmt: skip
-            run = RunDir(trained["run_dir"])
+            run = RunDir(trained[mode]["run_dir"])
             cfg = load_config(str(out / f"config-{tag}.yaml"))
             folders[mode] = str(export_hf(cfg, manifest["tokenizer"], run.checkpoint(run.latest_iteration()),
                                           out / f"hf-{tag}"))  # fmt: skip
-            result["trained"][mode] = trained
         except Exception as exc:  # this mode's rows only: the others are still measured
-            result["errors"][mode] = f"{type(exc).__name__}: {exc}"[:400]
-    result[CONFIDENT] = _measure(check, manifest_path, CONFIDENT, folders) if folders else None
-    rows = [*result[RANDOM]["rows"], *(result[CONFIDENT] or {}).get("rows", [])]
-    return {"rows": rows, "goal": goal(rows), **{k: v for k, v in result.items() if k not in (RANDOM, CONFIDENT)}}
-
-
-def _measure(check, manifest: Path, kind: str, folders: dict) -> dict:
-    spec = check.out / f"decode-{kind}.json"
-    spec.write_text(json.dumps({"kind": kind, "folders": folders}))
-    return worker(check, "decode", manifest, name="decode", tag=f"decode-{kind}", models=spec)
+            errors[mode] = f"{type(exc).__name__}: {exc}"[:400]
+    spec = out / "decode-models.json"
+    spec.write_text(json.dumps({"folders": folders}))
+    try:
+        rows = worker(check, "decode", manifest_path, name="decode", tag="decode", models=spec)["rows"]
+    except Exception as exc:  # a timeout included: the rows measured so far are in the rows file
+        errors["decoding"] = f"{type(exc).__name__}: {exc}"[:400]
+        rows = read_jsonl(out / "decode-rows.jsonl")
+    result = {"rows": rows, "goal": goal(rows), "dominant": d["dominant"], "trained": trained, "errors": errors}
+    if not rows:
+        raise SectionFailed(f"no decoding rows: {errors}", result)
+    return result
 
 
 def prompts(table, n_prompts: int, length: int, dominant: float) -> list[str]:
@@ -116,8 +116,8 @@ def dominant_share(tokens: list[list[int]], table) -> float | None:
 
 
 def worker_decode(args, p: dict) -> dict:
-    """Every decoder of every mode at every batch size of the plan, on the random models or the confident exports
-    (args.models); one row appended to the rows file as each is measured."""
+    """Every decoder of every mode at every batch size of the plan, on the confident exports (args.models) first,
+    then on the random models; one row appended to the rows file as each is measured."""
     from models.hf.convert import load_hf  # (transformers' remote-code loader: the exports' own code)
 
     d = p["decode"]
@@ -130,25 +130,24 @@ def worker_decode(args, p: dict) -> dict:
     n = d["new_tokens"]
     texts = prompts(table, max(d["batches"]), d["prompt_len"], d["dominant"])
     rows: list[dict] = []
-    baselines: dict[int, dict] = {}  # batch size -> the baseline row and its tokens
-    for mode in MODES:
-        if spec["kind"] == RANDOM:
+    kinds = [(CONFIDENT, mode) for mode in MODES if mode in spec["folders"]] + [(RANDOM, mode) for mode in MODES]
+    baselines: dict[tuple[str, int], dict] = {}  # (kind, batch size) -> the baseline row and its tokens
+    for kind, mode in kinds:
+        if kind == RANDOM:
             model = decoding.random_model(SHAPES[d["random"]], mode, d["block_size"])
             label = f"{d['random']}-shaped, random"
-        elif mode in spec["folders"]:
-            model, label = load_hf(Path(spec["folders"][mode])), f"confident ({d['preset']})"
         else:
-            continue
+            model, label = load_hf(Path(spec["folders"][mode])), f"{CONFIDENT} ({d['preset']})"
         model = model.to(device=device, dtype=dtype)
         for batch in d["batches"]:
             scorer = Scorer(model, decoding.IdTokenizer(), batch_size=batch, seed=0)
             some = texts[: d["batch1_prompts"] if batch == 1 else batch]  # one batch, or a few prompts one by one
             decoding.warm_up(scorer, some, n)
             for name, fields in decoders(mode, n).items():
-                base = baselines.get(batch)
+                base = baselines.get((kind, batch))
                 row, _, tokens = decoding.measure(scorer, some, n, name, fields, base and base["tokens"])
                 if base is None and name == decoding.BASELINE:
-                    base = baselines[batch] = {"row": row, "tokens": tokens}
+                    base = baselines[kind, batch] = {"row": row, "tokens": tokens}
                 row |= {"model": label, "mode": mode, "prompts": len(some), "new_tokens": n,
                         "dominant_share": dominant_share(tokens, table)}  # fmt: skip
                 row["speedup"] = _speedup(row, base)
@@ -157,7 +156,7 @@ def worker_decode(args, p: dict) -> dict:
         del model
         if cuda:
             torch.cuda.empty_cache()
-    return {"kind": spec["kind"], "rows": rows}
+    return {"rows": rows}
 
 
 def _speedup(row: dict, base: dict | None) -> float | None:

@@ -185,7 +185,9 @@ def _section_lines(name: str, r: dict) -> list[str]:
             "",
             *_table(keys, r["rows"]),
         ]
-        return lines + (["", f"Training errors: `{json.dumps(r['errors'])}`."] if r.get("errors") else [])
+        return lines + (
+            ["", f"Errors (training by mode, decoding): `{json.dumps(r['errors'])}`."] if r.get("errors") else []
+        )
     if name in MICROBATCH_JOBS and "rows" in r:
         return _microbatch_lines(name, r if "largest_micro_batch" in r else summary(name, {}, r["rows"]))
     if name == "probe":
