@@ -431,3 +431,25 @@ def test_decode_plan_builds_valid_runs_and_generate_shares_the_samplers(tmp_path
     generate = importlib.import_module("benchmarks.generate")
     assert generate.samplers is decoding.samplers and generate.other_decoders is decoding.other_decoders
     assert "decode" in check.NAMES
+
+
+def test_decode_section_keeps_what_it_measured_when_training_and_the_worker_fail(tmp_path, monkeypatch):
+    """A mode whose training fails is an error of its own; a decoding worker that runs out of time leaves the rows
+    it wrote (the trainer and the worker are stood in for: each would start a process)."""
+    from benchmarks.gpu import decode
+
+    def no_training(check, name, manifest, mode, tag, **over):
+        raise RuntimeError(f"exit 1; {mode} did not train")
+
+    def out_of_time(check, kind, manifest, **extra):
+        row = {"model": "confident (tiny)", "mode": "difflm-noshift", "batch_size": 1, "sampler": "x"}
+        (check.out / "decode-rows.jsonl").write_text(json.dumps(row) + "\n")
+        assert json.loads(Path(extra["models"]).read_text()) == {"folders": {}}
+        raise subprocess.TimeoutExpired("torchrun", 10)
+
+    monkeypatch.setattr(decode.training, "train", no_training)
+    monkeypatch.setattr(decode, "worker", out_of_time)
+    result = decode.section(Check(tmp_path, plan(True), float("inf"), {}), {})
+    assert set(result["errors"]) == {"difflm-noshift", "difflm-block", "ar", "decoding"}
+    assert "did not train" in result["errors"]["ar"] and "timed out" in result["errors"]["decoding"]
+    assert [r["sampler"] for r in result["rows"]] == ["x"] and result["trained"] == {}
