@@ -29,39 +29,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from data_prep.pipeline import prepare_data
-from difflm.config import PipelineConfig, load_config
-from difflm.rundir import RunDir, Workdir
-from models.diffusion import MaskedSampler
-from models.evaluation.scoring import Scorer
-from models.evaluation.sources import resolve_export
-from models.evaluation.stages import load_model, load_tokenizer
-from models.evaluation.sweep import first_word
-from models.evaluation.tasks import cloze_items, heldout_documents
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run as a script: the repository's packages (benchmarks.gpu)
+    sys.path.insert(0, str(ROOT))
 
-
-def samplers(n: int) -> dict[str, dict]:
-    """name -> MaskedSampler fields; the first is the baseline."""
-    return {
-        "low-confidence, 1 token/step (baseline)": dict(steps=n),
-        "low-confidence, 2 tokens/step": dict(steps=max(1, n // 2)),
-        "low-confidence, 4 tokens/step": dict(steps=max(1, n // 4)),
-        "blocks of 8, 1 token/step": dict(steps=n, block_length=8),
-        "margin, 1 token/step": dict(steps=n, remasking="margin"),
-        "entropy, 1 token/step": dict(steps=n, remasking="entropy"),
-        "random, 1 token/step": dict(steps=n, remasking="random"),
-        "threshold 0.9 (Fast-dLLM)": dict(threshold=0.9),
-        "threshold 0.7 (Fast-dLLM)": dict(threshold=0.7),
-        "threshold 0.9, blocks of 8": dict(threshold=0.9, block_length=8),
-        # Fast-dLLM's prefix cache: each block's later steps skip the prompt and earlier blocks (approximate)
-        "blocks of 8, 1 token/step + prefix cache": dict(steps=n, block_length=8, prefix_cache=True),
-    }
+from benchmarks.gpu.decoding import AR, measure, other_decoders, samplers, warm_up  # noqa: E402
+from data_prep.pipeline import prepare_data  # noqa: E402
+from difflm.config import PipelineConfig, load_config  # noqa: E402
+from difflm.rundir import RunDir, Workdir  # noqa: E402
+from models.evaluation.scoring import Scorer  # noqa: E402
+from models.evaluation.sources import resolve_export  # noqa: E402
+from models.evaluation.stages import load_model, load_tokenizer  # noqa: E402
+from models.evaluation.sweep import first_word  # noqa: E402
+from models.evaluation.tasks import cloze_items, heldout_documents  # noqa: E402
 
 
 def newest_run(workdir: Path, mode: str = "difflm-noshift", required: bool = True) -> str | None:
@@ -71,15 +55,6 @@ def newest_run(workdir: Path, mode: str = "difflm-noshift", required: bool = Tru
             return None
         sys.exit(f"no {mode} export under {workdir}/runs: run `make demo` first or pass SOURCE")
     return str(runs[-1].parent)
-
-
-def other_decoders(n: int) -> dict[str, dict]:
-    """name -> MaskedSampler fields of the block-diffusion export's rows (its blocks come from the model)."""
-    return {
-        "block diffusion + KV cache, 1 token/step": dict(steps=n),
-        "block diffusion + KV cache, threshold 0.9": dict(threshold=0.9),
-        "block diffusion, no KV cache, 1 token/step": dict(steps=n, kv_cache=False),
-    }
 
 
 def source_config(source: str | None, preset: str | None, overrides: list[str]) -> PipelineConfig:
@@ -118,45 +93,23 @@ def main() -> None:
     scorer = Scorer(model, tok, batch_size=args.batch_size, seed=cfg.eval.seed)
     contexts = [it["context"] for it in items]
     n = args.new_tokens
-    rows, baseline = [], None
-    n_batches = max(1, -(-len(items) // args.batch_size))
+    rows: list[dict] = []
+    baseline: list[list[int]] | None = None
 
-    def measure(scorer, name: str, fields: dict) -> None:
+    def run(scorer, name: str, fields: dict) -> None:
         nonlocal baseline
-        settings = replace(MaskedSampler(stop_at_eos=False), **fields)
-        t0 = time.perf_counter()
-        recs = scorer.generate(contexts, n, settings)
-        seconds = time.perf_counter() - t0
-        tokens = [tok.encode(r["completion"], add_special_tokens=False) for r in recs]
-        if baseline is None:
-            baseline = tokens
-        agree = sum(sum(a == b for a, b in zip(t, bt)) for t, bt in zip(tokens, baseline))
-        total = sum(max(len(bt), 1) for bt in baseline)
-        calls = sum(r["model_calls"] for r in recs[:: args.batch_size])  # one record per batch carries its calls
-        rows.append(
-            {
-                "sampler": name,
-                "tokens_per_s": len(items) * n / seconds,
-                "seconds": seconds,
-                "model_calls_per_batch": calls / n_batches,
-                "model_calls_per_token": calls / n_batches / n,
-                "accuracy": sum(first_word(r["completion"]) == it["target"].lower() for r, it in zip(recs, items))
-                / len(items),
-                "agreement": agree / total,
-                "settings": {
-                    **fields,
-                    **{k: v for k, v in recs[0]["sampler"].items() if k in ("block_size", "kv_cache")},
-                },
-            }
-        )
+        row, recs, tokens = measure(scorer, contexts, n, name, fields, baseline)
+        baseline = baseline or tokens
+        hits = sum(first_word(r["completion"]) == it["target"].lower() for r, it in zip(recs, items))
+        rows.append({**row, "accuracy": hits / len(items)})
 
-    scorer.generate(contexts[: args.batch_size], n, MaskedSampler(steps=n))  # warm-up, not timed
+    warm_up(scorer, contexts, n)
     for i, (name, fields) in enumerate(samplers(n).items()):
         if i == 0 or not args.others_only:
-            measure(scorer, name, fields)
+            run(scorer, name, fields)
     for mode, source, decoders in (
         ("difflm-block", args.block, other_decoders(n)),
-        ("ar", args.ar, {"autoregressive + KV cache (greedy)": {}}),
+        ("ar", args.ar, {AR: {}}),
     ):
         source = source or newest_run(Path(cfg.workdir), mode, required=False)
         if source is None:
@@ -165,9 +118,9 @@ def main() -> None:
         other_scorer = Scorer(
             other, load_tokenizer(resolve_export(source)), batch_size=args.batch_size, seed=cfg.eval.seed
         )
-        other_scorer.generate(contexts[: args.batch_size], n, MaskedSampler(steps=n))  # warm-up
+        warm_up(other_scorer, contexts, n)
         for name, fields in decoders.items():
-            measure(other_scorer, name, fields)
+            run(other_scorer, name, fields)
     base = rows[0]
     print(
         f"\nexport: {folder}\n{len(items)} cloze items, {n} new tokens each, batch {args.batch_size}, "

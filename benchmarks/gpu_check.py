@@ -36,8 +36,8 @@ ROOT = HERE.parent
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages (benchmarks.gpu, models, difflm)
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.gpu import decode, training  # noqa: E402
 from benchmarks.gpu import export as export_checks  # noqa: E402
-from benchmarks.gpu import training  # noqa: E402
 from benchmarks.gpu.corpus import make_dataset  # noqa: E402
 from benchmarks.gpu.plan import plan  # noqa: E402
 from benchmarks.gpu.probe import environment, probe  # noqa: E402
@@ -109,7 +109,10 @@ SECTIONS: tuple[Section, ...] = (
             "350M difflm-block through the block mask, then complementary masks"),
     Section("profile-350m", _job("profile-350m"), 30, 60, "350M profiled at micro-batch 8 and 32"),
     Section("long-context", _job("long-context"), 45, 120, "1B difflm vs AR, document masks, seq 4096 and 8192"),
-    Section("mfu-knobs", _job("mfu-knobs", "knobs"), 45, 150, "1B: compiled RoPE / layers, recompute, vs off"),
+    Section("mfu-knobs", _job("mfu-knobs", "knobs"), 45, 150,
+            "1B: compiled RoPE / layers, recompute, vs off; CUDA graphs on the 350M"),
+    Section("decode", decode.section, 45, 100,
+            "decoders' tokens/s, calls/token, memory: random 135M-shaped and confident trained models"),
 )  # fmt: skip
 ALWAYS = {"environment", "data"}  # every other section needs the packages; the training ones need the data
 NAMES = tuple(s.name for s in SECTIONS)
@@ -153,6 +156,7 @@ def _workers() -> dict:
         "parity": export_checks.worker_parity,
         "microbatch": microbatch.worker_microbatch,
         "knobs": microbatch.worker_knobs,
+        "decode": decode.worker_decode,
     }
 
 
@@ -178,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         help="run only these sections (comma-separated; environment and data always run), e.g. "
         "gpu-tests-flex,train-block for a second device call. Sections: " + ", ".join(NAMES),
     )
-    ap.add_argument("--worker", choices=["logits", "parity", "microbatch", "knobs"], help=argparse.SUPPRESS)
-    for hidden in ("--manifest", "--result", "--checkpoint", "--config", "--rows", "--job"):
+    ap.add_argument("--worker", choices=["logits", "parity", "microbatch", "knobs", "decode"], help=argparse.SUPPRESS)
+    for hidden in ("--manifest", "--result", "--checkpoint", "--config", "--rows", "--job", "--models"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:  # inside torchrun

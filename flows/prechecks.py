@@ -19,7 +19,7 @@ from pathlib import Path
 
 from difflm.config import PipelineConfig
 from difflm.errors import UserError
-from difflm.memory import check_fits
+from difflm.memory import check_fits, gpu_memory
 from models.hf.examples import EXAMPLE_SOURCES
 
 EXPORT_HINT = "pass an export folder, a run directory, or models:/<name>/<version> | models:/<name>@<alias>"
@@ -71,6 +71,10 @@ def _training(cfg: PipelineConfig) -> None:
     if train.init_from:
         _checkpoint(train.init_from, "train.init_from")
     check_fits(cfg)
+    if cfg.model.cuda_graphs != "off" and train.launch.launcher == "local":
+        from models.megatron.kernels import check_cuda_graphs  # torch: only with the switch on
+
+        check_cuda_graphs(cfg.model.cuda_graphs, cuda=gpu_memory() is not None)
 
 
 def _checkpoint(path: str, what: str) -> None:

@@ -152,11 +152,11 @@ class Harness:
         self.datasets: dict[int, object] = {}
         self.largest = max(m for _, m in job.get("shapes") or [k["shape"] for k in job["knobs"]])
 
-    def cfg(self, mode: str, seq: int, mbs: int, model: dict | None = None):
+    def cfg(self, mode: str, seq: int, mbs: int, model: dict | None = None, preset: str | None = None):
         return config(
             self.p,
             Path(self.args.out) / "work",
-            self.job["preset"],
+            preset or self.job["preset"],
             seq,
             mode,
             steps=1000,
@@ -175,7 +175,7 @@ class Harness:
 
     def step_flops(self, cfg, mbs: int, pairs: list[float] | None, mode: str) -> float:
         """Mean model FLOPs of the timed steps (one micro-batch each), by `mode`'s objective."""
-        objective = build_objective(config(self.p, Path(self.args.out) / "work", self.job["preset"],
+        objective = build_objective(config(self.p, Path(self.args.out) / "work", cfg.model.preset,
                                            cfg.train.seq_length, mode).diffusion)  # fmt: skip
         seq = cfg.train.seq_length
         if pairs is None:
@@ -184,9 +184,11 @@ class Harness:
             pairs
         )
 
-    def measure(self, mode: str, seq: int, mbs: int, ddp, opt, model: dict | None = None, **tags) -> dict:
-        cfg = self.cfg(mode, seq, mbs, model)
-        timed = timed_steps(cfg, ddp, opt, self.dataset(cfg), self.special, self.p["timed_steps"])
+    def measure(self, mode: str, seq: int, mbs: int, ddp, opt, model: dict | None = None, preset=None, **tags) -> dict:
+        cfg = self.cfg(mode, seq, mbs, model, preset)
+        # CUDA graphs are captured after megatron's warm-up steps (3): the timed steps replay them
+        warmup = 1 + (3 if cfg.model.cuda_graphs != "off" else 0)
+        timed = timed_steps(cfg, ddp, opt, self.dataset(cfg), self.special, self.p["timed_steps"], warmup)
         step, fwd_bwd = spread(timed["step_s"]), spread(timed["forward_backward_s"])
         step_flops = self.step_flops(cfg, mbs, timed["pairs"], mode)
         eff = flops.efficiency(step_flops, step["median"], 1, self.peak)
@@ -195,6 +197,7 @@ class Harness:
         dense = seq * seq * mbs
         return {
             "mode": mode,
+            "preset": cfg.model.preset,
             "seq": seq,
             "micro_batch": mbs,
             **tags,
@@ -212,10 +215,10 @@ class Harness:
             "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if self.cuda else None,
         }
 
-    def row(self, mode: str, seq: int, mbs: int, ddp, opt, model: dict | None = None, **tags) -> dict:
+    def row(self, mode: str, seq: int, mbs: int, ddp, opt, model: dict | None = None, preset=None, **tags) -> dict:
         """A measured row, or the row's error (OOM, cuBLAS/NCCL failing to allocate): this row only."""
         try:
-            row = self.measure(mode, seq, mbs, ddp, opt, model, **tags)
+            row = self.measure(mode, seq, mbs, ddp, opt, model, preset, **tags)
         except Exception as exc:
             row = {"mode": mode, "seq": seq, "micro_batch": mbs, **tags, "oom": memory_error(exc),
                    "error": f"{type(exc).__name__}: {exc}"[:400]}  # fmt: skip
@@ -272,24 +275,25 @@ def worker_microbatch(args, p: dict) -> dict:
 
 
 def worker_knobs(args, p: dict) -> dict:
-    """The MFU levers (model.compile, model.recompute: config switches), each a fresh model measured at its
-    shape, beside the same shape with every lever off; a lever's row that fails is recorded and the next runs."""
+    """The MFU levers (model.compile, model.recompute, model.cuda_graphs: config switches), each a fresh model
+    measured at its shape (and preset, default the job's), beside the same shape with every lever off; a lever's
+    row that fails is recorded and the next runs."""
     job = p["jobs"][args.job]
     h = Harness(args, p, job)
     mode = job["modes"][0]
     rows = []
     for knob in job["knobs"]:
         seq, mbs = knob["shape"]
-        model = knob.get("model", {})
+        model, preset = knob.get("model", {}), knob.get("preset")
         try:
-            h.dataset(h.cfg(mode, seq, mbs, model))
-            ddp, opt, _ = build_training(h.cfg(mode, seq, mbs, model), h.vocab)
+            h.dataset(h.cfg(mode, seq, mbs, model, preset))
+            ddp, opt, _ = build_training(h.cfg(mode, seq, mbs, model, preset), h.vocab)
         except Exception as exc:  # a lever that does not build here (no compiler, ...): its row says why
             row = {"knob": knob["name"], "mode": mode, "seq": seq, "micro_batch": mbs, "error": f"{exc}"[:400]}
             append_row(args, row)
             rows.append(row)
             continue
-        rows.append(h.row(mode, seq, mbs, ddp, opt, model, knob=knob["name"]))
+        rows.append(h.row(mode, seq, mbs, ddp, opt, model, preset, knob=knob["name"]))
         del ddp, opt
         free()
     return {"rows": rows, "off": next((r.get("mfu") for r in rows if r.get("knob") == "off"), None)}

@@ -14,17 +14,22 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _knobs(base: list[int], selective: list[int], full: list[int], dry: bool = False) -> list[dict]:
-    """The MFU levers of the config (model.compile, model.recompute), each a row beside `off` at `base` (the dry
-    run leaves out the whole-layer compile: a minute of Inductor on the CPU; its unit test covers it)."""
+def _knobs(base: list[int], selective: list[int], full: list[int], small: tuple[str, list[int]], dry: bool = False):
+    """The MFU levers of the config (model.compile, model.recompute, model.cuda_graphs), each a row beside `off`
+    at its shape; CUDA graphs on the small model (preset, shape), where launch overhead shows, beside its own off.
+    The dry run leaves out the whole-layer compile (a minute of Inductor on the CPU) and the CUDA graphs (refused
+    without CUDA); their unit tests cover them."""
+    preset, shape = small
     knobs = [
         {"name": "off", "shape": base},
         {"name": "compile=rope", "shape": base, "model": {"compile": "rope"}},
         {"name": "compile=layers", "shape": base, "model": {"compile": "layers"}},
         {"name": "recompute=selective", "shape": selective, "model": {"recompute": "selective"}},
         {"name": "recompute=full", "shape": full, "model": {"recompute": "full"}},
+        {"name": f"off, {preset}", "shape": shape, "preset": preset},
+        {"name": f"cuda_graphs=layers, {preset}", "shape": shape, "preset": preset, "model": {"cuda_graphs": "layers"}},
     ]
-    return [k for k in knobs if not (dry and k["name"] == "compile=layers")]
+    return [k for k in knobs if not (dry and k["name"].startswith(("compile=layers", "cuda_graphs")))]
 
 
 def _jobs(dry: bool) -> dict:
@@ -36,7 +41,7 @@ def _jobs(dry: bool) -> dict:
                              "documents": True, "baseline_each": True},
             "profile-350m": {"preset": "tiny", "shapes": [[64, 1], [64, 2]], "modes": ["difflm-noshift"],
                              "profile": "each"},
-            "mfu-knobs": {"preset": "tiny", "modes": ["difflm-noshift"], "knobs": _knobs([64, 2], [64, 2], [64, 2], dry=True)},
+            "mfu-knobs": {"preset": "tiny", "modes": ["difflm-noshift"], "knobs": _knobs([64, 2], [64, 2], [64, 2], ("tiny", [64, 2]), dry=True)},
         }  # fmt: skip
     return {
         # measured on an H200: 24 fits (111 GB with the fused kernels), 32 would not
@@ -49,7 +54,7 @@ def _jobs(dry: bool) -> dict:
         "profile-350m": {"preset": "350m", "shapes": [[2048, 8], [2048, 32]], "modes": ["difflm-noshift"],
                          "profile": "each"},
         # each lever against off at micro-batch 24; recompute where it is for: micro-batches that do not fit without
-        "mfu-knobs": {"preset": "1b", "modes": ["difflm-noshift"], "knobs": _knobs([2048, 24], [2048, 32], [2048, 48])},
+        "mfu-knobs": {"preset": "1b", "modes": ["difflm-noshift"], "knobs": _knobs([2048, 24], [2048, 32], [2048, 48], ("350m", [2048, 8]))},
     }  # fmt: skip
 
 
@@ -77,7 +82,10 @@ def plan(dry: bool) -> dict:
             "probe_iters": 2,
             "probe_matmul": 256,
             "probe_copy_mb": 8,
-        }
+            "decode": {"random": "tiny", "vocab": 64, "documents": 120, "doc_len": [16, 64], "dominant": 0.9,
+                       "preset": "tiny", "seq": 64, "steps": 4, "mbs": 2, "lr": 3e-3, "block_size": 4,
+                       "prompt_len": 8, "new_tokens": 8, "batches": [1, 4], "batch1_prompts": 2},
+        }  # fmt: skip
     return {
         **common,
         "vocab": 32768,
@@ -98,7 +106,13 @@ def plan(dry: bool) -> dict:
         "probe_iters": 5,
         "probe_matmul": 8192,
         "probe_copy_mb": 1024,
-    }
+        # decoding: random SmolLM2-135M-shaped models (a call's cost at that size); confident models of the small
+        # preset trained on a 0.9-dominant chain over a small vocabulary (1,024 ids: each successor seen ~100s of
+        # times in 300 steps), so threshold decoding has probabilities above 0.25 to act on
+        "decode": {"random": "smollm2-135m", "vocab": 1024, "documents": 2000, "doc_len": [128, 1024],
+                   "dominant": 0.9, "preset": "small", "seq": 256, "steps": 300, "mbs": 16, "lr": 1e-3,
+                   "block_size": 8, "prompt_len": 64, "new_tokens": 64, "batches": [1, 16], "batch1_prompts": 4},
+    }  # fmt: skip
 
 
 def config(p: dict, workdir: Path, preset: str, seq: int, mode: str, *, steps: int | None = None, **sections):

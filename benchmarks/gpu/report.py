@@ -171,10 +171,23 @@ def _section_lines(name: str, r: dict) -> list[str]:
     if name == "mfu-knobs" and "rows" in r:
         rows = [x for x in r["rows"] if "knob" in x]
         return [
-            "Each lever against off at its shape (model.compile, model.recompute):",
+            "Each lever against off at its shape and preset (model.compile, model.recompute, model.cuda_graphs):",
             "",
-            *_table(["knob", *ROW_KEYS], rows),
+            *_table(["knob", "preset", *ROW_KEYS], rows),
         ]
+    if name == "decode" and "rows" in r:
+        keys = ["model", "mode", "batch_size", "sampler", "tokens_per_s", "speedup", "model_calls_per_token"]
+        keys += ["agreement", "dominant_share", "peak_memory_gb"]
+        lines = [
+            "Speed-up: tokens/s over one-token-per-step of the same model kind and batch size; agreement: the share "
+            "of tokens equal to that row's; dominant_share: generated pairs that follow the chain's dominant "
+            f"successor. Goal (confident model, equal output, 3x): `{json.dumps(r.get('goal'))}`.",
+            "",
+            *_table(keys, r["rows"]),
+        ]
+        return lines + (
+            ["", f"Errors (training by mode, decoding): `{json.dumps(r['errors'])}`."] if r.get("errors") else []
+        )
     if name in MICROBATCH_JOBS and "rows" in r:
         return _microbatch_lines(name, r if "largest_micro_batch" in r else summary(name, {}, r["rows"]))
     if name == "probe":

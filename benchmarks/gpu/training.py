@@ -64,14 +64,14 @@ def train_summary(cfg, run_dir: Path, rows: list[dict]) -> dict:
 
 
 def train(check, name: str, manifest: Path, mode: str, tag: str | None = None, **over) -> dict:
-    """The small preset trained by the trainer; `tag` names its files (default: the mode), `over`: config()
-    arguments (seq, steps, sections)."""
+    """The small preset (or `preset` in `over`) trained by the trainer; `tag` names its files (default: the mode),
+    `over`: config() arguments (seq, steps, sections)."""
     # lazy: pydantic comes from the wheels (benchmarks/gpu/runtime.py); the environment section installed them
     from difflm.config import save_config
 
     p, out = check.p, check.out
     tag = tag or mode
-    cfg = config(p, out / "work", p["small"], over.pop("seq", p["seq"]), mode, **over)
+    cfg = config(p, out / "work", over.pop("preset", p["small"]), over.pop("seq", p["seq"]), mode, **over)
     run_dir = out / f"run-{tag}"
     cfg_path = save_config(cfg, out / f"config-{tag}.yaml")
     metrics = run_dir / "metrics.jsonl"

@@ -86,6 +86,13 @@ class ModelConfig(_Section):
         "embedding; layers compiles every transformer layer whole (norms, residual adds, RoPE and activations "
         "fused). The same numbers up to the fused kernels' rounding; compiles cost seconds per process.",
     )
+    cuda_graphs: Literal["off", "layers"] = Field(
+        "off",
+        json_schema_extra=OPERATIONAL,
+        description="CUDA graphs (CUDA only): layers captures every transformer layer's forward and backward as "
+        "graphs after a few warm-up steps (megatron's cuda_graph_impl=local), so a small model's step is not "
+        "bound by launching kernels. The same numbers; static shapes (one micro-batch size and length per run).",
+    )
     num_layers: int = Field(2, ge=1)
     hidden_size: int = Field(64, ge=8)
     num_attention_heads: int = Field(4, ge=1)

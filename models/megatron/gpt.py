@@ -34,7 +34,7 @@ from models.megatron import compiled
 from models.megatron.attention import block_spec, torch_layer_spec
 from models.megatron.backend import resolve_backend
 from models.megatron.forward_step import configured_document_form, document_form
-from models.megatron.kernels import kernel_settings
+from models.megatron.kernels import check_cuda_graphs, kernel_settings
 
 # The MLP activation of each `ModelArch.activation` (GELU's tanh approximation is Gemma's gelu_pytorch_tanh)
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
@@ -149,10 +149,16 @@ RECOMPUTE: dict[str, dict] = {
 }
 
 
+# model.cuda_graphs -> megatron's own CUDA graphs (no Transformer Engine): every layer's forward and backward
+# captured after cuda_graph_warmup_steps; an empty scope is the whole layer
+CUDA_GRAPHS: dict[str, dict] = {"off": {}, "layers": {"cuda_graph_impl": "local", "cuda_graph_scope": []}}
+
+
 def transformer_config(cfg: PipelineConfig, backend: str = "local"):
     """Our small ModelConfig mapped onto megatron's TransformerConfig, in this one function."""
     m, p = cfg.model, cfg.parallel
     on_cpu = not torch.cuda.is_available()
+    check_cuda_graphs(m.cuda_graphs, cuda=not on_cpu)
     bf16 = cfg.train.precision == "bf16"
     dtype = torch.bfloat16 if bf16 else torch.float32
     kernels = kernel_settings(cfg)
@@ -197,6 +203,7 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
         apply_rope_fusion=False,
         persist_layer_norm=False,
         **RECOMPUTE[m.recompute],
+        **CUDA_GRAPHS[m.cuda_graphs],
     )
 
 

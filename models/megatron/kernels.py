@@ -11,7 +11,8 @@ On CUDA, with `model.fusions=auto`:
 - RoPE: unfused. megatron's `apply_rope_fusion` is Transformer Engine's kernel only; what megatron-core offers
   without it is its `RotaryEmbedding` table, cached per sequence length (`lru_cache`), which is in use.
   `model.compile=rope` compiles the rotation, `model.compile=layers` every layer whole (models/megatron/compiled.py);
-  both off by default until a GPU measures them faster (benchmarks/gpu_check.py's mfu-knobs section).
+  both off by default until a GPU measures them faster (benchmarks/gpu_check.py's mfu-knobs section), as is
+  `model.cuda_graphs=layers` (megatron's per-layer CUDA graphs: a small model's launch overhead; CUDA only).
 The CPU keeps the reference path: the compiles cost ~16 s per process there (measured) for no gain at test sizes.
 
 The attention kernel of the torch backend is PyTorch's SDPA choice (flash / cuDNN / memory-efficient), or the one
@@ -31,6 +32,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from difflm.config import PipelineConfig
+from difflm.errors import UserError
 from models.diffusion.arch import ModelArch
 
 SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
@@ -47,6 +49,7 @@ class Kernels:
     compile_unavailable: str | None = None  # why the compiled fusions are off on this CUDA machine, if they are
     compile: str = "off"  # model.compile: torch.compile of RoPE or of whole layers (models/megatron/compiled.py)
     recompute: str = "off"  # model.recompute: megatron's activation recompute
+    cuda_graphs: str = "off"  # model.cuda_graphs: megatron's per-layer CUDA graphs
 
     def describe(self) -> dict:
         return asdict(self)
@@ -80,7 +83,19 @@ def kernel_settings(cfg: PipelineConfig, cuda: bool | None = None, compiler_ok: 
         compile_unavailable=missing,
         compile=cfg.model.compile,
         recompute=cfg.model.recompute,
+        cuda_graphs=cfg.model.cuda_graphs,
     )
+
+
+def check_cuda_graphs(setting: str, cuda: bool | None = None) -> None:
+    """CUDA graphs capture CUDA kernels: refused in one line where there is no CUDA device (the CLI checks it
+    before a local run starts, flows/prechecks.py; the trainer again before it builds the model)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if setting != "off" and not cuda:
+        raise UserError(
+            f"model.cuda_graphs={setting} captures CUDA kernels and this machine has no CUDA device: "
+            "set model.cuda_graphs=off"
+        )
 
 
 def check_sdpa(name: str, backend: str, cuda: bool | None = None) -> None:

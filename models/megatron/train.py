@@ -40,7 +40,14 @@ from models.megatron.flops import peak_flops, training_flops
 from models.megatron.forward_step import SpecialTokens, make_forward_step, varilen_length
 from models.megatron.gpt import build_model
 from models.megatron.hooks import Hook, PreemptionFlag, Step, standard_hooks
-from models.megatron.kernels import check_sdpa, kernel_settings, sdpa_choice, sdpa_context, use_fused_adam
+from models.megatron.kernels import (
+    check_cuda_graphs,
+    check_sdpa,
+    kernel_settings,
+    sdpa_choice,
+    sdpa_context,
+    use_fused_adam,
+)
 from models.megatron.metrics import MetricsWriter
 
 
@@ -58,10 +65,21 @@ def init_distributed(cfg: PipelineConfig) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
 
 
+def graph_safe_rng(cfg: PipelineConfig) -> None:
+    """megatron's CUDA graphs capture the RNG: its graph-safe tracker, reseeded as init_distributed seeds; and
+    NCCL's buffer registration off, which megatron requires under expandable_segments (the GPU check's setting).
+    Refused first where there is no CUDA device."""
+    check_cuda_graphs(cfg.model.cuda_graphs)
+    os.environ.setdefault("NCCL_GRAPH_REGISTER", "0")
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed, use_cudagraphable_rng=True, force_reset_rng=True)
+
+
 def build_training(cfg: PipelineConfig, vocab_size: int, *, objective: Objective | None = None):
     """(ddp_model, optimizer, scheduler) for this rank's pipeline stage of `objective`'s model (`cfg`'s by default)."""
     objective = objective or build_objective(cfg.diffusion)
     check_sdpa(cfg.model.sdpa_backend, resolve_backend(cfg.model.backend, objective.two_stream))
+    if cfg.model.cuda_graphs != "off":
+        graph_safe_rng(cfg)
     model = build_model(
         cfg,
         vocab_size,

@@ -66,7 +66,7 @@ def _lines(stdout: str) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1800)  # 14 sections, most in a child process of their own: about 10 minutes on 2 idle cores
+@pytest.mark.timeout(1800)  # 15 sections, most in a child process of their own: about 12 minutes on 2 idle cores
 def test_gpu_check_dry_run_in_an_environment_built_like_the_gpu_image(tmp_path):
     """The rehearsal: `benchmarks/gpu_check.py --dry-run` where megatron-core and pydantic are absent and come
     from a wheels folder (installed into a target folder, as on the GPU machine; here this venv's copies
@@ -145,10 +145,22 @@ def test_gpu_check_dry_run_in_an_environment_built_like_the_gpu_image(tmp_path):
     block = sections["train-block"]["result"]
     assert block["block"]["mode"] == "difflm-block" and block["complementary"]["complementary_masks"]
     assert all(r["tokens_per_s_per_device"] > 0 and r["tflops_per_device"] > 0 for r in block.values())
+    _assert_decoded(sections["decode"]["result"])
     for name in ("gpu-tests", "gpu-tests-flex"):  # the flex tests apart, last (on the CPU: skipped, no CUDA)
         assert "skipped" in sections[name]["result"]["summary"] and "deselected" in sections[name]["result"]["summary"]
     md = (out / "report.md").read_text()
     assert "| train-difflm | ok |" in md and "Profiled step" in md and "| long-context | ok |" in md
+
+
+def _assert_decoded(decoded: dict) -> None:
+    """The decode section's dry run: three confident models trained and exported; every mode of both model kinds
+    at both batch sizes; the goal judged at each."""
+    modes = ("difflm-noshift", "difflm-block", "ar")
+    assert not decoded["errors"] and set(decoded["trained"]) == set(modes)
+    kinds = {(r["model"], r["mode"], r["batch_size"]) for r in decoded["rows"]}
+    assert kinds == {(k, m, b) for k in ("tiny-shaped, random", "confident (tiny)") for m in modes for b in (1, 4)}
+    assert all(r["tokens_per_s"] > 0 and r["model_calls_per_token"] > 0 for r in decoded["rows"])
+    assert set(decoded["goal"]) == {"batch 1", "batch 4"}
 
 
 def _kill_leftovers(marker: str) -> None:
@@ -336,4 +348,108 @@ def test_check_configs_use_the_current_keys(tmp_path):
     assert cfg.diffusion.block_size == 4 and cfg.train.precision == "bf16"
     assert knob.model.recompute == "full" and knob.model.compile == "rope"
     assert {k["name"] for k in p["jobs"]["mfu-knobs"]["knobs"]} >= {"off", "recompute=selective", "compile=rope"}
-    assert "compile=layers" in {k["name"] for k in plan(False)["jobs"]["mfu-knobs"]["knobs"]}
+    gpu_knobs = {k["name"]: k for k in plan(False)["jobs"]["mfu-knobs"]["knobs"]}
+    assert "compile=layers" in gpu_knobs
+    graphs = gpu_knobs["cuda_graphs=layers, 350m"]  # the small model's launch overhead, beside its own off row
+    assert graphs["preset"] == gpu_knobs["off, 350m"]["preset"] == "350m" and graphs["shape"] == [2048, 8]
+    assert config(p, tmp_path, graphs["preset"], 64, "difflm-noshift", model=graphs["model"]).model.cuda_graphs == (
+        "layers"
+    )
+    assert not any("cuda_graphs" in k.get("model", {}) for k in p["jobs"]["mfu-knobs"]["knobs"])  # no CUDA
+
+
+def test_decoding_rows_count_model_calls_per_token_and_agreement():
+    """The decode section's measurement (shared with benchmarks/generate.py) on tiny models over token ids: the
+    calls per token each decoder makes, agreement with the baseline, block diffusion's cache in its settings."""
+    from benchmarks.gpu import decode, decoding
+    from models.evaluation.scoring import Scorer
+
+    tok = decoding.IdTokenizer()
+    assert tok.encode(tok.decode([5, 17, 3])) == [5, 17, 3]
+    texts = ["5 6 7 8", "9 10 11 12", "13 14 15 16"]
+    shape = decode.SHAPES["tiny"]
+    scorer = Scorer(decoding.random_model(shape, "difflm-noshift"), tok, batch_size=2)
+    n = 8
+    masked = decode.decoders("difflm-noshift", n)
+    base, _, tokens = decoding.measure(scorer, texts, n, decoding.BASELINE, masked[decoding.BASELINE])
+    assert base["model_calls_per_token"] == 1 and base["agreement"] == 1 and base["batch_size"] == 2
+    assert base["peak_memory_gb"] is None and len(tokens) == 3  # no CUDA: no memory figure
+    four, _, _ = decoding.measure(scorer, texts, n, "4", masked["low-confidence, 4 tokens/step"], tokens)
+    assert four["model_calls_per_token"] == 0.25 and 0 <= four["agreement"] <= 1
+    block = Scorer(decoding.random_model(shape, "difflm-block", block_size=4), tok, batch_size=3)
+    rows = {
+        k: decoding.measure(block, texts, n, k, f, tokens)[0] for k, f in decode.decoders("difflm-block", n).items()
+    }
+    cached = rows["block diffusion + KV cache, 1 token/step"]
+    assert cached["settings"]["kv_cache"] and cached["settings"]["block_size"] == 4
+    assert cached["model_calls_per_token"] == 1.25  # a call per token, and one per finished block for the cache
+    assert rows["block diffusion, no KV cache, 1 token/step"]["model_calls_per_token"] == 1
+    ar = Scorer(decoding.random_model(shape, "ar"), tok, batch_size=3)
+    (name,) = decode.decoders("ar", n)
+    assert decoding.measure(ar, texts, n, name, {})[0]["model_calls_per_token"] == 1
+
+
+def test_decode_goal_wants_both_decoders_at_3x_with_equal_output():
+    from benchmarks.gpu import decode, decoding
+
+    table = [[4, 5, 6, 7]] * 8
+    assert decode.dominant_share([[4, 4, 4], [4, 5]], table) == 2 / 3 and decode.dominant_share([[9]], table) is None
+
+    def row(sampler, mode, speedup, agreement=1.0, dominant=1.0):
+        return {"model": "confident (small)", "batch_size": 16, "sampler": sampler, "mode": mode,
+                "speedup": speedup, "agreement": agreement, "dominant_share": dominant}  # fmt: skip
+
+    rows = [
+        row(decoding.BASELINE, "difflm-noshift", 1.0),
+        row("threshold 0.7 (Fast-dLLM)", "difflm-noshift", 3.5),
+        row("threshold 0.5", "difflm-noshift", 6.0, agreement=0.8),  # faster, other output: not counted
+        row("block diffusion + KV cache, threshold 0.7", "difflm-block", 3.2),
+        row("block diffusion + KV cache, threshold 0.5", "difflm-block", 5.0, dominant=0.5),
+        {**row(decoding.BASELINE, "difflm-noshift", 1.0), "model": "smollm2-135m-shaped, random"},
+    ]
+    assert decode.goal(rows) == {"batch 16": {"threshold_speedup": 3.5, "block_cache_speedup": 3.2, "met": True}}
+    assert not decode.goal([*rows[:2], rows[3] | {"speedup": 2.0}])["batch 16"]["met"]
+
+
+def test_decode_plan_builds_valid_runs_and_generate_shares_the_samplers(tmp_path):
+    """The confident models' configs validate at both sizes (block size dividing the length), and
+    benchmarks/generate.py uses the decoding module's tables, not copies."""
+    import importlib
+
+    from benchmarks.gpu import decode, decoding
+    from benchmarks.gpu.plan import config
+
+    for dry in (True, False):
+        p = plan(dry)
+        d = p["decode"]
+        assert d["random"] in decode.SHAPES and d["batches"][0] == 1 and d["seq"] % d["block_size"] == 0
+        cfg = config(p, tmp_path, d["preset"], d["seq"], "difflm-block", diffusion={"block_size": d["block_size"]},
+                     train={"micro_batch_size": d["mbs"], "global_batch_size": d["mbs"], "optimizer": {"lr": d["lr"]}})  # fmt: skip
+        assert cfg.diffusion.block_size == d["block_size"] and cfg.train.optimizer.lr == d["lr"]
+        assert d["prompt_len"] + d["new_tokens"] <= decode.SHAPES[d["random"]]["max_position_embeddings"]
+    assert plan(False)["decode"]["random"] == "smollm2-135m"
+    generate = importlib.import_module("benchmarks.generate")
+    assert generate.samplers is decoding.samplers and generate.other_decoders is decoding.other_decoders
+    assert "decode" in check.NAMES
+
+
+def test_decode_section_keeps_what_it_measured_when_training_and_the_worker_fail(tmp_path, monkeypatch):
+    """A mode whose training fails is an error of its own; a decoding worker that runs out of time leaves the rows
+    it wrote (the trainer and the worker are stood in for: each would start a process)."""
+    from benchmarks.gpu import decode
+
+    def no_training(check, name, manifest, mode, tag, **over):
+        raise RuntimeError(f"exit 1; {mode} did not train")
+
+    def out_of_time(check, kind, manifest, **extra):
+        row = {"model": "confident (tiny)", "mode": "difflm-noshift", "batch_size": 1, "sampler": "x"}
+        (check.out / "decode-rows.jsonl").write_text(json.dumps(row) + "\n")
+        assert json.loads(Path(extra["models"]).read_text()) == {"folders": {}}
+        raise subprocess.TimeoutExpired("torchrun", 10)
+
+    monkeypatch.setattr(decode.training, "train", no_training)
+    monkeypatch.setattr(decode, "worker", out_of_time)
+    result = decode.section(Check(tmp_path, plan(True), float("inf"), {}), {})
+    assert set(result["errors"]) == {"difflm-noshift", "difflm-block", "ar", "decoding"}
+    assert "did not train" in result["errors"]["ar"] and "timed out" in result["errors"]["decoding"]
+    assert [r["sampler"] for r in result["rows"]] == ["x"] and result["trained"] == {}

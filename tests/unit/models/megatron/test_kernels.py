@@ -11,6 +11,7 @@ import torch
 from helpers import tiny_config
 
 from difflm.config import MODEL_PRESETS, ConfigError, ModelConfig
+from difflm.errors import UserError
 from models.megatron import gpt, kernels
 from models.megatron.gpt import build_model
 from models.megatron.train import step_vector
@@ -44,6 +45,47 @@ def test_cuda_settings_make_a_valid_megatron_config(tmp_path, monkeypatch):
     tcfg = gpt.transformer_config(cfg, "torch")
     assert tcfg.bias_activation_fusion and tcfg.cross_entropy_loss_fusion
     assert tcfg.cross_entropy_fusion_impl == "native" and not tcfg.apply_rope_fusion
+
+
+def _precheck(cfg, gpus=None):
+    """The CLI's check of a training command before anything starts (its data and size checks stubbed)."""
+    from flows import prechecks
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prechecks, "_data", lambda c: None)
+        mp.setattr(prechecks, "check_fits", lambda c: None)
+        mp.setattr(prechecks, "gpu_memory", lambda: gpus)
+        prechecks._training(cfg)
+
+
+def test_cuda_graphs_are_refused_in_one_line_without_cuda(tmp_path):
+    """model.cuda_graphs (megatron's per-layer CUDA graphs) on this CPU: one line naming the fix (a UserError: the
+    CLI prints it without a traceback), before a local run starts and before any model or RNG tracker is built;
+    off is the default and builds as before."""
+    from models.megatron.train import graph_safe_rng
+
+    cfg = tiny_config(tmp_path, "model.cuda_graphs=layers")
+    for refuse in (lambda: gpt.transformer_config(cfg), lambda: graph_safe_rng(cfg), lambda: _precheck(cfg)):
+        with pytest.raises(UserError, match="no CUDA device: set model.cuda_graphs=off") as err:
+            refuse()
+        assert "\n" not in str(err.value)
+    _precheck(cfg, gpus=80 * 2**30)  # a machine with a GPU: the switch passes the CLI's check
+    assert tiny_config(tmp_path).model.cuda_graphs == "off"
+    assert gpt.transformer_config(tiny_config(tmp_path)).cuda_graph_impl == "none"
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        tiny_config(tmp_path, "model.cuda_graphs=full")
+
+
+def test_cuda_graphs_reach_megatrons_transformer_config(tmp_path, monkeypatch):
+    """On CUDA the switch is megatron's local graphs, whole layers (empty scope), with the rest unchanged."""
+    cfg = tiny_config(tmp_path, "model.cuda_graphs=layers")
+    monkeypatch.setattr(gpt.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpt, "kernel_settings", lambda c: kernels.kernel_settings(c, cuda=True, compiler_ok=True))
+    tcfg = gpt.transformer_config(cfg)
+    assert tcfg.cuda_graph_impl == "local" and tcfg.cuda_graph_scope == []
+    off = gpt.transformer_config(tiny_config(tmp_path))
+    assert off.cuda_graph_impl == "none" and off.num_layers == tcfg.num_layers
+    assert kernels.kernel_settings(cfg, cuda=True, compiler_ok=True).describe()["cuda_graphs"] == "layers"
 
 
 def test_forced_sdpa_backend_is_validated(tmp_path):
