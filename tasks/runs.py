@@ -360,7 +360,7 @@ def log_latest_score(cfg: PipelineConfig, run_dir: Path, manifest: dict, iterati
         import mlflow  # as above: only with tracking on
         from mlflow.tracking import MlflowClient
 
-        mlflow.set_tracking_uri(tracking.tracking_uri(cfg))
+        tracking.use_store(tracking.tracking_uri(cfg))
         client = MlflowClient()
         run_id = training_mlflow_run(cfg, run_dir, manifest)
         if run_id is None:

@@ -35,6 +35,7 @@ from difflm.tracking.mlflow_runs import (
     tolerant,
     tracking_uri,
     training_view,
+    use_store,
 )
 
 __all__ = [
@@ -64,4 +65,5 @@ __all__ = [
     "tolerant",
     "tracking_uri",
     "training_view",
+    "use_store",
 ]

@@ -24,13 +24,30 @@ from difflm.tracking import registry
 SQLITE = "sqlite:///"
 
 
+# the URIs this process chose itself (a config's tracking_uri, a workdir's sqlite store): mlflow.set_tracking_uri
+# also writes them to $MLFLOW_TRACKING_URI, where they must not pass for the user's choice, or a long-lived
+# `difflm serve` would track the flows of a second workdir into the store of the first
+_CHOSEN_HERE: set[str] = set()
+
+
 def tracking_uri(cfg: PipelineConfig) -> str:
-    """The configured URI, else $MLFLOW_TRACKING_URI (a server, e.g. in docker compose), else local sqlite."""
+    """The configured URI, else $MLFLOW_TRACKING_URI (a server, e.g. in docker compose) unless this process set
+    it, else the workdir's local sqlite store."""
     if cfg.tracking.tracking_uri:
         return cfg.tracking.tracking_uri
-    if os.environ.get("MLFLOW_TRACKING_URI"):
-        return os.environ["MLFLOW_TRACKING_URI"]
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env and env not in _CHOSEN_HERE:
+        return env
     return f"{SQLITE}{Workdir.of(cfg).mlflow_store}"
+
+
+def use_store(uri: str) -> None:
+    """`mlflow.set_tracking_uri(uri)`, remembering a URI that did not come from $MLFLOW_TRACKING_URI."""
+    import mlflow
+
+    if uri != os.environ.get("MLFLOW_TRACKING_URI") or uri in _CHOSEN_HERE:
+        _CHOSEN_HERE.add(uri)
+    mlflow.set_tracking_uri(uri)
 
 
 # MLflow 3 opens an experiment without this tag in its GenAI view (traces, token usage); ours train models
@@ -114,7 +131,7 @@ def _start_pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]
     for key, val in {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}.items():
         os.environ.setdefault(key, val)  # an unreachable server costs seconds, not MLflow's default minutes
     try:
-        mlflow.set_tracking_uri(tracking_uri(cfg))
+        use_store(tracking_uri(cfg))
         run = mlflow.start_run(experiment_id=experiment_id(cfg), run_name=run_name, tags={**lineage_tags(), **tags})
         mlflow.log_params(cfg.flat())
         mlflow.log_dict(cfg.model_dump(mode="json"), "config/resolved.yaml")
@@ -485,7 +502,7 @@ def download_model_version(uri: str, store: str, tracking: TrackingConfig | None
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    mlflow.set_tracking_uri(store)
+    use_store(store)
     client = MlflowClient()
     ref = uri[len("models:/") :]
     try:

@@ -7,6 +7,7 @@ from helpers import tiny_config
 from mlflow.tracking import MlflowClient
 
 from difflm import tracking
+from difflm.rundir import Workdir
 
 
 class StageFailed(Exception):
@@ -47,3 +48,22 @@ def test_stage_runs_nest_and_fail_with_their_stage(tmp_path, monkeypatch):
     assert children["train"].info.status == "FAILED" and parent.info.status == "FAILED"
     assert children["data-prep"].info.run_name == "nest/data-prep"
     assert mlflow.active_run() is None
+
+
+@pytest.mark.integration  # two MLflow stores
+def test_one_process_tracks_two_workdirs_into_their_own_stores(tmp_path, monkeypatch):
+    """A long-lived `difflm serve` runs flows for two workdirs: each is tracked into its own store.
+    mlflow.set_tracking_uri exports the first store as $MLFLOW_TRACKING_URI, which once passed for the user's
+    choice and sent the second workdir's runs into the first's store. A URI the user exported still wins."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # restored after the test
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    first, second = tiny_config(tmp_path / "a"), tiny_config(tmp_path / "b")
+    for cfg in (first, second):
+        with tracking.pipeline_run(cfg, "serve", {"flow": "t"}) as run_id:
+            assert run_id is not None
+        assert tracking.tracking_uri(cfg) == f"sqlite:///{Workdir.of(cfg).mlflow_store}"
+        assert MlflowClient(tracking.tracking_uri(cfg)).get_run(run_id).info.run_name == "serve"
+    assert tracking.tracking_uri(first) != tracking.tracking_uri(second)
+    user = f"sqlite:///{tmp_path}/user.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", user)
+    assert tracking.tracking_uri(first) == tracking.tracking_uri(second) == user
