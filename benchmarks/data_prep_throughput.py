@@ -2,13 +2,16 @@
 datatrove pipeline with 1 and 2 workers, Megatron-LM's `tools/preprocess_data.py` (or why it was skipped),
 and the input bytes each task reads for 1, 2, 4 and 8 tasks (a count: exact on any machine).
 
-    .venv/bin/python benchmarks/data_prep_throughput.py [--repeat 4] [--workers 1 2] [--megatron-lm DIR]
+    .venv/bin/python benchmarks/data_prep_throughput.py [--repeat 16] [--workers 1 2] [--megatron-lm DIR]
 
 The corpus is the demo corpus repeated (with a counter so that no document is a duplicate) to make the run
 long enough to measure. Each timed case runs in a fresh process so peak RSS is its own (children included).
-Megatron-LM: megatron-core's wheel ships no `tools/preprocess_data.py` (it is in the Megatron-LM repository
-only), so it runs from a checkout given as `--megatron-lm DIR` (with this environment's packages on the path;
-the script's `megatron.training` imports must resolve here), else the row says why it was skipped.
+Megatron-LM: neither megatron-core's wheel nor its sdist ships `tools/preprocess_data.py` (it is in the
+Megatron-LM repository only), so it runs from a checkout given as `--megatron-lm DIR` (e.g. `git clone -b
+core_v0.16.1 https://github.com/NVIDIA/Megatron-LM`), else the row says why it was skipped. The script imports
+`megatron.training`, which imports Triton: when this environment lacks it, the benchmark installs it (no
+dependencies, it is only imported) into a folder of its own, ~/.cache/difflm/megatron-tools, put on the
+script's path alone; this environment is left as it was.
 """
 
 from __future__ import annotations
@@ -83,7 +86,12 @@ def megatron_case(path: Path, workers: int, checkout: str | None, tokenizer_dir:
     cmd = [sys.executable, str(script), "--input", str(path), "--output-prefix", str(out / "megatron")]
     cmd += ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", tokenizer_dir]
     cmd += ["--workers", str(workers), "--append-eod"]
-    env = {**os.environ, "PYTHONPATH": checkout, "PYTHONWARNINGS": "ignore"}
+    try:
+        extra = triton_folder()
+    except RuntimeError as err:
+        return {"case": case, "skipped": str(err)}
+    path_ = os.pathsep.join([checkout, *([str(extra)] if extra else [])])
+    env = {**os.environ, "PYTHONPATH": path_, "PYTHONWARNINGS": "ignore"}
     out.mkdir(parents=True, exist_ok=True)
     tic = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=checkout)
@@ -94,9 +102,27 @@ def megatron_case(path: Path, workers: int, checkout: str | None, tokenizer_dir:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     (idx,) = out.glob("*.idx")
-    n = int(IndexedDataset(str(idx.with_suffix(""))).sequence_lengths.sum())
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    dataset = IndexedDataset(str(idx.with_suffix("")))  # held: its lengths are a view of its memory map
+    n = int(dataset.sequence_lengths.sum())
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # this process runs one case only
     return {"case": case, "tokens": n, "seconds": dt, "peak_mb": peak}
+
+
+TOOLS = Path.home() / ".cache" / "difflm" / "megatron-tools"
+
+
+def triton_folder() -> Path | None:
+    """None when Triton imports here; else a folder holding it (installed once, without its dependencies:
+    Megatron-LM's training package only imports it), for the Megatron-LM script's path alone."""
+    if subprocess.run([sys.executable, "-c", "import triton"], capture_output=True).returncode == 0:
+        return None
+    if not (TOOLS / "triton").is_dir():
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(TOOLS), "triton"]
+        proc = subprocess.run(pip, capture_output=True, text=True)
+        if proc.returncode:
+            why = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"Triton, which its megatron.training imports, did not install ({why})")
+    return TOOLS
 
 
 def bytes_read_per_task(path: Path, counts=(1, 2, 4, 8)) -> dict[int, list[int]]:
@@ -118,7 +144,7 @@ def bytes_read_per_task(path: Path, counts=(1, 2, 4, 8)) -> dict[int, list[int]]
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeat", type=int, default=4)
+    p.add_argument("--repeat", type=int, default=16, help="copies of the demo corpus (16: 43 MB, 12.7M tokens)")
     p.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     p.add_argument("--megatron-lm", help="a Megatron-LM checkout whose tools/preprocess_data.py to run")
     p.add_argument("--one", nargs=4, help=argparse.SUPPRESS)  # kind path arg workdir
@@ -127,6 +153,12 @@ def main() -> int:
         kind, path, arg, workdir = args.one
         if kind == "ceiling":
             row = tokenizer_ceiling(Path(path), arg)
+        elif kind.startswith("megatron"):  # arg: the checkout; workdir: the tokenizer
+            row = megatron_case(
+                Path(path), int(kind.split(":")[1]), arg, workdir, Path(path).parent / kind.replace(":", "-")
+            )
+            print(json.dumps(row))
+            return 0
         else:
             row = pipeline_case(Path(path), int(kind), Path(workdir), arg)
         row["peak_mb"] = (
@@ -147,16 +179,21 @@ def main() -> int:
         # the demo tokenizer (trained once, not timed)
         tok_dir = prepare_data(load_config("tiny-cpu", [f"workdir={tmp / 'tok'}"]))["tokenizer"]["path"]
         path = corpus(args.repeat, tmp)
-        cases = [("ceiling", str(Path(tok_dir) / "tokenizer.json"))] + [(str(w), tok_dir) for w in args.workers]
+        cases = [("ceiling", str(Path(tok_dir) / "tokenizer.json"), "")]
+        cases += [(str(w), tok_dir, str(tmp / f"w{w}")) for w in args.workers]
+        if args.megatron_lm:  # each in a process of its own, as the others: its peak RSS is its own
+            cases += [(f"megatron:{w}", args.megatron_lm, tok_dir) for w in args.workers]
         rows = []
-        for kind, arg in cases:
-            cmd = [sys.executable, __file__, "--one", kind, str(path), arg, str(tmp / f"w{kind}")]
+        for kind, arg, workdir in cases:
+            cmd = [sys.executable, __file__, "--one", kind, str(path), arg, workdir or str(tmp / "w")]
             out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
             if out.returncode:
-                print(out.stderr[-3000:], file=sys.stderr)
+                print(out.stdout[-2000:] + out.stderr[-3000:], file=sys.stderr)
+                print(f"the case {kind!r} failed (exit {out.returncode}): its output is above", file=sys.stderr)
                 return 1
             rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        rows += [megatron_case(path, w, args.megatron_lm, tok_dir, tmp / f"m{w}") for w in args.workers]
+        if not args.megatron_lm:
+            rows += [megatron_case(path, w, None, tok_dir, tmp) for w in args.workers]  # the reason it is skipped
         reads = bytes_read_per_task(path)
         size = path.stat().st_size
         mb = size / 2**20

@@ -39,7 +39,7 @@ from data_prep.readers import DamagedFileError, detect_format, load_faults, make
 from data_prep.split import SPLITS, split_of
 from data_prep.steps import ExactDedup, HashShard, LengthFilter, SplitSourceWriter, UnicodeNormalizer
 from data_prep.tokenizer import TokenizerError, TokenizerInfo, describe, load_tokenizer, train_bpe
-from data_prep.verify import verify
+from data_prep.verify import read_index, verify
 from difflm.config import PARTITION, PipelineConfig, SourceConfig
 from difflm.errors import UserError, disk_full, is_disk_full
 from difflm.rundir import Workdir
@@ -316,9 +316,8 @@ def skip_counts(logs: Path) -> dict[str, int]:
 
 
 def shard_stats(out: Path, sources: list[SourceConfig]) -> dict:
-    """Per split: prefixes, per-source documents/tokens, blend weights and Megatron data-path string."""
-    from megatron.core.datasets.indexed_dataset import IndexedDataset  # megatron-core only once shards exist
-
+    """Per split: prefixes, per-source documents/tokens, blend weights and Megatron data-path string. The
+    counts come from the .idx files (read_index: megatron-core's reader would cost its import, seconds)."""
     by_size = all(s.weight is None for s in sources)  # megatron's own default: mix as the data comes
     weight = {s.label: 1.0 if s.weight is None else s.weight for s in sources}
     splits = {}
@@ -328,11 +327,11 @@ def shard_stats(out: Path, sources: list[SourceConfig]) -> dict:
             docs = toks = 0
             for idx in sorted((out / split / src).glob("*.idx")):
                 prefix = str(idx.with_suffix(""))
-                ds = IndexedDataset(prefix)
-                n_tok = int(ds.sequence_lengths.sum())
+                _, lengths, _, _ = read_index(idx)
+                n_tok = int(lengths.sum())
                 prefixes.append(prefix)
                 tokens_of[prefix] = (src, n_tok)
-                docs, toks = docs + len(ds), toks + n_tok
+                docs, toks = docs + len(lengths), toks + n_tok
             per_source[src] = {"documents": docs, "tokens": toks}
         # a source's share is spread over its shards by their token counts
         if by_size:
