@@ -23,6 +23,11 @@ class UserError(DiffLMError):
     """Bad input or a state the user can fix: the message names the input and what to do."""
 
 
+class ConfigWarning(UserWarning):
+    """A setting that works but is likely not what was meant; the message says what to set instead. The CLI
+    prints it as one `warning:` line (not Python's file:line and source line of wherever it was raised)."""
+
+
 class DiskFull(UserError):
     """No space left on a device (or the quota spent) while writing a stage's output: rerunning after freeing
     space resumes (finished stages are reused, training resumes from its latest checkpoint)."""

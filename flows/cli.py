@@ -25,7 +25,7 @@ from typing import Any
 
 from difflm import set_offline_env
 from difflm.config import PipelineConfig, load_config, validate
-from difflm.errors import UserError, disk_full, is_disk_full
+from difflm.errors import ConfigWarning, UserError, disk_full, is_disk_full
 from difflm.outputs import private_umask
 from difflm.rundir import RunDir, Workdir
 from flows import commands
@@ -425,6 +425,7 @@ def with_fields(cfg: PipelineConfig, values: dict[str, Any]) -> PipelineConfig:
 def main(argv: list[str] | None = None) -> int:
     # megatron warns at import that Apex/TE are absent; on a CPU that is expected, not news
     warnings.filterwarnings("ignore", message=r".*(Apex|Transformer Engine).*")
+    warnings.formatwarning = _one_line_config_warnings(warnings.formatwarning)
     args = _parse(argv)
     cmd = BY_NAME[args.command]
     before = {k: os.environ.get(k) for k in TEMPORARY_SERVER_AUTH}
@@ -439,6 +440,20 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _one_line_config_warnings(format_other: Callable[..., str]) -> Callable[..., str]:
+    """warnings.formatwarning that prints a ConfigWarning as `warning: <message>` and others as before."""
+    if getattr(format_other, "config_warnings_one_line", False):  # main() called again in one process
+        return format_other
+
+    def formatwarning(message, category, filename, lineno, line=None) -> str:
+        if issubclass(category, ConfigWarning):
+            return f"warning: {message}\n"
+        return format_other(message, category, filename, lineno, line)
+
+    formatwarning.config_warnings_one_line = True  # type: ignore[attr-defined]
+    return formatwarning
 
 
 @contextmanager

@@ -12,6 +12,7 @@ from pydantic import (
 )
 
 from difflm.config.base import IF_SET, OPERATIONAL, _Section
+from difflm.errors import ConfigWarning
 
 # (hidden >= GPU_WIDTH) give an FFN width that is a multiple of GEMM_TILE: 8/3*hidden rounded to 8 (5464 for the
 # 1B) leaves partial GEMM tiles on every MLP matmul (+0.5-1 MFU point on a GPU).
@@ -181,6 +182,7 @@ class ModelConfig(_Section):
             warnings.warn(
                 f"model.ffn_hidden_size={self.ffn_size} is not a multiple of {GEMM_TILE}: on GPUs every MLP matmul "
                 f"leaves partial tiles; e.g. model.ffn_hidden_size={-(-self.ffn_size // GEMM_TILE) * GEMM_TILE}",
+                ConfigWarning,
                 stacklevel=2,
             )
         return self

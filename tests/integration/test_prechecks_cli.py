@@ -47,3 +47,16 @@ def test_adapt_of_a_wrong_folder_is_one_line_with_no_server_as_fast_as_config_sh
     assert not workdir.exists()  # not even Prefect's state folder: nothing was set up for a server
     # CPU time, not wall time: the check holds on a loaded machine (about 0.5 s; config show, which loads torch, 3 s)
     assert cpu < min(floor, 1.5), (cpu, floor, wall)
+
+
+def test_a_config_warning_is_one_line_naming_the_setting():
+    """A setting that works but is likely a mistake (an FFN width that leaves partial GEMM tiles on GPUs) is one
+    `warning:` line saying what to set, not Python's warning with a pydantic file:line and source line."""
+    result, err, _, _ = _cli("config", "show", "model.hidden_size=1024", "model.ffn_hidden_size=1000")
+    assert result["rc"] == 0
+    warned = [line for line in err.splitlines() if "ffn_hidden_size" in line]
+    assert warned == [
+        "warning: model.ffn_hidden_size=1000 is not a multiple of 128: on GPUs every MLP matmul leaves partial "
+        "tiles; e.g. model.ffn_hidden_size=1024"
+    ], err[-2000:]
+    assert "pydantic" not in err and "UserWarning" not in err
