@@ -31,6 +31,9 @@ from deploy.env_file import MLFLOW_ADMIN, SECRETS, ensure_secrets, read_env_file
 ROOT = Path(__file__).resolve().parent.parent
 PORTS = {"mlflow": ("MLFLOW_PORT", 5000), "prefect-server": ("PREFECT_PORT", 4200)}  # published on 127.0.0.1
 HEALTHY = ("db", "mlflow", "prefect-server")  # the services with a healthcheck; the worker only runs
+# the order the services depend on each other: when several failed, the first of them is named (a database that
+# refused its volume also takes down the MLflow server that waited for it)
+DEPENDENCY_ORDER = ("db", "mlflow", "prefect-server", "worker", "worker-gpu")
 
 
 class ComposeError(SystemExit):
@@ -158,13 +161,23 @@ def diagnose(c: Compose, service: str) -> str:
     return f"{service} did not become healthy: {last[0].strip()[:300]} (docker compose logs {service})"
 
 
+def failed_services(states: dict[str, dict]) -> list[str]:
+    """The services that exited or are unhealthy, those the others depend on first."""
+    bad = [
+        n
+        for n, st in states.items()
+        if st.get("Status") in ("exited", "dead") or (st.get("Health") or {}).get("Status") == "unhealthy"
+    ]
+    return sorted(bad, key=lambda n: DEPENDENCY_ORDER.index(n) if n in DEPENDENCY_ORDER else len(DEPENDENCY_ORDER))
+
+
 def wait_healthy(c: Compose, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while True:
         states = c.containers()
-        for name, st in states.items():
-            if st.get("Status") in ("exited", "dead") or (st.get("Health") or {}).get("Status") == "unhealthy":
-                raise ComposeError(diagnose(c, name))
+        failed = failed_services(states)
+        if failed:
+            raise ComposeError(diagnose(c, failed[0]))
         if all((states.get(n, {}).get("Health") or {}).get("Status") == "healthy" for n in HEALTHY) and states.get(
             "worker", {}
         ).get("Running"):
@@ -184,9 +197,7 @@ def up(c: Compose, build: bool = True, timeout: float = 600) -> dict[str, int]:
     check_ports(c, running)
     done = c.run("up", "-d", *(["--build"] if build else []), check=False, capture=True, timeout=timeout)
     if done.returncode != 0:
-        states = c.containers()
-        failed = [n for n, st in states.items() if st.get("Status") in ("exited", "dead")]
-        failed += [n for n, st in states.items() if (st.get("Health") or {}).get("Status") == "unhealthy"]
+        failed = failed_services(c.containers())
         raise ComposeError(diagnose(c, failed[0]) if failed else _first_error(done.stderr) or "compose up failed")
     wait_healthy(c, timeout)
     # the deployments of prefect.yaml (tiny-cpu, ...), registered from the worker's image (idempotent)

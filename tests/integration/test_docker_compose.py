@@ -161,7 +161,7 @@ def test_compose_runs_the_pipeline_and_keeps_it_across_down_and_up(engine, tmp_p
         times["run"] = time.monotonic() - t
         worker_log = c.run("logs", "--no-color", "--tail", "80", "worker", check=False).stdout
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:] + worker_log[-4000:]
-        assert "COMPLETED" in run.stdout
+        assert "Flow run finished successfully in 'Completed'" in run.stdout, run.stdout[-3000:]
 
         monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", MLFLOW_ADMIN)
         monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", secrets["MLFLOW_ADMIN_PASSWORD"])
