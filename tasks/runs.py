@@ -357,8 +357,7 @@ def log_latest_score(cfg: PipelineConfig, run_dir: Path, manifest: dict, iterati
 
     @tracking.tolerant
     def log() -> str:
-        import mlflow  # as above: only with tracking on
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # as above: only with tracking on
 
         tracking.use_store(tracking.tracking_uri(cfg))
         client = MlflowClient()
