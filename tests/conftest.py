@@ -168,12 +168,14 @@ def _mlflow_uri_left_as_found() -> Iterator[None]:
     """`mlflow.set_tracking_uri` (the pipeline's, a test's) also sets $MLFLOW_TRACKING_URI, which `tracking.uri`
     falls back to: left behind, it sent a later module's CLI processes to another test's store. Each module leaves
     it as it found it."""
-    before = os.environ.get("MLFLOW_TRACKING_URI")
+    keys = ("MLFLOW_TRACKING_URI", "DIFFLM_TRACKING_URI_CHOSEN")  # the second: difflm.tracking.use_store's mark
+    before = {k: os.environ.get(k) for k in keys}
     yield
-    if before is None:
-        os.environ.pop("MLFLOW_TRACKING_URI", None)
-    else:
-        os.environ["MLFLOW_TRACKING_URI"] = before
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="session")

@@ -26,9 +26,11 @@ import torch
 from benchmarks.gpu import decoding, training
 from benchmarks.gpu.corpus import SPECIALS, make_dataset, markov_documents
 from benchmarks.gpu.runtime import SectionFailed, read_jsonl, worker
+from models.diffusion.modes import objective_class
 from models.evaluation.scoring import Scorer
 
-MODES = ("difflm-noshift", "difflm-block", "ar")
+MASKED, BLOCK, AR = "difflm-noshift", "difflm-block", "ar"  # the models this section trains (the goal: MASKED, BLOCK)
+MODES = (MASKED, BLOCK, AR)
 # the confident models train on the local spec's dense masks with the reference kernels: no compile at a process's
 # start (FlexAttention's block mask and the fused kernels take tens of seconds on a GPU; train-block measures
 # those), and at the small preset and length 256 the dense masks cost nothing
@@ -51,9 +53,10 @@ SHAPES = {
 
 def decoders(mode: str, n: int) -> dict[str, dict]:
     """The rows of a model of `mode`: the samplers of benchmarks/generate.py the issue's table names."""
-    if mode == "ar":
+    facts = objective_class(mode)
+    if not facts.bidirectional:  # left to right: one decoder
         return {decoding.AR: {}}
-    if mode == "difflm-block":
+    if "block_size" in facts.settings():  # blocks: the block decoders, with and without the KV cache
         return decoding.other_decoders(n)
     masked = decoding.samplers(n)
     names = (decoding.BASELINE, "low-confidence, 2 tokens/step", "low-confidence, 4 tokens/step")
@@ -76,7 +79,7 @@ def section(check, state: dict) -> dict:
     trained, errors, folders = {}, {}, {}
     for mode in MODES:
         tag = f"confident-{mode}"
-        diffusion = {"block_size": d["block_size"]} if mode == "difflm-block" else {}
+        diffusion = {"block_size": d["block_size"]} if "block_size" in objective_class(mode).settings() else {}
         try:
             trained[mode] = training.train(
                 check, "decode", manifest_path, mode, tag, preset=d["preset"], seq=d["seq"], steps=d["steps"],
@@ -182,9 +185,9 @@ def goal(rows: list[dict], target: float = 3.0) -> dict:
         base = next((r for r in at if r["sampler"] == decoding.BASELINE), None)
         if base is None:
             continue
-        threshold = [r["speedup"] for r in at if "threshold" in r["sampler"] and r["mode"] == "difflm-noshift"
+        threshold = [r["speedup"] for r in at if "threshold" in r["sampler"] and r["mode"] == MASKED
                      and r["agreement"] >= 0.99]  # fmt: skip
-        block = [r["speedup"] for r in at if "KV cache" in r["sampler"] and r["mode"] == "difflm-block"
+        block = [r["speedup"] for r in at if "KV cache" in r["sampler"] and r["mode"] == BLOCK
                  and (r["dominant_share"] or 0) >= (base["dominant_share"] or 0) - 0.01]  # fmt: skip
         best_t, best_b = max(threshold, default=None), max(block, default=None)
         out[f"batch {batch}"] = {

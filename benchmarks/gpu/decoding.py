@@ -14,6 +14,7 @@ from dataclasses import replace
 import torch
 
 from models.diffusion import MaskedSampler
+from models.diffusion.modes import objective_class
 from models.evaluation.scoring import Scorer
 from models.hf.configuration_difflm import DiffLMConfig
 from models.hf.modeling_difflm import DiffLMForMaskedLM
@@ -77,10 +78,11 @@ def random_model(shape: dict, mode: str, block_size: int | None = None, seed: in
     """An export-shaped model of `shape` (DiffLMConfig fields) in `mode`, random weights (ids 0 eos, 1 mask, 2 pad):
     the cost of decoding at that size, whatever it outputs."""
     torch.manual_seed(seed)
-    objective = {"mode": mode, **({"block_size": block_size} if mode == "difflm-block" else {})}
+    facts = objective_class(mode)
+    objective = {"mode": mode, **({"block_size": block_size} if "block_size" in facts.settings() else {})}
     cfg = DiffLMConfig(
         **shape,
-        bidirectional=mode != "ar",
+        bidirectional=facts.bidirectional,
         objective=objective,
         mask_token_id=1,
         eos_token_id=0,

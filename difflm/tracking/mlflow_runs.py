@@ -24,29 +24,31 @@ from difflm.tracking import registry
 SQLITE = "sqlite:///"
 
 
-# the URIs this process chose itself (a config's tracking_uri, a workdir's sqlite store): mlflow.set_tracking_uri
-# also writes them to $MLFLOW_TRACKING_URI, where they must not pass for the user's choice, or a long-lived
-# `difflm serve` would track the flows of a second workdir into the store of the first
-_CHOSEN_HERE: set[str] = set()
+# mlflow.set_tracking_uri also exports the URI as $MLFLOW_TRACKING_URI, where a URI the pipeline chose (a config's
+# tracking_uri, a workdir's sqlite store) must not pass for the user's choice: a long-lived `difflm serve`, or a
+# process it starts (which inherits the variable), would track a second workdir into the first one's store. So
+# use_store names its choice in CHOSEN_VAR too, and only a $MLFLOW_TRACKING_URI other than that one is the user's.
+CHOSEN_VAR = "DIFFLM_TRACKING_URI_CHOSEN"
 
 
 def tracking_uri(cfg: PipelineConfig) -> str:
-    """The configured URI, else $MLFLOW_TRACKING_URI (a server, e.g. in docker compose) unless this process set
+    """The configured URI, else $MLFLOW_TRACKING_URI (a server, e.g. in docker compose) unless the pipeline set
     it, else the workdir's local sqlite store."""
     if cfg.tracking.tracking_uri:
         return cfg.tracking.tracking_uri
     env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env and env not in _CHOSEN_HERE:
+    if env and env != os.environ.get(CHOSEN_VAR):
         return env
     return f"{SQLITE}{Workdir.of(cfg).mlflow_store}"
 
 
 def use_store(uri: str) -> None:
-    """`mlflow.set_tracking_uri(uri)`, remembering a URI that did not come from $MLFLOW_TRACKING_URI."""
+    """`mlflow.set_tracking_uri(uri)`, naming a URI that did not come from the user's $MLFLOW_TRACKING_URI as
+    the pipeline's choice (CHOSEN_VAR), for this process and those it starts."""
     import mlflow
 
-    if uri != os.environ.get("MLFLOW_TRACKING_URI") or uri in _CHOSEN_HERE:
-        _CHOSEN_HERE.add(uri)
+    if uri != os.environ.get("MLFLOW_TRACKING_URI") or uri == os.environ.get(CHOSEN_VAR):
+        os.environ[CHOSEN_VAR] = uri
     mlflow.set_tracking_uri(uri)
 
 

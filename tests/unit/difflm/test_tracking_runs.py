@@ -1,6 +1,11 @@
 """The MLflow run context managers of difflm.tracking: a stage's own error always reaches the caller, with or
 without tracking, and a stage run is a child of the pipeline run in the same experiment."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import mlflow
 import pytest
 from helpers import tiny_config
@@ -52,9 +57,10 @@ def test_stage_runs_nest_and_fail_with_their_stage(tmp_path, monkeypatch):
 
 @pytest.mark.integration  # two MLflow stores
 def test_one_process_tracks_two_workdirs_into_their_own_stores(tmp_path, monkeypatch):
-    """A long-lived `difflm serve` runs flows for two workdirs: each is tracked into its own store.
-    mlflow.set_tracking_uri exports the first store as $MLFLOW_TRACKING_URI, which once passed for the user's
-    choice and sent the second workdir's runs into the first's store. A URI the user exported still wins."""
+    """A long-lived `difflm serve` runs flows for two workdirs: each is tracked into its own store, and so is a
+    process started after them (it inherits the variable). mlflow.set_tracking_uri exports the store as
+    $MLFLOW_TRACKING_URI, which once passed for the user's choice and sent the second workdir's runs into the
+    first's store. A URI the user exported still wins."""
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # restored after the test
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
     first, second = tiny_config(tmp_path / "a"), tiny_config(tmp_path / "b")
@@ -64,6 +70,19 @@ def test_one_process_tracks_two_workdirs_into_their_own_stores(tmp_path, monkeyp
         assert tracking.tracking_uri(cfg) == f"sqlite:///{Workdir.of(cfg).mlflow_store}"
         assert MlflowClient(tracking.tracking_uri(cfg)).get_run(run_id).info.run_name == "serve"
     assert tracking.tracking_uri(first) != tracking.tracking_uri(second)
+    # a process started now inherits the exported URI: it is still the pipeline's choice there, not the user's
+    child = (
+        "import sys; from difflm import tracking; from difflm.config import load_config; "
+        "print(tracking.tracking_uri(load_config('test-tiny', [f'workdir={sys.argv[1]}'])))"
+    )
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run(
+        [sys.executable, "-c", child, str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
+    assert proc.stdout.strip() == f"sqlite:///{tmp_path / 'c' / Workdir.of(first).mlflow_store.name}", proc.stderr
     user = f"sqlite:///{tmp_path}/user.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", user)
     assert tracking.tracking_uri(first) == tracking.tracking_uri(second) == user
