@@ -99,11 +99,11 @@ def megatron_case(path: Path, workers: int, checkout: str | None, tokenizer_dir:
     if proc.returncode:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return {"case": case, "skipped": f"it failed here: {last}"}
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from data_prep.verify import read_index  # the prep's own .idx reader (no megatron import, no memory map)
 
     (idx,) = out.glob("*.idx")
-    dataset = IndexedDataset(str(idx.with_suffix("")))  # held: its lengths are a view of its memory map
-    n = int(dataset.sequence_lengths.sum())
+    _, lengths, _, _ = read_index(idx)
+    n = int(lengths.sum())
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # this process runs one case only
     return {"case": case, "tokens": n, "seconds": dt, "peak_mb": peak}
 

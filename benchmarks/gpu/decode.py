@@ -53,10 +53,9 @@ SHAPES = {
 
 def decoders(mode: str, n: int) -> dict[str, dict]:
     """The rows of a model of `mode`: the samplers of benchmarks/generate.py the issue's table names."""
-    facts = objective_class(mode)
-    if not facts.bidirectional:  # left to right: one decoder
+    if not objective_class(mode).bidirectional:  # left to right: one decoder
         return {decoding.AR: {}}
-    if "block_size" in facts.settings():  # blocks: the block decoders, with and without the KV cache
+    if decoding.has_blocks(mode):  # blocks: the block decoders, with and without the KV cache
         return decoding.other_decoders(n)
     masked = decoding.samplers(n)
     names = (decoding.BASELINE, "low-confidence, 2 tokens/step", "low-confidence, 4 tokens/step")
@@ -79,7 +78,7 @@ def section(check, state: dict) -> dict:
     trained, errors, folders = {}, {}, {}
     for mode in MODES:
         tag = f"confident-{mode}"
-        diffusion = {"block_size": d["block_size"]} if "block_size" in objective_class(mode).settings() else {}
+        diffusion = {"block_size": d["block_size"]} if decoding.has_blocks(mode) else {}
         try:
             trained[mode] = training.train(
                 check, "decode", manifest_path, mode, tag, preset=d["preset"], seq=d["seq"], steps=d["steps"],

@@ -74,15 +74,19 @@ class IdTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
+def has_blocks(mode: str) -> bool:
+    """Whether `mode` decodes block by block (its objective has a block size)."""
+    return "block_size" in objective_class(mode).settings()
+
+
 def random_model(shape: dict, mode: str, block_size: int | None = None, seed: int = 0) -> DiffLMForMaskedLM:
     """An export-shaped model of `shape` (DiffLMConfig fields) in `mode`, random weights (ids 0 eos, 1 mask, 2 pad):
     the cost of decoding at that size, whatever it outputs."""
     torch.manual_seed(seed)
-    facts = objective_class(mode)
-    objective = {"mode": mode, **({"block_size": block_size} if "block_size" in facts.settings() else {})}
+    objective = {"mode": mode, **({"block_size": block_size} if has_blocks(mode) else {})}
     cfg = DiffLMConfig(
         **shape,
-        bidirectional=facts.bidirectional,
+        bidirectional=objective_class(mode).bidirectional,
         objective=objective,
         mask_token_id=1,
         eos_token_id=0,
