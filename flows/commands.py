@@ -123,6 +123,12 @@ def prep(cfg: PipelineConfig, flow: bool) -> int:
     for split, s in m["splits"].items():
         per = ", ".join(f"{k} {v['documents']} docs/{v['tokens']:,} tok" for k, v in s["sources"].items())
         lines.append(f"  {split:>5}: {s['documents']:>7} documents {s['tokens']:>12,} tokens  ({per})")
+    if m.get("budget"):
+        b = m["budget"]
+        lines.append(
+            f"  budget: train is {b['tokens']:,} unique tokens ({b['documents']} documents) of the split's "
+            f"{b['split_tokens']:,} (data.unique_tokens={b['unique_tokens']}, data.subset_seed={b['subset_seed']})"
+        )
     if m.get("skipped"):
         lines.append("  skipped/dropped: " + ", ".join(f"{k}={v}" for k, v in m["skipped"].items()))
     lines.append(f"  tokenizer: vocab {m['tokenizer']['vocab_size']}, sha256 {m['tokenizer']['sha256'][:12]}")
