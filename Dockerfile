@@ -5,7 +5,7 @@
 #   docker build --build-arg BASE_IMAGE=<a Python 3.11 image> ...  # any Debian-like base with python and venv
 # CPU torch, pinned (an unpinned torch pulls a multi-GB CUDA build); the image checks that it has no CUDA.
 # Layers: the dependencies (~2 GB) are built from pyproject.toml alone, so a source change rebuilds only the last,
-# small layers; the compiler-free runtime stage gets the finished virtual environment.
+# small layers; the compiler-free runtime stage gets the finished virtual environment, the last stage the project.
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS deps
@@ -21,13 +21,16 @@ RUN python -m venv /opt/venv \
  && find /opt/venv -name __pycache__ -prune -exec rm -rf {} + \
  && rm /tmp/requirements.txt /tmp/pyproject.toml
 
-FROM ${BASE_IMAGE}
+# the runtime without the project: a stage of its own, so a host can keep it cached between source builds
+FROM ${BASE_IMAGE} AS runtime
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH
 ENV HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 DO_NOT_TRACK=true MLFLOW_DISABLE_TELEMETRY=true PREFECT_SERVER_ANALYTICS_ENABLED=false TOKENIZERS_PARALLELISM=false
 # the services run as this user; /data (runs, data cache) and /mlartifacts are the named volumes' mount points
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/difflm --shell /usr/sbin/nologin difflm \
  && mkdir -p /data /mlartifacts && chown difflm:difflm /data /mlartifacts && chmod 700 /data /mlartifacts
 COPY --from=deps /opt/venv /opt/venv
+
+FROM runtime
 WORKDIR /app
 COPY pyproject.toml README.md prefect.yaml ./
 COPY difflm difflm

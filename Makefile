@@ -33,7 +33,7 @@ demo: $(STAMP)  ## the whole pipeline on the embedded corpus: make demo [PRESET=
 # the tiers (docs/testing.md): test is everything (what .ci/run calls); test-dev leaves out the tests marked slow;
 # test-fast runs the unit tests alone (no process, no server, no data prep, at most 5 s of CPU each: tests/conftest.py
 # marks them and fails one that breaks the rule)
-test: $(STAMP) browser slurm  ## the whole suite (installs chromium and Slurm when root), as CI runs it
+test: $(STAMP) browser slurm docker  ## the whole suite (installs chromium, Slurm and Docker when root), as CI runs it
 	$(BIN)/python -m pytest -q --durations=30 $(ARGS)
 
 test-dev: $(STAMP)  ## every test not marked slow
@@ -77,9 +77,9 @@ slurm: $(STAMP)  ## Slurm (slurm-wlm + munge) for the Slurm tests
 	  "install it as root: make slurm, or apt-get install slurm-wlm munge"; fi
 
 # Docker (Debian's docker.io, docker-compose, debootstrap) for tests/integration/test_docker_compose.py, which starts a
-# private dockerd of its own (deploy/docker_local.py); the test is opt-in (DIFFLM_DOCKER_TESTS=1: its first image
-# build takes 20+ min). An install that fails only warns, as for chromium.
-docker: $(STAMP)  ## Docker (docker.io, docker-compose, debootstrap) for the opt-in Compose test, when root
+# private dockerd of its own (deploy/docker_local.py; its images are cached in ~/.cache/difflm/docker, about 6 min to
+# build on a fresh host, in the background while other tests run). An install that fails only warns, as for chromium.
+docker: $(STAMP)  ## Docker (docker.io, docker-compose, debootstrap) for the Compose test, when root
 	@if [ -x /usr/bin/docker ] && [ -x /usr/bin/docker-compose ] && [ -x /usr/sbin/dockerd ] && [ -x /usr/sbin/debootstrap ]; then \
 	  echo "docker test: using /usr/bin/docker"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \

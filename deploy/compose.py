@@ -5,7 +5,7 @@
 
 `up` generates the missing secrets into the env file (mode 0600, deploy/env_file.py, as the native stack does),
 refuses an empty one, a published port that something else holds and a database volume of another PostgreSQL
-major version (one line each, nothing changed), runs `docker compose up -d`, waits until every service is healthy,
+major version (one line each, before anything starts, nothing changed), runs `docker compose up -d`, waits until every service is healthy,
 registers the deployments of prefect.yaml from the worker, and prints the two URLs and where the credentials are.
 The compose client: $DIFFLM_COMPOSE (e.g. `/usr/bin/docker-compose`), else `docker compose` (v2), else
 `docker-compose` (v1).
@@ -141,16 +141,41 @@ def check_ports(c: Compose, running: set[str]) -> None:
                 ) from None
 
 
+def _old_cluster(old: str, new: str) -> str:
+    return (
+        f"the database volume holds a PostgreSQL {old} cluster and this image runs {new}: nothing was changed; dump "
+        f"it with a PostgreSQL {old} image (pg_dumpall) and restore into a fresh volume (docs/production-stack.md)"
+    )
+
+
+def check_database_volume(c: Compose) -> None:
+    """A database volume of another PostgreSQL major version is refused before anything starts (else the database
+    exits at start, and the services waiting for it with it). Skipped when the volume or the image is not there yet
+    or the image cannot say its version: the start itself then says it (`diagnose`)."""
+    volume = f"{c.project}_db"
+    if c.docker("volume", "inspect", volume).returncode != 0:
+        return
+    image = c.variables().get("DIFFLM_POSTGRES_IMAGE") or "postgres:15"
+    if c.docker("image", "inspect", image).returncode != 0:
+        return
+    ran = c.docker(
+        "run", "--rm", "--network", "none", "-v", f"{volume}:/v:ro", "--entrypoint", "cat", image, "/v/PG_VERSION"
+    )
+    has = ran.stdout.strip()
+    runs = re.search(
+        r"PostgreSQL\)\s+(\d+)",
+        c.docker("run", "--rm", "--network", "none", "--entrypoint", "postgres", image, "-V").stdout,
+    )
+    if ran.returncode == 0 and has.isdigit() and runs and has != runs[1]:
+        raise ComposeError(_old_cluster(has, runs[1]))
+
+
 def diagnose(c: Compose, service: str) -> str:
     """One line on why `service` did not come up, from its log."""
     log = c.run("logs", "--no-color", "--tail", "60", service, check=False).stdout or ""
     old = re.search(r"initialized by PostgreSQL version (\d+), which is not compatible with this version (\d+)", log)
     if old:
-        return (
-            f"the database volume holds a PostgreSQL {old[1]} cluster and this image runs {old[2]}: nothing was "
-            f"changed; dump it with a PostgreSQL {old[1]} image (pg_dumpall) and restore into a fresh volume "
-            f"(docs/production-stack.md)"
-        )
+        return _old_cluster(old[1], old[2])
     denied = re.search(r"Permission denied: '(/[^']+)'", log)
     if denied:
         return (
@@ -195,6 +220,7 @@ def up(c: Compose, build: bool = True, timeout: float = 600) -> dict[str, int]:
     ensure_secrets(c.env_file, {**present, **{k: c.env[k] for k in SECRETS if c.env.get(k)}})
     running = {n for n, st in c.containers().items() if st.get("Running")}
     check_ports(c, running)
+    check_database_volume(c)
     done = c.run("up", "-d", *(["--build"] if build else []), check=False, capture=True, timeout=timeout)
     if done.returncode != 0:
         failed = failed_services(c.containers())

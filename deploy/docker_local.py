@@ -2,13 +2,13 @@
 (tests/integration/test_docker_compose.py) and for trying docker-compose.yml on a host that reaches no registry:
 
     python -m deploy.docker_local install        # apt-get install docker.io docker-compose debootstrap (root)
-    python -m deploy.docker_local bases          # start a private dockerd, build the local bases, stop it
+    python -m deploy.docker_local bases          # start a private dockerd, build the cached images, stop it
 
 The daemon has its own socket, exec root and pid file in a temporary folder, and a data root in a cache folder
 (DIFFLM_DOCKER_CACHE, default ~/.cache/difflm/docker) so that the bases survive it: a Debian bookworm root
 filesystem (`debootstrap --variant=minbase` from the host's Debian mirror, `docker import`ed), a Python 3.11 image
-and a PostgreSQL 15 image on it (deploy/docker/*.Dockerfile), and the pipeline's dependency layer. It is stopped by
-the pid in its pid file, never by name. Debian's clients are used (/usr/bin/docker, /usr/bin/docker-compose):
+and a PostgreSQL 15 image on it (deploy/docker/*.Dockerfile), and the pipeline image's dependency and runtime stages
+(everything but the project's own files). It is stopped by the pid in its pid file, never by name. Debian's clients are used (/usr/bin/docker, /usr/bin/docker-compose):
 another `docker` may come first on PATH.
 """
 
@@ -39,7 +39,10 @@ PACKAGES = ("docker.io", "docker-compose", "debootstrap")
 MINBASE = "local/bookworm:minbase"
 PYTHON_BASE = "local/python:3.11-bookworm"
 POSTGRES = "local/postgres:15-bookworm"
-DEPS = "local/difflm-deps"  # tagged with a hash of pyproject.toml: the dependency layer survives the test
+# the Dockerfile's stages before the project's files, each tagged with a hash of pyproject.toml and the Dockerfile: a
+# cache that survives the test's removal of the pipeline image
+DEPS = "local/difflm-deps"
+RUNTIME = "local/difflm-runtime"
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 TORCH_INDEX_PORT = 38953  # where a build on this host finds the torch wheel (see _TorchIndex)
@@ -294,18 +297,25 @@ def local_torch_wheels() -> list[Path]:
     return found
 
 
-def build_pipeline(d: Daemon, tag: str = "difflm-pipeline:latest", echo=print) -> None:
-    """The pipeline image on the local Python base, its dependency stage kept as DEPS:<pyproject hash> (a cache
-    that outlives `tag`). Pip reaches its index over the host network; the torch wheel comes from disk when
-    PIP_FIND_LINKS has it."""
-    deps_tag = f"{DEPS}:{hashlib.sha256((ROOT / 'pyproject.toml').read_bytes()).hexdigest()[:12]}"
+def stages_tag() -> str:
+    """What the cached stages are built from: pyproject.toml (the dependencies) and the Dockerfile."""
+    h = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "Dockerfile").read_bytes())
+    return h.hexdigest()[:12]
+
+
+def build_pipeline(d: Daemon, tag: str | None = "difflm-pipeline:latest", echo=print) -> None:
+    """The pipeline image on the local Python base; its dependency and runtime stages are kept as
+    DEPS/RUNTIME:<stages_tag> (a cache that outlives `tag`; tag None builds only those). Pip reaches its index
+    over the host network; the torch wheel comes from disk when PIP_FIND_LINKS has it."""
+    cached = stages_tag()
     wheels = local_torch_wheels()
     index = _TorchIndex(wheels) if wheels else None
     args = ["--network", "host", "--build-arg", f"BASE_IMAGE={PYTHON_BASE}"]
     if index:
         args += ["--build-arg", f"TORCH_INDEX_URL={index.url}"]
+    builds = [("deps", f"{DEPS}:{cached}"), ("runtime", f"{RUNTIME}:{cached}")] + ([(None, tag)] if tag else [])
     try:
-        for target, name in (("deps", deps_tag), (None, tag)):
+        for target, name in builds:
             if target and d.has_image(name):
                 continue
             t = time.monotonic()
@@ -314,9 +324,14 @@ def build_pipeline(d: Daemon, tag: str = "difflm-pipeline:latest", echo=print) -
     finally:
         if index:
             index.close()
-    for line in d.docker("images", "--format", "{{.Repository}}:{{.Tag}}", DEPS).stdout.split():
-        if line != deps_tag:  # the dependency layers of an older pyproject.toml
-            d.docker("rmi", line, check=False)
+    for repo in (DEPS, RUNTIME):
+        for line in d.docker("images", "--format", "{{.Repository}}:{{.Tag}}", repo).stdout.split():
+            if line != f"{repo}:{cached}":  # the stages of an older pyproject.toml or Dockerfile
+                d.docker("rmi", line, check=False)
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)  # the daemon is stopped by the `finally` below
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -329,13 +344,19 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(why)
         return 1
+    signal.signal(signal.SIGTERM, _terminated)  # a test session that ends early stops this build and its daemon
+    t = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="dkr-", dir="/tmp") as tmp:
         d = start(Path(tmp))
         try:
             ensure_bases(d)
+            build_pipeline(d, tag=None)
         finally:
             stop(d)
-    print(f"bases in {cache_dir() / 'data-root'}: {MINBASE}, {PYTHON_BASE}, {POSTGRES}")
+    print(
+        f"cached in {cache_dir() / 'data-root'} ({time.monotonic() - t:.0f} s): {MINBASE}, {PYTHON_BASE}, "
+        f"{POSTGRES}, {DEPS}:{stages_tag()}, {RUNTIME}:{stages_tag()}"
+    )
     return 0
 
 

@@ -19,6 +19,7 @@ from difflm import set_offline_env
 
 set_offline_env()  # before anything imports Prefect, MLflow or transformers
 
+import docker_prebuild  # noqa: E402
 import servers  # noqa: E402
 from helpers import tiny_config  # noqa: E402
 
@@ -34,6 +35,14 @@ def pytest_collection_modifyitems(config, items):
             continue
         if NOT_UNIT_FIXTURES.isdisjoint(item.fixturenames):
             item.add_marker(pytest.mark.unit)
+
+
+def pytest_collection_finish(session):
+    docker_prebuild.start(session.items)  # the Docker test's images, built while the tests before it run
+
+
+def pytest_sessionfinish(session):
+    docker_prebuild.stop()
 
 
 # ----- the fast tier's promise: a unit test starts no process and costs little CPU ------------------------------

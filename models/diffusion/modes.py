@@ -210,7 +210,8 @@ class Objective(ABC):
         evaluation: bool,
     ) -> dict:
         """Model inputs, targets, scored positions and t of one micro-batch: {'inputs', 'targets', 'scored',
-        'valid', 't'} (and what `loss_terms` needs besides). `label_ok` [b, s] is megatron's loss_mask
+        'valid', 't'} (and what `loss_terms` needs besides; 'row_tokens', the clean tokens of each model row, where
+        `rows_per_sequence` makes several). `label_ok` [b, s] is megatron's loss_mask
         (labels[i] = tokens[i + 1] is data); `positions` are the sequences' places in the global batch of
         `batch_size`, which key their noise (`generator_for`) and their stratum of t."""
 
@@ -569,8 +570,32 @@ class UniformDiffusion(Objective):
         )
 
 
+@dataclass(frozen=True)
 class Autoregressive(Objective):
-    """The causal baseline: next-token cross-entropy on megatron's labels; exact likelihood; no noise level."""
+    """The causal baseline: next-token cross-entropy on megatron's labels; exact likelihood; no noise level.
+
+    `mir_mask_share` turns on masked-input regularisation (MIR, Xu et al. 2026, arXiv 2606.06888): training
+    adds a second row per sequence whose inputs have each data token replaced by the mask with that probability
+    (drawn from the sequence's own generator), scored on the same clean next tokens; the loss is the clean CE plus
+    `mir_weight` times the masked-input CE, both over the clean row's token count. Validation, the likelihood and
+    sampling see clean inputs only (one row), so the NLL stays exact."""
+
+    mir_mask_share: float = setting(
+        0.0,
+        "MIR (masked-input regularisation, Xu et al. 2026): the probability that each input token of the auxiliary "
+        "copy is replaced by the mask token; its next-token CE on the clean targets is added to the loss "
+        "(training runs two rows per sequence: twice the FLOPs). 0: off. Xu et al. draw a share in [0, 0.5] "
+        "per sequence (mean 0.25).",
+        identity=IF_SET,
+        ge=0.0,
+        lt=1.0,
+    )
+    mir_weight: float = setting(
+        1.0,
+        "MIR: weight of the masked-input CE added to the clean CE (Xu et al. use 0.4); needs mir_mask_share > 0.",
+        identity=IF_SET,
+        ge=0.0,
+    )
 
     name = "ar"
     bidirectional = False
@@ -578,11 +603,52 @@ class Autoregressive(Objective):
     exact = True
     varilen = False  # the baseline always sees full windows
 
+    def __post_init__(self):
+        if not 0.0 <= self.mir_mask_share < 1.0:
+            raise ValueError(
+                f"diffusion.mir_mask_share={self.mir_mask_share} is a share of the input tokens: set it in [0, 1) "
+                "(0 turns MIR off)"
+            )
+        if self.mir_weight != 1.0 and not self.mir_mask_share:
+            raise ValueError(
+                "diffusion.mir_weight weighs the masked-input (MIR) loss, which is off: set diffusion.mir_mask_share "
+                "> 0 (e.g. 0.25), or leave mir_weight out"
+            )
+
+    def rows_per_sequence(self, evaluation):
+        return 2 if self.mir_mask_share and not evaluation else 1
+
     def prepare(self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation):
-        return {"inputs": tokens, "targets": labels, "scored": label_ok, "valid": label_ok, "t": None}
+        out = {"inputs": tokens, "targets": labels, "scored": label_ok, "valid": label_ok, "t": None}
+        if self.rows_per_sequence(evaluation) == 1:
+            return out
+        masked = self.mir_masks(_data_positions(label_ok), positions, generator_for).to(tokens.device)
+        noisy = torch.where(masked, torch.full_like(tokens, self._id(self.mask_id, "mask_id")), tokens)
+        return {
+            **out,
+            "inputs": torch.cat([tokens, noisy]),  # [2b, s]: the clean rows, then their masked copies
+            "targets": torch.cat([labels, labels]),
+            "row_tokens": torch.cat([tokens, tokens]),  # each row's clean tokens: its documents' boundaries
+            "mir_masked": masked,
+        }
+
+    def mir_masks(self, data: torch.Tensor, positions: list[int], generator_for: GeneratorFor) -> torch.Tensor:
+        """[b, s] bool: the input tokens MIR masks, each data token with probability `mir_mask_share`, drawn from
+        its sequence's generator (so every parallel layout and a resumed run draw the same)."""
+        rows = [
+            torch.rand(ok.shape[0], generator=generator_for(pos)) < self.mir_mask_share
+            for ok, pos in zip(data, positions)
+        ]
+        return torch.stack(rows).to(data.device) & data.bool()
 
     def loss_terms(self, output, prepared, evaluation):
-        return x0_cross_entropy_terms(output.float(), prepared["valid"])
+        output = output.float()
+        valid = prepared["valid"]
+        if "mir_masked" not in prepared:  # one row per sequence (MIR off, or validation): the clean CE alone
+            return x0_cross_entropy_terms(output, valid)
+        clean, noisy = output[: len(valid)], output[len(valid) :]
+        total, count = x0_cross_entropy_terms(clean, valid)
+        return total + self.mir_weight * x0_cross_entropy_terms(noisy, valid)[0], count
 
     def scored_positions(self, valid, prefix_len=0):
         return valid.bool()  # token 0 has no logit; ar_nll_per_token scores 1.. of these

@@ -111,7 +111,7 @@ def training_flops(
     Backward is twice the forward (a gradient for the input and one for the weight of every product), so
     3x forward. Counts what the given micro-batches compute: for a whole step under data parallelism pass
     every rank's micro-batches, or multiply one rank's figure by the data-parallel size."""
-    rows = objective.rows_per_sequence(evaluation=False)  # complementary masks: two rows each
+    rows = objective.rows_per_sequence(evaluation=False)  # complementary masks, MIR: two rows each
     micro_batch_size *= rows
     dense = [micro_batch_size * forward_flops_per_sequence(cfg, vocab_size, n, objective=objective) for n in lengths]
     if pairs is None:

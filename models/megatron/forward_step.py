@@ -253,7 +253,10 @@ def make_forward_step(
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         device = model_device(model)
-        prepared = to_device(corrupt(batch, cfg, special, step, evaluation, objective), device)
+        prepared = corrupt(batch, cfg, special, step, evaluation, objective)
+        # the clean tokens of each model row (an objective may run several rows per sequence): their documents
+        rows = prepared.get("row_tokens", batch["tokens"])
+        prepared = to_device(prepared, device)
         inputs = prepared["inputs"]
         position_ids = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
         extra = {"t": prepared["t"]} if objective.time_conditioned(cfg.diffusion.time_embedding) else {}
@@ -266,14 +269,12 @@ def make_forward_step(
         # With labels, megatron returns the per-token (vocab-parallel) cross-entropy [b, s]; without, logits.
         labels = None if objective.full_logits else prepared["targets"]
         if form == "thd":  # one row [1, b*s]; RoPE restarts per document, equal to global positions (relative)
-            extra["packed_seq_params"] = packed_seq_params(
-                diffusion.document_ids(batch["tokens"], special.eos_id), device
-            )
+            extra["packed_seq_params"] = packed_seq_params(diffusion.document_ids(rows, special.eos_id), device)
             inputs, position_ids = inputs.reshape(1, -1), position_ids.reshape(1, -1)
             labels = None if labels is None else labels.reshape(1, -1)
             attention_mask = None
         else:
-            attention_mask = attention_mask_for(batch["tokens"].to(device), objective, special, form)
+            attention_mask = attention_mask_for(rows.to(device), objective, special, form)
         if anneal is not None:  # [1, 1, s, s], joined with the packed-document mask where there is one
             s = inputs.shape[1]
             blocked = anneal[:s, :s].to(device)[None, None]

@@ -8,6 +8,10 @@ loss whatever the tensor/pipeline/data-parallel layout.
 
 Two optimizer steps are taken, so the check covers gradients and the optimizer as well as the forward; the
 parameters every TP rank replicates must stay identical across TP ranks (`replica_spread`).
+
+`--runs R.json` runs several layouts of the same world size in one torchrun, one after the other (a list of
+{"out": ..., "overrides": [...], "save": false}): the model-parallel groups are rebuilt between them, and the
+process start (torch and megatron imports, about 10 s a process) is paid once.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state
+from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
 from difflm.config import load_config
 from models.megatron.data import build_datasets
@@ -45,27 +49,24 @@ def replica_spread(model) -> float:
     return float((hi - lo).max())
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True)
-    p.add_argument("--manifest", required=True)
-    p.add_argument("--weights", required=True, help="model-only dist checkpoint folder")
-    p.add_argument("--save", action="store_true", help="save this run's initial weights to --weights first")
-    p.add_argument("--out", required=True, help="JSON file for the losses (written by the reporting rank)")
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("overrides", nargs="*")
-    args = p.parse_args(argv)
+def reinit_model_parallel(cfg) -> None:
+    """The next run's tensor/pipeline groups in a process whose previous run had others (init_distributed's
+    second half: the process group stays)."""
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
 
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    cfg = load_config(args.config, [*args.overrides, f"train.launch.nproc_per_node={world}"])
-    manifest = json.loads(Path(args.manifest).read_text())
-    init_distributed(cfg)
+
+def run_layout(cfg, manifest: dict, weights: Path, save: bool, steps: int) -> dict | None:
+    """Two optimizer steps of `cfg`'s layout from the saved weights (saving them first with `save`); the losses and
+    the replica spread on the reporting rank, None on the others."""
     special = SpecialTokens.from_manifest(manifest["tokenizer"])
-    train_ds, _ = build_datasets(cfg, manifest, args.steps * cfg.train.global_batch_size, cfg.train.global_batch_size)
+    train_ds, _ = build_datasets(cfg, manifest, steps * cfg.train.global_batch_size, cfg.train.global_batch_size)
     ddp, opt, sched = build_training(cfg, manifest["tokenizer"]["vocab_size"])
     sched.step(increment=cfg.train.schedule.warmup_iters)  # start at the peak rate: warmup's first lr is 0, no update
-    weights = Path(args.weights)
-    if args.save:
+    if save:
         if dist.get_rank() == 0:
             weights.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         state = dist_checkpointing.load(ddp.module.sharded_state_dict(prefix=""), str(weights))
         ddp.module.load_state_dict(state)
     losses = []
-    for step in range(args.steps):
+    for step in range(steps):
         ddp.zero_grad_buffer()
         opt.zero_grad()
         losses.append(run_global_batch(cfg, ddp, train_ds, special, step=step, noise_step=step))
@@ -86,9 +87,37 @@ def main(argv: list[str] | None = None) -> int:
         and parallel_state.get_tensor_model_parallel_rank() == 0
         and parallel_state.get_data_parallel_rank() == 0
     )
-    if reporting:
-        Path(args.out).write_text(json.dumps({"losses": losses, "replica_spread": spread}))
-    dist.barrier()
+    return {"losses": losses, "replica_spread": spread} if reporting else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--manifest", required=True)
+    p.add_argument("--weights", required=True, help="model-only dist checkpoint folder")
+    p.add_argument("--save", action="store_true", help="save this run's initial weights to --weights first")
+    p.add_argument("--out", help="JSON file for the losses (written by the reporting rank)")
+    p.add_argument("--runs", help="JSON list of runs ({out, overrides, save}) in this process, instead of --out")
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("overrides", nargs="*", help="config overrides of every run")
+    args = p.parse_args(argv)
+    if bool(args.out) == bool(args.runs):
+        p.error("give --out (one run) or --runs (several)")
+    runs = json.loads(Path(args.runs).read_text()) if args.runs else [{"out": args.out, "save": args.save}]
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    manifest = json.loads(Path(args.manifest).read_text())
+    for i, run in enumerate(runs):
+        overrides = [*args.overrides, *run.get("overrides", []), f"train.launch.nproc_per_node={world}"]
+        cfg = load_config(args.config, overrides)
+        if i == 0:
+            init_distributed(cfg)
+        else:
+            reinit_model_parallel(cfg)
+        result = run_layout(cfg, manifest, Path(args.weights), bool(run.get("save")), args.steps)
+        if result is not None:
+            Path(run["out"]).write_text(json.dumps(result))
+        dist.barrier()
     dist.destroy_process_group()
     return 0
 

@@ -103,16 +103,22 @@ def test_parallel_layouts_match_single_process(session_dir, tiny_manifest, tmp_p
     manifest = tmp_path / "manifest.json"
     manifest.write_text(json.dumps(tiny_manifest))
     common = ["--config", str(config), "--manifest", str(manifest), "--weights", str(tmp_path / "weights")]
-    _torchrun(1, [*common, "--save", "--out", str(tmp_path / "ref.json")], tmp_path)
+    # one torchrun per world size, its layouts one after the other (models/megatron/parity.py --runs); the
+    # single-process one first: its first run is the reference, which saves the weights every layout loads
+    by_world: dict[int, list[dict]] = {1: [{"out": str(tmp_path / "ref.json"), "save": True}], 2: []}
+    for name, (nproc, layout) in layouts.items():
+        by_world[nproc].append({"name": name, "out": str(tmp_path / f"{name}.json"), "overrides": layout})
+    for nproc, runs in by_world.items():
+        if runs:
+            (tmp_path / f"runs{nproc}.json").write_text(json.dumps(runs))
+            _torchrun(nproc, [*common, "--runs", str(tmp_path / f"runs{nproc}.json")], tmp_path)
     ref = json.loads((tmp_path / "ref.json").read_text())["losses"]
     assert ref[0] > 0 and ref[0] != ref[1]
-    for name, (nproc, layout) in layouts.items():
-        out = tmp_path / f"{name}.json"
+    for name in layouts:
         # DP=2 halves the micro-batches per rank: 1 micro-batch of 2 on each of 2 ranks
-        _torchrun(nproc, [*common, "--out", str(out), *layout], tmp_path)
-        got = json.loads(out.read_text())["losses"]
-        assert got == pytest.approx(ref, rel=1e-5, abs=1e-6), (name, got, ref)
-        assert json.loads(out.read_text())["replica_spread"] < 1e-6, name  # TP replicas did not drift apart
+        out = json.loads((tmp_path / f"{name}.json").read_text())
+        assert out["losses"] == pytest.approx(ref, rel=1e-5, abs=1e-6), (name, out["losses"], ref)
+        assert out["replica_spread"] < 1e-6, name  # TP replicas did not drift apart
 
 
 @pytest.mark.slow

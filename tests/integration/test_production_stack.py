@@ -97,7 +97,7 @@ def test_compose_runs_the_services_of_difflm_stack():
     }
     # the image's ENV is what a native start gives every service
     dockerfile = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
-    final_stage = dockerfile.rsplit("\nFROM ", 1)[1]  # the runtime stage: what the services run with
+    final_stage = dockerfile.split(" AS runtime\n", 1)[1]  # the runtime and project stages: what the services run with
     env_lines = [line for line in final_stage.splitlines() if line.startswith("ENV ")]
     image_env = dict(kv.split("=", 1) for line in env_lines for kv in line.split()[1:])
     assert stack.IMAGE_ENV.items() <= image_env.items()

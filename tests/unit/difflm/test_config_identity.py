@@ -234,6 +234,8 @@ IDENTITY = {
         "complementary_masks",
         "cart_p",
         "attention_anneal_steps",
+        "mir_mask_share",  # IF_SET: MIR (ar) names a run only when on
+        "mir_weight",
     },
     "train": {
         "seq_length",
@@ -500,6 +502,8 @@ def test_a_run_config_of_the_flat_section_loads():
         "varilen_prob": 0.0,
         "time_embedding": False,
         "time_conditioning": "adaln",
+        "mir_mask_share": 0.0,  # ar's own settings (MIR), at their defaults: off
+        "mir_weight": 1.0,
     }
     assert cfg.stage_hash("diffusion") == validate(
         {**copy.deepcopy(TEST_TINY), "diffusion": {"model_running_mode": "ar"}}

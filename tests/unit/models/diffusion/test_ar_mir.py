@@ -1,0 +1,150 @@
+"""The strong AR arm of the data-constrained study: masked-input regularisation (MIR, Xu et al. 2026) as an option
+of the `ar` objective: an auxiliary next-token loss on a copy of the inputs with a random share masked, the clean
+targets unchanged; training runs both rows, validation and the likelihood the clean one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_config
+
+from difflm.config import ConfigError, load_config
+from models.diffusion.modes import Autoregressive, build_objective, objective_from_dict
+from models.megatron.data import build_datasets
+from models.megatron.flops import training_flops
+from models.megatron.forward_step import SpecialTokens, make_forward_step
+from models.megatron.train import build_training, run_global_batch
+
+TOKENS = {"mask_id": 1, "vocab_size": 7, "pad_id": 2, "eos_id": 0}
+MIR = ("diffusion.model_running_mode=ar", "diffusion.mir_mask_share=0.5", "diffusion.mir_weight=0.4")
+
+
+def _gen(seed: int):
+    return lambda pos: torch.Generator().manual_seed(seed * 1000 + pos)
+
+
+def _prepare(obj, tokens, label_ok, seed=0, evaluation=False):
+    labels = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+    positions = list(range(len(tokens)))
+    return obj.prepare(tokens, labels, label_ok, positions, _gen(seed), len(tokens), False, evaluation), labels
+
+
+def _ce(logits, targets):
+    """-log softmax(logits)[target] at every position, written out."""
+    return -(logits - logits.exp().sum(-1, keepdim=True).log()).gather(-1, targets[..., None]).squeeze(-1)
+
+
+def test_the_mir_loss_is_the_hand_computed_sum_of_both_cross_entropies():
+    tokens = torch.tensor([[3, 4, 5, 6, 3, 4], [6, 5, 4, 3, 0, 2]])
+    label_ok = torch.tensor([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]], dtype=torch.bool)  # row 1: padding after EOS
+    obj = Autoregressive(**TOKENS, mir_mask_share=0.5, mir_weight=0.4)
+    prep, labels = _prepare(obj, tokens, label_ok)
+
+    data = torch.cat([torch.ones_like(label_ok[:, :1]), label_ok[:, :-1]], dim=1)  # tokens 0.. that are data
+    masked = torch.stack([torch.rand(6, generator=_gen(0)(p)) < 0.5 for p in (0, 1)]) & data
+    assert masked.any() and (~masked & data).any()  # this seed masks some data tokens, not all
+    assert torch.equal(prep["inputs"], torch.cat([tokens, torch.where(masked, 1, tokens)]))
+    assert torch.equal(prep["targets"], torch.cat([labels, labels]))  # the clean next tokens for both rows
+    assert obj.rows_per_sequence(False) == 2 and obj.rows_per_sequence(True) == 1
+
+    logits = torch.randn(4, 6, 7, generator=torch.Generator().manual_seed(1))
+    ce = _ce(logits, prep["targets"])  # what megatron's per-token cross-entropy gives the objective
+    valid = label_ok.float()
+    expected = ((ce[:2] * valid).sum() + 0.4 * (ce[2:] * valid).sum()) / valid.sum()
+    total, count = obj.loss_terms(ce, prep, False)
+    assert int(count) == 8 and float(total / count) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_mir_off_is_todays_ar_loss_and_validation_sees_clean_inputs_only():
+    tokens = torch.randint(3, 7, (3, 8), generator=torch.Generator().manual_seed(0))
+    label_ok = torch.ones(3, 8, dtype=torch.bool)
+    label_ok[2, 5:] = False
+    ce = torch.rand(3, 8, generator=torch.Generator().manual_seed(2))
+    hand = (ce * label_ok).sum() / label_ok.sum()
+    off, _ = _prepare(Autoregressive(**TOKENS), tokens, label_ok)
+    assert torch.equal(off["inputs"], tokens) and Autoregressive(**TOKENS).rows_per_sequence(False) == 1
+    total, count = Autoregressive(**TOKENS).loss_terms(ce, off, False)
+    assert float(total / count) == pytest.approx(float(hand)) and int(count) == 21
+
+    on = Autoregressive(**TOKENS, mir_mask_share=0.5)
+    prep, _ = _prepare(on, tokens, label_ok, evaluation=True)  # validation with MIR on: as without it
+    assert torch.equal(prep["inputs"], tokens)
+    assert [float(x) for x in on.loss_terms(ce, prep, True)] == [float(total), 21.0]
+
+
+def test_the_masked_share_is_respected_and_the_draw_is_the_generators():
+    tokens = torch.randint(3, 7, (4, 250), generator=torch.Generator().manual_seed(0))
+    label_ok = torch.ones(4, 250, dtype=torch.bool)
+    obj = Autoregressive(**TOKENS, mir_mask_share=0.5)
+    prep, _ = _prepare(obj, tokens, label_ok, seed=3)
+    share = float((prep["inputs"][4:] == 1).float().mean())
+    assert share == pytest.approx(0.5, abs=0.05)  # 1000 Bernoulli(0.5) draws: sd 0.016
+    assert float(
+        _prepare(Autoregressive(**TOKENS, mir_mask_share=0.1), tokens, label_ok, 3)[0]["mir_masked"].float().mean()
+    ) == pytest.approx(0.1, abs=0.03)
+    again, _ = _prepare(obj, tokens, label_ok, seed=3)
+    assert torch.equal(again["inputs"], prep["inputs"])  # same generators (resume, TP/DP peers): same masks
+    other, _ = _prepare(obj, tokens, label_ok, seed=4)
+    assert not torch.equal(other["inputs"], prep["inputs"])
+    padded = label_ok.clone()
+    padded[:, 100:] = False  # tokens 101.. are padding: never masked
+    assert not _prepare(obj, tokens, padded, seed=3)[0]["mir_masked"][:, 101:].any()
+
+
+def test_settings_round_trip_count_flops_and_refuse_bad_input_with_one_line(tmp_path):
+    cfg = tiny_config(tmp_path, *MIR)
+    obj = build_objective(cfg.diffusion, TOKENS)
+    assert obj.to_dict() == {"mode": "ar", "mir_mask_share": 0.5, "mir_weight": 0.4}
+    assert objective_from_dict(obj.to_dict(), TOKENS) == obj
+    plain = tiny_config(tmp_path, "diffusion.model_running_mode=ar")
+    assert plain.stage_hash("diffusion") != cfg.stage_hash("diffusion")  # MIR names its runs
+    flops = training_flops(cfg, 512, [32], 4, objective=obj)
+    assert flops == 2 * training_flops(plain, 512, [32], 4, objective=build_objective(plain.diffusion))
+    cases = {
+        "diffusion.mir_mask_share: Input should be less than 1": ("ar", "diffusion.mir_mask_share=1.0"),
+        "mir_mask_share is a setting of ar; model_running_mode is difflm-noshift": (
+            "difflm-noshift",
+            "diffusion.mir_mask_share=0.25",
+        ),
+        "set diffusion.mir_mask_share > 0": ("ar", "diffusion.mir_weight=0.4"),
+    }
+    for line, (mode, bad) in cases.items():
+        with pytest.raises(ConfigError, match=line):
+            load_config("test-tiny", [f"workdir={tmp_path}", f"diffusion.model_running_mode={mode}", bad])
+    with pytest.raises(ValueError, match=r"set it in \[0, 1\)"):
+        Autoregressive(mir_mask_share=1.5)
+
+
+def test_megatron_forward_step_runs_both_rows_with_their_documents(megatron_single_process, tmp_path, tiny_manifest):
+    """Training gives megatron the doubled micro-batch, each row with the packed-document mask of its clean tokens;
+    validation the clean rows alone."""
+    cfg = tiny_config(tmp_path, *MIR, "model.backend=local", "model.document_attention=true")
+    special = SpecialTokens.from_manifest(tiny_manifest["tokenizer"])
+    model, _, _ = build_training(cfg, 512)
+    x0 = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+    x0[0, 7] = special.eos_id  # two documents in row 0
+    batch = {"tokens": x0, "labels": torch.cat([x0[:, 1:], x0[:, :1]], 1), "positions": torch.tensor([0, 1])}
+    output, loss_fn = make_forward_step(cfg, special, step=3)(iter([batch]), model)
+    assert output.shape == (4, 16)
+    total, count, _ = loss_fn(output)
+    assert torch.isfinite(total) and int(count) == 32
+    output, loss_fn = make_forward_step(cfg, special, step=3, evaluation=True)(iter([batch]), model)
+    assert output.shape == (2, 16)
+
+
+def test_ar_with_mir_trains_and_its_loss_falls(megatron_single_process, tmp_path, tiny_manifest):
+    cfg = tiny_config(tmp_path, *MIR, "train.optimizer.lr=1e-2", "train.optimizer.weight_decay=0.5")
+    tok = tiny_manifest["tokenizer"]
+    ddp, opt, sched = build_training(cfg, tok["vocab_size"])
+    train_ds, _ = build_datasets(cfg, tiny_manifest, cfg.train.global_batch_size, cfg.train.global_batch_size)
+    special = SpecialTokens.from_manifest(tok)
+    losses = []
+    for step in range(6):  # the same batch each step: its loss must fall
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        losses.append(run_global_batch(cfg, ddp, train_ds, special, step=0, noise_step=step))
+        opt.step()
+        sched.step(increment=1)
+    assert all(0 < x < 100 for x in losses) and losses[-1] < losses[0] - 0.5, losses
+    valid = run_global_batch(cfg, ddp, train_ds, special, step=0, noise_step=-1, forward_only=True)
+    assert valid is not None and 0 < valid < losses[0]
