@@ -5,8 +5,8 @@ parameter, the file handed to ``torchrun`` and the MLflow params. Every stage re
 sections, and each stage's output directory is named by a hash of the sections it depends on.
 
 One module per section group: `base` (the section class, run identity, ConfigError), `data`, `model`,
-`diffusion`, `train`, `launch`, `evaluation`, `tracking`, `pipeline` (the whole tree) and `loading` (presets,
-overrides, validation). Every public name is importable from `difflm.config`.
+`diffusion`, `train`, `launch`, `evaluation`, `tracking`, `pipeline` (the whole tree), `loading` (presets,
+overrides, validation) and `study` (a grid of pipeline runs). Every public name is importable from `difflm.config`.
 """
 
 from difflm.config.base import FLATTEN, IF_SET, OPERATIONAL, ConfigError, deprecated, is_flattened, is_identity
@@ -46,6 +46,7 @@ from difflm.config.loading import (
 )
 from difflm.config.model import GEMM_TILE, GPU_WIDTH, MODEL_PRESETS, ModelConfig
 from difflm.config.pipeline import CheckpointConfig, ParallelConfig, PipelineConfig
+from difflm.config.study import Point, StudySpec, load_study
 from difflm.config.tracking import TrackingConfig
 from difflm.config.train import FaultsConfig, OptimizerConfig, ScheduleConfig, TrainConfig, is_hf_folder
 
@@ -99,6 +100,9 @@ __all__ = [
     "parse_override",
     "read_yaml",
     "resolve_preset",
+    "Point",
+    "StudySpec",
+    "load_study",
     "save_config",
     "shell_safe_problem",
     "validate",

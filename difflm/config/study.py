@@ -1,0 +1,152 @@
+"""A data-constrained study: a YAML grid of families x unique-token budgets x epochs x model sizes.
+
+Each point of the grid is one run of the flagship pipeline: the preset, the study's `base` overrides, its family's
+overrides, then `data.unique_tokens`, `train.epochs` and `model.preset` set by the grid. Expanding a spec checks
+every point's config, so a bad family or a conflicting override is one line before anything runs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from difflm.config.base import ConfigError
+from difflm.config.loading import load_config, parse_override, read_yaml
+from difflm.config.pipeline import PipelineConfig
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a folder and an MLflow run name: no path, no shell
+GRID_KEYS = {"data.unique_tokens": "unique_tokens", "train.epochs": "epochs", "model.preset": "sizes"}
+
+
+def _check_name(name: str, what: str) -> str:
+    if not NAME.match(name):
+        raise ValueError(f"{what} {name!r} must be letters, digits, '_', '.', '-' (it names folders and runs)")
+    return name
+
+
+def _preset_size() -> list[str | None]:
+    return [None]  # the preset's own model
+
+
+class StudySpec(BaseModel):
+    """What a study file holds (`difflm study SPEC`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field("study", description="The study's name: its MLflow parent run and output folder.")
+    preset: str = Field("tiny-cpu", description="The preset every point starts from (a name in configs/ or a path).")
+    base: list[str] = Field(default_factory=list, description="Overrides shared by every point.")
+    families: dict[str, list[str]] = Field(
+        min_length=1, description="Family name -> its overrides, e.g. ar: [diffusion.model_running_mode=ar]."
+    )
+    unique_tokens: list[int] = Field(min_length=1, description="The unique-token budgets (data.unique_tokens).")
+    epochs: list[float] = Field(min_length=1, description="The lengths in epochs over the budget (train.epochs).")
+    sizes: list[str | None] = Field(
+        default_factory=_preset_size, min_length=1, description="Model presets (model.preset); null: the preset's."
+    )
+    parallel: int = Field(1, ge=1, description="How many points train at once.")
+    output: str | None = Field(None, description="The study's output folder (default: <workdir>/studies/<name>).")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return _check_name(v, "name")
+
+    @field_validator("families")
+    @classmethod
+    def _families(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
+        for fam, overrides in v.items():
+            _check_name(fam, "family")
+            _no_grid_keys(overrides, f"family {fam}")
+        return v
+
+    @field_validator("base")
+    @classmethod
+    def _base(cls, v: list[str]) -> list[str]:
+        _no_grid_keys(v, "base")
+        return v
+
+    @field_validator("unique_tokens")
+    @classmethod
+    def _budgets(cls, v: list[int]) -> list[int]:
+        if any(n < 1 for n in v) or len(set(v)) != len(v):
+            raise ValueError("must be distinct positive token counts")
+        return v
+
+    @field_validator("epochs")
+    @classmethod
+    def _epochs(cls, v: list[float]) -> list[float]:
+        if any(e <= 0 for e in v) or len(set(v)) != len(v):
+            raise ValueError("must be distinct positive numbers of epochs")
+        return v
+
+    def points(self) -> list[Point]:
+        """Every point of the grid, each with its config checked (ConfigError: one line naming the point)."""
+        out = []
+        for size in self.sizes:
+            for fam, fam_overrides in self.families.items():
+                for budget in self.unique_tokens:
+                    for epochs in self.epochs:
+                        grid = [f"data.unique_tokens={budget}", f"train.epochs={epochs:g}"]
+                        grid += [f"model.preset={size}"] if size else []
+                        point = Point(fam, budget, epochs, size, [*self.base, *fam_overrides, *grid])
+                        try:
+                            point.cfg = load_config(self.preset, point.overrides)
+                        except ConfigError as err:
+                            detail = " ".join(str(err).split())
+                            raise ConfigError(f"study {self.name}, point {point.label}: {detail}") from None
+                        out.append(point)
+        return out
+
+    def output_dir(self, cfg: PipelineConfig) -> Path:
+        return Path(self.output) if self.output else Path(cfg.workdir) / "studies" / self.name
+
+
+def _no_grid_keys(overrides: list[str], where: str) -> None:
+    """The grid sets the budget, the epochs and the size: an override of them in `where` would be lost."""
+    for text in overrides:
+        try:
+            keys, _ = parse_override(text)
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        key = ".".join(keys)
+        if key in GRID_KEYS or key == "train.train_iters":
+            raise ValueError(f"{where} sets {key}, which the grid sets: list it under {GRID_KEYS.get(key, 'epochs')}")
+
+
+@dataclass
+class Point:
+    """One run of the grid."""
+
+    family: str
+    unique_tokens: int
+    epochs: float
+    size: str | None
+    overrides: list[str]
+    cfg: Any = field(default=None, repr=False)  # its PipelineConfig, set by StudySpec.points
+
+    @property
+    def label(self) -> str:
+        size = f"-{self.size}" if self.size else ""
+        return f"{self.family}{size}-u{self.unique_tokens}-e{self.epochs:g}"
+
+
+def load_study(path: str | Path) -> StudySpec:
+    """A study file, validated; a mistake is one line: the file, the field and what to do."""
+    data = read_yaml(Path(path))
+    try:
+        return StudySpec.model_validate(data)
+    except ValidationError as err:
+        e = err.errors()[0]
+        loc = ".".join(str(p) for p in e["loc"]) or "spec"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = f"unknown field (fields: {', '.join(StudySpec.model_fields)})"
+        elif e["type"] == "missing":
+            msg = f"missing: {StudySpec.model_fields[loc].description}" if loc in StudySpec.model_fields else msg
+        more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
+        raise ConfigError(f"{path}: {loc}: {msg}{more}") from None

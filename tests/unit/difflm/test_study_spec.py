@@ -1,0 +1,86 @@
+"""The study spec: a grid of families x budgets x epochs x sizes expands to one checked config per point; a bad
+spec is one line saying what to fix."""
+
+from pathlib import Path
+
+import pytest
+
+from difflm.config import ConfigError
+from difflm.config.study import load_study
+
+SPEC = """
+name: smoke
+preset: test-tiny
+base: [train.eval_iters=1]
+families:
+  masked: [diffusion.model_running_mode=difflm-noshift]
+  ar-mir: [diffusion.model_running_mode=ar, diffusion.mir_mask_share=0.25, diffusion.mir_weight=0.4]
+unique_tokens: [1000, 4000]
+epochs: [1, 2.5]
+sizes: [tiny, null]
+parallel: 2
+"""
+
+
+def _spec(tmp_path, text):
+    path = tmp_path / "study.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_a_grid_expands_to_every_point_with_its_overrides(tmp_path):
+    spec = load_study(_spec(tmp_path, SPEC))
+    points = spec.points()
+    assert len(points) == 2 * 2 * 2 * 2 and spec.parallel == 2
+    labels = [p.label for p in points]
+    assert len(set(labels)) == len(labels) and "ar-mir-tiny-u4000-e2.5" in labels and "masked-u1000-e1" in labels
+    p = next(p for p in points if p.label == "ar-mir-tiny-u4000-e2.5")
+    assert p.overrides == [
+        "train.eval_iters=1",
+        "diffusion.model_running_mode=ar",
+        "diffusion.mir_mask_share=0.25",
+        "diffusion.mir_weight=0.4",
+        "data.unique_tokens=4000",
+        "train.epochs=2.5",
+        "model.preset=tiny",
+    ]
+    cfg = p.cfg
+    assert cfg.data.unique_tokens == 4000 and cfg.train.epochs == 2.5 and cfg.model.preset == "tiny"
+    assert cfg.diffusion.model_running_mode == "ar" and cfg.diffusion.mir_weight == 0.4 and cfg.train.eval_iters == 1
+    assert spec.output_dir(cfg) == Path(cfg.workdir) / "studies" / "smoke"
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ("families: {}", "families: Dictionary should have at least 1 item"),
+        ("unique_tokens: [1000, 1000]", "unique_tokens: must be distinct positive token counts"),
+        ("epochs: [0]", "epochs: must be distinct positive numbers of epochs"),
+        ("name: ../x", "name: name '../x' must be letters"),
+        ("parallel: 0", "parallel: Input should be greater than or equal to 1"),
+        ("budgets: [1]", "budgets: unknown field (fields: name, preset,"),
+        ("base: [train.epochs=3]", "base: base sets train.epochs, which the grid sets: list it under epochs"),
+        ("base: [nokey]", "base: override 'nokey' is not of the form key.sub=value"),
+    ],
+)
+def test_a_bad_spec_is_one_line_naming_the_field(tmp_path, change, says):
+    key = change.split(":")[0]
+    lines = [line for line in SPEC.splitlines() if not line.startswith(key) and not line.startswith("  ")]
+    if key != "families":
+        lines += ["families:", "  masked: [diffusion.model_running_mode=difflm-noshift]"]
+    with pytest.raises(ConfigError) as err:
+        load_study(_spec(tmp_path, "\n".join([*lines, change])))
+    assert "\n" not in str(err.value) and says in str(err.value), str(err.value)
+
+
+def test_a_missing_field_says_what_it_is(tmp_path):
+    with pytest.raises(ConfigError, match=r"study.yaml: epochs: missing: The lengths in epochs"):
+        load_study(_spec(tmp_path, "families: {a: []}\nunique_tokens: [1000]\n"))
+
+
+def test_a_point_whose_config_is_bad_is_named(tmp_path):
+    spec = load_study(_spec(tmp_path, SPEC.replace("diffusion.mir_weight=0.4", "diffusion.mir_wieght=0.4")))
+    with pytest.raises(ConfigError) as err:
+        spec.points()
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("study smoke, point ar-mir-tiny-u1000-e1: invalid configuration:"), str(err.value)
