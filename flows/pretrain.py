@@ -17,7 +17,7 @@ from tasks import adapt, artifacts
 from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
 from tasks.stages import convert_task, data_prep_task, evaluate_task, import_task, train_task
 
-__all__ = ["PRETRAIN_STAGES", "Stage", "pretrain_difflm", "run_pipeline", "status"]
+__all__ = ["PRETRAIN_STAGES", "Stage", "pretrain", "pretrain_difflm", "run_pipeline", "status"]
 
 
 def resolve(config: PipelineConfig | dict | None, preset: str, overrides: list[str] | None) -> PipelineConfig:
@@ -39,16 +39,27 @@ def pretrain_difflm(
         overrides: `section.field=value` overrides applied on top of the preset.
         config: a complete configuration (what the Prefect UI form edits).
     """
-    cfg = resolve(config, preset, overrides)
+    tracking.DEGRADED.clear()  # what tracking could not do in THIS execution
+    return pretrain(resolve(config, preset, overrides), get_run_logger())
+
+
+def pretrain(
+    cfg: PipelineConfig,
+    logger,
+    parent: str | None = None,
+    run_name: str = "",
+    tags: dict | None = None,
+    rows: list[Stage] | None = None,
+) -> dict:
+    """The flow's body: the pipeline (`rows`, default PRETRAIN_STAGES) in an MLflow run of its own, nested under
+    `parent` when given (a study's point), named `run_name` (default: preset, mode and data), with more `tags`."""
     if cfg.train.init_from_hf:  # the model is the source's (the import checks every field)
         cfg = adapt.with_source(cfg)
-    logger = get_run_logger()
-    tracking.DEGRADED.clear()  # what tracking could not do in THIS execution
-    tags = {"preset": cfg.name, "mode": cfg.diffusion.model_running_mode, "flow": "pretrain-difflm"}
+    tags = {"preset": cfg.name, "mode": cfg.diffusion.model_running_mode, "flow": "pretrain-difflm", **(tags or {})}
     stages: dict[str, str] = {}
-    run_name = f"{cfg.name}-{cfg.diffusion.model_running_mode}-{cfg.data_label()}"  # says which data
-    with tracking.pipeline_run(cfg, run_name, tags) as run_id:
-        summary, _ = run_pipeline(cfg, run_id, logger, stages)
+    run_name = run_name or f"{cfg.name}-{cfg.diffusion.model_running_mode}-{cfg.data_label()}"  # says which data
+    with tracking.pipeline_run(cfg, run_name, tags, parent=parent) as run_id:
+        summary, _ = run_pipeline(cfg, run_id, logger, stages, rows=rows)
     summary["tracking"] = "degraded: " + "; ".join(tracking.DEGRADED) if tracking.DEGRADED else "ok"
     logger.info(f"pretrain-difflm finished ({', '.join(f'{k} {v}' for k, v in stages.items())}): {summary['hf_dir']}")
     return summary

@@ -117,9 +117,12 @@ def lineage_tags() -> dict[str, str]:
 
 
 @contextmanager
-def pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]) -> Iterator[str | None]:
-    """Start the MLflow run of one pipeline execution (or nothing when tracking is off); yields its id."""
-    run = _start_pipeline_run(cfg, run_name, tags) if cfg.tracking.enabled else None
+def pipeline_run(
+    cfg: PipelineConfig, run_name: str, tags: dict[str, str], parent: str | None = None
+) -> Iterator[str | None]:
+    """Start the MLflow run of one pipeline execution (or nothing when tracking is off); yields its id.
+    `parent`: the run it nests under (a study's), from this thread or another."""
+    run = _start_pipeline_run(cfg, run_name, tags, parent) if cfg.tracking.enabled else None
     if run is None:
         yield None
         return
@@ -127,7 +130,7 @@ def pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]) -> It
         yield run_id
 
 
-def _start_pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]):
+def _start_pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str], parent: str | None = None):
     import mlflow
 
     Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
@@ -135,13 +138,42 @@ def _start_pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]
         os.environ.setdefault(key, val)  # an unreachable server costs seconds, not MLflow's default minutes
     try:
         use_store(tracking_uri(cfg))
-        run = mlflow.start_run(experiment_id=experiment_id(cfg), run_name=run_name, tags={**lineage_tags(), **tags})
+        run = mlflow.start_run(
+            experiment_id=experiment_id(cfg),
+            run_name=run_name,
+            tags={**lineage_tags(), **tags},
+            nested=parent is not None,  # MLflow's active runs are per thread: a parent here must be this one
+            parent_run_id=parent,
+        )
         mlflow.log_params(cfg.flat())
         mlflow.log_dict(cfg.model_dump(mode="json"), "config/resolved.yaml")
         return run
     except Exception as err:  # the pipeline runs without tracking rather than not at all
         degrade(f"could not start an MLflow run at {tracking_uri(cfg)}", err)
         return None
+
+
+@contextmanager
+def study_run(cfg: PipelineConfig, name: str, spec: dict) -> Iterator[str | None]:
+    """The parent MLflow run of a study (`cfg`: its first point's, for the store and experiment): the spec as
+    an artifact, no config params (each point's run has its own). Nothing when tracking is off."""
+    import mlflow
+
+    run = None
+    if cfg.tracking.enabled:
+        try:
+            use_store(tracking_uri(cfg))
+            tags = {**lineage_tags(), "flow": "study", "study": name}
+            run = mlflow.start_run(experiment_id=experiment_id(cfg), run_name=f"study-{name}", tags=tags)
+            mlflow.log_dict(spec, "study/spec.yaml")
+        except Exception as err:
+            degrade(f"could not start the MLflow run of study {name} at {tracking_uri(cfg)}", err)
+            run = None
+    if run is None:
+        yield None
+        return
+    with _ending(run, f"the MLflow run of study {name}") as run_id:
+        yield run_id
 
 
 @contextmanager
@@ -309,6 +341,15 @@ def set_tags(tags: dict[str, str]) -> None:
     import mlflow
 
     mlflow.set_tags(tags)
+
+
+@tolerant
+def log_files(paths: list[Path], folder: str) -> None:
+    """Files as artifacts of the active run, under `folder`."""
+    import mlflow
+
+    for path in paths:
+        mlflow.log_artifact(str(path), folder)
 
 
 @tolerant

@@ -1,4 +1,4 @@
-"""Training-curve plot (PNG) for the run directory and MLflow: a picture of loss and validation."""
+"""Plots (PNG) for run directories and MLflow: training curves, the sampler sweep, a data-constrained study."""
 
 from __future__ import annotations
 
@@ -55,6 +55,47 @@ def plot_sweep(rows: list[dict], path: Path, title: str = "") -> Path | None:
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3)
     fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def plot_study(rows: list[dict], path: Path, title: str = "") -> Path | None:
+    """A data-constrained study (rows of tasks.study): validation NLL (or bound) against epochs, one curve per
+    family and budget (and size); the best so far (over epochs) against the unique tokens, one curve per family."""
+    done = [r for r in rows if r.get("validation_nll") not in (None, "")]
+    if not done:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
+    curves: dict[tuple, list[tuple[float, float]]] = {}
+    for r in done:
+        curves.setdefault((r["family"], r["unique_tokens"], r["size"]), []).append((r["epochs"], r["validation_nll"]))
+    many_sizes = len({k[2] for k in curves}) > 1
+    for (family, budget, size), pts in sorted(curves.items()):
+        label = f"{family}, {budget:,} tokens" + (f", {size}" if many_sizes else "")
+        a1.plot(*zip(*sorted(pts)), "o-", label=label)
+    a1.set_xscale("log")
+    a1.set_xlabel("epochs over the unique tokens")
+    a1.set_ylabel("validation nats / token (bound for diffusion)")
+    best: dict[tuple, dict[int, float]] = {}
+    for r in done:
+        per = best.setdefault((r["family"], r["size"]), {})
+        per[r["unique_tokens"]] = min(per.get(r["unique_tokens"], float("inf")), r["validation_nll"])
+    for (family, size), per in sorted(best.items()):
+        a2.plot(*zip(*sorted(per.items())), "o-", label=family + (f", {size}" if many_sizes else ""))
+    a2.set_xscale("log")
+    a2.set_xlabel("unique training tokens")
+    a2.set_ylabel("best validation nats / token over epochs")
+    for ax in (a1, a2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

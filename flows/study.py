@@ -1,0 +1,149 @@
+"""The `study` flow: a data-constrained study (difflm/config/study.py) as sub-runs of the flagship pipeline.
+
+Every point of the grid is one `flows.pretrain.pretrain` execution, nested in MLflow under the study's parent run,
+each stage cached as in any pipeline run (a point already done is reused: rerunning a study redoes nothing). Every
+point is scored on its preset's held-out split, which data.unique_tokens leaves untouched. Points run in threads,
+`parallel` at a time: the trainers are processes and train at once, while the stages that compute in this process
+(data prep, conversion, evaluation: one torch process group, the same cores) take turns. MLflow keeps one active
+run per thread, so each point's run names the study's as its parent. The results table
+(CSV, markdown), the plot and the crossover per budget go into the study's folder and the parent run."""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+import functools
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from prefect import Task, flow, get_run_logger
+
+from difflm import tracking
+from difflm.config import Point, StudySpec, load_study
+from difflm.errors import DiffLMError
+from difflm.tracking.plots import plot_study
+from flows.pretrain import PRETRAIN_STAGES, TRAIN, pretrain
+from flows.stages import Stage
+from tasks import study as results
+
+
+class StudyFailed(DiffLMError):
+    """Some points failed; the table names them and rerunning the study resumes (finished points are reused)."""
+
+
+@flow(name="study", log_prints=True)
+def study(spec: str | dict, overrides: list[str] | None = None) -> dict:
+    """Run a data-constrained study: every point of its grid a cached sub-run of pretrain-difflm.
+
+    Args:
+        spec: a study YAML file (families x unique_tokens x epochs x sizes; difflm/config/study.py), or its
+            contents as a mapping (what the Prefect UI form edits).
+        overrides: `section.field=value` overrides added to the spec's `base` (every point).
+    """
+    spec_ = load_study(spec) if isinstance(spec, (str, Path)) else StudySpec.model_validate(spec)
+    if overrides:
+        spec_ = spec_.model_copy(update={"base": [*spec_.base, *overrides]})
+    return run_study(spec_, get_run_logger().info)
+
+
+def run_study(spec: StudySpec, say) -> dict:
+    """The flow's body, as a plain function: `say` prints one progress line per point."""
+    points = spec.points()  # every point's config checked before anything runs
+    out_dir = spec.output_dir(points[0].cfg)
+    tracking.DEGRADED.clear()
+    say(f"study {spec.name}: {len(points)} points, {spec.parallel} at a time; results in {out_dir}")
+    with tracking.study_run(points[0].cfg, spec.name, spec.model_dump(mode="json")) as parent:
+        with ThreadPoolExecutor(max_workers=spec.parallel, thread_name_prefix="study-point") as pool:
+            # each point in a copy of this context: its Prefect tasks belong to this flow run
+            futures = [
+                pool.submit(contextvars.copy_context().run, _run_point, spec, p, i, len(points), parent, say)
+                for i, p in enumerate(points, 1)
+            ]
+            rows = [f.result() for f in futures]
+        summary = _report(spec, rows, out_dir, parent)
+    say(f"study {spec.name}: {summary['crossover_line']}; table {summary['table_md']}")
+    failed = [r for r in rows if r["status"].startswith("failed")]
+    if failed:
+        raise StudyFailed(
+            f"study {spec.name}: {len(failed)} of {len(rows)} points failed (see {summary['table_md']}); rerun it to "
+            "retry them (finished points are reused)"
+        )
+    return summary
+
+
+def _run_point(spec: StudySpec, point: Point, i: int, n: int, parent: str | None, say) -> dict:
+    """One point as a nested pipeline run; its row (a failure is a row too: the other points go on)."""
+    start = time.monotonic()
+    say(f"[{i}/{n}] {point.label}: started")
+    tags = {
+        "study": spec.name,
+        "study.family": point.family,
+        "study.unique_tokens": str(point.unique_tokens),
+        "study.epochs": f"{point.epochs:g}",
+        "study.size": point.size or "preset",
+    }
+    try:
+        name = f"{spec.name}/{point.label}"
+        summary = pretrain(point.cfg, _Quiet(), parent=parent, run_name=name, tags=tags, rows=_rows())
+    except Exception as err:  # the study reports it in its table and goes on
+        say(f"[{i}/{n}] {point.label}: FAILED after {time.monotonic() - start:.0f} s: {type(err).__name__}: {err}")
+        return results.failed_row(point, err)
+    row = results.row(point, summary)
+    say(
+        f"[{i}/{n}] {point.label}: {row['status']} in {time.monotonic() - start:.0f} s: validation "
+        f"{row['validation_nll']:.4f} nats/token ({row['bound']}), {row['steps']} steps, {row['tokens_seen']:,} tokens"
+    )
+    return row
+
+
+_IN_PROCESS = threading.Lock()  # one point at a time runs a stage that computes in this process
+
+
+def _rows() -> list[Stage]:
+    """The pipeline's rows, each but training (its own processes) taking its turn in this process."""
+    return [row if row is TRAIN else _taking_turns(row) for row in PRETRAIN_STAGES]
+
+
+def _taking_turns(row: Stage) -> Stage:
+    fn = row.task.fn if isinstance(row.task, Task) else row.task
+
+    @functools.wraps(fn)
+    def turn(*args, **kwargs):
+        with _IN_PROCESS:
+            return fn(*args, **kwargs)
+
+    return dataclasses.replace(row, task=turn)
+
+
+class _Quiet:
+    """The pipeline's logger for a point: its progress line is the study's; the rest goes to Prefect's log."""
+
+    def info(self, msg: str) -> None:
+        try:
+            get_run_logger().debug(msg)
+        except Exception:  # outside a flow run (a plain call): nothing to log to
+            pass
+
+
+def _report(spec: StudySpec, rows: list[dict], out_dir: Path, parent: str | None) -> dict:
+    csv_path, md_path = results.write_table(rows, out_dir)
+    crossings = results.crossover(rows)
+    line = results.crossover_line(crossings)
+    plot = plot_study(rows, out_dir / "study.png", f"study {spec.name}: crossover {line}")
+    files = [p for p in (csv_path, md_path, plot) if p]
+    if parent:
+        tracking.log_files(files, "study")
+        tracking.set_tags({"study.crossover": line[:5000]})
+    return {
+        "name": spec.name,
+        "out_dir": str(out_dir),
+        "table_csv": str(csv_path),
+        "table_md": str(md_path),
+        "plot": str(plot) if plot else None,
+        "crossover": {str(k): v for k, v in crossings.items()},
+        "crossover_line": line,
+        "rows": rows,
+        "mlflow_run_id": parent,
+    }
