@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from difflm import set_offline_env
-from difflm.config import PipelineConfig, load_config, validate
+from difflm.config import PipelineConfig, load_config, study_spec, validate
 from difflm.errors import ConfigWarning, UserError, disk_full, is_disk_full
 from difflm.outputs import private_umask
 from difflm.rundir import RunDir, Workdir
@@ -111,6 +111,8 @@ class Command:
     # the run directory whose recorded config.yaml is this command's default config (None: none for these args)
     run_of: Callable[[argparse.Namespace], Path | None] | None = None
     default_preset: str = DEFAULT_PRESET  # --preset when neither it nor a run names one
+    # the command's config when a file of its own names the preset (study: the spec's first point)
+    config_of: Callable[[argparse.Namespace], PipelineConfig] | None = None
 
 
 def preset_default(cmd: Command) -> str:
@@ -150,6 +152,11 @@ def _last_run() -> RunDir | None:
 
 def _run_of_served(args) -> Path | None:
     return _run_of_run_dir(args) if args.served == "evaluate-latest" and args.run_dir else None
+
+
+def _study_config(args) -> PipelineConfig:
+    """The first point's config (its workdir holds Prefect's state); every point is checked here."""
+    return study_spec(args.spec, args.preset, args.overrides).points()[0].cfg
 
 
 SOURCE_HELP = "export folder, run directory, or models:/<name>/<version> | models:/<name>@<alias>"
@@ -290,6 +297,18 @@ COMMANDS = (
         default_preset="adapt-dream",
     ),
     Command(
+        "study",
+        "run a data-constrained study (families x unique tokens x epochs x sizes): flow study",
+        "Run the Prefect flow study on SPEC, a YAML grid: every point a cached run of pretrain-difflm nested in one "
+        "MLflow parent run, scored on the same held-out tokens; points already done are reused. Writes the results "
+        "table, the plot and the crossover per budget to <workdir>/studies/<name>. --preset replaces the spec's "
+        "preset; overrides join its base.",
+        lambda cfg, a: commands.study(a.spec, a.preset, a.overrides),
+        (arg("spec", metavar="SPEC", help="the study's YAML file (see docs/study.md)"),),
+        default_preset="the spec's preset",
+        config_of=_study_config,
+    ),
+    Command(
         "serve",
         "serve a flow (pretrain-difflm, adapt-difflm or evaluate-latest) as a Prefect deployment, optionally scheduled",
         "Register a deployment of FLOW and run its flow runs in this process until stopped (Ctrl-C): "
@@ -399,6 +418,8 @@ def _is_override(arg: str) -> bool:
 def resolve_config(cmd: Command, args) -> PipelineConfig:
     """The command's configuration, validated: --preset (else the run's recorded config.yaml for a command on a
     run, else tiny-cpu) + overrides + the options that set config fields. A new config, never one mutated."""
+    if cmd.config_of:
+        return cmd.config_of(args)
     run = cmd.run_of(args) if cmd.run_of and not args.preset else None
     if run is not None:
         from tasks.runs import stage_config
@@ -477,7 +498,7 @@ def _main(cmd, args) -> int:
         cfg = resolve_config(cmd, args)
         check_before_work(cmd.name, cfg, args)  # what needs no server fails before one starts
         _offline_env(cfg)  # Prefect's state beside the config's workdir (a run's own, for a command on a run)
-        with prefect_api(needed=cmd.name == "run" or bool(getattr(args, "flow", False))):
+        with prefect_api(needed=cmd.name in ("run", "study") or bool(getattr(args, "flow", False))):
             return cmd.handler(cfg, args)
     except UserError as err:  # the message already says what to do: no traceback
         print(f"difflm: {err}", file=sys.stderr)

@@ -82,6 +82,19 @@ def run(cfg: PipelineConfig) -> int:
     return 0
 
 
+def study(spec: str, preset: str | None, overrides: list[str]) -> int:
+    """The flow study; prints its table, the crossover per budget and where its files are."""
+    from flows.study import study as study_flow
+
+    summary = study_flow(spec=spec, preset=preset, overrides=overrides)
+    print(f"\n=== study {summary['name']} done ===")
+    print(Path(summary["table_md"]).read_text())
+    print(f"{'table':>8}: {summary['table_csv']}\n{'plot':>8}: {summary['plot']}\n{'folder':>8}: {summary['out_dir']}")
+    if summary.get("mlflow_run_id"):
+        print(f"{'MLflow':>8}: parent run {summary['mlflow_run_id']} (a nested run per point)")
+    return 0
+
+
 def remembered(cfg: PipelineConfig) -> str:
     """Make the config's workdir the one used last (`Workdir.remember`); the summary line that says so."""
     workdir = Workdir.of(cfg)

@@ -21,31 +21,30 @@ from pathlib import Path
 from prefect import Task, flow, get_run_logger
 
 from difflm import tracking
-from difflm.config import Point, StudySpec, load_study
-from difflm.errors import DiffLMError
+from difflm.config import Point, StudySpec, study_spec
+from difflm.errors import UserError
 from difflm.tracking.plots import plot_study
 from flows.pretrain import PRETRAIN_STAGES, TRAIN, pretrain
 from flows.stages import Stage
 from tasks import study as results
 
 
-class StudyFailed(DiffLMError):
+class StudyFailed(UserError):
     """Some points failed; the table names them and rerunning the study resumes (finished points are reused)."""
+
+    exit_code = 75  # EX_TEMPFAIL: rerunning resumes
 
 
 @flow(name="study", log_prints=True)
-def study(spec: str | dict, overrides: list[str] | None = None) -> dict:
+def study(spec: str, preset: str | None = None, overrides: list[str] | None = None) -> dict:
     """Run a data-constrained study: every point of its grid a cached sub-run of pretrain-difflm.
 
     Args:
-        spec: a study YAML file (families x unique_tokens x epochs x sizes; difflm/config/study.py), or its
-            contents as a mapping (what the Prefect UI form edits).
+        spec: a study YAML file (families x unique_tokens x epochs x sizes; docs/study.md).
+        preset: replaces the spec's preset (a name in configs/ or a YAML path).
         overrides: `section.field=value` overrides added to the spec's `base` (every point).
     """
-    spec_ = load_study(spec) if isinstance(spec, (str, Path)) else StudySpec.model_validate(spec)
-    if overrides:
-        spec_ = spec_.model_copy(update={"base": [*spec_.base, *overrides]})
-    return run_study(spec_, get_run_logger().info)
+    return run_study(study_spec(spec, preset, overrides), get_run_logger().info)
 
 
 def run_study(spec: StudySpec, say) -> dict:

@@ -46,7 +46,7 @@ from difflm.config.loading import (
 )
 from difflm.config.model import GEMM_TILE, GPU_WIDTH, MODEL_PRESETS, ModelConfig
 from difflm.config.pipeline import CheckpointConfig, ParallelConfig, PipelineConfig
-from difflm.config.study import Point, StudySpec, load_study
+from difflm.config.study import Point, StudySpec, load_study, study_spec
 from difflm.config.tracking import TrackingConfig
 from difflm.config.train import FaultsConfig, OptimizerConfig, ScheduleConfig, TrainConfig, is_hf_folder
 
@@ -103,6 +103,7 @@ __all__ = [
     "Point",
     "StudySpec",
     "load_study",
+    "study_spec",
     "save_config",
     "shell_safe_problem",
     "validate",

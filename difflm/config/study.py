@@ -150,3 +150,12 @@ def load_study(path: str | Path) -> StudySpec:
             msg = f"missing: {StudySpec.model_fields[loc].description}" if loc in StudySpec.model_fields else msg
         more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
         raise ConfigError(f"{path}: {loc}: {msg}{more}") from None
+
+
+def study_spec(path: str | Path, preset: str | None = None, overrides: list[str] | None = None) -> StudySpec:
+    """`load_study`, with another `preset` and more `base` overrides (the command line's)."""
+    spec = load_study(path)
+    update: dict[str, Any] = {"base": [*spec.base, *(overrides or [])]}
+    if preset:
+        update["preset"] = preset
+    return StudySpec.model_validate({**spec.model_dump(), **update})
