@@ -84,3 +84,12 @@ def test_a_point_whose_config_is_bad_is_named(tmp_path):
         spec.points()
     assert "\n" not in str(err.value)
     assert str(err.value).startswith("study smoke, point ar-mir-tiny-u1000-e1: invalid configuration:"), str(err.value)
+
+
+def test_the_shipped_study_specs_expand():
+    specs = sorted((Path(__file__).resolve().parents[3] / "configs" / "studies").glob("*.yaml"))
+    assert specs
+    for path in specs:
+        spec = load_study(path)
+        points = spec.points()
+        assert len(points) == len(spec.families) * len(spec.unique_tokens) * len(spec.epochs) * len(spec.sizes)
