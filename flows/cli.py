@@ -303,7 +303,7 @@ COMMANDS = (
         "MLflow parent run, scored on the same held-out tokens; points already done are reused. Writes the results "
         "table, the plot and the crossover per budget to <workdir>/studies/<name>. --preset replaces the spec's "
         "preset; overrides join its base.",
-        lambda cfg, a: commands.study(a.spec, a.preset, a.overrides),
+        lambda cfg, a: commands.study(cfg, a.spec, a.preset, a.overrides),
         (arg("spec", metavar="SPEC", help="the study's YAML file (see docs/study.md)"),),
         default_preset="the spec's preset",
         config_of=_study_config,

@@ -82,10 +82,12 @@ def run(cfg: PipelineConfig) -> int:
     return 0
 
 
-def study(spec: str, preset: str | None, overrides: list[str]) -> int:
-    """The flow study; prints its table, the crossover per budget and where its files are."""
+def study(cfg: PipelineConfig, spec: str, preset: str | None, overrides: list[str]) -> int:
+    """The flow study (`cfg`: its first point's); prints its table, the crossover per budget and its files."""
+    from data_prep.pipeline import preflight
     from flows.study import study as study_flow
 
+    preflight(cfg)  # bad data paths fail here, before a Prefect server starts (every point reads the same data)
     summary = study_flow(spec=spec, preset=preset, overrides=overrides)
     print(f"\n=== study {summary['name']} done ===")
     print(Path(summary["table_md"]).read_text())

@@ -19,6 +19,8 @@ COLUMNS = [
     "bound",
     "steps",
     "tokens_seen",
+    "subset_tokens",
+    "epochs_seen",
     "status",
     "mlflow_run_id",
 ]
@@ -45,6 +47,9 @@ def row(point: Point, summary: dict) -> dict:
         "bound": trained["kind"],
         "steps": summary["train_iters"],
         "tokens_seen": summary["train_iters"] * t.global_batch_size * t.seq_length,
+        # the budget's subset is whole documents: its tokens, and the epochs over them the steps made
+        "subset_tokens": summary["unique_tokens"],
+        "epochs_seen": summary["planned_epochs"],
         "status": f"ran {', '.join(ran)}" if ran else "reused",
         "mlflow_run_id": summary.get("mlflow_run_id") or "",
         "heldout_tokens": trained["tokens"],
@@ -98,7 +103,7 @@ def write_table(rows: list[dict], out_dir: Path) -> tuple[Path, Path]:
         writer.writeheader()
         writer.writerows(rows)
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in COLUMNS) + " |" for r in rows]
     lines += [
         "",
         f"crossover (smallest epochs where the best diffusion family beats the best AR family): "

@@ -51,6 +51,12 @@ def test_a_smoke_study_nests_tabulates_plots_and_reuses(session_dir, tiny_manife
     assert by["masked", 0.1]["steps"] > by["masked", 0.05]["steps"] and by["ar", 0.1]["bound"] == "exact"
     assert by["masked", 0.1]["bound"] == "elbo"
     assert by["ar", 0.1]["tokens_seen"] == by["ar", 0.1]["steps"] * 4 * 32  # test-tiny: 4 x 32 tokens a step
+    assert by["ar", 0.1]["subset_tokens"] >= 1000  # whole documents
+    assert (
+        0.1
+        <= by["ar", 0.1]["epochs_seen"]
+        == pytest.approx(by["ar", 0.1]["tokens_seen"] / by["ar", 0.1]["subset_tokens"], abs=1e-4)
+    )
 
     out = session_dir / "shared" / "studies" / "smoke"
     assert first["out_dir"] == str(out) and (out / "study.png").stat().st_size > 10_000
