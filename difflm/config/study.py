@@ -100,10 +100,36 @@ class StudySpec(BaseModel):
                             detail = " ".join(str(err).split())
                             raise ConfigError(f"study {self.name}, point {point.label}: {detail}") from None
                         out.append(point)
+        _same_heldout(self.name, out)
         return out
 
     def output_dir(self, cfg: PipelineConfig) -> Path:
         return Path(self.output) if self.output else Path(cfg.workdir) / "studies" / self.name
+
+
+def _heldout(cfg: PipelineConfig) -> dict[str, Any]:
+    """What decides the held-out tokens a point is scored on and how: the data but its training subset, the
+    tokenizer, the evaluation settings and the window length."""
+    data = cfg.data.model_dump(mode="json", exclude={"unique_tokens", "subset_seed"})
+    return {
+        "data": data,
+        "tokenizer": cfg.tokenizer.model_dump(mode="json"),
+        "eval": cfg.eval.model_dump(mode="json"),
+        "train.seq_length": cfg.train.seq_length,
+    }
+
+
+def _same_heldout(name: str, points: list[Point]) -> None:
+    """Every point is scored on the same held-out tokens, the same way: else the comparison means nothing."""
+    first = _heldout(points[0].cfg)
+    for point in points[1:]:
+        other = _heldout(point.cfg)
+        differ = [k for k in first if first[k] != other[k]]
+        if differ:
+            raise ConfigError(
+                f"study {name}: points {points[0].label} and {point.label} differ in {', '.join(differ)}, so they "
+                "would be scored on other held-out tokens or otherwise; set those in base, not in a family or size"
+            )
 
 
 def _no_grid_keys(overrides: list[str], where: str) -> None:

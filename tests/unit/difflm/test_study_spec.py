@@ -93,3 +93,11 @@ def test_the_shipped_study_specs_expand():
         spec = load_study(path)
         points = spec.points()
         assert len(points) == len(spec.families) * len(spec.unique_tokens) * len(spec.epochs) * len(spec.sizes)
+
+
+def test_points_scored_on_other_heldout_tokens_are_refused(tmp_path):
+    spec = load_study(
+        _spec(tmp_path, SPEC.replace("diffusion.mir_weight=0.4]", "diffusion.mir_weight=0.4, eval.max_sequences=3]"))
+    )
+    with pytest.raises(ConfigError, match=r"points masked-tiny-u1000-e1 and ar-mir-tiny-u1000-e1 differ in eval, so"):
+        spec.points()
