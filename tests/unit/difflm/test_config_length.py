@@ -27,10 +27,11 @@ def test_an_epochs_override_replaces_the_presets_steps_and_is_resolved_with_the_
     assert load_config("tiny-cpu").with_unique_tokens(50_000).train.train_iters == 1200
 
 
-def test_a_resolved_run_config_loads_back(tmp_path):
-    resolved = load_config("tiny-cpu", ["train.epochs=3"]).with_unique_tokens(50_000)
-    path = save_config(resolved, tmp_path / "config.yaml")
-    assert load_config(str(path)) == resolved
+def test_a_config_in_epochs_loads_back_before_and_after_its_steps_are_known(tmp_path):
+    cfg = load_config("tiny-cpu", ["train.epochs=3"])
+    assert load_config(str(save_config(cfg, tmp_path / "given.yaml"))) == cfg  # the Prefect parameter's round trip
+    resolved = cfg.with_unique_tokens(50_000)
+    assert load_config(str(save_config(resolved, tmp_path / "config.yaml"))) == resolved
 
 
 @pytest.mark.parametrize(
