@@ -7,6 +7,7 @@ import yaml
 from difflm.config import ConfigError, load_config, save_config
 from difflm.config.train import epochs_seen, iters_for_epochs
 from difflm.rundir import run_name
+from difflm.tracking import length_params
 
 
 def test_epochs_become_steps_rounded_up():
@@ -77,3 +78,19 @@ def test_the_budget_names_its_own_data_folder_and_the_seed_only_with_a_budget():
 def test_a_budget_must_hold_a_sample():
     with pytest.raises(ConfigError, match=r"data.unique_tokens \(100\) must exceed train.seq_length \(128\)"):
         load_config("tiny-cpu", ["data.unique_tokens=100"])
+
+
+def test_every_run_records_its_unique_tokens_and_planned_epochs():
+    steps = load_config("tiny-cpu")  # 1200 steps of 16 x 128 tokens
+    assert length_params(steps, 614_400) == {
+        "train.train_iters": 1200,
+        "train.unique_tokens": 614_400,
+        "train.planned_epochs": 4.0,
+    }
+    epochs = load_config("tiny-cpu", ["train.epochs=3"]).with_unique_tokens(50_000)
+    assert length_params(epochs, 50_000)["train.planned_epochs"] == round(74 * 2048 / 50_000, 4)
+
+
+def test_a_run_is_never_named_before_its_epochs_are_steps():
+    with pytest.raises(ConfigError, match=r"train.epochs=3 is not yet a number of steps"):
+        run_name(load_config("tiny-cpu", ["train.epochs=3"]), "d")
