@@ -71,8 +71,9 @@ def test_the_budget_names_its_own_data_folder_and_the_seed_only_with_a_budget():
     assert data("data.subset_seed=5") == base.stage_hash("data", "tokenizer")  # no budget: nothing to salt
     assert len({data(), data("data.unique_tokens=50000"), data("data.unique_tokens=9000")}) == 3
     assert data("data.unique_tokens=50000", "data.subset_seed=1") != data("data.unique_tokens=50000")
-    budget = load_config("tiny-cpu", ["data.unique_tokens=50000"])
+    budget = load_config("tiny-cpu", ["data.unique_tokens=50000", "data.subset_seed=3"])
     assert budget.without_budget().stage_hash("data", "tokenizer") == base.stage_hash("data", "tokenizer")
+    assert budget.without_budget().data == base.data  # the shared prep records no budget's settings
 
 
 def test_a_budget_must_hold_a_sample():
