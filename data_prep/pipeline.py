@@ -33,6 +33,7 @@ from pathlib import Path
 from datatrove.executor import SlurmPipelineExecutor
 from datatrove.utils.logging import logger
 
+from data_prep.budget import document_order, select, write_subset
 from data_prep.corpus import SOURCES, demo_corpus
 from data_prep.quiet import QuietLocalExecutor  # per-file and per-task INFO to the task logs only
 from data_prep.readers import DamagedFileError, detect_format, load_faults, make_reader, unknown_files
@@ -42,7 +43,8 @@ from data_prep.tokenizer import TokenizerError, TokenizerInfo, describe, load_to
 from data_prep.verify import read_index, verify
 from difflm.config import PARTITION, PipelineConfig, SourceConfig
 from difflm.errors import UserError, disk_full, is_disk_full
-from difflm.rundir import Workdir
+from difflm.locks import exclusive
+from difflm.rundir import Workdir, lock_file
 
 MANIFEST = "manifest.json"
 FAULTS = "logs/file_faults"  # one JSON report per damaged or unreadable input file
@@ -379,15 +381,28 @@ def summary_line(manifest: dict) -> str:
     return line
 
 
+def unique_tokens(manifest: dict) -> int:
+    """The tokens a run trains on, each seen once per epoch: the training split's (its data.unique_tokens subset's)."""
+    return int(manifest["splits"]["train"]["tokens"])
+
+
 def data_dir(cfg: PipelineConfig) -> Path:
+    """The folder of the data `cfg` trains on: its data prep, or with data.unique_tokens the subset cut from it."""
     return Workdir.of(cfg).data(cfg.stage_hash("data", "tokenizer"))
 
 
 def prepare_data(cfg: PipelineConfig) -> dict:
-    """Run data prep for `cfg` (finishing an interrupted run, or reusing a finished one); the manifest. A full
-    disk is one DiskFull line (nothing half-written is taken for done: the manifest is written last)."""
+    """Run data prep for `cfg` (finishing an interrupted run, or reusing a finished one); the manifest. With
+    data.unique_tokens, the prep of the whole split (shared by every budget, under its own lock) and then the
+    subset's manifest. A full disk is one DiskFull line (nothing half-written is taken for done: the manifest is
+    written last)."""
     try:
-        return _prepare_data(cfg)
+        if cfg.data.unique_tokens is None:
+            return _prepare_data(cfg)
+        whole = cfg.without_budget()
+        with exclusive(lock_file(data_dir(whole)), f"data prep {data_dir(whole)}", cfg.pipeline.on_busy):
+            full = _prepare_data(whole)
+        return budget_data(cfg, full)
     except OSError as err:
         if is_disk_full(err):
             raise disk_full(data_dir(cfg), "preparing data", "data prep starts again where it stopped") from None
@@ -438,6 +453,52 @@ def _prepare_data(cfg: PipelineConfig) -> dict:
     tmp.write_text(json.dumps(manifest, indent=2))
     tmp.replace(manifest_path)
     print(summary_line(manifest), flush=True)
+    return manifest
+
+
+def budget_data(cfg: PipelineConfig, full: dict) -> dict:
+    """The manifest of the data.unique_tokens subset of `full`'s training split (data_prep.budget), written once
+    into data_dir(cfg) and reused; its held-out splits are `full`'s own shards."""
+    out = data_dir(cfg)
+    manifest_path = out / MANIFEST
+    if manifest_path.exists():
+        return json.loads(manifest_path.read_text())
+    budget, seed, split = cfg.data.unique_tokens, cfg.data.subset_seed, full["splits"]["train"]
+    assert budget is not None
+    if budget > split["tokens"]:
+        raise DataPrepError(
+            f"data.unique_tokens={budget:,} is more than the training split holds ({split['tokens']:,} tokens in "
+            f"{split['documents']:,} documents): lower it, or set data.unique_tokens=null for the whole split"
+        )
+    chosen = select(document_order(split["prefixes"], seed), budget)
+    out.mkdir(parents=True, exist_ok=True)
+    write_subset(split["prefixes"], chosen, out, full["token_bytes"])
+    train = shard_stats(out, cfg.data.sources)["train"]
+    manifest = {
+        **full,
+        "dir": str(out),
+        "hash": out.name,
+        "splits": {**full["splits"], "train": train},
+        "budget": {
+            "unique_tokens": budget,
+            "subset_seed": seed,
+            "tokens": train["tokens"],
+            "documents": train["documents"],
+            "split_tokens": split["tokens"],
+            "split_documents": split["documents"],
+            "from": full["dir"],
+        },
+        "config": {"data": cfg.data.model_dump(mode="json"), "tokenizer": cfg.tokenizer.model_dump(mode="json")},
+    }
+    verify(manifest)
+    tmp = manifest_path.with_suffix(".part")
+    tmp.write_text(json.dumps(manifest, indent=2))
+    tmp.replace(manifest_path)
+    print(
+        f"data: a budget of {train['tokens']:,} unique tokens ({train['documents']} documents) of the training "
+        f"split's {split['tokens']:,} -> {out}",
+        flush=True,
+    )
     return manifest
 
 

@@ -34,7 +34,7 @@ from typing import Any
 from pydantic.dataclasses import dataclass
 from pydantic_core import core_schema
 
-from difflm.config import PipelineConfig, load_config
+from difflm.config import ConfigError, PipelineConfig, load_config
 
 CONFIG = "config.yaml"
 MANIFEST = "data_manifest.json"
@@ -404,5 +404,11 @@ class Workdir:
 
 
 def run_name(cfg: PipelineConfig, data_hash: str) -> str:
-    """<mode>-<data hash>-<hash of TRAIN_SECTIONS>: the name of the run training `cfg` on that data."""
+    """<mode>-<data hash>-<hash of TRAIN_SECTIONS>: the name of the run training `cfg` on that data. A length in
+    epochs is named by its steps: `cfg.with_unique_tokens` first."""
+    if cfg.train.epochs is not None:
+        raise ConfigError(
+            f"train.epochs={cfg.train.epochs:g} is not yet a number of steps: it is converted with the prepared "
+            "training split's tokens (PipelineConfig.with_unique_tokens) before the run is named"
+        )
     return f"{cfg.diffusion.model_running_mode}-{data_hash}-{cfg.stage_hash(*TRAIN_SECTIONS)}"

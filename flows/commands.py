@@ -123,6 +123,12 @@ def prep(cfg: PipelineConfig, flow: bool) -> int:
     for split, s in m["splits"].items():
         per = ", ".join(f"{k} {v['documents']} docs/{v['tokens']:,} tok" for k, v in s["sources"].items())
         lines.append(f"  {split:>5}: {s['documents']:>7} documents {s['tokens']:>12,} tokens  ({per})")
+    if m.get("budget"):
+        b = m["budget"]
+        lines.append(
+            f"  budget: train is {b['tokens']:,} unique tokens ({b['documents']} documents) of the split's "
+            f"{b['split_tokens']:,} (data.unique_tokens={b['unique_tokens']}, data.subset_seed={b['subset_seed']})"
+        )
     if m.get("skipped"):
         lines.append("  skipped/dropped: " + ", ".join(f"{k}={v}" for k, v in m["skipped"].items()))
     lines.append(f"  tokenizer: vocab {m['tokenizer']['vocab_size']}, sha256 {m['tokenizer']['sha256'][:12]}")
@@ -146,23 +152,25 @@ def verify(cfg: PipelineConfig) -> int:
 
 def train(cfg: PipelineConfig) -> int:
     """Data prep (reused), then training with train.launch.launcher; prints the launcher's result as JSON."""
-    from data_prep.pipeline import prepare_data
+    from data_prep.pipeline import prepare_data, unique_tokens
     from models.launch.cluster import submit_kubernetes, submit_slurm
     from models.launch.torchrun import launch_training
 
     launch = {"slurm": submit_slurm, "kubernetes": submit_kubernetes}.get(cfg.train.launch.launcher, launch_training)
-    print(json.dumps(launch(cfg, prepare_data(cfg)).to_dict(), indent=2))
+    manifest = prepare_data(cfg)
+    print(json.dumps(launch(cfg.with_unique_tokens(unique_tokens(manifest)), manifest).to_dict(), indent=2))
     return 0
 
 
 def launch(cfg: PipelineConfig, target: str) -> int:
     """Write the Slurm script or Kubernetes PyTorchJob of this config; print how to submit it."""
-    from data_prep.pipeline import prepare_data
+    from data_prep.pipeline import prepare_data, unique_tokens
     from models.launch.cluster import mount_problem, sbatch_command, write_launch_file
     from models.launch.torchrun import run_dir
 
     kind = "kubernetes" if target in ("k8s", "kubernetes") else "slurm"
     manifest = prepare_data(cfg)
+    cfg = cfg.with_unique_tokens(unique_tokens(manifest))  # a length in epochs: its steps
     rdir = run_dir(cfg, manifest)
     out = write_launch_file(cfg, manifest, kind)
     # time, partition and sbatch_args are sbatch's arguments, not lines of the script

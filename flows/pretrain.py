@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from data_prep.pipeline import MANIFEST, data_dir
+from data_prep.pipeline import MANIFEST, data_dir, unique_tokens
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
 from difflm.rundir import RunDir, TrainResult, Workdir, is_checkpoint, is_export_of
@@ -76,6 +76,8 @@ def run_pipeline(
     summary = {
         "workdir": run.cfg.workdir,
         "data_dir": run["manifest"]["dir"],
+        # the unique training tokens and the epochs over them the run's steps make
+        **{k.split(".")[1]: v for k, v in tracking.length_params(run.cfg, unique_tokens(run["manifest"])).items()},
         "run_dir": str(trained.run.path),
         "hf_dir": run["hf_dir"],
         "stages": stages,
@@ -140,14 +142,19 @@ def _data_stats(run: PipelineRun, out: Outcome) -> None:
     tracking.log_data_stats(out.result, context="output")
 
 
-def _parent_data_stats(run: PipelineRun, out: Outcome) -> None:
+def _data_ready(run: PipelineRun, out: Outcome) -> None:
+    """The run's length in steps, now that the unique training tokens are known (a length given as train.epochs);
+    the data and the length into the parent run."""
+    run.cfg = run.cfg.with_unique_tokens(unique_tokens(out.result))
     if run.run_id:
         tracking.log_data_stats(out.result)
+        tracking.log_length(run.cfg, unique_tokens(out.result))
 
 
 def _train_inputs(run: PipelineRun) -> None:
     if run.sid:
         tracking.log_data_stats(run["manifest"])
+        tracking.log_length(run.cfg, unique_tokens(run["manifest"]))
 
 
 def _trained(run: PipelineRun, out: Outcome) -> None:
@@ -191,7 +198,7 @@ DATA_PREP = Stage(
     done=lambda run, out: (out / MANIFEST).exists(),
     args=lambda run, out, key: (run.cfg,),
     log=_data_stats,
-    after=_parent_data_stats,
+    after=_data_ready,
     summary=lambda run, out: artifacts.data_markdown(out.result, out.cached),
     title="data prep",
 )

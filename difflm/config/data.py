@@ -11,7 +11,7 @@ from pydantic import (
     model_validator,
 )
 
-from difflm.config.base import _Section
+from difflm.config.base import IF_SET, _Section
 from difflm.config.launch import SlurmConfig
 
 
@@ -57,6 +57,17 @@ class DataConfig(_Section):
     valid_fraction: float = Field(0.05, ge=0.0, lt=0.5, description="Share of documents held out for validation.")
     test_fraction: float = Field(0.0, ge=0.0, lt=0.5, description="Share of documents held out for test.")
     split_seed: int = Field(0, description="Salt of the document hash that assigns splits.")
+    unique_tokens: int | None = Field(
+        None,
+        ge=1,
+        json_schema_extra=IF_SET,  # None trains on the whole split, as every run before it did
+        description="Unique-data budget: train on a fixed subset of about this many tokens of the training split "
+        "(whole documents in the order of a salted hash of their tokens, so a smaller budget is a subset of a "
+        "larger one); the held-out splits are untouched. None: the whole training split.",
+    )
+    subset_seed: int = Field(
+        0, json_schema_extra=IF_SET, description="Salt of the document hash that picks the data.unique_tokens subset."
+    )
     tasks: int | None = Field(None, ge=1, description="Output shards per (split, source) (None: = workers).")
     workers: int = Field(1, ge=1, description="Parallel processes of the local executor.")
     executor: Literal["local", "slurm", "ray"] = "local"

@@ -114,9 +114,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             data["train"] = nest_train_fields(data["train"])
         except ValueError as err:
             raise ConfigError(str(err)) from None
+    lengths = set()  # which of the run's two lengths the overrides give
     for text in overrides:
         keys, value = parse_override(text)
         keys = new_train_key(keys)  # train.lr=... -> train.optimizer.lr=...
+        if keys in (["train", "train_iters"], ["train", "epochs"]) and value is not None:
+            lengths.add(keys[1])
         if len(keys) == 2 and keys[0] == "eval" and keys[1] in FLAT_SAMPLER_FIELDS:  # eval.temperature=...
             keys = ["eval", "sampler", FLAT_SAMPLER_FIELDS[keys[1]]]
         node = data
@@ -125,6 +128,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             if not isinstance(node, dict):
                 raise ConfigError(f"override {text!r}: {k!r} is not a section")
         node[keys[-1]] = value
+    if len(lengths) == 1 and isinstance(data.get("train"), dict):  # the command line's length replaces the preset's
+        data["train"].pop(({"train_iters", "epochs"} - lengths).pop(), None)
     return data
 
 

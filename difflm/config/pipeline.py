@@ -13,7 +13,7 @@ from pydantic import (
     model_validator,
 )
 
-from difflm.config.base import _identity, _Section
+from difflm.config.base import ConfigError, _identity, _Section
 from difflm.config.concurrency import ConcurrencyConfig
 from difflm.config.data import DataConfig, TokenizerConfig
 from difflm.config.diffusion import (
@@ -27,7 +27,7 @@ from difflm.config.diffusion import (
 from difflm.config.evaluation import EvalConfig
 from difflm.config.model import ModelConfig
 from difflm.config.tracking import TrackingConfig
-from difflm.config.train import TrainConfig
+from difflm.config.train import TrainConfig, iters_for_epochs
 
 
 class ParallelConfig(_Section):
@@ -99,6 +99,15 @@ class PipelineConfig(_Section):
         return self
 
     @model_validator(mode="after")
+    def _budget_holds_a_sample(self) -> PipelineConfig:
+        budget, seq = self.data.unique_tokens, self.train.seq_length
+        if budget is not None and budget <= seq:
+            raise ValueError(
+                f"data.unique_tokens ({budget}) must exceed train.seq_length ({seq}): a sample is seq_length + 1 tokens"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _objective_and_model(self) -> PipelineConfig:
         d = self.diffusion
         modes().objective_class(d.model_running_mode).check_model(
@@ -111,12 +120,38 @@ class PipelineConfig(_Section):
         """The fields of `section` that name its stage's output directory: all but the OPERATIONAL ones."""
         if section == "diffusion":  # the settings every mode's name held before the per-mode sections
             return {**FLAT_IDENTITY_DEFAULTS, **_identity(self.diffusion)}
+        if section == "data" and self.data.unique_tokens is None:  # the subset's salt, without a subset: no data
+            return {k: v for k, v in _identity(self.data).items() if k != "subset_seed"}
         return _identity(getattr(self, section))
 
     def stage_hash(self, *sections: str) -> str:
         """A short content hash of the identity fields of the named sections: a stage's output directory name."""
         payload = {s: self.identity(s) for s in sections}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
+
+    def without_budget(self) -> PipelineConfig:
+        """This config on the whole training split (data.unique_tokens and its seed unset): the data prep a budget
+        is cut from."""
+        whole = self.data.model_copy(
+            update={"unique_tokens": None, "subset_seed": DataConfig.model_fields["subset_seed"].default}
+        )
+        return self.model_copy(update={"data": whole})
+
+    def with_unique_tokens(self, unique_tokens: int) -> PipelineConfig:
+        """This config with its length in steps: train.epochs over `unique_tokens` (the prepared training split's
+        tokens) becomes train.train_iters, before the run is named; unchanged when train_iters is the length."""
+        t = self.train
+        if t.epochs is None:
+            return self
+        iters = iters_for_epochs(t.epochs, unique_tokens, t.global_batch_size, t.seq_length)
+        if t.schedule.warmup_iters >= iters:
+            raise ConfigError(
+                f"train.epochs={t.epochs:g} over {unique_tokens:,} unique tokens is {iters} steps of "
+                f"{t.global_batch_size} x {t.seq_length} tokens: train.schedule.warmup_iters "
+                f"({t.schedule.warmup_iters}) must be below that; lower it or raise train.epochs"
+            )
+        train = t.model_copy(update={"train_iters": iters, "epochs": None})
+        return self.model_copy(update={"train": train})
 
     def data_label(self) -> str:
         """Which data, in words, for names people read (registered model, MLflow runs): the sources' labels. The
@@ -135,4 +170,6 @@ class PipelineConfig(_Section):
                 out[prefix] = obj
 
         walk("", self.model_dump(mode="json"))
+        if self.train.epochs is not None:  # the length is train.epochs; train_iters is known after data prep
+            out.pop("train.train_iters")
         return out

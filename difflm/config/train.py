@@ -5,6 +5,7 @@ of before (FLATTEN), and the flat spellings (`train.lr=...`) still work for a re
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -124,7 +125,15 @@ class TrainConfig(_Section):
     seq_length: int = Field(128, ge=8)
     micro_batch_size: int = Field(8, ge=1)
     global_batch_size: int = Field(8, ge=1)
-    train_iters: int = Field(200, ge=1)
+    train_iters: int = Field(200, ge=1, description="The run's length in optimizer steps (or give train.epochs).")
+    epochs: float | None = Field(
+        None,
+        gt=0.0,
+        json_schema_extra=IF_SET,  # replaced by train_iters once the data is prepared, before the run is named
+        description="The run's length in passes over the unique training tokens (the data.unique_tokens subset, "
+        "or the whole split), instead of train_iters: train_iters = ceil(epochs x unique tokens / "
+        "(global_batch_size x seq_length)), set after data prep.",
+    )
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, json_schema_extra=FLATTEN)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig, json_schema_extra=FLATTEN)
     faults: FaultsConfig = Field(default_factory=FaultsConfig, json_schema_extra=OPERATIONAL)
@@ -176,9 +185,21 @@ class TrainConfig(_Section):
         return data
 
     @model_validator(mode="after")
+    def _one_length(self) -> TrainConfig:
+        # with epochs, train_iters holds its default until the data is prepared: a config written out then (the
+        # Prefect parameter, `difflm config show`) reads back with both keys
+        placeholder = self.train_iters == type(self).model_fields["train_iters"].default
+        if self.epochs is not None and "train_iters" in self.model_fields_set and not placeholder:
+            raise ValueError(
+                f"train.train_iters ({self.train_iters}) and train.epochs ({self.epochs}) are both set: the run's "
+                "length is one of them; remove one (an override of either replaces a preset's)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _schedule(self) -> TrainConfig:
         warmup = self.schedule.warmup_iters
-        if warmup >= self.train_iters:
+        if self.epochs is None and warmup >= self.train_iters:  # with epochs: checked once the length is known
             raise ValueError(
                 f"warmup_iters ({warmup}) must be below train_iters ({self.train_iters}): set "
                 f"train.schedule.warmup_iters too, e.g. train.schedule.warmup_iters={max(self.train_iters // 10, 0)}"
@@ -186,3 +207,14 @@ class TrainConfig(_Section):
         if self.schedule.min_lr > self.optimizer.lr:
             raise ValueError(f"min_lr ({self.schedule.min_lr}) must not exceed lr ({self.optimizer.lr})")
         return self
+
+
+def iters_for_epochs(epochs: float, unique_tokens: int, global_batch_size: int, seq_length: int) -> int:
+    """Optimizer steps that see `epochs` passes over `unique_tokens` (each step: global_batch_size sequences of
+    seq_length tokens), rounded up; at least 1."""
+    return max(1, math.ceil(epochs * unique_tokens / (global_batch_size * seq_length)))
+
+
+def epochs_seen(iteration: int, unique_tokens: int, global_batch_size: int, seq_length: int) -> float:
+    """Passes over the unique training tokens after `iteration` steps: tokens seen / unique tokens."""
+    return iteration * global_batch_size * seq_length / max(unique_tokens, 1)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from difflm.config import PipelineConfig, TrackingConfig
+from difflm.config.train import epochs_seen
 from difflm.locks import exclusive
 from difflm.rundir import TrainResult, Workdir, lock_file
 from difflm.tracking import registry
@@ -333,6 +334,26 @@ def log_data_stats(manifest: dict, context: str = "training") -> None:
     mlflow.log_input(dataset(manifest), context=context, tags=data_counts(manifest))
     mlflow.log_dict(manifest, "data/manifest.json")
     mlflow.set_tags({"data.hash": manifest["hash"], "data.dir": manifest["dir"]})
+
+
+def length_params(cfg: PipelineConfig, unique_tokens: int) -> dict[str, int | float]:
+    """The run's length: its steps, the unique training tokens (the data.unique_tokens subset's, or the whole
+    split's) and the epochs over them that the steps make (`cfg` with its length in steps)."""
+    t = cfg.train
+    epochs = epochs_seen(t.train_iters, unique_tokens, t.global_batch_size, t.seq_length)
+    return {
+        "train.train_iters": t.train_iters,
+        "train.unique_tokens": unique_tokens,
+        "train.planned_epochs": round(epochs, 4),
+    }
+
+
+@tolerant
+def log_length(cfg: PipelineConfig, unique_tokens: int) -> None:
+    """`length_params` as params of the active run."""
+    import mlflow
+
+    mlflow.log_params(length_params(cfg, unique_tokens))
 
 
 def dataset(manifest: dict):

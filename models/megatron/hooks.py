@@ -201,7 +201,7 @@ def format_duration(seconds: float) -> str:
 
 class IntervalLogger(Hook):
     """Every train.log_interval iterations and after the last: the interval's mean loss, the lr, grad norm,
-    tokens/s, TFLOP/s and MFU per device and peak memory, into metrics.jsonl and the log. Time the hooks spent
+    tokens/s, TFLOP/s and MFU per device, peak memory and the epochs seen, into metrics.jsonl and the log. Time the hooks spent
     outside training (evaluation, checkpoint saves) is left out of the interval, wherever it falls."""
 
     def on_start(self, trainer: Trainer) -> None:
@@ -229,6 +229,7 @@ class IntervalLogger(Hook):
             tokens_per_s=tok_s,
             **eff,
             peak_memory_gb=memory,
+            epochs=trainer.epochs(step.it),
         )
         mfu = f" MFU {eff['mfu']:.1%}" if eff["mfu"] is not None else ""
         mem = f" {memory:.1f} GB" if memory is not None else ""

@@ -29,6 +29,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from difflm.config import PipelineConfig, load_config
+from difflm.config.train import epochs_seen
 from difflm.errors import NonFiniteStop, TrainingPreempted
 from difflm.rundir import RunDir
 from models.diffusion.documents import document_ids, document_pairs
@@ -271,6 +272,7 @@ class Trainer:
         t = cfg.train
         tok = manifest["tokenizer"]
         self.vocab_size, self.special = tok["vocab_size"], SpecialTokens.from_manifest(tok)
+        self.unique_tokens = int(manifest["splits"]["train"]["tokens"])  # an epoch: each of them seen once
         self.objective = build_objective(cfg.diffusion, self.special.ids())  # the one reading of the mode
         self.train_ds, self.valid_ds = build_datasets(
             cfg, manifest, t.train_iters * t.global_batch_size, (t.eval_iters + 1) * t.global_batch_size
@@ -314,6 +316,7 @@ class Trainer:
         t = self.cfg.train
         self.log(
             f"[train] mode={self.objective.name} start_iter={self.start} train_iters={t.train_iters} "
+            f"unique_tokens={self.unique_tokens:,} epochs={self.epochs(t.train_iters):.4g} "
             f"params/rank={sum(p.numel() for p in self.ddp.module.parameters()):,}"
         )
         self.log_kernels()
@@ -322,6 +325,11 @@ class Trainer:
             for done in range(self.start, t.train_iters):
                 self.run_hooks("pre_step", done)
                 self.run_hooks("post_step", self.train_step(done))
+
+    def epochs(self, iteration: int) -> float:
+        """Passes over the unique training tokens after `iteration` steps (tokens seen / unique tokens)."""
+        t = self.cfg.train
+        return epochs_seen(iteration, self.unique_tokens, t.global_batch_size, t.seq_length)
 
     def log_kernels(self) -> None:
         """Once: the kernels this run uses (models/megatron/kernels.py) and the attention kernel SDPA picks at the

@@ -182,6 +182,8 @@ IDENTITY = {
         "valid_fraction",
         "test_fraction",
         "split_seed",
+        "unique_tokens",  # IF_SET: the budget's subset is a folder of its own; unset, the whole split as before
+        "subset_seed",  # IF_SET, and only with unique_tokens (PipelineConfig.identity)
         "tasks",
         "workers",
         "executor",
@@ -240,6 +242,7 @@ IDENTITY = {
         "micro_batch_size",
         "global_batch_size",
         "train_iters",
+        "epochs",  # IF_SET: replaced by train_iters once the data is prepared, before a run is named
         "lr",
         "min_lr",
         "warmup_iters",
@@ -329,7 +332,9 @@ def test_an_operational_field_does_not_fork_the_run_directory():
 def test_identity_leaves_out_the_operational_fields_only():
     cfg = validate(copy.deepcopy(TEST_TINY))
     ident = cfg.identity("train")
-    assert set(ident) == IDENTITY["train"] - {"init_from_hf"} and ident["lr"] == cfg.train.optimizer.lr  # IF_SET, unset
+    assert (
+        set(ident) == IDENTITY["train"] - {"init_from_hf", "epochs"} and ident["lr"] == cfg.train.optimizer.lr
+    )  # IF_SET, unset
     hf = validate(apply_overrides(copy.deepcopy(TEST_TINY), ["train.init_from_hf=/models/smollm2"]))
     assert hf.identity("train")["init_from_hf"] == "/models/smollm2"
     assert cfg.identity("data")["slurm"] == cfg.data.slurm.model_dump(mode="json")

@@ -43,6 +43,7 @@ class FakeTrainer(Trainer):
     def __init__(self, cfg, hooks: list[Hook], clock: Clock):
         self.cfg, self.hooks, self.clock, self.excluded_s = cfg, hooks, clock, 0.0
         self.n_devices, self.peak = 1, None
+        self.unique_tokens = 1280  # test-tiny: 4 x 32 tokens a step, an epoch every 10 steps
         self.opt = types.SimpleNamespace(param_groups=[{"lr": 1e-3}])
         self.metrics, self.lines = Recorder(), []
         self.log = self.lines.append
@@ -77,6 +78,7 @@ def test_interval_throughput_leaves_out_evaluation_and_checkpoint_time(tmp_path)
     assert [recs[s]["tokens_per_s"] for s in (4, 8, 12)] == [pytest.approx(100.0)] * 3
     assert [recs[s]["tflops_per_device"] for s in (4, 8, 12)] == [pytest.approx(1.0)] * 3
     assert trainer.excluded_s == pytest.approx(90.0)
+    assert [recs[s]["epochs"] for s in (4, 8, 12)] == [pytest.approx(0.4), pytest.approx(0.8), pytest.approx(1.2)]
     assert "100 tok/s" in trainer.lines[1]
 
 
