@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from data_prep.pipeline import MANIFEST, prepare_data
+from data_prep.pipeline import MANIFEST, prepare_data, unique_tokens
 from data_prep.tokenizer import describe
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
@@ -342,7 +342,7 @@ def training_mlflow_run(cfg: PipelineConfig, run_dir: Path, manifest: dict) -> s
         try:
             their = PipelineConfig.model_validate(
                 yaml.safe_load(mlflow.artifacts.load_text(f"{run.info.artifact_uri}/config/resolved.yaml"))
-            )
+            ).with_unique_tokens(unique_tokens(manifest))  # logged before a length in epochs had its steps
         except Exception:  # no config artifact (tracking degraded then): not provably this run
             continue
         if run_name(their, manifest["hash"]) == run_dir.name:

@@ -130,8 +130,12 @@ class PipelineConfig(_Section):
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:12]
 
     def without_budget(self) -> PipelineConfig:
-        """This config on the whole training split (data.unique_tokens unset): the data prep a budget is cut from."""
-        return self.model_copy(update={"data": self.data.model_copy(update={"unique_tokens": None})})
+        """This config on the whole training split (data.unique_tokens and its seed unset): the data prep a budget
+        is cut from."""
+        whole = self.data.model_copy(
+            update={"unique_tokens": None, "subset_seed": DataConfig.model_fields["subset_seed"].default}
+        )
+        return self.model_copy(update={"data": whole})
 
     def with_unique_tokens(self, unique_tokens: int) -> PipelineConfig:
         """This config with its length in steps: train.epochs over `unique_tokens` (the prepared training split's

@@ -186,7 +186,10 @@ class TrainConfig(_Section):
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:
-        if self.epochs is not None and "train_iters" in self.model_fields_set:
+        # with epochs, train_iters holds its default until the data is prepared: a config written out then (the
+        # Prefect parameter, `difflm config show`) reads back with both keys
+        placeholder = self.train_iters == type(self).model_fields["train_iters"].default
+        if self.epochs is not None and "train_iters" in self.model_fields_set and not placeholder:
             raise ValueError(
                 f"train.train_iters ({self.train_iters}) and train.epochs ({self.epochs}) are both set: the run's "
                 "length is one of them; remove one (an override of either replaces a preset's)"

@@ -71,6 +71,9 @@ def test_training_helped_and_samples_record_their_sampler(first):
 def test_one_mlflow_run_with_params_and_curves(first):
     client, run = first["client"], first["run"]
     assert run.data.params["train.train_iters"] == "30"
+    unique = first["manifest"]["splits"]["train"]["tokens"]  # every run records its unique tokens and epochs
+    assert run.data.params["train.unique_tokens"] == str(unique) == str(first["summary"]["unique_tokens"])
+    assert first["summary"]["planned_epochs"] == float(run.data.params["train.planned_epochs"]) > 0
     assert run.data.params["diffusion.model_running_mode"] == "difflm-noshift"
     assert len(client.get_metric_history(run.info.run_id, "loss")) >= 3
     assert len(client.get_metric_history(run.info.run_id, "val_loss")) >= 2

@@ -104,7 +104,8 @@ def test_a_budget_of_a_real_prep_keeps_the_held_out_split_and_is_reused(session_
     assert small["splits"]["valid"] == tiny_manifest["splits"]["valid"]  # the same held-out tokens
     assert small["tokenizer"] == tiny_manifest["tokenizer"]
     assert prepare_data(cfg) == small  # reused: written once
-    larger = prepare_data(tiny_config(workdir, "data.unique_tokens=3000"))
+    larger = prepare_data(tiny_config(workdir, "data.unique_tokens=60000"))
+    assert larger["splits"]["train"]["documents"] > train["documents"]
     assert _all_documents(larger)[: train["documents"]] == _all_documents(small)  # nested: a prefix of it
     with pytest.raises(DataPrepError, match=f"more than the training split holds \\({full['tokens']:,} tokens"):
         prepare_data(tiny_config(workdir, f"data.unique_tokens={full['tokens'] + 1}"))

@@ -7,6 +7,7 @@ import yaml
 from difflm.config import ConfigError, load_config, save_config
 from difflm.config.train import epochs_seen, iters_for_epochs
 from difflm.rundir import run_name
+from difflm.tracking import length_params
 
 
 def test_epochs_become_steps_rounded_up():
@@ -27,10 +28,11 @@ def test_an_epochs_override_replaces_the_presets_steps_and_is_resolved_with_the_
     assert load_config("tiny-cpu").with_unique_tokens(50_000).train.train_iters == 1200
 
 
-def test_a_resolved_run_config_loads_back(tmp_path):
-    resolved = load_config("tiny-cpu", ["train.epochs=3"]).with_unique_tokens(50_000)
-    path = save_config(resolved, tmp_path / "config.yaml")
-    assert load_config(str(path)) == resolved
+def test_a_config_in_epochs_loads_back_before_and_after_its_steps_are_known(tmp_path):
+    cfg = load_config("tiny-cpu", ["train.epochs=3"])
+    assert load_config(str(save_config(cfg, tmp_path / "given.yaml"))) == cfg  # the Prefect parameter's round trip
+    resolved = cfg.with_unique_tokens(50_000)
+    assert load_config(str(save_config(resolved, tmp_path / "config.yaml"))) == resolved
 
 
 @pytest.mark.parametrize(
@@ -69,10 +71,27 @@ def test_the_budget_names_its_own_data_folder_and_the_seed_only_with_a_budget():
     assert data("data.subset_seed=5") == base.stage_hash("data", "tokenizer")  # no budget: nothing to salt
     assert len({data(), data("data.unique_tokens=50000"), data("data.unique_tokens=9000")}) == 3
     assert data("data.unique_tokens=50000", "data.subset_seed=1") != data("data.unique_tokens=50000")
-    budget = load_config("tiny-cpu", ["data.unique_tokens=50000"])
+    budget = load_config("tiny-cpu", ["data.unique_tokens=50000", "data.subset_seed=3"])
     assert budget.without_budget().stage_hash("data", "tokenizer") == base.stage_hash("data", "tokenizer")
+    assert budget.without_budget().data == base.data  # the shared prep records no budget's settings
 
 
 def test_a_budget_must_hold_a_sample():
     with pytest.raises(ConfigError, match=r"data.unique_tokens \(100\) must exceed train.seq_length \(128\)"):
         load_config("tiny-cpu", ["data.unique_tokens=100"])
+
+
+def test_every_run_records_its_unique_tokens_and_planned_epochs():
+    steps = load_config("tiny-cpu")  # 1200 steps of 16 x 128 tokens
+    assert length_params(steps, 614_400) == {
+        "train.train_iters": 1200,
+        "train.unique_tokens": 614_400,
+        "train.planned_epochs": 4.0,
+    }
+    epochs = load_config("tiny-cpu", ["train.epochs=3"]).with_unique_tokens(50_000)
+    assert length_params(epochs, 50_000)["train.planned_epochs"] == round(74 * 2048 / 50_000, 4)
+
+
+def test_a_run_is_never_named_before_its_epochs_are_steps():
+    with pytest.raises(ConfigError, match=r"train.epochs=3 is not yet a number of steps"):
+        run_name(load_config("tiny-cpu", ["train.epochs=3"]), "d")
