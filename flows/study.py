@@ -5,8 +5,9 @@ each stage cached as in any pipeline run (a point already done is reused: rerunn
 point is scored on its preset's held-out split, which data.unique_tokens leaves untouched. Points run in threads,
 `parallel` at a time: the trainers are processes and train at once, while the stages that compute in this process
 (data prep, conversion, evaluation: one torch process group, the same cores) take turns. MLflow keeps one active
-run per thread, so each point's run names the study's as its parent. The results table
-(CSV, markdown), the plot and the crossover per budget go into the study's folder and the parent run."""
+run per thread, so each point's run names the study's as its parent. The results table (CSV, markdown), the
+plot, the crossover per budget and the data-reuse half-life per family go into the study's folder and the parent
+run."""
 
 from __future__ import annotations
 
@@ -130,11 +131,13 @@ def _report(spec: StudySpec, rows: list[dict], out_dir: Path, parent: str | None
     csv_path, md_path = results.write_table(rows, out_dir)
     crossings = results.crossover(rows)
     line = results.crossover_line(crossings)
+    fits = results.half_lives(rows)
     plot = plot_study(rows, out_dir / "study.png", f"study {spec.name}: crossover {line}")
     files = [p for p in (csv_path, md_path, plot) if p]
     if parent:
         tracking.log_files(files, "study")
-        tracking.set_tags({"study.crossover": line[:5000]})
+        half_life = {f"study.half_life.{fit.label}": fit.tag()[:5000] for fit in fits}
+        tracking.set_tags({"study.crossover": line[:5000], **half_life})
     return {
         "name": spec.name,
         "out_dir": str(out_dir),
@@ -143,6 +146,7 @@ def _report(spec: StudySpec, rows: list[dict], out_dir: Path, parent: str | None
         "plot": str(plot) if plot else None,
         "crossover": {str(k): v for k, v in crossings.items()},
         "crossover_line": line,
+        "half_life": {fit.label: fit.tag() for fit in fits},
         "rows": rows,
         "mlflow_run_id": parent,
     }

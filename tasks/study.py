@@ -1,11 +1,15 @@
 """The study's results, as plain functions: one row per point from its pipeline summary, the table (CSV and
 markdown), and the crossover per budget (the smallest epochs at which the best diffusion family beats the best
-AR family, or none)."""
+AR family, or none), and the data-reuse half-life R* per family fitted where there are enough points."""
 
 from __future__ import annotations
 
 import csv
+import math
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from difflm.config import Point
 
@@ -95,7 +99,8 @@ def crossover_line(crossings: dict[int, float | None]) -> str:
 
 
 def write_table(rows: list[dict], out_dir: Path) -> tuple[Path, Path]:
-    """results.csv and results.md in `out_dir` (the markdown ends with the crossover per budget)."""
+    """results.csv and results.md in `out_dir` (the markdown ends with the crossover per budget and the
+    data-reuse half-life per family)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     csv_path, md_path = out_dir / "results.csv", out_dir / "results.md"
     with csv_path.open("w", newline="") as f:
@@ -109,6 +114,106 @@ def write_table(rows: list[dict], out_dir: Path) -> tuple[Path, Path]:
         f"crossover (smallest epochs where the best diffusion family beats the best AR family): "
         f"{crossover_line(crossover(rows))}",
         "",
+        *(f"{fit.label}: {fit.line()}" for fit in half_lives(rows)),
+        "",
     ]
     md_path.write_text("\n".join(lines))
     return csv_path, md_path
+
+
+# The data-reuse half-life (Muennighoff et al., "Scaling Data-Constrained Language Models"; Prabhudesai et al.
+# fit R* ~ 500 for masked diffusion, ~ 15 for AR): U unique tokens seen for R = epochs - 1 extra epochs are worth
+# D' = U + U R* (1 - exp(-R / R*)) fresh tokens, and the loss is L = E_inf + A / D'^ALPHA. R* is the constant the
+# papers call the half-life: after R* repetitions a further epoch is worth 1/e of fresh data (half: R* ln 2).
+ALPHA = 0.3  # fixed: a study has a handful of epochs per family, too few to tell ALPHA from R* (they trade off);
+# 0.3 is near the data exponents fitted on fresh data (Chinchilla 0.28) and R* moves little across 0.25-0.4
+MIN_EPOCHS = 3  # distinct epochs above 1: R*, E_inf and A are three unknowns
+R_STAR_GRID = np.logspace(-1, 4, 501)  # 0.1 to 10,000 repetitions, log-spaced
+
+
+@dataclass(frozen=True)
+class HalfLife:
+    """A family's fitted R* (None when absent: `reason` says why); `above` is set instead when the best fit lies
+    beyond the largest repetitions tried, where the points cannot tell R* from infinity."""
+
+    label: str
+    points: int
+    r_star: float | None = None
+    above: float | None = None
+    reason: str = ""
+
+    def line(self) -> str:
+        if self.r_star is not None:
+            return f"data-reuse half-life: R* = {self.r_star:.3g} epochs (fit on {self.points} points)"
+        if self.above is not None:
+            return (
+                f"data-reuse half-life: R* greater than the largest epochs tried ({self.above:g}; fit on "
+                f"{self.points} points): repeated data kept nearly its full value"
+            )
+        return f"data-reuse half-life: absent ({self.reason})"
+
+    def tag(self) -> str:
+        """The value of the parent run's tag `study.half_life.<label>`."""
+        if self.r_star is not None:
+            return f"{self.r_star:.4g}"
+        return f">{self.above:g}" if self.above is not None else f"absent: {self.reason}"
+
+
+def effective_tokens(unique: float, epochs: float, r_star: float) -> float:
+    """D': the fresh tokens that `epochs` passes over `unique` tokens are worth (R* = inf: all of them)."""
+    repeats = max(epochs - 1.0, 0.0)
+    if math.isinf(r_star):
+        return unique * (1.0 + repeats)
+    return unique * (1.0 + r_star * -math.expm1(-repeats / r_star))
+
+
+def half_lives(rows: list[dict]) -> list[HalfLife]:
+    """R* per family (per family and size when the rows have several sizes), from its finished points."""
+    done = [r for r in rows if r.get("validation_nll") not in ("", None)]
+    groups = sorted({(r["family"], r.get("size", "preset")) for r in rows})
+    several_sizes = len({size for _, size in groups}) > 1
+    return [
+        fit_half_life(
+            [r for r in done if (r["family"], r.get("size", "preset")) == (family, size)],
+            f"{family}/{size}" if several_sizes else family,
+        )
+        for family, size in groups
+    ]
+
+
+def fit_half_life(rows: list[dict], label: str) -> HalfLife:
+    """Fit R* to one family's points: L = E_inf + A_U / D'(U, E)^ALPHA with E_inf and R* shared and A_U one per
+    budget (it absorbs U^ALPHA); R* by a log-spaced grid, E_inf and A_U by least squares at each, A_U >= 0.
+    Epochs are those the steps made over the subset (`epochs_seen`) when the row has them."""
+    above_one = {float(r["epochs"]) for r in rows if float(r["epochs"]) > 1}
+    if len(above_one) < MIN_EPOCHS:
+        return HalfLife(label, len(rows), reason=f"needs {MIN_EPOCHS} epochs above 1; has {len(above_one)}")
+    loss = np.array([float(r["validation_nll"]) for r in rows])
+    budgets = sorted({r["unique_tokens"] for r in rows})
+    seen = [(float(r["unique_tokens"]), _epochs(r)) for r in rows]
+
+    def sse(r_star: float) -> float | None:
+        """The residual sum of squares at this R* (None: the best A_U is negative, loss rising with data)."""
+        x = np.array([effective_tokens(u, e, r_star) ** -ALPHA for u, e in seen])
+        design = np.zeros((len(rows), 1 + len(budgets)))
+        design[:, 0] = 1.0
+        for i, r in enumerate(rows):
+            design[i, 1 + budgets.index(r["unique_tokens"])] = x[i]
+        coef, *_ = np.linalg.lstsq(design, loss, rcond=None)
+        if (coef[1:] < 0).any():
+            return None
+        return float(((design @ coef - loss) ** 2).sum())
+
+    fits = [(s, float(r)) for r in R_STAR_GRID if (s := sse(float(r))) is not None]
+    if not fits:
+        return HalfLife(label, len(rows), reason="the validation loss does not fall as the data grows")
+    _, best = min(fits)
+    most = max(e for _, e in seen) - 1.0
+    if best > most:  # the decay would begin past the points: they only say that R* is large
+        return HalfLife(label, len(rows), above=max(e for _, e in seen))
+    return HalfLife(label, len(rows), r_star=best)
+
+
+def _epochs(row: dict) -> float:
+    seen = row.get("epochs_seen")
+    return float(seen) if seen not in ("", None) else float(row["epochs"])
