@@ -64,6 +64,8 @@ def run_study(spec: StudySpec, say) -> dict:
             rows = [f.result() for f in futures]
         summary = _report(spec, rows, out_dir, parent)
     say(f"study {spec.name}: {summary['crossover_line']}; table {summary['table_md']}")
+    for label, half_life in summary["half_life"].items():
+        say(f"study {spec.name}: {label}: {half_life}")
     failed = [r for r in rows if r["status"].startswith("failed")]
     if failed:
         raise StudyFailed(
@@ -146,7 +148,7 @@ def _report(spec: StudySpec, rows: list[dict], out_dir: Path, parent: str | None
         "plot": str(plot) if plot else None,
         "crossover": {str(k): v for k, v in crossings.items()},
         "crossover_line": line,
-        "half_life": {fit.label: fit.tag() for fit in fits},
+        "half_life": {fit.label: fit.line() for fit in fits},
         "rows": rows,
         "mlflow_run_id": parent,
     }

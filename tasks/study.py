@@ -125,8 +125,9 @@ def write_table(rows: list[dict], out_dir: Path) -> tuple[Path, Path]:
 # fit R* ~ 500 for masked diffusion, ~ 15 for AR): U unique tokens seen for R = epochs - 1 extra epochs are worth
 # D' = U + U R* (1 - exp(-R / R*)) fresh tokens, and the loss is L = E_inf + A / D'^ALPHA. R* is the constant the
 # papers call the half-life: after R* repetitions a further epoch is worth 1/e of fresh data (half: R* ln 2).
-ALPHA = 0.3  # fixed: a study has a handful of epochs per family, too few to tell ALPHA from R* (they trade off);
-# 0.3 is near the data exponents fitted on fresh data (Chinchilla 0.28) and R* moves little across 0.25-0.4
+# ALPHA is fixed: a study has a handful of epochs per family, too few to tell ALPHA from R* (they trade off). 0.3 is
+# near the data exponent fitted on fresh data (Chinchilla: 0.28); a wrong one biases R* (docs/study.md has figures)
+ALPHA = 0.3
 MIN_EPOCHS = 3  # distinct epochs above 1: R*, E_inf and A are three unknowns
 R_STAR_GRID = np.logspace(-1, 4, 501)  # 0.1 to 10,000 repetitions, log-spaced
 

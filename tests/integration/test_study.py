@@ -69,6 +69,7 @@ def test_a_smoke_study_nests_tabulates_plots_and_reuses(session_dir, tiny_manife
     client = MlflowClient(f"sqlite:///{store}")
     parent = client.get_run(first["mlflow_run_id"])
     assert parent.data.tags["flow"] == "study" and "study.crossover" in parent.data.tags
+    assert parent.data.tags["study.half_life.ar"] == "absent: needs 3 epochs above 1; has 0"  # under one epoch
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "study")}
     assert artifacts >= {"study/results.csv", "study/results.md", "study/study.png"}
     points = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")

@@ -4,6 +4,8 @@ are fitted back; where the points cannot tell R* from infinity, or are too few, 
 import numpy as np
 import pytest
 
+from difflm.config import StudySpec
+from flows.study import _report
 from tasks.study import ALPHA, effective_tokens, fit_half_life, half_lives, write_table
 
 EPOCHS = [1, 2, 4, 8, 16, 32, 60]  # the CPU preset's shape: up to about 60 epochs
@@ -88,3 +90,12 @@ def test_one_line_per_family_and_size_in_the_markdown(tmp_path):
     assert "ar/preset: data-reuse half-life: R* = " in md and "ar/m: data-reuse half-life: R* = " in md
     assert "masked/preset: data-reuse half-life: absent (needs 3 epochs above 1; has 1)" in md
     assert half_lives(_rows(15))[0].label == "f"  # one size: the family's name alone
+
+
+def test_the_study_report_carries_the_half_life_per_family(tmp_path):
+    spec = StudySpec(families={"ar": [], "masked": []}, unique_tokens=[50_000], epochs=EPOCHS)
+    rows = _rows(15, family="ar") + _rows(500, family="masked")
+    summary = _report(spec, rows, tmp_path, None)
+    assert summary["half_life"]["ar"].startswith("data-reuse half-life: R* = ")
+    assert summary["half_life"]["masked"].startswith("data-reuse half-life: R* greater than the largest epochs")
+    assert "masked: data-reuse half-life: R* greater" in (tmp_path / "results.md").read_text()
