@@ -184,8 +184,13 @@ def half_lives(rows: list[dict]) -> list[HalfLife]:
 
 def fit_half_life(rows: list[dict], label: str) -> HalfLife:
     """Fit R* to one family's points: L = E_inf + A_U / D'(U, E)^ALPHA with E_inf and R* shared and A_U one per
-    budget (it absorbs U^ALPHA); R* by a log-spaced grid, E_inf and A_U by least squares at each, A_U >= 0.
-    Epochs are those the steps made over the subset (`epochs_seen`) when the row has them."""
+    budget (it absorbs U^ALPHA); R* by a log-spaced grid, E_inf and A_U by least squares at each (an R* that needs
+    a negative A_U is no fit). Epochs are those the steps made over the subset (`epochs_seen`) when the row has
+    them. A budget with a single number of repeats tells nothing of R* (its A_U fits it exactly): left out."""
+    repeats: dict[int, set[float]] = {}
+    for r in rows:
+        repeats.setdefault(r["unique_tokens"], set()).add(max(_epochs(r) - 1.0, 0.0))
+    rows = [r for r in rows if len(repeats[r["unique_tokens"]]) > 1]
     above_one = {float(r["epochs"]) for r in rows if float(r["epochs"]) > 1}
     if len(above_one) < MIN_EPOCHS:
         return HalfLife(label, len(rows), reason=f"needs {MIN_EPOCHS} epochs above 1; has {len(above_one)}")
@@ -211,7 +216,7 @@ def fit_half_life(rows: list[dict], label: str) -> HalfLife:
     _, best = min(fits)
     most = max(e for _, e in seen) - 1.0
     if best > most:  # the decay would begin past the points: they only say that R* is large
-        return HalfLife(label, len(rows), above=max(e for _, e in seen))
+        return HalfLife(label, len(rows), above=max(float(r["epochs"]) for r in rows))
     return HalfLife(label, len(rows), r_star=best)
 
 

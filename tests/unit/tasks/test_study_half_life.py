@@ -63,6 +63,12 @@ def test_a_long_half_life_is_fitted_when_the_epochs_reach_past_it():
 def test_budgets_share_r_star_with_a_scale_each():
     rows = _rows(15, budget=20_000) + _rows(15, epochs=[1, 2], budget=500_000, seed=1)
     assert fit_half_life(rows, "ar").r_star == pytest.approx(15, rel=0.3)
+    # a budget seen at one length only says nothing of R*: left out, whatever its loss
+    control = _rows(15, epochs=[1], budget=5_000_000) + [
+        {**_rows(15, epochs=[0.5], budget=4_000_000)[0], "validation_nll": 2.0}
+    ]
+    fit = fit_half_life(rows + control, "ar")
+    assert fit.r_star == fit_half_life(rows, "ar").r_star and fit.points == len(rows)
 
 
 def test_too_few_epochs_above_one_give_no_half_life_and_say_why():
