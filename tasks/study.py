@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from difflm.config import Point
+from models.diffusion.modes import objective_class
 
 COLUMNS = [
     "family",
@@ -32,7 +33,7 @@ COLUMNS = [
 
 def kind_of(point: Point) -> str:
     """`ar` for the autoregressive arms (plain, strong, MIR), `diffusion` for every other mode."""
-    return "ar" if point.cfg.diffusion.model_running_mode == "ar" else "diffusion"
+    return "diffusion" if objective_class(point.cfg.diffusion.model_running_mode).bidirectional else "ar"
 
 
 def row(point: Point, summary: dict) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
+from benchmarks.gpu.decoding import AR, other_decoders, samplers
 from difflm.config import load_config, save_config
 from difflm.rundir import Workdir
 from models.diffusion import MaskedSampler
@@ -226,7 +227,10 @@ def test_generate_benchmark_runs(exports, session_dir, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "g.json").read_text())["rows"]
-    assert rows[0]["agreement"] == 1.0 and len(rows) == 11
+    # the masked export's samplers, then one row per decoder of any block / ar export other tests left in the
+    # shared workdir (the benchmark adds the workdir's newest of each)
+    assert [r["sampler"] for r in rows[:11]] == list(samplers(8)) and rows[0]["agreement"] == 1.0
+    assert {r["sampler"] for r in rows[11:]} <= {AR, *other_decoders(8)}
     assert rows[10]["settings"]["prefix_cache"] and rows[10]["model_calls_per_batch"] == 8
     assert {r["model_calls_per_batch"] for r in rows[:3]} == {8, 4, 2}  # 1, 2 and 4 tokens per step
     assert all(r["model_calls_per_batch"] <= 8 for r in rows if "threshold" in r["sampler"])
