@@ -36,6 +36,17 @@ def kind_of(point: Point) -> str:
     return "diffusion" if objective_class(point.cfg.diffusion.model_running_mode).bidirectional else "ar"
 
 
+def _point_columns(point: Point) -> dict:
+    """The columns that say which point a row is (a finished or a failed one)."""
+    return {
+        "family": point.family,
+        "kind": kind_of(point),
+        "unique_tokens": point.unique_tokens,
+        "epochs": point.epochs,
+        "size": point.size or "preset",
+    }
+
+
 def row(point: Point, summary: dict) -> dict:
     """The point's table row from its pipeline summary (flows.pretrain.run_pipeline): the trained model's
     validation NLL per token on the held-out split (exact for ar, an upper bound for diffusion)."""
@@ -43,11 +54,7 @@ def row(point: Point, summary: dict) -> dict:
     t = point.cfg.train
     ran = [k for k, v in summary["stages"].items() if v == "ran"]
     return {
-        "family": point.family,
-        "kind": kind_of(point),
-        "unique_tokens": point.unique_tokens,
-        "epochs": point.epochs,
-        "size": point.size or "preset",
+        **_point_columns(point),
         "validation_nll": round(trained["nll_per_token"], 4),
         "bound": trained["kind"],
         "steps": summary["train_iters"],
@@ -64,11 +71,7 @@ def row(point: Point, summary: dict) -> dict:
 def failed_row(point: Point, err: BaseException) -> dict:
     return {
         **{k: "" for k in COLUMNS},
-        "family": point.family,
-        "kind": kind_of(point),
-        "unique_tokens": point.unique_tokens,
-        "epochs": point.epochs,
-        "size": point.size or "preset",
+        **_point_columns(point),
         "status": f"failed: {type(err).__name__}: {' '.join(str(err).split())[:200]}",
     }
 
