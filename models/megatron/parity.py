@@ -24,13 +24,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
+from megatron.core import dist_checkpointing, parallel_state
 
 from difflm.config import load_config
 from models.megatron.data import build_datasets
 from models.megatron.forward_step import SpecialTokens
 from models.megatron.safe_pickle import guard_dcp
-from models.megatron.train import build_training, init_distributed, run_global_batch
+from models.megatron.train import build_training, init_distributed, init_model_parallel, run_global_batch
 
 
 def replica_spread(model) -> float:
@@ -53,10 +53,7 @@ def reinit_model_parallel(cfg) -> None:
     """The next run's tensor/pipeline groups in a process whose previous run had others (init_distributed's
     second half: the process group stays)."""
     parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    )
-    tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed)
+    init_model_parallel(cfg)
 
 
 def run_layout(cfg, manifest: dict, weights: Path, save: bool, steps: int) -> dict | None:

@@ -60,6 +60,11 @@ def init_distributed(cfg: PipelineConfig) -> None:
     compat.activate()  # no-op with CUDA
     threads = cfg.train.torch_threads or max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     torch.set_num_threads(threads)
+    init_model_parallel(cfg)
+
+
+def init_model_parallel(cfg: PipelineConfig) -> None:
+    """The tensor/pipeline groups of `cfg`'s layout and their seeded RNG, in an initialised process group."""
     parallel_state.initialize_model_parallel(
         cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
     )
