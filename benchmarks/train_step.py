@@ -127,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--presets",
         nargs="+",
         default=["tiny", "small"],
-        help="model presets (difflm/config/model.py MODEL_PRESETS: tiny small 125m 350m 1b 3b 7b); default: tiny small",
+        help="model presets (difflm/config/model.py MODEL_PRESETS: tiny small 70m 125m 250m 350m 1b 3b 7b); default: tiny small",
     )
     p.add_argument(
         "--modes",

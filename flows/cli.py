@@ -303,8 +303,28 @@ COMMANDS = (
         "MLflow parent run, scored on the same held-out tokens; points already done are reused. Writes the results "
         "table, the plot and the crossover per budget to <workdir>/studies/<name>. --preset replaces the spec's "
         "preset; overrides join its base.",
-        lambda cfg, a: commands.study(cfg, a.spec, a.preset, a.overrides),
-        (arg("spec", metavar="SPEC", help="the study's YAML file (see docs/study.md)"),),
+        lambda cfg, a: (
+            commands.study_plan(a.spec, a.preset, a.overrides, a.device, a.mfu)
+            if a.plan
+            else commands.study(cfg, a.spec, a.preset, a.overrides)
+        ),
+        (
+            arg("spec", metavar="SPEC", help="the study's YAML file (see docs/study.md)"),
+            arg(
+                "--plan",
+                action="store_true",
+                help="print each point's parameters, steps, tokens, training FLOPs and device-hours, and the total; "
+                "run nothing",
+            ),
+            arg("--device", default="H200", help="--plan: the device the hours are of (H100, H200, B200, A100...)"),
+            arg(
+                "--mfu",
+                type=float,
+                default=0.4,
+                help="--plan: the model FLOPs utilisation assumed (default 0.4; a 1B model measured 0.477 on an "
+                "H200, docs/gpu-check.md)",
+            ),
+        ),
         default_preset="the spec's preset",
         config_of=_study_config,
     ),
@@ -498,7 +518,8 @@ def _main(cmd, args) -> int:
         cfg = resolve_config(cmd, args)
         check_before_work(cmd.name, cfg, args)  # what needs no server fails before one starts
         _offline_env(cfg)  # Prefect's state beside the config's workdir (a run's own, for a command on a run)
-        with prefect_api(needed=cmd.name in ("run", "study") or bool(getattr(args, "flow", False))):
+        runs_flow = cmd.name == "run" or (cmd.name == "study" and not args.plan)
+        with prefect_api(needed=runs_flow or bool(getattr(args, "flow", False))):
             return cmd.handler(cfg, args)
     except UserError as err:  # the message already says what to do: no traceback
         print(f"difflm: {err}", file=sys.stderr)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from difflm.config import CONFIG_DIR, PipelineConfig
+from difflm.config import CONFIG_DIR, PipelineConfig, study_spec
 from difflm.errors import UserError
 from difflm.rundir import Workdir
 
@@ -57,11 +57,16 @@ def run(cfg: PipelineConfig) -> int:
     preflight(cfg)  # bad paths fail here, before a Prefect server starts
     summary = pretrain_difflm(config=cfg)
     b = summary["validation"]
+    t, u = b["trained"], b.get("untrained")  # no baseline with eval.untrained_baseline=false
     lines = [
         "\n=== pretrain-difflm done ===",
-        f"validation {KIND_LABELS[b['trained']['kind']]}: trained {b['trained']['ppl']:.1f}  untrained "
-        f"{b['untrained']['ppl']:.1f}  ({b['trained']['nll_per_token']:.3f} vs {b['untrained']['nll_per_token']:.3f}"
-        " nats/token)",
+        f"validation {KIND_LABELS[t['kind']]}: trained {t['ppl']:.1f}"
+        + (
+            f"  untrained {u['ppl']:.1f}  ({t['nll_per_token']:.3f} vs {u['nll_per_token']:.3f} nats/token)"
+            if u
+            else ""
+        )
+        + ("" if u else f"  ({t['nll_per_token']:.3f} nats/token)"),
     ]
     for name, scores in summary.get("tasks", {}).items():
         shown = ", ".join(f"{k} {v:.3f}" for k, v in scores.items() if isinstance(v, float) and k != "chance")
@@ -94,6 +99,20 @@ def study(cfg: PipelineConfig, spec: str, preset: str | None, overrides: list[st
     print(f"{'table':>8}: {summary['table_csv']}\n{'plot':>8}: {summary['plot']}\n{'folder':>8}: {summary['out_dir']}")
     if summary.get("mlflow_run_id"):
         print(f"{'MLflow':>8}: parent run {summary['mlflow_run_id']} (a nested run per point)")
+    return 0
+
+
+def study_plan(spec: str, preset: str | None, overrides: list[str], device: str, mfu: float) -> int:
+    """`difflm study SPEC --plan`: the study's cost, point by point, without running it."""
+    from tasks.study_plan import plan, plan_table
+
+    if not 0 < mfu <= 1:
+        raise UserError(f"--mfu {mfu:g} is a share of the device's peak: give one in (0, 1], e.g. 0.4")
+    try:
+        rows = plan(study_spec(spec, preset, overrides).points(), device, mfu)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    print(plan_table(rows, device, mfu))
     return 0
 
 

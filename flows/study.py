@@ -131,11 +131,12 @@ class _Quiet:
 
 def _report(spec: StudySpec, rows: list[dict], out_dir: Path, parent: str | None) -> dict:
     csv_path, md_path = results.write_table(rows, out_dir)
+    curves = results.write_curves(rows, out_dir)
     crossings = results.crossover(rows)
     line = results.crossover_line(crossings)
     fits = results.half_lives(rows)
     plot = plot_study(rows, out_dir / "study.png", f"study {spec.name}: crossover {line}")
-    files = [p for p in (csv_path, md_path, plot) if p]
+    files = [p for p in (csv_path, md_path, curves, plot) if p]
     if parent:
         tracking.log_files(files, "study")
         half_life = {f"study.half_life.{fit.label}": fit.tag()[:5000] for fit in fits}
@@ -145,6 +146,7 @@ def _report(spec: StudySpec, rows: list[dict], out_dir: Path, parent: str | None
         "out_dir": str(out_dir),
         "table_csv": str(csv_path),
         "table_md": str(md_path),
+        "curves_csv": str(curves),
         "plot": str(plot) if plot else None,
         "crossover": {str(k): v for k, v in crossings.items()},
         "crossover_line": line,

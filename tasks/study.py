@@ -12,8 +12,10 @@ from pathlib import Path
 import numpy as np
 
 from difflm.config import Point
+from difflm.rundir import RunDir
 from models.diffusion.modes import objective_class
 
+CURVE_COLUMNS = ["family", "kind", "unique_tokens", "epochs", "size", "step", "epochs_seen", "val_loss"]
 COLUMNS = [
     "family",
     "kind",
@@ -65,13 +67,28 @@ def row(point: Point, summary: dict) -> dict:
         "status": f"ran {', '.join(ran)}" if ran else "reused",
         "mlflow_run_id": summary.get("mlflow_run_id") or "",
         "heldout_tokens": trained["tokens"],
+        "curve": training_curve(point, summary["run_dir"], summary["unique_tokens"]),
     }
+
+
+def training_curve(point: Point, run_dir: str, subset_tokens: int) -> list[tuple[int, float, float]]:
+    """(step, epochs seen, validation loss) at each validation while the point trained (every
+    train.eval_interval steps: metrics.jsonl's val_loss, on the validation split's fixed batches), after the
+    first step. Its last value is the table's within the noise of other batches and timesteps."""
+    t = point.cfg.train
+    per_step = t.global_batch_size * t.seq_length
+    return [
+        (int(r["step"]), round(r["step"] * per_step / subset_tokens, 4), float(r["val_loss"]))
+        for r in RunDir(run_dir).metrics()
+        if r.get("val_loss") is not None and r["step"] > 0
+    ]
 
 
 def failed_row(point: Point, err: BaseException) -> dict:
     return {
         **{k: "" for k in COLUMNS},
         **_point_columns(point),
+        "curve": [],
         "status": f"failed: {type(err).__name__}: {' '.join(str(err).split())[:200]}",
     }
 
@@ -123,6 +140,18 @@ def write_table(rows: list[dict], out_dir: Path) -> tuple[Path, Path]:
     ]
     md_path.write_text("\n".join(lines))
     return csv_path, md_path
+
+
+def write_curves(rows: list[dict], out_dir: Path) -> Path:
+    """curves.csv in `out_dir`: every point's validation while it trained, a line per evaluation."""
+    path = out_dir / "curves.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(CURVE_COLUMNS)
+        for r in rows:
+            for step, epochs_seen, val in r.get("curve", []):
+                writer.writerow([*(r[c] for c in CURVE_COLUMNS[:5]), step, epochs_seen, val])
+    return path
 
 
 # The data-reuse half-life (Muennighoff et al., "Scaling Data-Constrained Language Models"; Prabhudesai et al.

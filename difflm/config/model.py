@@ -21,7 +21,10 @@ GPU_WIDTH = 1024
 MODEL_PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {"num_layers": 4, "hidden_size": 128, "num_attention_heads": 4},  # ~1M (+ embeddings)
     "small": {"num_layers": 6, "hidden_size": 256, "num_attention_heads": 4},  # ~5M
+    # 70m and 250m: the ends of the literature's data-constrained studies (72M-257M with a 32k vocabulary)
+    "70m": {"num_layers": 10, "hidden_size": 640, "num_attention_heads": 10, "ffn_hidden_size": 1792},
     "125m": {"num_layers": 12, "hidden_size": 768, "num_attention_heads": 12},
+    "250m": {"num_layers": 17, "hidden_size": 1024, "num_attention_heads": 16, "ffn_hidden_size": 2816},
     "350m": {"num_layers": 24, "hidden_size": 1024, "num_attention_heads": 16, "ffn_hidden_size": 2816},
     "1b": {
         "num_layers": 24,
@@ -48,7 +51,7 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 
 
 class ModelConfig(_Section):
-    preset: Literal["tiny", "small", "125m", "350m", "1b", "3b", "7b"] | None = Field(
+    preset: Literal["tiny", "small", "70m", "125m", "250m", "350m", "1b", "3b", "7b"] | None = Field(
         None, description="Architecture preset; fields given alongside override it."
     )
     backend: Literal["auto", "torch", "local", "te"] = Field(

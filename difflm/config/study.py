@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from difflm.config.base import ConfigError
 from difflm.config.loading import load_config, parse_override, read_yaml
@@ -32,6 +32,27 @@ def _preset_size() -> list[str | None]:
     return [None]  # the preset's own model
 
 
+def _lengths(v: list[float], where: str) -> list[float]:
+    if not v or any(e <= 0 for e in v) or len(set(v)) != len(v):
+        raise ValueError(f"{where}must be distinct positive numbers of epochs")
+    return v
+
+
+class Family(BaseModel):
+    """A family of the grid: its overrides, and the most epochs it trains (the literature stops AR arms at about
+    50 epochs, where their loss has turned back up, and trains diffusion to 800)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    overrides: list[str] = Field(default_factory=list, description="The family's overrides.")
+    max_epochs: float | None = Field(None, gt=0, description="Its points stop at this many epochs (none: all).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _a_list_is_its_overrides(cls, v: Any) -> Any:
+        return {"overrides": v} if isinstance(v, list) else v
+
+
 class StudySpec(BaseModel):
     """What a study file holds (`difflm study SPEC`)."""
 
@@ -40,11 +61,16 @@ class StudySpec(BaseModel):
     name: str = Field("study", description="The study's name: its MLflow parent run and output folder.")
     preset: str = Field("tiny-cpu", description="The preset every point starts from (a name in configs/ or a path).")
     base: list[str] = Field(default_factory=list, description="Overrides shared by every point.")
-    families: dict[str, list[str]] = Field(
-        min_length=1, description="Family name -> its overrides, e.g. ar: [diffusion.model_running_mode=ar]."
+    families: dict[str, Family] = Field(
+        min_length=1,
+        description="Family name -> its overrides (e.g. ar: [diffusion.model_running_mode=ar]), or "
+        "{overrides: [...], max_epochs: N}.",
     )
     unique_tokens: list[int] = Field(min_length=1, description="The unique-token budgets (data.unique_tokens).")
-    epochs: list[float] = Field(min_length=1, description="The lengths in epochs over the budget (train.epochs).")
+    epochs: list[float] | dict[int, list[float]] = Field(
+        description="The lengths in epochs over the budget (train.epochs): a list for every budget, or a list per "
+        "budget ({budget: [epochs]}: a control of many unique tokens at 1-2 epochs beside a small budget repeated)."
+    )
     sizes: list[str | None] = Field(
         default_factory=_preset_size, min_length=1, description="Model presets (model.preset); null: the preset's."
     )
@@ -58,10 +84,10 @@ class StudySpec(BaseModel):
 
     @field_validator("families")
     @classmethod
-    def _families(cls, v: dict[str, list[str]]) -> dict[str, list[str]]:
-        for fam, overrides in v.items():
+    def _families(cls, v: dict[str, Family]) -> dict[str, Family]:
+        for fam, family in v.items():
             _check_name(fam, "family")
-            _no_grid_keys(overrides, f"family {fam}")
+            _no_grid_keys(family.overrides, f"family {fam}")
         return v
 
     @field_validator("base")
@@ -79,21 +105,43 @@ class StudySpec(BaseModel):
 
     @field_validator("epochs")
     @classmethod
-    def _epochs(cls, v: list[float]) -> list[float]:
-        if any(e <= 0 for e in v) or len(set(v)) != len(v):
-            raise ValueError("must be distinct positive numbers of epochs")
+    def _epochs(cls, v: list[float] | dict[int, list[float]]) -> list[float] | dict[int, list[float]]:
+        if isinstance(v, list):
+            return _lengths(v, "")
+        for budget, lengths in v.items():
+            _lengths(lengths, f"{budget}: ")
         return v
+
+    @model_validator(mode="after")
+    def _every_budget_has_lengths(self) -> StudySpec:
+        if isinstance(self.epochs, dict) and set(self.epochs) != set(self.unique_tokens):
+            raise ValueError(
+                f"epochs: a list per budget must name each of unique_tokens {self.unique_tokens} once (it names "
+                f"{sorted(self.epochs)}); or give one list for every budget"
+            )
+        for name, family in self.families.items():
+            if family.max_epochs is not None and not any(
+                e <= family.max_epochs for b in self.unique_tokens for e in self.lengths(b)
+            ):
+                raise ValueError(f"families.{name}.max_epochs={family.max_epochs:g} is below every epochs of the grid")
+        return self
+
+    def lengths(self, budget: int) -> list[float]:
+        """The epochs the grid trains `budget` for."""
+        return self.epochs[budget] if isinstance(self.epochs, dict) else self.epochs
 
     def points(self) -> list[Point]:
         """Every point of the grid, each with its config checked (ConfigError: one line naming the point)."""
         out = []
         for size in self.sizes:
-            for fam, fam_overrides in self.families.items():
+            for fam, family in self.families.items():
                 for budget in self.unique_tokens:
-                    for epochs in self.epochs:
+                    for epochs in self.lengths(budget):
+                        if family.max_epochs is not None and epochs > family.max_epochs:
+                            continue
                         grid = [f"data.unique_tokens={budget}", f"train.epochs={epochs:g}"]
                         grid += [f"model.preset={size}"] if size else []
-                        point = Point(fam, budget, epochs, size, [*self.base, *fam_overrides, *grid])
+                        point = Point(fam, budget, epochs, size, [*self.base, *family.overrides, *grid])
                         try:
                             point.cfg = load_config(self.preset, point.overrides)
                         except ConfigError as err:
@@ -168,14 +216,14 @@ def load_study(path: str | Path) -> StudySpec:
         return StudySpec.model_validate(data)
     except ValidationError as err:
         e = err.errors()[0]
-        loc = ".".join(str(p) for p in e["loc"]) or "spec"
+        loc = ".".join(str(p) for p in e["loc"])  # empty: a check of several fields, whose message names them
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = f"unknown field (fields: {', '.join(StudySpec.model_fields)})"
         elif e["type"] == "missing":
             msg = f"missing: {StudySpec.model_fields[loc].description}" if loc in StudySpec.model_fields else msg
         more = f" (and {len(err.errors()) - 1} more)" if len(err.errors()) > 1 else ""
-        raise ConfigError(f"{path}: {loc}: {msg}{more}") from None
+        raise ConfigError(f"{path}: {f'{loc}: ' if loc else ''}{msg}{more}") from None
 
 
 def study_spec(path: str | Path, preset: str | None = None, overrides: list[str] | None = None) -> StudySpec:

@@ -63,7 +63,9 @@ def plot_sweep(rows: list[dict], path: Path, title: str = "") -> Path | None:
 
 def plot_study(rows: list[dict], path: Path, title: str = "") -> Path | None:
     """A data-constrained study (rows of tasks.study): validation NLL (or bound) against epochs, one curve per
-    family and budget (and size); the best so far (over epochs) against the unique tokens, one curve per family."""
+    family and budget (and size); the best so far (over epochs) against the unique tokens, one curve per family;
+    and, where the rows have them, the validation while training of each family and budget's longest point
+    against the epochs it had seen (where AR's turns back up as it overfits)."""
     done = [r for r in rows if r.get("validation_nll") not in (None, "")]
     if not done:
         return None
@@ -72,7 +74,13 @@ def plot_study(rows: list[dict], path: Path, title: str = "") -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=110)
+    longest: dict[tuple, dict] = {}  # (family, budget, size) -> its point of most epochs with a training curve
+    for r in done:
+        key = (r["family"], r["unique_tokens"], r["size"])
+        if r.get("curve") and r["epochs"] > longest.get(key, {}).get("epochs", 0):
+            longest[key] = r
+    fig, axes = plt.subplots(1, 3 if longest else 2, figsize=(16.5 if longest else 11, 4.2), dpi=110)
+    a1, a2 = axes[0], axes[1]
     curves: dict[tuple, list[tuple[float, float]]] = {}
     for r in done:
         curves.setdefault((r["family"], r["unique_tokens"], r["size"]), []).append((r["epochs"], r["validation_nll"]))
@@ -92,7 +100,14 @@ def plot_study(rows: list[dict], path: Path, title: str = "") -> Path | None:
     a2.set_xscale("log")
     a2.set_xlabel("unique training tokens")
     a2.set_ylabel("best validation nats / token over epochs")
-    for ax in (a1, a2):
+    for (family, budget, size), r in sorted(longest.items()):
+        label = f"{family}, {budget:,} tokens, {r['epochs']:g} epochs" + (f", {size}" if many_sizes else "")
+        axes[2].plot([c[1] for c in r["curve"]], [c[2] for c in r["curve"]], ".-", label=label)
+    if longest:
+        axes[2].set_xscale("log")
+        axes[2].set_xlabel("epochs seen while training (longest point)")
+        axes[2].set_ylabel("validation nats / token while training")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)

@@ -156,7 +156,7 @@ def evaluate_export(
     part = _timed(say)
     part(f"bound of the trained model: {len(windows)} held-out windows, {e.mc_samples} noise draws each")
     bounds = {"trained": likelihood_bound(model, windows, cfg, progress=Progress("bound", "windows", say)).to_dict()}
-    if untrained:
+    if untrained and e.untrained_baseline:
         part("bound of an untrained model (the baseline)")
         torch.manual_seed(cfg.train.seed)  # the same init distribution as training, weights never updated
         # initialised in fp32 on the CPU, then cast: the same weights whatever eval.device and eval.dtype are

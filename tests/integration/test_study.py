@@ -65,13 +65,20 @@ def test_a_smoke_study_nests_tabulates_plots_and_reuses(session_dir, tiny_manife
     assert len(table) == 4 and {t["family"] for t in table} == {"masked", "ar"}
     assert float(table[0]["validation_nll"]) > 0
     assert "crossover" in (out / "results.md").read_text() and first["crossover_line"].startswith("1,000 unique")
+    with (out / "curves.csv").open() as f:
+        curves = list(csv.DictReader(f))
+    # validated after the last step only (train.eval_interval is past it): a line per point, at its steps
+    assert sorted((c["family"], float(c["epochs"]), int(c["step"])) for c in curves) == sorted(
+        (f, e, by[f, e]["steps"]) for f, e in by
+    )
+    assert all(float(c["val_loss"]) > 0 for c in curves)
 
     client = MlflowClient(f"sqlite:///{store}")
     parent = client.get_run(first["mlflow_run_id"])
     assert parent.data.tags["flow"] == "study" and "study.crossover" in parent.data.tags
     assert parent.data.tags["study.half_life.ar"] == "absent: needs 3 epochs above 1; has 0"  # under one epoch
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id, "study")}
-    assert artifacts >= {"study/results.csv", "study/results.md", "study/study.png"}
+    assert artifacts >= {"study/results.csv", "study/results.md", "study/curves.csv", "study/study.png"}
     points = client.search_runs([parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'")
     assert sorted(p.info.run_name for p in points) == sorted(f"smoke/{f}-u1000-e{e:g}" for f, e in by)
     assert {p.info.run_id for p in points} == {r["mlflow_run_id"] for r in rows}

@@ -88,11 +88,61 @@ def test_a_point_whose_config_is_bad_is_named(tmp_path):
 
 def test_the_shipped_study_specs_expand():
     specs = sorted((Path(__file__).resolve().parents[3] / "configs" / "studies").glob("*.yaml"))
-    assert specs
+    assert {p.stem for p in specs} >= {"demo", "cpu", "gpu"}
     for path in specs:
         spec = load_study(path)
         points = spec.points()
-        assert len(points) == len(spec.families) * len(spec.unique_tokens) * len(spec.epochs) * len(spec.sizes)
+        grid = {
+            (fam, u, e, s)
+            for s in spec.sizes
+            for fam, family in spec.families.items()
+            for u in spec.unique_tokens
+            for e in spec.lengths(u)
+            if family.max_epochs is None or e <= family.max_epochs
+        }
+        assert {(p.family, p.unique_tokens, p.epochs, p.size) for p in points} == grid and len(points) == len(grid)
+
+
+def test_epochs_per_budget_and_a_familys_most_epochs(tmp_path):
+    """A control of many unique tokens at 1 epoch beside a small budget repeated; AR arms stopped at 50 epochs
+    while diffusion goes to 800 (the literature's shape)."""
+    text = SPEC.replace("epochs: [1, 2.5]", "epochs: {1000: [4, 50, 800], 4000: [1]}").replace(
+        "  ar-mir: [diffusion.model_running_mode=ar, diffusion.mir_mask_share=0.25, diffusion.mir_weight=0.4]",
+        "  ar-mir:\n    overrides: [diffusion.model_running_mode=ar, diffusion.mir_mask_share=0.25]\n    max_epochs: 50",
+    )
+    spec = load_study(_spec(tmp_path, text.replace("sizes: [tiny, null]", "")))
+    labels = [p.label for p in spec.points()]
+    assert labels == [
+        "masked-u1000-e4",
+        "masked-u1000-e50",
+        "masked-u1000-e800",
+        "masked-u4000-e1",
+        "ar-mir-u1000-e4",
+        "ar-mir-u1000-e50",
+        "ar-mir-u4000-e1",
+    ]
+    point = spec.points()[-1]
+    assert point.cfg.diffusion.mir_mask_share == 0.25 and point.cfg.train.epochs == 1
+    assert point.overrides[-2:] == ["data.unique_tokens=4000", "train.epochs=1"]
+
+
+@pytest.mark.parametrize(
+    "epochs, family, says",
+    [
+        ("{1000: [4]}", "", "epochs: a list per budget must name each of unique_tokens [1000, 4000] once"),
+        ("{1000: [4], 4000: [1, 1]}", "", "study.yaml: epochs: 4000: must be distinct positive numbers of epochs"),
+        ("[4, 8]", "    max_epochs: 2", "families.ar-mir.max_epochs=2 is below every epochs of the grid"),
+        ("[4, 8]", "    max_epoch: 50", "families.ar-mir.max_epoch: unknown field"),
+    ],
+)
+def test_bad_epochs_per_budget_or_family_are_one_line(tmp_path, epochs, family, says):
+    text = SPEC.replace("epochs: [1, 2.5]", f"epochs: {epochs}").replace(
+        "  ar-mir: [diffusion.model_running_mode=ar, diffusion.mir_mask_share=0.25, diffusion.mir_weight=0.4]",
+        "  ar-mir:\n    overrides: [diffusion.model_running_mode=ar]" + (f"\n{family}" if family else ""),
+    )
+    with pytest.raises(ConfigError) as err:
+        load_study(_spec(tmp_path, text))
+    assert "\n" not in str(err.value) and says in str(err.value), str(err.value)
 
 
 def test_points_scored_on_other_heldout_tokens_are_refused(tmp_path):

@@ -27,3 +27,57 @@ def test_a_missing_spec_is_one_line(tmp_path, capsys):
     assert cli.main(["study", str(tmp_path / "nope.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nope.yaml: cannot be read" in err, err
+
+
+SPEC = """
+preset: test-tiny
+base: [train.schedule.warmup_iters=1]
+families:
+  masked: [diffusion.model_running_mode=difflm-noshift]
+  ar-mir:
+    overrides: [diffusion.model_running_mode=ar, diffusion.mir_mask_share=0.25]
+    max_epochs: 4
+unique_tokens: [8192]
+epochs: [4, 16]
+"""
+
+
+def test_the_plan_is_each_points_cost_and_the_total(tmp_path, capsys):
+    """--plan runs nothing (no server, no data): per point its steps, tokens and training FLOPs, the trainer's own
+    count, and the device-hours at the MFU given; the total last."""
+    from difflm.config import load_study
+    from models.diffusion.modes import build_objective
+    from models.megatron.flops import forward_flops_per_sequence
+    from tasks.study_plan import plan
+
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC)
+    assert cli.main(["study", str(spec), "--plan", "--device", "H100", "--mfu", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("| point | params | steps | tokens | training FLOPs | device-hours |"), out
+    points = load_study(spec).points()
+    assert [p.label for p in points] == ["masked-u8192-e4", "masked-u8192-e16", "ar-mir-u8192-e4"]
+    rows = plan(points, "H100", 0.5)
+    cfg = points[0].cfg  # test-tiny: 4 sequences of 32 tokens a step, 8,192 x 4 epochs = 256 steps
+    assert [r["steps"] for r in rows] == [256, 1024, 256] and rows[0]["tokens"] == 8192 * 4
+    seq = cfg.train.seq_length
+    forward = forward_flops_per_sequence(cfg, cfg.tokenizer.vocab_size, seq, objective=build_objective(cfg.diffusion))
+    assert rows[0]["training FLOPs"] == 256 * cfg.train.global_batch_size * 3 * forward  # forward + backward
+    assert rows[1]["training FLOPs"] == 4 * rows[0]["training FLOPs"]
+    ar = points[2].cfg
+    ar_forward = forward_flops_per_sequence(ar, ar.tokenizer.vocab_size, seq, objective=build_objective(ar.diffusion))
+    assert rows[2]["training FLOPs"] == 256 * ar.train.global_batch_size * 3 * 2 * ar_forward  # MIR: two rows
+    assert rows[0]["device-hours"] == rows[0]["training FLOPs"] / (989e12 * 0.5) / 3600
+    total = sum(r["training FLOPs"] for r in rows)
+    assert f"3 points, {8192 * 24:,} tokens, {total:.3g} FLOPs of training:" in out and "H100-hours at MFU 0.5" in out
+
+
+@pytest.mark.parametrize(
+    "flags, says", [(["--device", "TPU"], "no peak FLOP/s known for device 'TPU'"), (["--mfu", "2"], "--mfu 2 is")]
+)
+def test_a_plan_for_an_unknown_device_or_mfu_is_one_line(tmp_path, capsys, flags, says):
+    spec = tmp_path / "s.yaml"
+    spec.write_text(SPEC)
+    assert cli.main(["study", str(spec), "--plan", *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err, err

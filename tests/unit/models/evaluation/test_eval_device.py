@@ -114,6 +114,14 @@ def fp32_results(exports, tiny_manifest, tmp_path_factory) -> dict:  # noqa: F81
     return _evaluate(exports, tiny_manifest, tmp_path_factory.mktemp("fp32"), "eval.device=cpu", "eval.dtype=auto")
 
 
+def test_the_untrained_baseline_can_be_left_out(exports, tiny_manifest, tmp_path, fp32_results):  # noqa: F811
+    """A study's points skip it (the same baseline for every point of a mode and size); the trained model's
+    bound is the same number."""
+    res = _evaluate(exports, tiny_manifest, tmp_path, "eval.device=cpu", "eval.untrained_baseline=false")
+    assert set(res["bounds"]) == {"trained"} and set(fp32_results["bounds"]) == {"trained", "untrained"}
+    assert res["bounds"]["trained"] == fp32_results["bounds"]["trained"]
+
+
 def _scores(res: dict) -> dict[str, float]:
     """Every number evaluation reports that the model's arithmetic moves continuously (not accuracies)."""
     out = {f"bound.{k}": v["nll_per_token"] for k, v in res["bounds"].items()}

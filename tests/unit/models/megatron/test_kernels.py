@@ -140,7 +140,7 @@ def test_fused_adamw_takes_the_foreach_steps():
 def test_gpu_presets_fill_gemm_tiles():
     for name in MODEL_PRESETS:
         model = ModelConfig(preset=name)
-        if model.hidden_size >= 1024 or name == "125m":
+        if model.hidden_size >= 640:
             assert model.ffn_size % 128 == 0, name
     with pytest.warns(UserWarning, match="multiple of 128"):
         ModelConfig(preset="1b", ffn_hidden_size=5464)
