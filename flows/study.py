@@ -27,6 +27,7 @@ from difflm.errors import UserError
 from difflm.tracking.plots import plot_study
 from flows.pretrain import PRETRAIN_STAGES, TRAIN, pretrain
 from flows.stages import Stage
+from models.launch import torchrun
 from tasks import study as results
 
 
@@ -54,14 +55,21 @@ def run_study(spec: StudySpec, say) -> dict:
     out_dir = spec.output_dir(points[0].cfg)
     tracking.DEGRADED.clear()
     say(f"study {spec.name}: {len(points)} points, {spec.parallel} at a time; results in {out_dir}")
+    torchrun.STOP.clear()
     with tracking.study_run(points[0].cfg, spec.name, spec.model_dump(mode="json")) as parent:
-        with ThreadPoolExecutor(max_workers=spec.parallel, thread_name_prefix="study-point") as pool:
+        pool = ThreadPoolExecutor(max_workers=spec.parallel, thread_name_prefix="study-point")
+        try:
             # each point in a copy of this context: its Prefect tasks belong to this flow run
             futures = [
                 pool.submit(contextvars.copy_context().run, _run_point, spec, p, i, len(points), parent, say)
                 for i, p in enumerate(points, 1)
             ]
             rows = [f.result() for f in futures]
+        except BaseException:  # Ctrl-C or SIGTERM: no point starts, the training ones checkpoint and stop
+            torchrun.STOP.set()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown()
         summary = _report(spec, rows, out_dir, parent)
     say(f"study {spec.name}: {summary['crossover_line']}; table {summary['table_md']}")
     for label, half_life in summary["half_life"].items():

@@ -91,6 +91,12 @@ def torchrun_command(
     ]
 
 
+# Set to stop the trainers that worker threads launched (a study trains its points in threads): a signal reaches
+# only the main thread, so the process's Ctrl-C or SIGTERM reaches those trainers through this flag instead. A
+# trainer then stops as on a signal (checkpoint, exit 75), and no new one starts while it is set.
+STOP = threading.Event()
+
+
 def launch_training(
     cfg: PipelineConfig,
     manifest: dict,
@@ -111,6 +117,8 @@ def launch_training(
     if is_finished(cfg, run):
         echo(f"[train] reusing finished run {rdir}")
         return TrainResult.of(cfg, run, reused=True)
+    if STOP.is_set():  # the process is stopping: start nothing new
+        raise KeyboardInterrupt
     resumed = prepare_attempt(run)
     config_path, manifest_path = write_run_inputs(cfg, manifest, run)
     cmd = torchrun_command(cfg, config_path, manifest_path, rdir, trainer)
@@ -162,7 +170,7 @@ def _run_trainer(cmd, run: RunDir, full_env: dict, tail: deque, errors: deque, e
         received: list[signal.Signals] = []
         try:
             with _stop_signals(received):
-                code = proc.wait()
+                code = _wait(proc)
         except BaseException as stop:  # a signal or a cancelled task: the trainer checkpoints on it, then stops
             proc.send_signal(received[-1] if received else signal.SIGTERM)  # torchrun passes it to the ranks
             echo(f"[train] stopping: the trainer saves a checkpoint first (up to 120 s); {run.path}")
@@ -177,6 +185,16 @@ def _run_trainer(cmd, run: RunDir, full_env: dict, tail: deque, errors: deque, e
         family.kill_leftovers()
         pump.join(timeout=10)
     return code
+
+
+def _wait(proc: subprocess.Popen) -> int:
+    """The trainer's exit code; KeyboardInterrupt once STOP is set (a worker thread's Ctrl-C, so to speak)."""
+    while True:
+        try:
+            return proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            if STOP.is_set():
+                raise KeyboardInterrupt from None
 
 
 @contextmanager

@@ -24,9 +24,11 @@ from mlflow.tracking import MlflowClient
 from prefect import flow
 
 from difflm import tracking
+from difflm.errors import Interrupted
 from difflm.rundir import RunDir, TrainResult
 from difflm.tracking import mlflow_runs
 from models.hf.convert import load_megatron_weights
+from models.launch import torchrun
 from models.launch.torchrun import TrainingError, TrainingPreempted, launch_training, read_metrics, run_dir
 from models.megatron.train import scheduler_kwargs
 from tasks.stages import train_task
@@ -132,6 +134,31 @@ def test_sigterm_checkpoints_exits_as_preempted_and_resumes_identically(session_
     assert isinstance(err, TrainingPreempted), out
     assert 5 <= err.iteration < 16 and "rerun the same command to resume" in str(err)
     assert (rdir / "checkpoints" / f"iter_{err.iteration:07d}").is_dir()  # saved on the signal, not on schedule
+    info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
+    assert_same_weights(_weights(info), reference)
+
+
+@pytest.mark.slow
+def test_stop_reaches_a_trainer_launched_from_a_worker_thread(session_dir, tiny_manifest, reference):
+    """A study trains its points from threads, which signals never reach: the process's Ctrl-C sets
+    torchrun.STOP instead, and the trainer stops as on a signal (checkpoint, Interrupted, exit 75); while it is set
+    no trainer starts; a rerun resumes to the same weights."""
+    cfg = tiny_config(session_dir / "faults-stop", *FAST)
+    rdir = run_dir(cfg, tiny_manifest)
+    thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None))
+    try:
+        _when(lambda: _last_step(rdir) >= 5)
+        torchrun.STOP.set()
+        thread.join(timeout=150)
+        assert not thread.is_alive()
+        err = out.get("error")
+        assert isinstance(err, Interrupted) and "rerun the same command to resume" in str(err), out
+        assert (rdir / "checkpoints" / f"iter_{err.iteration:07d}").is_dir()  # saved on the stop
+        assert not _trainer_processes(os.getpid())[0]
+        with pytest.raises(KeyboardInterrupt):  # still stopping: nothing new starts
+            launch_training(cfg, tiny_manifest, echo=lambda _: None)
+    finally:
+        torchrun.STOP.clear()
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
     assert_same_weights(_weights(info), reference)
 
