@@ -29,6 +29,7 @@ from flows.pretrain import PRETRAIN_STAGES, TRAIN, pretrain
 from flows.stages import Stage
 from models.launch import torchrun
 from tasks import study as results
+from tasks.study_plan import point_flops
 
 
 class StudyFailed(UserError):
@@ -60,11 +61,11 @@ def run_study(spec: StudySpec, say) -> dict:
         pool = ThreadPoolExecutor(max_workers=spec.parallel, thread_name_prefix="study-point")
         try:
             # each point in a copy of this context: its Prefect tasks belong to this flow run
-            futures = [
-                pool.submit(contextvars.copy_context().run, _run_point, spec, p, i, len(points), parent, say)
-                for i, p in enumerate(points, 1)
-            ]
-            rows = [f.result() for f in futures]
+            futures = {
+                k: pool.submit(contextvars.copy_context().run, _run_point, spec, points[k], i, len(points), parent, say)
+                for i, k in enumerate(start_order(points, spec.parallel), 1)
+            }
+            rows = [futures[k].result() for k in range(len(points))]  # the table in the grid's order
         except BaseException:  # Ctrl-C or SIGTERM: no point starts, the training ones checkpoint and stop
             torchrun.STOP.set()
             pool.shutdown(wait=True, cancel_futures=True)
@@ -81,6 +82,15 @@ def run_study(spec: StudySpec, say) -> dict:
             "retry them (finished points are reused)"
         )
     return summary
+
+
+def start_order(points: list[Point], parallel: int) -> list[int]:
+    """The order points start in: the grid's with one at a time; with several, the longest first (by training
+    FLOPs), so that the study does not end on one long point training alone while the other slots idle."""
+    if parallel == 1:
+        return list(range(len(points)))
+    cost = [point_flops(p) for p in points]
+    return sorted(range(len(points)), key=lambda k: -cost[k])
 
 
 def _run_point(spec: StudySpec, point: Point, i: int, n: int, parent: str | None, say) -> dict:

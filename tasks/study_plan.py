@@ -25,10 +25,7 @@ def plan(points: list[Point], device: str, mfu: float) -> list[dict]:
     for point in points:
         cfg = point.cfg.with_unique_tokens(point.unique_tokens)
         t = cfg.train
-        objective = build_objective(cfg.diffusion)
-        flops = t.train_iters * training_flops(
-            cfg, cfg.tokenizer.vocab_size, [t.seq_length] * t.global_batch_size, 1, objective=objective
-        )
+        flops = point_flops(point)
         rows.append(
             {
                 "point": point.label,
@@ -40,6 +37,16 @@ def plan(points: list[Point], device: str, mfu: float) -> list[dict]:
             }
         )
     return rows
+
+
+def point_flops(point: Point) -> float:
+    """The training FLOPs of a point over its budget (its steps times the trainer's count of one step)."""
+    cfg = point.cfg.with_unique_tokens(point.unique_tokens)
+    t = cfg.train
+    step = training_flops(
+        cfg, cfg.tokenizer.vocab_size, [t.seq_length] * t.global_batch_size, 1, objective=build_objective(cfg.diffusion)
+    )
+    return t.train_iters * step
 
 
 def plan_table(rows: list[dict], device: str, mfu: float) -> str:
