@@ -8,6 +8,7 @@ tokens than its budget (a document's worth at most), and its steps grow in propo
 from __future__ import annotations
 
 from difflm.config import Point
+from difflm.config.train import iters_for_epochs
 from difflm.memory import parameter_count
 from models.diffusion.modes import build_objective
 from models.megatron.flops import peak_flops, training_flops
@@ -23,15 +24,14 @@ def plan(points: list[Point], device: str, mfu: float) -> list[dict]:
         raise ValueError(f"no peak FLOP/s known for device {device!r}: name one of H100, H200, A100, B200, L40S")
     rows = []
     for point in points:
-        cfg = point.cfg.with_unique_tokens(point.unique_tokens)
-        t = cfg.train
+        t, steps = point.cfg.train, planned_steps(point)
         flops = point_flops(point)
         rows.append(
             {
                 "point": point.label,
-                "params": parameter_count(cfg),
-                "steps": t.train_iters,
-                "tokens": t.train_iters * t.global_batch_size * t.seq_length,
+                "params": parameter_count(point.cfg),
+                "steps": steps,
+                "tokens": steps * t.global_batch_size * t.seq_length,
                 "training FLOPs": flops,
                 "device-hours": flops / (peak * mfu) / 3600,
             }
@@ -39,14 +39,20 @@ def plan(points: list[Point], device: str, mfu: float) -> list[dict]:
     return rows
 
 
+def planned_steps(point: Point) -> int:
+    """The steps of `point`'s epochs over its budget. Not checked against the warmup as the run checks them: the
+    whole documents of its subset may add the steps a short point lacks, and a plan only estimates."""
+    t = point.cfg.train
+    return iters_for_epochs(point.epochs, point.unique_tokens, t.global_batch_size, t.seq_length)
+
+
 def point_flops(point: Point) -> float:
     """The training FLOPs of a point over its budget (its steps times the trainer's count of one step)."""
-    cfg = point.cfg.with_unique_tokens(point.unique_tokens)
-    t = cfg.train
+    cfg, t = point.cfg, point.cfg.train
     step = training_flops(
         cfg, cfg.tokenizer.vocab_size, [t.seq_length] * t.global_batch_size, 1, objective=build_objective(cfg.diffusion)
     )
-    return t.train_iters * step
+    return planned_steps(point) * step
 
 
 def plan_table(rows: list[dict], device: str, mfu: float) -> str:
