@@ -165,11 +165,23 @@ def _until(predicate, timeout: float = 300.0) -> None:
         time.sleep(0.2)
 
 
+RELEASE_AFTER = 2.0  # seconds a requeued job stays held before the test starts it
+
+
 def _release_requeued(job_id: str, done: threading.Event) -> None:
-    """Slurm holds a requeued batch job for about 2 minutes (BeginTime); as an admin would, start it now."""
+    """Slurm holds a requeued batch job (BeginTime, 20 minutes by its credential lifetime); as an admin would, start
+    it sooner, but not in the second of the requeue. slurmd revoked the old run's credential at that second, and a
+    new launch credential must be younger than the revocation: one issued in the same second is refused as revoked
+    (`Job N already killed, do not launch batch job`), and Slurm kills the job without running its script. Once, on
+    CI, a release at once ended the test's job that way (exit 1:0, nothing in its log after the requeue)."""
+    held_since: float | None = None
     while not done.is_set():
         state = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T %r"], capture_output=True, text=True).stdout
-        if state.split() == ["PENDING", "BeginTime"]:
+        if state.split() != ["PENDING", "BeginTime"]:
+            held_since = None
+        elif held_since is None:
+            held_since = time.monotonic()
+        elif time.monotonic() - held_since >= RELEASE_AFTER:
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], capture_output=True)
         time.sleep(0.5)
 
@@ -287,7 +299,8 @@ def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(
             info = submit_slurm(cfg, tiny_manifest, echo=lines.append, **fault_launch(step_sleep=STEP_SLEEP))
         except Exception as err:  # what the job and the submitter saw: the only trace of a timing problem
             logs = "\n".join(f"--- {p.name}:\n{p.read_text()[-4000:]}" for p in _job_logs(rdir))
-            pytest.fail(f"{err}\n--- submitter:\n" + "\n".join(lines[-40:]) + f"\n{logs}")
+            states = [x for x in lines if x.startswith("[slurm]")]  # the job's states, which the training lines hide
+            pytest.fail(f"{err}\n--- submitter:\n" + "\n".join(states + lines[-20:]) + f"\n{logs}")
     finally:
         done.set()
         _slurm("scontrol", "setdebug", "info")
