@@ -36,6 +36,12 @@ class OptimizerConfig(_Section):
 
     lr: float = Field(3e-3, gt=0.0, description="Peak learning rate (after warmup).")
     weight_decay: float = Field(0.01, ge=0.0)
+    decay_embeddings: bool = Field(
+        True,
+        description="Whether weight decay applies to the input embedding and the output layer (megatron's and "
+        "MegaDLMs' default). The strong AR arm of Xu et al. 2026 spares them: false. Biases and norms never decay.",
+        json_schema_extra=IF_SET,  # true decays as every run before it did
+    )
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(0.98, ge=0.0, lt=1.0)
     clip_grad: float = Field(1.0, ge=0.0, description="Clip the gradient's global norm to this (0: off).")

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
+from megatron.core.optimizer.optimizer_config import ParamKey
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler, ParamGroupOverride
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
@@ -106,24 +107,33 @@ def build_training(cfg: PipelineConfig, vocab_size: int, *, objective: Objective
     model.config.no_sync_func = ddp.no_sync
     model.config.finalize_model_grads_func = finalize_model_grads
     o = cfg.train.optimizer
-    opt = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            min_lr=cfg.train.schedule.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2,
-            clip_grad=o.clip_grad,
-            bf16=cfg.train.precision == "bf16",
-            fp16=False,
-            use_distributed_optimizer=dist_opt,
-        ),
-        [ddp],
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=cfg.train.schedule.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        clip_grad=o.clip_grad,
+        bf16=cfg.train.precision == "bf16",
+        fp16=False,
+        use_distributed_optimizer=dist_opt,
     )
+    opt = get_megatron_optimizer(opt_config, [ddp], config_overrides=param_groups(opt_config, o.decay_embeddings))
     use_fused_adam(opt, kernel_settings(cfg).fused_adam)
     sched = OptimizerParamScheduler(opt, **scheduler_kwargs(cfg))
     return ddp, opt, sched
+
+
+def param_groups(opt_config: OptimizerConfig, decay_embeddings: bool) -> dict[ParamKey, ParamGroupOverride] | None:
+    """megatron's parameter groups: its standard ones (None: biases and norms do not decay), and, when
+    `decay_embeddings` is false, none on the word embedding and output layer either (megatron marks both
+    `is_embedding_or_output_parameter`, on every pipeline stage that holds a copy)."""
+    if decay_embeddings:
+        return None
+    overrides = get_standard_config_overrides(opt_config)
+    overrides[ParamKey(attr="is_embedding_or_output_parameter")] = ParamGroupOverride(wd_mult=0.0)
+    return overrides
 
 
 def scheduler_kwargs(cfg: PipelineConfig) -> dict:

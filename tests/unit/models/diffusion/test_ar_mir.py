@@ -148,3 +148,34 @@ def test_ar_with_mir_trains_and_its_loss_falls(megatron_single_process, tmp_path
     assert all(0 < x < 100 for x in losses) and losses[-1] < losses[0] - 0.5, losses
     valid = run_global_batch(cfg, ddp, train_ds, special, step=0, noise_step=-1, forward_only=True)
     assert valid is not None and 0 < valid < losses[0]
+
+
+@pytest.mark.parametrize("decay_embeddings", [True, False])
+def test_decay_embeddings_false_spares_the_embedding_and_output_layer(
+    megatron_single_process, tmp_path, decay_embeddings
+):
+    """Xu et al.'s strong AR arm decays neither the embedding nor the output layer (megatron decays both). With zero
+    gradients an AdamW step moves a weight by its decay alone: the spared ones stay put, a linear layer's shrinks."""
+    cfg = tiny_config(
+        tmp_path,
+        "diffusion.model_running_mode=ar",
+        "model.tie_embeddings=false",
+        "train.optimizer.weight_decay=0.5",
+        "train.schedule.warmup_iters=0",
+        f"train.optimizer.decay_embeddings={str(decay_embeddings).lower()}",
+    )
+    ddp, opt, sched = build_training(cfg, 512)
+    model = ddp.module
+    weights = {
+        "embedding": model.embedding.word_embeddings.weight,
+        "output": model.output_layer.weight,
+        "linear": model.decoder.layers[0].mlp.linear_fc1.weight,
+    }
+    before = {k: w.detach().clone() for k, w in weights.items()}
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    opt.step()
+    moved = {k: not torch.equal(w.detach(), before[k]) for k, w in weights.items()}
+    assert moved == {"embedding": decay_embeddings, "output": decay_embeddings, "linear": True}, moved
+    shrunk = weights["linear"].detach().norm() < before["linear"].norm()
+    assert shrunk
