@@ -596,6 +596,13 @@ class Autoregressive(Objective):
         identity=IF_SET,
         ge=0.0,
     )
+    mir_share_draw: Literal["fixed", "uniform"] = setting(
+        "fixed",
+        "MIR: fixed masks every sequence's tokens with probability mir_mask_share; uniform draws that probability "
+        "per sequence from [0, 2 x mir_mask_share] (Xu et al.: [0, 0.5], i.e. mir_mask_share=0.25), so some copies "
+        "are barely masked and some heavily. uniform needs mir_mask_share <= 0.5.",
+        identity=IF_SET,
+    )
 
     name = "ar"
     bidirectional = False
@@ -609,10 +616,15 @@ class Autoregressive(Objective):
                 f"diffusion.mir_mask_share={self.mir_mask_share} is a share of the input tokens: set it in [0, 1) "
                 "(0 turns MIR off)"
             )
-        if self.mir_weight != 1.0 and not self.mir_mask_share:
+        if (self.mir_weight != 1.0 or self.mir_share_draw != "fixed") and not self.mir_mask_share:
             raise ValueError(
-                "diffusion.mir_weight weighs the masked-input (MIR) loss, which is off: set diffusion.mir_mask_share "
-                "> 0 (e.g. 0.25), or leave mir_weight out"
+                "diffusion.mir_weight and diffusion.mir_share_draw shape the masked-input (MIR) loss, which is off: "
+                "set diffusion.mir_mask_share > 0 (e.g. 0.25), or leave them out"
+            )
+        if self.mir_share_draw == "uniform" and self.mir_mask_share > 0.5:
+            raise ValueError(
+                f"diffusion.mir_share_draw=uniform draws each sequence's share from [0, 2 x mir_mask_share]: "
+                f"mir_mask_share={self.mir_mask_share} would pass 1; set it to 0.5 or less (Xu et al.: 0.25)"
             )
 
     def rows_per_sequence(self, evaluation):
@@ -633,12 +645,16 @@ class Autoregressive(Objective):
         }
 
     def mir_masks(self, data: torch.Tensor, positions: list[int], generator_for: GeneratorFor) -> torch.Tensor:
-        """[b, s] bool: the input tokens MIR masks, each data token with probability `mir_mask_share`, drawn from
-        its sequence's generator (so every parallel layout and a resumed run draw the same)."""
-        rows = [
-            torch.rand(ok.shape[0], generator=generator_for(pos)) < self.mir_mask_share
-            for ok, pos in zip(data, positions)
-        ]
+        """[b, s] bool: the input tokens MIR masks, each data token with probability `mir_mask_share` (or, drawn
+        `uniform`, a share of the sequence's own), from its sequence's generator (so every parallel layout and a
+        resumed run draw the same)."""
+        rows = []
+        for ok, pos in zip(data, positions):
+            gen = generator_for(pos)
+            share = self.mir_mask_share
+            if self.mir_share_draw == "uniform":
+                share = 2 * share * float(torch.rand((), generator=gen))
+            rows.append(torch.rand(ok.shape[0], generator=gen) < share)
         return torch.stack(rows).to(data.device) & data.bool()
 
     def loss_terms(self, output, prepared, evaluation):

@@ -91,10 +91,28 @@ def test_the_masked_share_is_respected_and_the_draw_is_the_generators():
     assert not _prepare(obj, tokens, padded, seed=3)[0]["mir_masked"][:, 101:].any()
 
 
+def test_a_uniform_draw_gives_each_sequence_its_own_share_in_twice_the_mean():
+    """Xu et al. draw each sequence's share from [0, 0.5]: over 200 sequences of 500 tokens the shares spread over
+    that range (a fixed share's spread is the binomial's, sd 0.02) and average 0.25; the same generators draw
+    the same shares."""
+    tokens = torch.randint(3, 7, (200, 500), generator=torch.Generator().manual_seed(0))
+    label_ok = torch.ones(200, 500, dtype=torch.bool)
+    shares = {}
+    for draw in ("fixed", "uniform"):
+        obj = Autoregressive(**TOKENS, mir_mask_share=0.25, mir_share_draw=draw)
+        shares[draw] = _prepare(obj, tokens, label_ok, seed=5)[0]["mir_masked"].float().mean(1)
+    fixed, uniform = shares["fixed"], shares["uniform"]
+    assert float(fixed.std()) < 0.03 and float(uniform.std()) > 0.1  # U[0, 0.5]: sd 0.144
+    assert float(uniform.mean()) == pytest.approx(0.25, abs=0.03) and float(uniform.max()) < 0.56
+    assert float(uniform.min()) < 0.05 and float(uniform.max()) > 0.45
+    again = _prepare(Autoregressive(**TOKENS, mir_mask_share=0.25, mir_share_draw="uniform"), tokens, label_ok, 5)
+    assert torch.equal(again[0]["mir_masked"].float().mean(1), uniform)
+
+
 def test_settings_round_trip_count_flops_and_refuse_bad_input_with_one_line(tmp_path):
     cfg = tiny_config(tmp_path, *MIR)
     obj = build_objective(cfg.diffusion, TOKENS)
-    assert obj.to_dict() == {"mode": "ar", "mir_mask_share": 0.5, "mir_weight": 0.4}
+    assert obj.to_dict() == {"mode": "ar", "mir_mask_share": 0.5, "mir_weight": 0.4, "mir_share_draw": "fixed"}
     assert objective_from_dict(obj.to_dict(), TOKENS) == obj
     plain = tiny_config(tmp_path, "diffusion.model_running_mode=ar")
     assert plain.stage_hash("diffusion") != cfg.stage_hash("diffusion")  # MIR names its runs
@@ -107,10 +125,15 @@ def test_settings_round_trip_count_flops_and_refuse_bad_input_with_one_line(tmp_
             "diffusion.mir_mask_share=0.25",
         ),
         "set diffusion.mir_mask_share > 0": ("ar", "diffusion.mir_weight=0.4"),
+        "mir_share_draw: Input should be 'fixed' or 'uniform'": ("ar", "diffusion.mir_share_draw=beta"),
+        r"mir_mask_share=0.6 would pass 1; set it to 0.5 or less": (
+            "ar",
+            "diffusion.mir_mask_share=0.6 diffusion.mir_share_draw=uniform",
+        ),
     }
     for line, (mode, bad) in cases.items():
         with pytest.raises(ConfigError, match=line):
-            load_config("test-tiny", [f"workdir={tmp_path}", f"diffusion.model_running_mode={mode}", bad])
+            load_config("test-tiny", [f"workdir={tmp_path}", f"diffusion.model_running_mode={mode}", *bad.split()])
     with pytest.raises(ValueError, match=r"set it in \[0, 1\)"):
         Autoregressive(mir_mask_share=1.5)
 

@@ -21,7 +21,7 @@ SETTINGS = {  # each family's own settings, nothing of the others'
     "difflm-noshift": ("eps", "loss_weighting", "normalize_by"),
     "difflm-shift": ("eps", "loss_weighting", "normalize_by", "cart_p"),
     "difflm-noshift-uniform": ("eps", "uniform_loss"),
-    "ar": ("mir_mask_share", "mir_weight"),
+    "ar": ("mir_mask_share", "mir_weight", "mir_share_draw"),
     "difflm-block": (
         "eps",
         "loss_weighting",
