@@ -156,7 +156,16 @@ def test_megatron_forward_step_runs_both_rows_with_their_documents(megatron_sing
 
 
 def test_ar_with_mir_trains_and_its_loss_falls(megatron_single_process, tmp_path, tiny_manifest):
-    cfg = tiny_config(tmp_path, *MIR, "train.optimizer.lr=1e-2", "train.optimizer.weight_decay=0.5")
+    """The study's whole ar-mir arm: the strong arm's decay (embeddings spared) and dropout, MIR drawn uniform."""
+    cfg = tiny_config(
+        tmp_path,
+        *MIR,
+        "diffusion.mir_share_draw=uniform",
+        "train.optimizer.lr=1e-2",
+        "train.optimizer.weight_decay=0.5",
+        "train.optimizer.decay_embeddings=false",
+        "model.dropout=0.1",
+    )
     tok = tiny_manifest["tokenizer"]
     ddp, opt, sched = build_training(cfg, tok["vocab_size"])
     train_ds, _ = build_datasets(cfg, tiny_manifest, cfg.train.global_batch_size, cfg.train.global_batch_size)
