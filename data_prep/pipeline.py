@@ -23,41 +23,30 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from datatrove.executor import SlurmPipelineExecutor
 from datatrove.utils.logging import logger
 
 from data_prep.budget import document_order, select, write_subset
 from data_prep.corpus import SOURCES, demo_corpus
+from data_prep.errors import DataPrepError, SubmittedToCluster
 from data_prep.quiet import QuietLocalExecutor  # per-file and per-task INFO to the task logs only
 from data_prep.readers import DamagedFileError, detect_format, load_faults, make_reader, unknown_files
+from data_prep.slurm import forget_credentials, slurm_executor
 from data_prep.split import SPLITS, split_of
 from data_prep.steps import ExactDedup, HashShard, LengthFilter, SplitSourceWriter, UnicodeNormalizer
 from data_prep.tokenizer import TokenizerError, TokenizerInfo, describe, load_tokenizer, train_bpe
 from data_prep.verify import read_index, verify
-from difflm.config import PARTITION, PipelineConfig, SourceConfig
-from difflm.errors import UserError, disk_full, is_disk_full
+from difflm.config import PipelineConfig, SourceConfig
+from difflm.errors import disk_full, is_disk_full
 from difflm.locks import exclusive
 from difflm.rundir import Workdir, lock_file
 
 MANIFEST = "manifest.json"
 FAULTS = "logs/file_faults"  # one JSON report per damaged or unreadable input file
-
-
-class DataPrepError(UserError, ValueError):
-    """Data prep cannot run as configured (a missing or damaged input, a bad source); the message says why."""
-
-
-class SubmittedToCluster(UserError, RuntimeError):
-    """Raised after submitting to Slurm: rerun the same command once the job has finished."""
-
-    exit_code = 75  # EX_TEMPFAIL: not done yet, rerun later (`difflm prep` itself reports it and exits 0)
 
 
 def resolve_source(src: SourceConfig) -> tuple[Path, str]:
@@ -222,40 +211,12 @@ def prepare_tokenizer(cfg: PipelineConfig, resolved, folder: Path) -> TokenizerI
     return train_bpe(texts, cfg.tokenizer, folder)
 
 
-def default_partition() -> str:
-    """The cluster's default partition (`sinfo` marks it with '*'): datatrove always writes an `#SBATCH
-    --partition` line, and one without a value is refused by sbatch."""
-    try:
-        proc = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as err:
-        raise DataPrepError(f"data.executor=slurm: sinfo failed ({err}); run on a Slurm login node") from None
-    for name in proc.stdout.split():
-        if name.endswith("*") and PARTITION.fullmatch(name[:-1]):
-            return name[:-1]
-    raise DataPrepError("data.slurm.partition is not set and Slurm names no default partition: set it")
-
-
-def _slurm_env_command() -> str:
-    """The job's first line: this environment's bin first on PATH, where datatrove's `launch_pickled_pipeline`
-    and `merge_stats` are (the job inherits the submitter's PATH, which need not have it)."""
-    return f'export PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"'
-
-
-def build_executor(cfg: PipelineConfig, pipeline: list, logging_dir: Path):
+def build_executor(cfg: PipelineConfig, pipeline: list, out: Path):
+    """The datatrove executor of the prep writing `out` (its logs in `out`/logs)."""
     d = cfg.data
+    logging_dir = out / "logs"
     if d.executor == "slurm":
-        return SlurmPipelineExecutor(
-            pipeline=pipeline,
-            tasks=d.num_tasks,
-            time=d.slurm.time,
-            partition=d.slurm.partition or default_partition(),
-            cpus_per_task=d.slurm.cpus_per_task,
-            mem_per_cpu_gb=d.slurm.mem_per_cpu_gb,
-            logging_dir=str(logging_dir),
-            job_name="difflm-prep",
-            sbatch_args=d.slurm.sbatch_args,
-            env_command=_slurm_env_command(),
-        )
+        return slurm_executor(cfg, pipeline, out)
     if d.executor == "ray":
         try:
             from datatrove.executor.ray import RayPipelineExecutor  # an optional back-end
@@ -293,7 +254,7 @@ def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -
             threads=tokenizer_threads(cfg),
         ),
     ]
-    executor = build_executor(cfg, pipeline, out / "logs")
+    executor = build_executor(cfg, pipeline, out)
     executor.run()
     if d.executor == "slurm":
         incomplete = executor.get_incomplete_ranks()
@@ -302,6 +263,7 @@ def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -
                 f"submitted {len(incomplete)} data-prep tasks to Slurm (logs: {out / 'logs'}); rerun the same "
                 f"command when the job has finished to verify and write the manifest"
             )
+        forget_credentials(out)
 
 
 def skip_counts(logs: Path) -> dict[str, int]:

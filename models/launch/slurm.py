@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shlex
 import sys
 import time
@@ -15,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from difflm.config import ConfigError, PipelineConfig, SlurmBase
+from difflm.credentials import CREDENTIAL_NAMES, ENV_KEY, is_credential, split_credentials, write_credentials_file
 from difflm.rundir import RunDir, TrainResult, Workdir
 from models.launch.jobs import (
     ClusterError,
@@ -40,19 +40,11 @@ RDZV_PORT_BASE = 20000  # + job id % 10000: a rendezvous port per job (jobs may 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the project: `-m models.megatron.train` resolves here
 SLURM_RECORD = "slurm-job.json"  # <run>/slurm-job.json: the job submitted for this run (reattached to)
 LAUNCH_FILE = "launch.sbatch"
-ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-# Credentials never go into the job's environment: Slurm keeps a job's environment (and its script) in its state
-# directory (StateSaveLocation/hash.N/job.N/environment) for as long as it holds the job. They go into a file
-# only this user reads, in a private folder of the run, named to the job by path, read by the batch shell at
-# start and removed when the job ends (not at a requeue: the requeued job reads it again).
-CREDENTIAL = re.compile(
-    r"(^|_)(PASSWORD|PASSWD|SECRET|SECRET_KEY|TOKEN|AUTH_STRING|API_KEY|ACCESS_KEY|PRIVATE_KEY)$"
-    r"|DATABASE_(URL|URI)|CONNECTION_URL$",
-    re.IGNORECASE,
-)
+# Credentials never go into the job's environment (difflm/credentials.py): they go into a file only this user
+# reads, in a private folder of the run, named to the job by path, read by the batch shell at start and removed
+# when the job ends (not at a requeue: the requeued job reads it again).
 CREDENTIALS_DIR, CREDENTIALS_FILE = ".credentials", "slurm-job.env"
 CREDENTIALS_VAR = "DIFFLM_CREDENTIALS_FILE"  # the job's environment names the file, not what is in it
-CREDENTIAL_NAMES = "DIFFLM_CREDENTIAL_NAMES"  # in the file: which variables it set, for the job's log
 
 # squeue states of a job that is not over yet (a requeued job passes through REQUEUED and PENDING again)
 SLURM_ACTIVE = {
@@ -221,34 +213,17 @@ def write_slurm_file(
     return out
 
 
-def is_credential(name: str) -> bool:
-    """Whether an environment variable holds a credential (a password, token, auth string, key, database URL)."""
-    return bool(CREDENTIAL.search(name))
-
-
 def credentials_file(run: RunDir) -> Path:
     return run.path / CREDENTIALS_DIR / CREDENTIALS_FILE
 
 
 def write_credentials(run: RunDir, env: dict[str, str] | None) -> dict[str, str]:
-    """Move the credentials of this process's environment and `env` into the run's credentials file (a folder
-    0700, the file 0600, written before it holds anything); the environment for `sbatch`: this process's
-    without them, naming the file. No credentials: no file."""
-    secret = {k: v for k, v in {**os.environ, **(env or {})}.items() if is_credential(k)}
-    clean = {k: v for k, v in os.environ.items() if not is_credential(k)}
+    """Move the credentials of this process's environment and `env` into the run's credentials file; the
+    environment for `sbatch`: this process's without them, naming the file. No credentials: no file."""
+    clean, _ = split_credentials(os.environ)
+    _, secret = split_credentials({**os.environ, **(env or {})})
     path = credentials_file(run)
-    if not secret:
-        path.unlink(missing_ok=True)
-        return clean
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    path.parent.chmod(0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)  # an older file of another mode
-    names = sorted(k for k in secret if ENV_KEY.fullmatch(k))
-    with os.fdopen(fd, "w") as fh:
-        fh.writelines(f"{k}={shlex.quote(secret[k])}\n" for k in names)
-        fh.write(f"{CREDENTIAL_NAMES}={shlex.quote(' '.join(names))}\n")
-    return {**clean, CREDENTIALS_VAR: str(path)}
+    return {**clean, CREDENTIALS_VAR: str(path)} if write_credentials_file(path, secret) else clean
 
 
 def slurm_job_state(job_id: str) -> tuple[str | None, str | None]:

@@ -399,30 +399,40 @@ def test_data_prep_on_slurm_writes_the_local_shards_byte_for_byte(tmp_path, slur
     monkeypatch.setenv(
         "PYTHONPATH", os.pathsep.join([str(ROOT / "tests" / "support"), os.environ.get("PYTHONPATH", "")])
     )
+    secret = f"tok-{os.urandom(8).hex()}"  # a reader's credential (an S3 key, a hub token): never in Slurm's state
+    monkeypatch.setenv("DIFFLM_TEST_SOURCE_TOKEN", secret)
     # the partition is down while the first array is submitted: one task is cancelled for sure before it runs
     _slurm("scontrol", "update", "PartitionName=debug", "State=DOWN")
     try:
         with pytest.raises(SubmittedToCluster, match="submitted 3 data-prep tasks to Slurm"):
             prepare_data(cfg)
         array = next(job for job, _, _ in _prep_jobs() if job.endswith("_[0-2]")).split("_")[0]
+        stored = [p for p in (slurm_cluster.root / "state").rglob("*") if p.is_file()]
+        assert any(p.name == "environment" for p in stored)  # the jobs' environments, stored by Slurm
+        assert not [p for p in stored if secret.encode() in p.read_bytes()]
         _slurm("scancel", f"{array}_1")  # task 1 is lost (a node failure, a cancelled task)
     finally:
         _slurm("scontrol", "update", "PartitionName=debug", "State=UP")
     _until(lambda: Path(f"{gate}.reached").exists(), timeout=120)  # task 2 is mid-way, held at the gate
     assert (f"{array}_2", "RUNNING") in [(job, state) for job, state, _ in _prep_jobs()]
     (out,) = (tmp_path / "slurm" / "data").glob("*/logs")
+    creds = out.parent / ".credentials" / "slurm-prep.env"
+    assert creds.stat().st_mode & 0o777 == 0o600 and secret in creds.read_text()
     partial = sorted(p.name for p in out.parent.rglob("00002_tokens.*"))
     assert partial, "task 2 had written nothing yet"  # it has begun its shards
     _slurm("scancel", f"{array}_2")  # killed mid-way (SIGTERM, then SIGKILL)
     _until(_prep_settled)
     killed = (out / "slurm_logs" / f"{array}_2.out").read_text()
     assert "Reading input file docs.jsonl" in killed and f"JOB {array} ON" in killed and "CANCELLED" in killed
+    read = re.search(f"difflm: credentials read from {re.escape(str(creds))}: (.*)", killed)
+    assert read and "DIFFLM_TEST_SOURCE_TOKEN" in read.group(1).split()
     assert not (out / "completions" / "00002").exists()
     gate.unlink()  # the rerun's tasks pass
     with pytest.raises(SubmittedToCluster, match="submitted 2 data-prep tasks"):  # the rerun resubmits 1 and 2
         prepare_data(cfg)
     _until(_prep_settled)
     manifest = prepare_data(cfg)
+    assert not creds.exists()  # the prep is complete: its jobs need it no more
 
     out, ref = Path(manifest["dir"]), Path(local["dir"])
     shards = sorted(p.relative_to(ref) for p in ref.rglob("*_tokens.*"))

@@ -98,6 +98,7 @@ RULES = {
             "yaml",
             "psutil",
             "difflm.config",
+            "difflm.credentials",
             "difflm.errors",
             "difflm.rundir",
             "difflm.tracking.plots",

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datatrove.executor.slurm as datatrove_slurm
 import pytest
 import torch
 from fault_injection import fault_launch
@@ -26,6 +27,7 @@ from prefect.settings import get_current_settings
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from data_prep import pipeline
+from data_prep import slurm as prep_slurm
 from deploy import stack
 from difflm.config import ConfigError, load_config
 from difflm.errors import DiskFull, UserError
@@ -520,3 +522,42 @@ def test_a_planted_pickle_result_is_never_read(tmp_path, prefect_harness):
     result, cached = pipeline()
     assert not mark.exists() and result == {"x": 3, "path": str(tmp_path)} and not cached
     assert pipeline() == (result, True)  # our own JSON record is a cache hit
+
+
+@pytest.mark.integration  # a stand-in sbatch and the jobs' shell line run as processes
+def test_data_prep_submits_to_slurm_without_credentials_and_its_jobs_read_them_from_a_private_file(
+    tmp_path, monkeypatch
+):
+    """datatrove submits with `--export=ALL`: Slurm would store the credentials with the job. Every datatrove
+    submission goes through data_prep.slurm.submit_batch, whose sbatch has none; the jobs' first line reads them
+    from the prep's 0600 file (quotes and `$(...)` stay data) and names them in the log, not echoing them."""
+    assert datatrove_slurm.launch_slurm_job is prep_slurm.submit_batch
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text(f'#!/bin/sh\nenv > {tmp_path}/sbatch.env\necho "Submitted batch job 42"\n')
+    (fake / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws 'key'\n$(touch pwned)")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")  # not a credential
+    assert prep_slurm.submit_batch("#!/bin/bash\n", lambda out: out.split()[-1], "--export=ALL") == "42"
+    seen = (tmp_path / "sbatch.env").read_text()
+    assert "AWS_SECRET_ACCESS_KEY" not in seen and "TOKENIZERS_PARALLELISM=false" in seen
+
+    cfg = load_config("test-tiny", [f"workdir={tmp_path}", "data.executor=slurm", "data.slurm.partition=debug"])
+    out = tmp_path / "prep"
+    executor = prep_slurm.slurm_executor(cfg, [], out)
+    creds = out / ".credentials" / "slurm-prep.env"
+    assert creds.stat().st_mode & 0o777 == 0o600 and creds.parent.stat().st_mode & 0o777 == 0o700
+    line = executor.env_command
+    job = subprocess.run(
+        ["bash", "-c", f'{line}\nprintf %s "$AWS_SECRET_ACCESS_KEY"'], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert job.stdout.endswith("aws 'key'\n$(touch pwned)") and not (tmp_path / "pwned").exists()
+    assert f"difflm: credentials read from {creds}: AWS_SECRET_ACCESS_KEY\n" in job.stdout
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    prep_slurm.slurm_executor(cfg, [], out)  # a rerun without credentials: the queued jobs' file stays
+    assert creds.exists()
+    prep_slurm.forget_credentials(out)
+    assert not creds.exists()
+    job = subprocess.run(["bash", "-c", f"{line}\necho ok"], capture_output=True, text=True, cwd=tmp_path)
+    assert job.returncode == 0 and job.stdout == "ok\n"  # no file: nothing to read
