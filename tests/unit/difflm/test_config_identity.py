@@ -236,6 +236,7 @@ IDENTITY = {
         "attention_anneal_steps",
         "mir_mask_share",  # IF_SET: MIR (ar) names a run only when on
         "mir_weight",
+        "mir_share_draw",  # IF_SET: fixed (the default) draws as before
     },
     "train": {
         "seq_length",
@@ -250,6 +251,7 @@ IDENTITY = {
         "wsd_decay_fraction",
         "wsd_decay_style",
         "weight_decay",
+        "decay_embeddings",  # IF_SET: true (the default) decays as before
         "adam_beta1",
         "adam_beta2",
         "clip_grad",
@@ -333,8 +335,11 @@ def test_identity_leaves_out_the_operational_fields_only():
     cfg = validate(copy.deepcopy(TEST_TINY))
     ident = cfg.identity("train")
     assert (
-        set(ident) == IDENTITY["train"] - {"init_from_hf", "epochs"} and ident["lr"] == cfg.train.optimizer.lr
+        set(ident) == IDENTITY["train"] - {"init_from_hf", "epochs", "decay_embeddings"}
+        and ident["lr"] == cfg.train.optimizer.lr
     )  # IF_SET, unset
+    spared = validate(apply_overrides(copy.deepcopy(TEST_TINY), ["train.optimizer.decay_embeddings=false"]))
+    assert spared.identity("train")["decay_embeddings"] is False
     hf = validate(apply_overrides(copy.deepcopy(TEST_TINY), ["train.init_from_hf=/models/smollm2"]))
     assert hf.identity("train")["init_from_hf"] == "/models/smollm2"
     assert cfg.identity("data")["slurm"] == cfg.data.slurm.model_dump(mode="json")
@@ -504,6 +509,7 @@ def test_a_run_config_of_the_flat_section_loads():
         "time_conditioning": "adaln",
         "mir_mask_share": 0.0,  # ar's own settings (MIR), at their defaults: off
         "mir_weight": 1.0,
+        "mir_share_draw": "fixed",
     }
     assert cfg.stage_hash("diffusion") == validate(
         {**copy.deepcopy(TEST_TINY), "diffusion": {"model_running_mode": "ar"}}
