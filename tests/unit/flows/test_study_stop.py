@@ -40,9 +40,13 @@ def test_an_interrupted_study_stops_its_trainers_and_starts_no_other_point(tmp_p
         return {}
 
     monkeypatch.setattr(study_flow, "_run_point", point)
+    # Ctrl-C as in a terminal: a process started in the background by a non-interactive shell (`cmd &`, as a CI
+    # runner may start the tests) inherits SIGINT ignored, and Python then installs no handler for it
+    interactive = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with pytest.raises(KeyboardInterrupt):
             study_flow.run_study(spec, lambda line: None)
         assert started == ["masked-u1000-e1"] and stopped.is_set()  # the 3 other points never started
     finally:
+        signal.signal(signal.SIGINT, interactive)
         torchrun.STOP.clear()
