@@ -23,7 +23,7 @@ from datatrove.executor import slurm as datatrove_slurm
 
 from data_prep.errors import DataPrepError
 from difflm.config import PARTITION, PipelineConfig
-from difflm.credentials import CREDENTIAL_NAMES, split_credentials, write_credentials_file
+from difflm.credentials import read_credentials, split_credentials, write_credentials_file
 
 CREDENTIALS = Path(".credentials") / "slurm-prep.env"  # under the prep's output folder
 
@@ -64,11 +64,10 @@ def env_command(credentials: Path) -> str:
     """The jobs' first line (before datatrove's `set -x`, so nothing it reads is echoed): this environment's bin
     first on PATH, where datatrove's `launch_pickled_pipeline` and `merge_stats` are (the job inherits the
     submitter's PATH, which need not have it), then the credentials file when there is one."""
-    path = shlex.quote(str(credentials))
     return (
         f'export PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"; '
-        f"if [ -f {path} ]; then set -a; . {path} || exit 1; set +a; "
-        f'echo "difflm: credentials read from {path}: ${{{CREDENTIAL_NAMES}:-}}"; fi'
+        f"difflm_credentials={shlex.quote(str(credentials))}; "
+        f'if [ -f "$difflm_credentials" ]; then {read_credentials("difflm_credentials")}; fi'
     )
 
 

@@ -50,3 +50,11 @@ def write_credentials_file(path: Path, secret: Mapping[str, str]) -> bool:
         fh.writelines(f"{k}={shlex.quote(secret[k])}\n" for k in names)
         fh.write(f"{CREDENTIAL_NAMES}={shlex.quote(' '.join(names))}\n")
     return True
+
+
+def read_credentials(var: str) -> str:
+    """The shell commands a job runs to read the credentials file named by `$var` into its environment
+    (exported), logging which variables it set, never their values."""
+    return (
+        f'set -a; . "${var}" || exit 1; set +a; echo "difflm: credentials read from ${var}: ${{{CREDENTIAL_NAMES}:-}}"'
+    )

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from difflm.config import ConfigError, PipelineConfig, SlurmBase
-from difflm.credentials import CREDENTIAL_NAMES, ENV_KEY, is_credential, split_credentials, write_credentials_file
+from difflm.credentials import ENV_KEY, is_credential, read_credentials, split_credentials, write_credentials_file
 from difflm.rundir import RunDir, TrainResult, Workdir
 from models.launch.jobs import (
     ClusterError,
@@ -160,8 +160,7 @@ def slurm_script(
         *(f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items() if not is_credential(k)),
         # credentials: from the file the submitter wrote (mode 0600), never from the job's stored environment
         f'if [ -n "${{{CREDENTIALS_VAR}:-}}" ]; then',
-        f'  set -a; . "${CREDENTIALS_VAR}" || exit 1; set +a',
-        f'  echo "difflm: credentials read from ${CREDENTIALS_VAR}: ${{{CREDENTIAL_NAMES}:-}}"',
+        f"  {read_credentials(CREDENTIALS_VAR)}",
         "fi",
         "preempted=0",
         # `scancel --signal=TERM JOB` reaches the steps (torchrun) and not this shell; a SIGTERM to srun itself
