@@ -359,12 +359,16 @@ def prepare_data(cfg: PipelineConfig) -> dict:
     subset's manifest. A full disk is one DiskFull line (nothing half-written is taken for done: the manifest is
     written last)."""
     try:
-        if cfg.data.unique_tokens is None:
-            return _prepare_data(cfg)
-        whole = cfg.without_budget()
-        with exclusive(lock_file(data_dir(whole)), f"data prep {data_dir(whole)}", cfg.pipeline.on_busy):
-            full = _prepare_data(whole)
-        return budget_data(cfg, full)
+        if not (data_dir(cfg) / MANIFEST).exists():  # before the lock: a refused prep leaves no data folder behind
+            refuse_empty_sources(cfg, [(src, *resolve_source(src)) for src in cfg.data.sources])
+        # one writer per data folder: a second `difflm prep` (or pipeline) of the same data waits, then reuses it
+        with exclusive(lock_file(data_dir(cfg)), f"data prep {data_dir(cfg)}", cfg.pipeline.on_busy):
+            if cfg.data.unique_tokens is None:
+                return _prepare_data(cfg)
+            whole = cfg.without_budget()
+            with exclusive(lock_file(data_dir(whole)), f"data prep {data_dir(whole)}", cfg.pipeline.on_busy):
+                full = _prepare_data(whole)
+            return budget_data(cfg, full)
     except OSError as err:
         if is_disk_full(err):
             raise disk_full(data_dir(cfg), "preparing data", "data prep starts again where it stopped") from None
@@ -376,8 +380,7 @@ def _prepare_data(cfg: PipelineConfig) -> dict:
     manifest_path = out / MANIFEST
     if manifest_path.exists():
         return json.loads(manifest_path.read_text())
-    resolved = [(src, *resolve_source(src)) for src in cfg.data.sources]
-    refuse_empty_sources(cfg, resolved)  # before the data folder exists: a refused prep leaves nothing behind
+    resolved = [(src, *resolve_source(src)) for src in cfg.data.sources]  # refused empty ones: prepare_data
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     ignored = ignored_files(resolved)

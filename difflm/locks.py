@@ -11,6 +11,12 @@ Across nodes, flock is as good as the shared filesystem's locks: NFSv4 and NFSv3
 Scale, BeeGFS with `tuneUseGlobalFileLocks`, CephFS all lock across nodes. NFS mounted `nolock`/`local_lock=all`,
 Lustre with `localflock` (or neither option: flock then fails, which is reported) and most FUSE filesystems
 (sshfs, gcsfuse, s3fs) lock on one node only.
+
+A thread may take a lock it already holds (re-entrant): the writers lock their own outputs (`prepare_data`,
+`launch_training`, an export, an evaluation), whether a command calls them alone or a pipeline stage that already
+holds the same output's lock does. Another thread of the same process waits as another process does (two flocks on
+two open files of one name exclude each other even within a process): a study's parallel points never share an
+output.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +35,8 @@ from pathlib import Path
 from difflm.errors import UserError
 
 ON_BUSY = ("wait", "fail")
+
+_HELD = threading.local()  # .depth: {lock file's real path: how many `exclusive` of this thread hold it}
 
 
 class OutputBusy(UserError):
@@ -56,6 +65,15 @@ def exclusive(
         raise ValueError(f"on_busy must be one of {ON_BUSY}, not {on_busy!r}")
     lock_file = Path(lock_file)
     lock_file.parent.mkdir(parents=True, exist_ok=True)
+    depth: dict[str, int] = _HELD.__dict__.setdefault("depth", {})
+    key = os.path.realpath(lock_file)
+    if depth.get(key):  # this thread holds it already (a pipeline stage around the writer it calls)
+        depth[key] += 1
+        try:
+            yield
+        finally:
+            depth[key] -= 1
+        return
     fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         if not _try_lock(fd, lock_file):
@@ -67,7 +85,11 @@ def exclusive(
         os.ftruncate(fd, 0)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
         os.pwrite(fd, json.dumps(info).encode(), 0)
-        yield
+        depth[key] = 1
+        try:
+            yield
+        finally:
+            depth.pop(key, None)
     finally:
         os.close(fd)  # releases the lock
 

@@ -26,7 +26,8 @@ from tokenizers import Tokenizer
 
 from data_prep.tokenizer import describe
 from difflm.config import PipelineConfig, is_hf_folder, load_config, with_mode
-from difflm.rundir import is_checkpoint, is_export_of
+from difflm.locks import exclusive
+from difflm.rundir import is_checkpoint, is_export_of, lock_file
 from models.diffusion.arch import ModelArch
 from models.hf.architectures import config_json, model_fields
 from models.hf.convert import export_hf, import_hf
@@ -155,12 +156,14 @@ def import_source(cfg: PipelineConfig, folder: Path, out_dir: Path, lineage: dic
     """The one import entry point: a megatron checkpoint of the source's weights (model only: `train.init_from`
     starts a fresh optimizer), with logit parity checked by the importer; reused when `out_dir` holds one.
     `cfg.model` must describe the source (`with_source`). A stock source's tokenizer, with
-    `tokenizer.mask_token` reused or added, is written into `<out_dir>/tokenizer`."""
-    if not is_checkpoint(out_dir):
-        if _is_ours(folder):
-            import_hf(cfg, folder, out_dir, describe(folder, cfg.tokenizer).to_dict())
-        else:
-            import_pretrained(cfg, folder, out_dir)
+    `tokenizer.mask_token` reused or added, is written into `<out_dir>/tokenizer`. A second import into `out_dir`
+    waits for the first, then reuses it (`pipeline.on_busy`)."""
+    with exclusive(lock_file(out_dir), f"import {out_dir}", cfg.pipeline.on_busy):
+        if not is_checkpoint(out_dir):
+            if _is_ours(folder):
+                import_hf(cfg, folder, out_dir, describe(folder, cfg.tokenizer).to_dict())
+            else:
+                import_pretrained(cfg, folder, out_dir)
     return ImportedSource.of(out_dir, lineage or source_lineage(folder))
 
 

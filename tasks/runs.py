@@ -14,7 +14,17 @@ from data_prep.pipeline import MANIFEST, prepare_data, unique_tokens
 from data_prep.tokenizer import describe
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
-from difflm.rundir import EVAL_LATEST, HF, RunDir, is_checkpoint, is_export_of, iteration_of, run_name
+from difflm.locks import exclusive
+from difflm.rundir import (
+    EVAL_LATEST,
+    HF,
+    RunDir,
+    is_checkpoint,
+    is_export_of,
+    iteration_of,
+    lock_file,
+    run_name,
+)
 from models.evaluation.likelihood import likelihood_bound, validation_windows
 from models.evaluation.sources import resolve_export
 from models.evaluation.stages import (
@@ -179,9 +189,16 @@ def evaluation_source(
 
 def export_checkpoint(cfg: PipelineConfig, manifest: dict, ckpt: Path, out: Path, iteration: int | None) -> bool:
     """Export `ckpt` to `out` unless `out` already holds its export; True when reused. A checkpoint pruned by the
-    trainer while being read (checkpoint.keep_last) gives FileNotFoundError, so callers can take the newer one."""
-    if is_export_of(out, ckpt):
-        return True
+    trainer while being read (checkpoint.keep_last) gives FileNotFoundError, so callers can take the newer one.
+    One writer per folder: a second export to `out` waits for the first, then reuses it (`pipeline.on_busy`)."""
+    with exclusive(lock_file(out), f"export {out}", cfg.pipeline.on_busy):
+        if is_export_of(out, ckpt):
+            return True
+        _export(cfg, manifest, ckpt, out, iteration)
+    return False
+
+
+def _export(cfg: PipelineConfig, manifest: dict, ckpt: Path, out: Path, iteration: int | None) -> None:
     provenance = {"data_hash": manifest["hash"], "mode": cfg.diffusion.model_running_mode, "iteration": iteration}
     try:
         export_hf(cfg, manifest["tokenizer"], ckpt, out, provenance)
@@ -198,7 +215,6 @@ def export_checkpoint(cfg: PipelineConfig, manifest: dict, ckpt: Path, out: Path
                 f"overrides it was trained with"
             ) from err
         raise
-    return False
 
 
 def existing_export(run_dir: str | Path, ckpt: str | Path) -> Path | None:
@@ -242,7 +258,8 @@ def convert_source(cfg: PipelineConfig, found: dict, out_dir: str | Path | None 
         info["parity"] = (import_record(out) or {}).get("parity")  # the logit check the import passed
         return info
     if found["to"] == "megatron":
-        import_hf(cfg, src, out, describe(src, cfg.tokenizer).to_dict())
+        with exclusive(lock_file(out), f"conversion output {out}", cfg.pipeline.on_busy):
+            import_hf(cfg, src, out, describe(src, cfg.tokenizer).to_dict())
         return info
     manifest = run_manifest(run) if run else prepare_data(cfg)  # the tokenizer it was trained with
     info["reused"] = export_checkpoint(cfg, manifest, src, out, found["iteration"])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -188,7 +190,11 @@ def evaluate_export(
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / EVAL_KEY).unlink(missing_ok=True)  # the pipeline's key named other results: it evaluates again
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    # whole or not at all: the comparison report of every run on this data reads every results.json, also while
+    # another run's evaluation writes its own (no lock: two evaluations of one export write the same results)
+    part_file = out_dir / f".results.json.{os.getpid()}-{threading.get_ident()}.part"  # this writer's own
+    part_file.write_text(json.dumps(results, indent=2))
+    os.replace(part_file, out_dir / "results.json")
     if items:
         write_lm_eval_tasks(items, out_dir / "lm_eval_tasks")
     results["report"] = str(write_comparison(Path(cfg.workdir).resolve(), manifest["hash"]))

@@ -28,6 +28,7 @@ from models.launch.jobs import (
 from models.launch.torchrun import (
     TrainingError,
     is_finished,
+    one_launcher,
     prepare_attempt,
     raise_for_markers,
     trainer_args,
@@ -246,6 +247,11 @@ def submit_kubernetes(
     `difflm launch --target k8s`) and `kubectl apply` it; wait, echo progress and return the run's result as
     `launch_training`. The pods must mount the workdir at the same path."""
     run = Workdir.of(cfg).run_for(cfg, manifest)
+    with one_launcher(cfg, run, echo):
+        return _apply_and_wait(cfg, manifest, run, echo, env)
+
+
+def _apply_and_wait(cfg: PipelineConfig, manifest: dict, run: RunDir, echo, env) -> TrainResult:
     if is_finished(cfg, run):
         echo(f"[train] reusing finished run {run.path}")
         return TrainResult.of(cfg, run, reused=True)

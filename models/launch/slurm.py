@@ -30,6 +30,7 @@ from models.launch.torchrun import (
     TRAINER,
     TrainingError,
     is_finished,
+    one_launcher,
     prepare_attempt,
     raise_for_markers,
     trainer_args,
@@ -331,6 +332,11 @@ def submit_slurm(
     and return the run's result as `launch_training`. The run directory must be on a filesystem the compute
     nodes share with this process. `trainer`: the module torchrun runs (`launch_training`)."""
     run = Workdir.of(cfg).run_for(cfg, manifest)
+    with one_launcher(cfg, run, echo):
+        return _submit_and_wait(cfg, manifest, run, echo, env, trainer)
+
+
+def _submit_and_wait(cfg: PipelineConfig, manifest: dict, run: RunDir, echo, env, trainer: str) -> TrainResult:
     if is_finished(cfg, run):
         echo(f"[train] reusing finished run {run.path}")
         return TrainResult.of(cfg, run, reused=True)

@@ -16,7 +16,7 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import psutil
@@ -32,7 +32,8 @@ from difflm.errors import (
     disk_full,
     is_disk_full,
 )
-from difflm.rundir import TRAIN_SECTIONS, RunDir, TrainResult, Workdir
+from difflm.locks import exclusive
+from difflm.rundir import TRAIN_SECTIONS, RunDir, TrainResult, Workdir, lock_file
 from difflm.tracking.plots import plot_curves
 
 # where callers used to find them
@@ -107,13 +108,25 @@ def launch_training(
     """Train (or reuse/resume) the run of `cfg`. `trainer`: the module torchrun runs, the trainer or an entry
     module that calls its `main` with more hooks (as tests do)."""
     run = Workdir.of(cfg).run_for(cfg, manifest)
-    rdir = run.path
     if cfg.train.launch.nnodes > 1:
         raise InvalidSetup(
             f"train.launch.nnodes={cfg.train.launch.nnodes}: multi-node runs are launched on the cluster: "
             f"train.launch.launcher=slurm|kubernetes, or write the launch file with `difflm launch "
             f"--target slurm|k8s` (same overrides)"
         )
+    with one_launcher(cfg, run, echo):
+        return _launch(cfg, manifest, run, env, echo, trainer)
+
+
+def one_launcher(cfg: PipelineConfig, run: RunDir, echo: Callable[[str], None]) -> AbstractContextManager:
+    """Within: this process alone launches `run` (every launcher takes it). A second launch of the same run
+    (another terminal's `difflm train`, a pipeline) waits for the first and then reuses its run, or fails at once
+    (`pipeline.on_busy`); two trainers writing one run directory would save the same iterations over each other."""
+    return exclusive(lock_file(run.path), f"training run {run.path}", cfg.pipeline.on_busy, echo)
+
+
+def _launch(cfg: PipelineConfig, manifest: dict, run: RunDir, env, echo, trainer: str) -> TrainResult:
+    rdir = run.path
     if is_finished(cfg, run):
         echo(f"[train] reusing finished run {rdir}")
         return TrainResult.of(cfg, run, reused=True)

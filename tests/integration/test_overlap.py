@@ -159,3 +159,50 @@ def test_two_pipelines_on_one_workdir_train_once_and_latest_checkpoint_reads_onl
     parents = [r for r in found if "mlflow.parentRunId" not in r.data.tags]
     assert [r.info.status for r in parents] == ["FINISHED", "FINISHED"]
     assert all(r.data.tags.get("stage.train") for r in parents)
+
+
+@pytest.mark.slow
+def test_two_standalone_trains_of_one_config_prep_and_train_once(tmp_path):
+    """Two `difflm train` of one config on a fresh workdir started together, no Prefect or MLflow (the commands of
+    the data, training and conversion rooms alone used to take no lock: both ran the data prep into one folder and
+    two trainers wrote one run directory). One preps and trains; the other waits, then reuses both. Then two
+    `difflm convert` of the run at once: one export."""
+    workdir = tmp_path / "work"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API") and k != "MLFLOW_TRACKING_URI"}
+    base = [sys.executable, "-m", "flows.cli"]
+    args = ["--preset", "test-tiny", f"workdir={workdir}", *EVERY_STEP]
+    texts = _together([[*base, "train", *args]] * 2, tmp_path, env)
+    # each stage once, by either process (the one that waited for the data may win the run's lock)
+    assert sum(t.count("data prep: ") for t in texts) == 1, texts
+    assert sum(t.count("[train] starting") for t in texts) == 1, texts
+    assert sum(t.count("[train] reusing finished run") for t in texts) == 1, texts
+    assert any("is being written by pid" in t for t in texts), texts
+    (run,) = [RunDir(r) for r in (workdir / "runs").iterdir() if r.is_dir()]
+    steps = [r["step"] for r in run.metrics() if "loss" in r]
+    assert sorted(steps) == sorted(set(steps)) and max(steps) == 8, steps
+    assert (run.path / "train.log").read_text().count("[train] mode=") == 1
+
+    texts = _together([[*base, "convert", str(run.path)]] * 2, tmp_path, env)
+    assert sum("(reused)" in t for t in texts) == 1 and sum("is being written by pid" in t for t in texts) == 1, texts
+    (export,) = [p for p in (run.path / "exports").iterdir() if p.is_dir()]  # and its lock file beside it
+    assert exported_from(export) == str(run.checkpoint(8))
+
+
+def _together(commands: list[list[str]], tmp_path: Path, env: dict) -> list[str]:
+    """Start `commands` at once; their outputs, each asserted to have ended well."""
+    outs = [tmp_path / f"together{i}.txt" for i in range(len(commands))]
+    procs = [
+        subprocess.Popen(c, cwd=ROOT, env=env, stdout=o.open("w"), stderr=subprocess.STDOUT)
+        for c, o in zip(commands, outs)
+    ]
+    try:
+        for p in procs:
+            p.wait(timeout=600)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    texts = [o.read_text() for o in outs]
+    for p, text in zip(procs, texts):
+        assert p.returncode == 0 and "Traceback" not in text, text[-5000:]
+    return texts

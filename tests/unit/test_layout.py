@@ -100,6 +100,7 @@ RULES = {
             "difflm.config",
             "difflm.credentials",
             "difflm.errors",
+            "difflm.locks",
             "difflm.rundir",
             "difflm.tracking.plots",
             "models.launch",

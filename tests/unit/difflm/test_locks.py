@@ -1,11 +1,13 @@
 """One writer per output (`difflm.locks`): a second process is told who holds the lock, waits or fails, and a
 holder killed with SIGKILL leaves nothing that stops the next one."""
 
+import fcntl
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -87,3 +89,41 @@ def test_within_one_process_the_lock_is_released_on_the_way_out(tmp_path):
         raise RuntimeError("the stage failed")
     with exclusive(lock, "data-prep output", "fail"):  # free again after the failure
         pass
+
+
+def test_a_thread_takes_a_lock_it_holds_again_and_keeps_it_until_the_outer_one_ends(tmp_path):
+    """A writer (`prepare_data`, `launch_training`) locks its output itself, also when a pipeline stage already
+    holds that lock around it: no deadlock, and the inner exit does not release the outer hold."""
+    out = tmp_path / "runs" / "run-b"
+    with exclusive(lock_file(out), "train stage", "fail"):
+        with exclusive(lock_file(out), "launch_training", "fail"):
+            pass
+        # still held: an open file of another name for the same lock cannot take it
+        fd = os.open(lock_file(out), os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    with exclusive(lock_file(out), "train output", "fail"):  # released by the outer exit
+        pass
+
+
+def test_another_thread_of_the_process_waits_as_another_process_does(tmp_path):
+    """A study trains points from threads of one process: two threads never write one output at once."""
+    lock = lock_file(tmp_path / "runs" / "run-c")
+    inside, events = threading.Event(), []
+
+    def second() -> None:
+        with exclusive(lock, "train output", "wait", lambda line: events.append("waits")):
+            events.append("second in")
+
+    with exclusive(lock, "train output", "fail"):
+        inside.set()
+        thread = threading.Thread(target=second)
+        thread.start()
+        thread.join(timeout=0.5)
+        assert thread.is_alive() and events == ["waits"]
+        events.append("first out")
+    thread.join(timeout=10)
+    assert events == ["waits", "first out", "second in"]
