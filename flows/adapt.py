@@ -39,7 +39,6 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
     cfg, folder = adaptation_config(source, preset, overrides)
     logger = get_run_logger()
     lineage = adapt.source_lineage(folder)
-    tracking.DEGRADED.clear()
     tags = {
         "preset": cfg.name,
         "mode": cfg.diffusion.model_running_mode,
@@ -48,7 +47,7 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
     }
     stages: dict[str, str] = {}
     run_name = f"adapt-{lineage['architecture']}-{cfg.name}-{cfg.data_label()}"
-    with tracking.pipeline_run(cfg, run_name, tags) as run_id:
+    with tracking.degradations() as degraded, tracking.pipeline_run(cfg, run_name, tags) as run_id:
         summary, run = run_pipeline(cfg, run_id, logger, stages, lineage, ADAPT_STAGES)
         trained, source_hf, source = run.cfg, run["source_hf"], run["source"]
         adapted = {
@@ -72,7 +71,7 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
         "source_ar": source["bounds"]["trained"],
         "source_ar_tasks": source["tasks"],
         "comparison": table,
-        "tracking": "degraded: " + "; ".join(tracking.DEGRADED) if tracking.DEGRADED else "ok",
+        "tracking": tracking.summary_line(degraded),
     }
 
 

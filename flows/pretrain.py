@@ -39,7 +39,6 @@ def pretrain_difflm(
         overrides: `section.field=value` overrides applied on top of the preset.
         config: a complete configuration (what the Prefect UI form edits).
     """
-    tracking.DEGRADED.clear()  # what tracking could not do in THIS execution
     return pretrain(resolve(config, preset, overrides), get_run_logger())
 
 
@@ -58,9 +57,9 @@ def pretrain(
     tags = {"preset": cfg.name, "mode": cfg.diffusion.model_running_mode, "flow": "pretrain-difflm", **(tags or {})}
     stages: dict[str, str] = {}
     run_name = run_name or f"{cfg.name}-{cfg.diffusion.model_running_mode}-{cfg.data_label()}"  # says which data
-    with tracking.pipeline_run(cfg, run_name, tags, parent=parent) as run_id:
+    with tracking.degradations() as degraded, tracking.pipeline_run(cfg, run_name, tags, parent=parent) as run_id:
         summary, _ = run_pipeline(cfg, run_id, logger, stages, rows=rows)
-    summary["tracking"] = "degraded: " + "; ".join(tracking.DEGRADED) if tracking.DEGRADED else "ok"
+    summary["tracking"] = tracking.summary_line(degraded)  # this execution's (a study's points share a process)
     logger.info(f"pretrain-difflm finished ({', '.join(f'{k} {v}' for k, v in stages.items())}): {summary['hf_dir']}")
     return summary
 

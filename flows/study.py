@@ -54,10 +54,13 @@ def run_study(spec: StudySpec, say) -> dict:
     """The flow's body, as a plain function: `say` prints one progress line per point."""
     points = spec.points()  # every point's config checked before anything runs
     out_dir = spec.output_dir(points[0].cfg)
-    tracking.DEGRADED.clear()
     say(f"study {spec.name}: {len(points)} points, {spec.parallel} at a time; results in {out_dir}")
     torchrun.STOP.clear()
-    with tracking.study_run(points[0].cfg, spec.name, spec.model_dump(mode="json")) as parent:
+    # each point reports its own tracking failures (its pretrain's summary); the study's are the parent run's
+    with (
+        tracking.degradations() as degraded,
+        tracking.study_run(points[0].cfg, spec.name, spec.model_dump(mode="json")) as parent,
+    ):
         pool = ThreadPoolExecutor(max_workers=spec.parallel, thread_name_prefix="study-point")
         try:
             # each point in a copy of this context: its Prefect tasks belong to this flow run
@@ -72,6 +75,7 @@ def run_study(spec: StudySpec, say) -> dict:
             raise
         pool.shutdown()
         summary = _report(spec, rows, out_dir, parent)
+    summary["tracking"] = tracking.summary_line(degraded)
     say(f"study {spec.name}: {summary['crossover_line']}; table {summary['table_md']}")
     for label, half_life in summary["half_life"].items():
         say(f"study {spec.name}: {label}: {half_life}")

@@ -12,6 +12,7 @@ import subprocess
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from pathlib import Path
 
 import numpy as np
@@ -224,15 +225,39 @@ def _ending(run, what: str) -> Iterator[str]:
             degrade(f"could not close {what}", err)
 
 
-DEGRADED: list[str] = []  # what tracking could not do in this process (the flow reports it)
+DEGRADED: list[str] = []  # what tracking could not do in this process, every execution's
+# ...and in the current execution only (`degradations`): a study's points run in threads of one process, each in
+# its own context, and one point's summary must not report another's failures
+_EXECUTION: ContextVar[list[str] | None] = ContextVar("difflm_tracking_degraded", default=None)
+
+
+@contextmanager
+def degradations() -> Iterator[list[str]]:
+    """Within: what tracking could not do goes to the list yielded (too), which the flow reports as its
+    `tracking` summary. A thread or task started inside sees the same list (contexts are copied)."""
+    notes: list[str] = []
+    token = _EXECUTION.set(notes)
+    try:
+        yield notes
+    finally:
+        _EXECUTION.reset(token)
 
 
 def degrade(what: str, err: BaseException) -> None:
-    """Tracking failed: say so once per kind of failure, remember it, go on."""
+    """Tracking failed: say so once per kind of failure and execution, remember it, go on."""
     note = f"{what} ({type(err).__name__}: {str(err)[:200]})"
-    if not any(d.startswith(what) for d in DEGRADED):
+    execution = _EXECUTION.get()
+    seen = DEGRADED if execution is None else execution
+    if not any(d.startswith(what) for d in seen):
         print(f"tracking degraded: {note}; the pipeline goes on (metrics stay in the run directory)", flush=True)
     DEGRADED.append(note)
+    if execution is not None:
+        execution.append(note)
+
+
+def summary_line(notes: list[str]) -> str:
+    """The `tracking` field of a flow's summary."""
+    return "degraded: " + "; ".join(notes) if notes else "ok"
 
 
 def tolerant(fn):

@@ -1,9 +1,11 @@
 """The MLflow run context managers of difflm.tracking: a stage's own error always reaches the caller, with or
 without tracking, and a stage run is a child of the pipeline run in the same experiment."""
 
+import contextvars
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import mlflow
@@ -13,6 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from difflm import tracking
 from difflm.rundir import Workdir
+from difflm.tracking import mlflow_runs
 
 
 class StageFailed(Exception):
@@ -86,3 +89,31 @@ def test_one_process_tracks_two_workdirs_into_their_own_stores(tmp_path, monkeyp
     user = f"sqlite:///{tmp_path}/user.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", user)
     assert tracking.tracking_uri(first) == tracking.tracking_uri(second) == user
+
+
+def test_each_execution_reports_only_its_own_tracking_failures(monkeypatch, capsys):
+    """A study trains its points in threads of one process: a point whose MLflow calls failed said so in every
+    other point's summary too (the list was the process's). Each execution now has its own; the process list
+    still holds all, and each kind of failure is printed once per execution."""
+    monkeypatch.setattr(mlflow_runs, "DEGRADED", [])
+    seen: dict[str, list[str]] = {}
+
+    def point(name: str, fails: int) -> None:
+        with mlflow_runs.degradations() as degraded:
+            for _ in range(fails):
+                mlflow_runs.degrade(f"could not log {name}", OSError("store unreachable"))
+            seen[name] = list(degraded)
+
+    threads = [
+        threading.Thread(target=contextvars.copy_context().run, args=(point, name, fails))
+        for name, fails in (("a", 2), ("b", 0))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert seen["b"] == [] and mlflow_runs.summary_line(seen["b"]) == "ok"
+    assert seen["a"] == ["could not log a (OSError: store unreachable)"] * 2
+    assert mlflow_runs.summary_line(seen["a"]).startswith("degraded: could not log a")
+    assert len(mlflow_runs.DEGRADED) == 2  # the process's list: every execution's
+    assert capsys.readouterr().out.count("tracking degraded: could not log a") == 1
