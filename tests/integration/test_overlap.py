@@ -183,7 +183,8 @@ def test_two_standalone_trains_of_one_config_prep_and_train_once(tmp_path):
     assert (run.path / "train.log").read_text().count("[train] mode=") == 1
 
     texts = _together([[*base, "convert", str(run.path)]] * 2, tmp_path, env)
-    assert sum("(reused)" in t for t in texts) == 1 and sum("is being written by pid" in t for t in texts) == 1, texts
+    # one writes, the other reuses (after waiting for it, unless it started once the export was done)
+    assert sum("(reused)" in t for t in texts) == 1, texts
     (export,) = [p for p in (run.path / "exports").iterdir() if p.is_dir()]  # and its lock file beside it
     assert exported_from(export) == str(run.checkpoint(8))
 
