@@ -145,7 +145,10 @@ def test_stop_reaches_a_trainer_launched_from_a_worker_thread(session_dir, tiny_
     no trainer starts; a rerun resumes to the same weights."""
     cfg = tiny_config(session_dir / "faults-stop", *FAST)
     rdir = run_dir(cfg, tiny_manifest)
-    thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None))
+    # a step takes 11 ms on an idle machine: the trainer finished all 16 before the launcher's next look at STOP
+    # (every 0.5 s), so the first attempt sleeps 0.3 s before each step (the resume does not; same weights)
+    slow = fault_launch(step_sleep=0.3)
+    thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None, **slow))
     try:
         _when(lambda: _last_step(rdir) >= 5)
         torchrun.STOP.set()
