@@ -5,18 +5,16 @@
 - `plots`: loss curves and the sampler sweep (matplotlib, imported lazily).
 
 The names callers use are re-exported here (`from difflm import tracking; tracking.pipeline_run(...)`).
-Patch module state (e.g. `DEGRADED`) on `difflm.tracking.mlflow_runs`, where the functions read it.
+Patch `DEGRADED` on `difflm.tracking.degraded`, where `degrade` reads it.
 """
 
 from difflm.tracking import registry
+from difflm.tracking.degraded import DEGRADED, degradations, degrade, summary_line, tolerant
 from difflm.tracking.mlflow_runs import (
-    DEGRADED,
     EXPERIMENT_KIND,
     child_env,
     data_counts,
     dataset,
-    degradations,
-    degrade,
     download_model_version,
     experiment_id,
     experiment_of,
@@ -37,8 +35,6 @@ from difflm.tracking.mlflow_runs import (
     share_training_view,
     stage_run,
     study_run,
-    summary_line,
-    tolerant,
     tracking_uri,
     training_view,
     use_store,

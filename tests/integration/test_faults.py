@@ -26,7 +26,7 @@ from prefect import flow
 from difflm import tracking
 from difflm.errors import Interrupted
 from difflm.rundir import RunDir, TrainResult
-from difflm.tracking import mlflow_runs
+from difflm.tracking import degraded
 from models.hf.convert import load_megatron_weights
 from models.launch import torchrun
 from models.launch.torchrun import TrainingError, TrainingPreempted, launch_training, read_metrics, run_dir
@@ -242,7 +242,7 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(
     # mlflow.set_tracking_uri also sets $MLFLOW_TRACKING_URI: put it back for the tests that follow
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "")  # records the original (unset) value for teardown
     monkeypatch.delenv("MLFLOW_TRACKING_URI")
-    monkeypatch.setattr(mlflow_runs, "DEGRADED", [])  # where the functions read it
+    monkeypatch.setattr(degraded, "DEGRADED", [])  # where the functions read it
 
     server = mlflow_server()
     uri = server.url
@@ -275,7 +275,7 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(
         os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
         mlflow.set_tracking_uri(uri)
         assert tracking.log_data_stats({"splits": {}, "tokenizer": {"vocab_size": 1}, "hash": "x"}) is None
-        assert mlflow_runs.DEGRADED
+        assert degraded.DEGRADED
 
         server.start()  # ... and comes back, on the same store and port
         thread.join()

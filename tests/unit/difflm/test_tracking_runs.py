@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 
 from difflm import tracking
 from difflm.rundir import Workdir
-from difflm.tracking import mlflow_runs
+from difflm.tracking import degraded
 
 
 class StageFailed(Exception):
@@ -95,14 +95,14 @@ def test_each_execution_reports_only_its_own_tracking_failures(monkeypatch, caps
     """A study trains its points in threads of one process: a point whose MLflow calls failed said so in every
     other point's summary too (the list was the process's). Each execution now has its own; the process list
     still holds all, and each kind of failure is printed once per execution."""
-    monkeypatch.setattr(mlflow_runs, "DEGRADED", [])
+    monkeypatch.setattr(degraded, "DEGRADED", [])
     seen: dict[str, list[str]] = {}
 
     def point(name: str, fails: int) -> None:
-        with mlflow_runs.degradations() as degraded:
+        with degraded.degradations() as notes:
             for _ in range(fails):
-                mlflow_runs.degrade(f"could not log {name}", OSError("store unreachable"))
-            seen[name] = list(degraded)
+                degraded.degrade(f"could not log {name}", OSError("store unreachable"))
+            seen[name] = list(notes)
 
     threads = [
         threading.Thread(target=contextvars.copy_context().run, args=(point, name, fails))
@@ -112,8 +112,8 @@ def test_each_execution_reports_only_its_own_tracking_failures(monkeypatch, caps
         t.start()
     for t in threads:
         t.join()
-    assert seen["b"] == [] and mlflow_runs.summary_line(seen["b"]) == "ok"
+    assert seen["b"] == [] and degraded.summary_line(seen["b"]) == "ok"
     assert seen["a"] == ["could not log a (OSError: store unreachable)"] * 2
-    assert mlflow_runs.summary_line(seen["a"]).startswith("degraded: could not log a")
-    assert len(mlflow_runs.DEGRADED) == 2  # the process's list: every execution's
+    assert degraded.summary_line(seen["a"]).startswith("degraded: could not log a")
+    assert len(degraded.DEGRADED) == 2  # the process's list: every execution's
     assert capsys.readouterr().out.count("tracking degraded: could not log a") == 1
