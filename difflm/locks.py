@@ -13,7 +13,7 @@ Lustre with `localflock` (or neither option: flock then fails, which is reported
 (sshfs, gcsfuse, s3fs) lock on one node only.
 
 A thread may take a lock it already holds (re-entrant): the writers lock their own outputs (`prepare_data`,
-`launch_training`, an export, an evaluation), whether a command calls them alone or a pipeline stage that already
+`launch_training` and the cluster launchers, an export, an import), whether a command calls them alone or a pipeline stage that already
 holds the same output's lock does. Another thread of the same process waits as another process does (two flocks on
 two open files of one name exclude each other even within a process): a study's parallel points never share an
 output.
