@@ -33,11 +33,17 @@ demo: $(STAMP)  ## the whole pipeline on the embedded corpus: make demo [PRESET=
 # the tiers (docs/testing.md): test is everything (what .ci/run calls); test-dev leaves out the tests marked slow;
 # test-fast runs the unit tests alone (no process, no server, no data prep, at most 5 s of CPU each: tests/conftest.py
 # marks them and fails one that breaks the rule)
+# test and test-dev run on two worker processes (pytest-xdist, tests/support/parallel.py: a module whole on one worker,
+# the longest first): half of the serial suite's time was one core waiting on a server, Slurm or a flow run.
+# JOBS=0 runs them in this process (a debugger, a profiler)
+JOBS ?= 2
+XDIST = $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
+
 test: $(STAMP) browser slurm docker  ## the whole suite (installs chromium, Slurm and Docker when root), as CI runs it
-	$(BIN)/python -m pytest -q --durations=30 $(ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) --durations=30 $(ARGS)
 
 test-dev: $(STAMP)  ## every test not marked slow
-	$(BIN)/python -m pytest -q -m "not slow" --durations=15 $(ARGS)
+	$(BIN)/python -m pytest -q $(XDIST) -m "not slow" --durations=15 $(ARGS)
 
 test-fast: $(STAMP)  ## the unit tests alone
 	$(BIN)/python -m pytest -q -m unit --durations=10 $(ARGS)

@@ -56,7 +56,8 @@ class Section:
 
 
 def _environment(check: Check, state: dict):
-    installed = ensure_dependencies(Path(state["args"].wheels), check.out / ".site")
+    cache = state["args"].site_cache
+    installed = ensure_dependencies(Path(state["args"].wheels), check.out / ".site", Path(cache) if cache else None)
     import torch  # after the install: torch is in the image, but its import pulls in nothing of ours
 
     if not torch.cuda.is_available() and not check.p["dry"]:
@@ -169,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", nargs="?", help="report folder (report.md, report.json, logs)")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: the same code path, a few minutes")
     ap.add_argument("--wheels", default=str(HERE / "gpu_wheels"), help="folder of wheels for missing packages")
+    ap.add_argument(
+        "--site-cache",
+        help="install the wheels once into this folder (a subfolder per set of wheels) and reuse it; default: into "
+        "the report's .site each run (the GPU machine's one run)",
+    )
     ap.add_argument("--budget-s", type=float, default=450, help="skip sections that would not fit in this many seconds")
     ap.add_argument(
         "--sdpa",

@@ -10,23 +10,35 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
 from difflm import set_offline_env
+from difflm.config import PipelineConfig
+from difflm.rundir import TrainResult
 
 set_offline_env()  # before anything imports Prefect, MLflow or transformers
 
 import docker_prebuild  # noqa: E402
+import parallel  # noqa: E402
 import servers  # noqa: E402
-from helpers import tiny_config  # noqa: E402
+import timing  # noqa: E402
+from helpers import tiny_config, trained_overrides  # noqa: E402
 
 # Tiers (docs/testing.md): a test that uses one of these fixtures, or is marked slow or integration, is not a unit
 # test; every other one is marked `unit` here, so `pytest -m unit` (make test-fast) runs the pure tests alone.
-# (own_run: tests/unit/difflm/test_rundir.py prepares its own corpus and exports a model)
-NOT_UNIT_FIXTURES = {"tiny_manifest", "prefect_harness", "megatron_single_process", "own_run", "slurm_cluster"}
+# (own_run: tests/unit/difflm/test_rundir.py prepares its own corpus and exports a model; trained: a shared trained run)
+NOT_UNIT_FIXTURES = {
+    "tiny_manifest",
+    "prefect_harness",
+    "megatron_single_process",
+    "own_run",
+    "slurm_cluster",
+    "trained",
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -35,14 +47,33 @@ def pytest_collection_modifyitems(config, items):
             continue
         if NOT_UNIT_FIXTURES.isdisjoint(item.fixturenames):
             item.add_marker(pytest.mark.unit)
+    parallel.longest_modules_first(items)
 
 
 def pytest_collection_finish(session):
-    docker_prebuild.start(session.items)  # the Docker test's images, built while the tests before it run
+    if not parallel.is_worker(session.config):  # under xdist the controller starts it (below): once, not per worker
+        docker_prebuild.start(session.items)  # the Docker test's images, built while the tests before it run
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    docker_prebuild.start_for(ids)  # the controller: the workers' collection names the Docker test
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    return parallel.scheduler(config, log)
 
 
 def pytest_sessionfinish(session):
     docker_prebuild.stop()
+    if parallel.is_worker(session.config):  # the unit tests' CPU, for the controller's summary
+        session.config.workeroutput["unit_cpu"] = _unit_cpu
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _unit_cpu.update(getattr(node, "workeroutput", {}).get("unit_cpu", {}))
 
 
 # ----- the fast tier's promise: a unit test starts no process and costs little CPU ------------------------------
@@ -163,7 +194,21 @@ def pytest_runtest_call(item):
     return result
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    timing.check_long(item, report)  # over a minute: a `slow` mark with its reason (tests/support/timing.py)
+    return report
+
+
+def pytest_runtest_logreport(report):
+    timing.record(report)  # the tiers' times (under xdist in the controller, from every worker's reports)
+
+
 def pytest_terminal_summary(terminalreporter):
+    tiers = timing.summary()
+    if tiers and not parallel.is_worker(terminalreporter.config):
+        terminalreporter.write_line(tiers)
     if _unit_cpu:
         most = sorted(_unit_cpu.items(), key=lambda kv: -kv[1])[:3]
         terminalreporter.write_line(
@@ -192,14 +237,46 @@ def session_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("difflm")
 
 
+@pytest.fixture(scope="session")
+def shared_dir(request, tmp_path_factory) -> Path:
+    """One folder for the whole run, every xdist worker included (the workers' temp folders lie in the controller's):
+    what the pipeline writes there under its own locks (data prep, trained runs) is made once and reused by all."""
+    return parallel.run_root(request.config, tmp_path_factory.getbasetemp()) / "shared"
+
+
 # Fixtures import what they set up: this module loads for every run, one test file included, so megatron, data
 # prep and deploy (seconds each) stay out of it, and Prefect reads PREFECT_HOME when imported, set just before.
 @pytest.fixture(scope="session")
 def tiny_manifest(session_dir) -> dict:
-    """Data prep of the test-tiny preset, shared by the tests that need real tokenized data."""
+    """Data prep of the test-tiny preset, shared by the tests that need real tokenized data (once per xdist worker:
+    the tests that use it also write runs and MLflow stores into its workdir)."""
     from data_prep.pipeline import prepare_data
 
     return prepare_data(tiny_config(session_dir / "shared"))
+
+
+@dataclass(frozen=True)
+class TrainedRun:
+    """A shared trained run: its config and what its launch returned (`info.run`, `info.checkpoint`)."""
+
+    cfg: PipelineConfig
+    info: TrainResult
+
+
+@pytest.fixture(scope="session")
+def trained(shared_dir, tiny_manifest) -> Callable[[str], TrainedRun]:
+    """`trained(mode)`: the shared trained run of `mode` ("masked", "ar", "block"; helpers.TRAINED_MODES), trained
+    through the real launcher with the canonical short-run settings (helpers.TRAINED) the first time a test asks,
+    in a workdir of the whole run: a later ask, from this worker or the other, is the pipeline's own reuse (a
+    finished run), and one asked while it trains waits on the run's lock. Its export (`convert_checkpoint`) is
+    shared the same way. Tests that watch training itself (faults, preemption, resume) train their own."""
+    from models.launch.torchrun import launch_training  # lazy: megatron (see above)
+
+    def get(mode: str) -> TrainedRun:
+        cfg = tiny_config(shared_dir / "trained", *trained_overrides(mode))
+        return TrainedRun(cfg, launch_training(cfg, tiny_manifest, echo=lambda _: None))
+
+    return get
 
 
 @pytest.fixture(scope="session")

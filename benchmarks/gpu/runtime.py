@@ -11,13 +11,16 @@ where a child is stopped, after the install).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import zipfile
 from importlib.metadata import PackageNotFoundError, version
@@ -85,9 +88,42 @@ def install_wheels(wheels: Path, site: Path) -> None:
             zf.extractall(site)
 
 
-def ensure_dependencies(wheels: Path, site: Path) -> list[str]:
-    """Install what the bare GPU image lacks from local wheels (no index, no network) into `site`, first on
-    sys.path and on the children's PYTHONPATH."""
+def wheels_digest(wheels: Path) -> str:
+    """What the wheels in `wheels` install, as a digest: each wheel's name and RECORD (its files' own sha256), not
+    the zip's bytes, which a repacked wheel's timestamps change each time."""
+    h = hashlib.sha256()
+    for wheel in sorted(wheels.glob("*.whl")):
+        h.update(wheel.name.encode())
+        with zipfile.ZipFile(wheel) as zf:
+            records = sorted(n for n in zf.namelist() if n.endswith(".dist-info/RECORD"))
+            h.update(b"".join(zf.read(n) for n in records) if records else wheel.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def cached_site(wheels: Path, cache: Path) -> Path:
+    """The wheels installed into `cache`/<wheels_digest>, once: a later run with the same wheels reuses the folder
+    (the CPU rehearsal's cache, as the Docker test caches its images). The install goes to a folder of this process
+    first and is renamed when complete, so a killed install never leaves a half site to reuse."""
+    site = cache / wheels_digest(wheels)
+    if site.is_dir():
+        return site
+    cache.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{site.name}-", dir=cache))
+    try:
+        install_wheels(wheels, partial)
+        partial.rename(site)
+    except OSError:
+        if not site.is_dir():  # (else another run completed the same site first: use it)
+            raise
+    finally:
+        if partial.exists():
+            shutil.rmtree(partial)  # this process's own partial install
+    return site
+
+
+def ensure_dependencies(wheels: Path, site: Path, cache: Path | None = None) -> list[str]:
+    """Install what the bare GPU image lacks from local wheels (no index, no network) into `site` (or a site
+    `cache` holds for these wheels), first on sys.path and on the children's PYTHONPATH."""
     missing = missing_packages()
     if missing:
         if not wheels.is_dir() or not any(wheels.glob("*.whl")):
@@ -96,7 +132,10 @@ def ensure_dependencies(wheels: Path, site: Path) -> list[str]:
                 f"`python benchmarks/gpu_wheels.py` on a machine with network access first, and carry "
                 f"benchmarks/gpu_wheels to the GPU machine (it is git-ignored)"
             )
-        install_wheels(wheels, site)
+        if cache is None:
+            install_wheels(wheels, site)
+        else:
+            site = cached_site(wheels, cache)
         sys.path.insert(0, str(site))
         importlib.invalidate_caches()
         for name in [m for m in sys.modules if m == "typing_extensions"]:

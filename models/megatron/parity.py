@@ -11,7 +11,8 @@ parameters every TP rank replicates must stay identical across TP ranks (`replic
 
 `--runs R.json` runs several layouts of the same world size in one torchrun, one after the other (a list of
 {"out": ..., "overrides": [...], "save": false}): the model-parallel groups are rebuilt between them, and the
-process start (torch and megatron imports, about 10 s a process) is paid once.
+process start (torch and megatron imports, about 10 s a process) is paid once. A run may name its own "config"
+and "weights" (default: --config and --weights), so one torchrun checks the layouts of several models.
 """
 
 from __future__ import annotations
@@ -89,9 +90,9 @@ def run_layout(cfg, manifest: dict, weights: Path, save: bool, steps: int) -> di
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", required=True)
+    p.add_argument("--config", help="the config file (required unless every run of --runs names its own)")
     p.add_argument("--manifest", required=True)
-    p.add_argument("--weights", required=True, help="model-only dist checkpoint folder")
+    p.add_argument("--weights", help="model-only dist checkpoint folder (as --config: a run may name its own)")
     p.add_argument("--save", action="store_true", help="save this run's initial weights to --weights first")
     p.add_argument("--out", help="JSON file for the losses (written by the reporting rank)")
     p.add_argument("--runs", help="JSON list of runs ({out, overrides, save}) in this process, instead of --out")
@@ -101,17 +102,21 @@ def main(argv: list[str] | None = None) -> int:
     if bool(args.out) == bool(args.runs):
         p.error("give --out (one run) or --runs (several)")
     runs = json.loads(Path(args.runs).read_text()) if args.runs else [{"out": args.out, "save": args.save}]
+    for key in ("config", "weights"):
+        if getattr(args, key) is None and any(key not in run for run in runs):
+            p.error(f"give --{key}, or a {key!r} in every run of --runs")
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     manifest = json.loads(Path(args.manifest).read_text())
     for i, run in enumerate(runs):
         overrides = [*args.overrides, *run.get("overrides", []), f"train.launch.nproc_per_node={world}"]
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(run.get("config", args.config), overrides)
         if i == 0:
             init_distributed(cfg)
         else:
             reinit_model_parallel(cfg)
-        result = run_layout(cfg, manifest, Path(args.weights), bool(run.get("save")), args.steps)
+        weights = Path(run.get("weights", args.weights))
+        result = run_layout(cfg, manifest, weights, bool(run.get("save")), run.get("steps", args.steps))
         if result is not None:
             Path(run["out"]).write_text(json.dumps(result))
         dist.barrier()

@@ -23,6 +23,8 @@ from benchmarks.gpu.report import Check
 ROOT = Path(__file__).resolve().parents[2]
 SECTIONS = check.NAMES  # the check's own table: a new section is rehearsed here without another list to edit
 
+# the rehearsal's installed wheels, kept between sessions (by the digest of the wheels: runtime.cached_site)
+SITE_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "difflm" / "gpu-rehearsal-site"
 ABSENT_ON_THE_GPU_IMAGE = ("prefect", "mlflow", "datatrove", "lm_eval", "data_prep", "flows", "tasks")
 # on the GPU image these come from benchmarks/gpu_wheels/ (installed by the check into a target folder)
 FROM_THE_WHEELS = ("megatron", "pydantic", "pydantic_core", "annotated_types", "typing_inspection")
@@ -65,7 +67,7 @@ def _lines(stdout: str) -> list[dict]:
     return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="every section of the GPU check, most in a child process of its own")
 @pytest.mark.timeout(1800)  # 15 sections, most in a child process of their own: about 12 minutes on 2 idle cores
 def test_gpu_check_dry_run_in_an_environment_built_like_the_gpu_image(tmp_path):
     """The rehearsal: `benchmarks/gpu_check.py --dry-run` where megatron-core and pydantic are absent and come
@@ -86,8 +88,11 @@ def test_gpu_check_dry_run_in_an_environment_built_like_the_gpu_image(tmp_path):
     )
     assert "No module named 'megatron'" in probe.stderr  # the environment hides this venv's megatron
     out = tmp_path / "report"
+    # the installed wheels are cached by their digest (as the Docker test caches its images): installed once,
+    # then reused by every later rehearsal with the same wheels (test_the_site_cache_... checks the cache itself)
+    argv = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out), "--dry-run", "--wheels", str(wheels)]
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), str(out), "--dry-run", "--wheels", str(wheels)],
+        [*argv, "--site-cache", str(SITE_CACHE)],
         capture_output=True,
         text=True,
         timeout=1800,
@@ -104,7 +109,8 @@ def test_gpu_check_dry_run_in_an_environment_built_like_the_gpu_image(tmp_path):
     assert lines[-1]["failed"] == []
     environment = report["environment"]
     assert environment["installed_from_wheels"] == ["megatron-core", "pydantic"]
-    assert environment["megatron_core"] == "0.16.1" and str(out / ".site") in environment["megatron_path"]
+    site = SITE_CACHE / runtime.wheels_digest(wheels)
+    assert environment["megatron_core"] == "0.16.1" and str(site) in environment["megatron_path"]
     assert environment["env"]["HF_HUB_OFFLINE"] == "1"
     probe = sections["probe"]["result"]
     assert probe["collectives"]["gloo"]["ok"] and probe["ceilings"]["matmul"]["ms"] > 0
@@ -274,6 +280,35 @@ def test_gpu_check_installs_wheels_without_pip(tmp_path, monkeypatch):
     runtime.install_wheels(wheels, tmp_path / "site")
     assert (tmp_path / "site" / "typing_extensions.py").exists()
     assert list((tmp_path / "site").glob("typing_extensions-*.dist-info/METADATA"))
+
+
+def test_the_site_cache_installs_a_set_of_wheels_once_and_never_a_half_site(tmp_path, monkeypatch):
+    """The rehearsal's cache: a repacked wheel (new zip timestamps) has the same digest; the second ask reuses the
+    folder without installing; a failed install leaves nothing that a later run would take for a site."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    wheel = gpu_wheels.repack_installed("typing-extensions", wheels)
+    digest = runtime.wheels_digest(wheels)
+    gpu_wheels.repack_installed("typing-extensions", wheels)  # (written anew: its zip entries dated now)
+    assert runtime.wheels_digest(wheels) == digest
+    installs = []
+    real = runtime.install_wheels
+    monkeypatch.setattr(runtime, "has_pip", lambda: False)  # unpacked: no pip process in a unit test
+    monkeypatch.setattr(runtime, "install_wheels", lambda w, s: (installs.append(s), real(w, s)))
+    cache = tmp_path / "cache"
+    site = runtime.cached_site(wheels, cache)
+    assert site == cache / digest and (site / "typing_extensions.py").exists()
+    assert runtime.cached_site(wheels, cache) == site and len(installs) == 1  # reused
+
+    def broken(w, s):
+        (s / "half.py").write_text("")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(runtime, "install_wheels", broken)
+    (wheels / "extra-1.0-py3-none-any.whl").write_bytes(wheel.read_bytes())  # another set of wheels
+    with pytest.raises(OSError, match="disk full"):
+        runtime.cached_site(wheels, cache)
+    assert sorted(p.name for p in cache.iterdir()) == [digest]  # no partial folder left, none named as a site
 
 
 def test_gpu_check_row_errors_and_kernel_categories():

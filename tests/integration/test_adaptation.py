@@ -258,13 +258,11 @@ SMALL_RUN = [
 
 
 @pytest.fixture(scope="module")
-def ar_source(session_dir, tiny_manifest):
-    """An `ar` model trained by the pipeline and exported: a source the import of this checkout reads."""
-    cfg = tiny_config(
-        session_dir / "ar-source", "diffusion.model_running_mode=ar", "train.train_iters=20", "train.optimizer.lr=5e-3"
-    )
-    info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
-    return convert_checkpoint(cfg, tiny_manifest, info)
+def ar_source(tiny_manifest, trained):
+    """An `ar` model trained by the pipeline and exported: a source the import of this checkout reads (the shared
+    AR run's export)."""
+    ar = trained("ar")
+    return convert_checkpoint(ar.cfg, tiny_manifest, ar.info)
 
 
 @pytest.mark.slow
@@ -335,7 +333,7 @@ def test_a_gguf_file_or_a_folder_without_weights_is_refused_with_what_to_do(tmp_
         source_lineage(resolve_source(str(tmp_path)))
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a real 135M model on 2 cores: import, 8 adaptation steps, both models scored")
 def test_smollm2_adapts_its_elbo_falls_and_sits_next_to_its_own_nll(session_dir, prefect_harness, smollm2):
     """The real example end to end on 2 cores: SmolLM2-135M-Instruct imported (parity on real weights: its ar
     export scores the NLL transformers' own LlamaForCausalLM gives on the same windows), a few adaptation steps

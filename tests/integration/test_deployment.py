@@ -25,7 +25,9 @@ SCENARIO = SCENARIOS["serve"]  # `difflm serve pretrain-difflm` with the scenari
 NAME = SCENARIO.deployment.split("/")[1]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="`difflm serve` and two whole pipeline runs through `prefect deployment run`, then `prefect deploy --all`"
+)
 def test_deployment_run_from_the_cli(tmp_path, prefect_server):
     # Prefect's task results (its cache) in a folder of their own
     server = prefect_server(PREFECT_LOCAL_STORAGE_PATH=str(tmp_path / "results"))

@@ -105,6 +105,9 @@ def _down(c: compose.Compose, volumes: bool) -> None:
     c.run("down", *(["-v"] if volumes else []), "--remove-orphans", timeout=120)
 
 
+@pytest.mark.slow(
+    reason="docker-compose.yml on a private engine: the images built, the stack up, a flow run, down and up"
+)
 def test_compose_runs_the_pipeline_and_keeps_it_across_down_and_up(engine, tmp_path, monkeypatch):
     c = _project(engine, tmp_path, f"difflmtest{os.getpid()}")
     times = engine.times

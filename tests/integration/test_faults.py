@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 from fault_injection import fault_launch
-from helpers import assert_same_weights, tiny_config
+from helpers import assert_same_weights, tiny_config, trained_overrides
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from mlflow.tracking import MlflowClient
 from prefect import flow
@@ -35,14 +35,9 @@ from tasks.stages import train_task
 
 ROOT = Path(__file__).resolve().parents[2]
 
-FAST = (
-    "train.train_iters=16",
-    "checkpoint.save_interval=4",
-    "train.log_interval=1",
-    "train.eval_interval=8",
-    "checkpoint.keep_last=10",
-    "train.schedule.warmup_iters=2",
-)
+# the shared masked run's settings (helpers.TRAINED: 16 steps, a checkpoint every 4, a log line a step): that run,
+# trained once for the suite, is the uninterrupted reference of every interrupted run here
+FAST = trained_overrides("masked")
 
 
 def _weights(info: TrainResult) -> dict[str, torch.Tensor]:
@@ -50,10 +45,9 @@ def _weights(info: TrainResult) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def reference(session_dir, tiny_manifest):
-    """The uninterrupted run every interrupted one must reproduce bit for bit."""
-    info = launch_training(tiny_config(session_dir / "faults-ref", *FAST), tiny_manifest, echo=lambda _: None)
-    return _weights(info)
+def reference(trained):
+    """The uninterrupted run every interrupted one must reproduce bit for bit: the shared masked run."""
+    return _weights(trained("masked").info)
 
 
 def _trainer_processes(launcher_pid: int) -> tuple[list[psutil.Process], list[psutil.Process]]:
@@ -185,12 +179,13 @@ def test_nonfinite_steps_are_skipped_or_stop_training(session_dir, tiny_manifest
 
 
 @pytest.mark.slow
-def test_an_attempt_resumed_from_an_older_checkpoint_logs_each_step_once(session_dir, tiny_manifest):
+def test_an_attempt_resumed_from_an_older_checkpoint_logs_each_step_once(session_dir, tiny_manifest, trained):
     """An attempt killed between checkpoints leaves metrics.jsonl with steps the next attempt logs
-    again. What the launcher leaves behind is made here by hand: checkpoint 8 the newest, metrics up to 16."""
+    again. What the launcher leaves behind is made here by hand, from a copy of the finished shared run:
+    checkpoint 8 the newest, metrics up to 16."""
     cfg = tiny_config(session_dir / "faults-relog", *FAST)
-    launch_training(cfg, tiny_manifest, echo=lambda _: None)
     rdir = run_dir(cfg, tiny_manifest)
+    shutil.copytree(trained("masked").info.run.path, rdir, ignore=shutil.ignore_patterns("exports", "hf", "eval*"))
     for it in (12, 16):
         shutil.rmtree(rdir / "checkpoints" / f"iter_{it:07d}")
     (rdir / "checkpoints" / "latest").write_text("8")

@@ -36,7 +36,7 @@ def _until(what, timeout: float, every: float = 0.5):
     pytest.fail(f"not reached within {timeout:.0f} s: {what.__doc__}")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a Prefect server, `difflm serve` and two flow runs, the second waiting for the first's slot")
 def test_a_run_of_a_deployment_that_comes_while_one_runs_waits_for_it(tmp_path, prefect_server):
     """`difflm serve` with its concurrency limit of one; two runs triggered together: the second waits in
     AwaitingConcurrencySlot while the first runs, and starts only once the first ended. The first is held (cheaply)

@@ -6,6 +6,7 @@ normalisation gives the same loss whatever the micro-batch / data-parallel split
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from helpers import tiny_config
@@ -68,7 +69,7 @@ CASES = {
 }
 
 
-def _torchrun(nproc: int, args: list[str], tmp_path) -> None:
+def _torchrun(nproc: int, args: list[str], cwd) -> None:
     cmd = [
         sys.executable,
         "-m",
@@ -83,55 +84,68 @@ def _torchrun(nproc: int, args: list[str], tmp_path) -> None:
         "models.megatron.parity",
         *args,
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+BF16_BACKENDS = ("local", "torch")  # bf16 parameters everywhere (Float16Module), fp32 main weights
+
+
+@pytest.fixture(scope="module")
+def parity(session_dir, tiny_manifest, tmp_path_factory) -> Path:
+    """Every case's runs, in two torchruns in all (models/megatron/parity.py --runs, a config and weights per run):
+    one process runs each case's reference (it saves the weights its layouts load), the one-process layouts and
+    the bf16 runs; then two processes run every two-process layout. A process start (torch and megatron imports,
+    gloo) is about 8 s: one torchrun per case and world size was 16 of them, 142 s for the module on 2026-12-06.
+    Each run's losses land in <case>/<layout>.json, which the tests below compare."""
+    root = tmp_path_factory.mktemp("parity")
+    manifest = root / "manifest.json"
+    manifest.write_text(json.dumps(tiny_manifest))
+    # 2 layers (PP=2 splits them), 2 heads (TP=2 splits them), global batch 4 = 2 micro-batches of 2
+    common = ["train.micro_batch_size=2", "train.global_batch_size=4"]
+    by_world: dict[int, list[dict]] = {1: [], 2: []}
+    for case, (overrides, layouts) in CASES.items():
+        folder = root / case
+        folder.mkdir()
+        cfg = tiny_config(session_dir / "parallel", *common, "diffusion.antithetic_t=true", *overrides)
+        model = {"config": str(save_config(cfg, folder / "config.yaml")), "weights": str(folder / "weights")}
+        # the reference first: it saves the weights every layout of its case loads
+        by_world[1].append({**model, "out": str(folder / "ref.json"), "save": True})
+        for name, (nproc, layout) in layouts.items():
+            by_world[nproc].append({**model, "out": str(folder / f"{name}.json"), "overrides": layout})
+    folder = root / "bf16"
+    folder.mkdir()
+    cfg = tiny_config(session_dir / "parallel", *common)
+    model = {"config": str(save_config(cfg, folder / "config.yaml")), "weights": str(folder / "weights")}
+    by_world[1].append({**model, "out": str(folder / "fp32.json"), "save": True})
+    for backend in BF16_BACKENDS:
+        overrides = ["train.precision=bf16", f"model.backend={backend}"]
+        by_world[1].append({**model, "out": str(folder / f"{backend}.json"), "overrides": overrides})
+    for nproc, runs in by_world.items():
+        (root / f"runs{nproc}.json").write_text(json.dumps(runs))
+        _torchrun(nproc, ["--manifest", str(manifest), "--runs", str(root / f"runs{nproc}.json")], root)
+    return root
+
+
+def _losses(path: Path) -> dict:
+    return json.loads(path.read_text())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_parallel_layouts_match_single_process(session_dir, tiny_manifest, tmp_path, case):
-    # 2 layers (PP=2 splits them), 2 heads (TP=2 splits them), global batch 4 = 2 micro-batches of 2
-    overrides, layouts = CASES[case]
-    cfg = tiny_config(
-        session_dir / "parallel",
-        "train.micro_batch_size=2",
-        "train.global_batch_size=4",
-        "diffusion.antithetic_t=true",
-        *overrides,
-    )
-    config = save_config(cfg, tmp_path / "config.yaml")
-    manifest = tmp_path / "manifest.json"
-    manifest.write_text(json.dumps(tiny_manifest))
-    common = ["--config", str(config), "--manifest", str(manifest), "--weights", str(tmp_path / "weights")]
-    # one torchrun per world size, its layouts one after the other (models/megatron/parity.py --runs); the
-    # single-process one first: its first run is the reference, which saves the weights every layout loads
-    by_world: dict[int, list[dict]] = {1: [{"out": str(tmp_path / "ref.json"), "save": True}], 2: []}
-    for name, (nproc, layout) in layouts.items():
-        by_world[nproc].append({"name": name, "out": str(tmp_path / f"{name}.json"), "overrides": layout})
-    for nproc, runs in by_world.items():
-        if runs:
-            (tmp_path / f"runs{nproc}.json").write_text(json.dumps(runs))
-            _torchrun(nproc, [*common, "--runs", str(tmp_path / f"runs{nproc}.json")], tmp_path)
-    ref = json.loads((tmp_path / "ref.json").read_text())["losses"]
+def test_parallel_layouts_match_single_process(parity, case):
+    ref = _losses(parity / case / "ref.json")["losses"]
     assert ref[0] > 0 and ref[0] != ref[1]
-    for name in layouts:
+    for name in CASES[case][1]:
         # DP=2 halves the micro-batches per rank: 1 micro-batch of 2 on each of 2 ranks
-        out = json.loads((tmp_path / f"{name}.json").read_text())
+        out = _losses(parity / case / f"{name}.json")
         assert out["losses"] == pytest.approx(ref, rel=1e-5, abs=1e-6), (name, out["losses"], ref)
         assert out["replica_spread"] < 1e-6, name  # TP replicas did not drift apart
 
 
 @pytest.mark.slow
-def test_bf16_training_tracks_fp32(session_dir, tiny_manifest, tmp_path):
-    cfg = tiny_config(session_dir / "parallel", "train.micro_batch_size=2", "train.global_batch_size=4")
-    config = save_config(cfg, tmp_path / "config.yaml")
-    manifest = tmp_path / "manifest.json"
-    manifest.write_text(json.dumps(tiny_manifest))
-    common = ["--config", str(config), "--manifest", str(manifest), "--weights", str(tmp_path / "weights")]
-    _torchrun(1, [*common, "--save", "--out", str(tmp_path / "fp32.json")], tmp_path)
-    fp32 = json.loads((tmp_path / "fp32.json").read_text())["losses"]
-    for backend in ("local", "torch"):  # bf16 parameters everywhere (Float16Module), fp32 main weights
-        out = tmp_path / f"bf16-{backend}.json"
-        _torchrun(1, [*common, "--out", str(out), "train.precision=bf16", f"model.backend={backend}"], tmp_path)
-        bf16 = json.loads(out.read_text())["losses"]
+def test_bf16_training_tracks_fp32(parity):
+    fp32 = _losses(parity / "bf16" / "fp32.json")["losses"]
+    for backend in BF16_BACKENDS:
+        bf16 = _losses(parity / "bf16" / f"{backend}.json")["losses"]
         assert bf16 == pytest.approx(fp32, rel=2e-2) and bf16 != fp32, backend

@@ -427,7 +427,9 @@ def stack_run() -> Iterator[StackRun]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="pays for the module's stack: PostgreSQL, MLflow, Prefect and a worker started, deploy, one flow run"
+)
 def test_the_run_leaves_what_its_scenario_expects(stack_run):
     SCENARIOS["stack"].check(stack_run.workdir)
 

@@ -276,7 +276,7 @@ def _release_requeued_of(rdir: Path, done: threading.Event) -> None:
         _release_requeued(json.loads(record.read_text())["job_id"], done)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(reason="a Slurm job runs into its time limit (a minute: Slurm's least), requeues and resumes")
 def test_time_limit_signal_checkpoints_requeues_and_resumes_bit_for_bit(
     tmp_path, slurm_cluster, tiny_manifest, preempt_reference
 ):
@@ -444,7 +444,9 @@ def test_data_prep_on_slurm_writes_the_local_shards_byte_for_byte(tmp_path, slur
 # ---- Prefect: the Slurm deployment of prefect.yaml, a process worker, the pipeline on the cluster -------------
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="prefect.yaml's Slurm deployment end to end: a Prefect server, a worker, the pipeline with training as a job"
+)
 def test_the_slurm_deployment_runs_the_pipeline_on_the_cluster(tmp_path, slurm_cluster, prefect_server):
     """`prefect deploy --name slurm` from prefect.yaml, a process worker of the pool `difflm` (on the "login node":
     sbatch on its PATH, SLURM_CONF in its environment), and a run with the test preset: data prep on the worker,

@@ -12,7 +12,6 @@ from pathlib import Path
 import mlflow
 import pytest
 import torch
-from helpers import tiny_config
 from mlflow.tracking import MlflowClient
 from servers import BIN, stop
 
@@ -22,32 +21,27 @@ from flows.convert import convert_checkpoint
 from flows.evaluate_latest import evaluate_latest
 from models.evaluation.stages import EvaluationError
 from models.hf.convert import ConversionError, load_hf, load_megatron_weights
-from models.launch.torchrun import launch_training
 from tasks.runs import evaluated_scores, run_manifest, stage_config
 
-# every test here uses trained_run, which trains through torchrun: multi-process, so out of make test-dev
+# every test here uses trained_run, the shared run trained through torchrun: multi-process, so out of make test-dev
 pytestmark = pytest.mark.slow
 
-ITERS = (
-    "train.train_iters=8",
-    "checkpoint.save_interval=4",
-    "checkpoint.keep_last=10",
-    "train.eval_interval=8",
-    "train.schedule.warmup_iters=1",
-)
+FINAL = 16  # the shared masked run's last checkpoint (helpers.TRAINED: one every 4)
 
 
 @pytest.fixture(scope="module")
-def trained_run(session_dir, tiny_manifest) -> Path:
-    """A test-tiny run with complete checkpoints at iterations 4 and 8."""
-    info = launch_training(tiny_config(session_dir / "stage-flows", *ITERS), tiny_manifest, echo=lambda _: None)
-    return info.run.path
+def trained_run(trained) -> Path:
+    """The shared masked run: complete checkpoints at iterations 4, 8, 12 and 16 (its own copy where a test
+    changes it)."""
+    return trained("masked").info.run.path
 
 
 def _copy_run(run: Path, workdir: Path, latest: int) -> Path:
-    """A copy of the run in a workdir of its own (its own MLflow store), `latest` naming its newest checkpoint."""
+    """A copy of the run in a workdir of its own (its own MLflow store), as if training had saved checkpoints
+    4 and 8 so far, `latest` naming its newest complete one."""
     copy = workdir / "runs" / run.name
-    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("exports", "eval_latest", "hf"))
+    later = {f"iter_{i:07d}" for i in range(12, FINAL + 1, 4)}
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("exports", "eval_latest", "hf", "eval", *later))
     (copy / "checkpoints" / "latest").write_text(str(latest))
     return copy
 
@@ -61,7 +55,9 @@ def _model_tensors(ckpt: Path) -> dict[str, torch.Tensor]:
 
 
 def test_convert_checkpoint_flow_both_ways(trained_run, prefect_harness, tmp_path):
-    # a run directory: its newest complete checkpoint, exported inside the run
+    # a run directory: its newest complete checkpoint, exported inside the run (a copy: the shared run stays as
+    # it was trained)
+    trained_run = _copy_run(trained_run, tmp_path / "work", latest=8)
     to_hf = convert_checkpoint(source=str(trained_run))
     assert to_hf["to"] == "hf" and to_hf["iteration"] == 8 and not to_hf["reused"]
     assert Path(to_hf["out_dir"]) == trained_run / "exports" / "iter_0000008"
@@ -168,6 +164,7 @@ def test_evaluate_latest_rejects_what_is_not_a_run(trained_run, prefect_harness,
     assert evaluate_latest(run_dir=str(young))["skipped"] == "no complete checkpoint yet"
 
 
+@pytest.mark.slow(reason="a Prefect server whose scheduler creates the flow runs: it waits for two of them")
 def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained_run, tmp_path, prefect_server):
     """`difflm serve evaluate-latest` on a real Prefect server: the interval schedule creates the flow runs,
     and each new complete checkpoint of the (still training) run gets scored once, at its step in MLflow."""

@@ -5,7 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import tiny_config
+from helpers import TRAINED, tiny_config
 
 from models.diffusion.modes import objective_class
 from models.evaluation.stages import convert_checkpoint, evaluate_export
@@ -77,25 +77,21 @@ def test_failed_training_reports_the_log(session_dir, tiny_manifest):
         ("difflm-noshift", ["diffusion.varilen_prob=0.5", "diffusion.time_embedding=true"]),
         ("difflm-noshift-uniform", ["diffusion.time_embedding=true"]),
         ("difflm-shift", []),
-        ("ar", []),
-        ("difflm-block", ["diffusion.block_size=8", "diffusion.varilen_prob=0.5"]),
+        ("ar", "ar"),  # the shared trained runs (conftest `trained`)
+        ("difflm-block", "block"),  # (block_size 8, varilen 0.5)
     ],
 )
-def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, extra):
-    cfg = tiny_config(
-        session_dir / "modes",
-        f"diffusion.model_running_mode={mode}",
-        "train.train_iters=30",
-        "train.optimizer.lr=5e-3",
-        "train.eval_interval=30",
-        "checkpoint.save_interval=30",
-        *extra,
-    )
-    info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
+def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, trained, mode, extra):
+    if isinstance(extra, str):
+        cfg, info = trained(extra).cfg, trained(extra).info
+    else:  # the canonical short run (helpers.TRAINED) with this mode's own settings
+        cfg = tiny_config(session_dir / "modes", *TRAINED, f"diffusion.model_running_mode={mode}", *extra)
+        info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
+    assert cfg.diffusion.model_running_mode == mode
     vals = [r["val_loss"] for r in read_metrics(info.run.path) if "val_loss" in r]
-    assert len(vals) == 2 and vals[-1] < vals[0], vals
+    assert len(vals) == 3 and vals[-1] < vals[0], vals  # steps 0, 8 and 16
     # a person can follow a long run: each interval's line says how long the rest will take
-    assert re.search(r"\[train\] iter +10/30 .* ETA \d+[smh]", (info.run.path / "train.log").read_text())
+    assert re.search(r"\[train\] iter +8/16 .* ETA \d+[smh]", (info.run.path / "train.log").read_text())
     hf_dir = convert_checkpoint(cfg, tiny_manifest, info)
     lines: list[str] = []
     results = evaluate_export(cfg, tiny_manifest, hf_dir, echo=lines.append)
@@ -121,17 +117,10 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, mode, 
 
 
 @pytest.mark.slow
-def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, tmp_path):
+def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, trained, tmp_path):
     """megatron -> HF -> megatron gives the same model: a run initialised from the imported weights
-    starts at exactly the validation loss the source run ended with."""
-    cfg = tiny_config(
-        session_dir / "import",
-        "train.train_iters=6",
-        "train.schedule.warmup_iters=1",
-        "checkpoint.save_interval=6",
-        "train.eval_interval=6",
-    )
-    info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
+    starts at exactly the validation loss the source run (the shared masked run) ended with."""
+    cfg, info = trained("masked").cfg, trained("masked").info
     source_final = [r["val_loss"] for r in read_metrics(info.run.path) if "val_loss" in r][-1]
     hf_dir = convert_checkpoint(cfg, tiny_manifest, info)
     ckpt = import_hf(cfg, hf_dir, tmp_path / "imported", tiny_manifest["tokenizer"])
@@ -155,13 +144,11 @@ def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, tmp_path)
 
 
 @pytest.mark.slow
-def test_an_ar_checkpoint_adapts_to_block_diffusion(session_dir, tiny_manifest):
+def test_an_ar_checkpoint_adapts_to_block_diffusion(session_dir, tiny_manifest, trained):
     """AR -> block diffusion (SDAR / Megatron-Bridge): the block run starts from the AR run's weights, and its
     first validation bound is already below a block run from scratch (the AR model knows the data)."""
     common = ["train.eval_interval=10", "checkpoint.save_interval=10", "train.schedule.warmup_iters=1"]
-    ar = tiny_config(session_dir / "adapt", "diffusion.model_running_mode=ar", "train.train_iters=30", *common)
-    info = launch_training(ar, tiny_manifest, echo=lambda _: None)
-    ckpt = info.run.path / "checkpoints" / "iter_0000030"
+    ckpt = trained("ar").info.checkpoint  # the shared AR run's last checkpoint
     block = [
         "diffusion.model_running_mode=difflm-block",
         "diffusion.clean_attention=token_causal",

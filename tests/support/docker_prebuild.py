@@ -4,8 +4,8 @@ image's dependency and runtime stages; about 6 minutes on a fresh host, seconds 
 downloads and layer writes, so it overlaps the tests that run before it; the test's `engine` fixture waits for it
 (the daemon's data-root lock would make it wait anyway) and then builds only the project's own layers.
 
-conftest.py calls `start` after collection and `stop` at the end of the session (a session that ends early stops
-the build, whose daemon stops with it)."""
+conftest.py calls `start` after collection (under xdist the controller calls `start_for`, once for the run) and `stop`
+at the end of the session (a session that ends early stops the build, whose daemon stops with it)."""
 
 from __future__ import annotations
 
@@ -30,8 +30,14 @@ _started = 0.0
 def start(items) -> None:
     """Start the build when the Docker test is among `items` and an engine can run here (else the test itself
     skips, or fails under CI, with the reason)."""
+    start_for(item.nodeid for item in items)
+
+
+def start_for(nodeids) -> None:
+    """`start` from the test ids (xdist's controller has ids, not items: it starts the build for its workers, whose
+    `wait` then finds none of their own; the engine's lock on the data root makes the test wait for it still)."""
     global _build, _log, _started
-    if _build is not None or not any(Path(str(item.fspath)).name == TEST_FILE for item in items):
+    if _build is not None or not any(Path(n.split("::", 1)[0]).name == TEST_FILE for n in nodeids):
         return
     if docker_local.unavailable():
         return

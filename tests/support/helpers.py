@@ -28,6 +28,31 @@ SHORT_RUN = [
 ]
 
 
+# The canonical short run of the shared trained runs (conftest.py `trained`): 16 steps at a rate that learns in them,
+# a checkpoint every 4 (all kept), a log line a step, validation at steps 0, 8 and 16. Tests that only need "a trained
+# run" of a mode read the shared one; a test that trains with exactly these settings elsewhere (the fault tests'
+# interrupted runs) must end with its weights.
+TRAINED = (
+    "train.train_iters=16",
+    "train.optimizer.lr=5e-3",
+    "train.schedule.warmup_iters=2",
+    "checkpoint.save_interval=4",
+    "checkpoint.keep_last=10",
+    "train.log_interval=1",
+    "train.eval_interval=8",
+)
+TRAINED_MODES = {  # the shared runs: mode -> its settings on top of TRAINED
+    "masked": ("diffusion.model_running_mode=difflm-noshift",),
+    "ar": ("diffusion.model_running_mode=ar",),
+    "block": ("diffusion.model_running_mode=difflm-block", "diffusion.block_size=8", "diffusion.varilen_prob=0.5"),
+}
+
+
+def trained_overrides(mode: str) -> tuple[str, ...]:
+    """The overrides of the shared trained run of `mode` (a key of TRAINED_MODES)."""
+    return (*TRAINED, *TRAINED_MODES[mode])
+
+
 def tiny_config(workdir: Path, *overrides: str) -> PipelineConfig:
     """The test-tiny preset with its outputs under `workdir`, and `section.field=value` overrides."""
     return load_config("test-tiny", [f"workdir={workdir}", *overrides])
