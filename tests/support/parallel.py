@@ -24,11 +24,11 @@ MODULE_SECONDS = {
     "tests/integration/test_docker_compose.py": 179,
     "tests/integration/test_training.py": 172,
     "tests/integration/test_adaptation.py": 151,
-    "tests/integration/test_parallel.py": 142,
     "tests/integration/test_overlap.py": 114,
     "tests/integration/test_production_stack.py": 109,
     "tests/integration/test_deployment.py": 97,
     "tests/integration/test_stage_flows.py": 80,
+    "tests/integration/test_parallel.py": 50,  # 142 before its cases shared two torchruns
     "tests/unit/models/hf/test_hf_import.py": 59,
     "tests/unit/models/evaluation/test_evaluation.py": 54,
     "tests/integration/test_study.py": 37,
