@@ -443,8 +443,11 @@ def serve(
     every = f" every {interval:g} s" if interval and not cron else f" on cron '{cron}'" if cron else ""
     where = f" on {params['run_dir']}" if "run_dir" in params else ""
     print(f"serving {served}/{name}{where}{every}; {LATE_RUNS[cfg.pipeline.late_runs]}", flush=True)
-    with _stops_on_ctrl_c():
+    with _stops_on_ctrl_c() as interrupted:
         flow.serve(name=name, parameters=params, global_limit=one_at_a_time(cfg), **schedule)
+    if interrupted.is_set():  # Prefect's runner took the Ctrl-C and shut down in time: still an interrupt (130)
+        print("difflm: serve stopped on Ctrl-C (its runner shut down cleanly)", file=sys.stderr, flush=True)
+        return 130
     return 0
 
 
@@ -466,10 +469,12 @@ def one_at_a_time(cfg: PipelineConfig):
 
 
 @contextmanager
-def _stops_on_ctrl_c() -> Iterator[None]:
+def _stops_on_ctrl_c() -> Iterator[threading.Event]:
     """Ctrl-C stops `serve` within SERVE_GRACE_SECONDS. Prefect's runner shuts down through the API; when the
     server stopped first, it retried for over a minute and ended in a traceback (tried as a new user would).
-    A clean shutdown still gets the grace period; after it, one line and exit 130."""
+    A clean shutdown still gets the grace period; after it, one line and exit 130. Yields an event set on the
+    Ctrl-C: when Prefect's runner takes the KeyboardInterrupt and returns within the grace period (it did once
+    on a loaded machine, and `serve` then exited 0), the caller still exits 130 with its line."""
     from prefect.settings import PREFECT_API_URL
 
     def give_up() -> None:
@@ -481,15 +486,22 @@ def _stops_on_ctrl_c() -> Iterator[None]:
         )
         os._exit(130)
 
+    interrupted = threading.Event()
+    timers: list[threading.Timer] = []
+
     def on_interrupt(signum, frame) -> None:
+        interrupted.set()
         timer = threading.Timer(SERVE_GRACE_SECONDS, give_up)
         timer.daemon = True
         timer.start()
+        timers.append(timer)
         signal.signal(signal.SIGINT, lambda *_: give_up())  # a second Ctrl-C: now
         signal.default_int_handler(signum, frame)
 
     previous = signal.signal(signal.SIGINT, on_interrupt)
     try:
-        yield
+        yield interrupted
     finally:
         signal.signal(signal.SIGINT, previous)
+        for timer in timers:  # shut down within the grace period: no "did not answer" line after it
+            timer.cancel()
