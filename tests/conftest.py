@@ -240,7 +240,8 @@ def session_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def shared_dir(request, tmp_path_factory) -> Path:
     """One folder for the whole run, every xdist worker included (the workers' temp folders lie in the controller's):
-    what the pipeline writes there under its own locks (data prep, trained runs) is made once and reused by all."""
+    what the pipeline writes there under its own locks (the trained runs of `trained` and their exports) is made
+    once and reused by all."""
     return parallel.run_root(request.config, tmp_path_factory.getbasetemp()) / "shared"
 
 
