@@ -273,9 +273,13 @@ def trained(shared_dir, tiny_manifest) -> Callable[[str], TrainedRun]:
     shared the same way. Tests that watch training itself (faults, preemption, resume) train their own."""
     from models.launch.torchrun import launch_training  # lazy: megatron (see above)
 
+    runs: dict[str, TrainedRun] = {}  # this worker's: the launcher's reuse check once per mode, not per ask
+
     def get(mode: str) -> TrainedRun:
-        cfg = tiny_config(shared_dir / "trained", *trained_overrides(mode))
-        return TrainedRun(cfg, launch_training(cfg, tiny_manifest, echo=lambda _: None))
+        if mode not in runs:
+            cfg = tiny_config(shared_dir / "trained", *trained_overrides(mode))
+            runs[mode] = TrainedRun(cfg, launch_training(cfg, tiny_manifest, echo=lambda _: None))
+        return runs[mode]
 
     return get
 

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             reinit_model_parallel(cfg)
         weights = Path(run.get("weights", args.weights))
-        result = run_layout(cfg, manifest, weights, bool(run.get("save")), run.get("steps", args.steps))
+        result = run_layout(cfg, manifest, weights, bool(run.get("save")), args.steps)
         if result is not None:
             Path(run["out"]).write_text(json.dumps(result))
         dist.barrier()

@@ -83,7 +83,8 @@ def test_failed_training_reports_the_log(session_dir, tiny_manifest):
 )
 def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, trained, mode, extra):
     if isinstance(extra, str):
-        cfg, info = trained(extra).cfg, trained(extra).info
+        shared = trained(extra)
+        cfg, info = shared.cfg, shared.info
     else:  # the canonical short run (helpers.TRAINED) with this mode's own settings
         cfg = tiny_config(session_dir / "modes", *TRAINED, f"diffusion.model_running_mode={mode}", *extra)
         info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
@@ -120,7 +121,8 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, traine
 def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, trained, tmp_path):
     """megatron -> HF -> megatron gives the same model: a run initialised from the imported weights
     starts at exactly the validation loss the source run (the shared masked run) ended with."""
-    cfg, info = trained("masked").cfg, trained("masked").info
+    shared = trained("masked")
+    cfg, info = shared.cfg, shared.info
     source_final = [r["val_loss"] for r in read_metrics(info.run.path) if "val_loss" in r][-1]
     hf_dir = convert_checkpoint(cfg, tiny_manifest, info)
     ckpt = import_hf(cfg, hf_dir, tmp_path / "imported", tiny_manifest["tokenizer"])
