@@ -121,7 +121,9 @@ EVERY_STEP = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(
+    reason="two `difflm run` pipelines on one workdir, each with its Prefect server, one training 8 steps"
+)
 def test_two_pipelines_on_one_workdir_train_once_and_latest_checkpoint_reads_only_complete_ones(tmp_path):
     """Two `difflm run` on one fresh workdir started together (tried as a new user would: both trained the same
     run directory, the MLflow store's migrations raced, the Prefect database's too): one trains, the other waits

@@ -36,6 +36,9 @@ parallel: 2
 
 
 @pytest.mark.integration  # torchrun per point, an MLflow store, Prefect
+@pytest.mark.slow(
+    reason="a study of two points: a torchrun each, nested MLflow runs, the table and plot, then the reuse"
+)
 def test_a_smoke_study_nests_tabulates_plots_and_reuses(session_dir, tiny_manifest, prefect_harness, tmp_path):
     path = tmp_path / "study.yaml"
     store = tmp_path / "mlflow.db"

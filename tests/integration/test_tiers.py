@@ -111,7 +111,7 @@ def test_a_long_test_names_its_reason_and_the_run_ends_with_the_tiers_times(tmp_
     (tmp_path / "test_long.py").write_text(LONG)
     (tmp_path / "test_pure.py").write_text("def test_pure():\n    assert True\n")
     path = os.pathsep.join(str(p) for p in (ROOT / "tests", ROOT / "tests" / "support", ROOT))
-    env = {**_outer_env(), "PYTHONPATH": path, "DIFFLM_LONG_TEST_S": "1"}
+    env = {**_outer_env(), "PYTHONPATH": path, "DIFFLM_LONG_TEST_S": "1", "DIFFLM_LONG_TEST_LOADED": "0"}
     argv = [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "-q", "-rf", *workers]
     proc = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     out = proc.stdout + proc.stderr
