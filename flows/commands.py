@@ -444,9 +444,12 @@ def serve(
     where = f" on {params['run_dir']}" if "run_dir" in params else ""
     print(f"serving {served}/{name}{where}{every}; {LATE_RUNS[cfg.pipeline.late_runs]}", flush=True)
     with _stops_on_ctrl_c() as interrupted:
-        flow.serve(name=name, parameters=params, global_limit=one_at_a_time(cfg), **schedule)
-    if interrupted.is_set():  # Prefect's runner took the Ctrl-C and shut down in time: still an interrupt (130)
-        print("difflm: serve stopped on Ctrl-C (its runner shut down cleanly)", file=sys.stderr, flush=True)
+        try:
+            flow.serve(name=name, parameters=params, global_limit=one_at_a_time(cfg), **schedule)
+        except KeyboardInterrupt:  # the runner let the Ctrl-C through (it takes it at other moments): the same stop
+            interrupted.set()
+    if interrupted.is_set():  # an interrupt whoever handled it: 130 and this line (not the pipeline's "rerun")
+        print("difflm: serve stopped on Ctrl-C", file=sys.stderr, flush=True)
         return 130
     return 0
 

@@ -46,3 +46,23 @@ def test_ctrl_c_that_prefects_runner_takes_and_survives_still_exits_130_with_one
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("difflm: serve stopped on Ctrl-C"), err
     assert signal.getsignal(signal.SIGINT) is before  # the handler is put back
+
+
+def test_ctrl_c_that_prefects_runner_lets_through_exits_130_with_serves_line(monkeypatch, tmp_path, capsys):
+    """Reproduced in a clean-clone run (2026-12-06): the KeyboardInterrupt came out of the runner, and the CLI's
+    catch-all said "interrupted; rerun the same command to resume", a line for a pipeline, not for `serve`."""
+    from flows import commands
+    from flows.pretrain import pretrain_difflm
+
+    def runner_that_lets_it_through(**_):
+        signal.raise_signal(signal.SIGINT)  # the Ctrl-C, while the runner polls; it propagates
+
+    monkeypatch.setattr(pretrain_difflm, "serve", runner_that_lets_it_through)
+    gave_up = []
+    monkeypatch.setattr(commands.os, "_exit", gave_up.append)
+    monkeypatch.setattr(commands, "SERVE_GRACE_SECONDS", 0.2)
+    cfg = load_config("test-tiny", [f"workdir={tmp_path}"])
+    code = commands.serve(cfg, "pretrain-difflm", "stop", None, None, None, 4, None, "test-tiny", [])
+    time.sleep(0.4)
+    assert code == 130 and not gave_up
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("difflm: serve stopped on Ctrl-C")
