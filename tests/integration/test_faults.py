@@ -54,7 +54,8 @@ def _trainer_processes(launcher_pid: int) -> tuple[list[psutil.Process], list[ps
     """(torchrun processes, training ranks) below this test process."""
     kids = psutil.Process(launcher_pid).children(recursive=True)
     torchrun = [p for p in kids if "torch.distributed.run" in " ".join(p.cmdline())]
-    ranks = [p for p in kids if "models.megatron.train" in " ".join(p.cmdline()) and p not in torchrun]
+    trainers = ("models.megatron.train", "fault_injection")  # the trainer, or it under tests/support's hooks
+    ranks = [p for p in kids if any(t in " ".join(p.cmdline()) for t in trainers) and p not in torchrun]
     return torchrun, ranks
 
 
@@ -64,6 +65,12 @@ def _when(predicate, timeout: float = 120.0, every: float = 0.01) -> None:
         if time.time() > end:
             raise TimeoutError("condition not reached")
         time.sleep(every)
+
+
+def _log_tail(rdir: Path, lines: int = 40) -> str:
+    """The end of the run's train.log, for a failure's message (the run folder is gone by the time CI reports)."""
+    log = rdir / "train.log"
+    return "\n".join(log.read_text().splitlines()[-lines:]) if log.exists() else f"(no {log})"
 
 
 def _last_step(rdir: Path) -> int:
@@ -93,13 +100,14 @@ def test_kill9_during_training_and_during_a_save_then_rerun_gives_identical_weig
     rdir = run_dir(cfg, tiny_manifest)
     me = os.getpid()
 
-    # 1. kill -9 a rank between checkpoints
-    thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None))
+    # 1. kill -9 a rank between checkpoints (its steps slowed as in the SIGTERM test below: the kill must come first)
+    slow = fault_launch(step_sleep=0.3)
+    thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None, **slow))
     _when(lambda: _last_step(rdir) >= 6)
     for p in _trainer_processes(me)[1]:
         p.send_signal(signal.SIGKILL)
     thread.join()
-    assert isinstance(out.get("error"), TrainingError)
+    assert isinstance(out.get("error"), TrainingError), f"{out}\n{_log_tail(rdir)}"
 
     # 2. kill -9 while a checkpoint is being written (its folder exists, `latest` not yet moved)
     thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None))
@@ -119,13 +127,16 @@ def test_kill9_during_training_and_during_a_save_then_rerun_gives_identical_weig
 def test_sigterm_checkpoints_exits_as_preempted_and_resumes_identically(session_dir, tiny_manifest, reference):
     cfg = tiny_config(session_dir / "faults-sigterm", *FAST)
     rdir = run_dir(cfg, tiny_manifest)
-    thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None))
+    # 0.3 s before each step of this attempt (not of the resume; same weights): at 11 ms a step the trainer could
+    # finish its last steps before the signal reached it, and a clean-clone run on a loaded machine failed so
+    slow = fault_launch(step_sleep=0.3)
+    thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None, **slow))
     _when(lambda: _last_step(rdir) >= 5)
     for p in _trainer_processes(os.getpid())[0]:  # as Kubernetes or a shell would: to torchrun
         p.send_signal(signal.SIGTERM)
     thread.join()
     err = out.get("error")
-    assert isinstance(err, TrainingPreempted), out
+    assert isinstance(err, TrainingPreempted), f"{out}\n{_log_tail(rdir)}"
     assert 5 <= err.iteration < 16 and "rerun the same command to resume" in str(err)
     assert (rdir / "checkpoints" / f"iter_{err.iteration:07d}").is_dir()  # saved on the signal, not on schedule
     info = launch_training(cfg, tiny_manifest, echo=lambda _: None)
