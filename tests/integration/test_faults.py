@@ -31,6 +31,7 @@ from models.hf.convert import load_megatron_weights
 from models.launch import torchrun
 from models.launch.torchrun import TrainingError, TrainingPreempted, launch_training, read_metrics, run_dir
 from models.megatron.train import scheduler_kwargs
+from tasks import stages
 from tasks.stages import train_task
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -302,9 +303,16 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(
 
 
 @pytest.mark.slow
-def test_prefect_retry_after_a_crash_resumes_training(session_dir, tiny_manifest, prefect_harness):
+def test_prefect_retry_after_a_crash_resumes_training(session_dir, tiny_manifest, prefect_harness, monkeypatch):
     cfg = tiny_config(session_dir / "faults-prefect", *FAST)
     rdir = run_dir(cfg, tiny_manifest)
+    # the first attempt's steps slowed (see the SIGTERM test): the kill must come before the run ends
+    slow = fault_launch(step_sleep=0.3)
+
+    def slowed(cfg, manifest, env=None, **kwargs):
+        return launch_training(cfg, manifest, env={**(env or {}), **slow["env"]}, trainer=slow["trainer"], **kwargs)
+
+    monkeypatch.setattr(stages, "launch_training", slowed)
 
     @flow
     def train_only():
