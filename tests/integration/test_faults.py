@@ -39,6 +39,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # the shared masked run's settings (helpers.TRAINED: 16 steps, a checkpoint every 4, a log line a step): that run,
 # trained once for the suite, is the uninterrupted reference of every interrupted run here
 FAST = trained_overrides("masked")
+# the first attempt of a run a test interrupts: 0.3 s before each step (the resume does not sleep; same weights).
+# A step takes 11 ms on an idle machine, so a trainer could finish its last steps before a signal, a kill or STOP
+# reached it (a clean-clone run on a loaded machine failed so)
+SLOW_FIRST_ATTEMPT = fault_launch(step_sleep=0.3)
 
 
 def _weights(info: TrainResult) -> dict[str, torch.Tensor]:
@@ -101,9 +105,8 @@ def test_kill9_during_training_and_during_a_save_then_rerun_gives_identical_weig
     rdir = run_dir(cfg, tiny_manifest)
     me = os.getpid()
 
-    # 1. kill -9 a rank between checkpoints (its steps slowed as in the SIGTERM test below: the kill must come first)
-    slow = fault_launch(step_sleep=0.3)
-    thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None, **slow))
+    # 1. kill -9 a rank between checkpoints
+    thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None, **SLOW_FIRST_ATTEMPT))
     _when(lambda: _last_step(rdir) >= 6)
     for p in _trainer_processes(me)[1]:
         p.send_signal(signal.SIGKILL)
@@ -128,10 +131,7 @@ def test_kill9_during_training_and_during_a_save_then_rerun_gives_identical_weig
 def test_sigterm_checkpoints_exits_as_preempted_and_resumes_identically(session_dir, tiny_manifest, reference):
     cfg = tiny_config(session_dir / "faults-sigterm", *FAST)
     rdir = run_dir(cfg, tiny_manifest)
-    # 0.3 s before each step of this attempt (not of the resume; same weights): at 11 ms a step the trainer could
-    # finish its last steps before the signal reached it, and a clean-clone run on a loaded machine failed so
-    slow = fault_launch(step_sleep=0.3)
-    thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None, **slow))
+    thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None, **SLOW_FIRST_ATTEMPT))
     _when(lambda: _last_step(rdir) >= 5)
     for p in _trainer_processes(os.getpid())[0]:  # as Kubernetes or a shell would: to torchrun
         p.send_signal(signal.SIGTERM)
@@ -151,10 +151,8 @@ def test_stop_reaches_a_trainer_launched_from_a_worker_thread(session_dir, tiny_
     no trainer starts; a rerun resumes to the same weights."""
     cfg = tiny_config(session_dir / "faults-stop", *FAST)
     rdir = run_dir(cfg, tiny_manifest)
-    # a step takes 11 ms on an idle machine: the trainer finished all 16 before the launcher's next look at STOP
-    # (every 0.5 s), so the first attempt sleeps 0.3 s before each step (the resume does not; same weights)
-    slow = fault_launch(step_sleep=0.3)
-    thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None, **slow))
+    # the launcher looks at STOP every 0.5 s: unslowed, the trainer finished all 16 steps before its next look
+    thread, out = _in_background(lambda: launch_training(cfg, tiny_manifest, echo=lambda _: None, **SLOW_FIRST_ATTEMPT))
     try:
         _when(lambda: _last_step(rdir) >= 5)
         torchrun.STOP.set()
@@ -306,11 +304,15 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(
 def test_prefect_retry_after_a_crash_resumes_training(session_dir, tiny_manifest, prefect_harness, monkeypatch):
     cfg = tiny_config(session_dir / "faults-prefect", *FAST)
     rdir = run_dir(cfg, tiny_manifest)
-    # the first attempt's steps slowed (see the SIGTERM test): the kill must come before the run ends
-    slow = fault_launch(step_sleep=0.3)
 
     def slowed(cfg, manifest, env=None, **kwargs):
-        return launch_training(cfg, manifest, env={**(env or {}), **slow["env"]}, trainer=slow["trainer"], **kwargs)
+        return launch_training(
+            cfg,
+            manifest,
+            env={**(env or {}), **SLOW_FIRST_ATTEMPT["env"]},
+            trainer=SLOW_FIRST_ATTEMPT["trainer"],
+            **kwargs,
+        )
 
     monkeypatch.setattr(stages, "launch_training", slowed)
 
