@@ -16,10 +16,10 @@ import argparse
 import os
 import time
 
-from data_prep.pipeline import prepare_data
+from difflm.data_prep.pipeline import prepare_data
 from difflm.config import load_config
-from models.evaluation.stages import convert_checkpoint, evaluate_export
-from models.launch.torchrun import launch_training
+from difflm.models.evaluation.stages import convert_checkpoint, evaluate_export
+from difflm.models.launch.torchrun import launch_training
 
 MODES = {  # mode: (what it is, extra overrides)
     "difflm-noshift": ("masked diffusion: LLaDA/MDLM discrete ELBO", []),

@@ -31,7 +31,7 @@ from pathlib import Path
 
 
 def corpus(repeat: int, folder: Path) -> Path:
-    from data_prep.corpus import demo_corpus
+    from difflm.data_prep.corpus import demo_corpus
 
     docs = [json.loads(line) for line in demo_corpus().read_text().splitlines()]
     out = folder / "corpus.jsonl"
@@ -54,7 +54,7 @@ def tokenizer_ceiling(path: Path, tokenizer_json: str) -> dict:
 
 
 def pipeline_case(path: Path, workers: int, workdir: Path, tokenizer_dir: str) -> dict:
-    from data_prep.pipeline import prepare_data
+    from difflm.data_prep.pipeline import prepare_data
     from difflm.config import load_config
 
     cfg = load_config(
@@ -99,7 +99,7 @@ def megatron_case(path: Path, workers: int, checkout: str | None, tokenizer_dir:
     if proc.returncode:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
         return {"case": case, "skipped": f"it failed here: {last}"}
-    from data_prep.verify import read_index  # the prep's own .idx reader (no megatron import, no memory map)
+    from difflm.data_prep.verify import read_index  # the prep's own .idx reader (no megatron import, no memory map)
 
     (idx,) = out.glob("*.idx")
     _, lengths, _, _ = read_index(idx)
@@ -127,7 +127,7 @@ def triton_folder() -> Path | None:
 
 def bytes_read_per_task(path: Path, counts=(1, 2, 4, 8)) -> dict[int, list[int]]:
     """The input bytes each task's reader reads (its `read_bytes` stat), for each number of tasks."""
-    from data_prep.readers import make_reader
+    from difflm.data_prep.readers import make_reader
 
     result = {}
     for n in counts:
@@ -171,7 +171,7 @@ def main() -> int:
         print(json.dumps(row))
         return 0
 
-    from data_prep.pipeline import prepare_data
+    from difflm.data_prep.pipeline import prepare_data
     from difflm.config import load_config
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,13 +25,13 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 
 from difflm.config import load_config
-from models.diffusion.modes import build_objective, objective_class
-from models.megatron import compat
-from models.megatron.backend import resolve_backend
-from models.megatron.distributed import single_process_group
-from models.megatron.flops import efficiency, peak_flops, training_flops
-from models.megatron.forward_step import SpecialTokens
-from models.megatron.train import build_training, micro_lengths, run_global_batch
+from difflm.models.diffusion.modes import build_objective, objective_class
+from difflm.models.megatron import compat
+from difflm.models.megatron.backend import resolve_backend
+from difflm.models.megatron.distributed import single_process_group
+from difflm.models.megatron.flops import efficiency, peak_flops, training_flops
+from difflm.models.megatron.forward_step import SpecialTokens
+from difflm.models.megatron.train import build_training, micro_lengths, run_global_batch
 
 
 class RandomTokens:

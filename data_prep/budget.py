@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from datatrove.pipeline.tokens.megatron_tokenizer import MegatronTokenizedFile
 
-from data_prep.verify import read_index
+from difflm.data_prep.verify import read_index
 
 SHARD = "00000_tokens"  # the one shard per source of a subset
 

@@ -4,7 +4,7 @@ One datatrove pipeline: per source a reader of this task's share of the input by
 (unicode normalisation, length filter, exact dedup), and a writer that tokenizes and routes each
 document to its split (hash of the text) and source. Executors: datatrove local (workers), Slurm, Ray.
 With `data.dedup` or `data.max_documents`, every task reads every record and a hash of the text picks
-the documents of each task instead (see data_prep.readers).
+the documents of each task instead (see difflm.data_prep.readers).
 
 What does not depend on the number of tasks (nor on how the input is cut into files): the documents of
 each (split, source), with their tokens, and so each split's document and token counts. Their order
@@ -30,16 +30,16 @@ from pathlib import Path
 
 from datatrove.utils.logging import logger
 
-from data_prep.budget import document_order, select, write_subset
-from data_prep.corpus import SOURCES, demo_corpus
-from data_prep.errors import DataPrepError, SubmittedToCluster
-from data_prep.quiet import QuietLocalExecutor  # per-file and per-task INFO to the task logs only
-from data_prep.readers import DamagedFileError, detect_format, load_faults, make_reader, unknown_files
-from data_prep.slurm import forget_credentials, slurm_executor
-from data_prep.split import SPLITS, split_of
-from data_prep.steps import ExactDedup, HashShard, LengthFilter, SplitSourceWriter, UnicodeNormalizer
-from data_prep.tokenizer import TokenizerError, TokenizerInfo, describe, load_tokenizer, train_bpe
-from data_prep.verify import read_index, verify
+from difflm.data_prep.budget import document_order, select, write_subset
+from difflm.data_prep.corpus import SOURCES, demo_corpus
+from difflm.data_prep.errors import DataPrepError, SubmittedToCluster
+from difflm.data_prep.quiet import QuietLocalExecutor  # per-file and per-task INFO to the task logs only
+from difflm.data_prep.readers import DamagedFileError, detect_format, load_faults, make_reader, unknown_files
+from difflm.data_prep.slurm import forget_credentials, slurm_executor
+from difflm.data_prep.split import SPLITS, split_of
+from difflm.data_prep.steps import ExactDedup, HashShard, LengthFilter, SplitSourceWriter, UnicodeNormalizer
+from difflm.data_prep.tokenizer import TokenizerError, TokenizerInfo, describe, load_tokenizer, train_bpe
+from difflm.data_prep.verify import read_index, verify
 from difflm.config import PipelineConfig, SourceConfig
 from difflm.errors import disk_full, is_disk_full
 from difflm.locks import exclusive
@@ -422,7 +422,7 @@ def _prepare_data(cfg: PipelineConfig) -> dict:
 
 
 def budget_data(cfg: PipelineConfig, full: dict) -> dict:
-    """The manifest of the data.unique_tokens subset of `full`'s training split (data_prep.budget), written once
+    """The manifest of the data.unique_tokens subset of `full`'s training split (difflm.data_prep.budget), written once
     into data_dir(cfg) and reused; its held-out splits are `full`'s own shards."""
     out = data_dir(cfg)
     manifest_path = out / MANIFEST

@@ -1,6 +1,6 @@
 """datatrove readers for every input format, tolerant of bad records and damaged files.
 
-Each task reads about 1/N of the input bytes (`data_prep.sharding`: files dealt across tasks, uncompressed
+Each task reads about 1/N of the input bytes (`difflm.data_prep.sharding`: files dealt across tasks, uncompressed
 JSON lines cut at record boundaries into byte ranges), so reading costs O(corpus) whatever the number of
 tasks; every record is read, and counted, by exactly one task. `data.dedup` and `data.max_documents` need
 every document in view: with either, every task reads every record, a `HashShard` step keeps the documents
@@ -44,8 +44,8 @@ from datatrove.pipeline.readers.ipc import IpcReader
 from datatrove.utils.logging import logger
 from tqdm import tqdm
 
-from data_prep.sharding import InputFile, Piece, plan
-from data_prep.zstd import ZstdRaw
+from difflm.data_prep.sharding import InputFile, Piece, plan
+from difflm.data_prep.zstd import ZstdRaw
 from difflm.errors import UserError
 
 FORMATS = ("jsonl", "parquet", "text", "hf_disk")
@@ -172,7 +172,7 @@ class _TolerantMixin:
         with tqdm(desc="Document progress", unit="doc", disable=not self.doc_progress) as bar:  # type: ignore[attr-defined]
             for piece in pieces:
                 part = "" if piece.whole else f" bytes {piece.start}-{piece.end}"
-                logger.info(f"Reading input file {piece.path}{part}")  # the task's log only (data_prep.quiet)
+                logger.info(f"Reading input file {piece.path}{part}")  # the task's log only (difflm.data_prep.quiet)
                 n = 0
                 for doc in self.read_file(piece.path, piece):
                     n += 1

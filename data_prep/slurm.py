@@ -21,7 +21,7 @@ from pathlib import Path
 from datatrove.executor import SlurmPipelineExecutor
 from datatrove.executor import slurm as datatrove_slurm
 
-from data_prep.errors import DataPrepError
+from difflm.data_prep.errors import DataPrepError
 from difflm.config import PARTITION, PipelineConfig
 from difflm.credentials import read_credentials, split_credentials, write_credentials_file
 

@@ -15,7 +15,7 @@ from datatrove.utils.batching import batched
 from tokenizers import Tokenizer
 from tokenizers.processors import TemplateProcessing
 
-from data_prep.split import split_of
+from difflm.data_prep.split import split_of
 
 
 def text_hash(text: str) -> int:

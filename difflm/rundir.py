@@ -389,7 +389,7 @@ class Workdir:
         return found if found.path.is_dir() else None
 
     def data(self, data_hash: str) -> Path:
-        """data/<hash of data + tokenizer settings>: the prepared data (`data_prep.pipeline`)."""
+        """data/<hash of data + tokenizer settings>: the prepared data (`difflm.data_prep.pipeline`)."""
         return self.path / DATA / data_hash
 
     def run_for(self, cfg: PipelineConfig, manifest: dict) -> RunDir:

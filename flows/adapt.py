@@ -1,6 +1,6 @@
 """The flow `adapt-difflm`: a pretrained autoregressive LM adapted into a diffusion LM, and compared with itself.
 
-The flagship's stages (`flows.pretrain.run_pipeline`) with the source's HF folder as `train.init_from_hf`: data prep
+The flagship's stages (`difflm.flows.pretrain.run_pipeline`) with the source's HF folder as `train.init_from_hf`: data prep
 with the source's tokenizer -> import of its weights -> adaptation training from them (fresh optimizer; preset
 adapt-dream or adapt-diffullama) -> HF export -> evaluation -> registry. Then the source itself: the imported
 checkpoint exported as an `ar` model and evaluated on the same held-out tokens and task items. One MLflow run:
@@ -17,12 +17,12 @@ from prefect import flow, get_run_logger
 
 from difflm import tracking
 from difflm.rundir import ImportDir, Workdir, is_export_of
-from flows.pretrain import EVALUATE, PRETRAIN_STAGES, run_pipeline
-from flows.stages import PipelineRun, Stage, ran_or_cached
-from tasks import adapt
-from tasks.adapt import adaptation_config
-from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
-from tasks.stages import evaluate_task, export_source_task
+from difflm.flows.pretrain import EVALUATE, PRETRAIN_STAGES, run_pipeline
+from difflm.flows.stages import PipelineRun, Stage, ran_or_cached
+from difflm.tasks import adapt
+from difflm.tasks.adapt import adaptation_config
+from difflm.tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
+from difflm.tasks.stages import evaluate_task, export_source_task
 
 
 @flow(name="adapt-difflm", log_prints=True)

@@ -28,12 +28,12 @@ from difflm.config import PipelineConfig, load_config, study_spec, validate
 from difflm.errors import ConfigWarning, UserError, disk_full, is_disk_full
 from difflm.outputs import private_umask
 from difflm.rundir import RunDir, Workdir
-from flows import commands
-from flows.prechecks import check_arguments, check_before_work
-from flows.prefect_api import prefect_api
+from difflm.flows import commands
+from difflm.flows.prechecks import check_arguments, check_before_work
+from difflm.flows.prefect_api import prefect_api
 
 # Stages, flows and models are imported inside flows/commands.py's functions, `_run_of_*` and `resolve_config`
-# (tasks.runs): `difflm --help` then loads argparse and the config only (well under a second), and a command loads
+# (difflm.tasks.runs): `difflm --help` then loads argparse and the config only (well under a second), and a command loads
 # only what it runs (torch, megatron, Prefect and MLflow take seconds to import).
 
 DEFAULT_PRESET = "tiny-cpu"
@@ -123,13 +123,13 @@ def preset_default(cmd: Command) -> str:
 
 
 def _run_of_conversion(args) -> Path | None:
-    from tasks.runs import conversion_source
+    from difflm.tasks.runs import conversion_source
 
     return conversion_source(args.source)["run_dir"]  # a folder that is neither fails here, before any server
 
 
 def _run_of_run_dir(args) -> Path | None:
-    from tasks.runs import training_run_dir
+    from difflm.tasks.runs import training_run_dir
 
     return training_run_dir(args.run_dir)  # a wrong path fails here, before any Prefect server starts
 
@@ -442,7 +442,7 @@ def resolve_config(cmd: Command, args) -> PipelineConfig:
         return cmd.config_of(args)
     run = cmd.run_of(args) if cmd.run_of and not args.preset else None
     if run is not None:
-        from tasks.runs import stage_config
+        from difflm.tasks.runs import stage_config
 
         cfg = stage_config(run, None, args.overrides)
     else:

@@ -49,10 +49,10 @@ def _fields(summary: dict, keys: tuple[str, ...]) -> list[str]:
 
 def run(cfg: PipelineConfig) -> int:
     """The flow pretrain-difflm end to end; prints its summary and keeps it in <workdir>/last_run.json."""
-    from data_prep.pipeline import preflight
-    from flows.pretrain import pretrain_difflm
-    from models.evaluation.likelihood import KIND_LABELS
-    from tasks.artifacts import mlflow_curves_url
+    from difflm.data_prep.pipeline import preflight
+    from difflm.flows.pretrain import pretrain_difflm
+    from difflm.models.evaluation.likelihood import KIND_LABELS
+    from difflm.tasks.artifacts import mlflow_curves_url
 
     preflight(cfg)  # bad paths fail here, before a Prefect server starts
     summary = pretrain_difflm(config=cfg)
@@ -89,8 +89,8 @@ def run(cfg: PipelineConfig) -> int:
 
 def study(cfg: PipelineConfig, spec: str, preset: str | None, overrides: list[str]) -> int:
     """The flow study (`cfg`: its first point's); prints its table, the crossover per budget and its files."""
-    from data_prep.pipeline import preflight
-    from flows.study import study as study_flow
+    from difflm.data_prep.pipeline import preflight
+    from difflm.flows.study import study as study_flow
 
     preflight(cfg)  # bad data paths fail here, before a Prefect server starts (every point reads the same data)
     summary = study_flow(spec=spec, preset=preset, overrides=overrides)
@@ -104,7 +104,7 @@ def study(cfg: PipelineConfig, spec: str, preset: str | None, overrides: list[st
 
 def study_plan(spec: str, preset: str | None, overrides: list[str], device: str, mfu: float) -> int:
     """`difflm study SPEC --plan`: the study's cost, point by point, without running it."""
-    from tasks.study_plan import plan, plan_table
+    from difflm.tasks.study_plan import plan, plan_table
 
     if not 0 < mfu <= 1:
         raise UserError(f"--mfu {mfu:g} is a share of the device's peak: give one in (0, 1], e.g. 0.4")
@@ -141,11 +141,11 @@ def config(cfg: PipelineConfig, action: str) -> int:
 
 def prep(cfg: PipelineConfig, flow: bool) -> int:
     """Data prep, plain or as the flow data-prep; prints the manifest's counts."""
-    from data_prep.pipeline import SubmittedToCluster, prepare_data
+    from difflm.data_prep.pipeline import SubmittedToCluster, prepare_data
 
     try:
         if flow:  # Prefect is imported for --flow only
-            from flows.data_prep import data_prep
+            from difflm.flows.data_prep import data_prep
 
             m = data_prep(config=cfg)
         else:
@@ -173,8 +173,8 @@ def prep(cfg: PipelineConfig, flow: bool) -> int:
 
 def verify(cfg: PipelineConfig) -> int:
     """Re-read every shard of the config's finished data prep against its manifest."""
-    from data_prep.pipeline import MANIFEST, DataPrepError, data_dir
-    from data_prep.verify import verify as verify_manifest
+    from difflm.data_prep.pipeline import MANIFEST, DataPrepError, data_dir
+    from difflm.data_prep.verify import verify as verify_manifest
 
     path = data_dir(cfg) / MANIFEST
     if not path.exists():
@@ -186,9 +186,9 @@ def verify(cfg: PipelineConfig) -> int:
 
 def train(cfg: PipelineConfig) -> int:
     """Data prep (reused), then training with train.launch.launcher; prints the launcher's result as JSON."""
-    from data_prep.pipeline import prepare_data, unique_tokens
-    from models.launch.cluster import submit_kubernetes, submit_slurm
-    from models.launch.torchrun import launch_training
+    from difflm.data_prep.pipeline import prepare_data, unique_tokens
+    from difflm.models.launch.cluster import submit_kubernetes, submit_slurm
+    from difflm.models.launch.torchrun import launch_training
 
     launch = {"slurm": submit_slurm, "kubernetes": submit_kubernetes}.get(cfg.train.launch.launcher, launch_training)
     manifest = prepare_data(cfg)
@@ -198,9 +198,9 @@ def train(cfg: PipelineConfig) -> int:
 
 def launch(cfg: PipelineConfig, target: str) -> int:
     """Write the Slurm script or Kubernetes PyTorchJob of this config; print how to submit it."""
-    from data_prep.pipeline import prepare_data, unique_tokens
-    from models.launch.cluster import mount_problem, sbatch_command, write_launch_file
-    from models.launch.torchrun import run_dir
+    from difflm.data_prep.pipeline import prepare_data, unique_tokens
+    from difflm.models.launch.cluster import mount_problem, sbatch_command, write_launch_file
+    from difflm.models.launch.torchrun import run_dir
 
     kind = "kubernetes" if target in ("k8s", "kubernetes") else "slurm"
     manifest = prepare_data(cfg)
@@ -217,11 +217,11 @@ def launch(cfg: PipelineConfig, target: str) -> int:
 
 def convert(cfg: PipelineConfig, source: str, out: str | None, flow: bool) -> int:
     """One conversion, either direction (from the SOURCE), plain or as the flow convert-checkpoint."""
-    from tasks.runs import conversion_source, convert_source
+    from difflm.tasks.runs import conversion_source, convert_source
 
     found = conversion_source(source)
     if flow:  # Prefect is imported for --flow only
-        from flows.convert import convert_checkpoint
+        from difflm.flows.convert import convert_checkpoint
 
         info = convert_checkpoint(source=source, out_dir=out, config=cfg)
     else:
@@ -251,7 +251,7 @@ def parity_line(parity: dict) -> str:
 
 def adapt(cfg: PipelineConfig, source: str, preset: str, overrides: list[str]) -> int:
     """The flow adapt-difflm; prints the comparison and keeps the summary in <workdir>/last_adapt.json."""
-    from flows.adapt import adapt_difflm
+    from difflm.flows.adapt import adapt_difflm
 
     summary = adapt_difflm(source=source, preset=preset, overrides=overrides)
     stages = ", ".join(f"{k} {v}" for k, v in summary["stages"].items())
@@ -272,8 +272,8 @@ def adapt(cfg: PipelineConfig, source: str, preset: str, overrides: list[str]) -
 
 def eval_latest(run_dir: str, preset: str | None, overrides: list[str], max_sequences: int, force: bool) -> int:
     """The flow evaluate-latest once on RUN_DIR's newest checkpoint."""
-    from flows.evaluate_latest import evaluate_latest
-    from tasks.runs import training_run_dir
+    from difflm.flows.evaluate_latest import evaluate_latest
+    from difflm.tasks.runs import training_run_dir
 
     res = evaluate_latest(
         run_dir=str(training_run_dir(run_dir)),
@@ -301,17 +301,17 @@ def evaluate(
     tracking_uri: str | None,
     flow: bool,
 ) -> int:
-    """Each SOURCE on its own run's recorded config and data (tasks.runs.evaluation_source), unless --preset or
+    """Each SOURCE on its own run's recorded config and data (difflm.tasks.runs.evaluation_source), unless --preset or
     data overrides say otherwise; results on other data go to <run>/eval-<data hash>. Prints one table."""
     from difflm.tracking import tracking_uri as config_tracking_uri
-    from models.evaluation.report import comparison_table
-    from models.evaluation.stages import evaluate_export, sweep_export
-    from tasks.runs import evaluation_source
+    from difflm.models.evaluation.report import comparison_table
+    from difflm.models.evaluation.stages import evaluate_export, sweep_export
+    from difflm.tasks.runs import evaluation_source
 
     found = {}
     for source in sources:
         if flow:  # Prefect is imported for --flow only
-            from flows.evaluate import evaluate as evaluate_flow
+            from difflm.flows.evaluate import evaluate as evaluate_flow
 
             found[source] = evaluate_flow(source=source, preset=preset, overrides=overrides, out_dir=out)
             continue
@@ -346,14 +346,14 @@ def generate(
     tracking_uri: str | None,
 ) -> int:
     """Samples from an export after each prompt (default: the first words of held-out documents)."""
-    from data_prep.pipeline import prepare_data
+    from difflm.data_prep.pipeline import prepare_data
     from difflm.tracking import tracking_uri as config_tracking_uri
-    from models.evaluation.generation import default_prompts, sampler_settings
-    from models.evaluation.report import placement_label
-    from models.evaluation.scoring import Scorer
-    from models.evaluation.sources import resolve_export
-    from models.evaluation.stages import eval_device, load_model, load_tokenizer, placement
-    from models.evaluation.tasks import heldout_documents
+    from difflm.models.evaluation.generation import default_prompts, sampler_settings
+    from difflm.models.evaluation.report import placement_label
+    from difflm.models.evaluation.scoring import Scorer
+    from difflm.models.evaluation.sources import resolve_export
+    from difflm.models.evaluation.stages import eval_device, load_model, load_tokenizer, placement
+    from difflm.models.evaluation.tasks import heldout_documents
 
     hf_dir = resolve_export(source, tracking_uri or config_tracking_uri(cfg), cfg.tracking)
     model, tok = load_model(hf_dir, *eval_device(cfg.eval)), load_tokenizer(hf_dir)
@@ -413,23 +413,23 @@ def serve(
     adapt-difflm (a source) or evaluate-latest on a run."""
     from prefect.deployments.runner import EntrypointType
 
-    # flow runs load the flow by module (flows.pretrain), not by file: a file puts flows/ first on sys.path,
+    # flow runs load the flow by module (difflm.flows.pretrain), not by file: a file puts flows/ first on sys.path,
     # where flows/data_prep.py would shadow the data_prep package
     schedule = {"cron": cron} if cron else {"interval": interval} if interval else {}
     schedule["entrypoint_type"] = EntrypointType.MODULE_PATH
     if served == "pretrain-difflm":
-        from flows.pretrain import pretrain_difflm
+        from difflm.flows.pretrain import pretrain_difflm
 
         flow, params = pretrain_difflm, {"preset": preset or default_preset, "overrides": overrides}
     elif served == "adapt-difflm":
-        from flows.adapt import adapt_difflm
+        from difflm.flows.adapt import adapt_difflm
 
         if not source:
             raise UserError("difflm serve adapt-difflm needs --source <HF folder or smollm2> (the model to adapt)")
         flow, params = adapt_difflm, {"source": source, "preset": preset or "adapt-dream", "overrides": overrides}
     else:
-        from flows.evaluate_latest import evaluate_latest
-        from tasks.runs import training_run_dir
+        from difflm.flows.evaluate_latest import evaluate_latest
+        from difflm.tasks.runs import training_run_dir
 
         if not run_dir:
             raise UserError(

@@ -1,6 +1,6 @@
 """The `convert-checkpoint` flow: megatron checkpoint <-> Hugging Face folder, for any run directory (its newest
 complete checkpoint), checkpoint folder or export. From the command line: `difflm convert SOURCE --flow`; as a
-deployment: prefect.yaml's `convert` (entrypoint flows.convert:convert_checkpoint)."""
+deployment: prefect.yaml's `convert` (entrypoint difflm.flows.convert:convert_checkpoint)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from typing import Literal
 from prefect import flow
 
 from difflm.config import PipelineConfig
-from tasks.runs import conversion_source, stage_config
-from tasks.stages import convert_source_task
+from difflm.tasks.runs import conversion_source, stage_config
+from difflm.tasks.stages import convert_source_task
 
 
 @flow(name="convert-checkpoint", log_prints=True)

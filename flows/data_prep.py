@@ -4,8 +4,8 @@ from prefect import flow
 
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
-from tasks import artifacts
-from tasks.stages import data_prep_task
+from difflm.tasks import artifacts
+from difflm.tasks.stages import data_prep_task
 
 
 @flow(name="data-prep", log_prints=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 from difflm.config import PipelineConfig
 from difflm.errors import UserError
 from difflm.memory import check_fits, gpu_memory
-from models.hf.examples import EXAMPLE_SOURCES
+from difflm.models.hf.examples import EXAMPLE_SOURCES
 
 EXPORT_HINT = "pass an export folder, a run directory, or models:/<name>/<version> | models:/<name>@<alias>"
 
@@ -53,7 +53,7 @@ def _must_exist(path: str, what: str, hint: str) -> Path:
 
 def _data(cfg: PipelineConfig) -> None:
     """The data sources and tokenizer, unless this config's data prep is finished (then they are not read)."""
-    from data_prep.pipeline import MANIFEST, data_dir, preflight  # datatrove: seconds; for commands that prep data
+    from difflm.data_prep.pipeline import MANIFEST, data_dir, preflight  # datatrove: seconds; for commands that prep data
 
     if not (data_dir(cfg) / MANIFEST).exists():
         preflight(cfg)
@@ -64,7 +64,7 @@ def _training(cfg: PipelineConfig) -> None:
     _data(cfg)
     train = cfg.train
     if train.init_from_hf:
-        from tasks.adapt import resolve_source, with_source  # torch, transformers: only with a source to read
+        from difflm.tasks.adapt import resolve_source, with_source  # torch, transformers: only with a source to read
 
         source = _must_exist(train.init_from_hf, "train.init_from_hf", "pass a Hugging Face model folder")
         cfg = with_source(cfg, resolve_source(str(source)))  # the source's architecture is the model's
@@ -72,13 +72,13 @@ def _training(cfg: PipelineConfig) -> None:
         _checkpoint(train.init_from, "train.init_from")
     check_fits(cfg)
     if cfg.model.cuda_graphs != "off" and train.launch.launcher == "local":
-        from models.megatron.kernels import check_cuda_graphs  # torch: only with the switch on
+        from difflm.models.megatron.kernels import check_cuda_graphs  # torch: only with the switch on
 
         check_cuda_graphs(cfg.model.cuda_graphs, cuda=gpu_memory() is not None)
 
 
 def _checkpoint(path: str, what: str) -> None:
-    from models.megatron.safe_pickle import check_common  # torch: only with a checkpoint to read
+    from difflm.models.megatron.safe_pickle import check_common  # torch: only with a checkpoint to read
 
     hint = "pass a megatron checkpoint folder (`difflm convert HF_DIR --out CKPT` writes one)"
     folder = _must_exist(path, what, hint)
@@ -102,7 +102,7 @@ def _adapt_source(args: argparse.Namespace) -> None:
 
 
 def _adapt(cfg: PipelineConfig, args: argparse.Namespace) -> None:
-    from tasks.adapt import adaptation_config  # torch, transformers: the source's folder is read
+    from difflm.tasks.adapt import adaptation_config  # torch, transformers: the source's folder is read
 
     adapted, _ = adaptation_config(args.source, args.preset or "adapt-dream", args.overrides)
     _training(adapted)
@@ -113,7 +113,7 @@ def _convert_source(args: argparse.Namespace) -> None:
 
 
 def _convert(cfg: PipelineConfig, args: argparse.Namespace) -> None:
-    from tasks.runs import conversion_source  # the stages' modules: only once the path exists
+    from difflm.tasks.runs import conversion_source  # the stages' modules: only once the path exists
 
     found = conversion_source(args.source)
     if found["to"] == "hf":

@@ -1,5 +1,5 @@
 """The flagship flow `pretrain-difflm`: (the import of an HF source) -> data prep -> training (torchrun, Slurm or
-Kubernetes) -> HF export -> evaluation -> registry. The stages are the rows of PRETRAIN_STAGES (`flows.stages`):
+Kubernetes) -> HF export -> evaluation -> registry. The stages are the rows of PRETRAIN_STAGES (`difflm.flows.stages`):
 one MLflow run per execution with a nested run per stage; each stage cached by Prefect under the hash that names
 its output; a markdown summary per stage as a Prefect artifact."""
 
@@ -7,15 +7,15 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from data_prep.pipeline import MANIFEST, data_dir, unique_tokens
+from difflm.data_prep.pipeline import MANIFEST, data_dir, unique_tokens
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
 from difflm.rundir import RunDir, TrainResult, Workdir, is_checkpoint, is_export_of
-from flows.stages import Outcome, PipelineRun, Stage, run_stages, status
-from models.launch.torchrun import is_finished
-from tasks import adapt, artifacts
-from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
-from tasks.stages import convert_task, data_prep_task, evaluate_task, import_task, train_task
+from difflm.flows.stages import Outcome, PipelineRun, Stage, run_stages, status
+from difflm.models.launch.torchrun import is_finished
+from difflm.tasks import adapt, artifacts
+from difflm.tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
+from difflm.tasks.stages import convert_task, data_prep_task, evaluate_task, import_task, train_task
 
 __all__ = ["PRETRAIN_STAGES", "Stage", "pretrain", "pretrain_difflm", "run_pipeline", "status"]
 
@@ -74,7 +74,7 @@ def run_pipeline(
 ) -> tuple[dict, PipelineRun]:
     """The pipeline's `rows` (default PRETRAIN_STAGES) inside its MLflow run `run_id` (None: tracking off), then
     the registry. Returns (summary, the execution: the config trained, each stage's result) and records each
-    stage's status in `stages`. `lineage`: the HF source's `tasks.adapt.source_lineage`, when the caller has it."""
+    stage's status in `stages`. `lineage`: the HF source's `difflm.tasks.adapt.source_lineage`, when the caller has it."""
     experiment_id = tracking.experiment_of(run_id)
     link = artifacts.mlflow_run_url(tracking.tracking_uri(cfg), experiment_id, run_id)
     # the view the printed link opens (the curves while it trains, too); None when it could not be stored

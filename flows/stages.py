@@ -4,7 +4,7 @@ folder already holds its finished output, its Prefect cache key, what it tells M
 of rows (flows/pretrain.py, flows/adapt.py); a new stage is a function and one row.
 
 Every row behaves the same way: a nested MLflow run named after the stage (tags `cached` and the row's own), the
-Prefect cache keyed by what names its output (`tasks.cache.run_stage`: a cache hit only while the output is on
+Prefect cache keyed by what names its output (`difflm.tasks.cache.run_stage`: a cache hit only while the output is on
 disk), a status `ran` / `cached` / `reused`, and a markdown artifact `<name>-summary` linking the MLflow run. A row
 holds its output's lock (`difflm.locks`) from the check of whether it is done to its `after` hook, so two
 pipelines on one workdir never write the same folder: the second waits (or fails, `pipeline.on_busy`) and reuses.
@@ -25,8 +25,8 @@ from difflm import tracking
 from difflm.config import PipelineConfig
 from difflm.locks import exclusive
 from difflm.rundir import lock_file
-from tasks import artifacts
-from tasks.cache import cache_key, run_stage
+from difflm.tasks import artifacts
+from difflm.tasks.cache import cache_key, run_stage
 
 
 def status(cached: bool, done: bool) -> str:
@@ -49,7 +49,7 @@ class PipelineRun:
     link: str | None
     stages: dict[str, str]
     results: dict[str, Any] = field(default_factory=dict)
-    lineage: dict | None = None  # the HF source's `tasks.adapt.source_lineage`, when the run imports one
+    lineage: dict | None = None  # the HF source's `difflm.tasks.adapt.source_lineage`, when the run imports one
     sid: str | None = None  # the running stage's nested MLflow run (None: tracking off, or between stages)
 
     def __getitem__(self, slot: str) -> Any:

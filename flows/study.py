@@ -1,6 +1,6 @@
 """The `study` flow: a data-constrained study (difflm/config/study.py) as sub-runs of the flagship pipeline.
 
-Every point of the grid is one `flows.pretrain.pretrain` execution, nested in MLflow under the study's parent run,
+Every point of the grid is one `difflm.flows.pretrain.pretrain` execution, nested in MLflow under the study's parent run,
 each stage cached as in any pipeline run (a point already done is reused: rerunning a study redoes nothing). Every
 point is scored on its preset's held-out split, which data.unique_tokens leaves untouched. Points run in threads,
 `parallel` at a time: the trainers are processes and train at once, while the stages that compute in this process
@@ -25,11 +25,11 @@ from difflm import tracking
 from difflm.config import Point, StudySpec, study_spec
 from difflm.errors import UserError
 from difflm.tracking.plots import plot_study
-from flows.pretrain import PRETRAIN_STAGES, TRAIN, pretrain
-from flows.stages import Stage
-from models.launch import torchrun
-from tasks import study as results
-from tasks.study_plan import point_flops
+from difflm.flows.pretrain import PRETRAIN_STAGES, TRAIN, pretrain
+from difflm.flows.stages import Stage
+from difflm.models.launch import torchrun
+from difflm.tasks import study as results
+from difflm.tasks.study_plan import point_flops
 
 
 class StudyFailed(UserError):

@@ -8,7 +8,7 @@ and testable without Prefect:
 - `source_fields` / `with_source`: the config fields the source fixes (architecture; tokenizer for this project's
   exports);
 - `import_source`: the one import entry point, the source's weights as a megatron checkpoint (stock classes
-  through `models.hf.importer`, with the tokenizer and its mask token prepared beside them; this project's exports
+  through `difflm.models.hf.importer`, with the tokenizer and its mask token prepared beside them; this project's exports
   through `import_hf`), returned as a typed `ImportedSource`;
 - `with_import`: the config that trains from that checkpoint and reads data through that tokenizer;
 - `export_source_ar`: the checkpoint exported as an `ar` model of this project's class, so the original AR model
@@ -24,16 +24,16 @@ from typing import Any
 from pydantic.dataclasses import dataclass
 from tokenizers import Tokenizer
 
-from data_prep.tokenizer import describe
+from difflm.data_prep.tokenizer import describe
 from difflm.config import PipelineConfig, is_hf_folder, load_config, with_mode
 from difflm.locks import exclusive
 from difflm.rundir import is_checkpoint, is_export_of, lock_file
-from models.diffusion.arch import ModelArch
-from models.hf.architectures import config_json, model_fields
-from models.hf.convert import export_hf, import_hf
-from models.hf.examples import EXAMPLE_SOURCES
-from models.hf.importer import check_source, import_pretrained, import_record, weight_files
-from models.hf.pretrained import smollm2_folder
+from difflm.models.diffusion.arch import ModelArch
+from difflm.models.hf.architectures import config_json, model_fields
+from difflm.models.hf.convert import export_hf, import_hf
+from difflm.models.hf.examples import EXAMPLE_SOURCES
+from difflm.models.hf.importer import check_source, import_pretrained, import_record, weight_files
+from difflm.models.hf.pretrained import smollm2_folder
 
 __all__ = ["is_hf_folder"]  # where the flows read it
 
@@ -83,7 +83,7 @@ def source_lineage(folder: Path) -> dict[str, str]:
 
 
 def source_fields(folder: Path) -> dict[str, dict[str, Any]]:
-    """{section: {field: value}} the source fixes: its architecture (`models.hf.architectures.model_fields` for
+    """{section: {field: value}} the source fixes: its architecture (`difflm.models.hf.architectures.model_fields` for
     stock classes), and for this project's exports their tokenizer and its special tokens (a stock source's
     tokenizer is prepared by the import, `with_import`)."""
     if not _is_ours(folder):

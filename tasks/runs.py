@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
-from data_prep.pipeline import MANIFEST, prepare_data, unique_tokens
-from data_prep.tokenizer import describe
+from difflm.data_prep.pipeline import MANIFEST, prepare_data, unique_tokens
+from difflm.data_prep.tokenizer import describe
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
 from difflm.locks import exclusive
@@ -25,9 +25,9 @@ from difflm.rundir import (
     lock_file,
     run_name,
 )
-from models.evaluation.likelihood import likelihood_bound, validation_windows
-from models.evaluation.sources import resolve_export
-from models.evaluation.stages import (
+from difflm.models.evaluation.likelihood import likelihood_bound, validation_windows
+from difflm.models.evaluation.sources import resolve_export
+from difflm.models.evaluation.stages import (
     EvaluationError,
     check_tokenizer,
     default_out_dir,
@@ -35,10 +35,10 @@ from models.evaluation.stages import (
     load_model,
     placement,
 )
-from models.hf.architectures import config_json
-from models.hf.convert import ConversionError, export_hf, import_hf
-from models.hf.importer import check_source, import_record, tokenizer_overrides
-from tasks import adapt
+from difflm.models.hf.architectures import config_json
+from difflm.models.hf.convert import ConversionError, export_hf, import_hf
+from difflm.models.hf.importer import check_source, import_record, tokenizer_overrides
+from difflm.tasks import adapt
 
 CONVERT_HINT = (
     "pass a run directory (<workdir>/runs/<run>: its newest complete checkpoint), a megatron checkpoint "
@@ -76,7 +76,7 @@ def conversion_source(source: str | Path, to: str | None = None) -> dict:
         found = {"to": "hf", "path": run.checkpoint(it), "run_dir": path, "iteration": it}
     elif is_checkpoint(path):
         found = {"to": "hf", "path": path, "run_dir": _run_of(path), "iteration": iteration_of(path)}
-    elif is_stock_folder(path):  # Llama, Qwen2, Qwen3, Mistral...: models.hf.importer checks the rest
+    elif is_stock_folder(path):  # Llama, Qwen2, Qwen3, Mistral...: difflm.models.hf.importer checks the rest
         found = {"to": "megatron", "path": path, "run_dir": None, "iteration": None, "stock": True}
     elif (path / "config.json").exists() and (path / "model.safetensors").exists():
         found = {"to": "megatron", "path": path, "run_dir": _run_of(path), "iteration": None}

@@ -14,19 +14,19 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from data_prep.pipeline import prepare_data
+from difflm.data_prep.pipeline import prepare_data
 from difflm.config import PipelineConfig
 from difflm.errors import DiffLMError
 from difflm.rundir import TrainResult
-from models.evaluation.likelihood import KIND_LABELS
-from models.evaluation.report import write_comparison
-from models.evaluation.stages import convert_checkpoint, evaluate_export, sweep_export
-from models.launch.kubernetes import submit_kubernetes
-from models.launch.slurm import submit_slurm
-from models.launch.torchrun import launch_training
-from tasks import adapt
-from tasks.cache import eval_done
-from tasks.runs import convert_source, export_newest, score_export_bound
+from difflm.models.evaluation.likelihood import KIND_LABELS
+from difflm.models.evaluation.report import write_comparison
+from difflm.models.evaluation.stages import convert_checkpoint, evaluate_export, sweep_export
+from difflm.models.launch.kubernetes import submit_kubernetes
+from difflm.models.launch.slurm import submit_slurm
+from difflm.models.launch.torchrun import launch_training
+from difflm.tasks import adapt
+from difflm.tasks.cache import eval_done
+from difflm.tasks.runs import convert_source, export_newest, score_export_bound
 
 
 @task(name="data-prep", cache_policy=NO_CACHE)

@@ -13,7 +13,7 @@ import numpy as np
 
 from difflm.config import Point
 from difflm.rundir import RunDir
-from models.diffusion.modes import objective_class
+from difflm.models.diffusion.modes import objective_class
 
 CURVE_COLUMNS = ["family", "kind", "unique_tokens", "epochs", "size", "step", "epochs_seen", "val_loss"]
 COLUMNS = [
@@ -50,7 +50,7 @@ def _point_columns(point: Point) -> dict:
 
 
 def row(point: Point, summary: dict) -> dict:
-    """The point's table row from its pipeline summary (flows.pretrain.run_pipeline): the trained model's
+    """The point's table row from its pipeline summary (difflm.flows.pretrain.run_pipeline): the trained model's
     validation NLL per token on the held-out split (exact for ar, an upper bound for diffusion)."""
     trained = summary["validation"]["trained"]
     t = point.cfg.train

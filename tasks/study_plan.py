@@ -10,8 +10,8 @@ from __future__ import annotations
 from difflm.config import Point
 from difflm.config.train import iters_for_epochs
 from difflm.memory import parameter_count
-from models.diffusion.modes import build_objective
-from models.megatron.flops import peak_flops, training_flops
+from difflm.models.diffusion.modes import build_objective
+from difflm.models.megatron.flops import peak_flops, training_flops
 
 PLAN_COLUMNS = ["point", "params", "steps", "tokens", "training FLOPs", "device-hours"]
 

@@ -251,7 +251,7 @@ def shared_dir(request, tmp_path_factory) -> Path:
 def tiny_manifest(session_dir) -> dict:
     """Data prep of the test-tiny preset, shared by the tests that need real tokenized data (once per xdist worker:
     the tests that use it also write runs and MLflow stores into its workdir)."""
-    from data_prep.pipeline import prepare_data
+    from difflm.data_prep.pipeline import prepare_data
 
     return prepare_data(tiny_config(session_dir / "shared"))
 
@@ -271,7 +271,7 @@ def trained(shared_dir, tiny_manifest) -> Callable[[str], TrainedRun]:
     in a workdir of the whole run: a later ask, from this worker or the other, is the pipeline's own reuse (a
     finished run), and one asked while it trains waits on the run's lock. Its export (`convert_checkpoint`) is
     shared the same way. Tests that watch training itself (faults, preemption, resume) train their own."""
-    from models.launch.torchrun import launch_training  # lazy: megatron (see above)
+    from difflm.models.launch.torchrun import launch_training  # lazy: megatron (see above)
 
     runs: dict[str, TrainedRun] = {}  # this worker's: the launcher's reuse check once per mode, not per ask
 
@@ -290,8 +290,8 @@ def megatron_single_process():
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
-    from models.megatron import compat
-    from models.megatron.distributed import single_process_group
+    from difflm.models.megatron import compat
+    from difflm.models.megatron.distributed import single_process_group
 
     with single_process_group():
         compat.activate()
@@ -396,8 +396,8 @@ def one_thread():
 def exports(tmp_path_factory, tiny_manifest) -> dict[str, Path]:
     """A random-weight export per mode (difflm-noshift, ar), written exactly as the pipeline writes them (the
     evaluation tests' input)."""
-    from models.hf.convert import hf_config, save_export
-    from models.hf.modeling_difflm import DiffLMForMaskedLM
+    from difflm.models.hf.convert import hf_config, save_export
+    from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 
     root = tmp_path_factory.mktemp("exports")
     out = {}

@@ -26,8 +26,8 @@ import torch
 from benchmarks.gpu import decoding, training
 from benchmarks.gpu.corpus import SPECIALS, make_dataset, markov_documents
 from benchmarks.gpu.runtime import SectionFailed, read_jsonl, worker
-from models.diffusion.modes import objective_class
-from models.evaluation.scoring import Scorer
+from difflm.models.diffusion.modes import objective_class
+from difflm.models.evaluation.scoring import Scorer
 
 MASKED, BLOCK, AR = "difflm-noshift", "difflm-block", "ar"  # the models this section trains (the goal: MASKED, BLOCK)
 MODES = (MASKED, BLOCK, AR)
@@ -69,7 +69,7 @@ def section(check, state: dict) -> dict:
     left out; a worker that fails or runs out of time keeps the rows it measured (the rows file)."""
     from difflm.config import load_config
     from difflm.rundir import RunDir
-    from models.hf.convert import export_hf
+    from difflm.models.hf.convert import export_hf
 
     p, d, out = check.p, check.p["decode"], check.out
     corpus = {**p, "vocab": d["vocab"], "documents": d["documents"], "doc_len": d["doc_len"]}
@@ -120,7 +120,7 @@ def dominant_share(tokens: list[list[int]], table) -> float | None:
 def worker_decode(args, p: dict) -> dict:
     """Every decoder of every mode at every batch size of the plan, on the confident exports (args.models) first,
     then on the random models; one row appended to the rows file as each is measured."""
-    from models.hf.convert import load_hf  # (transformers' remote-code loader: the exports' own code)
+    from difflm.models.hf.convert import load_hf  # (transformers' remote-code loader: the exports' own code)
 
     d = p["decode"]
     spec = json.loads(Path(args.models).read_text())

@@ -13,11 +13,11 @@ from dataclasses import replace
 
 import torch
 
-from models.diffusion import MaskedSampler
-from models.diffusion.modes import objective_class
-from models.evaluation.scoring import Scorer
-from models.hf.configuration_difflm import DiffLMConfig
-from models.hf.modeling_difflm import DiffLMForMaskedLM
+from difflm.models.diffusion import MaskedSampler
+from difflm.models.diffusion.modes import objective_class
+from difflm.models.evaluation.scoring import Scorer
+from difflm.models.hf.configuration_difflm import DiffLMConfig
+from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 
 BASELINE = "low-confidence, 1 token/step (baseline)"
 AR = "autoregressive + KV cache (greedy)"

@@ -28,7 +28,7 @@ def export(check, manifest: Path, trained: dict) -> dict:
     bf16 rounding flips). bf16 passes on the masked-token loss and on the top-1 of decided tokens."""
     from difflm.config import load_config
     from difflm.rundir import RunDir
-    from models.hf.convert import export_hf, load_hf
+    from difflm.models.hf.convert import export_hf, load_hf
 
     p, out = check.p, check.out
     run = RunDir(trained["run_dir"])
@@ -89,7 +89,7 @@ def export(check, manifest: Path, trained: dict) -> dict:
 
 
 def _init(cfg):
-    from models.megatron.train import init_distributed
+    from difflm.models.megatron.train import init_distributed
 
     init_distributed(cfg)
 
@@ -97,9 +97,9 @@ def _init(cfg):
 def worker_logits(args, p: dict) -> dict:
     """Megatron's fp32 logits of a checkpoint on a fixed validation batch with half its tokens masked."""
     from difflm.config import load_config
-    from models.megatron import checkpointing
-    from models.megatron.data import build_datasets
-    from models.megatron.gpt import build_model
+    from difflm.models.megatron import checkpointing
+    from difflm.models.megatron.data import build_datasets
+    from difflm.models.megatron.gpt import build_model
 
     cfg = load_config(args.config, ["train.precision=fp32"])
     manifest = json.loads(Path(args.manifest).read_text())
@@ -125,9 +125,9 @@ def worker_logits(args, p: dict) -> dict:
 def worker_parity(args, p: dict) -> dict:
     """First-step loss of the same weights and batch on the local spec and the torch spec, fp32 and bf16."""
     from benchmarks.gpu.microbatch import append_row, free  # (the worker process: after the wheels' install)
-    from models.megatron.data import build_datasets
-    from models.megatron.forward_step import SpecialTokens
-    from models.megatron.train import build_training, run_global_batch
+    from difflm.models.megatron.data import build_datasets
+    from difflm.models.megatron.forward_step import SpecialTokens
+    from difflm.models.megatron.train import build_training, run_global_batch
 
     manifest = json.loads(Path(args.manifest).read_text())
     out: dict = {}

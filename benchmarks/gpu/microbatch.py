@@ -23,12 +23,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu.figures import busy_share, kernel_category, memory_error, spread, summary
 from benchmarks.gpu.plan import config
-from models.diffusion.modes import build_objective, objective_class
-from models.megatron import flops
-from models.megatron.data import build_datasets
-from models.megatron.forward_step import SpecialTokens
-from models.megatron.kernels import kernel_settings, sdpa_choice
-from models.megatron.train import build_training, init_distributed, run_global_batch
+from difflm.models.diffusion.modes import build_objective, objective_class
+from difflm.models.megatron import flops
+from difflm.models.megatron.data import build_datasets
+from difflm.models.megatron.forward_step import SpecialTokens
+from difflm.models.megatron.kernels import kernel_settings, sdpa_choice
+from difflm.models.megatron.train import build_training, init_distributed, run_global_batch
 
 TOP_KERNELS = 20
 

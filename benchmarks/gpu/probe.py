@@ -125,7 +125,7 @@ def probe_collectives(timeout: float = 90) -> dict:
     a hung or aborting NCCL (its watchdog kills the process) must not take the check with it."""
     import torch
 
-    from models.launch.torchrun import free_port
+    from difflm.models.launch.torchrun import free_port
 
     backends = ("nccl", "gloo") if torch.cuda.is_available() else ("gloo",)
     cmd = [sys.executable, "-c", COLLECTIVES_PROBE, ",".join(backends), *(str(free_port()) for _ in backends)]

@@ -231,7 +231,7 @@ def _tail(log: Path, n: int = 25) -> str:
 
 def torchrun(args: list[str], log: Path, timeout: float, poll=None) -> None:
     """One process under torchrun (the trainer's own launch path); the log keeps its output."""
-    from models.launch.torchrun import free_port  # lazy: the repository's code, after the wheels' install
+    from difflm.models.launch.torchrun import free_port  # lazy: the repository's code, after the wheels' install
 
     cmd = [
         sys.executable,

@@ -1,4 +1,4 @@
-"""Sections that run the trainer itself (`python -m models.megatron.train` under torchrun, as a real run does):
+"""Sections that run the trainer itself (`python -m difflm.models.megatron.train` under torchrun, as a real run does):
 train-difflm, train-ar and train-block (block diffusion through the FlexAttention block mask, then with
 complementary masks); and the `gpu` pytest tier (tests/gpu/) as sections.
 
@@ -75,7 +75,7 @@ def train(check, name: str, manifest: Path, mode: str, tag: str | None = None, *
     run_dir = out / f"run-{tag}"
     cfg_path = save_config(cfg, out / f"config-{tag}.yaml")
     metrics = run_dir / "metrics.jsonl"
-    cmd = ["-m", "models.megatron.train", "--config", str(cfg_path), "--manifest", str(manifest)]
+    cmd = ["-m", "difflm.models.megatron.train", "--config", str(cfg_path), "--manifest", str(manifest)]
     torchrun(
         [*cmd, "--run-dir", str(run_dir)],
         out / f"train-{tag}.log",

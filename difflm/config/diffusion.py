@@ -18,13 +18,13 @@ from difflm.config.base import IF_SET, _Section
 
 if TYPE_CHECKING:
     from difflm.config.pipeline import PipelineConfig
-    from models.diffusion.modes import Objective
+    from difflm.models.diffusion.modes import Objective
 
 
 def modes():
-    """models.diffusion.modes, imported when a config is first validated: it imports torch, which `difflm --help`
+    """difflm.models.diffusion.modes, imported when a config is first validated: it imports torch, which `difflm --help`
     (it loads this package) should not wait for."""
-    from models.diffusion import modes as module
+    from difflm.models.diffusion import modes as module
 
     return module
 

@@ -28,8 +28,8 @@ FLAT_SAMPLER_FIELDS = {
 
 
 class SamplerConfig(_Section):
-    """The masked-diffusion sampler (`eval.sampler`): exactly the fields of `models.diffusion.MaskedSampler`,
-    which `models.evaluation.generation.sampler_settings` builds from it. ar decodes one token per step
+    """The masked-diffusion sampler (`eval.sampler`): exactly the fields of `difflm.models.diffusion.MaskedSampler`,
+    which `difflm.models.evaluation.generation.sampler_settings` builds from it. ar decodes one token per step
     whatever `steps` says."""
 
     steps: int = Field(24, ge=1, description="Denoising steps (split across blocks; ignored with threshold).")

@@ -35,7 +35,7 @@ def plot_curves(records: list[dict], path: Path, title: str = "") -> Path | None
 
 
 def plot_sweep(rows: list[dict], path: Path, title: str = "") -> Path | None:
-    """Cloze accuracy and tokens/s against sampler steps (rows from models.evaluation.sweep.sweep_steps)."""
+    """Cloze accuracy and tokens/s against sampler steps (rows from difflm.models.evaluation.sweep.sweep_steps)."""
     if not rows:
         return None
     import matplotlib
@@ -62,7 +62,7 @@ def plot_sweep(rows: list[dict], path: Path, title: str = "") -> Path | None:
 
 
 def plot_study(rows: list[dict], path: Path, title: str = "") -> Path | None:
-    """A data-constrained study (rows of tasks.study): validation NLL (or bound) against epochs, one curve per
+    """A data-constrained study (rows of difflm.tasks.study): validation NLL (or bound) against epochs, one curve per
     family and budget (and size); the best so far (over epochs) against the unique tokens, one curve per family;
     and, where the rows have them, the validation while training of each family and budget's longest point
     against the epochs it had seen (where AR's turns back up as it overfits)."""

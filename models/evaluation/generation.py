@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from difflm.config import EvalConfig
-from models.diffusion import MaskedSampler
+from difflm.models.diffusion import MaskedSampler
 
 
 def sampler_settings(e: EvalConfig, **override) -> MaskedSampler:

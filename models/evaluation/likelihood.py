@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from difflm.config import PipelineConfig
-from models import diffusion
-from models.evaluation.progress import Progress
+from difflm.models import diffusion
+from difflm.models.evaluation.progress import Progress
 
 # What the validation number of each kind is, for logs and the CLI summary.
 KIND_LABELS = {

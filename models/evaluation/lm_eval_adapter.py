@@ -1,7 +1,7 @@
 """lm-evaluation-harness model type `difflm`: any export (masked, uniform or ar) behind lm-eval's three
 request kinds, through the same `Scorer` that `difflm eval` uses.
 
-    python -m models.evaluation.lm_eval_adapter --model difflm \\
+    python -m difflm.models.evaluation.lm_eval_adapter --model difflm \\
         --model_args pretrained=<export folder | run dir | models:/name/version>,mc_samples=32 \\
         --tasks lambada_openai --include_path <dir of task YAMLs> --batch_size 8
 
@@ -26,10 +26,10 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from models.diffusion import MaskedSampler
-from models.evaluation.scoring import Scorer
-from models.evaluation.sources import resolve_export
-from models.evaluation.stages import load_model, load_tokenizer, resolve_device
+from difflm.models.diffusion import MaskedSampler
+from difflm.models.evaluation.scoring import Scorer
+from difflm.models.evaluation.sources import resolve_export
+from difflm.models.evaluation.stages import load_model, load_tokenizer, resolve_device
 
 SAMPLER_ARGS = ("steps", "block_length", "remasking", "threshold", "temperature", "top_k", "top_p", "cfg_scale")
 
@@ -65,7 +65,7 @@ class DiffLMEval(LM):
         if unknown:
             raise ValueError(
                 f"unknown model_args {sorted(unknown)} for difflm: see `python -m "
-                f"models.evaluation.lm_eval_adapter --help` and this module's docstring"
+                f"difflm.models.evaluation.lm_eval_adapter --help` and this module's docstring"
             )
         self.sampler = {k: kwargs[k] for k in SAMPLER_ARGS if kwargs.get(k) is not None}
         bs = 8 if str(batch_size).startswith("auto") else int(batch_size)

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from models.diffusion import MaskedSampler, rolling_windows
+from difflm.models.diffusion import MaskedSampler, rolling_windows
 
 
 def request_generator(seed: int, *token_lists: list[int]) -> torch.Generator:

@@ -19,18 +19,18 @@ from difflm.config import EvalConfig, PipelineConfig
 from difflm.errors import UserError
 from difflm.rundir import EVAL_KEY, RunDir, TrainResult, Workdir, is_export_of
 from difflm.tracking.plots import plot_sweep
-from models.diffusion.modes import build_objective
-from models.evaluation.generation import default_prompts, generate_samples, sampler_settings
-from models.evaluation.likelihood import likelihood_bound, validation_windows
-from models.evaluation.progress import Progress
-from models.evaluation.report import write_comparison
-from models.evaluation.scoring import Scorer
-from models.evaluation.sweep import sweep_steps
-from models.evaluation.tasks import build_items, heldout_documents, score_tasks, write_lm_eval_tasks
-from models.hf.architectures import stock_problem
-from models.hf.convert import ConversionError, export_hf
-from models.hf.importer import export_stock
-from models.hf.modeling_difflm import DiffLMForMaskedLM
+from difflm.models.diffusion.modes import build_objective
+from difflm.models.evaluation.generation import default_prompts, generate_samples, sampler_settings
+from difflm.models.evaluation.likelihood import likelihood_bound, validation_windows
+from difflm.models.evaluation.progress import Progress
+from difflm.models.evaluation.report import write_comparison
+from difflm.models.evaluation.scoring import Scorer
+from difflm.models.evaluation.sweep import sweep_steps
+from difflm.models.evaluation.tasks import build_items, heldout_documents, score_tasks, write_lm_eval_tasks
+from difflm.models.hf.architectures import stock_problem
+from difflm.models.hf.convert import ConversionError, export_hf
+from difflm.models.hf.importer import export_stock
+from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 
 
 def convert_checkpoint(cfg: PipelineConfig, manifest: dict, trained: TrainResult) -> Path:

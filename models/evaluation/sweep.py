@@ -11,7 +11,7 @@ import re
 import time
 from dataclasses import asdict, replace
 
-from models.diffusion import MaskedSampler
+from difflm.models.diffusion import MaskedSampler
 
 
 def first_word(text: str) -> str:

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from models.diffusion.arch import ModelArch
-from models.hf.convert import ConversionError
+from difflm.models.diffusion.arch import ModelArch
+from difflm.models.hf.convert import ConversionError
 
 # per-layer: stock name (after "model.layers.{i}.") -> ours (after "layers.{i}."), the tensors copied as they are
 LLAMA_LAYER_NAMES = {

@@ -5,7 +5,7 @@ layer norms under the linear they precede (TE naming), QKV grouped per query gro
 [gate; up], full (unsharded) shapes whatever the TP/PP of the run. We map that onto
 `models/hf/modeling_difflm.py`, which computes the same function. Reading and writing megatron checkpoints
 goes through megatron-core (and, for HF -> megatron, our model build), so this bridge is the one module of
-`models.hf` that imports `models.megatron`.
+`difflm.models.hf` that imports `difflm.models.megatron`.
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from difflm import outputs
 from difflm.config import PipelineConfig
 from difflm.errors import UserError
 from difflm.rundir import EXPORT_MARKER
-from models.diffusion.arch import ModelArch
-from models.diffusion.modes import build_objective
-from models.hf.configuration_difflm import DiffLMConfig
-from models.hf.modeling_difflm import DiffLMForMaskedLM
+from difflm.models.diffusion.arch import ModelArch
+from difflm.models.diffusion.modes import build_objective
+from difflm.models.hf.configuration_difflm import DiffLMConfig
+from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 
-# megatron (models.megatron, megatron.core) is imported inside the functions that run it: the HF side of the
+# megatron (difflm.models.megatron, megatron.core) is imported inside the functions that run it: the HF side of the
 # project (exports, evaluation, the importer's checks) loads without it
 
 
@@ -137,8 +137,8 @@ def load_megatron_weights(ckpt_dir: Path) -> dict[str, torch.Tensor]:
     """Full (unsharded) model tensors of a megatron dist checkpoint, optimizer state left on disk."""
     from megatron.core import dist_checkpointing  # megatron: lazy (above)
 
-    from models.megatron.distributed import single_process_group
-    from models.megatron.safe_pickle import check_common, guard_dcp
+    from difflm.models.megatron.distributed import single_process_group
+    from difflm.models.megatron.safe_pickle import check_common, guard_dcp
 
     if not (Path(ckpt_dir) / "metadata.json").exists():
         raise ConversionError(f"{ckpt_dir} is not a megatron distributed checkpoint (no metadata.json)")
@@ -171,7 +171,7 @@ def to_hf_state_dict(mg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def hf_config(cfg: PipelineConfig, tokenizer: dict):
-    from models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
+    from difflm.models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
 
     m, objective = cfg.model, build_objective(cfg.diffusion)  # the export's: built once, written as one entry
     return DiffLMConfig(
@@ -317,8 +317,8 @@ def repad_vocab(weights: dict[str, torch.Tensor], rows: int) -> dict[str, torch.
 def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict) -> Path:
     """Write a megatron dist checkpoint (model weights only, reshardable on load) from an HF folder of this
     project's format, its vocabulary padded for `cfg`'s TP size; `train.init_from` can start training from it."""
-    from models.megatron.distributed import single_process_group  # megatron: lazy (above)
-    from models.megatron.gpt import padded_vocab_size
+    from difflm.models.megatron.distributed import single_process_group  # megatron: lazy (above)
+    from difflm.models.megatron.gpt import padded_vocab_size
 
     hf_dir = Path(hf_dir)
     if not (hf_dir / "model.safetensors").exists() or not (hf_dir / "config.json").exists():
@@ -331,8 +331,8 @@ def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict)
     with single_process_group():
         from megatron.core import parallel_state, tensor_parallel
 
-        from models.megatron import compat
-        from models.megatron.gpt import build_model
+        from difflm.models.megatron import compat
+        from difflm.models.megatron.gpt import build_model
 
         compat.activate()
         owned = not parallel_state.model_parallel_is_initialized()

@@ -1,6 +1,6 @@
 """The offline example models a command takes by name (`difflm adapt smollm2`), with what each is.
 
-Apart from `models.hf.pretrained`, which builds them (torch, transformers): the command line checks a name
+Apart from `difflm.models.hf.pretrained`, which builds them (torch, transformers): the command line checks a name
 before it imports anything heavy.
 """
 

@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from difflm import outputs
 from difflm.config import PipelineConfig, with_mode
-from models.hf.architectures import (
+from difflm.models.hf.architectures import (
     Shape,
     architecture_of,
     check_exportable,
@@ -38,7 +38,7 @@ from models.hf.architectures import (
     stock_config,
     stock_to_ours,
 )
-from models.hf.convert import (
+from difflm.models.hf.convert import (
     ConversionError,
     _local_key,
     check_inside,
@@ -49,7 +49,7 @@ from models.hf.convert import (
     to_hf_state_dict,
 )
 
-# megatron (models.megatron, megatron.core) is imported inside the functions that run it, as in models.hf.convert:
+# megatron (difflm.models.megatron, megatron.core) is imported inside the functions that run it, as in difflm.models.hf.convert:
 # the source checks and the tokenizer preparation load without it
 PARITY_TOLERANCE = 1e-4  # relative max logit difference, fp32 on the CPU
 IMPORT_RECORD = "difflm_import.json"
@@ -162,8 +162,8 @@ def single_megatron(seed: int):
     """A one-process gloo group with megatron's TP=PP=1 state, unless the caller already holds one."""
     from megatron.core import parallel_state, tensor_parallel
 
-    from models.megatron import compat
-    from models.megatron.distributed import single_process_group
+    from difflm.models.megatron import compat
+    from difflm.models.megatron.distributed import single_process_group
 
     with single_process_group():
         compat.activate()
@@ -198,7 +198,7 @@ def megatron_model(
 ):
     """The TP=1 megatron model of `cfg` holding `weights` (megatron local-spec names); `never_targets`: rows an
     `ar` model keeps out of its normaliser besides the padding (`added_rows`)."""
-    from models.megatron.gpt import build_model
+    from difflm.models.megatron.gpt import build_model
 
     model = build_model(cfg, vocab_size, padded_vocab=rows, never_targets=tuple(never_targets)).eval()
     expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
@@ -251,7 +251,7 @@ def _check_model(cfg: PipelineConfig, fields: dict, folder: Path) -> None:
         raise ConversionError(
             f"{folder}: the model config differs from the checkpoint ("
             + ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
-            + "); add the overrides of models.hf.importer.source_overrides(folder) (difflm convert prints them)"
+            + "); add the overrides of difflm.models.hf.importer.source_overrides(folder) (difflm convert prints them)"
         )
 
 
@@ -279,7 +279,7 @@ def import_pretrained(
     record (a data manifest's) when the data was already prepared through the source's tokenizer with a mask
     token; None: the tokenizer is prepared here (`prepare_tokenizer`) into `<out_dir>/tokenizer`. The logits of
     the imported (causal) model are checked against transformers' on the same tokens before anything is kept."""
-    from models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
+    from difflm.models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
 
     folder, out_dir = Path(folder).expanduser().resolve(), Path(out_dir).expanduser().resolve()
     arch, c = check_source(folder)
@@ -358,7 +358,7 @@ def import_pretrained(
 def import_record(ckpt_dir: str | Path) -> dict | None:
     """What the stock importer recorded in `ckpt_dir` (source, architecture, tokenizer, parity); None for any
     other checkpoint, including an import of this project's own export, whose marker of the same name only
-    names its source (`models.hf.convert.import_hf`)."""
+    names its source (`difflm.models.hf.convert.import_hf`)."""
     path = Path(ckpt_dir) / IMPORT_RECORD
     record = json.loads(path.read_text()) if path.exists() else None
     return record if record and "tokenizer" in record else None
@@ -372,7 +372,7 @@ def export_stock(
     (`model.hf_architecture`, else by its features; a model trained here is a Llama), which
     `AutoModelForCausalLM.from_pretrained(out_dir)` loads without remote code. The mask token choice is recorded
     in config.json (`difflm_mask_token_id`). Logits are checked against the megatron model's."""
-    from models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
+    from difflm.models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
 
     check_exportable(cfg.model)
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)

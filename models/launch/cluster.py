@@ -1,6 +1,6 @@
 """Cluster launch files for the same trainer entry point, and the names callers import: a Slurm batch script
-(`models.launch.slurm`) and a Kubernetes PyTorchJob (`models.launch.kubernetes`), both waited for by
-`models.launch.jobs.wait_for_job`. `write_launch_file` writes either (`difflm launch`); `submit_slurm` /
+(`difflm.models.launch.slurm`) and a Kubernetes PyTorchJob (`difflm.models.launch.kubernetes`), both waited for by
+`difflm.models.launch.jobs.wait_for_job`. `write_launch_file` writes either (`difflm launch`); `submit_slurm` /
 `submit_kubernetes` also submit it, wait for the job and return what `launch_training` returns (`train.launch.launcher`).
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from difflm.config import PipelineConfig
-from models.launch.jobs import ClusterError, wait_for_job
-from models.launch.kubernetes import (
+from difflm.models.launch.jobs import ClusterError, wait_for_job
+from difflm.models.launch.kubernetes import (
     K8S_FINAL,
     get_pytorchjob,
     k8s_pytorchjob,
@@ -20,9 +20,9 @@ from models.launch.kubernetes import (
     submit_kubernetes,
     write_kubernetes_file,
 )
-from models.launch.kubernetes import LAUNCH_FILE as K8S_LAUNCH_FILE
-from models.launch.slurm import LAUNCH_FILE as SLURM_LAUNCH_FILE
-from models.launch.slurm import (
+from difflm.models.launch.kubernetes import LAUNCH_FILE as K8S_LAUNCH_FILE
+from difflm.models.launch.slurm import LAUNCH_FILE as SLURM_LAUNCH_FILE
+from difflm.models.launch.slurm import (
     ROOT,
     SLURM_ACTIVE,
     SLURM_RECORD,
@@ -33,7 +33,7 @@ from models.launch.slurm import (
     submit_slurm,
     write_slurm_file,
 )
-from models.launch.torchrun import TRAINER
+from difflm.models.launch.torchrun import TRAINER
 
 LAUNCH_FILES = {"slurm": SLURM_LAUNCH_FILE, "kubernetes": K8S_LAUNCH_FILE}
 

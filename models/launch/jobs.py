@@ -20,7 +20,7 @@ from typing import Protocol
 
 from difflm.config import PipelineConfig
 from difflm.rundir import RunDir, TrainResult
-from models.launch.torchrun import TrainingError, is_finished, plot_run
+from difflm.models.launch.torchrun import TrainingError, is_finished, plot_run
 
 Echo = Callable[[str], None]
 

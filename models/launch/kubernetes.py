@@ -1,6 +1,6 @@
 """Kubernetes: a Kubeflow PyTorchJob for the trainer entry point (1 master + workers, `torchrun` in each pod; the
 config and data manifest travel as files in the run directory on a shared claim), and `submit_kubernetes`, which
-applies it (or reattaches to the run's job), waits (`models.launch.jobs.wait_for_job`) and returns the run's
+applies it (or reattaches to the run's job), waits (`difflm.models.launch.jobs.wait_for_job`) and returns the run's
 `TrainResult` as a local launch does."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import yaml
 
 from difflm.config import PipelineConfig
 from difflm.rundir import RunDir, TrainResult, Workdir
-from models.launch.jobs import (
+from difflm.models.launch.jobs import (
     ClusterError,
     Deadline,
     Follower,
@@ -25,7 +25,7 @@ from models.launch.jobs import (
     run_command,
     wait_for_job,
 )
-from models.launch.torchrun import (
+from difflm.models.launch.torchrun import (
     TrainingError,
     is_finished,
     one_launcher,

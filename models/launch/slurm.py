@@ -1,6 +1,6 @@
-"""Slurm: the batch script for the trainer entry point (`torchrun ... -m models.megatron.train` on every node,
+"""Slurm: the batch script for the trainer entry point (`torchrun ... -m difflm.models.megatron.train` on every node,
 c10d rendezvous; the config and data manifest travel as files in the run directory on shared storage), and
-`submit_slurm`, which submits it (or reattaches to the run's job), waits (`models.launch.jobs.wait_for_job`) and
+`submit_slurm`, which submits it (or reattaches to the run's job), waits (`difflm.models.launch.jobs.wait_for_job`) and
 returns the run's `TrainResult` as a local launch does."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 from difflm.config import ConfigError, PipelineConfig, SlurmBase
 from difflm.credentials import ENV_KEY, is_credential, read_credentials, split_credentials, write_credentials_file
 from difflm.rundir import RunDir, TrainResult, Workdir
-from models.launch.jobs import (
+from difflm.models.launch.jobs import (
     ClusterError,
     Follower,
     echo_training_lines,
@@ -26,7 +26,7 @@ from models.launch.jobs import (
     run_command,
     wait_for_job,
 )
-from models.launch.torchrun import (
+from difflm.models.launch.torchrun import (
     TRAINER,
     TrainingError,
     is_finished,
@@ -38,7 +38,7 @@ from models.launch.torchrun import (
 )
 
 RDZV_PORT_BASE = 20000  # + job id % 10000: a rendezvous port per job (jobs may share a node), below ephemeral ports
-ROOT = Path(__file__).resolve().parent.parent.parent  # the project: `-m models.megatron.train` resolves here
+ROOT = Path(__file__).resolve().parent.parent.parent  # the project: `-m difflm.models.megatron.train` resolves here
 SLURM_RECORD = "slurm-job.json"  # <run>/slurm-job.json: the job submitted for this run (reattached to)
 LAUNCH_FILE = "launch.sbatch"
 # Credentials never go into the job's environment (difflm/credentials.py): they go into a file only this user

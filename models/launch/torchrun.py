@@ -67,7 +67,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-TRAINER = "models.megatron.train"  # the module torchrun runs on every rank
+TRAINER = "difflm.models.megatron.train"  # the module torchrun runs on every rank
 
 
 def trainer_args(config: Path, manifest: Path, run_dir: Path, trainer: str = TRAINER) -> list[str]:

@@ -38,8 +38,8 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.utils import divide
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from models.diffusion.blocks import allowed, two_stream_keep
-from models.diffusion.documents import document_attention_mask
+from difflm.models.diffusion.blocks import allowed, two_stream_keep
+from difflm.models.diffusion.documents import document_attention_mask
 
 
 class DocumentMask:
@@ -74,7 +74,7 @@ class DocumentMask:
 
 
 class TwoStreamMask:
-    """Block diffusion's `[x_t | x_0]` attention (`models.diffusion.blocks`) for one micro-batch of L tokens:
+    """Block diffusion's `[x_t | x_0]` attention (`difflm.models.diffusion.blocks`) for one micro-batch of L tokens:
     on CUDA a FlexAttention `BlockMask` built from the rule as a mask_mod (block-sparse, no [2L, 2L] tensor:
     the tiles of later clean blocks and of other noisy blocks are skipped), elsewhere the dense keep mask.
     Packed documents (`doc_ids` [b, L]) restrict it further. Built once per forward, shared by every layer."""

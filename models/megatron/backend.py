@@ -1,8 +1,8 @@
 """Optional heavy dependencies of the model stack, guarded in one place, and the choice of layer spec.
 
 Transformer Engine is a GPU-only extra (`pip install 'difflm-pipeline[gpu]'`). Without it a GPU runs the
-`torch` spec (megatron-core layers, PyTorch's flash / cuDNN attention, see `models.megatron.attention`);
-the CPU runs the `torch` spec too (through `models.megatron.compat`): it gives megatron-core's `local` reference
+`torch` spec (megatron-core layers, PyTorch's flash / cuDNN attention, see `difflm.models.megatron.attention`);
+the CPU runs the `torch` spec too (through `difflm.models.megatron.compat`): it gives megatron-core's `local` reference
 spec's logits (tests/gpu/test_gpu.py, ~1e-7) and trains faster there (docs/benchmarks.md); `local` stays selectable.
 """
 

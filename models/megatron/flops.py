@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from models.diffusion.arch import ModelArch
+from difflm.models.diffusion.arch import ModelArch
 
 if TYPE_CHECKING:  # typing only: keeps this module free of pydantic and torch at import time
     from difflm.config import PipelineConfig
-    from models.diffusion.modes import Objective
+    from difflm.models.diffusion.modes import Objective
 
 # models/diffusion/time_embedding.py: sinusoidal features of t and the adaLN modulation's hidden width
 _TIME_FREQ_DIM = 256
@@ -38,7 +38,7 @@ _ADALN_COND_DIM = 128
 def padded_vocab(vocab_size: int, tensor_parallel: int = 1, multiple: int = 64) -> int:
     """Rows of the embedding / LM head that megatron builds: `vocab_size` rounded up to multiple*TP.
 
-    The same rule as models.megatron.gpt.padded_vocab_size (a test checks they agree), restated here
+    The same rule as difflm.models.megatron.gpt.padded_vocab_size (a test checks they agree), restated here
     so this module needs no torch. Idempotent: an already padded size comes back unchanged."""
     step = multiple * tensor_parallel
     return (vocab_size + step - 1) // step * step

@@ -1,6 +1,6 @@
 """The per-micro-batch forward step and loss of every training mode, on a megatron model.
 
-The corruption and loss formulas are in `models.diffusion` (pure torch); this module wires them to
+The corruption and loss formulas are in `difflm.models.diffusion` (pure torch); this module wires them to
 megatron. Noise is drawn per sequence from a generator seeded by (seed, step, position of the sequence
 in the global batch): tensor- and pipeline-parallel peers draw the same noise, a resumed run redraws
 it, and the noise of a sequence does not depend on the micro-batch / data-parallel split. The loss
@@ -19,10 +19,10 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from difflm.config import PipelineConfig
-from models import diffusion
-from models.diffusion.modes import BlockDiffusion, Objective, build_objective
-from models.megatron.attention import DocumentMask, TwoStreamMask
-from models.megatron.backend import resolve_backend
+from difflm.models import diffusion
+from difflm.models.diffusion.modes import BlockDiffusion, Objective, build_objective
+from difflm.models.megatron.attention import DocumentMask, TwoStreamMask
+from difflm.models.megatron.backend import resolve_backend
 
 
 @dataclass(frozen=True)

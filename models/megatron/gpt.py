@@ -27,14 +27,14 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from difflm.config import ModelConfig, PipelineConfig
-from models.diffusion.arch import ModelArch
-from models.diffusion.modes import Objective, build_objective
-from models.diffusion.time_embedding import AdaLNorm, TimeEmbedding
-from models.megatron import compiled
-from models.megatron.attention import block_spec, torch_layer_spec
-from models.megatron.backend import resolve_backend
-from models.megatron.forward_step import configured_document_form, document_form
-from models.megatron.kernels import check_cuda_graphs, kernel_settings
+from difflm.models.diffusion.arch import ModelArch
+from difflm.models.diffusion.modes import Objective, build_objective
+from difflm.models.diffusion.time_embedding import AdaLNorm, TimeEmbedding
+from difflm.models.megatron import compiled
+from difflm.models.megatron.attention import block_spec, torch_layer_spec
+from difflm.models.megatron.backend import resolve_backend
+from difflm.models.megatron.forward_step import configured_document_form, document_form
+from difflm.models.megatron.kernels import check_cuda_graphs, kernel_settings
 
 # The MLP activation of each `ModelArch.activation` (GELU's tanh approximation is Gemma's gelu_pytorch_tanh)
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}

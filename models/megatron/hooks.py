@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from difflm.errors import NonFiniteStop, TrainingPreempted
-from models.megatron import checkpointing
-from models.megatron.flops import efficiency
+from difflm.models.megatron import checkpointing
+from difflm.models.megatron.flops import efficiency
 
 if TYPE_CHECKING:  # the trainer imports these hooks: at run time a hook only calls the trainer it is handed
-    from models.megatron.train import Trainer
+    from difflm.models.megatron.train import Trainer
 
 try:  # megatron's async checkpoint writer; another megatron version may lack it
     from megatron.core.dist_checkpointing.strategies import filesystem_async

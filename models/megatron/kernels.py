@@ -33,7 +33,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from difflm.config import PipelineConfig
 from difflm.errors import UserError
-from models.diffusion.arch import ModelArch
+from difflm.models.diffusion.arch import ModelArch
 
 SDPA = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
 ROPE = "unfused (cos/sin table cached per length; megatron's fused RoPE needs Transformer Engine)"

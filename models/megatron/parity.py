@@ -2,8 +2,8 @@
 loss whatever the tensor/pipeline/data-parallel layout.
 
     # reference (one process) saves its initial weights, then any layout loads and compares:
-    python -m torch.distributed.run --nproc_per_node 1 -m models.megatron.parity --config C --manifest M --weights W --save --out ref.json
-    python -m torch.distributed.run --nproc_per_node 2 -m models.megatron.parity --config C --manifest M --weights W --out tp2.json \\
+    python -m torch.distributed.run --nproc_per_node 1 -m difflm.models.megatron.parity --config C --manifest M --weights W --save --out ref.json
+    python -m torch.distributed.run --nproc_per_node 2 -m difflm.models.megatron.parity --config C --manifest M --weights W --out tp2.json \\
         parallel.tensor_model_parallel_size=2
 
 Two optimizer steps are taken, so the check covers gradients and the optimizer as well as the forward; the
@@ -28,10 +28,10 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
 from difflm.config import load_config
-from models.megatron.data import build_datasets
-from models.megatron.forward_step import SpecialTokens
-from models.megatron.safe_pickle import guard_dcp
-from models.megatron.train import build_training, init_distributed, init_model_parallel, run_global_batch
+from difflm.models.megatron.data import build_datasets
+from difflm.models.megatron.forward_step import SpecialTokens
+from difflm.models.megatron.safe_pickle import guard_dcp
+from difflm.models.megatron.train import build_training, init_distributed, init_model_parallel, run_global_batch
 
 
 def replica_spread(model) -> float:

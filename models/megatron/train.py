@@ -1,4 +1,4 @@
-"""Training entry point, run under torchrun: `python -m torch.distributed.run ... -m models.megatron.train`.
+"""Training entry point, run under torchrun: `python -m torch.distributed.run ... -m difflm.models.megatron.train`.
 
 One process per rank (gloo on CPU, NCCL on GPU); megatron-core's parallel state, DDP, optimizer and
 forward-backward schedules do the parallel work. Writes megatron distributed checkpoints and
@@ -33,16 +33,16 @@ from difflm.config import PipelineConfig, load_config
 from difflm.config.train import epochs_seen
 from difflm.errors import NonFiniteStop, TrainingPreempted
 from difflm.rundir import RunDir
-from models.diffusion.documents import document_ids, document_pairs
-from models.diffusion.modes import Objective, build_objective
-from models.megatron import checkpointing, compat
-from models.megatron.backend import resolve_backend
-from models.megatron.data import build_datasets, micro_batch
-from models.megatron.flops import peak_flops, training_flops
-from models.megatron.forward_step import SpecialTokens, make_forward_step, varilen_length
-from models.megatron.gpt import build_model
-from models.megatron.hooks import Hook, PreemptionFlag, Step, standard_hooks
-from models.megatron.kernels import (
+from difflm.models.diffusion.documents import document_ids, document_pairs
+from difflm.models.diffusion.modes import Objective, build_objective
+from difflm.models.megatron import checkpointing, compat
+from difflm.models.megatron.backend import resolve_backend
+from difflm.models.megatron.data import build_datasets, micro_batch
+from difflm.models.megatron.flops import peak_flops, training_flops
+from difflm.models.megatron.forward_step import SpecialTokens, make_forward_step, varilen_length
+from difflm.models.megatron.gpt import build_model
+from difflm.models.megatron.hooks import Hook, PreemptionFlag, Step, standard_hooks
+from difflm.models.megatron.kernels import (
     check_cuda_graphs,
     check_sdpa,
     kernel_settings,
@@ -50,7 +50,7 @@ from models.megatron.kernels import (
     sdpa_context,
     use_fused_adam,
 )
-from models.megatron.metrics import MetricsWriter
+from difflm.models.megatron.metrics import MetricsWriter
 
 
 def init_distributed(cfg: PipelineConfig) -> None:

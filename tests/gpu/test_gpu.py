@@ -31,7 +31,7 @@ CASES = [
 
 def _pair(tmp_path, mode: str, over: list[str], device: str, dtype=torch.float32):
     """The same weights in the local spec and the torch spec."""
-    from models.megatron.gpt import build_model
+    from difflm.models.megatron.gpt import build_model
 
     cfgs = [
         tiny_config(tmp_path, f"diffusion.model_running_mode={mode}", f"model.backend={b}", *over)
@@ -46,8 +46,8 @@ def _pair(tmp_path, mode: str, over: list[str], device: str, dtype=torch.float32
 
 
 def _inputs(cfg, device: str):
-    from models import diffusion
-    from models.megatron.attention import DocumentMask
+    from difflm.models import diffusion
+    from difflm.models.megatron.attention import DocumentMask
 
     g = torch.Generator().manual_seed(1)
     x = torch.randint(3, 500, (2, 24), generator=g)
@@ -95,7 +95,7 @@ class _Recorder(torch.nn.Module):
         self.devices: dict = {}
 
     def forward(self, input_ids, position_ids, attention_mask, labels=None, **kwargs):
-        from models.megatron.attention import DocumentMask
+        from difflm.models.megatron.attention import DocumentMask
 
         mask = attention_mask.doc_ids if isinstance(attention_mask, DocumentMask) else attention_mask
         packed = kwargs.pop("packed_seq_params", None)
@@ -119,7 +119,7 @@ class _Recorder(torch.nn.Module):
 def test_forward_step_inputs_land_on_the_model_device(tmp_path, mode, backend):
     """The device rule: batches and noise are made on the CPU; the step moves every tensor to the model's
     device. The meta device stands in for a GPU here (a CPU tensor left behind stays on 'cpu')."""
-    from models.megatron.forward_step import SpecialTokens, make_forward_step
+    from difflm.models.megatron.forward_step import SpecialTokens, make_forward_step
 
     cfg = tiny_config(
         tmp_path,
@@ -149,7 +149,7 @@ def test_forward_step_inputs_land_on_the_model_device(tmp_path, mode, backend):
 
 
 def test_backend_choice(monkeypatch):
-    from models.megatron import backend
+    from difflm.models.megatron import backend
 
     assert backend.resolve_backend("torch") == "torch"
     assert backend.resolve_backend("local") == "local"
@@ -167,7 +167,7 @@ def test_backend_choice(monkeypatch):
 
 # ---- packed documents as THD sequences (Transformer Engine's form), tested on the torch spec -----------------
 def _special():
-    from models.megatron.forward_step import SpecialTokens
+    from difflm.models.megatron.forward_step import SpecialTokens
 
     return SpecialTokens(mask_id=1, vocab_size=512, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
 
@@ -188,8 +188,8 @@ def _packed_batch() -> dict:
 
 
 def test_packed_documents_cu_seqlens():
-    from models import diffusion
-    from models.megatron.forward_step import packed_documents
+    from difflm.models import diffusion
+    from difflm.models.megatron.forward_step import packed_documents
 
     x = torch.tensor(
         [
@@ -212,8 +212,8 @@ def test_packed_documents_cu_seqlens():
 def test_document_form_per_backend(tmp_path):
     from megatron.core.transformer.enums import AttnMaskType
 
-    from models.megatron.forward_step import document_form
-    from models.megatron.gpt import layer_spec
+    from difflm.models.megatron.forward_step import document_form
+    from difflm.models.megatron.gpt import layer_spec
 
     assert document_form("te") == "thd"
     assert document_form("torch") == "flex"
@@ -259,7 +259,7 @@ def _document_models(tmp_path, mode: str, over: list[str], device: str = "cpu", 
 
 def _step_outputs(cfg, model, documents: str, batch: dict, grad: bool = False):
     """(raw output, [b, s(, V)] output, loss sum) of the forward step with packed documents in `documents` form."""
-    from models.megatron.forward_step import make_forward_step
+    from difflm.models.megatron.forward_step import make_forward_step
 
     with torch.set_grad_enabled(grad):
         out, loss_func = make_forward_step(cfg, _special(), step=2, documents=documents)(iter([batch]), model)
@@ -288,8 +288,8 @@ def test_thd_packed_sequences_give_the_document_mask_losses(megatron_single_proc
 @pytest.mark.parametrize("mode", ["difflm-noshift", "ar"])
 def test_thd_logits_equal_the_dense_mask_logits(megatron_single_process, tmp_path, mode):
     """The model itself: logits [1, b*s, V] under THD, reshaped, are the local spec's with the dense mask."""
-    from models import diffusion
-    from models.megatron.forward_step import packed_seq_params
+    from difflm.models import diffusion
+    from difflm.models.megatron.forward_step import packed_seq_params
 
     over = TIME_INPUT if mode != "ar" else []
     cfg, local, torched = _document_models(tmp_path, mode, over)
@@ -326,7 +326,7 @@ def test_thd_gradients_equal_the_dense_mask_gradients(megatron_single_process, t
 
 def test_thd_forward_step_flattens_rows_onto_the_model_device(tmp_path):
     """The THD step hands the model one row [1, b*s], no mask, int32 boundaries and t [b], all on its device."""
-    from models.megatron.forward_step import make_forward_step
+    from difflm.models.megatron.forward_step import make_forward_step
 
     cfg = tiny_config(tmp_path, "model.backend=torch", "model.document_attention=true", *TIME_INPUT)
     batch = _packed_batch()
@@ -352,8 +352,8 @@ def test_cuda_torch_spec_gives_the_local_spec_logits(megatron_single_process, tm
 @cuda
 @pytest.mark.gpu
 def test_cuda_flex_attention_document_mask_matches_dense_with_gradients():
-    from models import diffusion
-    from models.megatron.attention import DocumentMask, _flex_attention
+    from difflm.models import diffusion
+    from difflm.models.megatron.attention import DocumentMask, _flex_attention
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(3, 500, (2, 256), generator=g)
@@ -376,8 +376,8 @@ def test_cuda_flex_attention_document_mask_matches_dense_with_gradients():
 def test_cuda_flex_attention_block_mask_matches_dense_with_gradients(token_causal):
     """Block diffusion's [x_t | x_0] mask on FlexAttention (the compiled block mask the GPU trains with) against
     SDPA with the dense keep mask, packed documents included: outputs and the gradients of q, k and v."""
-    from models import diffusion
-    from models.megatron.attention import TwoStreamMask, _flex_attention
+    from difflm.models import diffusion
+    from difflm.models.megatron.attention import TwoStreamMask, _flex_attention
 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(3, 500, (2, 128), generator=g)
@@ -397,8 +397,8 @@ def test_cuda_flex_attention_block_mask_matches_dense_with_gradients(token_causa
 @pytest.mark.gpu
 def test_cuda_forward_step_runs_on_the_gpu(megatron_single_process, tmp_path):
     """A real megatron model on the GPU takes the step's batch (made on the CPU) without a device error."""
-    from models.megatron.forward_step import SpecialTokens, make_forward_step
-    from models.megatron.gpt import build_model
+    from difflm.models.megatron.forward_step import SpecialTokens, make_forward_step
+    from difflm.models.megatron.gpt import build_model
 
     cfg = tiny_config(tmp_path, "model.backend=torch", "diffusion.time_embedding=true")
     model = build_model(cfg, 512).cuda()
@@ -429,7 +429,7 @@ def test_cuda_thd_on_the_torch_spec_gives_the_dense_mask_losses(megatron_single_
 
 
 def _te_available() -> bool:
-    from models.megatron.backend import transformer_engine_available
+    from difflm.models.megatron.backend import transformer_engine_available
 
     return torch.cuda.is_available() and transformer_engine_available()
 
@@ -443,9 +443,9 @@ te = pytest.mark.skipif(not _te_available(), reason="needs CUDA and Transformer 
 def test_cuda_te_thd_keeps_documents_apart(megatron_single_process, tmp_path, mode):
     """Transformer Engine's THD path: each document's output equals the document run alone (RoPE is relative),
     and the step's loss is finite. bf16: TE's fused kernels take half precision."""
-    from models import diffusion
-    from models.megatron.forward_step import packed_seq_params
-    from models.megatron.gpt import build_model
+    from difflm.models import diffusion
+    from difflm.models.megatron.forward_step import packed_seq_params
+    from difflm.models.megatron.gpt import build_model
 
     cfg = tiny_config(
         tmp_path,

@@ -397,7 +397,7 @@ def test_decoding_rows_count_model_calls_per_token_and_agreement():
     """The decode section's measurement (shared with benchmarks/generate.py) on tiny models over token ids: the
     calls per token each decoder makes, agreement with the baseline, block diffusion's cache in its settings."""
     from benchmarks.gpu import decode, decoding
-    from models.evaluation.scoring import Scorer
+    from difflm.models.evaluation.scoring import Scorer
 
     tok = decoding.IdTokenizer()
     assert tok.encode(tok.decode([5, 17, 3])) == [5, 17, 3]

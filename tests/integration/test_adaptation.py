@@ -16,18 +16,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from difflm.config import CONFIG_DIR, ConfigError, load_config
 from difflm.rundir import Workdir
 from difflm.tracking import tracking_uri
-from flows.adapt import adapt_difflm, adaptation_config
-from flows.pretrain import pretrain_difflm
-from models.diffusion import anneal_ratio, annealed_attention_mask, cart_weights
-from models.diffusion.modes import MaskedDiffusion, ShiftedMaskedDiffusion, build_objective
-from models.evaluation.likelihood import validation_windows
-from models.evaluation.stages import convert_checkpoint, evaluate_export
-from models.hf.convert import ConversionError
-from models.hf.pretrained import SMOLLM2, fetch_gguf, load_gguf_model, sha256_file, smollm2_folder
-from models.launch.torchrun import launch_training, read_metrics
-from models.megatron.forward_step import SpecialTokens, annealed_mask
-from models.megatron.gpt import build_model
-from tasks.adapt import ImportedSource, ar_config, resolve_source, source_lineage, with_import
+from difflm.flows.adapt import adapt_difflm, adaptation_config
+from difflm.flows.pretrain import pretrain_difflm
+from difflm.models.diffusion import anneal_ratio, annealed_attention_mask, cart_weights
+from difflm.models.diffusion.modes import MaskedDiffusion, ShiftedMaskedDiffusion, build_objective
+from difflm.models.evaluation.likelihood import validation_windows
+from difflm.models.evaluation.stages import convert_checkpoint, evaluate_export
+from difflm.models.hf.convert import ConversionError
+from difflm.models.hf.pretrained import SMOLLM2, fetch_gguf, load_gguf_model, sha256_file, smollm2_folder
+from difflm.models.launch.torchrun import launch_training, read_metrics
+from difflm.models.megatron.forward_step import SpecialTokens, annealed_mask
+from difflm.models.megatron.gpt import build_model
+from difflm.tasks.adapt import ImportedSource, ar_config, resolve_source, source_lineage, with_import
 
 # ---- CART (Dream) ------------------------------------------------------------------------------------------
 

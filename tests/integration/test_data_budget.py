@@ -9,8 +9,8 @@ from helpers import tiny_config
 from mlflow.tracking import MlflowClient
 
 from difflm import tracking
-from flows.pretrain import DATA_PREP, TRAIN
-from flows.stages import PipelineRun, run_stages
+from difflm.flows.pretrain import DATA_PREP, TRAIN
+from difflm.flows.stages import PipelineRun, run_stages
 
 
 @pytest.mark.integration  # torchrun, an MLflow store, Prefect

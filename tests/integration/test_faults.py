@@ -27,12 +27,12 @@ from difflm import tracking
 from difflm.errors import Interrupted
 from difflm.rundir import RunDir, TrainResult
 from difflm.tracking import degraded
-from models.hf.convert import load_megatron_weights
-from models.launch import torchrun
-from models.launch.torchrun import TrainingError, TrainingPreempted, launch_training, read_metrics, run_dir
-from models.megatron.train import scheduler_kwargs
-from tasks import stages
-from tasks.stages import train_task
+from difflm.models.hf.convert import load_megatron_weights
+from difflm.models.launch import torchrun
+from difflm.models.launch.torchrun import TrainingError, TrainingPreempted, launch_training, read_metrics, run_dir
+from difflm.models.megatron.train import scheduler_kwargs
+from difflm.tasks import stages
+from difflm.tasks.stages import train_task
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def _trainer_processes(launcher_pid: int) -> tuple[list[psutil.Process], list[ps
     """(torchrun processes, training ranks) below this test process."""
     kids = psutil.Process(launcher_pid).children(recursive=True)
     torchrun = [p for p in kids if "torch.distributed.run" in " ".join(p.cmdline())]
-    trainers = ("models.megatron.train", "fault_injection")  # the trainer, or it under tests/support's hooks
+    trainers = ("difflm.models.megatron.train", "fault_injection")  # the trainer, or it under tests/support's hooks
     ranks = [p for p in kids if any(t in " ".join(p.cmdline()) for t in trainers) and p not in torchrun]
     return torchrun, ranks
 
@@ -350,7 +350,7 @@ def test_ctrl_c_during_difflm_run_exits_75_with_one_line_and_resumes(session_dir
     rdir = run_dir(tiny_config(workdir, *overrides), tiny_manifest)  # this run's directory, not another test's
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect")
-    cli = [sys.executable, "-m", "flows.cli", "run", "--preset", "test-tiny", f"workdir={workdir}", *overrides]
+    cli = [sys.executable, "-m", "difflm.flows.cli", "run", "--preset", "test-tiny", f"workdir={workdir}", *overrides]
     out, err_file = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
     with out.open("w") as stdout, err_file.open("w") as stderr:  # files: a full pipe would block the command
         proc = subprocess.Popen(
@@ -406,7 +406,7 @@ def test_a_temporary_prefect_server_too_slow_to_start_names_the_setting(tmp_path
     one-second budget (the server takes seconds to import) makes it time out here: one line naming the setting."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="1")
-    cli = [sys.executable, "-m", "flows.cli", "prep", "--flow", "--preset", "test-tiny", f"workdir={tmp_path}"]
+    cli = [sys.executable, "-m", "difflm.flows.cli", "prep", "--flow", "--preset", "test-tiny", f"workdir={tmp_path}"]
     proc = subprocess.run(cli, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]

@@ -17,11 +17,11 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelling
 from servers import BIN, stop
 
-from data_prep.pipeline import data_dir
+from difflm.data_prep.pipeline import data_dir
 from difflm.locks import exclusive
 from difflm.rundir import RunDir, exported_from, lock_file
 from difflm.tracking import tracking_uri
-from tasks.runs import export_newest
+from difflm.tasks.runs import export_newest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -133,7 +133,7 @@ def test_two_pipelines_on_one_workdir_train_once_and_latest_checkpoint_reads_onl
     cfg = tiny_config(workdir, *EVERY_STEP)
     # temporary Prefect servers on one database; MLflow in the workdir's own store (not one a test left in the env)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API") and k != "MLFLOW_TRACKING_URI"}
-    cli = [sys.executable, "-m", "flows.cli", "run", "--preset", "test-tiny", f"workdir={workdir}", *EVERY_STEP]
+    cli = [sys.executable, "-m", "difflm.flows.cli", "run", "--preset", "test-tiny", f"workdir={workdir}", *EVERY_STEP]
     outs = [tmp_path / f"out{i}.txt" for i in (1, 2)]
     procs = [subprocess.Popen(cli, cwd=ROOT, env=env, stdout=o.open("w"), stderr=subprocess.STDOUT) for o in outs]
     exported: list[int] = []
@@ -180,7 +180,7 @@ def test_two_standalone_trains_of_one_config_prep_and_train_once(tmp_path):
     `difflm convert` of the run at once: one export."""
     workdir = tmp_path / "work"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API") and k != "MLFLOW_TRACKING_URI"}
-    base = [sys.executable, "-m", "flows.cli"]
+    base = [sys.executable, "-m", "difflm.flows.cli"]
     args = ["--preset", "test-tiny", f"workdir={workdir}", *EVERY_STEP]
     texts = _together([[*base, "train", *args]] * 2, tmp_path, env)
     # each stage once, by either process (the one that waited for the data may win the run's lock)

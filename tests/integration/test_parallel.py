@@ -12,7 +12,7 @@ import pytest
 from helpers import tiny_config
 
 from difflm.config import save_config
-from models.launch.torchrun import free_port
+from difflm.models.launch.torchrun import free_port
 
 LAYOUTS = {  # name: (processes, overrides)
     "tp2": (2, ["parallel.tensor_model_parallel_size=2"]),
@@ -81,7 +81,7 @@ def _torchrun(nproc: int, args: list[str], cwd) -> None:
         "--master_port",
         str(free_port()),
         "-m",
-        "models.megatron.parity",
+        "difflm.models.megatron.parity",
         *args,
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=cwd)

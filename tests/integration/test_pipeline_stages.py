@@ -8,9 +8,9 @@ from pathlib import Path
 
 from helpers import tiny_config
 
-from flows.pretrain import CONVERT, EVALUATE, PRETRAIN_STAGES
-from flows.stages import PipelineRun, Stage, run_stages
-from tasks import artifacts
+from difflm.flows.pretrain import CONVERT, EVALUATE, PRETRAIN_STAGES
+from difflm.flows.stages import PipelineRun, Stage, run_stages
+from difflm.tasks import artifacts
 
 
 def quantize(cfg, hf_dir: str, out: str) -> str:

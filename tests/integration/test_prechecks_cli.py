@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration  # the CLI in subprocesses
 ROOT = Path(__file__).resolve().parents[2]
 # the command in a process of its own, then what it imported: Prefect is imported before its server starts
 CLI = (
-    "import json, sys\nfrom flows.cli import main\nrc = main(sys.argv[1:])\n"
+    "import json, sys\nfrom difflm.flows.cli import main\nrc = main(sys.argv[1:])\n"
     "print(json.dumps({'rc': rc, 'prefect': any(m.split('.')[0] == 'prefect' for m in sys.modules),"
     " 'torch': 'torch' in sys.modules}))"
 )

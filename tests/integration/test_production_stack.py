@@ -38,7 +38,7 @@ from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary
 from scenarios import SCENARIOS, Scenario
 from servers import free_ports
 
-from data_prep.corpus import cache_dir
+from difflm.data_prep.corpus import cache_dir
 from deploy import env_file, stack
 from difflm.outputs import private_umask
 
@@ -164,7 +164,7 @@ def test_prefect_yaml_entrypoints_load_as_a_worker_loads_them():
     }
     failed = {ep: p.communicate(timeout=120)[0].strip().splitlines()[-1:] for ep, p in procs.items()}
     assert not {ep: out for ep, out in failed.items() if procs[ep].returncode}, (
-        "use module entrypoints in prefect.yaml (flows.pretrain:pretrain_difflm)"
+        "use module entrypoints in prefect.yaml (difflm.flows.pretrain:pretrain_difflm)"
     )
 
 

@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 from difflm import tracking
 from difflm.config import TrackingConfig, load_config
 from difflm.tracking import registry
-from flows.cli import main
+from difflm.flows.cli import main
 
 pytestmark = pytest.mark.integration  # a real MLflow server
 

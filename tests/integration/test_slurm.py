@@ -24,15 +24,15 @@ from prep_gate import Gate
 from scenarios import SCENARIOS
 from servers import BIN, stop
 
-from data_prep import pipeline
-from data_prep.pipeline import SubmittedToCluster, prepare_data
-from data_prep.steps import SplitSourceWriter
+from difflm.data_prep import pipeline
+from difflm.data_prep.pipeline import SubmittedToCluster, prepare_data
+from difflm.data_prep.steps import SplitSourceWriter
 from difflm.rundir import TrainResult
-from flows.cli import main
-from models.hf.convert import load_megatron_weights
-from models.launch.cluster import SLURM_ACTIVE, ClusterError, slurm_job_state, slurm_script, submit_slurm
-from models.launch.torchrun import TrainingError, is_finished, launch_training, read_metrics, run_dir
-from tasks.stages import train_task
+from difflm.flows.cli import main
+from difflm.models.hf.convert import load_megatron_weights
+from difflm.models.launch.cluster import SLURM_ACTIVE, ClusterError, slurm_job_state, slurm_script, submit_slurm
+from difflm.models.launch.torchrun import TrainingError, is_finished, launch_training, read_metrics, run_dir
+from difflm.tasks.stages import train_task
 
 SLURM = ["train.launch.launcher=slurm", "train.launch.slurm.gpus_per_node=0", "train.launch.wait.poll_seconds=0.3"]
 ROOT = Path(__file__).resolve().parents[2]
@@ -190,7 +190,7 @@ def _release_requeued(job_id: str, done: threading.Event) -> None:
 WORKER = """
 import json, sys
 from difflm.config import load_config
-from models.launch.cluster import submit_slurm
+from difflm.models.launch.cluster import submit_slurm
 workdir, manifest, *overrides = sys.argv[1:]
 submit_slurm(load_config("test-tiny", [f"workdir={workdir}", *overrides]), json.loads(manifest), echo=print)
 """

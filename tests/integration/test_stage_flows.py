@@ -16,12 +16,12 @@ from mlflow.tracking import MlflowClient
 from servers import BIN, stop
 
 from difflm import tracking
-from flows.cli import main
-from flows.convert import convert_checkpoint
-from flows.evaluate_latest import evaluate_latest
-from models.evaluation.stages import EvaluationError
-from models.hf.convert import ConversionError, load_hf, load_megatron_weights
-from tasks.runs import evaluated_scores, run_manifest, stage_config
+from difflm.flows.cli import main
+from difflm.flows.convert import convert_checkpoint
+from difflm.flows.evaluate_latest import evaluate_latest
+from difflm.models.evaluation.stages import EvaluationError
+from difflm.models.hf.convert import ConversionError, load_hf, load_megatron_weights
+from difflm.tasks.runs import evaluated_scores, run_manifest, stage_config
 
 # every test here uses trained_run, the shared run trained through torchrun: multi-process, so out of make test-dev
 pytestmark = pytest.mark.slow

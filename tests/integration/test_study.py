@@ -8,7 +8,7 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 
-from flows.study import study
+from difflm.flows.study import study
 
 SPEC = """
 name: smoke

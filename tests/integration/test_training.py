@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 from helpers import TRAINED, tiny_config
 
-from models.diffusion.modes import objective_class
-from models.evaluation.stages import convert_checkpoint, evaluate_export
-from models.hf.convert import ConversionError, import_hf
-from models.launch.torchrun import TrainingError, launch_training, read_metrics, run_dir
-from models.megatron import checkpointing
+from difflm.models.diffusion.modes import objective_class
+from difflm.models.evaluation.stages import convert_checkpoint, evaluate_export
+from difflm.models.hf.convert import ConversionError, import_hf
+from difflm.models.launch.torchrun import TrainingError, launch_training, read_metrics, run_dir
+from difflm.models.megatron import checkpointing
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ from helpers import fake_export  # an HF-like folder, 44 parameters, no weights
 
 from difflm import tracking
 from difflm.config import load_config
-from tasks.artifacts import mlflow_curves_url
+from difflm.tasks.artifacts import mlflow_curves_url
 
 MANIFEST = {
     "hash": "feedc0ffee42",
@@ -71,7 +71,7 @@ def _trained_and_registered(cfg, hf_dir: Path) -> dict:
     results = {"bounds": {"trained": {"nll_per_token": 3.25, "ppl": 25.8, "bound": True}}, "tasks": {}}
     with tracking.pipeline_run(cfg, RUN_NAME, {"stage": "train", "preset": cfg.name}) as run_id:
         assert run_id, tracking.DEGRADED
-        tracking.share_training_view(run_id)  # as flows.pretrain does: the view the printed link opens
+        tracking.share_training_view(run_id)  # as difflm.flows.pretrain does: the view the printed link opens
         tracking.log_data_stats(MANIFEST)
         for step in range(1, 21):
             mlflow.log_metric("loss", 6.0 - 0.1 * step, step=step)

@@ -1,7 +1,7 @@
 """Faults the tests inject into a real training run, from the test side: the production loop has no test hook.
 
 `FaultInjector` is a trainer hook (models/megatron/train.py `Hook`). For a torchrun run, this module is the
-entry point the ranks run instead of `models.megatron.train`: it installs the injector and calls the trainer's
+entry point the ranks run instead of `difflm.models.megatron.train`: it installs the injector and calls the trainer's
 own `main`. Use `fault_launch` to get the `launch_training` arguments that do so:
 
     launch_training(cfg, manifest, **fault_launch(nan_iters={6}))
@@ -18,9 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from models.megatron import checkpointing
-from models.megatron.hooks import Hook, Step
-from models.megatron.train import Trainer, main
+from difflm.models.megatron import checkpointing
+from difflm.models.megatron.hooks import Hook, Step
+from difflm.models.megatron.train import Trainer, main
 
 NAN_ITERS = "FAULT_NAN_ITERS"  # read only by this entry module, in the ranks it starts
 DISK_FULL_AT = "FAULT_DISK_FULL_AT"  # the checkpoint save at this iteration fails: no space left on the device

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 
 from difflm.config import PipelineConfig, load_config
-from models.diffusion.modes import objective_class
-from models.hf.configuration_difflm import DiffLMConfig
-from models.hf.modeling_difflm import DiffLMForMaskedLM
+from difflm.models.diffusion.modes import objective_class
+from difflm.models.hf.configuration_difflm import DiffLMConfig
+from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 
@@ -140,7 +140,7 @@ def timed_hf_model(mode: str = "difflm-noshift", **over):
 
 def block_megatron(tmp_path, backend: str, *over: str):
     """A test-tiny difflm-block megatron model (vocab 512, weights nudged off their init) and its config."""
-    from models.megatron.gpt import build_model
+    from difflm.models.megatron.gpt import build_model
 
     cfg = tiny_config(
         tmp_path,

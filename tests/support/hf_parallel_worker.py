@@ -20,9 +20,9 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from difflm.config import load_config
-from models.megatron import compat
-from models.megatron.checkpointing import load_model_weights
-from models.megatron.gpt import build_model
+from difflm.models.megatron import compat
+from difflm.models.megatron.checkpointing import load_model_weights
+from difflm.models.megatron.gpt import build_model
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 

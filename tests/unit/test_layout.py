@@ -15,16 +15,22 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from models.hf.convert import export_code, load_hf
-from models.hf.modeling_difflm import DiffLMForMaskedLM
+from difflm.models.hf.convert import export_code, load_hf
+from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "export_before_layout_move"
 STDLIB = set(sys.stdlib_module_names)
 
 
+# the top-level folders of the checkout, installed as difflm.<name> (the links in difflm/ and pyproject.toml)
+FOLDERS = ("models", "flows", "tasks", "data_prep")
+
+
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] in FOLDERS:
+        parts.insert(0, "difflm")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -52,7 +58,8 @@ def _within(name: str, prefixes: tuple[str, ...]) -> bool:
 
 
 def _files(pattern: str) -> list[Path]:
-    files = sorted(ROOT.glob(pattern))
+    # not through difflm/'s links to the folders: each file once, under its folder's own rule
+    files = sorted(f for f in ROOT.glob(pattern) if f.resolve() == f)
     assert files, f"no files match {pattern}: the layout this test describes has moved"
     return files
 
@@ -60,24 +67,24 @@ def _files(pattern: str) -> list[Path]:
 # (files, allowed: imports must be stdlib or start with one of these; None = no allow-list,
 #  forbidden: imports that must not appear)
 RULES = {
-    "diffusion is pure torch": ("models/diffusion/*.py", ("torch", "models.diffusion"), ()),
+    "diffusion is pure torch": ("models/diffusion/*.py", ("torch", "difflm.models.diffusion"), ()),
     "exported model code: diffusion + transformers": (
         "models/hf/*_difflm.py",
-        ("torch", "transformers", "models.diffusion", "models.hf.configuration_difflm"),
+        ("torch", "transformers", "difflm.models.diffusion", "difflm.models.hf.configuration_difflm"),
         (),
     ),
     "megatron never reaches up": (
         "models/megatron/*.py",
         None,
         (
-            "models.hf",
-            "models.evaluation",
-            "models.launch",
+            "difflm.models.hf",
+            "difflm.models.evaluation",
+            "difflm.models.launch",
             "transformers",
             "prefect",
-            "flows",
-            "tasks",
-            "data_prep",
+            "difflm.flows",
+            "difflm.tasks",
+            "difflm.data_prep",
             "deploy",
             "difflm.tracking",
         ),
@@ -85,12 +92,12 @@ RULES = {
     "hf: no orchestration": (
         "models/hf/*.py",
         None,
-        ("models.evaluation", "models.launch", "prefect", "mlflow", "flows", "tasks", "data_prep"),
+        ("difflm.models.evaluation", "difflm.models.launch", "prefect", "mlflow", "difflm.flows", "difflm.tasks", "difflm.data_prep"),
     ),
     "evaluation scores the export, not megatron": (
         "models/evaluation/*.py",
         None,
-        ("models.megatron", "models.launch", "prefect", "mlflow", "flows", "tasks"),
+        ("difflm.models.megatron", "difflm.models.launch", "prefect", "mlflow", "difflm.flows", "difflm.tasks"),
     ),
     "launch: config and checkpoints only": (
         "models/launch/*.py",
@@ -103,23 +110,23 @@ RULES = {
             "difflm.locks",
             "difflm.rundir",
             "difflm.tracking.plots",
-            "models.launch",
-            "models.megatron.checkpointing",
+            "difflm.models.launch",
+            "difflm.models.megatron.checkpointing",
         ),
         (),
     ),
-    "difflm stands on models.diffusion only (the objectives' settings are its diffusion section)": (
+    "difflm stands on difflm.models.diffusion only (the objectives' settings are its diffusion section)": (
         "difflm/**/*.py",
         None,
-        ("models.megatron", "models.hf", "models.evaluation", "models.launch", "flows", "tasks", "data_prep", "deploy"),
+        ("difflm.models.megatron", "difflm.models.hf", "difflm.models.evaluation", "difflm.models.launch", "difflm.flows", "difflm.tasks", "difflm.data_prep", "deploy"),
     ),
     "the config package: pydantic, yaml, difflm's base and the objectives' settings": (
         "difflm/config/*.py",
-        ("pydantic", "yaml", "difflm.config", "difflm.errors", "models.diffusion"),
+        ("pydantic", "yaml", "difflm.config", "difflm.errors", "difflm.models.diffusion"),
         (),
     ),
-    "data_prep stands on difflm only": ("data_prep/*.py", None, ("models", "flows", "tasks", "deploy")),
-    "tasks never import flows": ("tasks/*.py", None, ("flows", "deploy")),
+    "data_prep stands on difflm only": ("data_prep/*.py", None, ("difflm.models", "difflm.flows", "difflm.tasks", "deploy")),
+    "tasks never import flows": ("tasks/*.py", None, ("difflm.flows", "deploy")),
     "flows (and the CLI, the top floor) never import ops tooling": ("flows/**/*.py", None, ("deploy", "benchmarks")),
 }
 
@@ -136,29 +143,98 @@ def test_import_arrows(rule):
     assert not bad, f"{rule}:\n" + "\n".join(bad)
 
 
+# The floors, bottom up. An import points at its own floor or one below, never up: the objectives' maths is the
+# basement (the config's diffusion section is built from it), difflm's own modules the ground floor, then the rooms
+# that do the work, then Prefect tasks, then the flows and the CLI on top.
+FLOORS = (
+    ("difflm.models.diffusion",),
+    ("difflm",),
+    ("difflm.data_prep", "difflm.models"),
+    ("difflm.tasks",),
+    ("difflm.flows",),
+)
+
+
+def floor_of(name: str) -> int | None:
+    """The floor of one of our modules (the longest matching prefix), None for anything else."""
+    best = None
+    for level, prefixes in enumerate(FLOORS):
+        for p in prefixes:
+            if _within(name, (p,)) and (best is None or len(p) > len(best[1])):
+                best = (level, p)
+    return best[0] if best else None
+
+
+def _our_files() -> list[Path]:
+    return [f for pattern in ("difflm/**/*.py", *(f"{d}/**/*.py" for d in FOLDERS)) for f in _files(pattern)]
+
+
+def test_no_import_runs_back_up_a_floor():
+    up = []
+    for path in _our_files():
+        here = floor_of(_module_name(path))
+        for name in sorted(imports_of(path)):
+            there = floor_of(name)
+            if here is not None and there is not None and there > here:
+                up.append(f"{path.relative_to(ROOT)} (floor {here}) imports {name} (floor {there})")
+    assert not up, "imports that run back up a floor:\n" + "\n".join(up)
+
+
+def test_the_floor_check_sees_an_arrow_up():
+    assert floor_of("difflm.config.model") == 1 and floor_of("difflm.models.diffusion.modes") == 0
+    assert floor_of("difflm.models.megatron.gpt") == 2 and floor_of("difflm.flows.cli") == 4 and floor_of("torch") is None
+
+
+def _tracked_python() -> list[Path]:
+    """Every Python file of the project: the packages, tests, benchmarks and ops tooling (not tests/fixtures: an
+    export written by an older version, kept byte for byte)."""
+    tops = ("difflm", *FOLDERS, "tests", "benchmarks", "deploy")
+    return [f for top in tops for f in _files(f"{top}/**/*.py") if "fixtures" not in f.relative_to(ROOT).parts]
+
+
+def test_nothing_imports_a_folder_by_its_checkout_name():
+    """`import models` would load a second copy of every module beside difflm.models (two registries, two configs),
+    and works only from a checkout: every import, and every module path in a string (`-m ...`, a patch target),
+    names the installed package."""
+    subs = {d: {p.stem for p in (ROOT / d).iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()} for d in FOLDERS}
+    bad = []
+    for path in _tracked_python():
+        for name in imports_of(path):
+            if name.split(".")[0] in FOLDERS:
+                bad.append(f"{path.relative_to(ROOT)} imports {name}")
+        for line_no, line in enumerate(path.read_text().splitlines(), 1):
+            for quote in ("'", '"', "-m "):
+                for d, names in subs.items():
+                    bad += [f"{path.relative_to(ROOT)}:{line_no}: {line.strip()}" for s in names if f"{quote}{d}.{s}" in line]
+    assert not bad, "old module names:\n" + "\n".join(sorted(set(bad)))
+
+
 def test_the_arrow_check_sees_lazy_and_relative_imports(tmp_path):
     """The checker itself: an import inside a function and a relative import are both seen."""
     fake = ROOT / "models" / "hf" / "modeling_difflm.py"
     names = imports_of(fake)
-    assert "models.diffusion.modes" in names and "transformers" in names
-    assert "models.megatron.distributed" in imports_of(ROOT / "models" / "hf" / "convert.py")  # a lazy one
+    assert "difflm.models.diffusion.modes" in names and "transformers" in names
+    assert "difflm.models.megatron.distributed" in imports_of(ROOT / "models" / "hf" / "convert.py")  # a lazy one
 
 
 BLOCKER = """
 import importlib.abc, pkgutil, sys
-BLOCKED = {"megatron", "transformers", "prefect", "mlflow", "datatrove", "safetensors", "difflm"}
+BLOCKED = {"megatron", "transformers", "prefect", "mlflow", "datatrove", "safetensors"}
+OURS = ("difflm", "difflm.models", "difflm.models.diffusion")  # the package's own floors above these are blocked
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in BLOCKED:
+        ours = name.startswith("difflm") and name not in OURS and not name.startswith("difflm.models.diffusion.")
+        if name.split(".")[0] in BLOCKED or ours:
             raise ImportError(f"blocked: {name}")
 sys.meta_path.insert(0, Block())
 import torch
-import models.diffusion as d
+import difflm.models.diffusion as d
 for info in pkgutil.iter_modules(d.__path__):
-    __import__(f"models.diffusion.{info.name}")
+    __import__(f"difflm.models.diffusion.{info.name}")
 x0 = torch.randint(3, 50, (2, 16))
 nll = d.elbo_nll_per_token(lambda x: torch.zeros(*x.shape, 50), x0, 1, 2, torch.Generator().manual_seed(0))
-print(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED), round(float(nll.mean()), 4))
+print(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED or (m.startswith("difflm") and m not in OURS
+             and not m.startswith("difflm.models.diffusion."))), round(float(nll.mean()), 4))
 """
 
 
@@ -178,7 +254,7 @@ print(sorted({m.split(".")[0] for m in sys.modules} & {"megatron", "transformers
 
 @pytest.mark.integration  # a Python subprocess
 def test_the_config_stands_on_the_diffusion_floor_only():
-    """The config builds its diffusion section from models.diffusion.modes: importing it stays light."""
+    """The config builds its diffusion section from difflm.models.diffusion.modes: importing it stays light."""
     out = subprocess.run([sys.executable, "-c", LIGHT_CONFIG], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["[]"]

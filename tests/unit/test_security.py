@@ -26,24 +26,24 @@ from prefect.serializers import PickleSerializer
 from prefect.settings import get_current_settings
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from data_prep import pipeline
-from data_prep import slurm as prep_slurm
+from difflm.data_prep import pipeline
+from difflm.data_prep import slurm as prep_slurm
 from deploy import stack
 from difflm.config import ConfigError, load_config
 from difflm.errors import DiskFull, UserError
 from difflm.outputs import OutputInTheWay, staged_output
 from difflm.rundir import RunDir
-from flows import cli
-from flows.cli import main
-from models.evaluation.stages import load_model
-from models.hf.convert import check_replaceable, hf_config, import_hf, load_megatron_weights, save_export
-from models.hf.modeling_difflm import DiffLMForMaskedLM
-from models.launch.cluster import sbatch_command, sbatch_options, slurm_script
-from models.launch.slurm import write_credentials
-from models.launch.torchrun import launch_training, run_dir
-from models.megatron import checkpointing
-from models.megatron.safe_pickle import UnsafeCheckpoint, guard_dcp, restricted_loads
-from tasks.cache import run_stage
+from difflm.flows import cli
+from difflm.flows.cli import main
+from difflm.models.evaluation.stages import load_model
+from difflm.models.hf.convert import check_replaceable, hf_config, import_hf, load_megatron_weights, save_export
+from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
+from difflm.models.launch.cluster import sbatch_command, sbatch_options, slurm_script
+from difflm.models.launch.slurm import write_credentials
+from difflm.models.launch.torchrun import launch_training, run_dir
+from difflm.models.megatron import checkpointing
+from difflm.models.megatron.safe_pickle import UnsafeCheckpoint, guard_dcp, restricted_loads
+from difflm.tasks.cache import run_stage
 
 RUN = Path("/shared/difflm/runs/difflm-noshift-abc-def")
 
@@ -262,7 +262,7 @@ def test_convert_cli_refuses_a_crafted_checkpoint_in_one_line(tmp_path):
     ck = _crafted_checkpoint(tmp_path, mark)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "convert", str(ck), "--out", str(tmp_path / "out"),
+        [sys.executable, "-m", "difflm.flows.cli", "convert", str(ck), "--out", str(tmp_path / "out"),
          f"workdir={tmp_path / 'work'}"],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
@@ -314,7 +314,7 @@ def test_crafted_rng_file_is_refused(tmp_path, megatron_single_process):
 
 _READ_PEAK = """
 import sys
-from data_prep.readers import JsonlSource
+from difflm.data_prep.readers import JsonlSource
 r = JsonlSource(sys.argv[1], glob_pattern="big.jsonl.gz", text_key="text", source="t")
 r._logged = 0
 skips = []
@@ -350,7 +350,7 @@ def test_a_huge_line_in_a_tiny_gzip_is_a_counted_skip_in_bounded_memory(tmp_path
 
 _READ_CAPPED = """
 import sys
-from data_prep.readers import JsonlSource
+from difflm.data_prep.readers import JsonlSource
 r = JsonlSource(sys.argv[1], glob_pattern="*.jsonl*", text_key="text", source="t")
 r._logged, r.max_file_bytes = 0, 16 << 20
 skips = []
@@ -529,7 +529,7 @@ def test_data_prep_submits_to_slurm_without_credentials_and_its_jobs_read_them_f
     tmp_path, monkeypatch
 ):
     """datatrove submits with `--export=ALL`: Slurm would store the credentials with the job. Every datatrove
-    submission goes through data_prep.slurm.submit_batch, whose sbatch has none; the jobs' first line reads them
+    submission goes through difflm.data_prep.slurm.submit_batch, whose sbatch has none; the jobs' first line reads them
     from the prep's 0600 file (quotes and `$(...)` stay data) and names them in the log, not echoing them."""
     assert datatrove_slurm.launch_slurm_job is prep_slurm.submit_batch
     fake = tmp_path / "bin"

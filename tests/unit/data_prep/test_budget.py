@@ -9,9 +9,9 @@ import pytest
 from datatrove.pipeline.tokens.megatron_tokenizer import MegatronTokenizedFile
 from helpers import tiny_config
 
-from data_prep.budget import document_order, select, write_subset
-from data_prep.pipeline import DataPrepError, data_dir, prepare_data
-from data_prep.verify import read_index, verify_shard
+from difflm.data_prep.budget import document_order, select, write_subset
+from difflm.data_prep.pipeline import DataPrepError, data_dir, prepare_data
+from difflm.data_prep.verify import read_index, verify_shard
 
 
 def _documents(n: int, seed: int = 0) -> list[np.ndarray]:

@@ -4,7 +4,7 @@ import re
 
 import pytest
 
-from data_prep import corpus
+from difflm.data_prep import corpus
 
 
 def test_wiki_markup_is_stripped():

@@ -20,8 +20,8 @@ from helpers import tiny_config
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer
 
-from data_prep.pipeline import DataPrepError, data_dir, prepare_data
-from data_prep.readers import make_reader
+from difflm.data_prep.pipeline import DataPrepError, data_dir, prepare_data
+from difflm.data_prep.readers import make_reader
 
 ROOT = Path(__file__).resolve().parents[3]
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -306,7 +306,7 @@ def test_strict_fails_on_a_damaged_file_with_one_line(tmp_path, tiny_manifest, c
 def _cli_prep(workdir: Path, *overrides: str, **kwargs) -> subprocess.Popen:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", "prep", "--preset", "test-tiny", f"workdir={workdir}", *overrides],
+        [sys.executable, "-m", "difflm.flows.cli", "prep", "--preset", "test-tiny", f"workdir={workdir}", *overrides],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -380,7 +380,7 @@ pq.write_table(pa.table({"text": text}), sys.argv[1], compression="lz4", use_dic
 _READ_BOMB = """
 import json, re, sys
 from pathlib import Path
-from data_prep.readers import make_reader
+from difflm.data_prep.readers import make_reader
 reader = make_reader(Path(sys.argv[1]), "parquet", "text", "bomb")
 docs = sum(1 for _ in reader.run())
 # this process's own peak: getrusage's ru_maxrss keeps the launching process's peak across exec (pytest's)

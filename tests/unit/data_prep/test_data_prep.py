@@ -16,10 +16,10 @@ from helpers import tiny_config
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 from tokenizers import Tokenizer
 
-from data_prep.pipeline import DataPrepError, data_dir, prepare_data
-from data_prep.split import split_of
-from data_prep.tokenizer import TokenizerError
-from data_prep.verify import DataVerificationError, verify
+from difflm.data_prep.pipeline import DataPrepError, data_dir, prepare_data
+from difflm.data_prep.split import split_of
+from difflm.data_prep.tokenizer import TokenizerError
+from difflm.data_prep.verify import DataVerificationError, verify
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -298,7 +298,7 @@ def test_tokenizer_without_mask_token_and_unloadable(tmp_path, tiny_manifest):
 # fork server keep the streams of whichever test started them.
 PREP = """
 import sys
-from data_prep.pipeline import prepare_data
+from difflm.data_prep.pipeline import prepare_data
 from difflm.config import load_config
 prepare_data(load_config("test-tiny", sys.argv[1:]))
 """
@@ -341,14 +341,14 @@ def test_terminal_shows_no_per_file_lines_and_the_stats_once(tmp_path, tiny_mani
 PREP_IMPORTS = """
 import json, sys
 from difflm.config import load_config
-from data_prep.pipeline import prepare_data
+from difflm.data_prep.pipeline import prepare_data
 m = prepare_data(load_config("test-tiny", [f"workdir={sys.argv[1]}", f"tokenizer.path={sys.argv[2]}"]))
 print(json.dumps({"tokens": m["splits"]["train"]["tokens"], "heavy": sorted(n for n in sys.modules if n.startswith("megatron"))}))
 """
 
 
 def test_data_prep_counts_its_shards_without_importing_megatron(tmp_path, tiny_manifest):
-    """The manifest's counts come from the .idx files (data_prep.verify.read_index), not from megatron-core's
+    """The manifest's counts come from the .idx files (difflm.data_prep.verify.read_index), not from megatron-core's
     reader, whose import alone cost seconds per prep (benchmarks/data_prep_throughput.py, x4 demo corpus: 39%
     of the tokenizer's speed with it, 75% without). The counts still equal megatron's."""
     proc = subprocess.run(

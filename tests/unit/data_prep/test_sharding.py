@@ -13,10 +13,10 @@ from datatrove.utils.logging import setup_default_logger
 from helpers import tiny_config
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-import data_prep.readers as readers
-from data_prep.pipeline import prepare_data
-from data_prep.readers import make_reader
-from data_prep.sharding import InputFile, plan
+import difflm.data_prep.readers as readers
+from difflm.data_prep.pipeline import prepare_data
+from difflm.data_prep.readers import make_reader
+from difflm.data_prep.sharding import InputFile, plan
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 

@@ -86,7 +86,7 @@ def test_roundtrip_through_yaml(tmp_path):
 @pytest.mark.integration  # runs the CLI in a subprocess
 def test_cli_rejects_bad_override_with_exit_code_2():
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "config", "show", "model.num_layers=zero"], capture_output=True, text=True
+        [sys.executable, "-m", "difflm.flows.cli", "config", "show", "model.num_layers=zero"], capture_output=True, text=True
     )
     assert proc.returncode == 2 and "model.num_layers" in proc.stderr
 
@@ -94,7 +94,7 @@ def test_cli_rejects_bad_override_with_exit_code_2():
 def test_cli_says_overrides_take_no_dashes(capsys):
     import pytest
 
-    from flows.cli import main
+    from difflm.flows.cli import main
 
     with pytest.raises(SystemExit) as exit_:
         main(["config", "show", "--workdir=/tmp/x"])
@@ -117,7 +117,7 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
         [
             sys.executable,
             "-m",
-            "flows.cli",
+            "difflm.flows.cli",
             "train",
             "--preset",
             "test-tiny",
@@ -135,7 +135,7 @@ def test_cli_reports_bad_input_without_traceback(tmp_path):
 def test_cluster_launch_files(tmp_path):
     import yaml as _yaml
 
-    from models.launch.cluster import k8s_pytorchjob, sbatch_options, slurm_script
+    from difflm.models.launch.cluster import k8s_pytorchjob, sbatch_options, slurm_script
 
     cfg = load_config(
         "tiny-cpu",
@@ -157,7 +157,7 @@ def test_cluster_launch_files(tmp_path):
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 3
     container = specs["Worker"]["template"]["spec"]["containers"][0]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8 and "models.megatron.train" in container["command"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8 and "difflm.models.megatron.train" in container["command"]
     with pytest.raises(ConfigError, match="nproc_per_node x nnodes"):
         load_config("tiny-cpu", ["train.launch.nnodes=3", "parallel.tensor_model_parallel_size=2"])
 
@@ -175,7 +175,7 @@ def test_malformed_preset_is_one_line_with_file_line_and_column(tmp_path):
         load_config(str(preset))
     # through the CLI: one line on stderr, exit code 2, no traceback
     proc = subprocess.run(
-        [sys.executable, "-m", "flows.cli", "config", "show", "--preset", str(preset)],
+        [sys.executable, "-m", "difflm.flows.cli", "config", "show", "--preset", str(preset)],
         capture_output=True,
         text=True,
         cwd=ROOT,

@@ -29,9 +29,9 @@ from difflm.config import (
     with_mode,
 )
 from difflm.config.train import MOVED
-from models.diffusion.modes import MODES
+from difflm.models.diffusion.modes import MODES
 
-TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")  # models.launch.torchrun's
+TRAIN_SECTIONS = ("model", "diffusion", "train", "parallel", "checkpoint")  # difflm.models.launch.torchrun's
 
 # configs/tiny-cpu.yaml and configs/test-tiny.yaml as they were at commit 8347fab (the main of before the marks)
 TINY_CPU = {
@@ -145,8 +145,8 @@ def test_run_directories_of_before_the_marks_keep_their_names(data, overrides, n
 
 
 def test_the_run_directory_name_is_what_torchrun_names_it():
-    from models.launch.torchrun import TRAIN_SECTIONS as used
-    from models.launch.torchrun import run_dir
+    from difflm.models.launch.torchrun import TRAIN_SECTIONS as used
+    from difflm.models.launch.torchrun import run_dir
 
     cfg = validate(copy.deepcopy(TEST_TINY))
     assert used == TRAIN_SECTIONS
@@ -349,8 +349,8 @@ def test_identity_leaves_out_the_operational_fields_only():
 
 
 def test_the_sampler_section_has_exactly_the_samplers_fields():
-    from models.diffusion import MaskedSampler
-    from models.evaluation.generation import sampler_settings
+    from difflm.models.diffusion import MaskedSampler
+    from difflm.models.evaluation.generation import sampler_settings
 
     assert set(SamplerConfig.model_fields) == {f.name for f in dataclasses.fields(MaskedSampler)}
     cfg = load_config(
@@ -473,7 +473,7 @@ def test_every_mode_keeps_the_run_directories_of_the_flat_diffusion_section(over
 def test_the_ar_source_run_of_the_block_recipe_drops_the_block_settings():
     """Switching to ar keeps the shared settings and drops the block ones (they named the AR run before the
     per-mode sections: that baseline is retrained once, under this name)."""
-    cfg = with_mode(load_config("tiny-cpu-ar-to-block"), "ar", attention_anneal_steps=0)  # tasks.adapt.ar_config
+    cfg = with_mode(load_config("tiny-cpu-ar-to-block"), "ar", attention_anneal_steps=0)  # difflm.tasks.adapt.ar_config
     assert "clean_attention" not in cfg.diffusion.model_dump() and cfg.diffusion.antithetic_t
     assert (cfg.stage_hash("diffusion"), cfg.stage_hash(*TRAIN_SECTIONS)) == ("f17425ce3744", "a7085e2401d2")
 

@@ -16,17 +16,17 @@ import torch
 from helpers import tiny_config
 from prefect.serializers import JSONSerializer
 
-from data_prep.pipeline import prepare_data
+from difflm.data_prep.pipeline import prepare_data
 from difflm.rundir import RunDir, TrainResult, Workdir, exported_from, is_export_of, iteration_of, latest_iteration
-from flows.cli import main
-from models.evaluation.stages import evaluate_export
-from models.hf.convert import hf_config, save_export
-from models.hf.modeling_difflm import DiffLMForMaskedLM
-from models.launch.torchrun import TRAIN_SECTIONS, run_dir, write_run_inputs
-from models.megatron import checkpointing
-from tasks.adapt import ImportedSource
-from tasks.cache import eval_done, mark_eval_done
-from tasks.runs import conversion_source, evaluation_source, is_other_data, recorded_data, source_config, stage_config
+from difflm.flows.cli import main
+from difflm.models.evaluation.stages import evaluate_export
+from difflm.models.hf.convert import hf_config, save_export
+from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
+from difflm.models.launch.torchrun import TRAIN_SECTIONS, run_dir, write_run_inputs
+from difflm.models.megatron import checkpointing
+from difflm.tasks.adapt import ImportedSource
+from difflm.tasks.cache import eval_done, mark_eval_done
+from difflm.tasks.runs import conversion_source, evaluation_source, is_other_data, recorded_data, source_config, stage_config
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -300,7 +300,7 @@ def test_the_workdir_owns_its_folders_and_the_run_name(tmp_path):
 
 
 def test_typed_results_survive_prefects_json_result_store(tmp_path):
-    """The pipeline's stages persist results as JSON (tasks.cache.run_stage); a cache hit reads them back typed,
+    """The pipeline's stages persist results as JSON (difflm.tasks.cache.run_stage); a cache hit reads them back typed,
     and a record stored before the results were typed (a dict, a path) still reads."""
     result = TrainResult(
         RunDir(tmp_path / "runs" / "r"), tmp_path / "runs" / "r" / "checkpoints" / "iter_0000004", False

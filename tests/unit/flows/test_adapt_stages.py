@@ -4,10 +4,10 @@ model of the source's size is scored (minutes on a CPU for a 135M model, and mea
 from __future__ import annotations
 
 from difflm.config import load_config
-from flows.adapt import ADAPT_STAGES
-from flows.pretrain import PRETRAIN_STAGES
-from flows.stages import PipelineRun
-from tasks.stages import evaluate_task
+from difflm.flows.adapt import ADAPT_STAGES
+from difflm.flows.pretrain import PRETRAIN_STAGES
+from difflm.flows.stages import PipelineRun
+from difflm.tasks.stages import evaluate_task
 
 
 def _untrained(stages, run: PipelineRun) -> bool:

@@ -15,8 +15,8 @@ import pytest
 
 from difflm.config import ConfigError, load_config, resolve_preset
 from difflm.errors import DiffLMError, TrainingPreempted, UserError
-from flows import cli
-from models.evaluation.sources import SourceError
+from difflm.flows import cli
+from difflm.models.evaluation.sources import SourceError
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -62,7 +62,7 @@ def test_old_spellings_say_what_to_type_instead(argv, hint, capsys):
 def test_help_loads_no_framework():
     """Handlers import their stages lazily: `difflm --help` loads argparse and the config only."""
     code = (
-        "import sys\nfrom flows.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "import sys\nfrom difflm.flows.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
         "heavy = {'torch', 'prefect', 'mlflow', 'megatron', 'transformers', 'datatrove'}\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))"
     )

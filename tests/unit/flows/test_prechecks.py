@@ -12,10 +12,10 @@ import torch
 
 from difflm import memory
 from difflm.config import load_config
-from flows import cli
-from models.hf.convert import ConversionError
-from models.megatron.safe_pickle import UnsafeCheckpoint, check_common
-from tasks.adapt import adaptation_config
+from difflm.flows import cli
+from difflm.models.hf.convert import ConversionError
+from difflm.models.megatron.safe_pickle import UnsafeCheckpoint, check_common
+from difflm.tasks.adapt import adaptation_config
 
 
 def _one_line_error(capsys) -> str:

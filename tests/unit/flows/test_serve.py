@@ -6,7 +6,7 @@ import time
 from prefect.client.schemas.objects import ConcurrencyLimitStrategy
 
 from difflm.config import load_config
-from flows.commands import LATE_RUNS, one_at_a_time
+from difflm.flows.commands import LATE_RUNS, one_at_a_time
 
 
 def test_a_served_deployment_runs_one_flow_run_at_a_time_and_queues_a_late_one_by_default():
@@ -25,8 +25,8 @@ def test_ctrl_c_that_prefects_runner_takes_and_survives_still_exits_130_with_one
     """Reproduced in a clean-clone run on a loaded machine: Prefect's runner caught the Ctrl-C, shut down within the
     grace period and returned, and `difflm serve` exited 0 with Prefect's log line last. A Ctrl-C is an interrupt
     whoever handles it: exit 130 and difflm's line, and no "did not answer" line from the grace timer after it."""
-    from flows import commands
-    from flows.pretrain import pretrain_difflm
+    from difflm.flows import commands
+    from difflm.flows.pretrain import pretrain_difflm
 
     def runner_that_takes_the_interrupt(**_):
         try:
@@ -51,8 +51,8 @@ def test_ctrl_c_that_prefects_runner_takes_and_survives_still_exits_130_with_one
 def test_ctrl_c_that_prefects_runner_lets_through_exits_130_with_serves_line(monkeypatch, tmp_path, capsys):
     """Reproduced in a clean-clone run (2026-12-06): the KeyboardInterrupt came out of the runner, and the CLI's
     catch-all said "interrupted; rerun the same command to resume", a line for a pipeline, not for `serve`."""
-    from flows import commands
-    from flows.pretrain import pretrain_difflm
+    from difflm.flows import commands
+    from difflm.flows.pretrain import pretrain_difflm
 
     def runner_that_lets_it_through(**_):
         signal.raise_signal(signal.SIGINT)  # the Ctrl-C, while the runner polls; it propagates

@@ -2,7 +2,7 @@
 
 import pytest
 
-from flows import cli
+from difflm.flows import cli
 
 
 @pytest.mark.parametrize(
@@ -46,9 +46,9 @@ def test_the_plan_is_each_points_cost_and_the_total(tmp_path, capsys):
     """--plan runs nothing (no server, no data): per point its steps, tokens and training FLOPs, the trainer's own
     count, and the device-hours at the MFU given; the total last."""
     from difflm.config import load_study
-    from models.diffusion.modes import build_objective
-    from models.megatron.flops import forward_flops_per_sequence
-    from tasks.study_plan import plan
+    from difflm.models.diffusion.modes import build_objective
+    from difflm.models.megatron.flops import forward_flops_per_sequence
+    from difflm.tasks.study_plan import plan
 
     spec = tmp_path / "s.yaml"
     spec.write_text(SPEC)

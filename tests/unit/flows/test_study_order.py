@@ -6,9 +6,9 @@ import csv
 import pytest
 
 from difflm.config import load_study
-from flows import study as study_flow
-from tasks import study as results
-from tasks.study_plan import point_flops
+from difflm.flows import study as study_flow
+from difflm.tasks import study as results
+from difflm.tasks.study_plan import point_flops
 
 SPEC = """
 preset: test-tiny

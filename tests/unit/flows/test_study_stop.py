@@ -9,8 +9,8 @@ import time
 import pytest
 
 from difflm.config import load_study
-from flows import study as study_flow
-from models.launch import torchrun
+from difflm.flows import study as study_flow
+from difflm.models.launch import torchrun
 
 SPEC = """
 preset: test-tiny

@@ -4,8 +4,8 @@ from pathlib import Path
 
 from difflm.config import load_config
 from difflm.rundir import RunDir, TrainResult
-from tasks import artifacts
-from tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
+from difflm.tasks import artifacts
+from difflm.tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
 
 MANIFEST = {
     "hash": "abc123",

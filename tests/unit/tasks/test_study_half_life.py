@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from difflm.config import StudySpec
-from flows.study import _report
-from tasks.study import ALPHA, effective_tokens, fit_half_life, half_lives, write_table
+from difflm.flows.study import _report
+from difflm.tasks.study import ALPHA, effective_tokens, fit_half_life, half_lives, write_table
 
 EPOCHS = [1, 2, 4, 8, 16, 32, 60]  # the CPU preset's shape: up to about 60 epochs
 NOISE = 0.01  # nats/token: the spread of a small model's held-out NLL between seeds

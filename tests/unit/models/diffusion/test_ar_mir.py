@@ -9,11 +9,11 @@ import torch
 from helpers import tiny_config
 
 from difflm.config import ConfigError, load_config
-from models.diffusion.modes import Autoregressive, build_objective, objective_from_dict
-from models.megatron.data import build_datasets
-from models.megatron.flops import training_flops
-from models.megatron.forward_step import SpecialTokens, make_forward_step
-from models.megatron.train import build_training, run_global_batch
+from difflm.models.diffusion.modes import Autoregressive, build_objective, objective_from_dict
+from difflm.models.megatron.data import build_datasets
+from difflm.models.megatron.flops import training_flops
+from difflm.models.megatron.forward_step import SpecialTokens, make_forward_step
+from difflm.models.megatron.train import build_training, run_global_batch
 
 TOKENS = {"mask_id": 1, "vocab_size": 7, "pad_id": 2, "eos_id": 0}
 MIR = ("diffusion.model_running_mode=ar", "diffusion.mir_mask_share=0.5", "diffusion.mir_weight=0.4")

@@ -13,17 +13,17 @@ from helpers import CharTokenizer, block_megatron, save_megatron_checkpoint, tin
 from torch.nn.attention.flex_attention import flex_attention
 
 from difflm.config import load_config
-from models import diffusion
-from models.diffusion.blocks import attention_pairs, block_elbo_terms, decode_keep, two_stream_keep
-from models.diffusion.modes import BlockDiffusion, build_objective, objective_class
-from models.diffusion.samplers import MaskedSampler
-from models.evaluation.generation import sampler_settings
-from models.evaluation.scoring import Scorer
-from models.hf.convert import export_hf, load_hf
-from models.megatron.attention import TwoStreamMask, _flex_attention
-from models.megatron.flops import forward_flops_per_sequence
-from models.megatron.forward_step import SpecialTokens, make_forward_step, two_stream_mask
-from models.megatron.gpt import layer_spec
+from difflm.models import diffusion
+from difflm.models.diffusion.blocks import attention_pairs, block_elbo_terms, decode_keep, two_stream_keep
+from difflm.models.diffusion.modes import BlockDiffusion, build_objective, objective_class
+from difflm.models.diffusion.samplers import MaskedSampler
+from difflm.models.evaluation.generation import sampler_settings
+from difflm.models.evaluation.scoring import Scorer
+from difflm.models.hf.convert import export_hf, load_hf
+from difflm.models.megatron.attention import TwoStreamMask, _flex_attention
+from difflm.models.megatron.flops import forward_flops_per_sequence
+from difflm.models.megatron.forward_step import SpecialTokens, make_forward_step, two_stream_mask
+from difflm.models.megatron.gpt import layer_spec
 
 V = 64  # ids 0 eos, 1 mask, 2 pad
 

@@ -13,14 +13,14 @@ import pytest
 import torch
 from helpers import TinyBidirectional
 
-from models.diffusion import (
+from difflm.models.diffusion import (
     MaskedSampler,
     conditional_ar_nll,
     conditional_masked_nll,
     rolling_windows,
     sample_masked_diffusion,
 )
-from models.diffusion.samplers import block_spans, filter_logits
+from difflm.models.diffusion.samplers import block_spans, filter_logits
 
 V, MASK, EOS = TinyBidirectional.VOCAB, TinyBidirectional.MASK, TinyBidirectional.EOS
 

@@ -5,9 +5,9 @@ import math
 import torch
 from helpers import tiny_config
 
-from models import diffusion
-from models.diffusion.samplers import sample_masked_diffusion, unmask_schedule
-from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms, varilen_length
+from difflm.models import diffusion
+from difflm.models.diffusion.samplers import sample_masked_diffusion, unmask_schedule
+from difflm.models.megatron.forward_step import SpecialTokens, corrupt, loss_terms, varilen_length
 
 
 def test_sample_t_range_and_antithetic_bins():

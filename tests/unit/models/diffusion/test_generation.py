@@ -10,7 +10,7 @@ import torch
 from helpers import HF_VOCAB as V
 from helpers import timed_hf_model as _model
 
-from models.diffusion import MaskedSampler
+from difflm.models.diffusion import MaskedSampler
 
 
 def _left_pad(rows: list[list[int]], pad: int = 2) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,13 +17,13 @@ from helpers import TinyBidirectional, tiny_config
 from helpers import timed_hf_model as _model
 
 from difflm.config import PipelineConfig
-from models.diffusion import MaskedSampler, sample_masked_diffusion
-from models.diffusion.conditional import conditional_masked_nll
-from models.diffusion.documents import document_ids
-from models.diffusion.modes import MODES, Objective, objective_class
-from models.evaluation.scoring import Scorer
-from models.evaluation.tasks import score_cloze
-from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
+from difflm.models.diffusion import MaskedSampler, sample_masked_diffusion
+from difflm.models.diffusion.conditional import conditional_masked_nll
+from difflm.models.diffusion.documents import document_ids
+from difflm.models.diffusion.modes import MODES, Objective, objective_class
+from difflm.models.evaluation.scoring import Scorer
+from difflm.models.evaluation.tasks import score_cloze
+from difflm.models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
 
 ROOT = Path(__file__).resolve().parents[4]
 SPECIAL = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2), eos_id=0, pad_id=2)

@@ -11,8 +11,8 @@ import torch
 from helpers import tiny_config
 
 from difflm.config import ConfigError, PipelineConfig, load_config, with_mode
-from models.diffusion import modes
-from models.diffusion.modes import (
+from difflm.models.diffusion import modes
+from difflm.models.diffusion.modes import (
     IF_SET,
     BlockDiffusion,
     MaskedDiffusion,
@@ -20,9 +20,9 @@ from models.diffusion.modes import (
     objective_from_dict,
     setting,
 )
-from models.diffusion.objectives import masked_diffusion_loss_terms
-from models.megatron.flops import training_flops
-from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
+from difflm.models.diffusion.objectives import masked_diffusion_loss_terms
+from difflm.models.megatron.flops import training_flops
+from difflm.models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,10 @@ import pytest
 from helpers import tiny_config, tiny_hf_model
 
 from difflm.config import DiffusionConfig, diffusion_model, load_config
-from models.diffusion.modes import MODES, TOKEN_FIELDS, build_objective, objective_from_dict
-from models.hf.configuration_difflm import DiffLMConfig
-from models.hf.convert import hf_config
-from models.hf.modeling_difflm import export_objective
+from difflm.models.diffusion.modes import MODES, TOKEN_FIELDS, build_objective, objective_from_dict
+from difflm.models.hf.configuration_difflm import DiffLMConfig
+from difflm.models.hf.convert import hf_config
+from difflm.models.hf.modeling_difflm import export_objective
 
 TOKENS = {"mask_id": 1, "vocab_size": 64, "pad_id": 2, "eos_id": 0}
 

@@ -1,7 +1,7 @@
 """Uniform-state diffusion maths, checked exactly on a model small enough to enumerate.
 
 N = 3 states, L = 2 positions: 9 sequences. The reverse chain's exact marginal likelihood, the discrete
-T-step ELBO (a sum of KLs) and the continuous-time ELBO of `models.diffusion.uniform` are all computed
+T-step ELBO (a sum of KLs) and the continuous-time ELBO of `difflm.models.diffusion.uniform` are all computed
 by enumeration, with no Monte-Carlo noise, so the inequalities are tested exactly.
 """
 
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from models.diffusion import uniform as U
+from difflm.models.diffusion import uniform as U
 
 N, L, EPS = 3, 2, 1e-3
 SEQS = torch.tensor(list(itertools.product(range(N), repeat=L)))  # [9, L] every sequence

@@ -19,8 +19,8 @@ from pydantic import ValidationError
 
 from difflm import tracking
 from difflm.config import ConfigError, EvalConfig, load_config
-from models.evaluation.report import comparison_table
-from models.evaluation.stages import EvaluationError, eval_device, evaluate_export, resolve_device, sweep_export
+from difflm.models.evaluation.report import comparison_table
+from difflm.models.evaluation.stages import EvaluationError, eval_device, evaluate_export, resolve_device, sweep_export
 
 # bf16 against fp32 on the same export and noise, as the relative difference of each score (bounds, task NLLs,
 # bits per byte): measured at most 2e-5 on these random-weight exports (masked and ar; fp16 less), whose
@@ -61,7 +61,7 @@ def test_the_cli_prints_the_error_without_a_traceback(exports, tmp_path):  # noq
         [
             sys.executable,
             "-m",
-            "flows.cli",
+            "difflm.flows.cli",
             "generate",
             str(exports["difflm-noshift"]),
             "--prompt",

@@ -17,11 +17,11 @@ from helpers import ROOT
 from benchmarks.gpu.decoding import AR, other_decoders, samplers
 from difflm.config import load_config, save_config
 from difflm.rundir import Workdir
-from models.diffusion import MaskedSampler
-from models.evaluation.progress import Progress
-from models.evaluation.scoring import Scorer
-from models.evaluation.stages import load_model, load_tokenizer
-from models.evaluation.tasks import build_items, heldout_documents, score_tasks, write_lm_eval_tasks
+from difflm.models.diffusion import MaskedSampler
+from difflm.models.evaluation.progress import Progress
+from difflm.models.evaluation.scoring import Scorer
+from difflm.models.evaluation.stages import load_model, load_tokenizer
+from difflm.models.evaluation.tasks import build_items, heldout_documents, score_tasks, write_lm_eval_tasks
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +77,7 @@ def test_scorer_tasks_and_generation_on_every_mode(exports, items):
 def _difflm(*args: str, workdir: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "MLFLOW_TRACKING_URI"}  # the workdir's store
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args, "--preset", "test-tiny", f"workdir={workdir}"],
+        [sys.executable, "-m", "difflm.flows.cli", *args, "--preset", "test-tiny", f"workdir={workdir}"],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -178,7 +178,7 @@ def test_lm_eval_runs_difflm_through_its_own_entry_point(exports, items, tmp_pat
         cmd = [
             sys.executable,
             "-m",
-            "models.evaluation.lm_eval_adapter",
+            "difflm.models.evaluation.lm_eval_adapter",
             "--model",
             "difflm",
             "--model_args",

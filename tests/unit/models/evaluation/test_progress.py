@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models.evaluation.progress import Progress
+from difflm.models.evaluation.progress import Progress
 
 
 def test_progress_says_done_rate_and_eta_every_few_seconds_and_at_the_end():

@@ -18,10 +18,10 @@ from helpers import HF_VOCAB as V
 from helpers import timed_hf_model as _model
 from transformers import AutoModel
 
-from models.diffusion import MaskedSampler
-from models.evaluation.likelihood import likelihood_bound
-from models.evaluation.scoring import Scorer
-from models.hf.convert import AUTO_MAP, save_export
+from difflm.models.diffusion import MaskedSampler
+from difflm.models.evaluation.likelihood import likelihood_bound
+from difflm.models.evaluation.scoring import Scorer
+from difflm.models.hf.convert import AUTO_MAP, save_export
 
 # bf16 logits against fp32, as max |difference| / max |fp32 logit|, over 5 seeded batches of [4, 32] tokens on
 # the tiny random-init models below (CPU): measured 0.0041 (masked), 0.0044 (adaLN), 0.0079 (uniform),

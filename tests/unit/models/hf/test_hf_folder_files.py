@@ -10,8 +10,8 @@ import pytest
 from conftest import tiny_config
 from hf_stock import tiny_stock
 
-from models.hf.convert import ConversionError, import_hf
-from models.hf.importer import check_source, import_pretrained, source_overrides, weight_files
+from difflm.models.hf.convert import ConversionError, import_hf
+from difflm.models.hf.importer import check_source, import_pretrained, source_overrides, weight_files
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (tests/conftest.py)
 

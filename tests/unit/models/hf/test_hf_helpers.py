@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import HF_VOCAB, timed_hf_model
 
-from models.diffusion import elbo_nll_per_token
+from difflm.models.diffusion import elbo_nll_per_token
 
 V = HF_VOCAB  # ids 0 eos, 1 mask, 2 pad
 _model = timed_hf_model

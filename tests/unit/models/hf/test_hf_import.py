@@ -19,17 +19,17 @@ from megatron.core import dist_checkpointing
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from data_prep.pipeline import prepare_data
+from difflm.data_prep.pipeline import prepare_data
 from difflm.config import load_config
 from difflm.rundir import RunDir, TrainResult
-from models.diffusion.arch import ModelArch
-from models.evaluation.stages import convert_checkpoint, export_stock_class
-from models.hf import importer
-from models.hf.architectures import Shape, architecture_of, stock_problem, stock_to_ours
-from models.hf.convert import ConversionError, _local_key, export_hf, load_hf, repad_vocab
-from models.hf.importer import export_stock, import_pretrained, import_record, prepare_tokenizer, source_overrides
-from models.launch.torchrun import free_port, launch_training, read_metrics
-from models.megatron.gpt import build_model, padded_vocab_size
+from difflm.models.diffusion.arch import ModelArch
+from difflm.models.evaluation.stages import convert_checkpoint, export_stock_class
+from difflm.models.hf import importer
+from difflm.models.hf.architectures import Shape, architecture_of, stock_problem, stock_to_ours
+from difflm.models.hf.convert import ConversionError, _local_key, export_hf, load_hf, repad_vocab
+from difflm.models.hf.importer import export_stock, import_pretrained, import_record, prepare_tokenizer, source_overrides
+from difflm.models.launch.torchrun import free_port, launch_training, read_metrics
+from difflm.models.megatron.gpt import build_model, padded_vocab_size
 
 ROOT = Path(__file__).resolve().parents[4]
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (tests/conftest.py)
@@ -183,7 +183,7 @@ def test_difflm_convert_imports_a_stock_folder(tmp_path):
     the overrides that train from it, which make a valid config, and the parity figure; a GGUF file gets its one
     line."""
     src = tiny_stock("qwen3-qknorm-hd", tmp_path / "src")
-    cli = [sys.executable, "-m", "flows.cli", "convert"]
+    cli = [sys.executable, "-m", "difflm.flows.cli", "convert"]
     proc = subprocess.run([*cli, str(src), "--out", str(tmp_path / "mg")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     use = shlex.split(proc.stdout.split("start training from it with: ")[1].splitlines()[0])  # quoted for the shell
@@ -232,7 +232,7 @@ def test_training_starts_from_an_imported_qwen2(tmp_path):
     (data prep reads through the imported tokenizer with its mask token); the ar run's export stage writes the
     stock Qwen2 class back. Step 0's validation loss is the imported model's, so it differs from a fresh init's."""
     src = tiny_stock("qwen2-bias", tmp_path / "src")
-    cli = [sys.executable, "-m", "flows.cli", "convert", str(src), "--out", str(tmp_path / "mg")]
+    cli = [sys.executable, "-m", "difflm.flows.cli", "convert", str(src), "--out", str(tmp_path / "mg")]
     proc = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     use = shlex.split(proc.stdout.split("start training from it with: ")[1].splitlines()[0])
@@ -308,7 +308,7 @@ def test_each_row_sets_the_architecture_record(tmp_path):
 def test_an_exports_record_gives_the_overrides_that_adapt_it(tmp_path):
     """`difflm adapt` of one of this project's exports reads its architecture record back into `model.*`."""
     # inside: the module imports the importer's function of the same name
-    from tasks.adapt import source_overrides
+    from difflm.tasks.adapt import source_overrides
 
     record = ModelArch(activation="gelu_tanh", norm_offset=1, embedding_scale=True, qk_norm=True, head_dim=24)
     tiny_hf_model(architecture=record.to_dict()).save_pretrained(str(tmp_path / "export"))

@@ -7,9 +7,9 @@ import pytest
 import torch
 from helpers import CharTokenizer, tiny_hf_model
 
-from models.diffusion.samplers import MaskedSampler
-from models.evaluation.scoring import Scorer
-from models.hf.modeling_difflm import PrefixCachedLogits
+from difflm.models.diffusion.samplers import MaskedSampler
+from difflm.models.evaluation.scoring import Scorer
+from difflm.models.hf.modeling_difflm import PrefixCachedLogits
 
 V = 64  # ids 0 eos, 1 mask, 2 pad
 

@@ -18,16 +18,16 @@ from helpers import SHORT_RUN as SHORT
 from helpers import tiny_config
 
 from difflm.config import load_config
-from flows.cli import main
-from models.launch.cluster import (
+from difflm.flows.cli import main
+from difflm.models.launch.cluster import (
     ClusterError,
     mount_problem,
     pytorchjob_name,
     submit_kubernetes,
     write_launch_file,
 )
-from models.launch.torchrun import TrainingError, launch_training, run_dir
-from tasks.stages import train_task
+from difflm.models.launch.torchrun import TrainingError, launch_training, run_dir
+from difflm.tasks.stages import train_task
 
 pytestmark = pytest.mark.integration  # the fake kubectl runs as Python processes
 

@@ -10,15 +10,15 @@ import torch.nn.functional as F
 from helpers import block_megatron, save_megatron_checkpoint, tiny_config, tiny_hf_model
 
 from difflm.config import load_config
-from models.diffusion.blocks import block_elbo_terms
-from models.diffusion.modes import BlockDiffusion, build_objective
-from models.diffusion.samplers import MaskedSampler
-from models.hf.convert import export_hf, load_hf
-from models.megatron.data import build_datasets
-from models.megatron.flops import training_flops
-from models.megatron.forward_step import SpecialTokens, make_forward_step
-from models.megatron.gpt import build_model
-from models.megatron.train import build_training, run_global_batch
+from difflm.models.diffusion.blocks import block_elbo_terms
+from difflm.models.diffusion.modes import BlockDiffusion, build_objective
+from difflm.models.diffusion.samplers import MaskedSampler
+from difflm.models.hf.convert import export_hf, load_hf
+from difflm.models.megatron.data import build_datasets
+from difflm.models.megatron.flops import training_flops
+from difflm.models.megatron.forward_step import SpecialTokens, make_forward_step
+from difflm.models.megatron.gpt import build_model
+from difflm.models.megatron.train import build_training, run_global_batch
 
 V = 64  # ids 0 eos, 1 mask, 2 pad
 

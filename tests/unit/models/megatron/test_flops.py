@@ -9,16 +9,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from difflm.config import load_config
-from models.diffusion.documents import document_ids, document_pairs
-from models.diffusion.modes import build_objective
-from models.hf.convert import hf_config
-from models.hf.modeling_difflm import DiffLMForMaskedLM
-from models.megatron import flops
-from models.megatron.data import build_datasets, micro_batch
-from models.megatron.flops import efficiency, padded_vocab, peak_flops
-from models.megatron.forward_step import SpecialTokens
-from models.megatron.gpt import build_model, padded_vocab_size
-from models.megatron.train import build_training, run_global_batch
+from difflm.models.diffusion.documents import document_ids, document_pairs
+from difflm.models.diffusion.modes import build_objective
+from difflm.models.hf.convert import hf_config
+from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
+from difflm.models.megatron import flops
+from difflm.models.megatron.data import build_datasets, micro_batch
+from difflm.models.megatron.flops import efficiency, padded_vocab, peak_flops
+from difflm.models.megatron.forward_step import SpecialTokens
+from difflm.models.megatron.gpt import build_model, padded_vocab_size
+from difflm.models.megatron.train import build_training, run_global_batch
 
 TOKENIZER = {"vocab_size": 1000, "mask_id": 1, "eos_id": 0, "pad_id": 2}
 SHAPE = ["model.num_layers=2", "model.hidden_size=64", "model.num_attention_heads=4"]

@@ -12,9 +12,9 @@ from helpers import tiny_config
 
 from difflm.config import MODEL_PRESETS, ConfigError, ModelConfig
 from difflm.errors import UserError
-from models.megatron import gpt, kernels
-from models.megatron.gpt import build_model
-from models.megatron.train import step_vector
+from difflm.models.megatron import gpt, kernels
+from difflm.models.megatron.gpt import build_model
+from difflm.models.megatron.train import step_vector
 
 
 def test_fusions_on_cuda_only_and_as_configured(tmp_path):
@@ -49,7 +49,7 @@ def test_cuda_settings_make_a_valid_megatron_config(tmp_path, monkeypatch):
 
 def _precheck(cfg, gpus=None):
     """The CLI's check of a training command before anything starts (its data and size checks stubbed)."""
-    from flows import prechecks
+    from difflm.flows import prechecks
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(prechecks, "_data", lambda c: None)
@@ -62,7 +62,7 @@ def test_cuda_graphs_are_refused_in_one_line_without_cuda(tmp_path):
     """model.cuda_graphs (megatron's per-layer CUDA graphs) on this CPU: one line naming the fix (a UserError: the
     CLI prints it without a traceback), before a local run starts and before any model or RNG tracker is built;
     off is the default and builds as before."""
-    from models.megatron.train import graph_safe_rng
+    from difflm.models.megatron.train import graph_safe_rng
 
     cfg = tiny_config(tmp_path, "model.cuda_graphs=layers")
     for refuse in (lambda: gpt.transformer_config(cfg), lambda: graph_safe_rng(cfg), lambda: _precheck(cfg)):

@@ -8,10 +8,10 @@ from helpers import tiny_config
 from megatron.core import dist_checkpointing
 
 from difflm.config import load_config
-from models import diffusion
-from models.diffusion.arch import ModelArch
-from models.hf.convert import ConversionError, export_hf, import_hf, load_hf
-from models.megatron.gpt import build_model
+from difflm.models import diffusion
+from difflm.models.diffusion.arch import ModelArch
+from difflm.models.hf.convert import ConversionError, export_hf, import_hf, load_hf
+from difflm.models.megatron.gpt import build_model
 
 
 def _model(mode: str, tmp_path, **over):

@@ -8,9 +8,9 @@ import pytest
 import torch
 from helpers import tiny_config
 
-from models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
-from models.megatron.hooks import IntervalMeter
-from models.megatron.train import micro_lengths
+from difflm.models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
+from difflm.models.megatron.hooks import IntervalMeter
+from difflm.models.megatron.train import micro_lengths
 
 SPECIAL = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
 

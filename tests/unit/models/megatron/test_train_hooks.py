@@ -14,9 +14,9 @@ from helpers import tiny_config
 from mlflow.entities import Metric
 
 from difflm import tracking
-from models.megatron.hooks import Checkpointer, Hook, IntervalLogger, Step, Validator
-from models.megatron.metrics import MetricsWriter
-from models.megatron.train import Trainer
+from difflm.models.megatron.hooks import Checkpointer, Hook, IntervalLogger, Step, Validator
+from difflm.models.megatron.metrics import MetricsWriter
+from difflm.models.megatron.train import Trainer
 
 
 class Clock:
