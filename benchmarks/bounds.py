@@ -16,8 +16,8 @@ import argparse
 import os
 import time
 
-from difflm.data_prep.pipeline import prepare_data
 from difflm.config import load_config
+from difflm.data_prep.pipeline import prepare_data
 from difflm.models.evaluation.stages import convert_checkpoint, evaluate_export
 from difflm.models.launch.torchrun import launch_training
 

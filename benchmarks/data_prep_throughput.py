@@ -54,8 +54,8 @@ def tokenizer_ceiling(path: Path, tokenizer_json: str) -> dict:
 
 
 def pipeline_case(path: Path, workers: int, workdir: Path, tokenizer_dir: str) -> dict:
-    from difflm.data_prep.pipeline import prepare_data
     from difflm.config import load_config
+    from difflm.data_prep.pipeline import prepare_data
 
     cfg = load_config(
         "tiny-cpu",
@@ -171,8 +171,8 @@ def main() -> int:
         print(json.dumps(row))
         return 0
 
-    from difflm.data_prep.pipeline import prepare_data
     from difflm.config import load_config
+    from difflm.data_prep.pipeline import prepare_data
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

@@ -38,14 +38,14 @@ if str(ROOT) not in sys.path:  # run as a script: the repository's packages (ben
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.gpu.decoding import AR, measure, other_decoders, samplers, warm_up  # noqa: E402
-from difflm.data_prep.pipeline import prepare_data  # noqa: E402
 from difflm.config import PipelineConfig, load_config  # noqa: E402
-from difflm.rundir import RunDir, Workdir  # noqa: E402
+from difflm.data_prep.pipeline import prepare_data  # noqa: E402
 from difflm.models.evaluation.scoring import Scorer  # noqa: E402
 from difflm.models.evaluation.sources import resolve_export  # noqa: E402
 from difflm.models.evaluation.stages import load_model, load_tokenizer  # noqa: E402
 from difflm.models.evaluation.sweep import first_word  # noqa: E402
 from difflm.models.evaluation.tasks import cloze_items, heldout_documents  # noqa: E402
+from difflm.rundir import RunDir, Workdir  # noqa: E402
 
 
 def newest_run(workdir: Path, mode: str = "difflm-noshift", required: bool = True) -> str | None:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from datatrove.utils.logging import logger
 
+from difflm.config import PipelineConfig, SourceConfig
 from difflm.data_prep.budget import document_order, select, write_subset
 from difflm.data_prep.corpus import SOURCES, demo_corpus
 from difflm.data_prep.errors import DataPrepError, SubmittedToCluster
@@ -40,7 +41,6 @@ from difflm.data_prep.split import SPLITS, split_of
 from difflm.data_prep.steps import ExactDedup, HashShard, LengthFilter, SplitSourceWriter, UnicodeNormalizer
 from difflm.data_prep.tokenizer import TokenizerError, TokenizerInfo, describe, load_tokenizer, train_bpe
 from difflm.data_prep.verify import read_index, verify
-from difflm.config import PipelineConfig, SourceConfig
 from difflm.errors import disk_full, is_disk_full
 from difflm.locks import exclusive
 from difflm.rundir import Workdir, lock_file

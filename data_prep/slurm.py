@@ -21,9 +21,9 @@ from pathlib import Path
 from datatrove.executor import SlurmPipelineExecutor
 from datatrove.executor import slurm as datatrove_slurm
 
-from difflm.data_prep.errors import DataPrepError
 from difflm.config import PARTITION, PipelineConfig
 from difflm.credentials import read_credentials, split_credentials, write_credentials_file
+from difflm.data_prep.errors import DataPrepError
 
 CREDENTIALS = Path(".credentials") / "slurm-prep.env"  # under the prep's output folder
 

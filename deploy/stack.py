@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
-from difflm.data_prep import corpus
 from deploy.env_file import MLFLOW_ADMIN, SECRETS, ensure_secrets, read_env_file, write_private
 from difflm import OFFLINE_ENV
+from difflm.data_prep import corpus
 from difflm.outputs import private_umask
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -40,8 +40,10 @@ class TokenizerInfo:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TokenizerInfo:
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known and k != "special_ids"},
-                   special_ids=tuple(d.get("special_ids") or ()))
+        return cls(
+            **{k: v for k, v in d.items() if k in known and k != "special_ids"},
+            special_ids=tuple(d.get("special_ids") or ()),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "special_ids": list(self.special_ids)}

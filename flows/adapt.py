@@ -16,9 +16,9 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 
 from difflm import tracking
-from difflm.rundir import ImportDir, Workdir, is_export_of
 from difflm.flows.pretrain import EVALUATE, PRETRAIN_STAGES, run_pipeline
 from difflm.flows.stages import PipelineRun, Stage, ran_or_cached
+from difflm.rundir import ImportDir, Workdir, is_export_of
 from difflm.tasks import adapt
 from difflm.tasks.adapt import adaptation_config
 from difflm.tasks.cache import cache_key, eval_done, eval_key, mark_eval_done

@@ -26,11 +26,11 @@ from typing import Any
 from difflm import set_offline_env
 from difflm.config import PipelineConfig, load_config, study_spec, validate
 from difflm.errors import ConfigWarning, UserError, disk_full, is_disk_full
-from difflm.outputs import private_umask
-from difflm.rundir import RunDir, Workdir
 from difflm.flows import commands
 from difflm.flows.prechecks import check_arguments, check_before_work
 from difflm.flows.prefect_api import prefect_api
+from difflm.outputs import private_umask
+from difflm.rundir import RunDir, Workdir
 
 # Stages, flows and models are imported inside flows/commands.py's functions, `_run_of_*` and `resolve_config`
 # (difflm.tasks.runs): `difflm --help` then loads argparse and the config only (well under a second), and a command loads

@@ -303,10 +303,10 @@ def evaluate(
 ) -> int:
     """Each SOURCE on its own run's recorded config and data (difflm.tasks.runs.evaluation_source), unless --preset or
     data overrides say otherwise; results on other data go to <run>/eval-<data hash>. Prints one table."""
-    from difflm.tracking import tracking_uri as config_tracking_uri
     from difflm.models.evaluation.report import comparison_table
     from difflm.models.evaluation.stages import evaluate_export, sweep_export
     from difflm.tasks.runs import evaluation_source
+    from difflm.tracking import tracking_uri as config_tracking_uri
 
     found = {}
     for source in sources:
@@ -347,13 +347,13 @@ def generate(
 ) -> int:
     """Samples from an export after each prompt (default: the first words of held-out documents)."""
     from difflm.data_prep.pipeline import prepare_data
-    from difflm.tracking import tracking_uri as config_tracking_uri
     from difflm.models.evaluation.generation import default_prompts, sampler_settings
     from difflm.models.evaluation.report import placement_label
     from difflm.models.evaluation.scoring import Scorer
     from difflm.models.evaluation.sources import resolve_export
     from difflm.models.evaluation.stages import eval_device, load_model, load_tokenizer, placement
     from difflm.models.evaluation.tasks import heldout_documents
+    from difflm.tracking import tracking_uri as config_tracking_uri
 
     hf_dir = resolve_export(source, tracking_uri or config_tracking_uri(cfg), cfg.tracking)
     model, tok = load_model(hf_dir, *eval_device(cfg.eval)), load_tokenizer(hf_dir)

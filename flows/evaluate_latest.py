@@ -13,7 +13,14 @@ from prefect import flow, get_run_logger
 from difflm.config import PipelineConfig
 from difflm.locks import exclusive
 from difflm.rundir import RunDir, lock_file
-from difflm.tasks.runs import evaluated_scores, log_latest_score, remember_score, run_manifest, stage_config, training_run_dir
+from difflm.tasks.runs import (
+    evaluated_scores,
+    log_latest_score,
+    remember_score,
+    run_manifest,
+    stage_config,
+    training_run_dir,
+)
 from difflm.tasks.stages import export_newest_task, score_bound_task
 
 

@@ -53,7 +53,11 @@ def _must_exist(path: str, what: str, hint: str) -> Path:
 
 def _data(cfg: PipelineConfig) -> None:
     """The data sources and tokenizer, unless this config's data prep is finished (then they are not read)."""
-    from difflm.data_prep.pipeline import MANIFEST, data_dir, preflight  # datatrove: seconds; for commands that prep data
+    from difflm.data_prep.pipeline import (  # datatrove: seconds; for commands that prep data
+        MANIFEST,
+        data_dir,
+        preflight,
+    )
 
     if not (data_dir(cfg) / MANIFEST).exists():
         preflight(cfg)

@@ -24,12 +24,12 @@ from prefect import Task, flow, get_run_logger
 from difflm import tracking
 from difflm.config import Point, StudySpec, study_spec
 from difflm.errors import UserError
-from difflm.tracking.plots import plot_study
 from difflm.flows.pretrain import PRETRAIN_STAGES, TRAIN, pretrain
 from difflm.flows.stages import Stage
 from difflm.models.launch import torchrun
 from difflm.tasks import study as results
 from difflm.tasks.study_plan import point_flops
+from difflm.tracking.plots import plot_study
 
 
 class StudyFailed(UserError):

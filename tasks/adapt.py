@@ -24,16 +24,16 @@ from typing import Any
 from pydantic.dataclasses import dataclass
 from tokenizers import Tokenizer
 
-from difflm.data_prep.tokenizer import describe
 from difflm.config import PipelineConfig, is_hf_folder, load_config, with_mode
+from difflm.data_prep.tokenizer import describe
 from difflm.locks import exclusive
-from difflm.rundir import is_checkpoint, is_export_of, lock_file
 from difflm.models.diffusion.arch import ModelArch
 from difflm.models.hf.architectures import config_json, model_fields
 from difflm.models.hf.convert import export_hf, import_hf
 from difflm.models.hf.examples import EXAMPLE_SOURCES
 from difflm.models.hf.importer import check_source, import_pretrained, import_record, weight_files
 from difflm.models.hf.pretrained import smollm2_folder
+from difflm.rundir import is_checkpoint, is_export_of, lock_file
 
 __all__ = ["is_hf_folder"]  # where the flows read it
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.settings import get_current_settings
@@ -28,18 +30,51 @@ def cache_key(stage: str, *parts) -> str:
     return f"{stage}-{hashlib.sha256(blob.encode()).hexdigest()[:32]}"
 
 
-def drop_foreign_record(key: str) -> bool:
-    """Remove the stored result of `key` unless it is a JSON record (as `run_stage` writes): Prefect decodes a
-    record with the serializer named in the record itself, so a file planted in the workdir naming `pickle`
-    would run its code. Removing it only costs running the stage again. Returns whether one was removed."""
-    path = Path(get_current_settings().results.local_storage_path) / key
-    if not path.is_file():
-        return False
+# The one serializer our records are written with (run_stage's result_serializer="json"), field for field: Prefect
+# decodes a stored record with whatever the record names (its object_decoder is called on every JSON object), so a
+# record naming anything else could call any importable function.
+OUR_SERIALIZER = {
+    "type": "json",
+    "jsonlib": "json",
+    "object_encoder": "prefect.serializers.prefect_json_object_encoder",
+    "object_decoder": "prefect.serializers.prefect_json_object_decoder",
+    "dumps_kwargs": {},
+    "loads_kwargs": {},
+}
+# the classes our stages return (TrainResult, ImportedSource, ...): Prefect's decoder imports and builds any class a
+# record names, so a record naming another one is not ours
+OUR_CLASSES = ("difflm.", "pathlib.")
+
+
+def _classes(value: Any) -> Iterator[str]:
+    if isinstance(value, dict):
+        if isinstance(value.get("__class__"), str):
+            yield value["__class__"]
+        for v in value.values():
+            yield from _classes(v)
+    elif isinstance(value, list):
+        for v in value:
+            yield from _classes(v)
+
+
+def is_our_record(blob: bytes) -> bool:
+    """A stored result as run_stage writes it: exactly our JSON serializer, naming only our own classes (read with
+    the plain json module: nothing named in it is imported or called here)."""
     try:
-        kind = json.loads(path.read_bytes())["metadata"]["serializer"]["type"]
+        record = json.loads(blob)
+        if record["metadata"]["serializer"] != OUR_SERIALIZER:
+            return False
+        return all(name.startswith(OUR_CLASSES) for name in _classes(json.loads(record["result"])))
     except (ValueError, KeyError, TypeError):
-        kind = None
-    if kind == "json":
+        return False
+
+
+def drop_foreign_record(key: str) -> bool:
+    """Remove the stored result of `key` unless it is one of ours (`is_our_record`): a record planted in the
+    (shared) workdir naming `pickle`, another decoder or another class would run its code when read. Removing it
+    only costs running the stage again (which reuses its finished output). Returns whether one was removed."""
+    path = Path(get_current_settings().results.local_storage_path) / key
+    if not path.is_file() or is_our_record(path.read_bytes()):
         return False
     path.unlink(missing_ok=True)
     return True

@@ -10,21 +10,11 @@ from pathlib import Path
 
 import yaml
 
-from difflm.data_prep.pipeline import MANIFEST, prepare_data, unique_tokens
-from difflm.data_prep.tokenizer import describe
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
+from difflm.data_prep.pipeline import MANIFEST, prepare_data, unique_tokens
+from difflm.data_prep.tokenizer import describe
 from difflm.locks import exclusive
-from difflm.rundir import (
-    EVAL_LATEST,
-    HF,
-    RunDir,
-    is_checkpoint,
-    is_export_of,
-    iteration_of,
-    lock_file,
-    run_name,
-)
 from difflm.models.evaluation.likelihood import likelihood_bound, validation_windows
 from difflm.models.evaluation.sources import resolve_export
 from difflm.models.evaluation.stages import (
@@ -38,6 +28,16 @@ from difflm.models.evaluation.stages import (
 from difflm.models.hf.architectures import config_json
 from difflm.models.hf.convert import ConversionError, export_hf, import_hf
 from difflm.models.hf.importer import check_source, import_record, tokenizer_overrides
+from difflm.rundir import (
+    EVAL_LATEST,
+    HF,
+    RunDir,
+    is_checkpoint,
+    is_export_of,
+    iteration_of,
+    lock_file,
+    run_name,
+)
 from difflm.tasks import adapt
 
 CONVERT_HINT = (

@@ -14,16 +14,16 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from difflm.data_prep.pipeline import prepare_data
 from difflm.config import PipelineConfig
+from difflm.data_prep.pipeline import prepare_data
 from difflm.errors import DiffLMError
-from difflm.rundir import TrainResult
 from difflm.models.evaluation.likelihood import KIND_LABELS
 from difflm.models.evaluation.report import write_comparison
 from difflm.models.evaluation.stages import convert_checkpoint, evaluate_export, sweep_export
 from difflm.models.launch.kubernetes import submit_kubernetes
 from difflm.models.launch.slurm import submit_slurm
 from difflm.models.launch.torchrun import launch_training
+from difflm.rundir import TrainResult
 from difflm.tasks import adapt
 from difflm.tasks.cache import eval_done
 from difflm.tasks.runs import convert_source, export_newest, score_export_bound

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 
 from difflm.config import Point
-from difflm.rundir import RunDir
 from difflm.models.diffusion.modes import objective_class
+from difflm.rundir import RunDir
 
 CURVE_COLUMNS = ["family", "kind", "unique_tokens", "epochs", "size", "step", "epochs_seen", "val_loss"]
 COLUMNS = [

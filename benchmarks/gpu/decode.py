@@ -68,8 +68,8 @@ def section(check, state: dict) -> dict:
     confident models first (the goal's rows), the random ones after. A mode whose training fails is recorded and
     left out; a worker that fails or runs out of time keeps the rows it measured (the rows file)."""
     from difflm.config import load_config
-    from difflm.rundir import RunDir
     from difflm.models.hf.convert import export_hf
+    from difflm.rundir import RunDir
 
     p, d, out = check.p, check.p["decode"], check.out
     corpus = {**p, "vocab": d["vocab"], "documents": d["documents"], "doc_len": d["doc_len"]}

@@ -20,7 +20,9 @@ from difflm.config.evaluation import FLAT_SAMPLER_FIELDS, nest_sampler_fields
 from difflm.config.pipeline import PipelineConfig
 from difflm.config.train import MOVED, TrainConfig, nest_train_fields, new_train_key
 
-CONFIG_DIR = Path(__file__).parents[1] / "configs"  # difflm/configs: a link to the checkout's configs/, a folder once installed
+CONFIG_DIR = (
+    Path(__file__).parents[1] / "configs"
+)  # difflm/configs: a link to the checkout's configs/, a folder once installed
 
 
 def _format_validation_error(err: ValidationError) -> str:

@@ -17,8 +17,6 @@ from transformers.utils import logging as hf_logging
 
 from difflm.config import EvalConfig, PipelineConfig
 from difflm.errors import UserError
-from difflm.rundir import EVAL_KEY, RunDir, TrainResult, Workdir, is_export_of
-from difflm.tracking.plots import plot_sweep
 from difflm.models.diffusion.modes import build_objective
 from difflm.models.evaluation.generation import default_prompts, generate_samples, sampler_settings
 from difflm.models.evaluation.likelihood import likelihood_bound, validation_windows
@@ -31,6 +29,8 @@ from difflm.models.hf.architectures import stock_problem
 from difflm.models.hf.convert import ConversionError, export_hf
 from difflm.models.hf.importer import export_stock
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
+from difflm.rundir import EVAL_KEY, RunDir, TrainResult, Workdir, is_export_of
+from difflm.tracking.plots import plot_sweep
 
 
 def convert_checkpoint(cfg: PipelineConfig, manifest: dict, trained: TrainResult) -> Path:

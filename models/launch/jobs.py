@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Protocol
 
 from difflm.config import PipelineConfig
-from difflm.rundir import RunDir, TrainResult
 from difflm.models.launch.torchrun import TrainingError, is_finished, plot_run
+from difflm.rundir import RunDir, TrainResult
 
 Echo = Callable[[str], None]
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import yaml
 
 from difflm.config import PipelineConfig
-from difflm.rundir import RunDir, TrainResult, Workdir
 from difflm.models.launch.jobs import (
     ClusterError,
     Deadline,
@@ -34,6 +33,7 @@ from difflm.models.launch.torchrun import (
     trainer_args,
     write_run_inputs,
 )
+from difflm.rundir import RunDir, TrainResult, Workdir
 
 K8S_FINAL = {"Succeeded", "Failed"}
 LAUNCH_FILE = "pytorchjob.yaml"

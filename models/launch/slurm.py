@@ -15,7 +15,6 @@ from pathlib import Path
 
 from difflm.config import ConfigError, PipelineConfig, SlurmBase
 from difflm.credentials import ENV_KEY, is_credential, read_credentials, split_credentials, write_credentials_file
-from difflm.rundir import RunDir, TrainResult, Workdir
 from difflm.models.launch.jobs import (
     ClusterError,
     Follower,
@@ -36,6 +35,7 @@ from difflm.models.launch.torchrun import (
     trainer_args,
     write_run_inputs,
 )
+from difflm.rundir import RunDir, TrainResult, Workdir
 
 RDZV_PORT_BASE = 20000  # + job id % 10000: a rendezvous port per job (jobs may share a node), below ephemeral ports
 ROOT = Path(__file__).resolve().parent.parent.parent  # the project: `-m difflm.models.megatron.train` resolves here

@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 
+from difflm.models.megatron.safe_pickle import check_common, guard_dcp
+
 # the run layout's owner (reading which checkpoint is complete needs no megatron); re-exported for callers here
 from difflm.rundir import LATEST, iter_dir, latest_iteration  # noqa: F401
-from difflm.models.megatron.safe_pickle import check_common, guard_dcp
 
 # The distributed optimizer's default sharding type cannot be saved on this stack
 # ("flattened_range is not supported"); dp_reshardable can, and reloads at another DP size.

@@ -25,14 +25,14 @@ from prefect import flow
 
 from difflm import tracking
 from difflm.errors import Interrupted
-from difflm.rundir import RunDir, TrainResult
-from difflm.tracking import degraded
 from difflm.models.hf.convert import load_megatron_weights
 from difflm.models.launch import torchrun
 from difflm.models.launch.torchrun import TrainingError, TrainingPreempted, launch_training, read_metrics, run_dir
 from difflm.models.megatron.train import scheduler_kwargs
+from difflm.rundir import RunDir, TrainResult
 from difflm.tasks import stages
 from difflm.tasks.stages import train_task
+from difflm.tracking import degraded
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,11 +11,11 @@ from mlflow.tracking import MlflowClient
 from prefect.artifacts import Artifact
 from scenarios import SCENARIOS
 
-from difflm.tracking import tracking_uri, training_view
 from difflm.flows.data_prep import data_prep
 from difflm.flows.evaluate import evaluate
 from difflm.flows.pretrain import pretrain_difflm
 from difflm.models.hf.convert import load_hf
+from difflm.tracking import tracking_uri, training_view
 
 FLOW = SCENARIOS["flagship"].overrides
 STAGES = SCENARIOS["flagship"].stages

@@ -20,8 +20,8 @@ from servers import BIN, stop
 from difflm.data_prep.pipeline import data_dir
 from difflm.locks import exclusive
 from difflm.rundir import RunDir, exported_from, lock_file
-from difflm.tracking import tracking_uri
 from difflm.tasks.runs import export_newest
+from difflm.tracking import tracking_uri
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -38,8 +38,8 @@ from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary
 from scenarios import SCENARIOS, Scenario
 from servers import free_ports
 
-from difflm.data_prep.corpus import cache_dir
 from deploy import env_file, stack
+from difflm.data_prep.corpus import cache_dir
 from difflm.outputs import private_umask
 
 ROOT = Path(__file__).resolve().parents[2]

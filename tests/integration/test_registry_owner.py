@@ -16,8 +16,8 @@ from mlflow.tracking import MlflowClient
 
 from difflm import tracking
 from difflm.config import TrackingConfig, load_config
-from difflm.tracking import registry
 from difflm.flows.cli import main
+from difflm.tracking import registry
 
 pytestmark = pytest.mark.integration  # a real MLflow server
 

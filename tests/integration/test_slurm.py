@@ -27,11 +27,11 @@ from servers import BIN, stop
 from difflm.data_prep import pipeline
 from difflm.data_prep.pipeline import SubmittedToCluster, prepare_data
 from difflm.data_prep.steps import SplitSourceWriter
-from difflm.rundir import TrainResult
 from difflm.flows.cli import main
 from difflm.models.hf.convert import load_megatron_weights
 from difflm.models.launch.cluster import SLURM_ACTIVE, ClusterError, slurm_job_state, slurm_script, submit_slurm
 from difflm.models.launch.torchrun import TrainingError, is_finished, launch_training, read_metrics, run_dir
+from difflm.rundir import TrainResult
 from difflm.tasks.stages import train_task
 
 SLURM = ["train.launch.launcher=slurm", "train.launch.slurm.gpus_per_node=0", "train.launch.wait.poll_seconds=0.3"]

@@ -26,13 +26,11 @@ from prefect.serializers import PickleSerializer
 from prefect.settings import get_current_settings
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from difflm.data_prep import pipeline
-from difflm.data_prep import slurm as prep_slurm
 from deploy import stack
 from difflm.config import ConfigError, load_config
+from difflm.data_prep import pipeline
+from difflm.data_prep import slurm as prep_slurm
 from difflm.errors import DiskFull, UserError
-from difflm.outputs import OutputInTheWay, staged_output
-from difflm.rundir import RunDir
 from difflm.flows import cli
 from difflm.flows.cli import main
 from difflm.models.evaluation.stages import load_model
@@ -43,6 +41,8 @@ from difflm.models.launch.slurm import write_credentials
 from difflm.models.launch.torchrun import launch_training, run_dir
 from difflm.models.megatron import checkpointing
 from difflm.models.megatron.safe_pickle import UnsafeCheckpoint, guard_dcp, restricted_loads
+from difflm.outputs import OutputInTheWay, staged_output
+from difflm.rundir import RunDir
 from difflm.tasks.cache import run_stage
 
 RUN = Path("/shared/difflm/runs/difflm-noshift-abc-def")
@@ -561,3 +561,61 @@ def test_data_prep_submits_to_slurm_without_credentials_and_its_jobs_read_them_f
     assert not creds.exists()
     job = subprocess.run(["bash", "-c", f"{line}\necho ok"], capture_output=True, text=True, cwd=tmp_path)
     assert job.returncode == 0 and job.stdout == "ok\n"  # no file: nothing to read
+
+
+def _planted_json_record(storage: Path, key: str, serializer: dict, result: str) -> None:
+    """A record that says it is JSON, written into the workdir's result store by someone else."""
+    meta = {
+        "storage_key": str(storage / key),
+        "expiration": None,
+        "serializer": serializer,
+        "prefect_version": "3.9.1",
+        "storage_block_id": None,
+    }
+    storage.mkdir(parents=True, exist_ok=True)
+    (storage / key).write_text(json.dumps({"metadata": meta, "result": result}))
+
+
+OUR_JSON = {
+    "type": "json",
+    "jsonlib": "json",
+    "object_encoder": "prefect.serializers.prefect_json_object_encoder",
+    "object_decoder": "prefect.serializers.prefect_json_object_decoder",
+    "dumps_kwargs": {},
+    "loads_kwargs": {},
+}
+
+
+@pytest.mark.parametrize(
+    "serializer, payload",
+    [
+        # Prefect calls the named decoder on every JSON object: subprocess.run takes the dict's keys as argv
+        ({**OUR_JSON, "object_decoder": "subprocess.run"}, {"touch": 1, "MARK": 2}),
+        ({**OUR_JSON, "jsonlib": "subprocess"}, {"x": 1}),
+        ({**OUR_JSON, "loads_kwargs": {"object_hook": "subprocess.run"}}, {"touch": 1, "MARK": 2}),
+        # our own decoder, told to build an object of a class outside difflm: it imports and calls it
+        (OUR_JSON, {"__class__": "subprocess.Popen", "data": ["touch", "MARK"]}),
+    ],
+    ids=["object_decoder", "jsonlib", "loads_kwargs", "foreign_class"],
+)
+def test_a_planted_json_record_runs_nothing(tmp_path, prefect_harness, serializer, payload):
+    """The JSON serializer is no guard by itself: the record names its decoder (any importable callable) and
+    the classes it builds. Only records in exactly our serializer naming only our classes are read."""
+
+    @task
+    def stage(x: int) -> dict:
+        return {"x": x}
+
+    key = f"security-json-{tmp_path.name}"
+    storage = Path(get_current_settings().results.local_storage_path)
+    mark = tmp_path / "PWNED_json"
+    blob = json.dumps(payload).replace("MARK", str(mark))
+    _planted_json_record(storage, key, serializer, blob)
+
+    @flow
+    def pipeline() -> tuple:
+        return run_stage(stage, key, True, 3)
+
+    result, cached = pipeline()
+    assert not mark.exists(), "a planted record ran a command"
+    assert result == {"x": 3} and not cached

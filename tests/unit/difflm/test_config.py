@@ -86,7 +86,9 @@ def test_roundtrip_through_yaml(tmp_path):
 @pytest.mark.integration  # runs the CLI in a subprocess
 def test_cli_rejects_bad_override_with_exit_code_2():
     proc = subprocess.run(
-        [sys.executable, "-m", "difflm.flows.cli", "config", "show", "model.num_layers=zero"], capture_output=True, text=True
+        [sys.executable, "-m", "difflm.flows.cli", "config", "show", "model.num_layers=zero"],
+        capture_output=True,
+        text=True,
     )
     assert proc.returncode == 2 and "model.num_layers" in proc.stderr
 
@@ -157,7 +159,10 @@ def test_cluster_launch_files(tmp_path):
     specs = job["spec"]["pytorchReplicaSpecs"]
     assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 3
     container = specs["Worker"]["template"]["spec"]["containers"][0]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 8 and "difflm.models.megatron.train" in container["command"]
+    assert (
+        container["resources"]["limits"]["nvidia.com/gpu"] == 8
+        and "difflm.models.megatron.train" in container["command"]
+    )
     with pytest.raises(ConfigError, match="nproc_per_node x nnodes"):
         load_config("tiny-cpu", ["train.launch.nnodes=3", "parallel.tensor_model_parallel_size=2"])
 

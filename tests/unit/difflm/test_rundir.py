@@ -17,16 +17,23 @@ from helpers import tiny_config
 from prefect.serializers import JSONSerializer
 
 from difflm.data_prep.pipeline import prepare_data
-from difflm.rundir import RunDir, TrainResult, Workdir, exported_from, is_export_of, iteration_of, latest_iteration
 from difflm.flows.cli import main
 from difflm.models.evaluation.stages import evaluate_export
 from difflm.models.hf.convert import hf_config, save_export
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 from difflm.models.launch.torchrun import TRAIN_SECTIONS, run_dir, write_run_inputs
 from difflm.models.megatron import checkpointing
+from difflm.rundir import RunDir, TrainResult, Workdir, exported_from, is_export_of, iteration_of, latest_iteration
 from difflm.tasks.adapt import ImportedSource
 from difflm.tasks.cache import eval_done, mark_eval_done
-from difflm.tasks.runs import conversion_source, evaluation_source, is_other_data, recorded_data, source_config, stage_config
+from difflm.tasks.runs import (
+    conversion_source,
+    evaluation_source,
+    is_other_data,
+    recorded_data,
+    source_config,
+    stage_config,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 from PIL import Image
 
-from difflm.tracking.plots import plot_study
 from difflm.tasks.study import crossover, crossover_line, training_curve, write_curves, write_table
+from difflm.tracking.plots import plot_study
 
 
 def _row(family, kind, budget, epochs, nll):
