@@ -304,34 +304,37 @@ def evaluate(
     """Each SOURCE on its own run's recorded config and data (difflm.tasks.runs.evaluation_source), unless --preset or
     data overrides say otherwise; results on other data go to <run>/eval-<data hash>. Prints one table."""
     from difflm.tracking import tracking_uri as config_tracking_uri
+    from difflm.models.evaluation.record import EvalRecord
     from difflm.models.evaluation.report import comparison_table
     from difflm.models.evaluation.stages import evaluate_export, sweep_export
     from difflm.tasks.runs import evaluation_source
 
-    found = {}
+    found: dict[str, EvalRecord] = {}
     for source in sources:
         if flow:  # Prefect is imported for --flow only
             from difflm.flows.evaluate import evaluate as evaluate_flow
 
-            found[source] = evaluate_flow(source=source, preset=preset, overrides=overrides, out_dir=out)
+            found[source] = EvalRecord.from_dict(
+                evaluate_flow(source=source, preset=preset, overrides=overrides, out_dir=out)
+            )
             continue
         plan = evaluation_source(source, preset, overrides, tracking_uri or config_tracking_uri(cfg), out)
         c, manifest, hf_dir, out_dir = plan["config"], plan["manifest"], plan["hf_dir"], plan["out_dir"]
-        found[source] = evaluate_export(c, manifest, hf_dir, out_dir, untrained=False)
-        found[source]["sweep"] = sweep_export(c, manifest, hf_dir, out_dir)
+        results = evaluate_export(c, manifest, hf_dir, out_dir, untrained=False)
+        found[source] = results.replace(sweep=sweep_export(c, manifest, hf_dir, out_dir))
         other = f" (data {manifest['hash']}: not the data its run was trained on)" if plan["other_data"] else ""
         print(f"{source}: results in {out_dir}{other}")
     print(comparison_table(found))
     for source, res in found.items():
-        for row in res.get("sweep") or []:
+        for row in res.sweep or []:
             print(
                 f"{source} steps {row['steps']:>3}: cloze accuracy {row['accuracy']:.3f}, "
                 f"{row['tokens_per_s']:.1f} tokens/s"
             )
-        if res.get("samples"):
-            s = res["samples"][0]
+        if res.samples:
+            s = res.samples[0]
             print(f"{source} sample: {s['prompt']!r} -> {s['completion'][:160]!r}")
-    report = next(iter(found.values())).get("report")
+    report = next(iter(found.values())).report
     if report:
         print(f"report of every run on this data: {report}")
     return 0
@@ -373,7 +376,7 @@ def generate(
             f"{r['seconds']:.2f} s]"
         )
     settings = {k: v for k, v in records[0]["sampler"].items() if v is not None} if records else {}
-    print(f"sampler: {json.dumps(settings)}\ndevice / dtype: {placement_label(placement(model))}")
+    print(f"sampler: {json.dumps(settings)}\ndevice / dtype: {placement_label(**placement(model))}")
     return 0
 
 

@@ -8,7 +8,6 @@ also reuses its finished folder on its own, so wiping Prefect's state costs noth
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -19,8 +18,10 @@ from difflm.config import PipelineConfig
 from difflm.errors import DiffLMError
 from difflm.rundir import TrainResult
 from difflm.models.evaluation.likelihood import KIND_LABELS
+from difflm.models.evaluation.record import EvalRecord
 from difflm.models.evaluation.report import write_comparison
 from difflm.models.evaluation.stages import convert_checkpoint, evaluate_export, sweep_export
+from difflm.models.hf.export import Export
 from difflm.models.launch.kubernetes import submit_kubernetes
 from difflm.models.launch.slurm import submit_slurm
 from difflm.models.launch.torchrun import launch_training
@@ -70,16 +71,16 @@ def import_task(cfg: PipelineConfig, folder: str, out_dir: str, lineage: dict | 
 
 
 @task(name="export-source-ar", cache_policy=NO_CACHE)
-def export_source_task(cfg: PipelineConfig, tokenizer: dict, ckpt: str, out_dir: str, lineage: dict) -> str:
+def export_source_task(cfg: PipelineConfig, tokenizer: dict, ckpt: str, out_dir: str, lineage: dict) -> Export:
     """The imported checkpoint as an `ar` export of this project's class: the source model's evaluation input."""
-    return str(adapt.export_source_ar(cfg, tokenizer, Path(ckpt), Path(out_dir), lineage))
+    return adapt.export_source_ar(cfg, tokenizer, Path(ckpt), Path(out_dir), lineage)
 
 
 @task(name="convert-to-hf", cache_policy=NO_CACHE)
-def convert_task(cfg: PipelineConfig, manifest: dict, trained: TrainResult) -> str:
-    out = convert_checkpoint(cfg, manifest, trained)
-    get_run_logger().info(f"Hugging Face export: {out}")
-    return str(out)
+def convert_task(cfg: PipelineConfig, manifest: dict, trained: TrainResult) -> Export:
+    export = convert_checkpoint(cfg, manifest, trained)
+    get_run_logger().info(f"Hugging Face export: {export.folder}")
+    return export
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
@@ -90,26 +91,25 @@ def evaluate_task(
     out_dir: str | None = None,
     untrained: bool = True,
     reuse_key: str | None = None,
-) -> dict:
+) -> EvalRecord:
     """Evaluate the export; with `reuse_key`, results already in `out_dir` for that key are read back instead
     (as training reuses a finished run: a Prefect cache in another place, e.g. a deployment's worker, must not
     cost a new evaluation)."""
     if reuse_key and out_dir and eval_done(Path(out_dir), reuse_key):
         get_run_logger().info(f"reusing the evaluation in {out_dir} (same export, data and eval settings)")
-        results = json.loads((Path(out_dir) / "results.json").read_text())
-        results["report"] = str(write_comparison(Path(cfg.workdir).resolve(), manifest["hash"]))
-        return results
+        report = write_comparison(Path(cfg.workdir).resolve(), manifest["hash"])
+        return EvalRecord.read(out_dir).replace(report=str(report))
     results = evaluate_export(
         cfg, manifest, Path(hf_dir), Path(out_dir) if out_dir else None, untrained, echo=get_run_logger().info
     )
-    b = results["bounds"]
+    b = results.bounds
     kind = KIND_LABELS[b["trained"]["kind"]]
     get_run_logger().info(
         f"validation {kind}: trained {b['trained']['ppl']:.1f}"
         + (f" vs untrained {b['untrained']['ppl']:.1f}" if "untrained" in b else "")
-        + f" (on {results['device']}, {results['dtype']})"
+        + f" (on {results.device}, {results.dtype})"
     )
-    for name, scores in results["tasks"].items():
+    for name, scores in results.tasks.items():
         get_run_logger().info(
             f"task {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items() if isinstance(v, float))
         )
