@@ -54,8 +54,8 @@ def tokenizer_ceiling(path: Path, tokenizer_json: str) -> dict:
 
 
 def pipeline_case(path: Path, workers: int, workdir: Path, tokenizer_dir: str) -> dict:
-    from difflm.data_prep.pipeline import prepare_data
     from difflm.config import load_config
+    from difflm.data_prep.pipeline import prepare_data
 
     cfg = load_config(
         "tiny-cpu",
@@ -73,7 +73,7 @@ def pipeline_case(path: Path, workers: int, workdir: Path, tokenizer_dir: str) -
     tic = time.perf_counter()
     m = prepare_data(cfg)
     dt = time.perf_counter() - tic
-    n = sum(s["tokens"] for s in m["splits"].values())
+    n = sum(s.tokens for s in m.splits.values())
     return {"case": f"datatrove pipeline, {workers} worker(s)", "tokens": n, "seconds": dt}
 
 
@@ -171,13 +171,13 @@ def main() -> int:
         print(json.dumps(row))
         return 0
 
-    from difflm.data_prep.pipeline import prepare_data
     from difflm.config import load_config
+    from difflm.data_prep.pipeline import prepare_data
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         # the demo tokenizer (trained once, not timed)
-        tok_dir = prepare_data(load_config("tiny-cpu", [f"workdir={tmp / 'tok'}"]))["tokenizer"]["path"]
+        tok_dir = prepare_data(load_config("tiny-cpu", [f"workdir={tmp / 'tok'}"])).tokenizer.path
         path = corpus(args.repeat, tmp)
         cases = [("ceiling", str(Path(tok_dir) / "tokenizer.json"), "")]
         cases += [(str(w), tok_dir, str(tmp / f"w{w}")) for w in args.workers]

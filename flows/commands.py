@@ -153,20 +153,20 @@ def prep(cfg: PipelineConfig, flow: bool) -> int:
     except SubmittedToCluster as note:  # prep's job is done once the Slurm job is queued
         print(f"difflm: {note}")
         return 0
-    lines = [f"data: {m['dir']}"]
-    for split, s in m["splits"].items():
-        per = ", ".join(f"{k} {v['documents']} docs/{v['tokens']:,} tok" for k, v in s["sources"].items())
-        lines.append(f"  {split:>5}: {s['documents']:>7} documents {s['tokens']:>12,} tokens  ({per})")
-    if m.get("budget"):
-        b = m["budget"]
+    lines = [f"data: {m.dir}"]
+    for split, s in m.splits.items():
+        per = ", ".join(f"{k} {v['documents']} docs/{v['tokens']:,} tok" for k, v in s.sources.items())
+        lines.append(f"  {split:>5}: {s.documents:>7} documents {s.tokens:>12,} tokens  ({per})")
+    if m.budget:
+        b = m.budget
         lines.append(
             f"  budget: train is {b['tokens']:,} unique tokens ({b['documents']} documents) of the split's "
             f"{b['split_tokens']:,} (data.unique_tokens={b['unique_tokens']}, data.subset_seed={b['subset_seed']})"
         )
-    if m.get("skipped"):
-        lines.append("  skipped/dropped: " + ", ".join(f"{k}={v}" for k, v in m["skipped"].items()))
-    lines.append(f"  tokenizer: vocab {m['tokenizer']['vocab_size']}, sha256 {m['tokenizer']['sha256'][:12]}")
-    lines.append(f"  train data path: {m['splits']['train']['data_path'][:200]}")
+    if m.skipped:
+        lines.append("  skipped/dropped: " + ", ".join(f"{k}={v}" for k, v in m.skipped.items()))
+    lines.append(f"  tokenizer: vocab {m.tokenizer.vocab_size}, sha256 {m.tokenizer.sha256[:12]}")
+    lines.append(f"  train data path: {m.split('train').data_path[:200]}")
     print("\n".join(lines))
     return 0
 
@@ -175,11 +175,12 @@ def verify(cfg: PipelineConfig) -> int:
     """Re-read every shard of the config's finished data prep against its manifest."""
     from difflm.data_prep.pipeline import MANIFEST, DataPrepError, data_dir
     from difflm.data_prep.verify import verify as verify_manifest
+    from difflm.manifest import DataManifest
 
     path = data_dir(cfg) / MANIFEST
     if not path.exists():
         raise DataPrepError(f"no finished data prep for this config at {path.parent}; run `difflm prep` first")
-    report = verify_manifest(json.loads(path.read_text()))
+    report = verify_manifest(DataManifest.read(path))
     print(f"ok: {report['shards']} shards, {report['documents']} documents, {report['tokens']:,} tokens verified")
     return 0
 
@@ -303,11 +304,11 @@ def evaluate(
 ) -> int:
     """Each SOURCE on its own run's recorded config and data (difflm.tasks.runs.evaluation_source), unless --preset or
     data overrides say otherwise; results on other data go to <run>/eval-<data hash>. Prints one table."""
-    from difflm.tracking import tracking_uri as config_tracking_uri
     from difflm.models.evaluation.record import EvalRecord
     from difflm.models.evaluation.report import comparison_table
     from difflm.models.evaluation.stages import evaluate_export, sweep_export
     from difflm.tasks.runs import evaluation_source
+    from difflm.tracking import tracking_uri as config_tracking_uri
 
     found: dict[str, EvalRecord] = {}
     for source in sources:
@@ -322,7 +323,7 @@ def evaluate(
         c, manifest, hf_dir, out_dir = plan["config"], plan["manifest"], plan["hf_dir"], plan["out_dir"]
         results = evaluate_export(c, manifest, hf_dir, out_dir, untrained=False)
         found[source] = results.replace(sweep=sweep_export(c, manifest, hf_dir, out_dir))
-        other = f" (data {manifest['hash']}: not the data its run was trained on)" if plan["other_data"] else ""
+        other = f" (data {manifest.hash}: not the data its run was trained on)" if plan["other_data"] else ""
         print(f"{source}: results in {out_dir}{other}")
     print(comparison_table(found))
     for source, res in found.items():
@@ -350,13 +351,13 @@ def generate(
 ) -> int:
     """Samples from an export after each prompt (default: the first words of held-out documents)."""
     from difflm.data_prep.pipeline import prepare_data
-    from difflm.tracking import tracking_uri as config_tracking_uri
     from difflm.models.evaluation.generation import default_prompts, sampler_settings
     from difflm.models.evaluation.report import placement_label
     from difflm.models.evaluation.scoring import Scorer
     from difflm.models.evaluation.sources import resolve_export
     from difflm.models.evaluation.stages import eval_device, load_model, load_tokenizer, placement
     from difflm.models.evaluation.tasks import heldout_documents
+    from difflm.tracking import tracking_uri as config_tracking_uri
 
     hf_dir = resolve_export(source, tracking_uri or config_tracking_uri(cfg), cfg.tracking)
     model, tok = load_model(hf_dir, *eval_device(cfg.eval)), load_tokenizer(hf_dir)

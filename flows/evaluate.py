@@ -45,8 +45,8 @@ def evaluate(
     else:
         cfg, run = source_config(hf_dir, preset, overrides)
     manifest = recorded_data(cfg, run) or data_prep_task(cfg)
-    out = Path(out_dir) if out_dir else default_out_dir(cfg, source, hf_dir, manifest["hash"])
-    tags = {"flow": "evaluate", "source": source, "data.hash": manifest["hash"]}
+    out = Path(out_dir) if out_dir else default_out_dir(cfg, source, hf_dir, manifest.hash)
+    tags = {"flow": "evaluate", "source": source, "data.hash": manifest.hash}
     name = out.parent.name + out.name.removeprefix("eval") if run and out.parent == run.path else out.name
     with tracking.pipeline_run(cfg, f"evaluate-{name}", tags) as run_id:
         results = evaluate_task(cfg, manifest, str(hf_dir), str(out), untrained=False)

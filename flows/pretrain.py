@@ -164,11 +164,6 @@ def _data_ready(run: PipelineRun, out: Outcome) -> None:
         tracking.log_length(run.cfg, run.manifest.unique_tokens)
 
 
-def _read_manifest(value: DataManifest | dict) -> DataManifest:
-    """Data prep's result as Prefect stored it: the record, or (a stage cached before it was typed) its dict."""
-    return value if isinstance(value, DataManifest) else DataManifest.from_dict(value)
-
-
 def _train_inputs(run: PipelineRun) -> None:
     if run.sid:
         tracking.log_data_stats(run.manifest)
@@ -215,7 +210,7 @@ DATA_PREP = Stage(
     output=lambda run: data_dir(run.cfg),
     done=lambda run, out: (out / MANIFEST).exists(),
     args=lambda run, out, key: (run.cfg,),
-    read=_read_manifest,
+    read=DataManifest.of,  # the record, or the dict a stage cached before it was typed stored
     log=_data_stats,
     after=_data_ready,
     summary=lambda run, out: artifacts.data_markdown(out.result, out.cached),

@@ -8,6 +8,7 @@ from urllib.parse import quote
 
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
+from difflm.manifest import DataManifest
 from difflm.models.evaluation.record import EvalRecord
 from difflm.models.hf.export import Export
 from difflm.rundir import TrainResult
@@ -40,18 +41,17 @@ def _ran(cached: bool) -> str:
     return "reused from the Prefect cache (same inputs, output present)" if cached else "ran"
 
 
-def data_markdown(manifest: dict, cached: bool = False) -> str:
+def data_markdown(manifest: DataManifest, cached: bool = False) -> str:
     rows = []
-    for split, s in manifest["splits"].items():
-        rows.append([split, "all", f"{s['documents']:,}", f"{s['tokens']:,}"])
-        rows += [[split, src, f"{c['documents']:,}", f"{c['tokens']:,}"] for src, c in s.get("sources", {}).items()]
-    skipped = ", ".join(f"{k} {n:,}" for k, n in manifest.get("skipped", {}).items() if n) or "nothing"
+    for split, s in manifest.splits.items():
+        rows.append([split, "all", f"{s.documents:,}", f"{s.tokens:,}"])
+        rows += [[split, src, f"{c['documents']:,}", f"{c['tokens']:,}"] for src, c in s.sources.items()]
+    skipped = ", ".join(f"{k} {n:,}" for k, n in manifest.skipped.items() if n) or "nothing"
     return "\n".join(
         [
-            f"# Data `{manifest['hash']}`",
+            f"# Data `{manifest.hash}`",
             "",
-            f"Stage {_ran(cached)}. Folder: `{manifest['dir']}`; tokenizer vocabulary "
-            f"{manifest['tokenizer']['vocab_size']:,}.",
+            f"Stage {_ran(cached)}. Folder: `{manifest.dir}`; tokenizer vocabulary {manifest.tokenizer.vocab_size:,}.",
             "",
             *_table(["split", "source", "documents", "tokens"], rows),
             "",
