@@ -397,6 +397,7 @@ def exports(tmp_path_factory, tiny_manifest) -> dict[str, Path]:
     """A random-weight export per mode (difflm-noshift, ar), written exactly as the pipeline writes them (the
     evaluation tests' input)."""
     from difflm.models.hf.convert import hf_config, save_export
+    from difflm.models.hf.export import Export
     from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 
     root = tmp_path_factory.mktemp("exports")
@@ -405,10 +406,6 @@ def exports(tmp_path_factory, tiny_manifest) -> dict[str, Path]:
         cfg = tiny_config(root, f"diffusion.model_running_mode={mode}")
         torch.manual_seed(0)
         model = DiffLMForMaskedLM(hf_config(cfg, tiny_manifest["tokenizer"])).eval()
-        out[mode] = save_export(
-            model,
-            Path(tiny_manifest["tokenizer"]["path"]),
-            root / mode,
-            {"checkpoint": None, "mode": mode, "data_hash": tiny_manifest["hash"]},
-        )
+        written = Export(root / mode, None, mode=mode, data_hash=tiny_manifest["hash"])  # from no checkpoint
+        out[mode] = save_export(model, Path(tiny_manifest["tokenizer"]["path"]), written).folder
     return out

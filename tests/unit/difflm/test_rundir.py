@@ -21,6 +21,7 @@ from difflm.rundir import RunDir, TrainResult, Workdir, exported_from, is_export
 from difflm.flows.cli import main
 from difflm.models.evaluation.stages import evaluate_export
 from difflm.models.hf.convert import hf_config, save_export
+from difflm.models.hf.export import Export
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 from difflm.models.launch.torchrun import TRAIN_SECTIONS, run_dir, write_run_inputs
 from difflm.models.megatron import checkpointing
@@ -174,12 +175,8 @@ def own_run(tmp_path_factory) -> RunDir:
     (run.checkpoints / "latest").write_text(str(cfg.train.train_iters))
     torch.manual_seed(0)
     model = DiffLMForMaskedLM(hf_config(cfg, manifest["tokenizer"])).eval()
-    save_export(
-        model,
-        Path(manifest["tokenizer"]["path"]),
-        run.hf,
-        {"checkpoint": str(final), "data_hash": manifest["hash"], "mode": cfg.diffusion.model_running_mode},
-    )
+    export = Export(run.hf, str(final), mode=cfg.diffusion.model_running_mode, data_hash=manifest["hash"])
+    save_export(model, Path(manifest["tokenizer"]["path"]), export)
     return run
 
 
@@ -199,7 +196,7 @@ def test_eval_on_other_data_is_explicit_and_writes_elsewhere(own_run):
     mine = evaluate_export(own["config"], own["manifest"], own["hf_dir"], own["out_dir"], untrained=False)
     results = own_run.path / "eval" / "results.json"
     assert (
-        mine["data_hash"] == own_run.data_hash() and json.loads(results.read_text())["data_hash"] == own_run.data_hash()
+        mine.data_hash == own_run.data_hash() and json.loads(results.read_text())["data_hash"] == own_run.data_hash()
     )
     before = {p: p.read_bytes() for p in (own_run.path / "eval").rglob("*") if p.is_file()}
     assert any("lm_eval_tasks" in str(p) for p in before)
@@ -213,7 +210,7 @@ def test_eval_on_other_data_is_explicit_and_writes_elsewhere(own_run):
     assert Path(other["config"].tokenizer.path) == own_run.hf.resolve()
     assert other["manifest"]["tokenizer"]["sha256"] == own_run.manifest()["tokenizer"]["sha256"]
     theirs = evaluate_export(other["config"], other["manifest"], other["hf_dir"], other["out_dir"], untrained=False)
-    assert theirs["data_hash"] == other["manifest"]["hash"]
+    assert theirs.data_hash == other["manifest"]["hash"]
     assert (other["out_dir"] / "results.json").exists()
     after = {p: p.read_bytes() for p in (own_run.path / "eval").rglob("*") if p.is_file()}
     assert after == before  # the run's own results and lm-eval task files are untouched

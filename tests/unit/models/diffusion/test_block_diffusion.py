@@ -485,7 +485,7 @@ def test_megatron_two_stream_forward_matches_the_export(
         ref = model(inputs, pos, mask, two_stream=True)
     ckpt = tmp_path / f"ckpt-{backend}-{clean}-{documents}-{head_dim}"
     save_megatron_checkpoint(model, ckpt)
-    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / f"hf-{ckpt.name}"))
+    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / f"hf-{ckpt.name}").folder)
     assert hf.config.objective["block_size"] == 4 and hf.config.objective["clean_attention"] == clean
     docs = diffusion.document_ids(x0, special.eos_id) if documents else None
     got = hf(xt, clean_ids=x0, document_ids=docs).logits

@@ -27,7 +27,14 @@ from difflm.models.evaluation.stages import convert_checkpoint, export_stock_cla
 from difflm.models.hf import importer
 from difflm.models.hf.architectures import Shape, architecture_of, stock_problem, stock_to_ours
 from difflm.models.hf.convert import ConversionError, _local_key, export_hf, load_hf, repad_vocab
-from difflm.models.hf.importer import export_stock, import_pretrained, import_record, prepare_tokenizer, source_overrides
+from difflm.models.hf.export import Export
+from difflm.models.hf.importer import (
+    export_stock,
+    import_pretrained,
+    import_record,
+    prepare_tokenizer,
+    source_overrides,
+)
 from difflm.models.launch.torchrun import free_port, launch_training, read_metrics
 from difflm.models.megatron.gpt import build_model, padded_vocab_size
 
@@ -70,13 +77,17 @@ def test_import_then_stock_export_give_the_source_logits(tmp_path, kind):
 
     ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
     ref = _hf_logits(src, ids)
-    stock = export_stock(cfg, tok, ckpt, tmp_path / "stock")
+    written = export_stock(cfg, tok, ckpt, tmp_path / "stock")
+    # the stock class is checked against the megatron model when written, and its marker keeps the figure
+    assert written == Export.read(tmp_path / "stock") and written.format == "hf-stock"
+    assert 0 <= written.parity <= 1e-4 and written.extra["architecture"] == rec["architecture"]
+    stock = written.folder
     config = json.loads((stock / "config.json").read_text())
     assert "auto_map" not in config and not list(stock.glob("*.py"))  # nothing to trust
     assert config["architectures"] == [rec["architecture"]] and config["difflm_mask_token_id"] == tok["mask_id"]
     assert _rel(ref, _hf_logits(stock, ids)) <= 1e-4
 
-    ours = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours"))
+    ours = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours").folder)
     with torch.no_grad():
         assert _rel(ref, ours(ids).logits) <= 1e-4
     if kind == "mistral":  # a diffusion target with adaLN: the source's weights plus its own new parameters
@@ -283,7 +294,7 @@ def test_an_imported_ar_model_has_the_sources_exact_nll(tmp_path):
 
     ckpt = importer.import_pretrained(cfg, src, tmp_path / "mg", tokenizer=tok)
     assert importer.import_record(ckpt)["tokenizer"]["mask_row_added"]  # what the adapt flow's source export reads
-    export = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours"))
+    export = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours").folder)
     assert export.ar_nll(ids).mean().item() == pytest.approx(nll_hf, abs=1e-4)
 
 

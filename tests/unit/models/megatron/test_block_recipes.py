@@ -256,7 +256,7 @@ def test_export_records_the_shift_and_decodes_with_it(megatron_single_process, t
     cfg, model = block_megatron(tmp_path, "local", "diffusion.block_shift=true", "diffusion.complementary_masks=true")
     ckpt = tmp_path / "ckpt"
     save_megatron_checkpoint(model, ckpt)
-    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / "hf"))
+    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / "hf").folder)
     assert hf.config.objective["block_shift"] is True and hf.objective.block_shift
     trained = build_objective(cfg.diffusion, SpecialTokens.from_manifest(tiny_manifest["tokenizer"]).ids())
     assert hf.objective.to_dict() == trained.to_dict()  # the export's own copy of the class: compared as entries

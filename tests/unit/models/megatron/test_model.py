@@ -11,6 +11,7 @@ from difflm.config import load_config
 from difflm.models import diffusion
 from difflm.models.diffusion.arch import ModelArch
 from difflm.models.hf.convert import ConversionError, export_hf, import_hf, load_hf
+from difflm.models.hf.export import Export
 from difflm.models.megatron.gpt import build_model
 
 
@@ -95,7 +96,12 @@ def test_hf_export_gives_megatron_logits(megatron_single_process, tmp_path, tiny
     _save_model_only(model, ckpt)
     tok = {**tiny_manifest["tokenizer"]}
     out = export_hf(cfg, tok, ckpt, tmp_path / "hf")
-    hf = load_hf(out)
+    assert out == Export.read(tmp_path / "hf") and (out.format, out.mode, out.parity) == (
+        "difflm",
+        cfg.diffusion.model_running_mode,
+        None,
+    )
+    hf = load_hf(out.folder)
     x = torch.randint(3, 500, (2, 24))
     t = torch.tensor([0.3, 0.8]) if cfg.diffusion.time_embedding else None
     ref = _logits(model, x, t)
@@ -155,7 +161,7 @@ def test_packed_documents_do_not_see_each_other(megatron_single_process, tmp_pat
 
     ckpt = tmp_path / "ckpt"
     _save_model_only(model, ckpt)
-    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / "hf"))
+    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / "hf").folder)
     got = hf(x, document_ids=diffusion.document_ids(x, eos)).logits
     assert torch.allclose(got, base, atol=1e-4)
 
@@ -184,7 +190,7 @@ def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_proc
     torch.manual_seed(0)
     model = build_model(cfg, vocab_size=3871)
     _save_model_only(model, tmp_path / "ckpt")
-    hf = export_hf(cfg, tok, tmp_path / "ckpt", tmp_path / "hf")
+    hf = export_hf(cfg, tok, tmp_path / "ckpt", tmp_path / "hf").folder
     source = model.embedding.word_embeddings.weight.detach()
     assert source.shape[0] == 3904
     for tp, rows in [(2, 3968), (1, 3904)]:
