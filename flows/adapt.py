@@ -15,11 +15,11 @@ from dataclasses import replace
 from prefect import flow, get_run_logger
 
 from difflm import tracking
+from difflm.flows.pretrain import EVALUATE, PRETRAIN_STAGES, run_pipeline
+from difflm.flows.stages import PipelineRun, Stage, ran_or_cached
 from difflm.models.evaluation.record import EvalRecord
 from difflm.models.hf.export import Export
 from difflm.rundir import ImportDir, Workdir, is_export_of
-from difflm.flows.pretrain import EVALUATE, PRETRAIN_STAGES, run_pipeline
-from difflm.flows.stages import PipelineRun, Stage, ran_or_cached
 from difflm.tasks import adapt
 from difflm.tasks.adapt import adaptation_config
 from difflm.tasks.cache import cache_key, eval_done, eval_key, mark_eval_done

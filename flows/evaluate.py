@@ -8,10 +8,10 @@ from prefect import flow
 
 from difflm import tracking
 from difflm.config import PipelineConfig
-from difflm.rundir import RunDir
 from difflm.flows.pretrain import resolve
 from difflm.models.evaluation.sources import resolve_export
 from difflm.models.evaluation.stages import default_out_dir
+from difflm.rundir import RunDir
 from difflm.tasks import artifacts
 from difflm.tasks.runs import recorded_data, source_config
 from difflm.tasks.stages import data_prep_task, evaluate_task, sweep_task

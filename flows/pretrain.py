@@ -7,15 +7,15 @@ from pathlib import Path
 
 from prefect import flow, get_run_logger
 
-from difflm.data_prep.pipeline import MANIFEST, data_dir
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
+from difflm.data_prep.pipeline import MANIFEST, data_dir
+from difflm.flows.stages import Outcome, PipelineRun, Stage, run_stages, status
 from difflm.manifest import DataManifest
 from difflm.models.evaluation.record import EvalRecord
 from difflm.models.hf.export import Export
-from difflm.rundir import RunDir, TrainResult, Workdir, is_checkpoint, is_export_of
-from difflm.flows.stages import Outcome, PipelineRun, Stage, run_stages, status
 from difflm.models.launch.torchrun import is_finished
+from difflm.rundir import RunDir, TrainResult, Workdir, is_checkpoint, is_export_of
 from difflm.tasks import adapt, artifacts
 from difflm.tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
 from difflm.tasks.stages import convert_task, data_prep_task, evaluate_task, import_task, train_task

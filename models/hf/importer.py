@@ -372,8 +372,8 @@ def export_stock(
     """Write `ckpt_dir` (a causal model: mode ar) as the stock transformers class of its architecture
     (`model.hf_architecture`, else by its features; a model trained here is a Llama), which
     `AutoModelForCausalLM.from_pretrained(out_dir)` loads without remote code. The mask token choice is recorded
-    in config.json (`difflm_mask_token_id`). Logits are checked against the megatron model's; the returned `Export`
-records the figure (`parity`)."""
+    in config.json (`difflm_mask_token_id`). Logits are checked against the megatron model's; the returned
+    `Export` records the figure (`parity`)."""
     from difflm.models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
 
     check_exportable(cfg.model)

@@ -14,8 +14,6 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from difflm.config import CONFIG_DIR, ConfigError, load_config
-from difflm.rundir import Workdir
-from difflm.tracking import tracking_uri
 from difflm.flows.adapt import adapt_difflm, adaptation_config
 from difflm.flows.pretrain import pretrain_difflm
 from difflm.models.diffusion import anneal_ratio, annealed_attention_mask, cart_weights
@@ -27,7 +25,9 @@ from difflm.models.hf.pretrained import SMOLLM2, fetch_gguf, load_gguf_model, sh
 from difflm.models.launch.torchrun import launch_training, read_metrics
 from difflm.models.megatron.forward_step import SpecialTokens, annealed_mask
 from difflm.models.megatron.gpt import build_model
+from difflm.rundir import Workdir
 from difflm.tasks.adapt import ImportedSource, ar_config, resolve_source, source_lineage, with_import
+from difflm.tracking import tracking_uri
 
 # ---- CART (Dream) ------------------------------------------------------------------------------------------
 
@@ -284,9 +284,7 @@ def test_adapt_difflm_flow_evaluates_the_adapted_and_the_source_model_on_the_sam
     cfg, _ = adaptation_config(str(ar_source), preset, overrides)
     manifest = json.loads((Path(summary["data_dir"]) / "manifest.json").read_text())
     direct = evaluate_export(ar_config(cfg), manifest, ar_source, workdir / "direct", untrained=False)
-    assert summary["source_ar"]["nll_per_token"] == pytest.approx(
-        direct.trained["nll_per_token"], rel=1e-6
-    )
+    assert summary["source_ar"]["nll_per_token"] == pytest.approx(direct.trained["nll_per_token"], rel=1e-6)
     # training started from the imported weights: at step 0 the ELBO is already below a uniform model's log V
     records = read_metrics_of(summary["run_dir"])
     first_val = [r["val_loss"] for r in records if "val_loss" in r and r["step"] == 0][0]

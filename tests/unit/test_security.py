@@ -26,13 +26,11 @@ from prefect.serializers import PickleSerializer
 from prefect.settings import get_current_settings
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from difflm.data_prep import pipeline
-from difflm.data_prep import slurm as prep_slurm
 from deploy import stack
 from difflm.config import ConfigError, load_config
+from difflm.data_prep import pipeline
+from difflm.data_prep import slurm as prep_slurm
 from difflm.errors import DiskFull, UserError
-from difflm.outputs import OutputInTheWay, staged_output
-from difflm.rundir import RunDir
 from difflm.flows import cli
 from difflm.flows.cli import main
 from difflm.models.evaluation.stages import load_model
@@ -44,6 +42,8 @@ from difflm.models.launch.slurm import write_credentials
 from difflm.models.launch.torchrun import launch_training, run_dir
 from difflm.models.megatron import checkpointing
 from difflm.models.megatron.safe_pickle import UnsafeCheckpoint, guard_dcp, restricted_loads
+from difflm.outputs import OutputInTheWay, staged_output
+from difflm.rundir import RunDir
 from difflm.tasks.cache import run_stage
 
 RUN = Path("/shared/difflm/runs/difflm-noshift-abc-def")

@@ -17,7 +17,6 @@ from helpers import tiny_config
 from prefect.serializers import JSONSerializer
 
 from difflm.data_prep.pipeline import prepare_data
-from difflm.rundir import RunDir, TrainResult, Workdir, exported_from, is_export_of, iteration_of, latest_iteration
 from difflm.flows.cli import main
 from difflm.models.evaluation.stages import evaluate_export
 from difflm.models.hf.convert import hf_config, save_export
@@ -25,9 +24,17 @@ from difflm.models.hf.export import Export
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 from difflm.models.launch.torchrun import TRAIN_SECTIONS, run_dir, write_run_inputs
 from difflm.models.megatron import checkpointing
+from difflm.rundir import RunDir, TrainResult, Workdir, exported_from, is_export_of, iteration_of, latest_iteration
 from difflm.tasks.adapt import ImportedSource
 from difflm.tasks.cache import eval_done, mark_eval_done
-from difflm.tasks.runs import conversion_source, evaluation_source, is_other_data, recorded_data, source_config, stage_config
+from difflm.tasks.runs import (
+    conversion_source,
+    evaluation_source,
+    is_other_data,
+    recorded_data,
+    source_config,
+    stage_config,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -195,9 +202,7 @@ def test_eval_on_other_data_is_explicit_and_writes_elsewhere(own_run):
     own = evaluation_source(str(own_run.path))
     mine = evaluate_export(own["config"], own["manifest"], own["hf_dir"], own["out_dir"], untrained=False)
     results = own_run.path / "eval" / "results.json"
-    assert (
-        mine.data_hash == own_run.data_hash() and json.loads(results.read_text())["data_hash"] == own_run.data_hash()
-    )
+    assert mine.data_hash == own_run.data_hash() and json.loads(results.read_text())["data_hash"] == own_run.data_hash()
     before = {p: p.read_bytes() for p in (own_run.path / "eval").rglob("*") if p.is_file()}
     assert any("lm_eval_tasks" in str(p) for p in before)
 

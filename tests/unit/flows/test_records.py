@@ -73,7 +73,11 @@ def test_what_is_not_an_export_is_refused_with_what_to_do(tmp_path):
 def test_the_old_results_read_as_an_eval_record_and_write_back_the_same_json(before, tmp_path):
     path = before / RUN / "eval" / "results.json"
     record = EvalRecord.read(path.parent)
-    assert (record.mode, record.data_hash, record.export) == ("difflm-noshift", "ae93725590ed", str(before / RUN / "hf"))
+    assert (record.mode, record.data_hash, record.export) == (
+        "difflm-noshift",
+        "ae93725590ed",
+        str(before / RUN / "hf"),
+    )
     assert (record.device, record.dtype) == ("cpu", "float32") and record.task_settings == {
         "items": 6,
         "mc_samples": 4,
@@ -111,7 +115,9 @@ def test_each_old_stored_result_reads_through_its_row_as_the_typed_record(before
     assert manifest == DataManifest.read(before / "data" / "ae93725590ed" / "manifest.json")
     assert isinstance(trained, TrainResult) and trained.run.path == before / RUN and not trained.reused
     assert export == Export.read(before / RUN / "hf") and export.is_of(trained.checkpoint)
-    assert results == EvalRecord.read(before / RUN / "eval").replace(report=str(before / "reports/data-ae93725590ed.md"))
+    assert results == EvalRecord.read(before / RUN / "eval").replace(
+        report=str(before / "reports/data-ae93725590ed.md")
+    )
 
 
 def test_todays_typed_results_cross_prefects_store_and_read_back_the_same(before):

@@ -19,9 +19,8 @@ from megatron.core import dist_checkpointing
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from difflm.data_prep.pipeline import prepare_data
 from difflm.config import load_config
-from difflm.rundir import RunDir, TrainResult
+from difflm.data_prep.pipeline import prepare_data
 from difflm.models.diffusion.arch import ModelArch
 from difflm.models.evaluation.stages import convert_checkpoint, export_stock_class
 from difflm.models.hf import importer
@@ -37,6 +36,7 @@ from difflm.models.hf.importer import (
 )
 from difflm.models.launch.torchrun import free_port, launch_training, read_metrics
 from difflm.models.megatron.gpt import build_model, padded_vocab_size
+from difflm.rundir import RunDir, TrainResult
 
 ROOT = Path(__file__).resolve().parents[4]
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (tests/conftest.py)
