@@ -89,7 +89,7 @@ def section(check, state: dict) -> dict:
             run = RunDir(trained[mode]["run_dir"])
             cfg = load_config(str(out / f"config-{tag}.yaml"))
             folders[mode] = str(export_hf(cfg, manifest.tokenizer.to_dict(), run.checkpoint(run.latest_iteration()),
-                                          out / f"hf-{tag}"))  # fmt: skip
+                                          out / f"hf-{tag}").folder)  # fmt: skip
         except Exception as exc:  # this mode's rows only: the others are still measured
             errors[mode] = f"{type(exc).__name__}: {exc}"[:400]
     spec = out / "decode-models.json"

@@ -36,7 +36,7 @@ def export(check, manifest: Path, trained: dict) -> dict:
     ckpt = run.checkpoint(run.latest_iteration())
     ref = worker(check, "logits", manifest, checkpoint=ckpt, config=out / "config-difflm-noshift.yaml")
     man = DataManifest.read(manifest)
-    folder = export_hf(cfg, man.tokenizer.to_dict(), ckpt, out / "hf")
+    folder = export_hf(cfg, man.tokenizer.to_dict(), ckpt, out / "hf").folder
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = torch.load(ref["batch"])
     vocab = man.tokenizer.vocab_size
