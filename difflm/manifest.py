@@ -9,6 +9,7 @@ existed load unchanged (tests/unit/test_manifest.py reads one), and `to_dict()` 
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -170,7 +171,7 @@ class DataManifest:
         }
         if self.budget is not None:
             d["budget"] = self.budget
-        return d
+        return copy.deepcopy(d)  # the record's own dicts stay its own: a caller may change what it gets
 
     @classmethod
     def read(cls, path: str | Path) -> DataManifest:

@@ -2,6 +2,7 @@
 
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -58,13 +59,8 @@ def test_resume_reproduces_uninterrupted_run(session_dir, tiny_manifest, layout)
 
 @pytest.mark.slow
 def test_failed_training_reports_the_log(session_dir, tiny_manifest):
-    broken = {
-        **tiny_manifest,
-        "splits": {
-            **tiny_manifest["splits"],
-            "train": {**tiny_manifest["splits"]["train"], "prefixes": ["/nonexistent/shard"]},
-        },
-    }
+    train = replace(tiny_manifest.split("train"), prefixes=("/nonexistent/shard",))
+    broken = tiny_manifest.replace(splits={**tiny_manifest.splits, "train": train})
     cfg = tiny_config(session_dir / "broken", "train.train_iters=3", "train.schedule.warmup_iters=1")
     with pytest.raises(TrainingError, match="training failed .* full log"):
         launch_training(cfg, broken, echo=lambda _: None)
@@ -125,7 +121,7 @@ def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, trained, 
     cfg, info = shared.cfg, shared.info
     source_final = [r["val_loss"] for r in read_metrics(info.run.path) if "val_loss" in r][-1]
     hf_dir = convert_checkpoint(cfg, tiny_manifest, info).folder
-    ckpt = import_hf(cfg, hf_dir, tmp_path / "imported", tiny_manifest["tokenizer"])
+    ckpt = import_hf(cfg, hf_dir, tmp_path / "imported", tiny_manifest.tokenizer.to_dict())
 
     follow = tiny_config(
         session_dir / "import",
@@ -142,7 +138,7 @@ def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, trained, 
 
     wrong = tiny_config(session_dir / "import", "model.hidden_size=64")
     with pytest.raises(ConversionError, match="hidden_size: checkpoint 32 vs config 64"):
-        import_hf(wrong, hf_dir, tmp_path / "nope", tiny_manifest["tokenizer"])
+        import_hf(wrong, hf_dir, tmp_path / "nope", tiny_manifest.tokenizer.to_dict())
 
 
 @pytest.mark.slow

@@ -2,22 +2,24 @@
 
 from pathlib import Path
 
+from helpers import manifest_record
+
 from difflm.config import load_config
+from difflm.manifest import SplitStats
 from difflm.models.evaluation.record import EvalRecord
 from difflm.rundir import RunDir, TrainResult
 from difflm.tasks import artifacts
 from difflm.tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
 
-MANIFEST = {
-    "hash": "abc123",
-    "dir": "/w/data/abc123",
-    "tokenizer": {"vocab_size": 512},
-    "splits": {
-        "train": {"documents": 1200, "tokens": 345678, "sources": {"enwiki": {"documents": 1200, "tokens": 345678}}},
-        "valid": {"documents": 12, "tokens": 3456},
+MANIFEST = manifest_record(
+    "abc123",
+    "/w/data/abc123",
+    splits={
+        "train": SplitStats(1200, 345678, sources={"enwiki": {"documents": 1200, "tokens": 345678}}),
+        "valid": SplitStats(12, 3456),
     },
-    "skipped": {"empty": 3, "too_short": 0},
-}
+    skipped={"empty": 3, "too_short": 0},
+)
 
 
 def test_sparkline_follows_the_curve_and_resamples():

@@ -220,7 +220,7 @@ def test_an_ar_run_exports_the_stock_class_that_lm_eval_scores(megatron_single_p
 
     cfg = tiny_config(tmp_path, "diffusion.model_running_mode=ar", "model.num_query_groups=1")
     torch.manual_seed(0)
-    model = build_model(cfg, tiny_manifest["tokenizer"]["vocab_size"])
+    model = build_model(cfg, tiny_manifest.tokenizer.vocab_size)
     ckpt = tmp_path / "run" / "checkpoints" / "iter_0000001"
     ckpt.mkdir(parents=True)
     dist_checkpointing.save(model.sharded_state_dict(prefix=""), str(ckpt))
@@ -253,7 +253,7 @@ def test_training_starts_from_an_imported_qwen2(tmp_path):
     for init in (use, [u for u in use if not u.startswith("train.init_from=")]):
         cfg = tiny_config(tmp_path / f"wd{len(starts)}", *init, *run)
         manifest = prepare_data(cfg)
-        assert manifest["tokenizer"]["mask_id"] == VOCAB  # the added mask token
+        assert manifest.tokenizer.mask_id == VOCAB  # the added mask token
         info = launch_training(cfg, manifest, echo=lambda _: None)
         starts.append([r["val_loss"] for r in read_metrics(info.run.path) if r["step"] == 0 and "val_loss" in r][0])
         if len(starts) == 1:
