@@ -225,10 +225,12 @@ def test_an_ar_run_exports_the_stock_class_that_lm_eval_scores(megatron_single_p
     ckpt.mkdir(parents=True)
     dist_checkpointing.save(model.sharded_state_dict(prefix=""), str(ckpt))
     info = TrainResult(RunDir(tmp_path / "run"), ckpt, reused=False)
-    stock = export_stock_class(cfg, tiny_manifest, info)
-    assert stock == tmp_path / "run" / "hf-stock"
+    export = export_stock_class(cfg, tiny_manifest, info)
+    stock = export.folder
+    assert stock == tmp_path / "run" / "hf-stock" and export == Export.read(stock)
+    assert (export.format, export.mode, export.data_hash) == ("hf-stock", "ar", tiny_manifest.hash)
     assert type(AutoModelForCausalLM.from_pretrained(str(stock))).__name__ == "LlamaForCausalLM"
-    assert json.loads((stock / "difflm_export.json").read_text())["parity"] <= 1e-4
+    assert json.loads((stock / "difflm_export.json").read_text())["parity"] == export.parity <= 1e-4
     lm = HFLM(pretrained=str(stock), device="cpu", batch_size=1)
     req = Instance(request_type="loglikelihood", doc={}, arguments=("The history of", " the city"), idx=0)
     ((logp, _greedy),) = lm.loglikelihood([req])
