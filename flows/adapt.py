@@ -50,11 +50,11 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
     run_name = f"adapt-{lineage['architecture']}-{cfg.name}-{cfg.data_label()}"
     with tracking.degradations() as degraded, tracking.pipeline_run(cfg, run_name, tags) as run_id:
         summary, run = run_pipeline(cfg, run_id, logger, stages, lineage, ADAPT_STAGES)
-        adapted, source = run.results, run.source
-        table = adapt.comparison_markdown(lineage, adapted, source)
+        adapted, source_ar = run.results, run.source
+        table = adapt.comparison_markdown(lineage, adapted, source_ar)
         (run.trained.run.path / "adaptation.md").write_text(table)
         if run_id:
-            tracking.log_evaluation(source.to_dict(), prefix="source_ar")
+            tracking.log_evaluation(source_ar.to_dict(), prefix="source_ar")
             tracking.log_text(table, "adaptation.md")
             tracking.set_tags({f"stage.{k}": v for k, v in stages.items()})
     logger.info("\n" + table)
@@ -64,8 +64,8 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
         "checkpoint": str(run.imported.checkpoint),
         "source_hf_dir": str(run.source_hf.folder),
         "adapted": adapted.trained,
-        "source_ar": source.trained,
-        "source_ar_tasks": source.tasks,
+        "source_ar": source_ar.trained,
+        "source_ar_tasks": source_ar.tasks,
         "comparison": table,
         "tracking": tracking.summary_line(degraded),
     }

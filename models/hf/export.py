@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 from pydantic.dataclasses import dataclass
 
@@ -94,7 +94,7 @@ class Export:
         return cls(
             folder=folder,
             checkpoint=None if marker.get("checkpoint") is None else str(marker["checkpoint"]),
-            format=fmt,
+            format=cast(ExportFormat, fmt),  # one of FORMATS: checked above
             mode=marker.get("mode"),
             data_hash=marker.get("data_hash"),
             parity=None if parity is None else float(parity),
