@@ -38,14 +38,14 @@ def run(mode: str, preset: str, iters: int | None, workdir: str) -> dict:
     tic = time.time()
     info = launch_training(cfg, manifest, echo=lambda line: print(f"  [{mode}] {line}", flush=True))
     trained_s = time.time() - tic
-    results = evaluate_export(cfg, manifest, convert_checkpoint(cfg, manifest, info))
+    results = evaluate_export(cfg, manifest, convert_checkpoint(cfg, manifest, info).folder)
     return {
         "mode": mode,
         "what": MODES[mode][0],
         "reused": info.reused,
         "train_s": trained_s,
         "iters": cfg.train.train_iters,
-        **results["bounds"],
+        **results.bounds,
     }
 
 

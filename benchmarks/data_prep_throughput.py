@@ -73,7 +73,7 @@ def pipeline_case(path: Path, workers: int, workdir: Path, tokenizer_dir: str) -
     tic = time.perf_counter()
     m = prepare_data(cfg)
     dt = time.perf_counter() - tic
-    n = sum(s["tokens"] for s in m["splits"].values())
+    n = sum(s.tokens for s in m.splits.values())
     return {"case": f"datatrove pipeline, {workers} worker(s)", "tokens": n, "seconds": dt}
 
 
@@ -177,7 +177,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         # the demo tokenizer (trained once, not timed)
-        tok_dir = prepare_data(load_config("tiny-cpu", [f"workdir={tmp / 'tok'}"]))["tokenizer"]["path"]
+        tok_dir = prepare_data(load_config("tiny-cpu", [f"workdir={tmp / 'tok'}"])).tokenizer.path
         path = corpus(args.repeat, tmp)
         cases = [("ceiling", str(Path(tok_dir) / "tokenizer.json"), "")]
         cases += [(str(w), tok_dir, str(tmp / f"w{w}")) for w in args.workers]

@@ -67,7 +67,7 @@ def _environment(check: Check, state: dict):
 
 
 def _data(check: Check, state: dict):
-    return {"tokens": make_dataset(check.p, check.out / "data")["splits"]["train"]["tokens"]}
+    return {"tokens": make_dataset(check.p, check.out / "data").unique_tokens}
 
 
 def _job(name: str, kind: str = "microbatch"):

@@ -43,6 +43,7 @@ from difflm.data_prep.tokenizer import TokenizerError, TokenizerInfo, describe, 
 from difflm.data_prep.verify import read_index, verify
 from difflm.errors import disk_full, is_disk_full
 from difflm.locks import exclusive
+from difflm.manifest import DataManifest, SplitStats
 from difflm.rundir import Workdir, lock_file
 
 MANIFEST = "manifest.json"
@@ -279,7 +280,7 @@ def skip_counts(logs: Path) -> dict[str, int]:
     return totals
 
 
-def shard_stats(out: Path, sources: list[SourceConfig]) -> dict:
+def shard_stats(out: Path, sources: list[SourceConfig]) -> dict[str, SplitStats]:
     """Per split: prefixes, per-source documents/tokens, blend weights and Megatron data-path string. The
     counts come from the .idx files (read_index: megatron-core's reader would cost its import, seconds)."""
     by_size = all(s.weight is None for s in sources)  # megatron's own default: mix as the data comes
@@ -306,14 +307,14 @@ def shard_stats(out: Path, sources: list[SourceConfig]) -> dict:
             ]
         total = sum(weights) or 1.0
         weights = [w / total for w in weights]
-        splits[split] = {
-            "documents": sum(v["documents"] for v in per_source.values()),
-            "tokens": sum(v["tokens"] for v in per_source.values()),
-            "sources": per_source,
-            "prefixes": prefixes,
-            "weights": weights,
-            "data_path": " ".join(f"{w:.6g} {p}" for w, p in zip(weights, prefixes)),
-        }
+        splits[split] = SplitStats(
+            documents=sum(v["documents"] for v in per_source.values()),
+            tokens=sum(v["tokens"] for v in per_source.values()),
+            sources=per_source,
+            prefixes=tuple(prefixes),
+            weights=tuple(weights),
+            data_path=" ".join(f"{w:.6g} {p}" for w, p in zip(weights, prefixes)),
+        )
     return splits
 
 
@@ -325,12 +326,12 @@ def _provenance(src: SourceConfig) -> dict:
     return {"origin": e.origin, "license": e.license, "carrier": e.package, "sha256": e.sha256}
 
 
-def summary_line(manifest: dict) -> str:
+def summary_line(manifest: DataManifest) -> str:
     """The prep's result in one line: documents kept, and the skipped records, files and changed texts
     each summed, with their reasons."""
-    docs = {split: s["documents"] for split, s in manifest["splits"].items()}
+    docs = {split: s.documents for split, s in manifest.splits.items()}
     line = f"data prep: {sum(docs.values())} documents kept ({', '.join(f'{k} {n}' for k, n in docs.items())})"
-    counts = manifest["skipped"]
+    counts = manifest.skipped
     removed = [k for k in counts if k.startswith(("skipped_", "dropped_"))]
     groups = {
         "records skipped or dropped": [k for k in removed if not k.endswith("_file")],
@@ -343,9 +344,9 @@ def summary_line(manifest: dict) -> str:
     return line
 
 
-def unique_tokens(manifest: dict) -> int:
+def unique_tokens(manifest: DataManifest) -> int:
     """The tokens a run trains on, each seen once per epoch: the training split's (its data.unique_tokens subset's)."""
-    return int(manifest["splits"]["train"]["tokens"])
+    return manifest.unique_tokens
 
 
 def data_dir(cfg: PipelineConfig) -> Path:
@@ -353,8 +354,8 @@ def data_dir(cfg: PipelineConfig) -> Path:
     return Workdir.of(cfg).data(cfg.stage_hash("data", "tokenizer"))
 
 
-def prepare_data(cfg: PipelineConfig) -> dict:
-    """Run data prep for `cfg` (finishing an interrupted run, or reusing a finished one); the manifest. With
+def prepare_data(cfg: PipelineConfig) -> DataManifest:
+    """Run data prep for `cfg` (finishing an interrupted run, or reusing a finished one); its DataManifest. With
     data.unique_tokens, the prep of the whole split (shared by every budget, under its own lock) and then the
     subset's manifest. A full disk is one DiskFull line (nothing half-written is taken for done: the manifest is
     written last)."""
@@ -375,11 +376,11 @@ def prepare_data(cfg: PipelineConfig) -> dict:
         raise
 
 
-def _prepare_data(cfg: PipelineConfig) -> dict:
+def _prepare_data(cfg: PipelineConfig) -> DataManifest:
     out = data_dir(cfg)
     manifest_path = out / MANIFEST
     if manifest_path.exists():
-        return json.loads(manifest_path.read_text())
+        return DataManifest.read(manifest_path)
     resolved = [(src, *resolve_source(src)) for src in cfg.data.sources]  # refused empty ones: prepare_data
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -392,76 +393,77 @@ def _prepare_data(cfg: PipelineConfig) -> dict:
     faults = load_faults(out / FAULTS)
     warn_file_faults(faults, out)
     for split in ("train", "valid"):
-        if splits[split]["documents"] == 0:
+        if splits[split].documents == 0:
             raise DataPrepError(
-                f"the {split} split is empty ({splits['train']['documents']} train / "
-                f"{splits['valid']['documents']} valid documents kept; skips: {skipped}): "
+                f"the {split} split is empty ({splits['train'].documents} train / "
+                f"{splits['valid'].documents} valid documents kept; skips: {skipped}): "
                 f"add data or change data.valid_fraction"
             )
-    manifest = {
-        "dir": str(out),
-        "hash": out.name,
-        "sources": [
+    manifest = DataManifest(
+        dir=str(out),
+        hash=out.name,
+        kind="pretraining",  # documents to pack: the only data data prep writes today
+        sources=tuple(
             {"name": s.label, "path": str(p), "format": f, "weight": s.weight or "by tokens", **_provenance(s)}
             for s, p, f in resolved
-        ],
-        "tokenizer": tok.to_dict(),
-        "token_bytes": 4 if tok.vocab_size > 65536 else 2,
-        "splits": splits,
-        "skipped": skipped,
-        "file_problems": faults + ignored,
-        "config": {"data": cfg.data.model_dump(mode="json"), "tokenizer": cfg.tokenizer.model_dump(mode="json")},
-        "seconds": round(time.time() - start, 2),
-    }
+        ),
+        tokenizer=tok,
+        token_bytes=4 if tok.vocab_size > 65536 else 2,
+        splits=splits,
+        skipped=skipped,
+        file_problems=tuple(faults + ignored),
+        config=_config_record(cfg),
+        seconds=round(time.time() - start, 2),
+    )
     verify(manifest)
-    tmp = manifest_path.with_suffix(".part")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(manifest_path)
+    manifest.write(manifest_path)
     print(summary_line(manifest), flush=True)
     return manifest
 
 
-def budget_data(cfg: PipelineConfig, full: dict) -> dict:
+def _config_record(cfg: PipelineConfig) -> dict:
+    """The data and tokenizer sections that made a data folder, as its manifest records them."""
+    return {"data": cfg.data.model_dump(mode="json"), "tokenizer": cfg.tokenizer.model_dump(mode="json")}
+
+
+def budget_data(cfg: PipelineConfig, full: DataManifest) -> DataManifest:
     """The manifest of the data.unique_tokens subset of `full`'s training split (difflm.data_prep.budget), written once
     into data_dir(cfg) and reused; its held-out splits are `full`'s own shards."""
     out = data_dir(cfg)
     manifest_path = out / MANIFEST
     if manifest_path.exists():
-        return json.loads(manifest_path.read_text())
-    budget, seed, split = cfg.data.unique_tokens, cfg.data.subset_seed, full["splits"]["train"]
+        return DataManifest.read(manifest_path)
+    budget, seed, split = cfg.data.unique_tokens, cfg.data.subset_seed, full.split("train")
     assert budget is not None
-    if budget > split["tokens"]:
+    if budget > split.tokens:
         raise DataPrepError(
-            f"data.unique_tokens={budget:,} is more than the training split holds ({split['tokens']:,} tokens in "
-            f"{split['documents']:,} documents): lower it, or set data.unique_tokens=null for the whole split"
+            f"data.unique_tokens={budget:,} is more than the training split holds ({split.tokens:,} tokens in "
+            f"{split.documents:,} documents): lower it, or set data.unique_tokens=null for the whole split"
         )
-    chosen = select(document_order(split["prefixes"], seed), budget)
+    chosen = select(document_order(list(split.prefixes), seed), budget)
     out.mkdir(parents=True, exist_ok=True)
-    write_subset(split["prefixes"], chosen, out, full["token_bytes"])
+    write_subset(list(split.prefixes), chosen, out, full.token_bytes)
     train = shard_stats(out, cfg.data.sources)["train"]
-    manifest = {
-        **full,
-        "dir": str(out),
-        "hash": out.name,
-        "splits": {**full["splits"], "train": train},
-        "budget": {
+    manifest = full.replace(
+        dir=str(out),
+        hash=out.name,
+        splits={**full.splits, "train": train},
+        budget={
             "unique_tokens": budget,
             "subset_seed": seed,
-            "tokens": train["tokens"],
-            "documents": train["documents"],
-            "split_tokens": split["tokens"],
-            "split_documents": split["documents"],
-            "from": full["dir"],
+            "tokens": train.tokens,
+            "documents": train.documents,
+            "split_tokens": split.tokens,
+            "split_documents": split.documents,
+            "from": full.dir,
         },
-        "config": {"data": cfg.data.model_dump(mode="json"), "tokenizer": cfg.tokenizer.model_dump(mode="json")},
-    }
+        config=_config_record(cfg),
+    )
     verify(manifest)
-    tmp = manifest_path.with_suffix(".part")
-    tmp.write_text(json.dumps(manifest, indent=2))
-    tmp.replace(manifest_path)
+    manifest.write(manifest_path)
     print(
-        f"data: a budget of {train['tokens']:,} unique tokens ({train['documents']} documents) of the training "
-        f"split's {split['tokens']:,} -> {out}",
+        f"data: a budget of {train.tokens:,} unique tokens ({train.documents} documents) of the training "
+        f"split's {split.tokens:,} -> {out}",
         flush=True,
     )
     return manifest

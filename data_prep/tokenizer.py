@@ -9,38 +9,18 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from difflm.config import TokenizerConfig
 from difflm.errors import UserError
+from difflm.manifest import TokenizerInfo  # the data manifest's record of a tokenizer
 from difflm.outputs import staged_output
 
 
 class TokenizerError(UserError, ValueError):
     """The configured tokenizer cannot be trained or loaded; the message says what to pass instead."""
-
-
-@dataclass
-class TokenizerInfo:
-    """What later stages need to know about the tokenizer, recorded in the data manifest."""
-
-    path: str  # folder with tokenizer.json (+ HF tokenizer_config.json)
-    vocab_size: int
-    eos_id: int
-    mask_id: int
-    pad_id: int
-    sha256: str  # of tokenizer.json: the tokenizer's identity
-    special_ids: list[int] = field(default_factory=list)  # never drawn as uniform noise
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @property
-    def json_file(self) -> str:
-        return str(Path(self.path) / "tokenizer.json")
 
 
 def _special_ids(tok, cfg: TokenizerConfig, where: str) -> tuple[int, int, int]:
@@ -83,7 +63,9 @@ def describe(folder: Path, cfg: TokenizerConfig) -> TokenizerInfo:
         mask_id=mask,
         pad_id=pad,
         sha256=hashlib.sha256(tok_file.read_bytes()).hexdigest(),
-        special_ids=sorted({i for i, t in tok.get_added_tokens_decoder().items() if t.special} | {eos, mask, pad}),
+        special_ids=tuple(
+            sorted({i for i, t in tok.get_added_tokens_decoder().items() if t.special} | {eos, mask, pad})
+        ),
     )
 
 

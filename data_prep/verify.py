@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from difflm.errors import UserError
+from difflm.manifest import DataManifest
 
 _HEADER = b"MMIDIDX\x00\x00"
 _DTYPES = {8: np.uint16, 4: np.int32}  # megatron's dtype codes as datatrove writes them
@@ -72,22 +73,22 @@ def verify_shard(prefix: str, vocab_size: int, mask_id: int | None = None) -> tu
     return len(lengths), n_tokens
 
 
-def verify(manifest: dict) -> dict:
+def verify(manifest: DataManifest) -> dict:
     """Verify every shard of a manifest; returns {'shards', 'documents', 'tokens'} checked."""
-    vocab, mask_id = manifest["tokenizer"]["vocab_size"], manifest["tokenizer"].get("mask_id")
-    hint = f"delete {manifest['dir']} and rerun data prep"
+    vocab, mask_id = manifest.tokenizer.vocab_size, manifest.tokenizer.mask_id
+    hint = f"delete {manifest.dir} and rerun data prep"
     shards = docs_total = tokens_total = 0
     try:
-        for split, s in manifest["splits"].items():
+        for split, s in manifest.splits.items():
             per_source: dict[str, list[int]] = {}
-            for prefix in s["prefixes"]:
+            for prefix in s.prefixes:
                 n_docs, n_tok = verify_shard(prefix, vocab, mask_id)
                 src = Path(prefix).parent.name
                 acc = per_source.setdefault(src, [0, 0])
                 acc[0] += n_docs
                 acc[1] += n_tok
                 shards += 1
-            for src, counts in s["sources"].items():
+            for src, counts in s.sources.items():
                 got = per_source.get(src, [0, 0])
                 if got != [counts["documents"], counts["tokens"]]:
                     raise DataVerificationError(

@@ -2,15 +2,16 @@
 
 data prep writes it (`manifest.json` in the data folder, `DataManifest.write`); a run copies it beside its
 checkpoints (`data_manifest.json`, difflm.rundir); training, export, evaluation and tracking read it with
-`DataManifest.read` / `DataManifest.load`. The JSON shape is the one data prep has written since the first
-release: manifests written before this module existed load unchanged (tests/unit/test_manifest.py reads one),
-and `to_dict()` writes the same keys back.
+`DataManifest.read`, and a Prefect result store hands the data-prep stage's stored result to `DataManifest.of`.
+The JSON shape is the one data prep has written since the first release: manifests written before this module
+existed load unchanged (tests/unit/test_manifest.py reads one), and `to_dict()` writes the same keys back.
 """
 
 from __future__ import annotations
 
+import copy
 import json
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -39,10 +40,14 @@ class TokenizerInfo:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TokenizerInfo:
-        known = {f.name for f in fields(cls)}
         return cls(
-            **{k: v for k, v in d.items() if k in known and k != "special_ids"},
-            special_ids=tuple(d.get("special_ids") or ()),
+            path=str(d["path"]),
+            vocab_size=int(d["vocab_size"]),
+            eos_id=int(d["eos_id"]),
+            mask_id=int(d["mask_id"]),
+            pad_id=int(d["pad_id"]),
+            sha256=str(d["sha256"]),
+            special_ids=tuple(int(i) for i in d.get("special_ids") or ()),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -119,26 +124,38 @@ class DataManifest:
     # --- the one serialization -------------------------------------------------------------------------------
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DataManifest:
-        kind = d.get("kind", "pretraining")
-        if kind not in KINDS:
-            raise ManifestError(f"manifest of {d.get('dir')}: kind {kind!r} is not one of {KINDS}")
-        return cls(
-            dir=str(d["dir"]),
-            hash=str(d["hash"]),
-            tokenizer=TokenizerInfo.from_dict(d["tokenizer"]),
-            splits={k: SplitStats.from_dict(v) for k, v in d["splits"].items()},
-            token_bytes=int(d.get("token_bytes", 2)),
-            kind=kind,
-            sources=tuple(d.get("sources") or ()),
-            skipped=dict(d.get("skipped") or {}),
-            file_problems=tuple(d.get("file_problems") or ()),
-            config=dict(d.get("config") or {}),
-            seconds=float(d.get("seconds", 0.0)),
-            budget=d.get("budget"),
-        )
+    def from_dict(cls, d: dict[str, Any], where: str = "a data manifest") -> DataManifest:
+        """The record of a manifest's JSON (any release's: keys added since have defaults); ManifestError naming
+        `where` when it is not one."""
+        try:
+            kind = d.get("kind", "pretraining")  # written since manifests could hold instruction data
+            if kind not in KINDS:
+                raise ManifestError(
+                    f"{where}: kind {kind!r} is not one of {', '.join(KINDS)}; it was not written by data prep: {_REDO}"
+                )
+            return cls(
+                dir=str(d["dir"]),
+                hash=str(d["hash"]),
+                tokenizer=TokenizerInfo.from_dict(d["tokenizer"]),
+                splits={k: SplitStats.from_dict(v) for k, v in d["splits"].items()},
+                token_bytes=int(d.get("token_bytes", 2)),
+                kind=kind,
+                sources=tuple(d.get("sources") or ()),
+                skipped=dict(d.get("skipped") or {}),
+                file_problems=tuple(d.get("file_problems") or ()),
+                config=dict(d.get("config") or {}),
+                seconds=float(d.get("seconds", 0.0)),
+                budget=d.get("budget"),
+            )
+        except KeyError as e:
+            raise ManifestError(f"{where} has no {e.args[0]!r}: it is not a complete data manifest; {_REDO}") from None
+        except (AttributeError, TypeError, ValueError) as e:
+            if isinstance(e, ManifestError):
+                raise
+            raise ManifestError(f"{where} is not a data manifest ({type(e).__name__}: {e}); {_REDO}") from None
 
     def to_dict(self) -> dict[str, Any]:
+        """The manifest's JSON: every key data prep wrote before this record existed, and `kind`."""
         d: dict[str, Any] = {
             "dir": self.dir,
             "hash": self.hash,
@@ -154,22 +171,32 @@ class DataManifest:
         }
         if self.budget is not None:
             d["budget"] = self.budget
-        return d
+        return copy.deepcopy(d)  # the record's own dicts stay its own: a caller may change what it gets
 
     @classmethod
     def read(cls, path: str | Path) -> DataManifest:
         """A manifest file (data prep's manifest.json or a run's data_manifest.json), old or new."""
         path = Path(path)
         try:
-            return cls.from_dict(json.loads(path.read_text()))
+            text = path.read_text()
         except FileNotFoundError:
-            raise ManifestError(f"no data manifest at {path}: run data prep first (difflm prep)") from None
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            if isinstance(e, ManifestError):
-                raise
             raise ManifestError(
-                f"{path} is not a data manifest ({type(e).__name__}: {e}): delete its folder and rerun data prep"
+                f"no data manifest at {path}: data prep writes it last, so its data is not prepared (or was "
+                f"deleted); run data prep (difflm prep, or the pipeline) for this config"
             ) from None
+        try:
+            d = json.loads(text)
+        except ValueError as e:  # JSONDecodeError, or bytes that are not text
+            raise ManifestError(f"{path} is not JSON ({e}); {_REDO}") from None
+        if not isinstance(d, dict):
+            raise ManifestError(f"{path} holds a JSON {type(d).__name__}, not a data manifest; {_REDO}")
+        return cls.from_dict(d, where=str(path))
+
+    @classmethod
+    def of(cls, value: DataManifest | dict[str, Any]) -> DataManifest:
+        """The record itself, or the plain dict a Prefect result store holds from the release before it was typed
+        (the data-prep stage's cached result), as `TrainResult.read` reads an old train result."""
+        return value if isinstance(value, DataManifest) else cls.from_dict(value, where="a stored data-prep result")
 
     def write(self, path: str | Path) -> Path:
         """Write atomically: a half-written manifest never marks a folder done."""
@@ -178,3 +205,20 @@ class DataManifest:
         tmp.write_text(json.dumps(self.to_dict(), indent=2))
         tmp.replace(path)
         return path
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: Any) -> Any:
+        """Read back through `from_dict` (what Prefect's JSON result store hands over: the stored data-prep
+        result), written as `to_dict`: the record crosses the store in the one serialization."""
+        # pydantic-core only here, where pydantic asks: this module stays on the standard library for everything else
+        from pydantic_core import core_schema
+
+        return core_schema.no_info_plain_validator_function(
+            cls.of, serialization=core_schema.plain_serializer_function_ser_schema(lambda m: m.to_dict())
+        )
+
+
+_REDO = (
+    "data prep writes manifest.json last: delete that data folder and run data prep again (a run's "
+    "data_manifest.json is a copy of its data's manifest.json: copy it again)"
+)

@@ -20,7 +20,7 @@ workdir used last is named by `.difflm-last` in the current directory (`Workdir.
 
 Each stage's output folder has its lock file beside it (`lock_file`: `.<name>.lock`), held by the one process
 writing it. An export (any folder with difflm_export.json) records the checkpoint it was written from: `exported_from`.
-Only the standard library, pydantic-core and difflm.config: the launcher, the trainer, the flows and the CLI all
+Only the standard library, pydantic-core, difflm.config and difflm.manifest: the launcher, the trainer, the flows and the CLI all
 read it.
 """
 
@@ -35,6 +35,7 @@ from pydantic.dataclasses import dataclass
 from pydantic_core import core_schema
 
 from difflm.config import ConfigError, PipelineConfig, load_config
+from difflm.manifest import DataManifest
 
 CONFIG = "config.yaml"
 MANIFEST = "data_manifest.json"
@@ -214,12 +215,12 @@ class RunDir:
         workdir = [f"workdir={self.path.resolve().parent.parent}"] if self.path.resolve().parent.name == "runs" else []
         return load_config(str(self.config_file), [*workdir, *(overrides or [])])
 
-    def manifest(self) -> dict:
+    def manifest(self) -> DataManifest:
         """The data manifest the run was trained on (its tokenizer, held-out split, hash)."""
-        return json.loads(self.manifest_file.read_text())
+        return DataManifest.read(self.manifest_file)
 
     def data_hash(self) -> str | None:
-        return self.manifest()["hash"] if self.manifest_file.exists() else None
+        return self.manifest().hash if self.manifest_file.exists() else None
 
     def metrics(self) -> list[dict]:
         """Every record of metrics.jsonl (empty before the first one)."""
@@ -392,9 +393,9 @@ class Workdir:
         """data/<hash of data + tokenizer settings>: the prepared data (`difflm.data_prep.pipeline`)."""
         return self.path / DATA / data_hash
 
-    def run_for(self, cfg: PipelineConfig, manifest: dict) -> RunDir:
+    def run_for(self, cfg: PipelineConfig, manifest: DataManifest) -> RunDir:
         """runs/<mode>-<data hash>-<train hash>: the run that training `cfg` on the data of `manifest` writes."""
-        return RunDir(self.runs / run_name(cfg, manifest["hash"]))
+        return RunDir(self.runs / run_name(cfg, manifest.hash))
 
     def import_for(self, cfg: PipelineConfig, source_sha256: str) -> ImportDir:
         """An import depends on the source's weights, the mask token and the vocabulary padding (TP) only."""

@@ -11,13 +11,14 @@ the source checkpoint (path, sha256, architecture) as lineage (tags `source.*`),
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 from prefect import flow, get_run_logger
 
 from difflm import tracking
 from difflm.flows.pretrain import EVALUATE, PRETRAIN_STAGES, run_pipeline
 from difflm.flows.stages import PipelineRun, Stage, ran_or_cached
+from difflm.models.evaluation.record import EvalRecord
+from difflm.models.hf.export import Export
 from difflm.rundir import ImportDir, Workdir, is_export_of
 from difflm.tasks import adapt
 from difflm.tasks.adapt import adaptation_config
@@ -49,27 +50,22 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
     run_name = f"adapt-{lineage['architecture']}-{cfg.name}-{cfg.data_label()}"
     with tracking.degradations() as degraded, tracking.pipeline_run(cfg, run_name, tags) as run_id:
         summary, run = run_pipeline(cfg, run_id, logger, stages, lineage, ADAPT_STAGES)
-        trained, source_hf, source = run.cfg, run["source_hf"], run["source"]
-        adapted = {
-            "mode": trained.diffusion.model_running_mode,
-            "bounds": summary["validation"],
-            "tasks": summary["tasks"],
-        }
-        table = adapt.comparison_markdown(lineage, adapted, source)
-        (Path(summary["run_dir"]) / "adaptation.md").write_text(table)
+        adapted, source_ar = run.results, run.source
+        table = adapt.comparison_markdown(lineage, adapted, source_ar)
+        (run.trained.run.path / "adaptation.md").write_text(table)
         if run_id:
-            tracking.log_evaluation(source, prefix="source_ar")
+            tracking.log_evaluation(source_ar.to_dict(), prefix="source_ar")
             tracking.log_text(table, "adaptation.md")
             tracking.set_tags({f"stage.{k}": v for k, v in stages.items()})
     logger.info("\n" + table)
     return {
         **summary,
         "source": lineage,
-        "checkpoint": str(run["imported"].checkpoint),
-        "source_hf_dir": source_hf,
-        "adapted": summary["validation"]["trained"],
-        "source_ar": source["bounds"]["trained"],
-        "source_ar_tasks": source["tasks"],
+        "checkpoint": str(run.imported.checkpoint),
+        "source_hf_dir": str(run.source_hf.folder),
+        "adapted": adapted.trained,
+        "source_ar": source_ar.trained,
+        "source_ar_tasks": source_ar.tasks,
         "comparison": table,
         "tracking": tracking.summary_line(degraded),
     }
@@ -85,7 +81,7 @@ def _imports(run: PipelineRun) -> ImportDir:
 
 
 def _source_key(run: PipelineRun, out) -> str:
-    return eval_key(adapt.ar_config(run.cfg), run["manifest"], run["source_hf"])
+    return eval_key(adapt.ar_config(run.cfg), run.manifest, run.source_hf.folder)
 
 
 EXPORT_SOURCE_AR = Stage(
@@ -93,34 +89,36 @@ EXPORT_SOURCE_AR = Stage(
     export_source_task,
     slot="source_hf",
     output=lambda run: _imports(run).hf_ar,
-    done=lambda run, out: is_export_of(out, run["imported"].checkpoint),
-    key=lambda run, out: cache_key("export-source-ar", out, run["imported"].checkpoint),
+    done=lambda run, out: is_export_of(out, run.imported.checkpoint),
+    key=lambda run, out: cache_key("export-source-ar", out, run.imported.checkpoint),
     args=lambda run, out, key: (
         run.cfg,
-        run["manifest"]["tokenizer"],
-        str(run["imported"].checkpoint),
+        run.manifest.tokenizer,
+        str(run.imported.checkpoint),
         str(out),
         run.lineage,
     ),
-    tags=lambda run, out: {"export.hf_dir": out.result},
+    read=Export.of,  # an Export, or the folder's path a stage cached before it was typed stored
+    tags=lambda run, out: {"export.hf_dir": str(out.result.folder)},
     status=ran_or_cached,
 )
 EVALUATE_SOURCE_AR = Stage(
     "evaluate-source-ar",
     evaluate_task,
     slot="source",
-    output=lambda run: _imports(run).eval_dir(run["manifest"]["hash"]),
+    output=lambda run: _imports(run).eval_dir(run.manifest.hash),
     done=lambda run, out: eval_done(out, _source_key(run, out)),
     key=_source_key,
-    args=lambda run, out, key: (adapt.ar_config(run.cfg), run["manifest"], run["source_hf"], str(out), False),
-    log=lambda run, out: tracking.log_evaluation(out.result, prefix="source_ar"),
+    args=lambda run, out, key: (adapt.ar_config(run.cfg), run.manifest, str(run.source_hf.folder), str(out), False),
+    read=EvalRecord.of,  # an EvalRecord, or the dict a stage cached before it was typed stored
+    log=lambda run, out: tracking.log_evaluation(out.result.to_dict(), prefix="source_ar"),
     after=lambda run, out: mark_eval_done(out.output, out.key),
     status=ran_or_cached,
 )
 # the adapted model's evaluation without a randomly initialised model of its size: its baseline is the source AR
 # model (EVALUATE_SOURCE_AR), and scoring a random init took minutes on a CPU for a 135M model
 EVALUATE_ADAPTED = replace(
-    EVALUATE, args=lambda run, out, key: (run.cfg, run["manifest"], run["hf_dir"], str(out), False, key)
+    EVALUATE, args=lambda run, out, key: (run.cfg, run.manifest, str(run.export.folder), str(out), False, key)
 )
 # the flagship's stages, then the source's own export and evaluation
 ADAPT_STAGES = [

@@ -153,20 +153,20 @@ def prep(cfg: PipelineConfig, flow: bool) -> int:
     except SubmittedToCluster as note:  # prep's job is done once the Slurm job is queued
         print(f"difflm: {note}")
         return 0
-    lines = [f"data: {m['dir']}"]
-    for split, s in m["splits"].items():
-        per = ", ".join(f"{k} {v['documents']} docs/{v['tokens']:,} tok" for k, v in s["sources"].items())
-        lines.append(f"  {split:>5}: {s['documents']:>7} documents {s['tokens']:>12,} tokens  ({per})")
-    if m.get("budget"):
-        b = m["budget"]
+    lines = [f"data: {m.dir}"]
+    for split, s in m.splits.items():
+        per = ", ".join(f"{k} {v['documents']} docs/{v['tokens']:,} tok" for k, v in s.sources.items())
+        lines.append(f"  {split:>5}: {s.documents:>7} documents {s.tokens:>12,} tokens  ({per})")
+    if m.budget:
+        b = m.budget
         lines.append(
             f"  budget: train is {b['tokens']:,} unique tokens ({b['documents']} documents) of the split's "
             f"{b['split_tokens']:,} (data.unique_tokens={b['unique_tokens']}, data.subset_seed={b['subset_seed']})"
         )
-    if m.get("skipped"):
-        lines.append("  skipped/dropped: " + ", ".join(f"{k}={v}" for k, v in m["skipped"].items()))
-    lines.append(f"  tokenizer: vocab {m['tokenizer']['vocab_size']}, sha256 {m['tokenizer']['sha256'][:12]}")
-    lines.append(f"  train data path: {m['splits']['train']['data_path'][:200]}")
+    if m.skipped:
+        lines.append("  skipped/dropped: " + ", ".join(f"{k}={v}" for k, v in m.skipped.items()))
+    lines.append(f"  tokenizer: vocab {m.tokenizer.vocab_size}, sha256 {m.tokenizer.sha256[:12]}")
+    lines.append(f"  train data path: {m.split('train').data_path[:200]}")
     print("\n".join(lines))
     return 0
 
@@ -175,11 +175,12 @@ def verify(cfg: PipelineConfig) -> int:
     """Re-read every shard of the config's finished data prep against its manifest."""
     from difflm.data_prep.pipeline import MANIFEST, DataPrepError, data_dir
     from difflm.data_prep.verify import verify as verify_manifest
+    from difflm.manifest import DataManifest
 
     path = data_dir(cfg) / MANIFEST
     if not path.exists():
         raise DataPrepError(f"no finished data prep for this config at {path.parent}; run `difflm prep` first")
-    report = verify_manifest(json.loads(path.read_text()))
+    report = verify_manifest(DataManifest.read(path))
     print(f"ok: {report['shards']} shards, {report['documents']} documents, {report['tokens']:,} tokens verified")
     return 0
 
@@ -303,35 +304,38 @@ def evaluate(
 ) -> int:
     """Each SOURCE on its own run's recorded config and data (difflm.tasks.runs.evaluation_source), unless --preset or
     data overrides say otherwise; results on other data go to <run>/eval-<data hash>. Prints one table."""
+    from difflm.models.evaluation.record import EvalRecord
     from difflm.models.evaluation.report import comparison_table
     from difflm.models.evaluation.stages import evaluate_export, sweep_export
     from difflm.tasks.runs import evaluation_source
     from difflm.tracking import tracking_uri as config_tracking_uri
 
-    found = {}
+    found: dict[str, EvalRecord] = {}
     for source in sources:
         if flow:  # Prefect is imported for --flow only
             from difflm.flows.evaluate import evaluate as evaluate_flow
 
-            found[source] = evaluate_flow(source=source, preset=preset, overrides=overrides, out_dir=out)
+            found[source] = EvalRecord.from_dict(
+                evaluate_flow(source=source, preset=preset, overrides=overrides, out_dir=out)
+            )
             continue
         plan = evaluation_source(source, preset, overrides, tracking_uri or config_tracking_uri(cfg), out)
         c, manifest, hf_dir, out_dir = plan["config"], plan["manifest"], plan["hf_dir"], plan["out_dir"]
-        found[source] = evaluate_export(c, manifest, hf_dir, out_dir, untrained=False)
-        found[source]["sweep"] = sweep_export(c, manifest, hf_dir, out_dir)
-        other = f" (data {manifest['hash']}: not the data its run was trained on)" if plan["other_data"] else ""
+        results = evaluate_export(c, manifest, hf_dir, out_dir, untrained=False)
+        found[source] = results.replace(sweep=sweep_export(c, manifest, hf_dir, out_dir))
+        other = f" (data {manifest.hash}: not the data its run was trained on)" if plan["other_data"] else ""
         print(f"{source}: results in {out_dir}{other}")
     print(comparison_table(found))
     for source, res in found.items():
-        for row in res.get("sweep") or []:
+        for row in res.sweep or []:
             print(
                 f"{source} steps {row['steps']:>3}: cloze accuracy {row['accuracy']:.3f}, "
                 f"{row['tokens_per_s']:.1f} tokens/s"
             )
-        if res.get("samples"):
-            s = res["samples"][0]
+        if res.samples:
+            s = res.samples[0]
             print(f"{source} sample: {s['prompt']!r} -> {s['completion'][:160]!r}")
-    report = next(iter(found.values())).get("report")
+    report = next(iter(found.values())).report
     if report:
         print(f"report of every run on this data: {report}")
     return 0
@@ -373,7 +377,7 @@ def generate(
             f"{r['seconds']:.2f} s]"
         )
     settings = {k: v for k, v in records[0]["sampler"].items() if v is not None} if records else {}
-    print(f"sampler: {json.dumps(settings)}\ndevice / dtype: {placement_label(placement(model))}")
+    print(f"sampler: {json.dumps(settings)}\ndevice / dtype: {placement_label(**placement(model))}")
     return 0
 
 

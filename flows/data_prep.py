@@ -4,6 +4,7 @@ from prefect import flow
 
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
+from difflm.manifest import DataManifest
 from difflm.tasks import artifacts
 from difflm.tasks.stages import data_prep_task
 
@@ -11,7 +12,7 @@ from difflm.tasks.stages import data_prep_task
 @flow(name="data-prep", log_prints=True)
 def data_prep(
     preset: str = "tiny-cpu", overrides: list[str] | None = None, config: PipelineConfig | None = None
-) -> dict:
+) -> DataManifest:
     """Tokenize and pack the configured sources into Megatron .bin/.idx with a manifest.
 
     Args:

@@ -45,18 +45,17 @@ def evaluate(
     else:
         cfg, run = source_config(hf_dir, preset, overrides)
     manifest = recorded_data(cfg, run) or data_prep_task(cfg)
-    out = Path(out_dir) if out_dir else default_out_dir(cfg, source, hf_dir, manifest["hash"])
-    tags = {"flow": "evaluate", "source": source, "data.hash": manifest["hash"]}
+    out = Path(out_dir) if out_dir else default_out_dir(cfg, source, hf_dir, manifest.hash)
+    tags = {"flow": "evaluate", "source": source, "data.hash": manifest.hash}
     name = out.parent.name + out.name.removeprefix("eval") if run and out.parent == run.path else out.name
     with tracking.pipeline_run(cfg, f"evaluate-{name}", tags) as run_id:
         results = evaluate_task(cfg, manifest, str(hf_dir), str(out), untrained=False)
-        results["sweep"] = sweep_task(cfg, manifest, str(hf_dir), str(out))
+        results = results.replace(sweep=sweep_task(cfg, manifest, str(hf_dir), str(out)))
         if run_id:
-            tracking.log_evaluation(results)
-            tracking.log_sweep(results["sweep"], out / "sweep.png")
+            tracking.log_evaluation(results.to_dict())
+            tracking.log_sweep(results.sweep or [], out / "sweep.png")
             tracking.log_data_stats(manifest, context="evaluation")
         link = artifacts.mlflow_run_url(tracking.tracking_uri(cfg), tracking.experiment_of(run_id), run_id)
     artifacts.publish("evaluate-summary", artifacts.evaluation_markdown(results), f"evaluation of {source}", link)
-    results["mlflow_run_id"] = run_id
-    results["out_dir"] = str(out)
-    return results
+    # the flow's result (the CLI prints it, a deployment's run keeps it): the record's JSON and where it went
+    return {**results.to_dict(), "mlflow_run_id": run_id, "out_dir": str(out)}

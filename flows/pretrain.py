@@ -9,8 +9,11 @@ from prefect import flow, get_run_logger
 
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
-from difflm.data_prep.pipeline import MANIFEST, data_dir, unique_tokens
+from difflm.data_prep.pipeline import MANIFEST, data_dir
 from difflm.flows.stages import Outcome, PipelineRun, Stage, run_stages, status
+from difflm.manifest import DataManifest
+from difflm.models.evaluation.record import EvalRecord
+from difflm.models.hf.export import Export
 from difflm.models.launch.torchrun import is_finished
 from difflm.rundir import RunDir, TrainResult, Workdir, is_checkpoint, is_export_of
 from difflm.tasks import adapt, artifacts
@@ -82,24 +85,24 @@ def run_pipeline(
     run = PipelineRun(cfg, run_id, link, stages, lineage=lineage)
     run_stages(run, PRETRAIN_STAGES if rows is None else rows)
     registered = _register(run, logger) if run_id else {}
-    results, trained = run["results"], run["trained"]
+    results, trained = run.results, run.trained
     summary = {
         "workdir": run.cfg.workdir,
-        "data_dir": run["manifest"]["dir"],
+        "data_dir": run.manifest.dir,
         # the unique training tokens and the epochs over them the run's steps make
-        **{k.split(".")[1]: v for k, v in tracking.length_params(run.cfg, unique_tokens(run["manifest"])).items()},
+        **{k.split(".")[1]: v for k, v in tracking.length_params(run.cfg, run.manifest.unique_tokens).items()},
         "run_dir": str(trained.run.path),
-        "hf_dir": run["hf_dir"],
+        "hf_dir": str(run.export.folder),
         "stages": stages,
         "mlflow_run_id": run_id,
         "mlflow_uri": tracking.tracking_uri(cfg) if run_id else None,
         "mlflow_run_url": link,
         "mlflow_curves_url": artifacts.mlflow_curves_url(tracking.tracking_uri(cfg), experiment_id, shared),
         "mlflow_experiment_id": experiment_id,
-        "validation": results["bounds"],
-        "tasks": results["tasks"],
-        "report": results.get("report"),
-        "samples": results["samples"],
+        "validation": results.bounds,
+        "tasks": results.tasks,
+        "report": results.report,
+        "samples": results.samples,
         **registered,
     }
     return summary, run
@@ -107,16 +110,16 @@ def run_pipeline(
 
 def _register(run: PipelineRun, logger) -> dict:
     """The evaluation and stage statuses into the pipeline's MLflow run; the export registered (and promoted)."""
-    tracking.log_evaluation(run["results"])
+    tracking.log_evaluation(run.results.to_dict())
     tracking.set_tags({f"stage.{k}": v for k, v in run.stages.items()})
     registered = (
         tracking.log_and_register_model(
             run.cfg,
-            run["hf_dir"],
+            run.export.folder,
             run.run_id,
-            str(run["trained"].checkpoint),
-            manifest=run["manifest"],
-            results=run["results"],
+            str(run.trained.checkpoint),
+            manifest=run.manifest,
+            results=run.results.to_dict(),
         )
         or {}
     )
@@ -155,16 +158,16 @@ def _data_stats(run: PipelineRun, out: Outcome) -> None:
 def _data_ready(run: PipelineRun, out: Outcome) -> None:
     """The run's length in steps, now that the unique training tokens are known (a length given as train.epochs);
     the data and the length into the parent run."""
-    run.cfg = run.cfg.with_unique_tokens(unique_tokens(out.result))
+    run.cfg = run.cfg.with_unique_tokens(run.manifest.unique_tokens)
     if run.run_id:
-        tracking.log_data_stats(out.result)
-        tracking.log_length(run.cfg, unique_tokens(out.result))
+        tracking.log_data_stats(run.manifest)
+        tracking.log_length(run.cfg, run.manifest.unique_tokens)
 
 
 def _train_inputs(run: PipelineRun) -> None:
     if run.sid:
-        tracking.log_data_stats(run["manifest"])
-        tracking.log_length(run.cfg, unique_tokens(run["manifest"]))
+        tracking.log_data_stats(run.manifest)
+        tracking.log_length(run.cfg, run.manifest.unique_tokens)
 
 
 def _trained(run: PipelineRun, out: Outcome) -> None:
@@ -207,6 +210,7 @@ DATA_PREP = Stage(
     output=lambda run: data_dir(run.cfg),
     done=lambda run, out: (out / MANIFEST).exists(),
     args=lambda run, out, key: (run.cfg,),
+    read=DataManifest.of,  # the record, or the dict a stage cached before it was typed stored
     log=_data_stats,
     after=_data_ready,
     summary=lambda run, out: artifacts.data_markdown(out.result, out.cached),
@@ -216,10 +220,10 @@ TRAIN = Stage(
     "train",
     train_task,
     slot="trained",
-    output=lambda run: Workdir.of(run.cfg).run_for(run.cfg, run["manifest"]).path,
+    output=lambda run: Workdir.of(run.cfg).run_for(run.cfg, run.manifest).path,
     done=lambda run, out: is_finished(run.cfg, RunDir(out)),
     # the trainer sends its metrics live to the stage's run (else the pipeline's)
-    args=lambda run, out, key: (run.cfg, run["manifest"], tracking.child_env(run.cfg, run.sid or run.run_id)),
+    args=lambda run, out, key: (run.cfg, run.manifest, tracking.child_env(run.cfg, run.sid or run.run_id)),
     read=TrainResult.read,
     before=_train_inputs,
     log=_trained,
@@ -231,24 +235,26 @@ TRAIN = Stage(
 CONVERT = Stage(
     "convert",
     convert_task,
-    slot="hf_dir",
-    output=lambda run: run["trained"].run.hf,
-    done=lambda run, out: is_export_of(out, run["trained"].checkpoint),
-    key=lambda run, out: cache_key("convert", out, run["trained"].checkpoint),
-    args=lambda run, out, key: (run.cfg, run["manifest"], run["trained"]),
-    tags=lambda run, out: {"export.hf_dir": out.result, "train.checkpoint": run["trained"].checkpoint},
-    summary=lambda run, out: artifacts.conversion_markdown(out.result, str(run["trained"].checkpoint), out.cached),
+    slot="export",
+    output=lambda run: run.trained.run.hf,
+    done=lambda run, out: is_export_of(out, run.trained.checkpoint),
+    key=lambda run, out: cache_key("convert", out, run.trained.checkpoint),
+    args=lambda run, out, key: (run.cfg, run.manifest, run.trained),
+    read=Export.of,  # an Export, or the folder's path a stage cached before it was typed stored
+    tags=lambda run, out: {"export.hf_dir": str(out.result.folder), "train.checkpoint": run.trained.checkpoint},
+    summary=lambda run, out: artifacts.conversion_markdown(out.result, out.cached),
     title="conversion",
 )
 EVALUATE = Stage(
     "evaluate",
     evaluate_task,
     slot="results",
-    output=lambda run: run["trained"].run.eval_dir(),  # the run's own data: <run>/eval
-    done=lambda run, out: eval_done(out, eval_key(run.cfg, run["manifest"], run["hf_dir"])),
-    key=lambda run, out: eval_key(run.cfg, run["manifest"], run["hf_dir"]),
-    args=lambda run, out, key: (run.cfg, run["manifest"], run["hf_dir"], str(out), True, key),
-    log=lambda run, out: tracking.log_evaluation(out.result),
+    output=lambda run: run.trained.run.eval_dir(),  # the run's own data: <run>/eval
+    done=lambda run, out: eval_done(out, eval_key(run.cfg, run.manifest, run.export.folder)),
+    key=lambda run, out: eval_key(run.cfg, run.manifest, run.export.folder),
+    args=lambda run, out, key: (run.cfg, run.manifest, str(run.export.folder), str(out), True, key),
+    read=EvalRecord.of,  # an EvalRecord, or the dict a stage cached before it was typed stored
+    log=lambda run, out: tracking.log_evaluation(out.result.to_dict()),
     after=_evaluated,
     summary=lambda run, out: artifacts.evaluation_markdown(out.result, out.cached),
     title="evaluation",

@@ -27,10 +27,13 @@ from tokenizers import Tokenizer
 from difflm.config import PipelineConfig, is_hf_folder, load_config, with_mode
 from difflm.data_prep.tokenizer import describe
 from difflm.locks import exclusive
+from difflm.manifest import TokenizerInfo
 from difflm.models.diffusion.arch import ModelArch
+from difflm.models.evaluation.record import EvalRecord
 from difflm.models.hf.architectures import config_json, model_fields
 from difflm.models.hf.convert import export_hf, import_hf
 from difflm.models.hf.examples import EXAMPLE_SOURCES
+from difflm.models.hf.export import Export
 from difflm.models.hf.importer import check_source, import_pretrained, import_record, weight_files
 from difflm.models.hf.pretrained import smollm2_folder
 from difflm.rundir import is_checkpoint, is_export_of, lock_file
@@ -189,32 +192,34 @@ def ar_config(cfg: PipelineConfig) -> PipelineConfig:
     return with_mode(cfg, "ar", attention_anneal_steps=0)
 
 
-def export_source_ar(cfg: PipelineConfig, tokenizer: dict, ckpt: Path, out_dir: Path, lineage: dict) -> Path:
-    """The imported checkpoint as an `ar` export of this project's class (its evaluator's input); reused."""
+def export_source_ar(cfg: PipelineConfig, tokenizer: TokenizerInfo, ckpt: Path, out_dir: Path, lineage: dict) -> Export:
+    """The imported checkpoint as an `ar` export of this project's class (its evaluator's input), with the data
+    manifest's tokenizer; reused."""
     if is_export_of(out_dir, str(ckpt)):
-        return out_dir
+        return Export.read(out_dir)
+    tok = tokenizer.to_dict()  # the export's tokenizer fields (the HF room reads them as a dict)
     record = import_record(ckpt)  # a mask token the import added stays out of ar's normaliser (the source's NLL)
-    if record and record["tokenizer"]["mask_id"] == tokenizer["mask_id"]:
-        tokenizer = {**tokenizer, "mask_added": bool(record["tokenizer"].get("mask_row_added"))}
-    return export_hf(ar_config(cfg), tokenizer, ckpt, out_dir, {"mode": "ar", "source": lineage})
+    if record and record["tokenizer"]["mask_id"] == tokenizer.mask_id:
+        tok["mask_added"] = bool(record["tokenizer"].get("mask_row_added"))
+    return export_hf(ar_config(cfg), tok, ckpt, out_dir, {"mode": "ar", "source": lineage})
 
 
-def comparison_markdown(lineage: dict, adapted: dict, source: dict) -> str:
+def comparison_markdown(lineage: dict, adapted: EvalRecord, source: EvalRecord) -> str:
     """The adapted model next to its source AR model on the same held-out tokens and task items."""
-    tasks = sorted(adapted.get("tasks", {}))
+    tasks = sorted(adapted.tasks)
     rows = [
         "| model | mode | bound | nats/token | ppl | " + " | ".join(tasks) + " |",
         "|---|---|---|---|---|" + "---|" * len(tasks),
     ]
     for name, res in (("adapted", adapted), ("source AR", source)):
-        b = res["bounds"]["trained"]
+        b = res.trained
         cells = []
         for t in tasks:
-            scores = res.get("tasks", {}).get(t, {})
+            scores = res.tasks.get(t, {})
             main = next((scores[k] for k in ("acc", "bits_per_byte") if scores.get(k) is not None), None)
             cells.append("n/a" if main is None else f"{main:.3f}")
         rows.append(
-            f"| {name} | {res['mode']} | {b['kind']} | {b['nll_per_token']:.4f} | {b['ppl']:.2f} | "
+            f"| {name} | {res.mode} | {b['kind']} | {b['nll_per_token']:.4f} | {b['ppl']:.2f} | "
             + " | ".join(cells)
             + " |"
         )

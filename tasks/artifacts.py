@@ -8,6 +8,9 @@ from urllib.parse import quote
 
 from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
+from difflm.manifest import DataManifest
+from difflm.models.evaluation.record import EvalRecord
+from difflm.models.hf.export import Export
 from difflm.rundir import TrainResult
 from difflm.tracking.registry import TRAINING_VIEW
 
@@ -38,18 +41,17 @@ def _ran(cached: bool) -> str:
     return "reused from the Prefect cache (same inputs, output present)" if cached else "ran"
 
 
-def data_markdown(manifest: dict, cached: bool = False) -> str:
+def data_markdown(manifest: DataManifest, cached: bool = False) -> str:
     rows = []
-    for split, s in manifest["splits"].items():
-        rows.append([split, "all", f"{s['documents']:,}", f"{s['tokens']:,}"])
-        rows += [[split, src, f"{c['documents']:,}", f"{c['tokens']:,}"] for src, c in s.get("sources", {}).items()]
-    skipped = ", ".join(f"{k} {n:,}" for k, n in manifest.get("skipped", {}).items() if n) or "nothing"
+    for split, s in manifest.splits.items():
+        rows.append([split, "all", f"{s.documents:,}", f"{s.tokens:,}"])
+        rows += [[split, src, f"{c['documents']:,}", f"{c['tokens']:,}"] for src, c in s.sources.items()]
+    skipped = ", ".join(f"{k} {n:,}" for k, n in manifest.skipped.items() if n) or "nothing"
     return "\n".join(
         [
-            f"# Data `{manifest['hash']}`",
+            f"# Data `{manifest.hash}`",
             "",
-            f"Stage {_ran(cached)}. Folder: `{manifest['dir']}`; tokenizer vocabulary "
-            f"{manifest['tokenizer']['vocab_size']:,}.",
+            f"Stage {_ran(cached)}. Folder: `{manifest.dir}`; tokenizer vocabulary {manifest.tokenizer.vocab_size:,}.",
             "",
             *_table(["split", "source", "documents", "tokens"], rows),
             "",
@@ -96,36 +98,42 @@ def training_markdown(
     return "\n".join(lines)
 
 
-def conversion_markdown(hf_dir: str, checkpoint: str, cached: bool = False) -> str:
-    return "\n".join(
-        [
-            "# Hugging Face export",
-            "",
-            f"Stage {_ran(cached)}.",
-            f"- from `{checkpoint}`",
-            f"- to `{hf_dir}` (loads with `AutoModel.from_pretrained(..., trust_remote_code=True)`)",
-        ]
-    )
-
-
-def evaluation_markdown(results: dict, cached: bool = False) -> str:
-    b = results["bounds"]
-    rows = [[name, r.get("kind", ""), f"{r['nll_per_token']:.4f}", f"{r['ppl']:.2f}"] for name, r in b.items()]
+def conversion_markdown(export: Export, cached: bool = False) -> str:
+    loads = {
+        "difflm": "loads with `AutoModel.from_pretrained(..., trust_remote_code=True)`",
+        "hf-stock": "loads with `AutoModelForCausalLM.from_pretrained(...)`, no remote code",
+    }[export.format]
     lines = [
-        f"# Evaluation `{results.get('mode', '')}`",
+        "# Hugging Face export",
         "",
-        f"Stage {_ran(cached)}; on {results.get('device', '?')} ({results.get('dtype', '?')}).",
+        f"Stage {_ran(cached)}.",
+        f"- from `{export.checkpoint}`",
+        f"- to `{export.folder}` ({loads})",
+    ]
+    if export.parity is not None:
+        lines.append(f"- logits against the megatron model: max relative difference {export.parity:.2e}")
+    return "\n".join(lines)
+
+
+def evaluation_markdown(results: EvalRecord, cached: bool = False) -> str:
+    rows = [
+        [name, r.get("kind", ""), f"{r['nll_per_token']:.4f}", f"{r['ppl']:.2f}"] for name, r in results.bounds.items()
+    ]
+    lines = [
+        f"# Evaluation `{results.mode}`",
+        "",
+        f"Stage {_ran(cached)}; on {results.device or '?'} ({results.dtype or '?'}).",
         "",
         *_table(["model", "bound", "nats/token", "perplexity"], rows),
         "",
     ]
-    tasks = results.get("tasks", {})
-    if tasks:
+    if results.tasks:
         rows = [
-            [name, ", ".join(f"{k} {v:.3f}" for k, v in s.items() if isinstance(v, float))] for name, s in tasks.items()
+            [name, ", ".join(f"{k} {v:.3f}" for k, v in s.items() if isinstance(v, float))]
+            for name, s in results.tasks.items()
         ]
         lines += _table(["task", "scores"], rows) + [""]
-    for s in results.get("samples", [])[:2]:
+    for s in results.samples[:2]:
         lines += [f"> **{s['prompt']}** {s['completion']}", ""]
     return "\n".join(lines)
 

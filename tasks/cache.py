@@ -19,6 +19,7 @@ from prefect.cache_policies import CacheKeyFnPolicy
 from prefect.settings import get_current_settings
 
 from difflm.config import FLAT_SAMPLER_FIELDS, PipelineConfig
+from difflm.manifest import DataManifest
 from difflm.rundir import EVAL_KEY, exported_from
 
 EVAL_KEY_FILE = EVAL_KEY  # in the evaluation's output folder: the key its results were computed for
@@ -95,10 +96,10 @@ def run_stage(task, key: str, done: bool, *args, **kwargs):
     return state.result(), state.name == "Cached"
 
 
-def eval_key(cfg: PipelineConfig, manifest: dict, hf_dir: str | Path) -> str:
+def eval_key(cfg: PipelineConfig, manifest: DataManifest, hf_dir: str | Path) -> str:
     """What an evaluation result depends on: the eval settings, the data and the exported checkpoint."""
     source = exported_from(hf_dir) or str(hf_dir)
-    return cache_key("evaluate", _eval_settings(cfg), manifest["hash"], source, str(hf_dir))
+    return cache_key("evaluate", _eval_settings(cfg), manifest.hash, source, str(hf_dir))
 
 
 def _eval_settings(cfg: PipelineConfig) -> dict:

@@ -15,6 +15,7 @@ from difflm.config import PipelineConfig, load_config
 from difflm.data_prep.pipeline import MANIFEST, prepare_data, unique_tokens
 from difflm.data_prep.tokenizer import describe
 from difflm.locks import exclusive
+from difflm.manifest import DataManifest
 from difflm.models.evaluation.likelihood import likelihood_bound, validation_windows
 from difflm.models.evaluation.sources import resolve_export
 from difflm.models.evaluation.stages import (
@@ -110,7 +111,7 @@ def stage_config(run_dir: Path | None, preset: str | None = None, overrides: lis
     return RunDir(run_dir).config(overrides)
 
 
-def run_manifest(run_dir: Path) -> dict:
+def run_manifest(run_dir: Path) -> DataManifest:
     """The data manifest a run was trained on (its tokenizer, held-out split, hash)."""
     return RunDir(run_dir).manifest()
 
@@ -138,9 +139,7 @@ def source_config(
     cfg = run.config(overrides)
     names_tokenizer = any(o.split("=", 1)[0].strip().startswith("tokenizer.") for o in overrides or [])
     if not names_tokenizer and is_other_data(cfg, run):
-        tokenizer = (
-            Path(source) if (Path(source) / "tokenizer.json").exists() else Path(run.manifest()["tokenizer"]["path"])
-        )
+        tokenizer = Path(source) if (Path(source) / "tokenizer.json").exists() else Path(run.manifest().tokenizer.path)
         cfg = run.config([*(overrides or []), f"tokenizer.path={tokenizer.resolve()}"])
     return cfg, run
 
@@ -152,13 +151,13 @@ def is_other_data(cfg: PipelineConfig, run: RunDir | None) -> bool:
     return _data_hash(cfg) not in (run.data_hash(), _data_hash(run.config()))
 
 
-def recorded_data(cfg: PipelineConfig, run: RunDir | None) -> dict | None:
+def recorded_data(cfg: PipelineConfig, run: RunDir | None) -> DataManifest | None:
     """The run's own data manifest when `cfg` evaluates on the run's data and that data is still on disk; None
     otherwise (prepare cfg's data: other data, or the run's again when its folder was removed)."""
     if run is None or not run.has_inputs() or is_other_data(cfg, run):
         return None
     manifest = run.manifest()
-    return manifest if (Path(manifest["dir"]) / MANIFEST).exists() else None
+    return manifest if (Path(manifest.dir) / MANIFEST).exists() else None
 
 
 def evaluation_source(
@@ -176,7 +175,7 @@ def evaluation_source(
     hf_dir = resolve_export(source, tracking_uri, named.tracking if named is not None else None)
     cfg, run = source_config(hf_dir, preset, overrides)
     manifest = recorded_data(cfg, run) or prepare_data(cfg)
-    out = Path(out_dir) if out_dir else default_out_dir(cfg, source, hf_dir, manifest["hash"])
+    out = Path(out_dir) if out_dir else default_out_dir(cfg, source, hf_dir, manifest.hash)
     return {
         "config": cfg,
         "hf_dir": hf_dir,
@@ -187,7 +186,9 @@ def evaluation_source(
     }
 
 
-def export_checkpoint(cfg: PipelineConfig, manifest: dict, ckpt: Path, out: Path, iteration: int | None) -> bool:
+def export_checkpoint(
+    cfg: PipelineConfig, manifest: DataManifest, ckpt: Path, out: Path, iteration: int | None
+) -> bool:
     """Export `ckpt` to `out` unless `out` already holds its export; True when reused. A checkpoint pruned by the
     trainer while being read (checkpoint.keep_last) gives FileNotFoundError, so callers can take the newer one.
     One writer per folder: a second export to `out` waits for the first, then reuses it (`pipeline.on_busy`)."""
@@ -198,10 +199,10 @@ def export_checkpoint(cfg: PipelineConfig, manifest: dict, ckpt: Path, out: Path
     return False
 
 
-def _export(cfg: PipelineConfig, manifest: dict, ckpt: Path, out: Path, iteration: int | None) -> None:
-    provenance = {"data_hash": manifest["hash"], "mode": cfg.diffusion.model_running_mode, "iteration": iteration}
+def _export(cfg: PipelineConfig, manifest: DataManifest, ckpt: Path, out: Path, iteration: int | None) -> None:
+    provenance = {"data_hash": manifest.hash, "mode": cfg.diffusion.model_running_mode, "iteration": iteration}
     try:
-        export_hf(cfg, manifest["tokenizer"], ckpt, out, provenance)
+        export_hf(cfg, manifest.tokenizer.to_dict(), ckpt, out, provenance)
     except Exception as err:
         if not ckpt.exists():
             raise FileNotFoundError(
@@ -294,7 +295,7 @@ def remember_score(run_dir: Path, record: dict) -> None:
     tmp.replace(path)
 
 
-def export_newest(cfg: PipelineConfig, manifest: dict, run_dir: Path, attempts: int = 3) -> tuple[int, Path]:
+def export_newest(cfg: PipelineConfig, manifest: DataManifest, run_dir: Path, attempts: int = 3) -> tuple[int, Path]:
     """(iteration, HF folder) of the run's newest complete checkpoint, exported to <run>/eval_latest/hf. Works
     while the trainer writes: an unfinished save is not named by checkpoints/latest, and a checkpoint pruned
     while being read is replaced by the newer one."""
@@ -316,7 +317,7 @@ def export_newest(cfg: PipelineConfig, manifest: dict, run_dir: Path, attempts: 
     raise FileNotFoundError(f"{run_dir}: checkpoints were pruned faster than they could be read; run again")
 
 
-def score_export_bound(cfg: PipelineConfig, manifest: dict, hf_dir: Path, max_sequences: int) -> dict:
+def score_export_bound(cfg: PipelineConfig, manifest: DataManifest, hf_dir: Path, max_sequences: int) -> dict:
     """The held-out likelihood bound (ELBO; exact NLL for ar) of an export on at most `max_sequences` windows:
     the cheap score of evaluate-latest (the same estimator as the full evaluation, a smaller budget)."""
     model = load_model(hf_dir, *eval_device(cfg.eval))
@@ -329,7 +330,7 @@ def score_export_bound(cfg: PipelineConfig, manifest: dict, hf_dir: Path, max_se
     return {**likelihood_bound(model, windows, cfg).to_dict(), **placement(model)}
 
 
-def training_mlflow_run(cfg: PipelineConfig, run_dir: Path, manifest: dict) -> str | None:
+def training_mlflow_run(cfg: PipelineConfig, run_dir: Path, manifest: DataManifest) -> str | None:
     """The MLflow run of the pretrain-difflm execution that trains `run_dir`, if any: the first run tagged with
     it (pretrain-difflm tags `train.run_dir` once training returns) or, while it trains, the newest
     pretrain-difflm run on the same data whose resolved config names this run directory."""
@@ -352,7 +353,7 @@ def training_mlflow_run(cfg: PipelineConfig, run_dir: Path, manifest: dict) -> s
         return tagged[0].info.run_id
     for run in client.search_runs(
         [exp.experiment_id],
-        f"tags.flow = 'pretrain-difflm' and tags.`data.hash` = '{manifest['hash']}'",
+        f"tags.flow = 'pretrain-difflm' and tags.`data.hash` = '{manifest.hash}'",
         max_results=20,
         order_by=newest,
     ):
@@ -362,12 +363,14 @@ def training_mlflow_run(cfg: PipelineConfig, run_dir: Path, manifest: dict) -> s
             ).with_unique_tokens(unique_tokens(manifest))  # logged before a length in epochs had its steps
         except Exception:  # no config artifact (tracking degraded then): not provably this run
             continue
-        if run_name(their, manifest["hash"]) == run_dir.name:
+        if run_name(their, manifest.hash) == run_dir.name:
             return run.info.run_id
     return None
 
 
-def log_latest_score(cfg: PipelineConfig, run_dir: Path, manifest: dict, iteration: int, score: dict) -> str | None:
+def log_latest_score(
+    cfg: PipelineConfig, run_dir: Path, manifest: DataManifest, iteration: int, score: dict
+) -> str | None:
     """Log the score at step = `iteration` into the training's MLflow run, else into a run of its own (one per
     run directory, reused by every scheduled call, tagged difflm.run_dir); returns that run's id. Tracking
     problems degrade (reported, not raised), as everywhere in the pipeline."""
@@ -390,7 +393,7 @@ def log_latest_score(cfg: PipelineConfig, run_dir: Path, manifest: dict, iterati
                 else client.create_run(
                     exp,
                     run_name=f"evaluate-latest-{run_dir.name}",
-                    tags={"flow": "evaluate-latest", "difflm.run_dir": str(run_dir), "data.hash": manifest["hash"]},
+                    tags={"flow": "evaluate-latest", "difflm.run_dir": str(run_dir), "data.hash": manifest.hash},
                 ).info.run_id
             )
             client.set_terminated(run_id)  # each scheduled call adds points; the run is never left RUNNING

@@ -8,7 +8,6 @@ also reuses its finished folder on its own, so wiping Prefect's state costs noth
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from prefect import get_run_logger, task
@@ -17,9 +16,12 @@ from prefect.cache_policies import NO_CACHE
 from difflm.config import PipelineConfig
 from difflm.data_prep.pipeline import prepare_data
 from difflm.errors import DiffLMError
+from difflm.manifest import DataManifest, TokenizerInfo
 from difflm.models.evaluation.likelihood import KIND_LABELS
+from difflm.models.evaluation.record import EvalRecord
 from difflm.models.evaluation.report import write_comparison
 from difflm.models.evaluation.stages import convert_checkpoint, evaluate_export, sweep_export
+from difflm.models.hf.export import Export
 from difflm.models.launch.kubernetes import submit_kubernetes
 from difflm.models.launch.slurm import submit_slurm
 from difflm.models.launch.torchrun import launch_training
@@ -30,12 +32,14 @@ from difflm.tasks.runs import convert_source, export_newest, score_export_bound
 
 
 @task(name="data-prep", cache_policy=NO_CACHE)
-def data_prep_task(cfg: PipelineConfig) -> dict:
+def data_prep_task(cfg: PipelineConfig) -> DataManifest:
+    """Data prep (reused when done). Prefect's JSON result store keeps the manifest's JSON and reads it back as a
+    DataManifest (`DataManifest.of` also reads a result stored by the release before it was typed: a dict)."""
     manifest = prepare_data(cfg)
-    s = manifest["splits"]
+    train, valid = manifest.split("train"), manifest.split("valid")
     get_run_logger().info(
-        f"data: {s['train']['documents']} train docs / {s['train']['tokens']:,} tokens, "
-        f"{s['valid']['documents']} valid docs / {s['valid']['tokens']:,} tokens -> {manifest['dir']}"
+        f"data: {train.documents} train docs / {train.tokens:,} tokens, "
+        f"{valid.documents} valid docs / {valid.tokens:,} tokens -> {manifest.dir}"
     )
     return manifest
 
@@ -50,7 +54,7 @@ def _resumable(task, task_run, state) -> bool:
 
 
 @task(name="train", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=[5, 30], retry_condition_fn=_resumable)
-def train_task(cfg: PipelineConfig, manifest: dict, env: dict[str, str]) -> TrainResult:
+def train_task(cfg: PipelineConfig, manifest: DataManifest, env: dict[str, str]) -> TrainResult:
     """Train with `train.launch.launcher`: local torchrun, or a Slurm job / Kubernetes PyTorchJob submitted and waited for.
     Every launcher trains into the same run directory and returns its `TrainResult`."""
     logger = get_run_logger()
@@ -70,46 +74,45 @@ def import_task(cfg: PipelineConfig, folder: str, out_dir: str, lineage: dict | 
 
 
 @task(name="export-source-ar", cache_policy=NO_CACHE)
-def export_source_task(cfg: PipelineConfig, tokenizer: dict, ckpt: str, out_dir: str, lineage: dict) -> str:
+def export_source_task(cfg: PipelineConfig, tokenizer: TokenizerInfo, ckpt: str, out_dir: str, lineage: dict) -> Export:
     """The imported checkpoint as an `ar` export of this project's class: the source model's evaluation input."""
-    return str(adapt.export_source_ar(cfg, tokenizer, Path(ckpt), Path(out_dir), lineage))
+    return adapt.export_source_ar(cfg, tokenizer, Path(ckpt), Path(out_dir), lineage)
 
 
 @task(name="convert-to-hf", cache_policy=NO_CACHE)
-def convert_task(cfg: PipelineConfig, manifest: dict, trained: TrainResult) -> str:
-    out = convert_checkpoint(cfg, manifest, trained)
-    get_run_logger().info(f"Hugging Face export: {out}")
-    return str(out)
+def convert_task(cfg: PipelineConfig, manifest: DataManifest, trained: TrainResult) -> Export:
+    export = convert_checkpoint(cfg, manifest, trained)
+    get_run_logger().info(f"Hugging Face export: {export.folder}")
+    return export
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate_task(
     cfg: PipelineConfig,
-    manifest: dict,
+    manifest: DataManifest,
     hf_dir: str,
     out_dir: str | None = None,
     untrained: bool = True,
     reuse_key: str | None = None,
-) -> dict:
+) -> EvalRecord:
     """Evaluate the export; with `reuse_key`, results already in `out_dir` for that key are read back instead
     (as training reuses a finished run: a Prefect cache in another place, e.g. a deployment's worker, must not
     cost a new evaluation)."""
     if reuse_key and out_dir and eval_done(Path(out_dir), reuse_key):
         get_run_logger().info(f"reusing the evaluation in {out_dir} (same export, data and eval settings)")
-        results = json.loads((Path(out_dir) / "results.json").read_text())
-        results["report"] = str(write_comparison(Path(cfg.workdir).resolve(), manifest["hash"]))
-        return results
+        report = write_comparison(Path(cfg.workdir).resolve(), manifest.hash)
+        return EvalRecord.read(out_dir).replace(report=str(report))
     results = evaluate_export(
         cfg, manifest, Path(hf_dir), Path(out_dir) if out_dir else None, untrained, echo=get_run_logger().info
     )
-    b = results["bounds"]
+    b = results.bounds
     kind = KIND_LABELS[b["trained"]["kind"]]
     get_run_logger().info(
         f"validation {kind}: trained {b['trained']['ppl']:.1f}"
         + (f" vs untrained {b['untrained']['ppl']:.1f}" if "untrained" in b else "")
-        + f" (on {results['device']}, {results['dtype']})"
+        + f" (on {results.device}, {results.dtype})"
     )
-    for name, scores in results["tasks"].items():
+    for name, scores in results.tasks.items():
         get_run_logger().info(
             f"task {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items() if isinstance(v, float))
         )
@@ -117,7 +120,7 @@ def evaluate_task(
 
 
 @task(name="sampler-sweep", cache_policy=NO_CACHE)
-def sweep_task(cfg: PipelineConfig, manifest: dict, hf_dir: str, out_dir: str) -> list[dict]:
+def sweep_task(cfg: PipelineConfig, manifest: DataManifest, hf_dir: str, out_dir: str) -> list[dict]:
     return sweep_export(cfg, manifest, Path(hf_dir), Path(out_dir))
 
 
@@ -132,13 +135,13 @@ def convert_source_task(cfg: PipelineConfig, found: dict, out_dir: str | None = 
 
 
 @task(name="export-newest", cache_policy=NO_CACHE)
-def export_newest_task(cfg: PipelineConfig, manifest: dict, run_dir: str) -> tuple[int, str]:
+def export_newest_task(cfg: PipelineConfig, manifest: DataManifest, run_dir: str) -> tuple[int, str]:
     it, hf_dir = export_newest(cfg, manifest, Path(run_dir))
     return it, str(hf_dir)
 
 
 @task(name="score-bound", cache_policy=NO_CACHE)
-def score_bound_task(cfg: PipelineConfig, manifest: dict, hf_dir: str, max_sequences: int) -> dict:
+def score_bound_task(cfg: PipelineConfig, manifest: DataManifest, hf_dir: str, max_sequences: int) -> dict:
     score = score_export_bound(cfg, manifest, Path(hf_dir), max_sequences)
     get_run_logger().info(
         f"validation {KIND_LABELS[score['kind']]}: {score['ppl']:.2f} ({score['nll_per_token']:.4f} "

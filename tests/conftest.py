@@ -18,6 +18,7 @@ import torch
 
 from difflm import set_offline_env
 from difflm.config import PipelineConfig
+from difflm.manifest import DataManifest
 from difflm.rundir import TrainResult
 
 set_offline_env()  # before anything imports Prefect, MLflow or transformers
@@ -248,7 +249,7 @@ def shared_dir(request, tmp_path_factory) -> Path:
 # Fixtures import what they set up: this module loads for every run, one test file included, so megatron, data
 # prep and deploy (seconds each) stay out of it, and Prefect reads PREFECT_HOME when imported, set just before.
 @pytest.fixture(scope="session")
-def tiny_manifest(session_dir) -> dict:
+def tiny_manifest(session_dir) -> DataManifest:
     """Data prep of the test-tiny preset, shared by the tests that need real tokenized data (once per xdist worker:
     the tests that use it also write runs and MLflow stores into its workdir)."""
     from difflm.data_prep.pipeline import prepare_data
@@ -397,6 +398,7 @@ def exports(tmp_path_factory, tiny_manifest) -> dict[str, Path]:
     """A random-weight export per mode (difflm-noshift, ar), written exactly as the pipeline writes them (the
     evaluation tests' input)."""
     from difflm.models.hf.convert import hf_config, save_export
+    from difflm.models.hf.export import Export
     from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 
     root = tmp_path_factory.mktemp("exports")
@@ -404,11 +406,7 @@ def exports(tmp_path_factory, tiny_manifest) -> dict[str, Path]:
     for mode in ("difflm-noshift", "ar"):
         cfg = tiny_config(root, f"diffusion.model_running_mode={mode}")
         torch.manual_seed(0)
-        model = DiffLMForMaskedLM(hf_config(cfg, tiny_manifest["tokenizer"])).eval()
-        out[mode] = save_export(
-            model,
-            Path(tiny_manifest["tokenizer"]["path"]),
-            root / mode,
-            {"checkpoint": None, "mode": mode, "data_hash": tiny_manifest["hash"]},
-        )
+        model = DiffLMForMaskedLM(hf_config(cfg, tiny_manifest.tokenizer.to_dict())).eval()
+        written = Export(root / mode, None, mode=mode, data_hash=tiny_manifest.hash)  # from no checkpoint
+        out[mode] = save_export(model, Path(tiny_manifest.tokenizer.path), written).folder
     return out

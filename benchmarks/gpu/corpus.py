@@ -11,8 +11,9 @@ wheels' install (benchmarks/gpu/runtime.py).
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
+
+from difflm.manifest import DataManifest, SplitStats, TokenizerInfo  # standard library only: loads before the install
 
 SPECIALS = ["<|endoftext|>", "<|mask|>", "<|pad|>"]
 SUCCESSORS = 4
@@ -50,8 +51,9 @@ def markov_documents(p: dict, table, seed: int = 1, dominant: float | None = Non
     return [row[:n] for row, n in zip(docs, lengths)]
 
 
-def make_dataset(p: dict, folder: Path, dominant: float | None = None) -> dict:
-    """Megatron .bin/.idx train and valid splits + an HF tokenizer folder; returns the data manifest."""
+def make_dataset(p: dict, folder: Path, dominant: float | None = None) -> DataManifest:
+    """Megatron .bin/.idx train and valid splits + an HF tokenizer folder; returns the data manifest (also written
+    to `folder`/manifest.json, what the workers read)."""
     import numpy as np
     import torch
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
@@ -69,29 +71,20 @@ def make_dataset(p: dict, folder: Path, dominant: float | None = None) -> dict:
         for row in rows:
             builder.add_document(torch.from_numpy(np.append(row, 0).astype(np.int64)), [len(row) + 1])
         builder.finalize(f"{prefix}.idx")
-        splits[split] = {
-            "documents": len(rows),
-            "tokens": int(sum(len(r) + 1 for r in rows)),
-            "prefixes": [str(prefix)],
-            "weights": [1.0],
-        }
-    splits["test"] = {"documents": 0, "tokens": 0, "prefixes": [], "weights": []}
-    manifest = {
-        "dir": str(folder),
-        "hash": hashlib.sha256(tok_sha.encode()).hexdigest()[:12],
-        "tokenizer": {
-            "path": str(tok_dir),
-            "vocab_size": vocab,
-            "eos_id": 0,
-            "mask_id": 1,
-            "pad_id": 2,
-            "sha256": tok_sha,
-            "special_ids": [0, 1, 2],
-        },
-        "token_bytes": 2,
-        "splits": splits,
-    }
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        splits[split] = SplitStats(
+            documents=len(rows), tokens=int(sum(len(r) + 1 for r in rows)), prefixes=(str(prefix),), weights=(1.0,)
+        )
+    splits["test"] = SplitStats(documents=0, tokens=0)
+    manifest = DataManifest(
+        dir=str(folder),
+        hash=hashlib.sha256(tok_sha.encode()).hexdigest()[:12],
+        tokenizer=TokenizerInfo(
+            path=str(tok_dir), vocab_size=vocab, eos_id=0, mask_id=1, pad_id=2, sha256=tok_sha, special_ids=(0, 1, 2)
+        ),
+        token_bytes=2,
+        splits=splits,
+    )
+    manifest.write(folder / "manifest.json")
     np.save(folder / "markov.npy", table)
     return manifest
 

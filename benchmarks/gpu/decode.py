@@ -26,6 +26,7 @@ import torch
 from benchmarks.gpu import decoding, training
 from benchmarks.gpu.corpus import SPECIALS, make_dataset, markov_documents
 from benchmarks.gpu.runtime import SectionFailed, read_jsonl, worker
+from difflm.manifest import DataManifest
 from difflm.models.diffusion.modes import objective_class
 from difflm.models.evaluation.scoring import Scorer
 
@@ -87,8 +88,8 @@ def section(check, state: dict) -> dict:
             )  # fmt: skip
             run = RunDir(trained[mode]["run_dir"])
             cfg = load_config(str(out / f"config-{tag}.yaml"))
-            folders[mode] = str(export_hf(cfg, manifest["tokenizer"], run.checkpoint(run.latest_iteration()),
-                                          out / f"hf-{tag}"))  # fmt: skip
+            folders[mode] = str(export_hf(cfg, manifest.tokenizer.to_dict(), run.checkpoint(run.latest_iteration()),
+                                          out / f"hf-{tag}").folder)  # fmt: skip
         except Exception as exc:  # this mode's rows only: the others are still measured
             errors[mode] = f"{type(exc).__name__}: {exc}"[:400]
     spec = out / "decode-models.json"
@@ -124,8 +125,8 @@ def worker_decode(args, p: dict) -> dict:
 
     d = p["decode"]
     spec = json.loads(Path(args.models).read_text())
-    manifest = json.loads(Path(args.manifest).read_text())
-    table = np.load(Path(manifest["dir"]) / "markov.npy")
+    manifest = DataManifest.read(args.manifest)
+    table = np.load(Path(manifest.dir) / "markov.npy")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32

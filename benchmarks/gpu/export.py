@@ -8,7 +8,6 @@ the wheels' install (benchmarks/gpu/runtime.py).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 from benchmarks.gpu.corpus import SPECIALS, SUCCESSORS, chain_fraction
 from benchmarks.gpu.plan import config
 from benchmarks.gpu.runtime import worker
+from difflm.manifest import DataManifest
 
 MARGIN = 1.0  # logits: a reference top-2 gap above this is a decided token (bf16 rounding is ~0.01-0.1)
 
@@ -35,11 +35,11 @@ def export(check, manifest: Path, trained: dict) -> dict:
     cfg = load_config(str(out / "config-difflm-noshift.yaml"))
     ckpt = run.checkpoint(run.latest_iteration())
     ref = worker(check, "logits", manifest, checkpoint=ckpt, config=out / "config-difflm-noshift.yaml")
-    man = json.loads(manifest.read_text())
-    folder = export_hf(cfg, man["tokenizer"], ckpt, out / "hf")
+    man = DataManifest.read(manifest)
+    folder = export_hf(cfg, man.tokenizer.to_dict(), ckpt, out / "hf").folder
     device = "cuda" if torch.cuda.is_available() else "cpu"
     batch = torch.load(ref["batch"])
-    vocab = man["tokenizer"]["vocab_size"]
+    vocab = man.tokenizer.vocab_size
     tokens, clean, masked = batch["tokens"].to(device), batch["clean"].to(device), batch["masked"].to(device)
     ref_logits = batch["logits"].to(device)[..., :vocab]
     top2 = ref_logits.topk(2, dim=-1).values
@@ -52,7 +52,7 @@ def export(check, manifest: Path, trained: dict) -> dict:
         "decided_tokens": int(decided.sum()),
         "megatron_masked_loss": ref_loss,
     }
-    table = np.load(Path(man["dir"]) / "markov.npy")
+    table = np.load(Path(man.dir) / "markov.npy")
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         model = load_hf(folder).to(device=device, dtype=dtype)
         with torch.no_grad():
@@ -102,13 +102,13 @@ def worker_logits(args, p: dict) -> dict:
     from difflm.models.megatron.gpt import build_model
 
     cfg = load_config(args.config, ["train.precision=fp32"])
-    manifest = json.loads(Path(args.manifest).read_text())
+    manifest = DataManifest.read(args.manifest)
     _init(cfg)
     _, valid = build_datasets(cfg, manifest, cfg.train.global_batch_size, 4 * cfg.train.global_batch_size)
     clean = torch.stack([valid[i]["tokens"][: min(256, cfg.train.seq_length)] for i in range(2)])
     masked = torch.rand(clean.shape, generator=torch.Generator().manual_seed(0)) < 0.5
-    tokens = torch.where(masked, manifest["tokenizer"]["mask_id"], clean)
-    model = build_model(cfg, manifest["tokenizer"]["vocab_size"])
+    tokens = torch.where(masked, manifest.tokenizer.mask_id, clean)
+    model = build_model(cfg, manifest.tokenizer.vocab_size)
     if torch.cuda.is_available():
         model.cuda()
     checkpointing.load_model_weights(Path(args.checkpoint), model)
@@ -129,7 +129,7 @@ def worker_parity(args, p: dict) -> dict:
     from difflm.models.megatron.forward_step import SpecialTokens
     from difflm.models.megatron.train import build_training, run_global_batch
 
-    manifest = json.loads(Path(args.manifest).read_text())
+    manifest = DataManifest.read(args.manifest)
     out: dict = {}
     weights = None
     for precision in ("fp32", "bf16"):
@@ -150,9 +150,9 @@ def worker_parity(args, p: dict) -> dict:
             if not out:
                 _init(cfg)
                 train_ds, _ = build_datasets(cfg, manifest, cfg.train.global_batch_size, cfg.train.global_batch_size)
-                special = SpecialTokens.from_manifest(manifest["tokenizer"])
+                special = SpecialTokens.from_manifest(manifest.tokenizer)
             torch.manual_seed(0)
-            ddp, _, _ = build_training(cfg, manifest["tokenizer"]["vocab_size"])
+            ddp, _, _ = build_training(cfg, manifest.tokenizer.vocab_size)
             inner = ddp.module.module if precision == "bf16" else ddp.module  # Float16Module wraps in bf16
             if weights is None:
                 weights = {

@@ -23,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.gpu.figures import busy_share, kernel_category, memory_error, spread, summary
 from benchmarks.gpu.plan import config
+from difflm.manifest import DataManifest
 from difflm.models.diffusion.modes import build_objective, objective_class
 from difflm.models.megatron import flops
 from difflm.models.megatron.data import build_datasets
@@ -144,9 +145,9 @@ class Harness:
 
     def __init__(self, args, p: dict, job: dict):
         self.args, self.p, self.job = args, p, job
-        self.manifest = json.loads(Path(args.manifest).read_text())
-        self.vocab = self.manifest["tokenizer"]["vocab_size"]
-        self.special = SpecialTokens.from_manifest(self.manifest["tokenizer"])
+        self.manifest = DataManifest.read(args.manifest)
+        self.vocab = self.manifest.tokenizer.vocab_size
+        self.special = SpecialTokens.from_manifest(self.manifest.tokenizer)
         self.cuda = torch.cuda.is_available()
         self.peak = flops.peak_flops(torch.cuda.get_device_name() if self.cuda else None)
         self.datasets: dict[int, object] = {}

@@ -18,6 +18,7 @@ import numpy as np
 from difflm.config import PipelineConfig, TrackingConfig
 from difflm.config.train import epochs_seen
 from difflm.locks import exclusive
+from difflm.manifest import DataManifest
 from difflm.rundir import TrainResult, Workdir, lock_file
 from difflm.tracking import registry
 from difflm.tracking.degraded import degrade, tolerant
@@ -341,15 +342,15 @@ def log_stage(run_id: str | None, cached: bool, **tags) -> None:
 
 
 @tolerant
-def log_data_stats(manifest: dict, context: str = "training") -> None:
+def log_data_stats(manifest: DataManifest, context: str = "training") -> None:
     """The prepared data as an MLflow dataset input of the active run (source = the data folder, digest = the
     data hash, schema = token ids, counts per split as input tags), the manifest as an artifact, `data.hash`
     as a tag. Counts are tags of the input, not single-point metrics that would crowd the run's charts."""
     import mlflow
 
     mlflow.log_input(dataset(manifest), context=context, tags=data_counts(manifest))
-    mlflow.log_dict(manifest, "data/manifest.json")
-    mlflow.set_tags({"data.hash": manifest["hash"], "data.dir": manifest["dir"]})
+    mlflow.log_dict(manifest.to_dict(), "data/manifest.json")
+    mlflow.set_tags({"data.hash": manifest.hash, "data.dir": manifest.dir})
 
 
 def length_params(cfg: PipelineConfig, unique_tokens: int) -> dict[str, int | float]:
@@ -372,30 +373,30 @@ def log_length(cfg: PipelineConfig, unique_tokens: int) -> None:
     mlflow.log_params(length_params(cfg, unique_tokens))
 
 
-def dataset(manifest: dict):
+def dataset(manifest: DataManifest):
     """An `mlflow.data` dataset for a data-prep manifest (no data is uploaded: the source is its folder)."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.types import Schema, TensorSpec
 
-    names = [src.get("name", "data") for src in manifest.get("sources", [])] or ["data"]
-    dtype = np.dtype("uint32") if manifest.get("token_bytes", 2) > 2 else np.dtype("uint16")
+    names = [src.get("name", "data") for src in manifest.sources] or ["data"]
+    dtype = np.dtype("uint32") if manifest.token_bytes > 2 else np.dtype("uint16")
     with warnings.catch_warnings():  # MLflow registers the local source twice and warns the URI is ambiguous
         warnings.simplefilter("ignore", UserWarning)
-        source = resolve_dataset_source(Path(manifest["dir"]).resolve().as_uri())
+        source = resolve_dataset_source(Path(manifest.dir).resolve().as_uri())
     return MetaDataset(
-        source, name="+".join(names), digest=manifest["hash"], schema=Schema([TensorSpec(dtype, (-1,), "token_ids")])
+        source, name="+".join(names), digest=manifest.hash, schema=Schema([TensorSpec(dtype, (-1,), "token_ids")])
     )
 
 
-def data_counts(manifest: dict) -> dict[str, str]:
+def data_counts(manifest: DataManifest) -> dict[str, str]:
     """Documents and tokens per split (and per source), tokenizer size, what data prep skipped."""
-    counts = {"vocab_size": str(manifest["tokenizer"]["vocab_size"])}
-    for split, s in manifest["splits"].items():
-        counts.update({f"{split}.documents": str(s["documents"]), f"{split}.tokens": str(s["tokens"])})
-        for src, c in s.get("sources", {}).items():
+    counts = {"vocab_size": str(manifest.tokenizer.vocab_size)}
+    for split, s in manifest.splits.items():
+        counts.update({f"{split}.documents": str(s.documents), f"{split}.tokens": str(s.tokens)})
+        for src, c in s.sources.items():
             counts.update({f"{split}.{src}.documents": str(c["documents"]), f"{split}.{src}.tokens": str(c["tokens"])})
-    counts.update({f"skipped.{k}": str(n) for k, n in manifest.get("skipped", {}).items()})
+    counts.update({f"skipped.{k}": str(n) for k, n in manifest.skipped.items()})
     return counts
 
 
@@ -496,7 +497,7 @@ def log_and_register_model(
     hf_dir: Path,
     run_id: str,
     checkpoint: str,
-    manifest: dict | None = None,
+    manifest: DataManifest | None = None,
     results: dict | None = None,
 ) -> dict:
     """Upload the HF folder as an artifact and register it (see difflm.tracking.registry): one model version per

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from difflm.config import PipelineConfig, TrackingConfig
 from difflm.errors import UserError
+from difflm.manifest import DataManifest
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 TAG_DATA = "data.hash"  # the prepared data (sources, cleaning, split, tokenizer) a version was scored on
@@ -213,7 +214,7 @@ def register_version(
     checkpoint: str,
     uri: str,
     hf_dir: Path | None = None,
-    manifest: dict | None = None,
+    manifest: DataManifest | None = None,
     results: dict | None = None,
 ) -> dict:
     """A version of `name` for `source` (logged by run `run_id` in the store at `uri`), described and promoted;
@@ -254,7 +255,7 @@ def register_version(
             TAG_OWNER: pipeline_user(cfg.tracking),
             "mode": cfg.diffusion.model_running_mode,
             "preset": cfg.name,
-            **({TAG_DATA: manifest["hash"]} if manifest and "hash" in manifest else {}),
+            **({TAG_DATA: manifest.hash} if manifest else {}),
             **({TAG_FILES: json.dumps(export_digests(hf_dir), sort_keys=True)} if hf_dir else {}),
         }
         mv = client.create_model_version(name, source=source, run_id=run_id, tags=tags, description=description)
@@ -304,7 +305,7 @@ def describe(
     checkpoint: str,
     source: str,
     metrics: dict[str, float],
-    manifest: dict | None = None,
+    manifest: DataManifest | None = None,
     results: dict | None = None,
     params: int | None = None,
 ) -> str:
@@ -317,10 +318,9 @@ def describe(
         "",
     ]
     if manifest:
-        splits = manifest.get("splits", {})
-        sources = ", ".join(s.get("name", "?") for s in manifest.get("sources", [])) or "?"
-        tokens = ", ".join(f"{k} {v.get('tokens', 0):,}" for k, v in splits.items())
-        lines.append(f"- data: `{manifest.get('hash', '?')}` from {sources}; tokens {tokens}")
+        sources = ", ".join(s.get("name", "?") for s in manifest.sources) or "?"
+        tokens = ", ".join(f"{k} {v.tokens:,}" for k, v in manifest.splits.items())
+        lines.append(f"- data: `{manifest.hash}` from {sources}; tokens {tokens}")
     lines.append(
         f"- training: {t.train_iters} steps x {t.global_batch_size} x {t.seq_length} tokens"
         + (f"; final val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
@@ -344,6 +344,6 @@ def describe(
         f"- run: `{links['run']}`" + (f" ([MLflow UI]({links['ui']}))" if "ui" in links else ""),
     ]
     if manifest:
-        lines.append(f"- dataset: `{links['run']}/data/manifest.json`, on disk `{manifest.get('dir', '?')}`")
+        lines.append(f"- dataset: `{links['run']}/data/manifest.json`, on disk `{manifest.dir}`")
     lines += [f"- checkpoint: `{checkpoint}`", f"- model files: `{source}`"]
     return "\n".join(lines)

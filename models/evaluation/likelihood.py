@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from difflm.config import PipelineConfig
+from difflm.manifest import DataManifest
 from difflm.models import diffusion
 from difflm.models.evaluation.progress import Progress
 
@@ -43,13 +44,13 @@ class EvalResult:
         return asdict(self)
 
 
-def validation_windows(manifest: dict, seq_length: int, max_sequences: int) -> torch.Tensor:
+def validation_windows(manifest: DataManifest, seq_length: int, max_sequences: int) -> torch.Tensor:
     """[n, seq_length] windows over the held-out split, in document order."""
     # megatron-core only to read prepared shards: scoring an export loads without it
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     chunks = []
-    for prefix in manifest["splits"]["valid"]["prefixes"]:
+    for prefix in manifest.split("valid").prefixes:
         ds = IndexedDataset(prefix)
         chunks.extend(np.asarray(ds[i], dtype=np.int64) for i in range(len(ds)))
     stream = np.concatenate(chunks)

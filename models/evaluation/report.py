@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from difflm.models.evaluation.record import EvalRecord
 from difflm.rundir import Workdir
 
-COLUMNS = [  # (header, path into results.json, format)
+COLUMNS = [  # (header, path into the record: a field, then keys, format)
     ("bound nats/token", ("bounds", "trained", "nll_per_token"), "{:.3f}"),
     ("cloze acc", ("tasks", "cloze", "acc"), "{:.3f}"),
     ("cloze NLL", ("tasks", "cloze", "nll"), "{:.2f}"),
@@ -17,45 +17,46 @@ COLUMNS = [  # (header, path into results.json, format)
 ]
 
 
-def _get(d: dict, path: tuple[str, ...]):
-    for key in path:
+def _get(record: EvalRecord, path: tuple[str, ...]):
+    d = getattr(record, path[0])
+    for key in path[1:]:
         if not isinstance(d, dict) or key not in d:
             return None
         d = d[key]
     return d
 
 
-def comparison_table(results: dict[str, dict]) -> str:
-    """Markdown table: one row per run (name -> results.json content), with the device and dtype that
-    produced its scores (bf16 and fp32 scores of one model differ by its arithmetic)."""
+def comparison_table(results: dict[str, EvalRecord]) -> str:
+    """Markdown table: one row per run (name -> its evaluation), with the device and dtype that produced its
+    scores (bf16 and fp32 scores of one model differ by its arithmetic)."""
     head = "| run | mode | " + " | ".join(c[0] for c in COLUMNS) + " | items / MC samples | device / dtype |"
     rows = [head, "|" + "---|" * (len(COLUMNS) + 4)]
     for name, res in sorted(results.items()):
         cells = [("-" if (v := _get(res, path)) is None else fmt.format(v)) for _, path, fmt in COLUMNS]
-        ts = res.get("task_settings", {})
+        ts = res.task_settings or {}
         rows.append(
-            f"| {name} | {res.get('mode', '?')} | "
+            f"| {name} | {res.mode} | "
             + " | ".join(cells)
-            + f" | {ts.get('items', '-')} / {ts.get('mc_samples', '-')} | {placement_label(res)} |"
+            + f" | {ts.get('items', '-')} / {ts.get('mc_samples', '-')} | {placement_label(res.device, res.dtype, res.device_name)} |"
         )
     return "\n".join(rows)
 
 
-def placement_label(res: dict) -> str:
-    """'cuda:0 (NVIDIA H100) / bfloat16', 'cpu / float32'; '-' for results written before this was recorded."""
-    if "device" not in res:
+def placement_label(device: str | None, dtype: str | None, device_name: str | None = None) -> str:
+    """'cuda:0 (NVIDIA H100) / bfloat16', 'cpu / float32' (an evaluation's `device`, `dtype`, `device_name`, or
+    `stages.placement(model)`); '-' for results written before this was recorded."""
+    if device is None:
         return "-"
-    name = res.get("device_name")
-    dev = res["device"] if not name or name == "cpu" else f"{res['device']} ({name})"
-    return f"{dev} / {res.get('dtype', '?')}"
+    dev = device if not device_name or device_name == "cpu" else f"{device} ({device_name})"
+    return f"{dev} / {dtype or '?'}"
 
 
 def write_comparison(workdir: Path, data_hash: str) -> Path:
     """<workdir>/reports/data-<hash>.md from every <workdir>/runs/*/eval/results.json on that data."""
     found = {}
     for path in sorted(Workdir(workdir).runs.glob("*/eval/results.json")):
-        res = json.loads(path.read_text())
-        if res.get("data_hash") == data_hash:
+        res = EvalRecord.read(path)
+        if res.data_hash == data_hash:
             found[path.parent.parent.name] = res
     out = Workdir(workdir).reports / f"data-{data_hash}.md"
     out.parent.mkdir(parents=True, exist_ok=True)

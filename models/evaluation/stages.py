@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
@@ -17,33 +15,36 @@ from transformers.utils import logging as hf_logging
 
 from difflm.config import EvalConfig, PipelineConfig
 from difflm.errors import UserError
+from difflm.manifest import DataManifest
 from difflm.models.diffusion.modes import build_objective
 from difflm.models.evaluation.generation import default_prompts, generate_samples, sampler_settings
 from difflm.models.evaluation.likelihood import likelihood_bound, validation_windows
 from difflm.models.evaluation.progress import Progress
+from difflm.models.evaluation.record import EvalRecord
 from difflm.models.evaluation.report import write_comparison
 from difflm.models.evaluation.scoring import Scorer
 from difflm.models.evaluation.sweep import sweep_steps
 from difflm.models.evaluation.tasks import build_items, heldout_documents, score_tasks, write_lm_eval_tasks
 from difflm.models.hf.architectures import stock_problem
 from difflm.models.hf.convert import ConversionError, export_hf
+from difflm.models.hf.export import Export
 from difflm.models.hf.importer import export_stock
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 from difflm.rundir import EVAL_KEY, RunDir, TrainResult, Workdir, is_export_of
 from difflm.tracking.plots import plot_sweep
 
 
-def convert_checkpoint(cfg: PipelineConfig, manifest: dict, trained: TrainResult) -> Path:
-    """The HF folder of the run's final checkpoint (reused when it was exported from that checkpoint)."""
+def convert_checkpoint(cfg: PipelineConfig, manifest: DataManifest, trained: TrainResult) -> Export:
+    """The HF export of the run's final checkpoint (reused when it was exported from that checkpoint)."""
     out = trained.run.hf
     if is_export_of(out, trained.checkpoint):
-        return out
-    provenance = {"data_hash": manifest["hash"], "mode": cfg.diffusion.model_running_mode}
+        return Export.read(out)
+    provenance = {"data_hash": manifest.hash, "mode": cfg.diffusion.model_running_mode}
     export_stock_class(cfg, manifest, trained)
-    return export_hf(cfg, manifest["tokenizer"], trained.checkpoint, out, provenance)
+    return export_hf(cfg, manifest.tokenizer.to_dict(), trained.checkpoint, out, provenance)
 
 
-def export_stock_class(cfg: PipelineConfig, manifest: dict, trained: TrainResult) -> Path | None:
+def export_stock_class(cfg: PipelineConfig, manifest: DataManifest, trained: TrainResult) -> Export | None:
     """An `ar` run's final checkpoint also as the stock transformers class (<run>/hf-stock: Llama, or the class
     it was imported from), which `AutoModelForCausalLM.from_pretrained` and lm-eval's `hf` model load with no
     remote code; None for a diffusion model or a model no stock class computes (LayerNorm, GELU)."""
@@ -51,9 +52,9 @@ def export_stock_class(cfg: PipelineConfig, manifest: dict, trained: TrainResult
         return None
     out, ckpt = trained.run.hf_stock, trained.checkpoint
     if is_export_of(out, ckpt):
-        return out
+        return Export.read(out)
     try:
-        return export_stock(cfg, manifest["tokenizer"], ckpt, out, {"data_hash": manifest["hash"]})
+        return export_stock(cfg, manifest.tokenizer.to_dict(), ckpt, out, {"data_hash": manifest.hash})
     except ConversionError as err:  # the run's own export (hf/) and evaluation do not depend on this one
         print(f"[convert] {out.name} not written: {err}", flush=True)
         return None
@@ -124,25 +125,25 @@ def load_tokenizer(folder: Path):
     return PreTrainedTokenizerFast.from_pretrained(str(folder))
 
 
-def check_tokenizer(model, manifest: dict, hf_dir: Path) -> None:
-    tok = manifest["tokenizer"]
-    if model.config.real_vocab_size != tok["vocab_size"] or model.config.mask_token_id != tok["mask_id"]:
+def check_tokenizer(model, manifest: DataManifest, hf_dir: Path) -> None:
+    tok = manifest.tokenizer
+    if model.config.real_vocab_size != tok.vocab_size or model.config.mask_token_id != tok.mask_id:
         raise EvaluationError(
             f"{hf_dir} was trained with another tokenizer (vocab {model.config.real_vocab_size}, mask id "
-            f"{model.config.mask_token_id}) than this config's data (vocab {tok['vocab_size']}, mask id "
-            f"{tok['mask_id']}): evaluate it on its run's own data (no --preset: the run's config.yaml), or read "
+            f"{model.config.mask_token_id}) than this config's data (vocab {tok.vocab_size}, mask id "
+            f"{tok.mask_id}): evaluate it on its run's own data (no --preset: the run's config.yaml), or read "
             f"other data through its tokenizer (tokenizer.path={hf_dir})"
         )
 
 
 def evaluate_export(
     cfg: PipelineConfig,
-    manifest: dict,
+    manifest: DataManifest,
     hf_dir: Path,
     out_dir: Path | None = None,
     untrained: bool = True,
     echo: Callable[[str], None] | None = None,
-) -> dict:
+) -> EvalRecord:
     """Likelihood bound of the trained (and an untrained, freshly initialised) model, the tasks built from
     the held-out split, and samples; written to `out_dir` (default: `default_out_dir`) with the lm-eval task
     files of the same items, and the comparison report of every run on the same data updated. `echo`: one line
@@ -167,7 +168,7 @@ def evaluate_export(
     docs = heldout_documents(manifest, tok)
     scorer = Scorer(model, tok, mc_samples=e.mc_samples, seed=e.seed)
     items = build_items(docs, e.task_items, e.seed) if e.task_items else {}
-    out_dir = Path(out_dir) if out_dir else default_out_dir(cfg, str(hf_dir), Path(hf_dir), manifest["hash"])
+    out_dir = Path(out_dir) if out_dir else default_out_dir(cfg, str(hf_dir), Path(hf_dir), manifest.hash)
     part(f"tasks: {', '.join(f'{name} ({len(v)} items)' for name, v in items.items()) or 'none'}")
     tasks: dict[str, dict] = {}
     for name, task_items in items.items():  # one progress line per task: its own total and ETA
@@ -177,28 +178,23 @@ def evaluate_export(
     part(f"{e.num_samples} samples, {e.sampler.steps} sampler steps")
     samples = generate_samples(scorer, e, e.prompts or default_prompts(docs, e.num_samples, e.prompt_words))
     part("done: writing results")
-    results = {
-        "mode": model.config.model_running_mode,
-        "data_hash": manifest["hash"],
-        "export": str(hf_dir),
+    record = EvalRecord(
+        mode=model.config.model_running_mode,
+        data_hash=manifest.hash,
+        export=str(hf_dir),
         **placement(model),  # bf16 scores differ from fp32 ones by the model's arithmetic: say which these are
-        "bounds": bounds,
-        "tasks": tasks,
-        "task_settings": {"items": e.task_items, "mc_samples": e.mc_samples, "seed": e.seed},
-        "sampler": asdict(sampler_settings(e)),
-        "samples": samples,
-    }
+        bounds=bounds,
+        tasks=tasks,
+        task_settings={"items": e.task_items, "mc_samples": e.mc_samples, "seed": e.seed},
+        sampler=asdict(sampler_settings(e)),
+        samples=samples,
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / EVAL_KEY).unlink(missing_ok=True)  # the pipeline's key named other results: it evaluates again
-    # whole or not at all: the comparison report of every run on this data reads every results.json, also while
-    # another run's evaluation writes its own (no lock: two evaluations of one export write the same results)
-    part_file = out_dir / f".results.json.{os.getpid()}-{threading.get_ident()}.part"  # this writer's own
-    part_file.write_text(json.dumps(results, indent=2))
-    os.replace(part_file, out_dir / "results.json")
+    record.write(out_dir)
     if items:
         write_lm_eval_tasks(items, out_dir / "lm_eval_tasks")
-    results["report"] = str(write_comparison(Path(cfg.workdir).resolve(), manifest["hash"]))
-    return results
+    return record.replace(report=str(write_comparison(Path(cfg.workdir).resolve(), manifest.hash)))
 
 
 def _timed(echo: Callable[[str], None]) -> Callable[[str], None]:
@@ -225,7 +221,7 @@ def default_out_dir(cfg: PipelineConfig, source: str, hf_dir: Path, data_hash: s
     return Workdir.of(cfg).evals / slug
 
 
-def sweep_export(cfg: PipelineConfig, manifest: dict, hf_dir: Path, out_dir: Path) -> list[dict]:
+def sweep_export(cfg: PipelineConfig, manifest: DataManifest, hf_dir: Path, out_dir: Path) -> list[dict]:
     """Cloze accuracy of generated words and tokens/s at each of eval.steps_sweep (masked modes only);
     sweep.json and sweep.png in out_dir."""
     e = cfg.eval

@@ -24,17 +24,19 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from difflm.manifest import DataManifest
+
 WORD = re.compile(r"\S+")
 SENTENCE_END = re.compile(r"^([A-Za-z][A-Za-z'-]*[A-Za-z])[.!?]['\")]*$")
 
 
-def heldout_documents(manifest: dict, tokenizer, limit: int = 2000) -> list[str]:
+def heldout_documents(manifest: DataManifest, tokenizer, limit: int = 2000) -> list[str]:
     """The held-out documents as text (special tokens dropped), in order."""
     # megatron-core only to read prepared shards: scoring an export loads without it
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     docs = []
-    for prefix in manifest["splits"]["valid"]["prefixes"]:
+    for prefix in manifest.split("valid").prefixes:
         ds = IndexedDataset(prefix)
         for i in range(len(ds)):
             docs.append(tokenizer.decode(np.asarray(ds[i]).tolist(), skip_special_tokens=True).strip())

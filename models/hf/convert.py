@@ -26,6 +26,7 @@ from difflm.errors import UserError
 from difflm.models.diffusion.arch import ModelArch
 from difflm.models.diffusion.modes import build_objective
 from difflm.models.hf.configuration_difflm import DiffLMConfig
+from difflm.models.hf.export import Export
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 from difflm.rundir import EXPORT_MARKER
 
@@ -204,14 +205,17 @@ def hf_config(cfg: PipelineConfig, tokenizer: dict):
 
 def export_hf(
     cfg: PipelineConfig, tokenizer: dict, ckpt_dir: Path, out_dir: Path, provenance: dict | None = None
-) -> Path:
-    """Write the HF folder for `ckpt_dir` into `out_dir` (replaced atomically); returns out_dir."""
+) -> Export:
+    """Write the HF folder for `ckpt_dir` into `out_dir` (replaced atomically); returns its `Export` record.
+    `provenance`: what the caller knows of the run (`data_hash`, and more keys the marker keeps); the mode is the
+    config's. No parity figure: the folder ships the code the model was trained with, not a reimplementation."""
     hf_sd = to_hf_state_dict(load_megatron_weights(ckpt_dir))
     model = DiffLMForMaskedLM(hf_config(cfg, tokenizer))
     missing, unexpected = model.load_state_dict(hf_sd, strict=False)
     if missing or unexpected:
         raise ConversionError(f"checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
-    return save_export(model, Path(tokenizer["path"]), out_dir, {"checkpoint": str(ckpt_dir), **(provenance or {})})
+    meta = {"mode": cfg.diffusion.model_running_mode, **(provenance or {}), "checkpoint": str(ckpt_dir)}
+    return save_export(model, Path(tokenizer["path"]), Export.from_marker(out_dir, {**meta, "format": "difflm"}))
 
 
 IMPORT_MARKER = "difflm_import.json"  # in a megatron checkpoint written by import_hf: {"source": the HF folder}
@@ -226,19 +230,19 @@ def check_replaceable(out_dir: Path, kind: str) -> None:
     outputs.check_replaceable(out_dir, marker, what)
 
 
-def save_export(model, tokenizer_dir: Path, out_dir: Path, meta: dict, code: bool = True) -> Path:
-    """Weights, config, model code (unless `code` is False: a stock transformers class) and tokenizer of `model`
-    into `out_dir` (replaced atomically, and only when it is empty or an earlier export)."""
-    out_dir = Path(out_dir)
-    with outputs.staged_output(out_dir, EXPORT_MARKER, "an HF export") as tmp:
+def save_export(model, tokenizer_dir: Path, export: Export) -> Export:
+    """Weights, config, model code (a "difflm" export only: a stock class needs none) and tokenizer of `model`
+    into `export.folder` (replaced atomically, and only when it is empty or an earlier export), its marker
+    written by `Export.write`."""
+    with outputs.staged_output(export.folder, EXPORT_MARKER, "an HF export") as tmp:
         model.save_pretrained(str(tmp), safe_serialization=True)
-        for name, src in export_code().items() if code else ():
+        for name, src in export_code().items() if export.format == "difflm" else ():
             (tmp / name).write_text(src)
         for f in Path(tokenizer_dir).iterdir():
             shutil.copy2(f, tmp / f.name)
         # names the checkpoint (difflm.rundir.exported_from) and marks the folder as ours
-        (tmp / EXPORT_MARKER).write_text(json.dumps(meta, indent=2))
-    return out_dir
+        export.write(into=tmp)
+    return export
 
 
 def load_hf(folder: Path):

@@ -1,7 +1,7 @@
 """Stock transformers checkpoints (Llama, Qwen2, Qwen3, Mistral, Gemma) into megatron-core, and `ar` models back out.
 
     import_pretrained(cfg, folder, out_dir, tokenizer=None) -> out_dir   # a megatron dist checkpoint
-    export_stock(cfg, tokenizer, ckpt_dir, out_dir) -> out_dir          # a folder AutoModelForCausalLM loads
+    export_stock(cfg, tokenizer, ckpt_dir, out_dir) -> Export           # a folder AutoModelForCausalLM loads
 
 Both directions run the two models on the same tokens and raise ConversionError when their logits differ by
 more than PARITY_TOLERANCE (relative: max |a - b| / max |a|, fp32 on the CPU), so nothing is written from a
@@ -48,6 +48,7 @@ from difflm.models.hf.convert import (
     save_export,
     to_hf_state_dict,
 )
+from difflm.models.hf.export import Export
 
 # megatron (difflm.models.megatron, megatron.core) is imported inside the functions that run it, as in difflm.models.hf.convert:
 # the source checks and the tokenizer preparation load without it
@@ -367,11 +368,12 @@ def import_record(ckpt_dir: str | Path) -> dict | None:
 # ---- export to the stock class ---------------------------------------------------------------------------------
 def export_stock(
     cfg: PipelineConfig, tokenizer: dict, ckpt_dir: str | Path, out_dir: str | Path, provenance: dict | None = None
-) -> Path:
+) -> Export:
     """Write `ckpt_dir` (a causal model: mode ar) as the stock transformers class of its architecture
     (`model.hf_architecture`, else by its features; a model trained here is a Llama), which
     `AutoModelForCausalLM.from_pretrained(out_dir)` loads without remote code. The mask token choice is recorded
-    in config.json (`difflm_mask_token_id`). Logits are checked against the megatron model's."""
+    in config.json (`difflm_mask_token_id`). Logits are checked against the megatron model's; the returned
+    `Export` records the figure (`parity`)."""
     from difflm.models.megatron.gpt import padded_vocab_size  # megatron: lazy (above)
 
     check_exportable(cfg.model)
@@ -406,9 +408,11 @@ def export_stock(
         got = model(ids).logits.float()
     rel = parity(ref, got, tokenizer["vocab_size"], f"export of {ckpt_dir}")
     meta = {
-        "checkpoint": str(ckpt_dir),
+        "mode": cfg.diffusion.model_running_mode,
         "architecture": stock_cfg.architectures[0],
-        "parity": rel,
         **(provenance or {}),
+        "checkpoint": str(ckpt_dir),
+        "format": "hf-stock",
+        "parity": rel,  # the figure just measured, whatever the caller passed
     }
-    return save_export(model, Path(tokenizer["path"]), out_dir, meta, code=False)
+    return save_export(model, Path(tokenizer["path"]), Export.from_marker(out_dir, meta))

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from difflm.config import PipelineConfig
+from difflm.manifest import DataManifest
 from difflm.models.launch.jobs import ClusterError, wait_for_job
 from difflm.models.launch.kubernetes import (
     K8S_FINAL,
@@ -61,7 +62,7 @@ __all__ = [
 
 
 def write_launch_file(
-    cfg: PipelineConfig, manifest: dict, target: str, env: dict[str, str] | None = None, trainer: str = TRAINER
+    cfg: PipelineConfig, manifest: DataManifest, target: str, env: dict[str, str] | None = None, trainer: str = TRAINER
 ) -> Path:
     """Write the run's inputs (config.yaml, data_manifest.json) and its launch file for `target` (slurm |
     kubernetes) into the run directory; returns the launch file. What `difflm launch` writes and what the

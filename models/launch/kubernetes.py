@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from difflm.config import PipelineConfig
+from difflm.manifest import DataManifest
 from difflm.models.launch.jobs import (
     ClusterError,
     Deadline,
@@ -99,7 +100,7 @@ def k8s_pytorchjob(
     return yaml.safe_dump(job, sort_keys=False)
 
 
-def write_kubernetes_file(cfg: PipelineConfig, manifest: dict, env: dict[str, str] | None = None) -> Path:
+def write_kubernetes_file(cfg: PipelineConfig, manifest: DataManifest, env: dict[str, str] | None = None) -> Path:
     """Write the run's inputs and its `pytorchjob.yaml`; returns it (what `difflm launch --target k8s` writes and
     `submit_kubernetes` applies)."""
     run = Workdir.of(cfg).run_for(cfg, manifest)
@@ -240,7 +241,7 @@ class PyTorchJob:
 
 
 def submit_kubernetes(
-    cfg: PipelineConfig, manifest: dict, echo: Callable[[str], None] = print, env: dict[str, str] | None = None
+    cfg: PipelineConfig, manifest: DataManifest, echo: Callable[[str], None] = print, env: dict[str, str] | None = None
 ) -> TrainResult:
     """Train the run of `cfg` as a Kubeflow PyTorchJob (`train.launch.kubernetes`): reuse a finished run, reattach to its
     job when one is still active, else (deleting a finished job of the same name) write `pytorchjob.yaml` (as
@@ -251,7 +252,7 @@ def submit_kubernetes(
         return _apply_and_wait(cfg, manifest, run, echo, env)
 
 
-def _apply_and_wait(cfg: PipelineConfig, manifest: dict, run: RunDir, echo, env) -> TrainResult:
+def _apply_and_wait(cfg: PipelineConfig, manifest: DataManifest, run: RunDir, echo, env) -> TrainResult:
     if is_finished(cfg, run):
         echo(f"[train] reusing finished run {run.path}")
         return TrainResult.of(cfg, run, reused=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from difflm.config import ConfigError, PipelineConfig, SlurmBase
 from difflm.credentials import ENV_KEY, is_credential, read_credentials, split_credentials, write_credentials_file
+from difflm.manifest import DataManifest
 from difflm.models.launch.jobs import (
     ClusterError,
     Follower,
@@ -202,7 +203,7 @@ def slurm_script(
 
 
 def write_slurm_file(
-    cfg: PipelineConfig, manifest: dict, env: dict[str, str] | None = None, trainer: str = TRAINER
+    cfg: PipelineConfig, manifest: DataManifest, env: dict[str, str] | None = None, trainer: str = TRAINER
 ) -> Path:
     """Write the run's inputs and its `launch.sbatch`; returns the script (what `difflm launch --target slurm`
     writes and `submit_slurm` submits)."""
@@ -322,7 +323,7 @@ class SlurmJob:
 
 def submit_slurm(
     cfg: PipelineConfig,
-    manifest: dict,
+    manifest: DataManifest,
     echo: Callable[[str], None] = print,
     env: dict[str, str] | None = None,
     trainer: str = TRAINER,
@@ -336,7 +337,7 @@ def submit_slurm(
         return _submit_and_wait(cfg, manifest, run, echo, env, trainer)
 
 
-def _submit_and_wait(cfg: PipelineConfig, manifest: dict, run: RunDir, echo, env, trainer: str) -> TrainResult:
+def _submit_and_wait(cfg: PipelineConfig, manifest: DataManifest, run: RunDir, echo, env, trainer: str) -> TrainResult:
     if is_finished(cfg, run):
         echo(f"[train] reusing finished run {run.path}")
         return TrainResult.of(cfg, run, reused=True)
@@ -358,7 +359,7 @@ def _submit_and_wait(cfg: PipelineConfig, manifest: dict, run: RunDir, echo, env
     return result
 
 
-def _submit(cfg: PipelineConfig, manifest: dict, run: RunDir, env, trainer: str, echo) -> str:
+def _submit(cfg: PipelineConfig, manifest: DataManifest, run: RunDir, env, trainer: str, echo) -> str:
     """Write the run's script and sbatch it; the job id (recorded in the run directory for a rerun to reattach)."""
     resumed = prepare_attempt(run)
     script = write_slurm_file(cfg, manifest, env, trainer)

@@ -33,6 +33,7 @@ from difflm.errors import (
     is_disk_full,
 )
 from difflm.locks import exclusive
+from difflm.manifest import DataManifest
 from difflm.rundir import TRAIN_SECTIONS, RunDir, TrainResult, Workdir, lock_file
 from difflm.tracking.plots import plot_curves
 
@@ -40,7 +41,7 @@ from difflm.tracking.plots import plot_curves
 __all__ = ["TRAIN_SECTIONS", "InvalidSetup", "NonFiniteStop", "TrainingError", "TrainingPreempted", "TrainResult"]
 
 
-def run_dir(cfg: PipelineConfig, manifest: dict) -> Path:
+def run_dir(cfg: PipelineConfig, manifest: DataManifest) -> Path:
     """The path of the run `cfg` trains on the data of `manifest` (`Workdir.run_for`)."""
     return Workdir.of(cfg).run_for(cfg, manifest).path
 
@@ -53,11 +54,11 @@ def is_finished(cfg: PipelineConfig, run: RunDir | Path) -> bool:
     return _as_run(run).is_finished(cfg.train.train_iters)
 
 
-def write_run_inputs(cfg: PipelineConfig, manifest: dict, run: RunDir) -> tuple[Path, Path]:
+def write_run_inputs(cfg: PipelineConfig, manifest: DataManifest, run: RunDir) -> tuple[Path, Path]:
     """Write the files a trainer reads into its run directory: (config.yaml, data_manifest.json).
     The run records exactly the config and data it was given, whoever launches it."""
     run.path.mkdir(parents=True, exist_ok=True)
-    run.manifest_file.write_text(json.dumps(manifest, indent=2))
+    manifest.write(run.manifest_file)
     return save_config(cfg, run.config_file), run.manifest_file
 
 
@@ -100,7 +101,7 @@ STOP = threading.Event()
 
 def launch_training(
     cfg: PipelineConfig,
-    manifest: dict,
+    manifest: DataManifest,
     env: dict[str, str] | None = None,
     echo: Callable[[str], None] = print,
     trainer: str = TRAINER,
@@ -125,7 +126,7 @@ def one_launcher(cfg: PipelineConfig, run: RunDir, echo: Callable[[str], None]) 
     return exclusive(lock_file(run.path), f"training run {run.path}", cfg.pipeline.on_busy, echo)
 
 
-def _launch(cfg: PipelineConfig, manifest: dict, run: RunDir, env, echo, trainer: str) -> TrainResult:
+def _launch(cfg: PipelineConfig, manifest: DataManifest, run: RunDir, env, echo, trainer: str) -> TrainResult:
     rdir = run.path
     if is_finished(cfg, run):
         echo(f"[train] reusing finished run {rdir}")

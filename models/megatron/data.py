@@ -16,6 +16,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from difflm.config import PipelineConfig
+from difflm.manifest import DataManifest
 
 
 @dataclass
@@ -32,21 +33,24 @@ class DatasetTokenizer:
         return {"class": "DatasetTokenizer", "path": self.path, "vocab_size": self.vocab_size}
 
 
-def build_datasets(cfg: PipelineConfig, manifest: dict, train_samples: int, valid_samples: int):
+def build_datasets(cfg: PipelineConfig, manifest: DataManifest, train_samples: int, valid_samples: int):
     """(train, valid) megatron GPTDatasets over the manifest's shards."""
-    tok = manifest["tokenizer"]
-    splits = manifest["splits"]
-    blend = lambda s: (splits[s]["prefixes"], splits[s].get("weights"))  # noqa: E731 - manifest blend weights
+    tok = manifest.tokenizer
+
+    def blend(name: str) -> tuple[list[str], list[float] | None]:  # the split's shards and their blend weights
+        split = manifest.split(name)
+        return list(split.prefixes), list(split.weights) or None
+
     ds_cfg = GPTDatasetConfig(
         random_seed=cfg.train.seed,
         sequence_length=cfg.train.seq_length,
         blend_per_split=[blend("train"), blend("valid"), None],
-        tokenizer=DatasetTokenizer(tok["vocab_size"], tok["eos_id"], tok["pad_id"], tok["sha256"]),
+        tokenizer=DatasetTokenizer(tok.vocab_size, tok.eos_id, tok.pad_id, tok.sha256),
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
         create_attention_mask=False,
-        path_to_cache=str(Path(manifest["dir"]) / "index_cache"),
+        path_to_cache=str(Path(manifest.dir) / "index_cache"),
         mid_level_dataset_surplus=0.005,
     )
     train, valid, _ = BlendedMegatronDatasetBuilder(

@@ -19,6 +19,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from difflm.config import PipelineConfig
+from difflm.manifest import TokenizerInfo
 from difflm.models import diffusion
 from difflm.models.diffusion.modes import BlockDiffusion, Objective, build_objective
 from difflm.models.megatron.attention import DocumentMask, TwoStreamMask
@@ -34,9 +35,10 @@ class SpecialTokens:
     pad_id: int | None = None
 
     @classmethod
-    def from_manifest(cls, tok: dict) -> SpecialTokens:
-        special = tok.get("special_ids") or [tok["eos_id"], tok["mask_id"], tok["pad_id"]]
-        return cls(tok["mask_id"], tok["vocab_size"], tuple(sorted(set(special))), tok["eos_id"], tok.get("pad_id"))
+    def from_manifest(cls, tok: TokenizerInfo) -> SpecialTokens:
+        """The ids of a data manifest's tokenizer record (`DataManifest.tokenizer`)."""
+        special = tok.special_ids or (tok.eos_id, tok.mask_id, tok.pad_id)
+        return cls(tok.mask_id, tok.vocab_size, tuple(sorted(set(special))), tok.eos_id, tok.pad_id)
 
     def ids(self) -> dict:
         """The ids an objective reads (`Objective`'s token fields)."""

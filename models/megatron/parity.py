@@ -28,6 +28,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
 
 from difflm.config import load_config
+from difflm.manifest import DataManifest
 from difflm.models.megatron.data import build_datasets
 from difflm.models.megatron.forward_step import SpecialTokens
 from difflm.models.megatron.safe_pickle import guard_dcp
@@ -57,12 +58,12 @@ def reinit_model_parallel(cfg) -> None:
     init_model_parallel(cfg)
 
 
-def run_layout(cfg, manifest: dict, weights: Path, save: bool, steps: int) -> dict | None:
+def run_layout(cfg, manifest: DataManifest, weights: Path, save: bool, steps: int) -> dict | None:
     """Two optimizer steps of `cfg`'s layout from the saved weights (saving them first with `save`); the losses and
     the replica spread on the reporting rank, None on the others."""
-    special = SpecialTokens.from_manifest(manifest["tokenizer"])
+    special = SpecialTokens.from_manifest(manifest.tokenizer)
     train_ds, _ = build_datasets(cfg, manifest, steps * cfg.train.global_batch_size, cfg.train.global_batch_size)
-    ddp, opt, sched = build_training(cfg, manifest["tokenizer"]["vocab_size"])
+    ddp, opt, sched = build_training(cfg, manifest.tokenizer.vocab_size)
     sched.step(increment=cfg.train.schedule.warmup_iters)  # start at the peak rate: warmup's first lr is 0, no update
     if save:
         if dist.get_rank() == 0:
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"give --{key}, or a {key!r} in every run of --runs")
 
     world = int(os.environ.get("WORLD_SIZE", 1))
-    manifest = json.loads(Path(args.manifest).read_text())
+    manifest = DataManifest.read(args.manifest)
     for i, run in enumerate(runs):
         overrides = [*args.overrides, *run.get("overrides", []), f"train.launch.nproc_per_node={world}"]
         cfg = load_config(run.get("config", args.config), overrides)

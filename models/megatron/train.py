@@ -32,6 +32,7 @@ from megatron.core.transformer.module import Float16Module
 from difflm.config import PipelineConfig, load_config
 from difflm.config.train import epochs_seen
 from difflm.errors import NonFiniteStop, TrainingPreempted
+from difflm.manifest import DataManifest
 from difflm.models.diffusion.documents import document_ids, document_pairs
 from difflm.models.diffusion.modes import Objective, build_objective
 from difflm.models.megatron import checkpointing, compat
@@ -277,7 +278,7 @@ class Trainer:
     def __init__(
         self,
         cfg: PipelineConfig,
-        manifest: dict,
+        manifest: DataManifest,
         run_dir: Path,
         hooks: Sequence[Hook],
         clock: Callable[[], float] = time.perf_counter,
@@ -285,9 +286,8 @@ class Trainer:
         init_distributed(cfg)
         self.cfg, self.run, self.hooks, self.clock = cfg, RunDir(run_dir), list(hooks), clock
         t = cfg.train
-        tok = manifest["tokenizer"]
-        self.vocab_size, self.special = tok["vocab_size"], SpecialTokens.from_manifest(tok)
-        self.unique_tokens = int(manifest["splits"]["train"]["tokens"])  # an epoch: each of them seen once
+        self.vocab_size, self.special = manifest.tokenizer.vocab_size, SpecialTokens.from_manifest(manifest.tokenizer)
+        self.unique_tokens = manifest.unique_tokens  # an epoch: each of them seen once
         self.objective = build_objective(cfg.diffusion, self.special.ids())  # the one reading of the mode
         self.train_ds, self.valid_ds = build_datasets(
             cfg, manifest, t.train_iters * t.global_batch_size, (t.eval_iters + 1) * t.global_batch_size
@@ -432,7 +432,7 @@ PREEMPTED_EXIT = TrainingPreempted.exit_code  # 75, EX_TEMPFAIL: "try again"; to
 NONFINITE_EXIT = 3  # hence the marker files too (preempted.json, stopped.json)
 
 
-def train(cfg: PipelineConfig, manifest: dict, run_dir: Path, hooks: Sequence[Hook] = ()) -> None:
+def train(cfg: PipelineConfig, manifest: DataManifest, run_dir: Path, hooks: Sequence[Hook] = ()) -> None:
     """Train the run in `run_dir` on this rank. `hooks` run before the standard ones, so that a test's fault
     injector changes a step before the NonFiniteGuard looks at it. A stop on purpose exits with its code."""
     trainer = Trainer(cfg, manifest, run_dir, [*hooks, *standard_hooks()])
@@ -453,11 +453,11 @@ def main(argv: list[str] | None = None, hooks: Sequence[Hook] = ()) -> None:
     """The torchrun entry point. A wrapper entry module may pass `hooks` (tests install a FaultInjector so)."""
     p = argparse.ArgumentParser(description="Train a diffusion LM (run under torchrun).")
     p.add_argument("--config", required=True, help="resolved pipeline config YAML")
-    p.add_argument("--manifest", required=True, help="data-prep manifest.json")
+    p.add_argument("--manifest", required=True, help="data-prep manifest.json (a run's data_manifest.json)")
     p.add_argument("--run-dir", required=True, help="output directory (checkpoints, metrics.jsonl)")
     args = p.parse_args(argv)
     cfg = load_config(args.config)
-    manifest = json.loads(Path(args.manifest).read_text())
+    manifest = DataManifest.read(args.manifest)
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     train(cfg, manifest, run_dir, hooks)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -10,12 +9,14 @@ import mlflow
 import pytest
 import torch
 from conftest import tiny_config
+from helpers import manifest_record
 from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from difflm.config import CONFIG_DIR, ConfigError, load_config
 from difflm.flows.adapt import adapt_difflm, adaptation_config
 from difflm.flows.pretrain import pretrain_difflm
+from difflm.manifest import DataManifest
 from difflm.models.diffusion import anneal_ratio, annealed_attention_mask, cart_weights
 from difflm.models.diffusion.modes import MaskedDiffusion, ShiftedMaskedDiffusion, build_objective
 from difflm.models.evaluation.likelihood import validation_windows
@@ -262,7 +263,7 @@ def ar_source(tiny_manifest, trained):
     """An `ar` model trained by the pipeline and exported: a source the import of this checkout reads (the shared
     AR run's export)."""
     ar = trained("ar")
-    return convert_checkpoint(ar.cfg, tiny_manifest, ar.info)
+    return convert_checkpoint(ar.cfg, tiny_manifest, ar.info).folder
 
 
 @pytest.mark.slow
@@ -282,15 +283,13 @@ def test_adapt_difflm_flow_evaluates_the_adapted_and_the_source_model_on_the_sam
     assert summary["adapted"]["kind"] == "elbo" and summary["source_ar"]["kind"] == "exact"
     # the source AR row is the source model itself: its export, scored directly, gives the same NLL
     cfg, _ = adaptation_config(str(ar_source), preset, overrides)
-    manifest = json.loads((Path(summary["data_dir"]) / "manifest.json").read_text())
+    manifest = DataManifest.read(Path(summary["data_dir"]) / "manifest.json")
     direct = evaluate_export(ar_config(cfg), manifest, ar_source, workdir / "direct", untrained=False)
-    assert summary["source_ar"]["nll_per_token"] == pytest.approx(
-        direct["bounds"]["trained"]["nll_per_token"], rel=1e-6
-    )
+    assert summary["source_ar"]["nll_per_token"] == pytest.approx(direct.trained["nll_per_token"], rel=1e-6)
     # training started from the imported weights: at step 0 the ELBO is already below a uniform model's log V
     records = read_metrics_of(summary["run_dir"])
     first_val = [r["val_loss"] for r in records if "val_loss" in r and r["step"] == 0][0]
-    assert first_val < math.log(manifest["tokenizer"]["vocab_size"]) - 0.25
+    assert first_val < math.log(manifest.tokenizer.vocab_size) - 0.25
     assert "| adapted |" in summary["comparison"] and "| source AR |" in summary["comparison"]
 
     mlflow.set_tracking_uri(tracking_uri(cfg))
@@ -376,7 +375,7 @@ def test_smollm2_adapts_its_elbo_falls_and_sits_next_to_its_own_nll(session_dir,
     )
     print(summary["comparison"])
     # import parity on real weights: the ar export of the imported checkpoint is transformers' model
-    manifest = json.loads((Path(summary["data_dir"]) / "manifest.json").read_text())
+    manifest = DataManifest.read(Path(summary["data_dir"]) / "manifest.json")
     windows = validation_windows(manifest, 64, 4)
     reference = AutoModelForCausalLM.from_pretrained(str(smollm2), dtype=torch.float32).eval()
     with torch.no_grad():
@@ -407,6 +406,6 @@ def test_a_run_from_an_hf_folder_keeps_its_name(tmp_path):
     cfg = load_config("test-tiny", [f"workdir={tmp_path}", "train.init_from_hf=/models/source"])
     trained = with_import(cfg, ImportedSource(ckpt, None, {"sha256": "x"}))
     before = load_config("test-tiny", [f"workdir={tmp_path}", f"train.init_from={ckpt}"])  # how it was named
-    manifest = {"hash": "d" * 16}
+    manifest = manifest_record("d" * 16)
     assert trained.train.init_from == str(ckpt) and trained.train.init_from_hf is None
     assert Workdir.of(trained).run_for(trained, manifest) == Workdir.of(before).run_for(before, manifest)

@@ -28,10 +28,10 @@ def test_a_run_in_epochs_of_a_budget_records_its_length(session_dir, tiny_manife
     with tracking.pipeline_run(cfg, "budget", {"flow": "t"}) as run_id:
         run = PipelineRun(cfg, run_id, None, {})
         run_stages(run, [DATA_PREP, TRAIN])
-    manifest, trained = run["manifest"], run["trained"]
-    unique = manifest["splits"]["train"]["tokens"]
-    assert manifest["budget"]["unique_tokens"] == 1000 and 1000 <= unique < tiny_manifest["splits"]["train"]["tokens"]
-    assert manifest["splits"]["valid"] == tiny_manifest["splits"]["valid"]
+    manifest, trained = run.manifest, run.trained
+    unique = manifest.splits["train"].tokens
+    assert manifest.budget["unique_tokens"] == 1000 and 1000 <= unique < tiny_manifest.splits["train"].tokens
+    assert manifest.splits["valid"] == tiny_manifest.splits["valid"]
     iters = math.ceil(0.5 * unique / (4 * 32))  # test-tiny: global batch 4 x 32 tokens
     assert run.cfg.train.train_iters == iters and run.cfg.train.epochs is None
     assert trained.run.config().train.train_iters == iters and trained.run.is_finished(iters)

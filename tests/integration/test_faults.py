@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 from fault_injection import fault_launch
-from helpers import assert_same_weights, tiny_config, trained_overrides
+from helpers import assert_same_weights, manifest_record, tiny_config, trained_overrides
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from mlflow.tracking import MlflowClient
 from prefect import flow
@@ -279,7 +279,7 @@ def test_tracking_outage_never_stops_training_and_nothing_is_lost(
         # the pipeline's own tracking calls do not fail either while it is down
         os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
         mlflow.set_tracking_uri(uri)
-        assert tracking.log_data_stats({"splits": {}, "tokenizer": {"vocab_size": 1}, "hash": "x"}) is None
+        assert tracking.log_data_stats(manifest_record("x")) is None
         assert degraded.DEGRADED
 
         server.start()  # ... and comes back, on the same store and port

@@ -14,6 +14,7 @@ from scenarios import SCENARIOS
 from difflm.flows.data_prep import data_prep
 from difflm.flows.evaluate import evaluate
 from difflm.flows.pretrain import pretrain_difflm
+from difflm.manifest import DataManifest
 from difflm.models.hf.convert import load_hf
 from difflm.tracking import tracking_uri, training_view
 
@@ -41,7 +42,7 @@ def first(session_dir, prefect_harness) -> dict:
         r.data.tags["stage"]: r
         for r in client.search_runs([run.info.experiment_id], f"tags.mlflow.parentRunId = '{run.info.run_id}'")
     }
-    manifest = json.loads((Path(summary["data_dir"]) / "manifest.json").read_text())
+    manifest = DataManifest.read(Path(summary["data_dir"]) / "manifest.json")
     return {"summary": summary, "cfg": cfg, "client": client, "run": run, "children": children, "manifest": manifest}
 
 
@@ -56,7 +57,7 @@ def test_data_checkpoint_and_an_export_transformers_loads(first):
     assert (Path(summary["data_dir"]) / "manifest.json").exists()
     assert (Path(summary["run_dir"]) / "checkpoints" / "iter_0000030" / "metadata.json").exists()
     model = load_hf(Path(summary["hf_dir"]))
-    assert model.config.mask_token_id == first["manifest"]["tokenizer"]["mask_id"]
+    assert model.config.mask_token_id == first["manifest"].tokenizer.mask_id
 
 
 @pytest.mark.slow
@@ -71,7 +72,7 @@ def test_training_helped_and_samples_record_their_sampler(first):
 def test_one_mlflow_run_with_params_and_curves(first):
     client, run = first["client"], first["run"]
     assert run.data.params["train.train_iters"] == "30"
-    unique = first["manifest"]["splits"]["train"]["tokens"]  # every run records its unique tokens and epochs
+    unique = first["manifest"].splits["train"].tokens  # every run records its unique tokens and epochs
     assert run.data.params["train.unique_tokens"] == str(unique) == str(first["summary"]["unique_tokens"])
     assert first["summary"]["planned_epochs"] == float(run.data.params["train.planned_epochs"]) > 0
     assert run.data.params["diffusion.model_running_mode"] == "difflm-noshift"
@@ -87,9 +88,9 @@ def test_the_data_is_a_dataset_input_not_metrics(first):
         for d in run.inputs.dataset_inputs
         if {t.key: t.value for t in d.tags}.get("mlflow.data.context") == "training"
     ]
-    assert data_input.dataset.digest == manifest["hash"] == run.data.tags["data.hash"]
+    assert data_input.dataset.digest == manifest.hash == run.data.tags["data.hash"]
     counts = {t.key: t.value for t in data_input.tags}
-    assert counts["train.documents"] == str(manifest["splits"]["train"]["documents"])
+    assert counts["train.documents"] == str(manifest.splits["train"].documents)
     assert not [k for k in run.data.metrics if k.startswith("data.")]
 
 
@@ -123,7 +124,7 @@ def test_a_nested_run_per_stage_with_live_curves_and_system_metrics(first):
 def test_a_markdown_summary_per_stage_in_prefect(first):
     train_md = Artifact.get("train-summary")
     assert train_md and "loss" in train_md.data and Path(first["summary"]["run_dir"]).name in train_md.data
-    assert first["manifest"]["hash"] in Artifact.get("data-prep-summary").data
+    assert first["manifest"].hash in Artifact.get("data-prep-summary").data
     assert "nats/token" in Artifact.get("evaluate-summary").data
 
 
@@ -190,13 +191,13 @@ def test_the_evaluate_flow_on_the_registered_champion(first, session_dir, capfd,
 def test_data_prep_flow_logs_statistics(session_dir, prefect_harness, tiny_manifest):
     cfg = tiny_config(session_dir / "shared")  # the same config as tiny_manifest: the prep is reused
     manifest = data_prep(config=cfg)
-    assert manifest["hash"] == tiny_manifest["hash"]
+    assert manifest.hash == tiny_manifest.hash
     mlflow.set_tracking_uri(tracking_uri(cfg))
     runs = MlflowClient().search_runs(
         [mlflow.get_experiment_by_name(cfg.tracking.experiment).experiment_id], filter_string="tags.flow = 'data-prep'"
     )
     (data_input,) = runs[0].inputs.dataset_inputs
-    assert data_input.dataset.digest == manifest["hash"] and data_input.dataset.name == "enwiki"
+    assert data_input.dataset.digest == manifest.hash and data_input.dataset.name == "enwiki"
     counts = {t.key: t.value for t in data_input.tags}
-    assert counts["train.enwiki.documents"] == str(manifest["splits"]["train"]["sources"]["enwiki"]["documents"])
-    assert json.loads(data_input.dataset.source)["uri"].endswith(manifest["hash"])
+    assert counts["train.enwiki.documents"] == str(manifest.splits["train"].sources["enwiki"]["documents"])
+    assert json.loads(data_input.dataset.source)["uri"].endswith(manifest.hash)

@@ -100,7 +100,7 @@ def parity(session_dir, tiny_manifest, tmp_path_factory) -> Path:
     Each run's losses land in <case>/<layout>.json, which the tests below compare."""
     root = tmp_path_factory.mktemp("parity")
     manifest = root / "manifest.json"
-    manifest.write_text(json.dumps(tiny_manifest))
+    tiny_manifest.write(manifest)
     # 2 layers (PP=2 splits them), 2 heads (TP=2 splits them), global batch 4 = 2 micro-batches of 2
     common = ["train.micro_batch_size=2", "train.global_batch_size=4"]
     by_world: dict[int, list[dict]] = {1: [], 2: []}

@@ -1,4 +1,5 @@
-"""A new pipeline stage is a function and one `Stage` row (flows/stages.py): inserted into a pipeline's list, it
+"""A new pipeline stage is a function, one `Stage` row (flows/stages.py) and the typed attribute its result is kept
+under (a `Slot` on PipelineRun, or on a subclass for a pipeline of its own): inserted into a pipeline's list, it
 runs, is cached by Prefect while its output is on disk, reruns when that output is gone, records its status and
 publishes its summary, with no other production change."""
 
@@ -9,8 +10,15 @@ from pathlib import Path
 from helpers import tiny_config
 
 from difflm.flows.pretrain import CONVERT, EVALUATE, PRETRAIN_STAGES
-from difflm.flows.stages import PipelineRun, Stage, run_stages
+from difflm.flows.stages import PipelineRun, Slot, Stage, run_stages
+from difflm.models.hf.export import Export
 from difflm.tasks import artifacts
+
+
+class QuantizedRun(PipelineRun):
+    """The pipeline's run with the new stage's result: `run.quantized`."""
+
+    quantized = Slot[str]("quantize")
 
 
 def quantize(cfg, hf_dir: str, out: str) -> str:
@@ -32,9 +40,9 @@ def test_a_new_stage_is_one_row(tmp_path, prefect_harness, monkeypatch):
         "quantize",
         counted,  # a plain function: run as a Prefect task named after the row
         slot="quantized",
-        output=lambda run: Path(run["hf_dir"]).parent / "hf-int8",  # its place beside the run's export
+        output=lambda run: run.export.folder.parent / "hf-int8",  # its place beside the run's export
         done=lambda run, out: (out / "quantized.json").exists(),
-        args=lambda run, out, key: (run.cfg, run["hf_dir"], str(out)),
+        args=lambda run, out, key: (run.cfg, str(run.export.folder), str(out)),
         summary=lambda run, out: f"# Quantized\n`{out.result}`",
         title="quantization",
     )
@@ -43,15 +51,15 @@ def test_a_new_stage_is_one_row(tmp_path, prefect_harness, monkeypatch):
     assert rows.index(quantize_row) + 1 == rows.index(EVALUATE)
 
     (tmp_path / "run" / "hf").mkdir(parents=True)
-    run = PipelineRun(tiny_config(tmp_path, "tracking.enabled=false"), None, None, {})
-    run.results["hf_dir"] = str(tmp_path / "run" / "hf")  # what the convert row left
+    run = QuantizedRun(tiny_config(tmp_path, "tracking.enabled=false"), None, None, {})
+    run.export = Export(tmp_path / "run" / "hf", None)  # what the convert row left
     run_stages(run, [quantize_row])
     out = tmp_path / "run" / "hf-int8"
-    assert run["quantized"] == str(out) and run.stages == {"quantize": "ran"} and len(calls) == 1
+    assert run.quantized == str(out) and run.stages == {"quantize": "ran"} and len(calls) == 1
     assert published == [("quantize-summary", f"# Quantized\n`{out}`", "quantization")]
 
     run_stages(run, [quantize_row])  # its output is on disk: Prefect's cache answers
-    assert run.stages == {"quantize": "cached"} and len(calls) == 1 and run["quantized"] == str(out)
+    assert run.stages == {"quantize": "cached"} and len(calls) == 1 and run.quantized == str(out)
 
     (out / "quantized.json").unlink()  # the output is gone: the stage runs again, whatever the cache holds
     run_stages(run, [quantize_row])

@@ -188,11 +188,12 @@ def _release_requeued(job_id: str, done: threading.Event) -> None:
 
 # a flow's worker as its own process, waiting for the Slurm job of a run (killed by the test mid-way)
 WORKER = """
-import json, sys
+import sys
 from difflm.config import load_config
+from difflm.manifest import DataManifest
 from difflm.models.launch.cluster import submit_slurm
 workdir, manifest, *overrides = sys.argv[1:]
-submit_slurm(load_config("test-tiny", [f"workdir={workdir}", *overrides]), json.loads(manifest), echo=print)
+submit_slurm(load_config("test-tiny", [f"workdir={workdir}", *overrides]), DataManifest.read(manifest), echo=print)
 """
 
 
@@ -214,7 +215,15 @@ def test_preempted_job_checkpoints_requeues_and_resumes_bit_for_bit(
     worker_log = tmp_path / "worker.log"
     with worker_log.open("w") as fh:
         worker = subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(work), json.dumps(tiny_manifest), *PREEMPT, *SLURM],
+            [
+                sys.executable,
+                "-c",
+                WORKER,
+                str(work),
+                str(tiny_manifest.write(tmp_path / "manifest.json")),
+                *PREEMPT,
+                *SLURM,
+            ],
             cwd=ROOT,
             stdout=fh,
             stderr=subprocess.STDOUT,
@@ -387,7 +396,7 @@ def test_data_prep_on_slurm_writes_the_local_shards_byte_for_byte(tmp_path, slur
     src = tmp_path / "docs.jsonl"
     words = "alpha beta gamma delta epsilon zeta eta theta".split()
     src.write_text("".join(json.dumps({"text": f"doc {i}: " + " ".join(words[i % 8 :] * 9)}) + "\n" for i in range(40)))
-    common = [f"tokenizer.path={tiny_manifest['tokenizer']['path']}", "data.min_chars=0", f"data.sources=[{src}]"]
+    common = [f"tokenizer.path={tiny_manifest.tokenizer.path}", "data.min_chars=0", f"data.sources=[{src}]"]
     common += ["data.valid_fraction=0.25", "data.tasks=3", "data.workers=3"]
     local = prepare_data(tiny_config(tmp_path / "local", *common))
     cfg = tiny_config(tmp_path / "slurm", *common, "data.executor=slurm", "data.slurm.mem_per_cpu_gb=1")
@@ -434,11 +443,12 @@ def test_data_prep_on_slurm_writes_the_local_shards_byte_for_byte(tmp_path, slur
     manifest = prepare_data(cfg)
     assert not creds.exists()  # the prep is complete: its jobs need it no more
 
-    out, ref = Path(manifest["dir"]), Path(local["dir"])
+    out, ref = Path(manifest.dir), Path(local.dir)
     shards = sorted(p.relative_to(ref) for p in ref.rglob("*_tokens.*"))
     assert len(shards) >= 6 and shards == sorted(p.relative_to(out) for p in out.rglob("*_tokens.*"))
     assert all((out / p).read_bytes() == (ref / p).read_bytes() for p in shards)
-    assert manifest["splits"] == json.loads(json.dumps(local["splits"]).replace(str(ref), str(out)))
+    moved = json.loads(json.dumps(local.to_dict()["splits"]).replace(str(ref), str(out)))
+    assert manifest.to_dict()["splits"] == moved
 
 
 # ---- Prefect: the Slurm deployment of prefect.yaml, a process worker, the pipeline on the cluster -------------

@@ -144,7 +144,7 @@ def test_evaluate_latest_scores_each_new_checkpoint_once(trained_run, prefect_ha
     # while pretrain-difflm trains this run (its MLflow run RUNNING, train.run_dir not tagged yet), the score
     # goes into that run, found through its resolved config
     manifest = run_manifest(run)
-    with tracking.pipeline_run(cfg, "training", {"flow": "pretrain-difflm", "data.hash": manifest["hash"]}) as train_id:
+    with tracking.pipeline_run(cfg, "training", {"flow": "pretrain-difflm", "data.hash": manifest.hash}) as train_id:
         forced = evaluate_latest(run_dir=str(run), force=True)
     assert forced["mlflow_run_id"] == train_id
     assert [m.step for m in client.get_metric_history(train_id, "eval_latest.ppl")] == [8]

@@ -2,6 +2,7 @@
 
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -58,13 +59,8 @@ def test_resume_reproduces_uninterrupted_run(session_dir, tiny_manifest, layout)
 
 @pytest.mark.slow
 def test_failed_training_reports_the_log(session_dir, tiny_manifest):
-    broken = {
-        **tiny_manifest,
-        "splits": {
-            **tiny_manifest["splits"],
-            "train": {**tiny_manifest["splits"]["train"], "prefixes": ["/nonexistent/shard"]},
-        },
-    }
+    train = replace(tiny_manifest.split("train"), prefixes=("/nonexistent/shard",))
+    broken = tiny_manifest.replace(splits={**tiny_manifest.splits, "train": train})
     cfg = tiny_config(session_dir / "broken", "train.train_iters=3", "train.schedule.warmup_iters=1")
     with pytest.raises(TrainingError, match="training failed .* full log"):
         launch_training(cfg, broken, echo=lambda _: None)
@@ -93,27 +89,27 @@ def test_each_mode_trains_exports_and_samples(session_dir, tiny_manifest, traine
     assert len(vals) == 3 and vals[-1] < vals[0], vals  # steps 0, 8 and 16
     # a person can follow a long run: each interval's line says how long the rest will take
     assert re.search(r"\[train\] iter +8/16 .* ETA \d+[smh]", (info.run.path / "train.log").read_text())
-    hf_dir = convert_checkpoint(cfg, tiny_manifest, info)
+    hf_dir = convert_checkpoint(cfg, tiny_manifest, info).folder
     lines: list[str] = []
     results = evaluate_export(cfg, tiny_manifest, hf_dir, echo=lines.append)
     # minutes on 2 cores are not silent: a line per part, with the time so far (tried as a new user would)
     assert [line.split(":")[0] for line in lines[:1]] == ["[eval] bound of the trained model"], lines
     assert any(line.startswith("[eval] tasks: cloze") for line in lines) and lines[-1].startswith("[eval] done")
-    b = results["bounds"]
+    b = results.bounds
     assert b["trained"]["nll_per_token"] < b["untrained"]["nll_per_token"]
     assert b["trained"]["kind"] == ("exact" if mode == "ar" else "elbo")
-    sample = results["samples"][0]
+    sample = results.samples[0]
     assert sample["sampler"]["mode"] == mode and sample["sampler"]["steps"] == cfg.eval.sampler.steps
     if objective_class(mode).two_stream:  # the block decoder records its own settings
         assert sample["sampler"]["block_size"] == 8 and sample["sampler"]["kv_cache"]
-    cloze = results["tasks"]["cloze"]
+    cloze = results.tasks["cloze"]
     assert cloze["items"] > 0
     if objective_class(mode).has_greedy:
         assert 0.0 <= cloze["acc"] <= 1.0
     else:  # uniform diffusion has no greedy decision to score: n/a, not 0.000
         assert cloze["acc"] is None
-    assert results["tasks"]["documents"]["bits_per_byte"] > 0
-    report = Path(results["report"]).read_text()  # every mode trained on this data, side by side
+    assert results.tasks["documents"]["bits_per_byte"] > 0
+    report = Path(results.report).read_text()  # every mode trained on this data, side by side
     assert f"| {mode} |" in report and info.run.path.name in report
 
 
@@ -124,8 +120,8 @@ def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, trained, 
     shared = trained("masked")
     cfg, info = shared.cfg, shared.info
     source_final = [r["val_loss"] for r in read_metrics(info.run.path) if "val_loss" in r][-1]
-    hf_dir = convert_checkpoint(cfg, tiny_manifest, info)
-    ckpt = import_hf(cfg, hf_dir, tmp_path / "imported", tiny_manifest["tokenizer"])
+    hf_dir = convert_checkpoint(cfg, tiny_manifest, info).folder
+    ckpt = import_hf(cfg, hf_dir, tmp_path / "imported", tiny_manifest.tokenizer.to_dict())
 
     follow = tiny_config(
         session_dir / "import",
@@ -142,7 +138,7 @@ def test_hf_import_roundtrip_and_init_from(session_dir, tiny_manifest, trained, 
 
     wrong = tiny_config(session_dir / "import", "model.hidden_size=64")
     with pytest.raises(ConversionError, match="hidden_size: checkpoint 32 vs config 64"):
-        import_hf(wrong, hf_dir, tmp_path / "nope", tiny_manifest["tokenizer"])
+        import_hf(wrong, hf_dir, tmp_path / "nope", tiny_manifest.tokenizer.to_dict())
 
 
 @pytest.mark.slow

@@ -28,19 +28,19 @@ from pathlib import Path
 import mlflow
 import mlflow.tracking._tracking_service.utils as uri_state
 import pytest
-from helpers import fake_export  # an HF-like folder, 44 parameters, no weights
+from helpers import fake_export, manifest_record  # fake_export: an HF-like folder, 44 parameters, no weights
 
 from difflm import tracking
 from difflm.config import load_config
+from difflm.manifest import SplitStats
 from difflm.tasks.artifacts import mlflow_curves_url
 
-MANIFEST = {
-    "hash": "feedc0ffee42",
-    "dir": "/data/feedc0ffee42",
-    "sources": [{"name": "enwiki"}],
-    "tokenizer": {"vocab_size": 512},
-    "splits": {"train": {"documents": 40, "tokens": 9000}, "valid": {"documents": 4, "tokens": 900}},
-}
+MANIFEST = manifest_record(
+    "feedc0ffee42",
+    "/data/feedc0ffee42",
+    sources=({"name": "enwiki"},),
+    splits={"train": SplitStats(40, 9000), "valid": SplitStats(4, 900)},
+)
 CHECKPOINT = "runs/ui-browser/iter_0000020"
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "admin"
@@ -204,14 +204,14 @@ def _check_run_page(browser: Browser, base: str, reg: dict, out: Path) -> None:
     run_id, exp, name, version = reg["run_id"], reg["experiment_id"], reg["registered_model"], reg["version"]
     run_url = f"{base}/#/experiments/{exp}/runs/{run_id}"
     mv_link = f"#/models/{name}/versions/{version}"
-    dom, text = browser.render(run_url, out, ready=("eval.trained.nll_per_token", MANIFEST["dir"], mv_link))
+    dom, text = browser.render(run_url, out, ready=("eval.trained.nll_per_token", MANIFEST.dir, mv_link))
     where = f"on {run_url} (DOM and screenshot: {out}.html/.png)"
     for metric in ("loss", "val_loss", "eval.trained.nll_per_token"):  # the training and evaluation metrics
         assert re.search(rf"(^|\s){re.escape(metric)}\s", text), f"metric {metric} not shown {where}"
     assert run_id in text and "model.hidden_size" in text, f"run id or config params not shown {where}"
     # the data it trained on: the dataset input (name, digest, context) and the data.hash tag
-    assert re.search(rf"Datasets enwiki \({MANIFEST['hash']}\) training", text, re.I), f"no dataset {where}"
-    assert f"data.hash : {MANIFEST['hash']}" in text, f"no data.hash tag {where}"
+    assert re.search(rf"Datasets enwiki \({MANIFEST.hash}\) training", text, re.I), f"no dataset {where}"
+    assert f"data.hash : {MANIFEST.hash}" in text, f"no data.hash tag {where}"
     # lineage: the run links to its registered version
     assert re.search(rf"Registered models {re.escape(name)} v{version}\b", text) and mv_link in dom, (
         f"no link to the registered version {where}"
@@ -231,10 +231,10 @@ def _check_version_page(browser: Browser, base: str, reg: dict, out: Path) -> No
     assert f"run: runs:/{run_id}" in text and f'href="{run_url}?workflowType=machine_learning"' in dom, (
         f"no run in the description {where}"
     )
-    assert f"data: {MANIFEST['hash']} from enwiki" in text, f"no data in the description {where}"
+    assert f"data: {MANIFEST.hash} from enwiki" in text, f"no data in the description {where}"
     assert f"dataset: runs:/{run_id}/data/manifest.json" in text, f"no manifest link {where}"
     assert f"checkpoint: {CHECKPOINT}" in text and "final val_loss 4.1000" in text, f"no checkpoint {where}"
-    assert f"data.hash {MANIFEST['hash']}" in text, f"no data.hash tag on the version {where}"
+    assert f"data.hash {MANIFEST.hash}" in text, f"no data.hash tag on the version {where}"
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from difflm.config import PipelineConfig, load_config
+from difflm.manifest import DataManifest, SplitStats, TokenizerInfo
 from difflm.models.diffusion.modes import objective_class
 from difflm.models.hf.configuration_difflm import DiffLMConfig
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
@@ -56,6 +57,19 @@ def trained_overrides(mode: str) -> tuple[str, ...]:
 def tiny_config(workdir: Path, *overrides: str) -> PipelineConfig:
     """The test-tiny preset with its outputs under `workdir`, and `section.field=value` overrides."""
     return load_config("test-tiny", [f"workdir={workdir}", *overrides])
+
+
+def manifest_record(data_hash: str = "d" * 12, folder: str | Path = "/nonexistent/data", **changes) -> DataManifest:
+    """A data manifest of made-up data (a 512-token tokenizer, ids 0..2 special; 40 train / 5 valid documents), for a
+    test that needs the record and no data on disk; `changes` replace its fields."""
+    tok = TokenizerInfo(str(Path(folder) / "tokenizer"), 512, eos_id=0, mask_id=1, pad_id=2, sha256="0" * 64)
+    splits = {"train": _one_source(40, 4000), "valid": _one_source(5, 500), "test": _one_source(0, 0)}
+    base = DataManifest(str(folder), data_hash, tok, splits, sources=({"name": "demo", "path": "demo.jsonl"},))
+    return base.replace(**changes)
+
+
+def _one_source(documents: int, tokens: int) -> SplitStats:
+    return SplitStats(documents, tokens, sources={"demo": {"documents": documents, "tokens": tokens}})
 
 
 def tiny_hf_model(mode: str = "difflm-noshift", seed: int = 0, vocab: int = 64, **over):

@@ -35,6 +35,7 @@ from difflm.flows import cli
 from difflm.flows.cli import main
 from difflm.models.evaluation.stages import load_model
 from difflm.models.hf.convert import check_replaceable, hf_config, import_hf, load_megatron_weights, save_export
+from difflm.models.hf.export import Export
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 from difflm.models.launch.cluster import sbatch_command, sbatch_options, slurm_script
 from difflm.models.launch.slurm import write_credentials
@@ -433,7 +434,7 @@ def test_the_pipeline_loader_never_runs_an_exports_code(tmp_path):
     cfg = load_config("test-tiny", [])
     model = DiffLMForMaskedLM(hf_config(cfg, {"vocab_size": 64, "mask_id": 1, "eos_id": 0, "pad_id": 2}))
     (tmp_path / "tokenizer").mkdir()
-    hf = save_export(model, tmp_path / "tokenizer", tmp_path / "hf", {})
+    hf = save_export(model, tmp_path / "tokenizer", Export(tmp_path / "hf", None)).folder
     mark = tmp_path / "PWNED_remote_code"
     payload = f"\nimport pathlib\npathlib.Path({str(mark)!r}).write_text('ran')\n"
     for name in ("modeling_difflm.py", "configuration_difflm.py"):

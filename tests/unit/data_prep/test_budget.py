@@ -1,7 +1,6 @@
 """The unique-data budget: which documents a budget takes (deterministic, nested, within one document of N, the
 same for any sharding of the split), the subset's shards, and the subset of a real prep (held-out split untouched)."""
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +11,7 @@ from helpers import tiny_config
 from difflm.data_prep.budget import document_order, select, write_subset
 from difflm.data_prep.pipeline import DataPrepError, data_dir, prepare_data
 from difflm.data_prep.verify import read_index, verify_shard
+from difflm.manifest import DataManifest
 
 
 def _documents(n: int, seed: int = 0) -> list[np.ndarray]:
@@ -46,9 +46,9 @@ def _chosen_tokens(prefixes, chosen) -> list[bytes]:
     return out
 
 
-def _all_documents(manifest: dict) -> list[bytes]:
-    (prefix,) = manifest["splits"]["train"]["prefixes"]  # one source: one shard
-    return _chosen_tokens([prefix], [(0, i) for i in range(manifest["splits"]["train"]["documents"])])
+def _all_documents(manifest: DataManifest) -> list[bytes]:
+    (prefix,) = manifest.splits["train"].prefixes  # one source: one shard
+    return _chosen_tokens([prefix], [(0, i) for i in range(manifest.splits["train"].documents)])
 
 
 def test_a_budget_is_within_one_document_of_n_deterministic_and_nested(tmp_path):
@@ -95,18 +95,18 @@ def test_a_budget_of_a_real_prep_keeps_the_held_out_split_and_is_reused(session_
     workdir = session_dir / "shared"  # the session's prep: only the subset is written here
     cfg = tiny_config(workdir, "data.unique_tokens=1000")
     small = prepare_data(cfg)
-    assert json.loads((data_dir(cfg) / "manifest.json").read_text()) == small
-    train, full = small["splits"]["train"], tiny_manifest["splits"]["train"]
-    assert small["budget"]["split_tokens"] == full["tokens"] and small["budget"]["from"] == tiny_manifest["dir"]
-    longest = max(int(read_index(Path(p + ".idx"))[1].max()) for p in full["prefixes"])
-    assert small["budget"]["tokens"] == train["tokens"] and 1000 <= train["tokens"] < 1000 + longest
-    assert train["documents"] < full["documents"] and small["hash"] != tiny_manifest["hash"]
-    assert small["splits"]["valid"] == tiny_manifest["splits"]["valid"]  # the same held-out tokens
-    assert small["tokenizer"] == tiny_manifest["tokenizer"]
+    assert DataManifest.read(data_dir(cfg) / "manifest.json") == small
+    train, full = small.splits["train"], tiny_manifest.splits["train"]
+    assert small.budget["split_tokens"] == full.tokens and small.budget["from"] == tiny_manifest.dir
+    longest = max(int(read_index(Path(p + ".idx"))[1].max()) for p in full.prefixes)
+    assert small.budget["tokens"] == train.tokens and 1000 <= train.tokens < 1000 + longest
+    assert train.documents < full.documents and small.hash != tiny_manifest.hash
+    assert small.splits["valid"] == tiny_manifest.splits["valid"]  # the same held-out tokens
+    assert small.tokenizer == tiny_manifest.tokenizer
     assert prepare_data(cfg) == small  # reused: written once
     larger = prepare_data(tiny_config(workdir, "data.unique_tokens=60000"))
-    assert larger["splits"]["train"]["documents"] > train["documents"]
-    assert _all_documents(larger)[: train["documents"]] == _all_documents(small)  # nested: a prefix of it
-    with pytest.raises(DataPrepError, match=f"more than the training split holds \\({full['tokens']:,} tokens"):
-        prepare_data(tiny_config(workdir, f"data.unique_tokens={full['tokens'] + 1}"))
-    assert not data_dir(tiny_config(workdir, f"data.unique_tokens={full['tokens'] + 1}")).exists()
+    assert larger.splits["train"].documents > train.documents
+    assert _all_documents(larger)[: train.documents] == _all_documents(small)  # nested: a prefix of it
+    with pytest.raises(DataPrepError, match=f"more than the training split holds \\({full.tokens:,} tokens"):
+        prepare_data(tiny_config(workdir, f"data.unique_tokens={full.tokens + 1}"))
+    assert not data_dir(tiny_config(workdir, f"data.unique_tokens={full.tokens + 1}")).exists()

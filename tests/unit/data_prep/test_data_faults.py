@@ -22,6 +22,7 @@ from tokenizers import Tokenizer
 
 from difflm.data_prep.pipeline import DataPrepError, data_dir, prepare_data
 from difflm.data_prep.readers import make_reader
+from difflm.manifest import DataManifest
 
 ROOT = Path(__file__).resolve().parents[3]
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -207,22 +208,22 @@ def _merge(*corpora: Corpus) -> tuple[set[str], dict[str, int]]:
     return texts, skipped
 
 
-def _kept_texts(manifest: dict) -> list[str]:
+def _kept_texts(manifest: DataManifest) -> list[str]:
     """Every document in the written shards, decoded (the tokenizer is byte-level: decoding is exact)."""
-    tok = Tokenizer.from_file(str(Path(manifest["tokenizer"]["path"]) / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(Path(manifest.tokenizer.path) / "tokenizer.json"))
     texts = []
-    for s in manifest["splits"].values():
-        for prefix in s["prefixes"]:
+    for s in manifest.splits.values():
+        for prefix in s.prefixes:
             ds = IndexedDataset(prefix)
             texts += [tok.decode(np.asarray(ds[i])[:-1].tolist()) for i in range(len(ds))]
     return texts
 
 
-def _cfg(workdir: Path, tiny_manifest: dict, *overrides: str):
+def _cfg(workdir: Path, tiny_manifest: DataManifest, *overrides: str):
     """The demo tokenizer (no BPE training per test), no length or count limits."""
     return tiny_config(
         workdir,
-        f"tokenizer.path={tiny_manifest['tokenizer']['path']}",
+        f"tokenizer.path={tiny_manifest.tokenizer.path}",
         "data.min_chars=0",
         "data.max_documents=null",
         "data.valid_fraction=0.25",
@@ -244,8 +245,8 @@ def test_every_readable_record_is_kept_and_every_other_counted(tmp_path, tiny_ma
     kept = _kept_texts(m)
     assert len(kept) == len(set(kept))
     assert set(kept) == expected_texts
-    assert sum(s["documents"] for s in m["splits"].values()) == len(expected_texts)
-    assert m["skipped"] == expected_skipped
+    assert sum(s.documents for s in m.splits.values()) == len(expected_texts)
+    assert m.skipped == expected_skipped
     assert not any("\r" in t for t in kept) and not any("\x00" in t for t in kept)
 
     assert "Traceback" not in out + err
@@ -257,7 +258,7 @@ def test_every_readable_record_is_kept_and_every_other_counted(tmp_path, tiny_ma
     (gz_warning,) = [w for w in warnings if "/truncated.jsonl.gz " in w]
     assert "is damaged (EOFError: Compressed file ended" in gz_warning
     assert "kept the 3 records before the damage" in gz_warning
-    problems = {Path(p["file"]).name: p for p in m["file_problems"]}
+    problems = {Path(p["file"]).name: p for p in m.file_problems}
     assert set(problems) == {Path(f).name for f in problem_files}
     assert problems["truncated.jsonl.zst"]["records_read"] == 3
     assert problems["gone.jsonl"]["problem"] == "unreadable"
@@ -300,7 +301,7 @@ def test_strict_fails_on_a_damaged_file_with_one_line(tmp_path, tiny_manifest, c
     assert "Traceback" not in "".join(capsys.readouterr())
     assert not (data_dir(cfg) / "logs").exists()  # failed before any work
     cfg = _cfg(tmp_path, tiny_manifest, f"data.sources=[{src}]")  # the default keeps the readable records
-    assert prepare_data(cfg)["skipped"] == {f"skipped_{'unreadable' if 'gone' in name else 'damaged'}_file": 1}
+    assert prepare_data(cfg).skipped == {f"skipped_{'unreadable' if 'gone' in name else 'damaged'}_file": 1}
 
 
 def _cli_prep(workdir: Path, *overrides: str, **kwargs) -> subprocess.Popen:
@@ -324,7 +325,7 @@ def test_cli_strict_error_is_one_line_without_traceback(tmp_path, tiny_manifest)
         tmp_path / "w",
         f"data.sources=[{src}]",
         "data.strict=true",
-        f"tokenizer.path={tiny_manifest['tokenizer']['path']}",
+        f"tokenizer.path={tiny_manifest.tokenizer.path}",
     )
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1
@@ -364,10 +365,10 @@ def test_prep_killed_with_sigkill_resumes_byte_identically(tmp_path):
 
     resumed = prepare_data(tiny_config(tmp_path / "killed", *overrides))
     reference = prepare_data(tiny_config(tmp_path / "reference", *overrides))
-    assert Path(resumed["dir"]).name == Path(reference["dir"]).name
-    digests = _shard_digests(Path(resumed["dir"]))
-    assert len(digests) >= 4 and digests == _shard_digests(Path(reference["dir"]))
-    assert resumed["splits"]["train"]["documents"] == reference["splits"]["train"]["documents"] > 0
+    assert Path(resumed.dir).name == Path(reference.dir).name
+    digests = _shard_digests(Path(resumed.dir))
+    assert len(digests) >= 4 and digests == _shard_digests(Path(reference.dir))
+    assert resumed.splits["train"].documents == reference.splits["train"].documents > 0
 
 
 _WRITE_BOMB = """
@@ -409,7 +410,7 @@ def test_an_empty_input_file_is_named_once_and_leaves_nothing(tmp_path, tiny_man
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     workdir = tmp_path / "w"
-    proc = _cli_prep(workdir, f"data.sources=[{empty}]", f"tokenizer.path={tiny_manifest['tokenizer']['path']}")
+    proc = _cli_prep(workdir, f"data.sources=[{empty}]", f"tokenizer.path={tiny_manifest.tokenizer.path}")
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
     assert [ln for ln in err.splitlines() if ln.startswith("difflm:") or "split is empty" in ln] == [

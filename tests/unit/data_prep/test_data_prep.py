@@ -20,6 +20,7 @@ from difflm.data_prep.pipeline import DataPrepError, data_dir, prepare_data
 from difflm.data_prep.split import split_of
 from difflm.data_prep.tokenizer import TokenizerError
 from difflm.data_prep.verify import DataVerificationError, verify
+from difflm.manifest import DataManifest
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -33,7 +34,7 @@ def _cfg(tmp_path, tiny_manifest, *overrides):
     """Small user-data configs reuse the demo tokenizer (no BPE training per test)."""
     return tiny_config(
         tmp_path,
-        f"tokenizer.path={tiny_manifest['tokenizer']['path']}",
+        f"tokenizer.path={tiny_manifest.tokenizer.path}",
         "data.min_chars=0",
         "data.valid_fraction=0.25",
         *overrides,
@@ -41,22 +42,21 @@ def _cfg(tmp_path, tiny_manifest, *overrides):
 
 
 def test_manifest_matches_written_shards(tiny_manifest):
-    tok = tiny_manifest["tokenizer"]
-    assert tok["vocab_size"] == 512 and tok["mask_id"] != tok["eos_id"] and tiny_manifest["token_bytes"] == 2
+    tok = tiny_manifest.tokenizer
+    assert tok.vocab_size == 512 and tok.mask_id != tok.eos_id and tiny_manifest.token_bytes == 2
     for split in ("train", "valid"):
-        s = tiny_manifest["splits"][split]
-        assert s["documents"] > 0 and s["data_path"].startswith("1 ")
-        ds = IndexedDataset(s["prefixes"][0])
-        assert len(ds) == s["documents"] == s["sources"]["enwiki"]["documents"]
-        assert int(ds.sequence_lengths.sum()) == s["tokens"]
+        s = tiny_manifest.splits[split]
+        assert s.documents > 0 and s.data_path.startswith("1 ")
+        ds = IndexedDataset(s.prefixes[0])
+        assert len(ds) == s.documents == s.sources["enwiki"]["documents"]
+        assert int(ds.sequence_lengths.sum()) == s.tokens
         doc = np.asarray(ds[0])
-        assert doc[-1] == tok["eos_id"]  # EOS appended to every document
-        assert doc.max() < tok["vocab_size"] and tok["mask_id"] not in doc
-    assert tiny_manifest["splits"]["train"]["documents"] + tiny_manifest["splits"]["valid"]["documents"] == 40
+        assert doc[-1] == tok.eos_id  # EOS appended to every document
+        assert doc.max() < tok.vocab_size and tok.mask_id not in doc
+    assert tiny_manifest.splits["train"].documents + tiny_manifest.splits["valid"].documents == 40
     assert verify(tiny_manifest)["documents"] == 40
     assert (
-        tiny_manifest["sources"][0]["license"].startswith("CC BY-SA")
-        and "gensim" in tiny_manifest["sources"][0]["carrier"]
+        tiny_manifest.sources[0]["license"].startswith("CC BY-SA") and "gensim" in tiny_manifest.sources[0]["carrier"]
     )
 
 
@@ -68,12 +68,12 @@ def test_split_is_a_stable_function_of_text():
     assert first != [split_of(t, 0.1, 1, 0.1) for t in texts]  # the salt reshuffles
 
 
-def _split_texts(manifest, tokenizer_path) -> dict[str, set[str]]:
+def _split_texts(manifest: DataManifest, tokenizer_path) -> dict[str, set[str]]:
     tok = Tokenizer.from_file(str(Path(tokenizer_path) / "tokenizer.json"))
     out = {}
-    for split, s in manifest["splits"].items():
+    for split, s in manifest.splits.items():
         texts = set()
-        for prefix in s["prefixes"]:
+        for prefix in s.prefixes:
             ds = IndexedDataset(prefix)
             texts |= {tok.decode(np.asarray(ds[i])[:-1].tolist()) for i in range(len(ds))}
         out[split] = texts
@@ -97,16 +97,13 @@ def test_every_reader_and_blending(tmp_path, tiny_manifest):
         f"{{path: {src / 'hf'}, name: hfdisk}}]"
     )
     m = prepare_data(_cfg(tmp_path, tiny_manifest, sources))
-    fmts = {s["name"]: s["format"] for s in m["sources"]}
+    fmts = {s["name"]: s["format"] for s in m.sources}
     assert fmts == {"a": "jsonl", "b": "parquet", "txt": "text", "hfdisk": "hf_disk"}
-    per = {
-        k: m["splits"]["train"]["sources"][k]["documents"] + m["splits"]["valid"]["sources"][k]["documents"]
-        for k in fmts
-    }
+    per = {k: m.splits["train"].sources[k]["documents"] + m.splits["valid"].sources[k]["documents"] for k in fmts}
     assert per == {"a": 12, "b": 10, "txt": 8, "hfdisk": 9}
-    w = dict(zip((Path(p).parent.name for p in m["splits"]["train"]["prefixes"]), m["splits"]["train"]["weights"]))
+    w = dict(zip((Path(p).parent.name for p in m.splits["train"].prefixes), m.splits["train"].weights))
     assert w["a"] == pytest.approx(3 * w["b"]) and sum(w.values()) == pytest.approx(1.0)
-    texts = _split_texts(m, m["tokenizer"]["path"])
+    texts = _split_texts(m, m.tokenizer.path)
     assert any(t.startswith("parquet document") for t in texts["train"] | texts["valid"])
 
 
@@ -115,12 +112,12 @@ def test_splits_do_not_depend_on_worker_count(tmp_path, tiny_manifest):
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in _docs(40, "w")))
     one = prepare_data(_cfg(tmp_path / "one", tiny_manifest, f"data.sources=[{src}]"))
     two = prepare_data(_cfg(tmp_path / "two", tiny_manifest, f"data.sources=[{src}]", "data.workers=2"))
-    assert len(two["splits"]["train"]["prefixes"]) == 2  # one shard per task
-    tr = two["splits"]["train"]
-    tokens = [tr["sources"]["docs"]["tokens"] * w for w in tr["weights"]]  # no weights set: mix by size
-    shards = [IndexedDataset(p) for p in tr["prefixes"]]  # keep them alive: their arrays are views of an mmap
+    assert len(two.splits["train"].prefixes) == 2  # one shard per task
+    tr = two.splits["train"]
+    tokens = [tr.sources["docs"]["tokens"] * w for w in tr.weights]  # no weights set: mix by size
+    shards = [IndexedDataset(p) for p in tr.prefixes]  # keep them alive: their arrays are views of an mmap
     assert tokens == pytest.approx([int(d.sequence_lengths.sum()) for d in shards])
-    assert _split_texts(one, one["tokenizer"]["path"]) == _split_texts(two, two["tokenizer"]["path"])
+    assert _split_texts(one, one.tokenizer.path) == _split_texts(two, two.tokenizer.path)
 
 
 # each task its share of the input bytes (the default), or every task every record (max_documents needs it)
@@ -130,7 +127,7 @@ def test_resume_finishes_only_missing_tasks_byte_identically(tmp_path, tiny_mani
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in _docs(40, "r")))
     cfg = _cfg(tmp_path, tiny_manifest, f"data.sources=[{src}]", "data.tasks=3", "data.workers=1", reading)
     m = prepare_data(cfg)
-    out = Path(m["dir"])
+    out = Path(m.dir)
     files = sorted(p for p in out.rglob("*_tokens.*"))
     reference = {p: p.read_bytes() for p in files}
     # interruption: task 1 never completed (no marker, half-written shards), no manifest yet
@@ -143,7 +140,7 @@ def test_resume_finishes_only_missing_tasks_byte_identically(tmp_path, tiny_mani
     again = prepare_data(cfg)
     assert {p: p.read_bytes() for p in files} == reference
     assert {p: p.stat().st_mtime_ns for p in untouched} == untouched  # finished tasks were not redone
-    assert again["splits"] == m["splits"]
+    assert again.splits == m.splits
     # a finished prep is reused as is
     assert prepare_data(cfg) == again
 
@@ -158,7 +155,7 @@ def test_verification_catches_corruption(tmp_path, tiny_manifest):
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in _docs(20, "v")))
     m = prepare_data(_cfg(tmp_path, tiny_manifest, f"data.sources=[{src}]"))
-    prefix = m["splits"]["train"]["prefixes"][0]
+    prefix = m.splits["train"].prefixes[0]
     binary = Path(prefix + ".bin")
     good = binary.read_bytes()
     binary.write_bytes(good[:-2])  # truncated
@@ -170,28 +167,28 @@ def test_verification_catches_corruption(tmp_path, tiny_manifest):
     with pytest.raises(DataVerificationError, match="outside the vocabulary"):
         verify(m)
     binary.write_bytes(good)
-    bad_counts = json.loads(json.dumps(m))
+    bad_counts = m.to_dict()
     bad_counts["splits"]["train"]["sources"]["docs"]["documents"] += 1
     with pytest.raises(DataVerificationError, match="the manifest says"):
-        verify(bad_counts)
+        verify(DataManifest.from_dict(bad_counts))
     assert verify(m)["documents"] == 20
 
 
-def _shard_tokens(manifest: dict) -> np.ndarray:
-    width = np.uint16 if manifest["token_bytes"] == 2 else np.int32
-    prefixes = [p for s in manifest["splits"].values() for p in s["prefixes"]]
+def _shard_tokens(manifest: DataManifest) -> np.ndarray:
+    width = np.uint16 if manifest.token_bytes == 2 else np.int32
+    prefixes = [p for s in manifest.splits.values() for p in s.prefixes]
     return np.concatenate([np.fromfile(p + ".bin", width) for p in prefixes])
 
 
 def test_the_mask_token_never_enters_the_clean_data(tmp_path, tiny_manifest):
-    mask = tiny_manifest["tokenizer"]["mask_id"]
+    mask = tiny_manifest.tokenizer.mask_id
     texts = [t + (" cell <|mask|> out" if i % 2 else "") for i, t in enumerate(_docs(20, "m"))]
     src = tmp_path / "docs.jsonl"
     src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     m = prepare_data(_cfg(tmp_path, tiny_manifest, f"data.sources=[{src}]"))
     tokens = _shard_tokens(m)
-    assert mask not in tokens and m["splits"]["train"]["documents"] + m["splits"]["valid"]["documents"] == 20
-    prefix = m["splits"]["train"]["prefixes"][0]  # a shard with the mask id in it is refused, with the count
+    assert mask not in tokens and m.splits["train"].documents + m.splits["valid"].documents == 20
+    prefix = m.splits["train"].prefixes[0]  # a shard with the mask id in it is refused, with the count
     binary = Path(prefix + ".bin")
     tokens = np.fromfile(binary, np.uint16)
     tokens[[3, 7]] = mask
@@ -215,7 +212,7 @@ def test_bad_records_are_counted_skips(tmp_path, tiny_manifest):
     src = tmp_path / "bad.jsonl"
     src.write_bytes(b"\n".join(lines) + b"\n")
     m = prepare_data(_cfg(tmp_path, tiny_manifest, f"data.sources=[{src}]", "data.dedup=true"))
-    assert m["skipped"] == {
+    assert m.skipped == {
         "skipped_malformed_json": 1,
         "skipped_not_an_object": 1,
         "skipped_missing_text": 1,
@@ -223,7 +220,7 @@ def test_bad_records_are_counted_skips(tmp_path, tiny_manifest):
         "dropped_empty": 1,
         "dropped_duplicate": 1,
     }
-    assert m["splits"]["train"]["documents"] + m["splits"]["valid"]["documents"] == 12
+    assert m.splits["train"].documents + m.splits["valid"].documents == 12
 
 
 def test_cleaning_steps_are_counted(tmp_path, tiny_manifest):
@@ -240,7 +237,7 @@ def test_cleaning_steps_are_counted(tmp_path, tiny_manifest):
             "data.unicode_normalization=NFC",
         )
     )
-    assert m["skipped"] == {"normalized": 1, "dropped_too_short": 1, "dropped_too_long": 1}
+    assert m.skipped == {"normalized": 1, "dropped_too_short": 1, "dropped_too_long": 1}
 
 
 def test_rerun_reuses_and_leftovers_resume(session_dir, tiny_manifest):
@@ -316,7 +313,7 @@ def test_terminal_shows_no_per_file_lines_and_the_stats_once(tmp_path, tiny_mani
     bad.write_text(json.dumps({"text": _docs(1, "ok")[0]}) + "\n{not json\n")
     overrides = [
         f"workdir={tmp_path}",
-        f"tokenizer.path={tiny_manifest['tokenizer']['path']}",
+        f"tokenizer.path={tiny_manifest.tokenizer.path}",
         "data.min_chars=0",
         "data.valid_fraction=0.25",
         f"data.sources=[{src}, {bad}]",
@@ -343,7 +340,7 @@ import json, sys
 from difflm.config import load_config
 from difflm.data_prep.pipeline import prepare_data
 m = prepare_data(load_config("test-tiny", [f"workdir={sys.argv[1]}", f"tokenizer.path={sys.argv[2]}"]))
-print(json.dumps({"tokens": m["splits"]["train"]["tokens"], "heavy": sorted(n for n in sys.modules if n.startswith("megatron"))}))
+print(json.dumps({"tokens": m.splits["train"].tokens, "heavy": sorted(n for n in sys.modules if n.startswith("megatron"))}))
 """
 
 
@@ -352,7 +349,7 @@ def test_data_prep_counts_its_shards_without_importing_megatron(tmp_path, tiny_m
     reader, whose import alone cost seconds per prep (benchmarks/data_prep_throughput.py, x4 demo corpus: 39%
     of the tokenizer's speed with it, 75% without). The counts still equal megatron's."""
     proc = subprocess.run(
-        [sys.executable, "-c", PREP_IMPORTS, str(tmp_path), tiny_manifest["tokenizer"]["path"]],
+        [sys.executable, "-c", PREP_IMPORTS, str(tmp_path), tiny_manifest.tokenizer.path],
         capture_output=True,
         text=True,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
@@ -360,7 +357,7 @@ def test_data_prep_counts_its_shards_without_importing_megatron(tmp_path, tiny_m
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["heavy"] == [], f"data prep imported {out['heavy'][:5]}"
-    manifest = json.loads((next(tmp_path.glob("data/*/manifest.json"))).read_text())
-    shards = [IndexedDataset(p) for p in manifest["splits"]["train"]["prefixes"]]  # alive: views of an mmap
+    manifest = DataManifest.read(next(tmp_path.glob("data/*/manifest.json")))
+    shards = [IndexedDataset(p) for p in manifest.splits["train"].prefixes]  # alive: views of an mmap
     assert out["tokens"] == sum(int(s.sequence_lengths.sum()) for s in shards) > 0
-    assert manifest["splits"]["train"]["documents"] == sum(len(s) for s in shards)
+    assert manifest.splits["train"].documents == sum(len(s) for s in shards)

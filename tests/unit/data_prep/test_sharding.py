@@ -17,6 +17,7 @@ import difflm.data_prep.readers as readers
 from difflm.data_prep.pipeline import prepare_data
 from difflm.data_prep.readers import make_reader
 from difflm.data_prep.sharding import InputFile, plan
+from difflm.manifest import DataManifest
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
 
@@ -92,12 +93,12 @@ def _per_task_read_bytes(out: Path) -> list[int]:
     return counts
 
 
-def _documents(manifest: dict) -> dict[str, list[tuple[int, ...]]]:
+def _documents(manifest: DataManifest) -> dict[str, list[tuple[int, ...]]]:
     """The token ids of every document per split, sorted: what must not depend on the number of tasks."""
     docs = {}
-    for split, s in manifest["splits"].items():
+    for split, s in manifest.splits.items():
         found = []
-        for prefix in s["prefixes"]:
+        for prefix in s.prefixes:
             ds = IndexedDataset(prefix)
             found += [tuple(np.asarray(ds[i]).tolist()) for i in range(len(ds))]
         docs[split] = sorted(found)
@@ -115,11 +116,11 @@ def test_four_tasks_read_a_quarter_each_and_write_the_one_task_documents(tmp_pat
     (src / "tiny.jsonl").write_text(json.dumps({"text": "one more document"}) + "\n")
     total = sum(p.stat().st_size for p in src.iterdir())
 
-    def run(workdir: Path, tasks: int) -> dict:
+    def run(workdir: Path, tasks: int) -> DataManifest:
         return prepare_data(
             tiny_config(
                 workdir,
-                f"tokenizer.path={tiny_manifest['tokenizer']['path']}",
+                f"tokenizer.path={tiny_manifest.tokenizer.path}",
                 "data.max_documents=null",
                 "data.min_chars=0",
                 "data.valid_fraction=0.25",
@@ -130,15 +131,15 @@ def test_four_tasks_read_a_quarter_each_and_write_the_one_task_documents(tmp_pat
         )
 
     one, four = run(tmp_path / "one", 1), run(tmp_path / "four", 4)
-    assert _per_task_read_bytes(Path(one["dir"])) == [total]
-    read = _per_task_read_bytes(Path(four["dir"]))
+    assert _per_task_read_bytes(Path(one.dir)) == [total]
+    read = _per_task_read_bytes(Path(four.dir))
     assert len(read) == 4 and max(read) <= total / 3 and sum(read) < total + 4 * 200, (read, total)
-    assert len(four["splits"]["train"]["prefixes"]) == 4  # one shard per task
+    assert len(four.splits["train"].prefixes) == 4  # one shard per task
     assert _documents(four) == _documents(one)
     for split in ("train", "valid"):
-        assert four["splits"][split]["documents"] == one["splits"][split]["documents"] > 0
-        assert four["splits"][split]["tokens"] == one["splits"][split]["tokens"]
-    assert four["skipped"] == one["skipped"] == {"skipped_not_an_object": 1}  # counted once, not per task
+        assert four.splits[split].documents == one.splits[split].documents > 0
+        assert four.splits[split].tokens == one.splits[split].tokens
+    assert four.skipped == one.skipped == {"skipped_not_an_object": 1}  # counted once, not per task
 
 
 def test_a_parquet_text_over_the_limits_is_a_counted_skip(tmp_path, monkeypatch):

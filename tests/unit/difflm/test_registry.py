@@ -9,22 +9,18 @@ from urllib.parse import urlparse
 
 import mlflow
 import pytest
-from helpers import fake_export
+from helpers import fake_export, manifest_record
 from mlflow.tracking import MlflowClient
 
 from difflm import tracking
 from difflm.config import load_config
+from difflm.manifest import DataManifest
 from difflm.tracking import registry
 
 pytestmark = pytest.mark.integration  # MLflow stores and registries
 
 METRIC = "eval.trained.nll_per_token"
-MANIFEST = {
-    "hash": "abc123def456",
-    "dir": "/data/abc123def456",
-    "sources": [{"name": "enwiki"}],
-    "splits": {"train": {"tokens": 1000}, "valid": {"tokens": 100}},
-}
+MANIFEST = manifest_record("abc123def456", "/data/abc123def456", sources=({"name": "enwiki"},))
 
 
 def results(nll: float) -> dict:
@@ -45,7 +41,7 @@ def store(tmp_path, monkeypatch):
     return uri, client, exp
 
 
-def register(store, cfg, tmp_path, value: float | None, checkpoint: str, manifest: dict = MANIFEST) -> dict:
+def register(store, cfg, tmp_path, value: float | None, checkpoint: str, manifest: DataManifest = MANIFEST) -> dict:
     """A run that logged `value` of the champion metric and a dummy export, registered like the flow does."""
     uri, client, exp = store
     run = client.create_run(exp)
@@ -126,7 +122,7 @@ def test_versions_on_other_data_never_compete_for_champion(store, tmp_path):
     # one explicit name for both (tracking.registered_model): the data hash still keeps them apart
     shared = [f"workdir={tmp_path}", "tracking.registered_model=shared"]
     first = register(store, load_config("test-tiny", shared), tmp_path, 6.90, "ckpt/1")
-    other_data = {**MANIFEST, "hash": "0123456789ab"}
+    other_data = MANIFEST.replace(hash="0123456789ab")
     lower = register(store, load_config("test-tiny", shared), tmp_path, 6.56, "ckpt/2", manifest=other_data)
     assert first["promoted"] and not lower["promoted"] and aliases(client, "shared")["champion"] == "1"
     assert "not compared, it was scored on other data" in lower["promotion"], lower["promotion"]

@@ -13,13 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import manifest_record, tiny_config
 from prefect.serializers import JSONSerializer
 
 from difflm.data_prep.pipeline import prepare_data
 from difflm.flows.cli import main
 from difflm.models.evaluation.stages import evaluate_export
 from difflm.models.hf.convert import hf_config, save_export
+from difflm.models.hf.export import Export
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 from difflm.models.launch.torchrun import TRAIN_SECTIONS, run_dir, write_run_inputs
 from difflm.models.megatron import checkpointing
@@ -49,7 +50,7 @@ def _fake_run(root: Path, iterations=(4, 8), latest: int | None = 8, data_hash: 
     if latest is not None:
         (run.checkpoints / "latest").write_text(str(latest))
     run.config_file.write_text("name: test-tiny\n")
-    run.manifest_file.write_text(json.dumps({"hash": data_hash, "tokenizer": {"path": "tok"}}))
+    manifest_record(data_hash).write(run.manifest_file)
     return run
 
 
@@ -180,13 +181,9 @@ def own_run(tmp_path_factory) -> RunDir:
     (final / "metadata.json").write_text("{}")
     (run.checkpoints / "latest").write_text(str(cfg.train.train_iters))
     torch.manual_seed(0)
-    model = DiffLMForMaskedLM(hf_config(cfg, manifest["tokenizer"])).eval()
-    save_export(
-        model,
-        Path(manifest["tokenizer"]["path"]),
-        run.hf,
-        {"checkpoint": str(final), "data_hash": manifest["hash"], "mode": cfg.diffusion.model_running_mode},
-    )
+    model = DiffLMForMaskedLM(hf_config(cfg, manifest.tokenizer.to_dict())).eval()
+    export = Export(run.hf, str(final), mode=cfg.diffusion.model_running_mode, data_hash=manifest.hash)
+    save_export(model, Path(manifest.tokenizer.path), export)
     return run
 
 
@@ -195,8 +192,7 @@ def test_eval_of_a_run_defaults_to_the_data_it_recorded(own_run):
         plan = evaluation_source(str(source))
         assert plan["hf_dir"] == own_run.hf and plan["run_dir"] == own_run.path
         assert plan["config"].data == own_run.config().data and not plan["other_data"]
-        assert plan["manifest"]["hash"] == own_run.data_hash()
-        assert plan["manifest"]["tokenizer"]["sha256"] == own_run.manifest()["tokenizer"]["sha256"]
+        assert plan["manifest"] == own_run.manifest() and plan["manifest"].hash == own_run.data_hash()
         assert plan["out_dir"] == own_run.path / "eval"
         assert Path(plan["config"].workdir) == own_run.path.parent.parent  # the run's MLflow and Prefect state
 
@@ -205,22 +201,20 @@ def test_eval_on_other_data_is_explicit_and_writes_elsewhere(own_run):
     own = evaluation_source(str(own_run.path))
     mine = evaluate_export(own["config"], own["manifest"], own["hf_dir"], own["out_dir"], untrained=False)
     results = own_run.path / "eval" / "results.json"
-    assert (
-        mine["data_hash"] == own_run.data_hash() and json.loads(results.read_text())["data_hash"] == own_run.data_hash()
-    )
+    assert mine.data_hash == own_run.data_hash() and json.loads(results.read_text())["data_hash"] == own_run.data_hash()
     before = {p: p.read_bytes() for p in (own_run.path / "eval").rglob("*") if p.is_file()}
     assert any("lm_eval_tasks" in str(p) for p in before)
 
     other = evaluation_source(
         str(own_run.path), overrides=["data.sources=[demo:enwiki]", "data.max_documents=40", "data.min_chars=200"]
     )
-    assert other["other_data"] and other["manifest"]["hash"] != own_run.data_hash()
-    assert other["out_dir"] == own_run.path / f"eval-{other['manifest']['hash']}"
+    assert other["other_data"] and other["manifest"].hash != own_run.data_hash()
+    assert other["out_dir"] == own_run.path / f"eval-{other['manifest'].hash}"
     # read through the model's own tokenizer, not a new one trained on the other data
     assert Path(other["config"].tokenizer.path) == own_run.hf.resolve()
-    assert other["manifest"]["tokenizer"]["sha256"] == own_run.manifest()["tokenizer"]["sha256"]
+    assert other["manifest"].tokenizer.sha256 == own_run.manifest().tokenizer.sha256
     theirs = evaluate_export(other["config"], other["manifest"], other["hf_dir"], other["out_dir"], untrained=False)
-    assert theirs["data_hash"] == other["manifest"]["hash"]
+    assert theirs.data_hash == other["manifest"].hash
     assert (other["out_dir"] / "results.json").exists()
     after = {p: p.read_bytes() for p in (own_run.path / "eval").rglob("*") if p.is_file()}
     assert after == before  # the run's own results and lm-eval task files are untouched
@@ -243,8 +237,8 @@ def test_an_explicit_preset_is_other_data_too(own_run):
 
 def test_a_removed_data_folder_is_prepared_again(own_run, tmp_path):
     cfg = own_run.config()
-    assert recorded_data(cfg, own_run)["hash"] == own_run.data_hash()
-    data = Path(own_run.manifest()["dir"])
+    assert recorded_data(cfg, own_run) == own_run.manifest() and own_run.data_hash() == own_run.manifest().hash
+    data = Path(own_run.manifest().dir)
     moved = tmp_path / "moved"
     shutil.move(str(data), moved)
     try:
@@ -291,12 +285,12 @@ def test_difflm_eval_of_a_run_and_of_its_export_uses_the_recorded_data(own_run, 
 
 def test_the_workdir_owns_its_folders_and_the_run_name(tmp_path):
     cfg = tiny_config(tmp_path)
-    manifest = {"hash": cfg.stage_hash("data", "tokenizer")}
+    manifest = manifest_record(cfg.stage_hash("data", "tokenizer"))
     work = Workdir.of(cfg)
     run = work.run_for(cfg, manifest)
-    name = f"{cfg.diffusion.model_running_mode}-{manifest['hash']}-{cfg.stage_hash(*TRAIN_SECTIONS)}"
+    name = f"{cfg.diffusion.model_running_mode}-{manifest.hash}-{cfg.stage_hash(*TRAIN_SECTIONS)}"
     assert run == RunDir(tmp_path.resolve() / "runs" / name) and run_dir(cfg, manifest) == run.path
-    assert work.data(manifest["hash"]) == tmp_path.resolve() / "data" / manifest["hash"]
+    assert work.data(manifest.hash) == tmp_path.resolve() / "data" / manifest.hash
     assert (work.evals, work.mlartifacts) == (tmp_path.resolve() / "evals", tmp_path.resolve() / "mlartifacts")
     imported = work.import_for(cfg, "ab" * 32)
     assert imported.path.parent == tmp_path.resolve() / "imports" and imported.path.name.startswith("ab" * 8 + "-tp1-")

@@ -2,21 +2,24 @@
 
 from pathlib import Path
 
+from helpers import manifest_record
+
 from difflm.config import load_config
+from difflm.manifest import SplitStats
+from difflm.models.evaluation.record import EvalRecord
 from difflm.rundir import RunDir, TrainResult
 from difflm.tasks import artifacts
 from difflm.tasks.cache import cache_key, eval_done, eval_key, mark_eval_done
 
-MANIFEST = {
-    "hash": "abc123",
-    "dir": "/w/data/abc123",
-    "tokenizer": {"vocab_size": 512},
-    "splits": {
-        "train": {"documents": 1200, "tokens": 345678, "sources": {"enwiki": {"documents": 1200, "tokens": 345678}}},
-        "valid": {"documents": 12, "tokens": 3456},
+MANIFEST = manifest_record(
+    "abc123",
+    "/w/data/abc123",
+    splits={
+        "train": SplitStats(1200, 345678, sources={"enwiki": {"documents": 1200, "tokens": 345678}}),
+        "valid": SplitStats(12, 3456),
     },
-    "skipped": {"empty": 3, "too_short": 0},
-}
+    skipped={"empty": 3, "too_short": 0},
+)
 
 
 def test_sparkline_follows_the_curve_and_resamples():
@@ -39,14 +42,16 @@ def test_summaries_show_what_a_user_checks_first():
     assert "difflm-noshift-abc" in train and "loss 5.9000 → 4.0000 over 20 steps" in train
     assert "| 20 | 4.1000 |" in train and "Prefect cache" in train
     ev = artifacts.evaluation_markdown(
-        {
-            "mode": "difflm-noshift",
-            "device": "cpu",
-            "dtype": "float32",
-            "bounds": {"trained": {"kind": "elbo", "nll_per_token": 4.5, "ppl": 90.0}},
-            "tasks": {"cloze": {"acc": 0.25, "items": 8}},
-            "samples": [{"prompt": "The river", "completion": "flows"}],
-        }
+        EvalRecord(
+            mode="difflm-noshift",
+            data_hash="abc",
+            export="/w/runs/x/hf",
+            device="cpu",
+            dtype="float32",
+            bounds={"trained": {"kind": "elbo", "nll_per_token": 4.5, "ppl": 90.0}},
+            tasks={"cloze": {"acc": 0.25, "items": 8}},
+            samples=[{"prompt": "The river", "completion": "flows"}],
+        )
     )
     assert "| trained | elbo | 4.5000 | 90.00 |" in ev and "acc 0.250" in ev and "**The river** flows" in ev
 

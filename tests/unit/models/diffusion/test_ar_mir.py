@@ -142,7 +142,7 @@ def test_megatron_forward_step_runs_both_rows_with_their_documents(megatron_sing
     """Training gives megatron the doubled micro-batch, each row with the packed-document mask of its clean tokens;
     validation the clean rows alone."""
     cfg = tiny_config(tmp_path, *MIR, "model.backend=local", "model.document_attention=true")
-    special = SpecialTokens.from_manifest(tiny_manifest["tokenizer"])
+    special = SpecialTokens.from_manifest(tiny_manifest.tokenizer)
     model, _, _ = build_training(cfg, 512)
     x0 = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(0))
     x0[0, 7] = special.eos_id  # two documents in row 0
@@ -166,8 +166,8 @@ def test_ar_with_mir_trains_and_its_loss_falls(megatron_single_process, tmp_path
         "train.optimizer.decay_embeddings=false",
         "model.dropout=0.1",
     )
-    tok = tiny_manifest["tokenizer"]
-    ddp, opt, sched = build_training(cfg, tok["vocab_size"])
+    tok = tiny_manifest.tokenizer
+    ddp, opt, sched = build_training(cfg, tok.vocab_size)
     train_ds, _ = build_datasets(cfg, tiny_manifest, cfg.train.global_batch_size, cfg.train.global_batch_size)
     special = SpecialTokens.from_manifest(tok)
     losses = []

@@ -474,7 +474,7 @@ def test_megatron_two_stream_forward_matches_the_export(
 ):
     over = [f"diffusion.clean_attention={clean}", f"model.document_attention={str(documents).lower()}"]
     cfg, model = block_megatron(tmp_path, backend, *over, *([f"model.kv_channels={head_dim}"] if head_dim else []))
-    special = SpecialTokens.from_manifest(tiny_manifest["tokenizer"])
+    special = SpecialTokens.from_manifest(tiny_manifest.tokenizer)
     x0 = torch.randint(3, 500, (2, 12))
     x0[:, 5] = special.eos_id  # two packed documents per row
     xt = torch.where(torch.rand(2, 12) < 0.5, torch.full_like(x0, special.mask_id), x0)
@@ -485,7 +485,7 @@ def test_megatron_two_stream_forward_matches_the_export(
         ref = model(inputs, pos, mask, two_stream=True)
     ckpt = tmp_path / f"ckpt-{backend}-{clean}-{documents}-{head_dim}"
     save_megatron_checkpoint(model, ckpt)
-    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / f"hf-{ckpt.name}"))
+    hf = load_hf(export_hf(cfg, tiny_manifest.tokenizer.to_dict(), ckpt, tmp_path / f"hf-{ckpt.name}").folder)
     assert hf.config.objective["block_size"] == 4 and hf.config.objective["clean_attention"] == clean
     docs = diffusion.document_ids(x0, special.eos_id) if documents else None
     got = hf(xt, clean_ids=x0, document_ids=docs).logits
@@ -498,7 +498,7 @@ def test_megatron_forward_step_loss_is_the_objective(megatron_single_process, tm
     cfg, model = block_megatron(
         tmp_path, "local", "diffusion.clean_attention=token_causal", "diffusion.ar_loss_weight=1.0"
     )
-    special = SpecialTokens.from_manifest(tiny_manifest["tokenizer"])
+    special = SpecialTokens.from_manifest(tiny_manifest.tokenizer)
     x0 = torch.randint(3, 500, (2, 16))
     batch = {
         "tokens": x0,

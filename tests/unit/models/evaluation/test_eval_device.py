@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from difflm import tracking
 from difflm.config import ConfigError, EvalConfig, load_config
+from difflm.models.evaluation.record import EvalRecord
 from difflm.models.evaluation.report import comparison_table
 from difflm.models.evaluation.stages import EvaluationError, eval_device, evaluate_export, resolve_device, sweep_export
 
@@ -104,13 +105,13 @@ def test_device_form_is_checked_by_the_config_and_dtype_by_the_resolver():
 
 
 # ---- evaluation in bf16 on the CPU ------------------------------------------------------------------------
-def _evaluate(exports, tiny_manifest, workdir: Path, *overrides: str) -> dict:  # noqa: F811
+def _evaluate(exports, tiny_manifest, workdir: Path, *overrides: str) -> EvalRecord:  # noqa: F811
     cfg = tiny_config(workdir, "diffusion.model_running_mode=difflm-noshift", *overrides)
     return evaluate_export(cfg, tiny_manifest, exports["difflm-noshift"], workdir / "eval")
 
 
 @pytest.fixture(scope="module")
-def fp32_results(exports, tiny_manifest, tmp_path_factory) -> dict:  # noqa: F811
+def fp32_results(exports, tiny_manifest, tmp_path_factory) -> EvalRecord:  # noqa: F811
     return _evaluate(exports, tiny_manifest, tmp_path_factory.mktemp("fp32"), "eval.device=cpu", "eval.dtype=auto")
 
 
@@ -118,15 +119,15 @@ def test_the_untrained_baseline_can_be_left_out(exports, tiny_manifest, tmp_path
     """A study's points skip it (the same baseline for every point of a mode and size); the trained model's
     bound is the same number."""
     res = _evaluate(exports, tiny_manifest, tmp_path, "eval.device=cpu", "eval.untrained_baseline=false")
-    assert set(res["bounds"]) == {"trained"} and set(fp32_results["bounds"]) == {"trained", "untrained"}
-    assert res["bounds"]["trained"] == fp32_results["bounds"]["trained"]
+    assert set(res.bounds) == {"trained"} and set(fp32_results.bounds) == {"trained", "untrained"}
+    assert res.trained == fp32_results.trained
 
 
-def _scores(res: dict) -> dict[str, float]:
+def _scores(res: EvalRecord) -> dict[str, float]:
     """Every number evaluation reports that the model's arithmetic moves continuously (not accuracies)."""
-    out = {f"bound.{k}": v["nll_per_token"] for k, v in res["bounds"].items()}
-    out.update({f"{t}.nll": s["nll"] for t, s in res["tasks"].items() if "nll" in s})
-    out["documents.bits_per_byte"] = res["tasks"]["documents"]["bits_per_byte"]
+    out = {f"bound.{k}": v["nll_per_token"] for k, v in res.bounds.items()}
+    out.update({f"{t}.nll": s["nll"] for t, s in res.tasks.items() if "nll" in s})
+    out["documents.bits_per_byte"] = res.tasks["documents"]["bits_per_byte"]
     return out
 
 
@@ -139,14 +140,15 @@ def _assert_close(got: dict, ref: dict, rel: float) -> None:
 
 def test_bf16_evaluation_on_the_cpu_tracks_fp32(exports, tiny_manifest, fp32_results, tmp_path):  # noqa: F811
     bf16 = _evaluate(exports, tiny_manifest, tmp_path, "eval.dtype=bfloat16")  # device auto: the CPU here
-    assert (fp32_results["device"], fp32_results["dtype"]) == ("cpu", "float32")
-    assert (bf16["device"], bf16["dtype"], bf16["device_name"]) == ("cpu", "bfloat16", "cpu")
-    assert {"trained", "untrained"} <= bf16["bounds"].keys()  # the untrained model is cast too
+    assert (fp32_results.device, fp32_results.dtype) == ("cpu", "float32")
+    assert (bf16.device, bf16.dtype, bf16.device_name) == ("cpu", "bfloat16", "cpu")
+    assert {"trained", "untrained"} <= bf16.bounds.keys()  # the untrained model is cast too
     _assert_close(_scores(bf16), _scores(fp32_results), BF16_REL)
     assert _scores(bf16) != _scores(fp32_results)  # it did run in bf16
-    assert bf16["samples"] and all(s["tokens"] >= 0 for s in bf16["samples"])
+    assert bf16.samples and all(s["tokens"] >= 0 for s in bf16.samples)
 
-    table = comparison_table({"fp32": fp32_results, "bf16": bf16, "older": {"mode": "ar"}})
+    older = EvalRecord(mode="ar", data_hash="d", export="e", bounds={"trained": {}})  # no device recorded
+    table = comparison_table({"fp32": fp32_results, "bf16": bf16, "older": older})
     assert "| device / dtype |" in table.splitlines()[0]
     rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()[2:]}
     assert rows["bf16"].endswith("| cpu / bfloat16 |") and rows["fp32"].endswith("| cpu / float32 |")
@@ -157,7 +159,7 @@ def test_mlflow_run_says_what_was_asked_and_what_ran(fp32_results, tmp_path):
     """Params: the config as given (eval.device=auto); tags: what it resolved to."""
     cfg = tiny_config(tmp_path)
     with tracking.pipeline_run(cfg, "eval-device", {"flow": "test"}) as run_id:
-        tracking.log_evaluation(fp32_results)
+        tracking.log_evaluation(fp32_results.to_dict())
     assert run_id and not tracking.DEGRADED
     mlflow.set_tracking_uri(tracking.tracking_uri(cfg))
     run = MlflowClient().get_run(run_id)
@@ -173,7 +175,7 @@ def test_cuda_bf16_evaluation_tracks_the_cpu(exports, tiny_manifest, fp32_result
     """eval.device=auto on a GPU machine: CUDA in bf16, the scores those of the CPU in fp32 up to the
     arithmetic (the noise is drawn on the CPU either way)."""
     res = _evaluate(exports, tiny_manifest, tmp_path)
-    assert res["device"].startswith("cuda") and res["dtype"] == "bfloat16" and res["device_name"] != "cpu"
+    assert res.device.startswith("cuda") and res.dtype == "bfloat16" and res.device_name != "cpu"
     _assert_close(_scores(res), _scores(fp32_results), CUDA_BF16_REL)
 
     cfg = tiny_config(tmp_path, "diffusion.model_running_mode=difflm-noshift", "eval.steps_sweep=[1,2]")

@@ -32,7 +32,7 @@ def items(tiny_manifest, exports):
 
 def test_tasks_come_from_the_heldout_split_and_are_reproducible(items, tiny_manifest, exports):
     docs, tasks = items
-    assert len(docs) == tiny_manifest["splits"]["valid"]["documents"]
+    assert len(docs) == tiny_manifest.split("valid").documents
     assert tasks == build_items(heldout_documents(tiny_manifest, load_tokenizer(exports["ar"])), 6, seed=0)
     assert tasks != build_items(docs, 6, seed=1)
     cloze, choice = tasks["cloze"], tasks["choice"]

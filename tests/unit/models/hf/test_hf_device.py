@@ -22,6 +22,7 @@ from difflm.models.diffusion import MaskedSampler
 from difflm.models.evaluation.likelihood import likelihood_bound
 from difflm.models.evaluation.scoring import Scorer
 from difflm.models.hf.convert import AUTO_MAP, save_export
+from difflm.models.hf.export import Export
 
 # bf16 logits against fp32, as max |difference| / max |fp32 logit|, over 5 seeded batches of [4, 32] tokens on
 # the tiny random-init models below (CPU): measured 0.0041 (masked), 0.0044 (adaLN), 0.0079 (uniform),
@@ -168,7 +169,7 @@ def _export(model, folder: Path) -> Path:
     """`model` written as an export folder (weights, config with the auto_map, model code), no tokenizer."""
     model.config.auto_map = dict(AUTO_MAP)
     (folder / "tokenizer").mkdir(parents=True)
-    return save_export(model, folder / "tokenizer", folder / "hf", {})
+    return save_export(model, folder / "tokenizer", Export(folder / "hf", None)).folder
 
 
 @pytest.fixture(scope="module", params=MODES, ids=MODE_IDS)

@@ -26,6 +26,7 @@ from difflm.models.evaluation.stages import convert_checkpoint, export_stock_cla
 from difflm.models.hf import importer
 from difflm.models.hf.architectures import Shape, architecture_of, stock_problem, stock_to_ours
 from difflm.models.hf.convert import ConversionError, _local_key, export_hf, load_hf, repad_vocab
+from difflm.models.hf.export import Export
 from difflm.models.hf.importer import (
     export_stock,
     import_pretrained,
@@ -76,13 +77,17 @@ def test_import_then_stock_export_give_the_source_logits(tmp_path, kind):
 
     ids = torch.randint(0, VOCAB, (2, 20), generator=torch.Generator().manual_seed(1))
     ref = _hf_logits(src, ids)
-    stock = export_stock(cfg, tok, ckpt, tmp_path / "stock")
+    written = export_stock(cfg, tok, ckpt, tmp_path / "stock")
+    # the stock class is checked against the megatron model when written, and its marker keeps the figure
+    assert written == Export.read(tmp_path / "stock") and written.format == "hf-stock"
+    assert 0 <= written.parity <= 1e-4 and written.extra["architecture"] == rec["architecture"]
+    stock = written.folder
     config = json.loads((stock / "config.json").read_text())
     assert "auto_map" not in config and not list(stock.glob("*.py"))  # nothing to trust
     assert config["architectures"] == [rec["architecture"]] and config["difflm_mask_token_id"] == tok["mask_id"]
     assert _rel(ref, _hf_logits(stock, ids)) <= 1e-4
 
-    ours = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours"))
+    ours = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours").folder)
     with torch.no_grad():
         assert _rel(ref, ours(ids).logits) <= 1e-4
     if kind == "mistral":  # a diffusion target with adaLN: the source's weights plus its own new parameters
@@ -215,15 +220,17 @@ def test_an_ar_run_exports_the_stock_class_that_lm_eval_scores(megatron_single_p
 
     cfg = tiny_config(tmp_path, "diffusion.model_running_mode=ar", "model.num_query_groups=1")
     torch.manual_seed(0)
-    model = build_model(cfg, tiny_manifest["tokenizer"]["vocab_size"])
+    model = build_model(cfg, tiny_manifest.tokenizer.vocab_size)
     ckpt = tmp_path / "run" / "checkpoints" / "iter_0000001"
     ckpt.mkdir(parents=True)
     dist_checkpointing.save(model.sharded_state_dict(prefix=""), str(ckpt))
     info = TrainResult(RunDir(tmp_path / "run"), ckpt, reused=False)
-    stock = export_stock_class(cfg, tiny_manifest, info)
-    assert stock == tmp_path / "run" / "hf-stock"
+    export = export_stock_class(cfg, tiny_manifest, info)
+    stock = export.folder
+    assert stock == tmp_path / "run" / "hf-stock" and export == Export.read(stock)
+    assert (export.format, export.mode, export.data_hash) == ("hf-stock", "ar", tiny_manifest.hash)
     assert type(AutoModelForCausalLM.from_pretrained(str(stock))).__name__ == "LlamaForCausalLM"
-    assert json.loads((stock / "difflm_export.json").read_text())["parity"] <= 1e-4
+    assert json.loads((stock / "difflm_export.json").read_text())["parity"] == export.parity <= 1e-4
     lm = HFLM(pretrained=str(stock), device="cpu", batch_size=1)
     req = Instance(request_type="loglikelihood", doc={}, arguments=("The history of", " the city"), idx=0)
     ((logp, _greedy),) = lm.loglikelihood([req])
@@ -248,7 +255,7 @@ def test_training_starts_from_an_imported_qwen2(tmp_path):
     for init in (use, [u for u in use if not u.startswith("train.init_from=")]):
         cfg = tiny_config(tmp_path / f"wd{len(starts)}", *init, *run)
         manifest = prepare_data(cfg)
-        assert manifest["tokenizer"]["mask_id"] == VOCAB  # the added mask token
+        assert manifest.tokenizer.mask_id == VOCAB  # the added mask token
         info = launch_training(cfg, manifest, echo=lambda _: None)
         starts.append([r["val_loss"] for r in read_metrics(info.run.path) if r["step"] == 0 and "val_loss" in r][0])
         if len(starts) == 1:
@@ -289,7 +296,7 @@ def test_an_imported_ar_model_has_the_sources_exact_nll(tmp_path):
 
     ckpt = importer.import_pretrained(cfg, src, tmp_path / "mg", tokenizer=tok)
     assert importer.import_record(ckpt)["tokenizer"]["mask_row_added"]  # what the adapt flow's source export reads
-    export = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours"))
+    export = load_hf(export_hf(cfg, {**tok, "special_ids": []}, ckpt, tmp_path / "ours").folder)
     assert export.ar_nll(ids).mean().item() == pytest.approx(nll_hf, abs=1e-4)
 
 

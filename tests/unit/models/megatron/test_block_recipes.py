@@ -234,7 +234,7 @@ def test_megatron_forward_step_with_both_options(megatron_single_process, tmp_pa
     )
     torch.manual_seed(0)
     model = build_model(cfg, vocab_size=512).eval()
-    special = SpecialTokens.from_manifest(tiny_manifest["tokenizer"])
+    special = SpecialTokens.from_manifest(tiny_manifest.tokenizer)
     x0 = torch.randint(3, 500, (2, 16))
     batch = {
         "tokens": x0,
@@ -256,9 +256,9 @@ def test_export_records_the_shift_and_decodes_with_it(megatron_single_process, t
     cfg, model = block_megatron(tmp_path, "local", "diffusion.block_shift=true", "diffusion.complementary_masks=true")
     ckpt = tmp_path / "ckpt"
     save_megatron_checkpoint(model, ckpt)
-    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / "hf"))
+    hf = load_hf(export_hf(cfg, tiny_manifest.tokenizer.to_dict(), ckpt, tmp_path / "hf").folder)
     assert hf.config.objective["block_shift"] is True and hf.objective.block_shift
-    trained = build_objective(cfg.diffusion, SpecialTokens.from_manifest(tiny_manifest["tokenizer"]).ids())
+    trained = build_objective(cfg.diffusion, SpecialTokens.from_manifest(tiny_manifest.tokenizer).ids())
     assert hf.objective.to_dict() == trained.to_dict()  # the export's own copy of the class: compared as entries
     assert hf.objective.rows_per_sequence(evaluation=True) == 1
     stats: dict = {}
@@ -281,8 +281,8 @@ def test_a_megatron_global_batch_trains_and_validates_with_both_options(
         "diffusion.block_shift=true",
         "diffusion.complementary_masks=true",
     )
-    t, tok = cfg.train, tiny_manifest["tokenizer"]
-    ddp, _, _ = build_training(cfg, tok["vocab_size"])
+    t, tok = cfg.train, tiny_manifest.tokenizer
+    ddp, _, _ = build_training(cfg, tok.vocab_size)
     train_ds, _ = build_datasets(cfg, tiny_manifest, 4 * t.global_batch_size, t.global_batch_size)
     special = SpecialTokens.from_manifest(tok)
     for forward_only in (False, True):

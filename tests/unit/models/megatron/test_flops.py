@@ -220,8 +220,8 @@ def test_document_pairs_sum_the_squared_document_lengths_of_every_row():
 def test_a_training_step_counts_the_document_pairs_of_its_batches(megatron_single_process, tiny_manifest, tmp_path):
     """The trainer hands the FLOPs count each micro-batch's pairs within its documents (fewer than s^2 a row)."""
     cfg = tiny_config(tmp_path, "model.document_attention=true", "train.seq_length=512")
-    t, tok = cfg.train, tiny_manifest["tokenizer"]
-    ddp, _, _ = build_training(cfg, tok["vocab_size"])
+    t, tok = cfg.train, tiny_manifest.tokenizer
+    ddp, _, _ = build_training(cfg, tok.vocab_size)
     train_ds, _ = build_datasets(cfg, tiny_manifest, 64 * t.global_batch_size, t.global_batch_size)
     n_micro = t.global_batch_size // t.micro_batch_size
 
@@ -229,7 +229,7 @@ def test_a_training_step_counts_the_document_pairs_of_its_batches(megatron_singl
         return [micro_batch(train_ds, step, m, 0, cfg, 1, t.seq_length)["tokens"] for m in range(n_micro)]
 
     # the demo's documents are long: the first step whose windows hold a document boundary
-    step = next(s for s in range(64) if any((x == tok["eos_id"]).any() for x in micro(s)))
+    step = next(s for s in range(64) if any((x == tok.eos_id).any() for x in micro(s)))
     pairs: list[int] = []
     run_global_batch(
         cfg,
@@ -241,11 +241,11 @@ def test_a_training_step_counts_the_document_pairs_of_its_batches(megatron_singl
         forward_only=True,
         attention_pairs=pairs,
     )
-    assert pairs == [document_pairs(document_ids(x, tok["eos_id"])) for x in micro(step)]
+    assert pairs == [document_pairs(document_ids(x, tok.eos_id)) for x in micro(step)]
     assert all(p <= t.micro_batch_size * t.seq_length**2 for p in pairs)
     assert any(p < t.micro_batch_size * t.seq_length**2 for p in pairs)
-    assert training_flops(cfg, tok["vocab_size"], [t.seq_length] * n_micro, t.micro_batch_size, pairs) < training_flops(
-        cfg, tok["vocab_size"], [t.seq_length] * n_micro, t.micro_batch_size
+    assert training_flops(cfg, tok.vocab_size, [t.seq_length] * n_micro, t.micro_batch_size, pairs) < training_flops(
+        cfg, tok.vocab_size, [t.seq_length] * n_micro, t.micro_batch_size
     )
 
 

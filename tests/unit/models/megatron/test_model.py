@@ -11,6 +11,7 @@ from difflm.config import load_config
 from difflm.models import diffusion
 from difflm.models.diffusion.arch import ModelArch
 from difflm.models.hf.convert import ConversionError, export_hf, import_hf, load_hf
+from difflm.models.hf.export import Export
 from difflm.models.megatron.gpt import build_model
 
 
@@ -93,9 +94,14 @@ def test_hf_export_gives_megatron_logits(megatron_single_process, tmp_path, tiny
             p.add_(torch.randn_like(p) * 0.02)
     ckpt = tmp_path / "ckpt"
     _save_model_only(model, ckpt)
-    tok = {**tiny_manifest["tokenizer"]}
+    tok = tiny_manifest.tokenizer.to_dict()
     out = export_hf(cfg, tok, ckpt, tmp_path / "hf")
-    hf = load_hf(out)
+    assert out == Export.read(tmp_path / "hf") and (out.format, out.mode, out.parity) == (
+        "difflm",
+        cfg.diffusion.model_running_mode,
+        None,
+    )
+    hf = load_hf(out.folder)
     x = torch.randint(3, 500, (2, 24))
     t = torch.tensor([0.3, 0.8]) if cfg.diffusion.time_embedding else None
     ref = _logits(model, x, t)
@@ -133,13 +139,13 @@ def test_time_embedding_conditions_the_output(megatron_single_process, tmp_path,
 
 def test_conversion_rejects_a_non_checkpoint(tmp_path, tiny_manifest):
     with pytest.raises(ConversionError, match="not a megatron distributed checkpoint"):
-        export_hf(load_config("test-tiny"), tiny_manifest["tokenizer"], tmp_path, tmp_path / "hf")
+        export_hf(load_config("test-tiny"), tiny_manifest.tokenizer.to_dict(), tmp_path, tmp_path / "hf")
 
 
 @pytest.mark.parametrize("mode", ["difflm-noshift", "ar"])
 def test_packed_documents_do_not_see_each_other(megatron_single_process, tmp_path, tiny_manifest, mode):
     cfg, model = _model(mode, tmp_path, **{"model.document_attention": "true"})
-    eos = tiny_manifest["tokenizer"]["eos_id"]
+    eos = tiny_manifest.tokenizer.eos_id
     x = torch.randint(3, 500, (1, 20))
     x[0, 7] = eos  # document 0 = positions 0..7, document 1 = 8..19
     mask = diffusion.document_attention_mask(diffusion.document_ids(x, eos), causal=mode == "ar")
@@ -155,7 +161,7 @@ def test_packed_documents_do_not_see_each_other(megatron_single_process, tmp_pat
 
     ckpt = tmp_path / "ckpt"
     _save_model_only(model, ckpt)
-    hf = load_hf(export_hf(cfg, tiny_manifest["tokenizer"], ckpt, tmp_path / "hf"))
+    hf = load_hf(export_hf(cfg, tiny_manifest.tokenizer.to_dict(), ckpt, tmp_path / "hf").folder)
     got = hf(x, document_ids=diffusion.document_ids(x, eos)).logits
     assert torch.allclose(got, base, atol=1e-4)
 
@@ -179,12 +185,12 @@ def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_pro
 def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_process, tmp_path, tiny_manifest, extra):
     """3,871 tokens pad to 3,904 rows at TP=1 and 3,968 at TP=2; an export from one layout imports
     for the other (the check compares the true vocabulary, the rows are cut or zero-padded)."""
-    tok = {**tiny_manifest["tokenizer"], "vocab_size": 3871}
+    tok = {**tiny_manifest.tokenizer.to_dict(), "vocab_size": 3871}
     cfg = tiny_config(tmp_path, *extra)
     torch.manual_seed(0)
     model = build_model(cfg, vocab_size=3871)
     _save_model_only(model, tmp_path / "ckpt")
-    hf = export_hf(cfg, tok, tmp_path / "ckpt", tmp_path / "hf")
+    hf = export_hf(cfg, tok, tmp_path / "ckpt", tmp_path / "hf").folder
     source = model.embedding.word_embeddings.weight.detach()
     assert source.shape[0] == 3904
     for tp, rows in [(2, 3968), (1, 3904)]:
