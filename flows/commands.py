@@ -217,7 +217,8 @@ def launch(cfg: PipelineConfig, target: str) -> int:
 
 def convert(cfg: PipelineConfig, source: str, out: str | None, flow: bool) -> int:
     """One conversion, either direction (from the SOURCE), plain or as the flow convert-checkpoint."""
-    from difflm.tasks.runs import conversion_source, convert_source
+    from difflm.tasks.conversion import convert_source
+    from difflm.tasks.sources import conversion_source
 
     found = conversion_source(source)
     if flow:  # Prefect is imported for --flow only
@@ -273,10 +274,10 @@ def adapt(cfg: PipelineConfig, source: str, preset: str, overrides: list[str]) -
 def eval_latest(run_dir: str, preset: str | None, overrides: list[str], max_sequences: int, force: bool) -> int:
     """The flow evaluate-latest once on RUN_DIR's newest checkpoint."""
     from difflm.flows.evaluate_latest import evaluate_latest
-    from difflm.tasks.runs import training_run_dir
+    from difflm.tasks.sources import training_run_dir
 
     res = evaluate_latest(
-        run_dir=str(training_run_dir(run_dir)),
+        run_dir=str(training_run_dir(run_dir).path),
         preset=preset,
         overrides=overrides,
         max_sequences=max_sequences,
@@ -301,12 +302,12 @@ def evaluate(
     tracking_uri: str | None,
     flow: bool,
 ) -> int:
-    """Each SOURCE on its own run's recorded config and data (difflm.tasks.runs.evaluation_source), unless --preset or
-    data overrides say otherwise; results on other data go to <run>/eval-<data hash>. Prints one table."""
-    from difflm.tracking import tracking_uri as config_tracking_uri
+    """Each SOURCE on its own run's recorded config and data (difflm.tasks.sources.evaluation_source), unless
+    --preset or data overrides say otherwise; results on other data go to <run>/eval-<data hash>. Prints one table."""
     from difflm.models.evaluation.report import comparison_table
     from difflm.models.evaluation.stages import evaluate_export, sweep_export
-    from difflm.tasks.runs import evaluation_source
+    from difflm.tasks.sources import evaluation_source
+    from difflm.tracking import tracking_uri as config_tracking_uri
 
     found = {}
     for source in sources:
@@ -347,13 +348,13 @@ def generate(
 ) -> int:
     """Samples from an export after each prompt (default: the first words of held-out documents)."""
     from difflm.data_prep.pipeline import prepare_data
-    from difflm.tracking import tracking_uri as config_tracking_uri
     from difflm.models.evaluation.generation import default_prompts, sampler_settings
     from difflm.models.evaluation.report import placement_label
     from difflm.models.evaluation.scoring import Scorer
     from difflm.models.evaluation.sources import resolve_export
     from difflm.models.evaluation.stages import eval_device, load_model, load_tokenizer, placement
     from difflm.models.evaluation.tasks import heldout_documents
+    from difflm.tracking import tracking_uri as config_tracking_uri
 
     hf_dir = resolve_export(source, tracking_uri or config_tracking_uri(cfg), cfg.tracking)
     model, tok = load_model(hf_dir, *eval_device(cfg.eval)), load_tokenizer(hf_dir)
@@ -429,15 +430,15 @@ def serve(
         flow, params = adapt_difflm, {"source": source, "preset": preset or "adapt-dream", "overrides": overrides}
     else:
         from difflm.flows.evaluate_latest import evaluate_latest
-        from difflm.tasks.runs import training_run_dir
+        from difflm.tasks.sources import training_run_dir
 
         if not run_dir:
             raise UserError(
                 "difflm serve evaluate-latest needs --run-dir <workdir>/runs/<run> (the run to score while it trains)"
             )
         schedule = schedule if len(schedule) > 1 else {**schedule, "interval": 600}
-        flow = evaluate_latest
-        params = {"run_dir": str(training_run_dir(run_dir)), "max_sequences": max_sequences, "overrides": overrides}
+        flow, run = evaluate_latest, training_run_dir(run_dir)
+        params = {"run_dir": str(run.path), "max_sequences": max_sequences, "overrides": overrides}
         if preset:  # else the run's own config.yaml
             params["preset"] = preset
     every = f" every {interval:g} s" if interval and not cron else f" on cron '{cron}'" if cron else ""

@@ -53,7 +53,11 @@ def _must_exist(path: str, what: str, hint: str) -> Path:
 
 def _data(cfg: PipelineConfig) -> None:
     """The data sources and tokenizer, unless this config's data prep is finished (then they are not read)."""
-    from difflm.data_prep.pipeline import MANIFEST, data_dir, preflight  # datatrove: seconds; for commands that prep data
+    from difflm.data_prep.pipeline import (  # datatrove: seconds; for commands that prep data
+        MANIFEST,
+        data_dir,
+        preflight,
+    )
 
     if not (data_dir(cfg) / MANIFEST).exists():
         preflight(cfg)
@@ -113,11 +117,11 @@ def _convert_source(args: argparse.Namespace) -> None:
 
 
 def _convert(cfg: PipelineConfig, args: argparse.Namespace) -> None:
-    from difflm.tasks.runs import conversion_source  # the stages' modules: only once the path exists
+    from difflm.tasks.sources import conversion_source  # the stages' modules: only once the path exists
 
     found = conversion_source(args.source)
-    if found["to"] == "hf":
-        _checkpoint(str(found["path"]), "checkpoint")
+    if found.to == "hf":
+        _checkpoint(str(found.path), "checkpoint")
 
 
 def _sources(args: argparse.Namespace) -> None:

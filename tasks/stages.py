@@ -1,5 +1,5 @@
 """Prefect tasks: thin wrappers over the plain stage functions (each testable without Prefect): data_prep's and
-models' for the pipeline, `tasks/runs.py` for the stages that work on an existing run.
+models' for the pipeline; `tasks/conversion.py` and `tasks/latest.py` for the stages that work on an existing run.
 
 The tasks declare no cache policy: the flows attach Prefect's cache per call (`tasks/cache.py`), keyed by the
 hash that names the stage's output folder and trusted only while that folder is complete; every stage function
@@ -14,19 +14,21 @@ from pathlib import Path
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from difflm.data_prep.pipeline import prepare_data
 from difflm.config import PipelineConfig
+from difflm.data_prep.pipeline import prepare_data
 from difflm.errors import DiffLMError
-from difflm.rundir import TrainResult
 from difflm.models.evaluation.likelihood import KIND_LABELS
 from difflm.models.evaluation.report import write_comparison
 from difflm.models.evaluation.stages import convert_checkpoint, evaluate_export, sweep_export
 from difflm.models.launch.kubernetes import submit_kubernetes
 from difflm.models.launch.slurm import submit_slurm
 from difflm.models.launch.torchrun import launch_training
+from difflm.rundir import RunDir, TrainResult
 from difflm.tasks import adapt
 from difflm.tasks.cache import eval_done
-from difflm.tasks.runs import convert_source, export_newest, score_export_bound
+from difflm.tasks.conversion import convert_source
+from difflm.tasks.latest import export_newest, score_export_bound
+from difflm.tasks.sources import ConversionSource
 
 
 @task(name="data-prep", cache_policy=NO_CACHE)
@@ -122,7 +124,7 @@ def sweep_task(cfg: PipelineConfig, manifest: dict, hf_dir: str, out_dir: str) -
 
 
 @task(name="convert-checkpoint", cache_policy=NO_CACHE)
-def convert_source_task(cfg: PipelineConfig, found: dict, out_dir: str | None = None) -> dict:
+def convert_source_task(cfg: PipelineConfig, found: ConversionSource, out_dir: str | None = None) -> dict:
     info = convert_source(cfg, found, out_dir)
     get_run_logger().info(
         f"{info['source']} -> {info['to']}: {info['out_dir']}"
@@ -132,8 +134,8 @@ def convert_source_task(cfg: PipelineConfig, found: dict, out_dir: str | None = 
 
 
 @task(name="export-newest", cache_policy=NO_CACHE)
-def export_newest_task(cfg: PipelineConfig, manifest: dict, run_dir: str) -> tuple[int, str]:
-    it, hf_dir = export_newest(cfg, manifest, Path(run_dir))
+def export_newest_task(cfg: PipelineConfig, manifest: dict, run: RunDir) -> tuple[int, str]:
+    it, hf_dir = export_newest(cfg, manifest, run)
     return it, str(hf_dir)
 
 

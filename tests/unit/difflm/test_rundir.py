@@ -17,16 +17,23 @@ from helpers import tiny_config
 from prefect.serializers import JSONSerializer
 
 from difflm.data_prep.pipeline import prepare_data
-from difflm.rundir import RunDir, TrainResult, Workdir, exported_from, is_export_of, iteration_of, latest_iteration
 from difflm.flows.cli import main
 from difflm.models.evaluation.stages import evaluate_export
 from difflm.models.hf.convert import hf_config, save_export
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 from difflm.models.launch.torchrun import TRAIN_SECTIONS, run_dir, write_run_inputs
 from difflm.models.megatron import checkpointing
+from difflm.rundir import RunDir, TrainResult, Workdir, exported_from, is_export_of, iteration_of, latest_iteration
 from difflm.tasks.adapt import ImportedSource
 from difflm.tasks.cache import eval_done, mark_eval_done
-from difflm.tasks.runs import conversion_source, evaluation_source, is_other_data, recorded_data, source_config, stage_config
+from difflm.tasks.sources import (
+    conversion_source,
+    evaluation_source,
+    is_other_data,
+    recorded_data,
+    source_config,
+    stage_config,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -248,8 +255,8 @@ def test_a_removed_data_folder_is_prepared_again(own_run, tmp_path):
 
 def test_convert_and_eval_latest_default_to_the_run_config(own_run):
     found = conversion_source(own_run.path)
-    assert found["run_dir"] == own_run.path.resolve() and found["iteration"] == 20
-    assert stage_config(found["run_dir"]).data == own_run.config().data
+    assert found.run == RunDir(own_run.path.resolve()) and found.iteration == 20
+    assert stage_config(found.run).data == own_run.config().data
 
 
 def test_difflm_eval_of_a_run_and_of_its_export_uses_the_recorded_data(own_run, capsys):
