@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from difflm.config import ModelConfig, PipelineConfig
 from difflm.models.diffusion.arch import ModelArch
-from difflm.models.diffusion.modes import Objective, build_objective
+from difflm.models.diffusion.modes import Objective
 from difflm.models.diffusion.time_embedding import AdaLNorm, TimeEmbedding
 from difflm.models.megatron import compiled
 from difflm.models.megatron.attention import block_spec, torch_layer_spec
@@ -312,16 +312,15 @@ def build_model(
     padded_vocab: int | None = None,
     never_targets: tuple[int, ...] = (),
     *,
-    objective: Objective | None = None,
+    objective: Objective,
 ) -> DiffusionGPTModel:
-    """One pipeline stage of the megatron GPTModel for `cfg` and its `objective` (the caller's, built once; `cfg`'s
-    when not given) (the whole model when PP=1).
+    """One pipeline stage of the megatron GPTModel for `cfg` and its `objective` (the caller's, built once where its
+    run starts: `build_objective`) (the whole model when PP=1).
 
     `padded_vocab` overrides the embedding rows (conversion builds a TP=1 model with the padding of the
     layout it writes for). An objective with an exact likelihood (ar) normalises over the `vocab_size` tokens only:
     the padding rows, and the `never_targets` (a mask token an import added), get logits of -inf, so the NLL of an
     imported model is the source's."""
-    objective = objective or build_objective(cfg.diffusion)
     backend = resolve_backend(cfg.model.backend, objective.two_stream)
     if cfg.train.fp8 and backend != "te":
         raise RuntimeError(

@@ -6,8 +6,9 @@ import torch
 from helpers import tiny_config
 
 from difflm.models import diffusion
+from difflm.models.diffusion.modes import build_objective
 from difflm.models.diffusion.samplers import sample_masked_diffusion, unmask_schedule
-from difflm.models.megatron.forward_step import SpecialTokens, corrupt, loss_terms, varilen_length
+from difflm.models.megatron.forward_step import SpecialTokens, corrupt, varilen_length
 
 
 def test_sample_t_range_and_antithetic_bins():
@@ -150,20 +151,24 @@ def test_noise_does_not_depend_on_the_micro_batch_split():
     )
     special = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2))
     x0 = torch.randint(3, 50, (4, 16))
-    whole = corrupt({"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=5)
+    obj = build_objective(cfg.diffusion, special.ids())
+    whole = corrupt({"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=5, objective=obj)
     halves = [
         corrupt(
             {"tokens": x0[i : i + 2], "labels": x0[i : i + 2], "positions": torch.arange(i, i + 2)},
             cfg,
             special,
             step=5,
+            objective=obj,
         )
         for i in (0, 2)
     ]
     assert torch.equal(whole["inputs"], torch.cat([h["inputs"] for h in halves]))
     assert torch.equal(whole["t"], torch.cat([h["t"] for h in halves]))
     assert sorted((whole["t"] * 4).floor().long().tolist()) == [0, 1, 2, 3]  # antithetic over the global batch
-    other_step = corrupt({"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=6)
+    other_step = corrupt(
+        {"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=6, objective=obj
+    )
     assert not torch.equal(whole["inputs"], other_step["inputs"])
 
 
@@ -190,12 +195,14 @@ def test_evaluation_noise_masks_exact_counts_and_scores_the_elbo():
     cfg = tiny_config("/tmp/unused", "train.global_batch_size=4", "train.micro_batch_size=4")
     special = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2))
     x0 = torch.randint(3, 50, (4, 32))
-    prep = corrupt({"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=-1, evaluation=True)
+    obj = build_objective(cfg.diffusion, special.ids())
+    batch = {"tokens": x0, "labels": x0, "positions": torch.arange(4)}
+    prep = corrupt(batch, cfg, special, step=-1, evaluation=True, objective=obj)
     counts = prep["scored"].sum(-1)
     assert torch.equal(counts, (prep["t"] * 32).ceil().long())
     assert sorted((prep["t"] * 4).floor().long().tolist()) == [0, 1, 2, 3]  # always stratified in evaluation
     ce = torch.full((4, 32), 2.0)  # a context-free model with CE 2 everywhere: the ELBO is exactly 2
-    total, count = loss_terms(ce, prep, cfg, evaluation=True)
+    total, count = obj.loss_terms(ce, prep, True)
     assert math.isclose((total / count).item(), 2.0, rel_tol=1e-6)
 
 

@@ -10,6 +10,7 @@ from megatron.core import dist_checkpointing
 from difflm.config import load_config
 from difflm.models import diffusion
 from difflm.models.diffusion.arch import ModelArch
+from difflm.models.diffusion.modes import build_objective
 from difflm.models.hf.convert import ConversionError, export_hf, import_hf, load_hf
 from difflm.models.megatron.gpt import build_model
 
@@ -18,7 +19,7 @@ def _model(mode: str, tmp_path, **over):
     extra = [f"{k}={v}" for k, v in over.items()]
     cfg = tiny_config(tmp_path, f"diffusion.model_running_mode={mode}", *extra)
     torch.manual_seed(0)
-    return cfg, build_model(cfg, vocab_size=512).eval()
+    return cfg, build_model(cfg, vocab_size=512, objective=build_objective(cfg.diffusion)).eval()
 
 
 def _logits(model, x, t=None):
@@ -172,7 +173,7 @@ def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_pro
         ],
     )
     with pytest.raises(RuntimeError, match="model.backend=torch"):
-        build_model(cfg, 512)
+        build_model(cfg, 512, objective=build_objective(cfg.diffusion))
 
 
 @pytest.mark.parametrize("extra", [[], ["diffusion.time_embedding=true"]], ids=["plain", "adaln"])
@@ -182,7 +183,7 @@ def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_proc
     tok = {**tiny_manifest["tokenizer"], "vocab_size": 3871}
     cfg = tiny_config(tmp_path, *extra)
     torch.manual_seed(0)
-    model = build_model(cfg, vocab_size=3871)
+    model = build_model(cfg, vocab_size=3871, objective=build_objective(cfg.diffusion))
     _save_model_only(model, tmp_path / "ckpt")
     hf = export_hf(cfg, tok, tmp_path / "ckpt", tmp_path / "hf")
     source = model.embedding.word_embeddings.weight.detach()
@@ -224,12 +225,12 @@ def test_ar_keeps_the_padding_rows_out_of_its_loss(megatron_single_process, tmp_
     for mode in ("ar", "difflm-noshift"):
         cfg = tiny_config(tmp_path, f"diffusion.model_running_mode={mode}")
         torch.manual_seed(0)
-        model = build_model(cfg, vocab_size=500)
+        model = build_model(cfg, vocab_size=500, objective=build_objective(cfg.diffusion))
         logits = model(x, pos, None)
         assert torch.isinf(logits[..., 500:]).all() == (mode == "ar") and torch.isfinite(logits[..., :500]).all()
     cfg = tiny_config(tmp_path, "diffusion.model_running_mode=ar")
     torch.manual_seed(0)
-    model = build_model(cfg, vocab_size=500)
+    model = build_model(cfg, vocab_size=500, objective=build_objective(cfg.diffusion))
     loss = model(x, pos, None, labels=x).float()
     want = torch.nn.functional.cross_entropy(
         model(x, pos, None)[..., :500].flatten(0, 1), x.flatten(), reduction="none"
