@@ -38,8 +38,8 @@ class LinearMaskedDiffusion(MaskedDiffusion):
             return super().loss_terms(output, prepared, evaluation)
         weights = (self.slope * (1 - prepared["t"]) + 1)[:, None].expand_as(prepared["scored"])
         scored, t, valid = prepared["scored"], prepared["t"], prepared["valid"]
-        # "cart" is the formula's per-token weighting: here the linear weight of each row's t
-        return masked_diffusion_loss_terms(output.float(), scored, t, "cart", "all_tokens", valid, weights)
+        # each token weighted by its own weight: here the linear weight of its row's t
+        return masked_diffusion_loss_terms(output.float(), scored, t, "per_token", "all_tokens", valid, weights)
 
 
 @pytest.fixture
