@@ -11,7 +11,6 @@ them, so the importer refuses such sources instead.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import operator
 import typing
@@ -146,8 +145,12 @@ def paired_activation(gated_mlp: bool) -> str:
     return "silu" if gated_mlp else "gelu"
 
 
-@functools.cache
+_TYPES: dict[type, dict[str, Any]] = {}  # switch_types of each record, resolved once
+
+
 def switch_types(record: type = ModelArch) -> dict[str, Any]:
     """{switch: its type} of `record` (ModelArch, or a record extending it), the annotations resolved in this
     module's names (in an export folder too, where the module is loaded under another name)."""
-    return typing.get_type_hints(record, globals())
+    if record not in _TYPES:
+        _TYPES[record] = typing.get_type_hints(record, globals())
+    return _TYPES[record]

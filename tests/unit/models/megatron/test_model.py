@@ -238,3 +238,27 @@ def test_ar_keeps_the_padding_rows_out_of_its_loss(megatron_single_process, tmp_
     assert torch.allclose(loss.flatten(), want, atol=1e-5)
     loss.mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_an_output_transform_runs_before_the_padding_rows_go_to_minus_inf(megatron_single_process, tmp_path):
+    """A transform of the logits (here Gemma 2's soft cap, cap * tanh(x / cap), which maps -inf to -cap) runs
+    before the `ar` padding rows are set to -inf, whatever order it was added in: they stay -inf, the token rows
+    are the transform's. A forward hook registered on the output layer after the model's own is refused."""
+    x = torch.randint(3, 500, (2, 16))
+    pos = torch.arange(16)[None].expand(2, 16)
+    cfg = tiny_config(tmp_path, "diffusion.model_running_mode=ar")
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab_size=500, objective=build_objective(cfg.diffusion))
+    plain = model(x, pos, None).detach()
+    cap = 2.0
+    model.add_output_transform(lambda logits: cap * torch.tanh(logits / cap))
+    model.add_output_transform(lambda logits: logits / 0.5)  # a temperature, after the cap
+    capped = model(x, pos, None).detach()
+    assert torch.isinf(capped[..., 500:]).all() and (capped[..., 500:] < 0).all()
+    assert torch.allclose(capped[..., :500], cap * torch.tanh(plain[..., :500] / cap) / 0.5, atol=1e-6)
+
+    handle = model.output_layer.register_forward_hook(lambda _m, _a, out: out)
+    with pytest.raises(RuntimeError, match="add it with add_output_transform"):
+        model(x, pos, None)
+    handle.remove()
+    assert torch.equal(model(x, pos, None), capped)
