@@ -27,8 +27,8 @@ def export(check, manifest: Path, trained: dict) -> dict:
     batch with half its tokens masked (the positions training scores; clean positions have near-ties that
     bf16 rounding flips). bf16 passes on the masked-token loss and on the top-1 of decided tokens."""
     from difflm.config import load_config
-    from difflm.rundir import RunDir
     from difflm.models.hf.convert import export_hf, load_hf
+    from difflm.rundir import RunDir
 
     p, out = check.p, check.out
     run = RunDir(trained["run_dir"])

@@ -23,11 +23,11 @@ from transformers import AutoModelForMaskedLM
 from difflm import outputs
 from difflm.config import PipelineConfig
 from difflm.errors import UserError
-from difflm.rundir import EXPORT_MARKER
 from difflm.models.diffusion.arch import ModelArch
 from difflm.models.diffusion.modes import build_objective
 from difflm.models.hf.configuration_difflm import DiffLMConfig
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
+from difflm.rundir import EXPORT_MARKER
 
 # megatron (difflm.models.megatron, megatron.core) is imported inside the functions that run it: the HF side of the
 # project (exports, evaluation, the importer's checks) loads without it

@@ -32,7 +32,6 @@ from megatron.core.transformer.module import Float16Module
 from difflm.config import PipelineConfig, load_config
 from difflm.config.train import epochs_seen
 from difflm.errors import NonFiniteStop, TrainingPreempted
-from difflm.rundir import RunDir
 from difflm.models.diffusion.documents import document_ids, document_pairs
 from difflm.models.diffusion.modes import Objective, build_objective
 from difflm.models.megatron import checkpointing, compat
@@ -51,6 +50,7 @@ from difflm.models.megatron.kernels import (
     use_fused_adam,
 )
 from difflm.models.megatron.metrics import MetricsWriter
+from difflm.rundir import RunDir
 
 
 def init_distributed(cfg: PipelineConfig) -> None:

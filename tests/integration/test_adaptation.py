@@ -14,8 +14,6 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from difflm.config import CONFIG_DIR, ConfigError, load_config
-from difflm.rundir import Workdir
-from difflm.tracking import tracking_uri
 from difflm.flows.adapt import adapt_difflm, adaptation_config
 from difflm.flows.pretrain import pretrain_difflm
 from difflm.models.diffusion import anneal_ratio, annealed_attention_mask, cart_weights
@@ -27,7 +25,9 @@ from difflm.models.hf.pretrained import SMOLLM2, fetch_gguf, load_gguf_model, sh
 from difflm.models.launch.torchrun import launch_training, read_metrics
 from difflm.models.megatron.forward_step import SpecialTokens, annealed_mask
 from difflm.models.megatron.gpt import build_model
+from difflm.rundir import Workdir
 from difflm.tasks.adapt import ImportedSource, ar_config, resolve_source, source_lineage, with_import
+from difflm.tracking import tracking_uri
 
 # ---- CART (Dream) ------------------------------------------------------------------------------------------
 
