@@ -84,7 +84,7 @@ def run_one(preset: str, mode: str, args: argparse.Namespace) -> dict:
         n_micro = cfg.train.global_batch_size // cfg.train.micro_batch_size
 
         def step(i) -> list[int]:
-            lengths = micro_lengths(cfg, i, n_micro, objective)  # the trainer's: full windows unless varilen
+            lengths = micro_lengths(cfg, i, n_micro, objective=objective)  # the trainer's: full windows unless varilen
             ddp.zero_grad_buffer()
             opt.zero_grad()
             run_global_batch(cfg, ddp, data, special, step=i, noise_step=i, lengths=lengths, objective=objective)

@@ -27,12 +27,12 @@ class ModelTooBig(UserError, MemoryError):
 def parameter_count(cfg: PipelineConfig) -> int:
     """Parameters of the transformer and its embeddings (vocabulary: the BPE's configured size when the
     tokenizer is trained, else none counted: a lower bound; the time embedding and biases aside)."""
-    m = cfg.model
+    m, arch = cfg.model, cfg.model.arch
     h, heads = m.hidden_size, m.num_attention_heads
-    head_dim = m.kv_channels or h // heads
+    head_dim = arch.head_width(h, heads)
     groups = m.num_query_groups or heads
     attention = h * head_dim * (heads + 2 * groups) + heads * head_dim * h
-    mlp = (3 if m.gated_mlp else 2) * h * m.ffn_size
+    mlp = arch.mlp_matrices * h * m.ffn_size
     trains_bpe = not (cfg.tokenizer.path or cfg.train.init_from_hf or cfg.train.init_from)  # else unknown here
     vocab = cfg.tokenizer.vocab_size if trains_bpe else 0
     embeddings = vocab * h * (1 if m.tie_embeddings else 2)

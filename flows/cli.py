@@ -33,8 +33,8 @@ from difflm.outputs import private_umask
 from difflm.rundir import RunDir, Workdir
 
 # Stages, flows and models are imported inside flows/commands.py's functions, `_run_of_*` and `resolve_config`
-# (difflm.tasks.runs): `difflm --help` then loads argparse and the config only (well under a second), and a command loads
-# only what it runs (torch, megatron, Prefect and MLflow take seconds to import).
+# (difflm.tasks.sources): `difflm --help` then loads argparse and the config only (well under a second), and a
+# command loads only what it runs (torch, megatron, Prefect and MLflow take seconds to import).
 
 DEFAULT_PRESET = "tiny-cpu"
 SERVED = ["pretrain-difflm", "adapt-difflm", "evaluate-latest"]  # what `difflm serve` serves
@@ -109,7 +109,7 @@ class Command:
     handler: Callable[[PipelineConfig, argparse.Namespace], int]
     args: tuple[Arg, ...] = ()
     # the run directory whose recorded config.yaml is this command's default config (None: none for these args)
-    run_of: Callable[[argparse.Namespace], Path | None] | None = None
+    run_of: Callable[[argparse.Namespace], RunDir | None] | None = None
     default_preset: str = DEFAULT_PRESET  # --preset when neither it nor a run names one
     # the command's config when a file of its own names the preset (study: the spec's first point)
     config_of: Callable[[argparse.Namespace], PipelineConfig] | None = None
@@ -122,25 +122,25 @@ def preset_default(cmd: Command) -> str:
     return cmd.default_preset
 
 
-def _run_of_conversion(args) -> Path | None:
-    from difflm.tasks.runs import conversion_source
+def _run_of_conversion(args) -> RunDir | None:
+    from difflm.tasks.sources import conversion_source
 
-    return conversion_source(args.source)["run_dir"]  # a folder that is neither fails here, before any server
+    return conversion_source(args.source).run  # a folder that is neither fails here, before any server
 
 
-def _run_of_run_dir(args) -> Path | None:
-    from difflm.tasks.runs import training_run_dir
+def _run_of_run_dir(args) -> RunDir | None:
+    from difflm.tasks.sources import training_run_dir
 
     return training_run_dir(args.run_dir)  # a wrong path fails here, before any Prefect server starts
 
 
-def _run_of_sources(args) -> Path | None:
+def _run_of_sources(args) -> RunDir | None:
     """The run the first SOURCE (eval, generate) belongs to, when it recorded its config and data; for a models:/
     source, the last `difflm run` of the workdir used last (whose MLflow store it is read from)."""
     for source in getattr(args, "sources", None) or [args.source]:
         run = _last_run() if source.startswith("models:/") else RunDir.holding(Path(source).expanduser())
         if run is not None and run.has_inputs():
-            return run.path
+            return run
     return None
 
 
@@ -150,7 +150,7 @@ def _last_run() -> RunDir | None:
     return RunDir(summary["run_dir"]) if summary and summary.get("run_dir") else None
 
 
-def _run_of_served(args) -> Path | None:
+def _run_of_served(args) -> RunDir | None:
     return _run_of_run_dir(args) if args.served == "evaluate-latest" and args.run_dir else None
 
 
@@ -442,7 +442,7 @@ def resolve_config(cmd: Command, args) -> PipelineConfig:
         return cmd.config_of(args)
     run = cmd.run_of(args) if cmd.run_of and not args.preset else None
     if run is not None:
-        from difflm.tasks.runs import stage_config
+        from difflm.tasks.sources import stage_config
 
         cfg = stage_config(run, None, args.overrides)
     else:

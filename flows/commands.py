@@ -218,7 +218,8 @@ def launch(cfg: PipelineConfig, target: str) -> int:
 
 def convert(cfg: PipelineConfig, source: str, out: str | None, flow: bool) -> int:
     """One conversion, either direction (from the SOURCE), plain or as the flow convert-checkpoint."""
-    from difflm.tasks.runs import conversion_source, convert_source
+    from difflm.tasks.conversion import convert_source
+    from difflm.tasks.sources import conversion_source
 
     found = conversion_source(source)
     if flow:  # Prefect is imported for --flow only
@@ -274,10 +275,10 @@ def adapt(cfg: PipelineConfig, source: str, preset: str, overrides: list[str]) -
 def eval_latest(run_dir: str, preset: str | None, overrides: list[str], max_sequences: int, force: bool) -> int:
     """The flow evaluate-latest once on RUN_DIR's newest checkpoint."""
     from difflm.flows.evaluate_latest import evaluate_latest
-    from difflm.tasks.runs import training_run_dir
+    from difflm.tasks.sources import training_run_dir
 
     res = evaluate_latest(
-        run_dir=str(training_run_dir(run_dir)),
+        run_dir=str(training_run_dir(run_dir).path),
         preset=preset,
         overrides=overrides,
         max_sequences=max_sequences,
@@ -302,12 +303,12 @@ def evaluate(
     tracking_uri: str | None,
     flow: bool,
 ) -> int:
-    """Each SOURCE on its own run's recorded config and data (difflm.tasks.runs.evaluation_source), unless --preset or
-    data overrides say otherwise; results on other data go to <run>/eval-<data hash>. Prints one table."""
+    """Each SOURCE on its own run's recorded config and data (difflm.tasks.sources.evaluation_source), unless
+    --preset or data overrides say otherwise; results on other data go to <run>/eval-<data hash>. Prints one table."""
     from difflm.models.evaluation.record import EvalRecord
     from difflm.models.evaluation.report import comparison_table
     from difflm.models.evaluation.stages import evaluate_export, sweep_export
-    from difflm.tasks.runs import evaluation_source
+    from difflm.tasks.sources import evaluation_source
     from difflm.tracking import tracking_uri as config_tracking_uri
 
     found: dict[str, EvalRecord] = {}
@@ -433,15 +434,15 @@ def serve(
         flow, params = adapt_difflm, {"source": source, "preset": preset or "adapt-dream", "overrides": overrides}
     else:
         from difflm.flows.evaluate_latest import evaluate_latest
-        from difflm.tasks.runs import training_run_dir
+        from difflm.tasks.sources import training_run_dir
 
         if not run_dir:
             raise UserError(
                 "difflm serve evaluate-latest needs --run-dir <workdir>/runs/<run> (the run to score while it trains)"
             )
         schedule = schedule if len(schedule) > 1 else {**schedule, "interval": 600}
-        flow = evaluate_latest
-        params = {"run_dir": str(training_run_dir(run_dir)), "max_sequences": max_sequences, "overrides": overrides}
+        flow, run = evaluate_latest, training_run_dir(run_dir)
+        params = {"run_dir": str(run.path), "max_sequences": max_sequences, "overrides": overrides}
         if preset:  # else the run's own config.yaml
             params["preset"] = preset
     every = f" every {interval:g} s" if interval and not cron else f" on cron '{cron}'" if cron else ""

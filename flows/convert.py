@@ -9,7 +9,7 @@ from typing import Literal
 from prefect import flow
 
 from difflm.config import PipelineConfig
-from difflm.tasks.runs import conversion_source, stage_config
+from difflm.tasks.sources import conversion_source, stage_config
 from difflm.tasks.stages import convert_source_task
 
 
@@ -37,7 +37,7 @@ def convert_checkpoint(
     """
     found = conversion_source(source, to)
     if config is None:
-        cfg = stage_config(found["run_dir"], preset, overrides)
+        cfg = stage_config(found.run, preset, overrides)
     else:
         cfg = config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
     return convert_source_task(cfg, found, out_dir)

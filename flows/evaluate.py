@@ -1,6 +1,6 @@
 """The `evaluate` flow: score an export, a run directory or a registered MLflow model version on the held-out
 data (bound, tasks, samples, optional sampler sweep), tracked in its own MLflow run. By default on the data and
-config its run recorded; other data is explicit and its results go elsewhere (`difflm.tasks.runs.source_config`)."""
+config its run recorded; other data is explicit and its results go elsewhere (`difflm.tasks.sources.source_config`)."""
 
 from pathlib import Path
 
@@ -13,7 +13,7 @@ from difflm.models.evaluation.sources import resolve_export
 from difflm.models.evaluation.stages import default_out_dir
 from difflm.rundir import RunDir
 from difflm.tasks import artifacts
-from difflm.tasks.runs import recorded_data, source_config
+from difflm.tasks.sources import recorded_data, source_config
 from difflm.tasks.stages import data_prep_task, evaluate_task, sweep_task
 
 

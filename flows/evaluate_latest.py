@@ -6,22 +6,16 @@ skipped. From the command line: `difflm eval-latest RUN_DIR` (once) or `difflm s
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 from prefect import flow, get_run_logger
 
 from difflm.config import PipelineConfig
 from difflm.locks import exclusive
 from difflm.rundir import RunDir, lock_file
-from difflm.tasks.runs import (
-    evaluated_scores,
-    log_latest_score,
-    remember_score,
-    run_manifest,
-    stage_config,
-    training_run_dir,
-)
+from difflm.tasks.latest import evaluated_scores, remember_score
+from difflm.tasks.sources import stage_config, training_run_dir
 from difflm.tasks.stages import export_newest_task, score_bound_task
+from difflm.tracking import log_latest_score
 
 
 @flow(name="evaluate-latest", log_prints=True)
@@ -44,29 +38,29 @@ def evaluate_latest(
         force: score the newest checkpoint again even when it was scored before.
     """
     logger = get_run_logger()
-    rdir = training_run_dir(run_dir)
+    run = training_run_dir(run_dir)  # the one place the parameter becomes a RunDir
     if config is None:
-        cfg = stage_config(rdir, preset, overrides)
+        cfg = stage_config(run, preset, overrides)
     else:
         cfg = config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
     # one scorer of the run at a time (a slow call and the next scheduled one would export into the same
     # folder); the trainer never takes this lock, so scoring never holds training up
-    with exclusive(lock_file(RunDir(rdir).eval_latest), "evaluate-latest output", cfg.pipeline.on_busy, logger.info):
-        return _score_newest(cfg, rdir, max_sequences, force, logger)
+    with exclusive(lock_file(run.eval_latest), "evaluate-latest output", cfg.pipeline.on_busy, logger.info):
+        return _score_newest(cfg, run, max_sequences, force, logger)
 
 
-def _score_newest(cfg: PipelineConfig, rdir: Path, max_sequences: int, force: bool, logger) -> dict:
-    newest, done = RunDir(rdir).latest_iteration(), evaluated_scores(rdir)
+def _score_newest(cfg: PipelineConfig, run: RunDir, max_sequences: int, force: bool, logger) -> dict:
+    newest, done = run.latest_iteration(), evaluated_scores(run)
     if newest is None:
-        logger.info(f"{rdir.name}: no complete checkpoint yet; nothing to evaluate")
+        logger.info(f"{run.name}: no complete checkpoint yet; nothing to evaluate")
         return {"iteration": None, "score": None, "skipped": "no complete checkpoint yet"}
     if newest in done and not force:
-        logger.info(f"{rdir.name}: iteration {newest} was evaluated already (score {done[newest]['score']:.4f})")
+        logger.info(f"{run.name}: iteration {newest} was evaluated already (score {done[newest]['score']:.4f})")
         return {**done[newest], "skipped": "already evaluated"}
-    manifest = run_manifest(rdir)
-    iteration, hf_dir = export_newest_task(cfg, manifest, str(rdir))
+    manifest = run.manifest()
+    iteration, hf_dir = export_newest_task(cfg, manifest, run)
     score = score_bound_task(cfg, manifest, hf_dir, max_sequences)
-    run_id = log_latest_score(cfg, rdir, manifest, iteration, score)
+    run_id = log_latest_score(cfg, run, iteration, score)
     record = {
         "iteration": iteration,
         "score": score["nll_per_token"],
@@ -74,9 +68,9 @@ def _score_newest(cfg: PipelineConfig, rdir: Path, max_sequences: int, force: bo
         "mlflow_run_id": run_id,
         "time": time.time(),
     }
-    remember_score(rdir, record)
+    remember_score(run, record)
     logger.info(
-        f"{rdir.name}: iteration {iteration} scored {record['score']:.4f} nats/token"
+        f"{run.name}: iteration {iteration} scored {record['score']:.4f} nats/token"
         + (f" (MLflow run {run_id}, step {iteration})" if run_id else "")
     )
     return record

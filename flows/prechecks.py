@@ -117,11 +117,11 @@ def _convert_source(args: argparse.Namespace) -> None:
 
 
 def _convert(cfg: PipelineConfig, args: argparse.Namespace) -> None:
-    from difflm.tasks.runs import conversion_source  # the stages' modules: only once the path exists
+    from difflm.tasks.sources import conversion_source  # the stages' modules: only once the path exists
 
     found = conversion_source(args.source)
-    if found["to"] == "hf":
-        _checkpoint(str(found["path"]), "checkpoint")
+    if found.to == "hf":
+        _checkpoint(str(found.path), "checkpoint")
 
 
 def _sources(args: argparse.Namespace) -> None:

@@ -1,5 +1,5 @@
 """Prefect tasks: thin wrappers over the plain stage functions (each testable without Prefect): data_prep's and
-models' for the pipeline, `tasks/runs.py` for the stages that work on an existing run.
+models' for the pipeline; `tasks/conversion.py` and `tasks/latest.py` for the stages that work on an existing run.
 
 The tasks declare no cache policy: the flows attach Prefect's cache per call (`tasks/cache.py`), keyed by the
 hash that names the stage's output folder and trusted only while that folder is complete; every stage function
@@ -25,10 +25,12 @@ from difflm.models.hf.export import Export
 from difflm.models.launch.kubernetes import submit_kubernetes
 from difflm.models.launch.slurm import submit_slurm
 from difflm.models.launch.torchrun import launch_training
-from difflm.rundir import TrainResult
+from difflm.rundir import RunDir, TrainResult
 from difflm.tasks import adapt
 from difflm.tasks.cache import eval_done
-from difflm.tasks.runs import convert_source, export_newest, score_export_bound
+from difflm.tasks.conversion import convert_source
+from difflm.tasks.latest import export_newest, score_export_bound
+from difflm.tasks.sources import ConversionSource
 
 
 @task(name="data-prep", cache_policy=NO_CACHE)
@@ -125,7 +127,7 @@ def sweep_task(cfg: PipelineConfig, manifest: DataManifest, hf_dir: str, out_dir
 
 
 @task(name="convert-checkpoint", cache_policy=NO_CACHE)
-def convert_source_task(cfg: PipelineConfig, found: dict, out_dir: str | None = None) -> dict:
+def convert_source_task(cfg: PipelineConfig, found: ConversionSource, out_dir: str | None = None) -> dict:
     info = convert_source(cfg, found, out_dir)
     get_run_logger().info(
         f"{info['source']} -> {info['to']}: {info['out_dir']}"
@@ -135,8 +137,8 @@ def convert_source_task(cfg: PipelineConfig, found: dict, out_dir: str | None = 
 
 
 @task(name="export-newest", cache_policy=NO_CACHE)
-def export_newest_task(cfg: PipelineConfig, manifest: DataManifest, run_dir: str) -> tuple[int, str]:
-    it, hf_dir = export_newest(cfg, manifest, Path(run_dir))
+def export_newest_task(cfg: PipelineConfig, manifest: DataManifest, run: RunDir) -> tuple[int, str]:
+    it, hf_dir = export_newest(cfg, manifest, run)
     return it, str(hf_dir)
 
 

@@ -97,6 +97,7 @@ def _init(cfg):
 def worker_logits(args, p: dict) -> dict:
     """Megatron's fp32 logits of a checkpoint on a fixed validation batch with half its tokens masked."""
     from difflm.config import load_config
+    from difflm.models.diffusion.modes import build_objective
     from difflm.models.megatron import checkpointing
     from difflm.models.megatron.data import build_datasets
     from difflm.models.megatron.gpt import build_model
@@ -108,7 +109,7 @@ def worker_logits(args, p: dict) -> dict:
     clean = torch.stack([valid[i]["tokens"][: min(256, cfg.train.seq_length)] for i in range(2)])
     masked = torch.rand(clean.shape, generator=torch.Generator().manual_seed(0)) < 0.5
     tokens = torch.where(masked, manifest.tokenizer.mask_id, clean)
-    model = build_model(cfg, manifest.tokenizer.vocab_size)
+    model = build_model(cfg, manifest.tokenizer.vocab_size, objective=build_objective(cfg.diffusion))
     if torch.cuda.is_available():
         model.cuda()
     checkpointing.load_model_weights(Path(args.checkpoint), model)
@@ -125,6 +126,7 @@ def worker_logits(args, p: dict) -> dict:
 def worker_parity(args, p: dict) -> dict:
     """First-step loss of the same weights and batch on the local spec and the torch spec, fp32 and bf16."""
     from benchmarks.gpu.microbatch import append_row, free  # (the worker process: after the wheels' install)
+    from difflm.models.diffusion.modes import build_objective
     from difflm.models.megatron.data import build_datasets
     from difflm.models.megatron.forward_step import SpecialTokens
     from difflm.models.megatron.train import build_training, run_global_batch
@@ -152,7 +154,8 @@ def worker_parity(args, p: dict) -> dict:
                 train_ds, _ = build_datasets(cfg, manifest, cfg.train.global_batch_size, cfg.train.global_batch_size)
                 special = SpecialTokens.from_manifest(manifest.tokenizer)
             torch.manual_seed(0)
-            ddp, _, _ = build_training(cfg, manifest.tokenizer.vocab_size)
+            objective = build_objective(cfg.diffusion, special.ids())
+            ddp, _, _ = build_training(cfg, manifest.tokenizer.vocab_size, objective=objective)
             inner = ddp.module.module if precision == "bf16" else ddp.module  # Float16Module wraps in bf16
             if weights is None:
                 weights = {
@@ -162,7 +165,9 @@ def worker_parity(args, p: dict) -> dict:
                 inner.load_state_dict(
                     {k: v.to(dtype=inner.state_dict()[k].dtype) for k, v in weights.items()}, strict=False
                 )
-            out[f"{backend}-{precision}"] = run_global_batch(cfg, ddp, train_ds, special, step=0, noise_step=0)
+            out[f"{backend}-{precision}"] = run_global_batch(
+                cfg, ddp, train_ds, special, step=0, noise_step=0, objective=objective
+            )
             append_row(args, {"spec": backend, "precision": precision, "loss": out[f"{backend}-{precision}"]})
             del ddp
             free()

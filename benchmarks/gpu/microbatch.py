@@ -59,14 +59,16 @@ def timed_steps(cfg, ddp, opt, dataset, special, steps: int, warmup: int = 1) ->
     """Per-step seconds (forward, backward, optimizer) and forward+backward seconds of `steps` steps after `warmup`,
     and each step's document pairs when cfg.model.document_attention is on."""
     pairs: list[float] | None = [] if cfg.model.document_attention else None
+    objective = build_objective(cfg.diffusion, special.ids())
     step_s, fwd_bwd_s = [], []
     for i in range(warmup + steps):
         timed = i >= warmup
+        seen = pairs if timed else None  # document pairs of the timed steps only
         ddp.zero_grad_buffer()
         opt.zero_grad()
         sync()
         t0 = time.perf_counter()
-        run_global_batch(cfg, ddp, dataset, special, step=i, noise_step=i, attention_pairs=pairs if timed else None)
+        run_global_batch(cfg, ddp, dataset, special, step=i, noise_step=i, attention_pairs=seen, objective=objective)
         sync()
         t1 = time.perf_counter()
         opt.step()
@@ -83,12 +85,13 @@ def profiled_step(cfg, ddp, opt, dataset, special, it: int, step_s: float | None
     ones by name; busy share against the unprofiled step `step_s`."""
     cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    objective = build_objective(cfg.diffusion, special.ids())
     with profile(activities=activities) as prof:
         ddp.zero_grad_buffer()
         opt.zero_grad()
         sync()
         t0 = time.perf_counter()
-        run_global_batch(cfg, ddp, dataset, special, step=it, noise_step=it)
+        run_global_batch(cfg, ddp, dataset, special, step=it, noise_step=it, objective=objective)
         sync()
         t1 = time.perf_counter()
         opt.step()
@@ -251,7 +254,8 @@ def worker_microbatch(args, p: dict) -> dict:
         shapes = [tuple(s) for s in job["shapes"]] if i == 0 else fitted if job.get("baseline_each") else fitted[-1:]
         for seq in dict.fromkeys(s for s, _ in shapes):  # a model per length (RoPE, datasets), largest batch first
             h.dataset(h.cfg(mode, seq, h.largest))  # (the first one initialises torch.distributed and megatron)
-            ddp, opt, _ = build_training(h.cfg(mode, seq, h.largest), h.vocab)
+            largest = h.cfg(mode, seq, h.largest)
+            ddp, opt, _ = build_training(largest, h.vocab, objective=build_objective(largest.diffusion))
             if not kernels_logged:
                 append_row(args, {"mode": mode, "kernels": run_kernels(h.cfg(mode, seq, h.largest), ddp)})
                 kernels_logged = True
@@ -288,7 +292,8 @@ def worker_knobs(args, p: dict) -> dict:
         model, preset = knob.get("model", {}), knob.get("preset")
         try:
             h.dataset(h.cfg(mode, seq, mbs, model, preset))
-            ddp, opt, _ = build_training(h.cfg(mode, seq, mbs, model, preset), h.vocab)
+            lever = h.cfg(mode, seq, mbs, model, preset)
+            ddp, opt, _ = build_training(lever, h.vocab, objective=build_objective(lever.diffusion))
         except Exception as exc:  # a lever that does not build here (no compiler, ...): its row says why
             row = {"knob": knob["name"], "mode": mode, "seq": seq, "micro_batch": mbs, "error": f"{exc}"[:400]}
             append_row(args, row)

@@ -1,18 +1,27 @@
-"""The model section and the architecture presets."""
+"""The model section and the architecture presets.
+
+The section's architecture fields are not written here: they are the switches of `ModelArch`
+(models/diffusion/arch.py, pure Python: no torch), each offered under its config name with its default, type,
+help and bounds (`arch_fields`), as the `diffusion` section is built from the objectives' settings. A new switch
+is a field of `ModelArch`, and the config has it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
+import pydantic
 from pydantic import (
     Field,
     field_validator,
     model_validator,
 )
 
-from difflm.config.base import IF_SET, OPERATIONAL, _Section
+from difflm.config.base import OPERATIONAL, _Section
 from difflm.errors import ConfigWarning
+from difflm.models.diffusion.arch import ModelArch, config_name, paired_activation, switch_types
 
 # (hidden >= GPU_WIDTH) give an FFN width that is a multiple of GEMM_TILE: 8/3*hidden rounded to 8 (5464 for the
 # 1B) leaves partial GEMM tiles on every MLP matmul (+0.5-1 MFU point on a GPU).
@@ -50,7 +59,9 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-class ModelConfig(_Section):
+class _ModelSection(_Section):
+    """The model section but its architecture switches (ModelConfig adds them from ModelArch)."""
+
     preset: Literal["tiny", "small", "70m", "125m", "250m", "350m", "1b", "3b", "7b"] | None = Field(
         None, description="Architecture preset; fields given alongside override it."
     )
@@ -102,43 +113,11 @@ class ModelConfig(_Section):
     num_attention_heads: int = Field(4, ge=1)
     num_query_groups: int | None = Field(None, ge=1, description="GQA groups (None: as many as heads).")
     ffn_hidden_size: int | None = Field(None, ge=1, description="None: 4*hidden (or 8/3*hidden with a gated MLP).")
-    gated_mlp: bool = Field(
-        True,
-        # its old name (model.swiglu) in the run-directory hash, so runs named before the rename keep their names
-        serialization_alias="swiglu",
-        description="A gated MLP: act(gate) * up ([gate; up] rows). Was model.swiglu (still accepted).",
-    )
-    activation: Literal["silu", "gelu", "gelu_tanh"] | None = Field(
-        None,
-        json_schema_extra=IF_SET,
-        description="The MLP's activation; gelu_tanh: GELU's tanh approximation (Gemma). None: silu when gated "
-        "(SwiGLU), else gelu.",
-    )
-    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
-    norm_offset: Literal[0, 1] = Field(
-        0,
-        json_schema_extra=IF_SET,
-        description="Norms scale by (norm_offset + w): 1 is Gemma's (1 + w) RMSNorm, weights stored zero-centred.",
-    )
-    embedding_scale: bool = Field(
-        False, json_schema_extra=IF_SET, description="Token embeddings times sqrt(hidden_size) (Gemma)."
-    )
     rotary_base: int = Field(10000, ge=1)
-    qk_layernorm: bool = False
     tie_embeddings: bool = True
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     init_method_std: float = Field(0.02, gt=0.0)
     norm_epsilon: float = Field(1e-5, gt=0.0)
-    qkv_bias: bool = Field(
-        False, json_schema_extra=IF_SET, description="Biases on the Q, K and V projections (Qwen2); none elsewhere."
-    )
-    kv_channels: int | None = Field(
-        None,
-        ge=1,
-        json_schema_extra=IF_SET,
-        description="Width of one attention head (HF head_dim; Qwen3 sets it apart from hidden/heads). "
-        "None: hidden_size / num_attention_heads.",
-    )
     hf_architecture: Literal["llama", "qwen2", "qwen3", "mistral", "gemma"] | None = Field(
         None,
         json_schema_extra=OPERATIONAL,
@@ -155,15 +134,15 @@ class ModelConfig(_Section):
     def _apply_preset(cls, data: Any) -> Any:
         if isinstance(data, dict) and "swiglu" in data:  # the old name, accepted for one release
             data = {k: v for k, v in data.items() if k != "swiglu"} | {"gated_mlp": data["swiglu"]}
-        if isinstance(data, dict) and data.get("activation") == ("silu" if data.get("gated_mlp", True) else "gelu"):
+        if isinstance(data, dict) and data.get("activation") == paired_activation(data.get("gated_mlp", True)):
             data = {**data, "activation": None}  # the default pairing, spelt out: the same run, the same name
         if isinstance(data, dict) and data.get("preset") in MODEL_PRESETS:
             return {**MODEL_PRESETS[data["preset"]], **data}
         return data
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> ModelConfig:
-        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+    def _heads_divide(self) -> _ModelSection:
+        if self.arch.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads ({self.num_attention_heads})"
             )
@@ -180,7 +159,7 @@ class ModelConfig(_Section):
         return "off" if v is False else v  # YAML reads a bare `off` as false
 
     @model_validator(mode="after")
-    def _ffn_fills_gemm_tiles(self) -> ModelConfig:
+    def _ffn_fills_gemm_tiles(self) -> _ModelSection:
         if self.hidden_size >= GPU_WIDTH and self.ffn_size % GEMM_TILE:
             warnings.warn(
                 f"model.ffn_hidden_size={self.ffn_size} is not a multiple of {GEMM_TILE}: on GPUs every MLP matmul "
@@ -191,9 +170,49 @@ class ModelConfig(_Section):
         return self
 
     @property
+    def arch(self) -> ModelArch:
+        """The architecture switches as the record both implementations build from."""
+        return ModelArch.of(self)
+
+    @property
     def ffn_size(self) -> int:
         if self.ffn_hidden_size:
             return self.ffn_hidden_size
-        if self.gated_mlp:  # keeps the parameter count of a 4h GELU MLP, rounded to a multiple of 8
+        if self.arch.gated_mlp:  # keeps the parameter count of a 4h GELU MLP, rounded to a multiple of 8
             return int(8 * self.hidden_size / 3 + 7) // 8 * 8
         return 4 * self.hidden_size
+
+
+# what the config keeps of a switch's past: gated_mlp was model.swiglu, and the run-directory hash names it so
+# (the old name is still read: `_apply_preset`), so runs named before the rename keep their names
+_PAST: dict[str, dict[str, Any]] = {"gated_mlp": {"serialization_alias": "swiglu"}}
+
+
+def arch_fields(record: type[ModelArch] = ModelArch) -> dict[str, tuple[Any, Any]]:
+    """{config name: (type, Field)} of every switch of `record`: its default (the config's own where the switch
+    says so, a None the config may leave unset), its type (a `Literal`'s choices), its help, its bounds and
+    whether it names a run (IF_SET)."""
+    types, fields = switch_types(record), {}
+    for f in dataclasses.fields(record):
+        meta = {k: v for k, v in f.metadata.items() if k not in ("config", "config_default", "identity")}
+        default = f.metadata.get("config_default", f.default)
+        kind = types[f.name] if default is not None else types[f.name] | None
+        identity = f.metadata.get("identity")
+        extra = None if identity is None else {"identity": identity}
+        fields[config_name(f)] = (
+            kind,
+            Field(default, json_schema_extra=extra, **meta, **_PAST.get(config_name(f), {})),
+        )
+    return fields
+
+
+if TYPE_CHECKING:  # the switches are read through `ModelConfig.arch` (the record) in type-checked code
+    _WithSwitches = _ModelSection
+else:
+    _WithSwitches = pydantic.create_model("ModelSwitches", __base__=_ModelSection, **arch_fields())
+
+
+# The `model` section: its presets, kernels and shape, then the architecture switches of `ModelArch`. (No
+# docstring: the section's JSON schema, the Prefect form, has no description of its own.)
+class ModelConfig(_WithSwitches):
+    pass

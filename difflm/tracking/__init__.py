@@ -2,7 +2,8 @@
 
 - `mlflow_runs`: one MLflow run per execution, a nested run per stage, metrics, the model upload;
 - `registry`: registered models, the `candidate` / `champion` aliases and the promotion rule;
-- `plots`: loss curves and the sampler sweep (matplotlib, imported lazily).
+- `plots`: loss curves and the sampler sweep (matplotlib, imported lazily);
+- `latest`: where evaluate-latest's scores go (the training's MLflow run, else one of its own).
 
 The names callers use are re-exported here (`from difflm import tracking; tracking.pipeline_run(...)`).
 Patch `DEGRADED` on `difflm.tracking.degraded`, where `degrade` reads it.
@@ -10,6 +11,7 @@ Patch `DEGRADED` on `difflm.tracking.degraded`, where `degrade` reads it.
 
 from difflm.tracking import registry
 from difflm.tracking.degraded import DEGRADED, degradations, degrade, summary_line, tolerant
+from difflm.tracking.latest import log_latest_score, training_mlflow_run
 from difflm.tracking.mlflow_runs import (
     EXPERIMENT_KIND,
     child_env,
@@ -60,6 +62,7 @@ __all__ = [
     "log_length",
     "log_stage",
     "log_sweep",
+    "log_latest_score",
     "log_text",
     "log_training",
     "pipeline_run",
@@ -72,6 +75,7 @@ __all__ = [
     "summary_line",
     "tolerant",
     "tracking_uri",
+    "training_mlflow_run",
     "training_view",
     "use_store",
 ]

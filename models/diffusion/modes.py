@@ -50,7 +50,7 @@ from .blocks import (
 from .bounds import ar_nll_per_token, elbo_nll_per_token, uniform_elbo_nll_per_token
 from .conditional import conditional_ar_nll, conditional_masked_nll, masked_greedy_match
 from .noise import mask_exactly, mask_tokens, stratified_t, uniform_corrupt
-from .objectives import cart_weights, masked_diffusion_loss_terms, shift_targets, x0_cross_entropy_terms
+from .objectives import Weighting, cart_weights, masked_diffusion_loss_terms, shift_targets, x0_cross_entropy_terms
 from .samplers import MaskedSampler, sample_masked_diffusion, sample_uniform_diffusion
 from .uniform import (
     mixture_t,
@@ -85,6 +85,8 @@ def _eps():
     return setting(1e-3, "t ~ U(eps, 1): lower bound of the noise level.", gt=0.0, lt=1.0)
 
 
+# the config's `diffusion.loss_weighting`: which weights, by name (cart: Dream's, computed per token; the loss
+# function is told only how to apply them: `MaskedDiffusion.training_weighting`)
 LossWeighting = Literal["inverse_t", "masked_fraction", "none", "cart"]
 
 
@@ -330,11 +332,16 @@ class MaskedDiffusion(Objective):
     def _targets(self, x0, xt, masked, valid, label_ok, t) -> dict:
         return {"inputs": xt, "targets": x0, "scored": masked & valid, "valid": valid, "t": t}
 
+    def training_weighting(self) -> Weighting:
+        """How the training loss applies `loss_weighting`: CART's weights are per token (`_targets` puts them in
+        the batch as `token_weights`), the others per sequence."""
+        return "per_token" if self.loss_weighting == "cart" else self.loss_weighting
+
     def loss_terms(self, output, prepared, evaluation):
         weighting, normalize_by = (
             ("masked_fraction", "all_tokens")
             if evaluation  # the ELBO, whatever the training
-            else (self.loss_weighting, self.normalize_by)
+            else (self.training_weighting(), self.normalize_by)
         )
         return masked_diffusion_loss_terms(
             output.float(),
@@ -343,7 +350,7 @@ class MaskedDiffusion(Objective):
             weighting,
             normalize_by,
             prepared["valid"],
-            prepared.get("token_weights"),
+            prepared["token_weights"] if weighting == "per_token" else None,
         )
 
     def nll_per_token(self, logits_fn, x0, scored, t_samples, generator):

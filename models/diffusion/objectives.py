@@ -12,6 +12,10 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+# How the cross-entropy of the scored tokens is weighted: per sequence (1/t, L/#masked, or 1), or per token by
+# weights [b, s] the objective computed (`token_weights`; Dream's CART is one way of computing them, `cart_weights`)
+Weighting = Literal["inverse_t", "masked_fraction", "none", "per_token"]
+
 
 def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token cross-entropy [b, s] from logits [b, s, v] in float32."""
@@ -30,7 +34,7 @@ def shift_targets(x0: torch.Tensor, masked: torch.Tensor) -> tuple[torch.Tensor,
 def loss_weights(
     t: torch.Tensor, masked: torch.Tensor, weighting: str, lengths: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Per-sequence weight [b]: 1/t, L/#masked (L: `lengths`, the valid tokens per row, default s), or 1.
+    """Per-sequence weight [b]: 1/t, L/#masked (L: `lengths`, the valid tokens per row, default s), or 1 (none).
 
     `masked_fraction` is unbiased only with exact mask counts l ~ U{1..L} (LLaDA's discrete ELBO, Eq. 6 of its
     likelihood evaluation); the trainer masks exactly ceil(t L) tokens for it. Under Bernoulli(t) masking the
@@ -40,7 +44,9 @@ def loss_weights(
     if weighting == "masked_fraction":
         length = lengths.to(t.dtype) if lengths is not None else masked.shape[1]
         return length / masked.sum(-1).clamp(min=1).to(t.dtype)
-    return torch.ones_like(t)
+    if weighting == "none":
+        return torch.ones_like(t)
+    raise ValueError(f"weighting {weighting!r}: a per-sequence one of inverse_t, masked_fraction, none")
 
 
 def cart_weights(masked: torch.Tensor, context: torch.Tensor, p: float = 0.3) -> torch.Tensor:
@@ -69,25 +75,28 @@ def masked_diffusion_loss_terms(
     token_ce: torch.Tensor,
     masked: torch.Tensor,
     t: torch.Tensor,
-    weighting: Literal["inverse_t", "masked_fraction", "none", "cart"] = "inverse_t",
+    weighting: Weighting = "inverse_t",
     normalize_by: Literal["all_tokens", "masked_tokens"] = "all_tokens",
     valid: torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum, count) of the loss over a micro-batch: the loss is sum / count over the GLOBAL batch.
 
-    `weighting="cart"` weighs each scored token by `token_weights` [b, s] (`cart_weights`) instead of a
-    per-sequence weight.
+    `weighting="per_token"` weighs each scored token by `token_weights` [b, s] (whatever computed them: CART's
+    `cart_weights`, a new objective's own) instead of a per-sequence weight; weights given with another weighting
+    are an error, not ignored.
 
     Returning the pair (as MegaDLMs' loss_func does) lets megatron divide by the global count, so every
     micro-batch / data-parallel split gives the same loss and gradient. `valid` [b, s] drops positions
     (the dataset's loss_mask) from both. token_ce [b, s] may hold anything at unscored positions."""
     if valid is not None:
         masked = masked & valid
-    if weighting == "cart":
+    if weighting == "per_token":
         if token_weights is None:
-            raise ValueError("loss_weighting=cart needs the per-token CART weights")
+            raise ValueError("weighting=per_token needs token_weights [b, s]: the weight of each scored token")
         w = token_weights
+    elif token_weights is not None:
+        raise ValueError(f"token_weights are read with weighting=per_token, not {weighting!r}: pass that")
     else:
         w = loss_weights(t, masked, weighting, None if valid is None else valid.sum(-1))[:, None]
     total = (token_ce * masked.to(token_ce.dtype) * w.to(token_ce.dtype)).sum()

@@ -351,7 +351,10 @@ def import_hf(cfg: PipelineConfig, hf_dir: Path, out_dir: Path, tokenizer: dict)
             }
         )
         try:
-            _save_megatron(build_model(single, tokenizer["vocab_size"], padded_vocab=rows), weights, out_dir, hf_dir)
+            model = build_model(
+                single, tokenizer["vocab_size"], padded_vocab=rows, objective=build_objective(single.diffusion)
+            )
+            _save_megatron(model, weights, out_dir, hf_dir)
         finally:  # its groups die with this process group: leave no parallel state pointing at them
             if owned:
                 parallel_state.destroy_model_parallel()

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from difflm import outputs
 from difflm.config import PipelineConfig, with_mode
+from difflm.models.diffusion.modes import build_objective
 from difflm.models.hf.architectures import (
     Shape,
     architecture_of,
@@ -201,7 +202,10 @@ def megatron_model(
     `ar` model keeps out of its normaliser besides the padding (`added_rows`)."""
     from difflm.models.megatron.gpt import build_model
 
-    model = build_model(cfg, vocab_size, padded_vocab=rows, never_targets=tuple(never_targets)).eval()
+    objective = build_objective(cfg.diffusion)  # this model's own (`_single` may make it causal)
+    model = build_model(
+        cfg, vocab_size, padded_vocab=rows, never_targets=tuple(never_targets), objective=objective
+    ).eval()
     expected = {k for k in model.state_dict() if not k.endswith("_extra_state")}
     missing, unexpected = expected - weights.keys(), weights.keys() - expected
     if (strict and missing) or unexpected:

@@ -21,7 +21,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from difflm.config import PipelineConfig
 from difflm.manifest import TokenizerInfo
 from difflm.models import diffusion
-from difflm.models.diffusion.modes import BlockDiffusion, Objective, build_objective
+from difflm.models.diffusion.modes import BlockDiffusion, Objective
 from difflm.models.megatron.attention import DocumentMask, TwoStreamMask
 from difflm.models.megatron.backend import resolve_backend
 
@@ -75,17 +75,17 @@ def corrupt(
     special: SpecialTokens,
     step: int,
     evaluation: bool = False,
-    objective: Objective | None = None,
+    *,
+    objective: Objective,
 ) -> dict:
     """Model inputs, targets, scored positions and t for one micro-batch of `cfg`'s objective (`Objective.prepare`).
 
     The dataset's loss_mask (False at padding megatron may add) is never scored, never counted. Evaluation uses
     the objective's bound (for masked modes the low-variance discrete ELBO: t stratified over the batch, exactly
     ceil(t*L) tokens masked, weight L/#masked; see diffusion.elbo_nll_per_token). `objective`: the one the
-    caller built (`build_objective`), else `cfg`'s."""
+    caller built where its run started (`build_objective`)."""
     x0 = batch["tokens"]
     label_ok = batch.get("loss_mask", torch.ones_like(x0)).bool()  # megatron's: labels[i] = x[i + 1] is data
-    objective = objective or build_objective(cfg.diffusion, special.ids())
     return objective.prepare(
         x0,
         batch["labels"],
@@ -96,20 +96,6 @@ def corrupt(
         cfg.diffusion.antithetic_t,
         evaluation,
     )
-
-
-def loss_terms(
-    output: torch.Tensor,
-    prepared: dict,
-    cfg: PipelineConfig,
-    special: SpecialTokens | None = None,
-    evaluation: bool = False,
-    objective: Objective | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum, count) of the objective's loss from megatron's output (per-token cross-entropy [b, s], or the full
-    logits [b, s, V] for objectives that need them): loss = sum / count over the global batch."""
-    objective = objective or build_objective(cfg.diffusion, None if special is None else special.ids())
-    return objective.loss_terms(output, prepared, evaluation)
 
 
 def _loss_func(prepared: dict, objective: Objective, evaluation: bool, output_tensor: torch.Tensor):
@@ -241,13 +227,12 @@ def make_forward_step(
     step: int,
     evaluation: bool = False,
     documents: str | None = None,
-    objective: Objective | None = None,
+    *,
+    objective: Objective,
 ):
-    """A megatron `forward_step_func(data_iterator, model)` for training step `step` of `objective` (the trainer's;
-    `cfg`'s when not given).
+    """A megatron `forward_step_func(data_iterator, model)` for training step `step` of `objective` (the trainer's).
 
     `documents` overrides the form of packed documents (`document_form`; the tests run every form on one spec)."""
-    objective = objective or build_objective(cfg.diffusion, special.ids())
     form = (documents or configured_document_form(cfg, objective)) if cfg.model.document_attention else None
     assert form in (None, *DOCUMENT_FORMS), form
     anneal = annealed_mask(cfg, step, evaluation)
@@ -255,7 +240,7 @@ def make_forward_step(
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
         device = model_device(model)
-        prepared = corrupt(batch, cfg, special, step, evaluation, objective)
+        prepared = corrupt(batch, cfg, special, step, evaluation, objective=objective)
         # the clean tokens of each model row (an objective may run several rows per sequence): their documents
         rows = prepared.get("row_tokens", batch["tokens"])
         prepared = to_device(prepared, device)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,10 +26,11 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.utils.hooks import RemovableHandle
 
 from difflm.config import ModelConfig, PipelineConfig
 from difflm.models.diffusion.arch import ModelArch
-from difflm.models.diffusion.modes import Objective, build_objective
+from difflm.models.diffusion.modes import Objective
 from difflm.models.diffusion.time_embedding import AdaLNorm, TimeEmbedding
 from difflm.models.megatron import compiled
 from difflm.models.megatron.attention import block_spec, torch_layer_spec
@@ -207,8 +209,17 @@ def transformer_config(cfg: PipelineConfig, backend: str = "local"):
     )
 
 
+# a change of this rank's logits [s, b, V/TP] (its vocabulary slice) -> logits of the same shape
+OutputTransform = Callable[[torch.Tensor], torch.Tensor]
+
+
 class DiffusionGPTModel(GPTModel):
-    """megatron's GPTModel with optional time conditioning: everything else is GPTModel's own code."""
+    """megatron's GPTModel with optional time conditioning: everything else is GPTModel's own code.
+
+    The output layer's logits pass through one forward hook of this class (`_transform_output`): the transforms
+    added with `add_output_transform`, in order, then the rows no token is set to -inf, always last. A transform
+    registered as a hook of its own would run after the -inf and could make those rows finite again (a cap, a
+    bias), so the hook refuses to run when another was registered after it."""
 
     time: types.SimpleNamespace  # t of the current forward, read by this stage's adaLN norms
 
@@ -223,9 +234,13 @@ class DiffusionGPTModel(GPTModel):
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
-        if scored_vocab is not None and self.post_process:  # exact likelihoods: the normaliser is the vocabulary
-            self.scored_vocab, self.never_targets = scored_vocab, never_targets
-            self.output_layer.register_forward_hook(self._unscored_rows_out)
+        # exact likelihoods: the normaliser is the vocabulary (None: every row is a token's)
+        self.scored_vocab = scored_vocab if self.post_process else None
+        self.never_targets = never_targets
+        self.output_transforms: list[OutputTransform] = []
+        self._output_hook: RemovableHandle | None = None
+        if self.scored_vocab is not None:
+            self._hook_output()
         self.embedding_multiplier = embedding_multiplier if self.pre_process else None  # Gemma: x sqrt(hidden)
         # Only the first pipeline stage embeds tokens, so only it owns the input time embedding.
         input_emb = time_embedding and not adaln and self.pre_process
@@ -239,17 +254,41 @@ class DiffusionGPTModel(GPTModel):
             if isinstance(module, MegatronAdaLNorm):
                 module.time = self.time
 
-    def _unscored_rows_out(self, _module, _args, output):
+    def add_output_transform(self, transform: OutputTransform) -> None:
+        """Apply `transform` to this stage's logits, after the transforms added before it and before the rows no
+        token is are set to -inf (which stays last, so they stay -inf whatever the transform does)."""
+        if not self.post_process:
+            raise RuntimeError("only the last pipeline stage has an output layer: add the transform there")
+        self.output_transforms.append(transform)
+        self._hook_output()
+
+    def _hook_output(self) -> None:
+        if self._output_hook is None:
+            self._output_hook = self.output_layer.register_forward_hook(self._transform_output)
+
+    def _transform_output(self, module, _args, output):
+        if next(reversed(module._forward_hooks)) != self._output_hook.id:
+            raise RuntimeError(
+                "a forward hook was registered on output_layer after DiffusionGPTModel's, so it would run after the "
+                "padding rows are set to -inf: add it with add_output_transform instead"
+            )
+        logits, bias = output
+        for transform in self.output_transforms:
+            logits = transform(logits)
+        return self._unscored_rows_out(logits), bias
+
+    def _unscored_rows_out(self, logits: torch.Tensor) -> torch.Tensor:
         """Logits of -inf for the rows no token is: the padding up to a multiple of 64 x TP, and `never_targets` (a
         mask token the import added). This rank holds the vocabulary slice [rank * v, (rank + 1) * v)."""
-        logits, bias = output
+        if self.scored_vocab is None:
+            return logits
         local = logits.shape[-1]
         first = self.pg_collection.tp.rank() * local
         rows = torch.arange(first, first + local, device=logits.device)
         out = rows >= self.scored_vocab
         for row in self.never_targets:
             out |= rows == row
-        return logits.masked_fill(out, float("-inf")), bias
+        return logits.masked_fill(out, float("-inf"))
 
     def forward(self, input_ids, position_ids, attention_mask, labels=None, t=None, two_stream=False, **kwargs):
         """megatron's forward; `two_stream` (block diffusion): the input is [x_t | x_0] and RoPE gives both halves
@@ -312,16 +351,15 @@ def build_model(
     padded_vocab: int | None = None,
     never_targets: tuple[int, ...] = (),
     *,
-    objective: Objective | None = None,
+    objective: Objective,
 ) -> DiffusionGPTModel:
-    """One pipeline stage of the megatron GPTModel for `cfg` and its `objective` (the caller's, built once; `cfg`'s
-    when not given) (the whole model when PP=1).
+    """One pipeline stage of the megatron GPTModel for `cfg` and its `objective` (the caller's, built once where its
+    run starts: `build_objective`) (the whole model when PP=1).
 
     `padded_vocab` overrides the embedding rows (conversion builds a TP=1 model with the padding of the
     layout it writes for). An objective with an exact likelihood (ar) normalises over the `vocab_size` tokens only:
     the padding rows, and the `never_targets` (a mask token an import added), get logits of -inf, so the NLL of an
     imported model is the source's."""
-    objective = objective or build_objective(cfg.diffusion)
     backend = resolve_backend(cfg.model.backend, objective.two_stream)
     if cfg.train.fp8 and backend != "te":
         raise RuntimeError(

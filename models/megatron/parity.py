@@ -29,6 +29,7 @@ from megatron.core import dist_checkpointing, parallel_state
 
 from difflm.config import load_config
 from difflm.manifest import DataManifest
+from difflm.models.diffusion.modes import build_objective
 from difflm.models.megatron.data import build_datasets
 from difflm.models.megatron.forward_step import SpecialTokens
 from difflm.models.megatron.safe_pickle import guard_dcp
@@ -62,8 +63,9 @@ def run_layout(cfg, manifest: DataManifest, weights: Path, save: bool, steps: in
     """Two optimizer steps of `cfg`'s layout from the saved weights (saving them first with `save`); the losses and
     the replica spread on the reporting rank, None on the others."""
     special = SpecialTokens.from_manifest(manifest.tokenizer)
+    objective = build_objective(cfg.diffusion, special.ids())  # once per layout, as the trainer builds it
     train_ds, _ = build_datasets(cfg, manifest, steps * cfg.train.global_batch_size, cfg.train.global_batch_size)
-    ddp, opt, sched = build_training(cfg, manifest.tokenizer.vocab_size)
+    ddp, opt, sched = build_training(cfg, manifest.tokenizer.vocab_size, objective=objective)
     sched.step(increment=cfg.train.schedule.warmup_iters)  # start at the peak rate: warmup's first lr is 0, no update
     if save:
         if dist.get_rank() == 0:
@@ -78,7 +80,7 @@ def run_layout(cfg, manifest: DataManifest, weights: Path, save: bool, steps: in
     for step in range(steps):
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        losses.append(run_global_batch(cfg, ddp, train_ds, special, step=step, noise_step=step))
+        losses.append(run_global_batch(cfg, ddp, train_ds, special, step=step, noise_step=step, objective=objective))
         opt.step()
     spread = replica_spread(ddp.module)
     reporting = (

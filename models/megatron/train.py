@@ -82,9 +82,8 @@ def graph_safe_rng(cfg: PipelineConfig) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.train.seed, use_cudagraphable_rng=True, force_reset_rng=True)
 
 
-def build_training(cfg: PipelineConfig, vocab_size: int, *, objective: Objective | None = None):
-    """(ddp_model, optimizer, scheduler) for this rank's pipeline stage of `objective`'s model (`cfg`'s by default)."""
-    objective = objective or build_objective(cfg.diffusion)
+def build_training(cfg: PipelineConfig, vocab_size: int, *, objective: Objective):
+    """(ddp_model, optimizer, scheduler) for this rank's pipeline stage of `objective`'s model."""
     check_sdpa(cfg.model.sdpa_backend, resolve_backend(cfg.model.backend, objective.two_stream))
     if cfg.model.cuda_graphs != "off":
         graph_safe_rng(cfg)
@@ -165,14 +164,14 @@ def device_peak(cfg: PipelineConfig) -> float | None:
     return peak_flops(name, cfg.train.peak_tflops)
 
 
-def micro_lengths(cfg: PipelineConfig, step: int, n_micro: int, objective: Objective | None = None) -> list[int]:
+def micro_lengths(cfg: PipelineConfig, step: int, n_micro: int, *, objective: Objective) -> list[int]:
     """Sequence length of each micro-batch of training step `step` (variable-length training).
 
     One draw per micro-batch, as MegaDLMs, for diffusion modes only (the AR baseline always sees full
     windows). Pipeline stages exchange fixed-shape activations, so with PP > 1 the step's micro-batches
     share one length. Keyed by (seed, step, micro): the same on every rank and on resume."""
     t, d = cfg.train, cfg.diffusion
-    if d.varilen_prob <= 0 or not (objective or build_objective(d)).varilen:
+    if d.varilen_prob <= 0 or not objective.varilen:
         return [t.seq_length] * n_micro
     one = cfg.parallel.pipeline_model_parallel_size > 1
     return [
@@ -195,7 +194,7 @@ def run_global_batch(
     lengths: list[int] | None = None,
     attention_pairs: list[float] | None = None,
     reduce: bool = True,
-    objective: Objective | None = None,
+    objective: Objective,
 ) -> float | torch.Tensor | None:
     """One global batch through megatron's forward-backward schedule; its loss on the last stage.
 
@@ -205,7 +204,7 @@ def run_global_batch(
     `attention_pairs`, when given, receives each micro-batch's (query, key) pairs within its packed documents
     (the FLOPs count of document attention). `reduce=False`: this rank's [sum, count] tensor, not reduced and
     not read on the host (the trainer reduces it with the step's flags: `Trainer.agree`). `objective`: the
-    trainer's (`cfg`'s when not given).
+    trainer's.
     """
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -215,7 +214,6 @@ def run_global_batch(
     if attention_pairs is not None:
         attention_pairs.extend(document_pairs(document_ids(b["tokens"], special.eos_id)) for b in micro)
     batches = iter(micro)
-    objective = objective or build_objective(cfg.diffusion, special.ids())
     losses = get_forward_backward_func()(
         forward_step_func=make_forward_step(cfg, special, noise_step, evaluation=forward_only, objective=objective),
         data_iterator=batches,
@@ -234,7 +232,7 @@ def run_global_batch(
     return float(total[0] / total[1].clamp(min=1))
 
 
-def evaluate(cfg, ddp, valid, special: SpecialTokens, objective: Objective | None = None) -> float | None:
+def evaluate(cfg, ddp, valid, special: SpecialTokens, *, objective: Objective) -> float | None:
     ddp.eval()
     with torch.no_grad():
         vals = [
@@ -362,7 +360,7 @@ class Trainer:
         t = self.cfg.train
         self.ddp.zero_grad_buffer()
         self.opt.zero_grad()
-        lengths = micro_lengths(self.cfg, done, self.n_micro, self.objective)
+        lengths = micro_lengths(self.cfg, done, self.n_micro, objective=self.objective)
         pairs: list[float] | None = [] if self.cfg.model.document_attention else None  # attention within documents
         terms = run_global_batch(
             self.cfg,
@@ -406,7 +404,7 @@ class Trainer:
         return step
 
     def validate(self) -> float | None:
-        return evaluate(self.cfg, self.ddp, self.valid_ds, self.special, self.objective)
+        return evaluate(self.cfg, self.ddp, self.valid_ds, self.special, objective=self.objective)
 
     def save(self, it: int) -> None:
         checkpointing.save_checkpoint(

@@ -13,6 +13,8 @@ import pytest
 import torch
 from helpers import tiny_config
 
+from difflm.models.diffusion.modes import build_objective
+
 ROOT = Path(__file__).resolve().parents[2]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -38,8 +40,9 @@ def _pair(tmp_path, mode: str, over: list[str], device: str, dtype=torch.float32
         for b in ("local", "torch")
     ]
     torch.manual_seed(0)
-    local = build_model(cfgs[0], 512).to(device=device, dtype=dtype).eval()
-    torched = build_model(cfgs[1], 512).to(device=device, dtype=dtype).eval()
+    objective = build_objective(cfgs[0].diffusion)  # the same objective: only the spec differs
+    local = build_model(cfgs[0], 512, objective=objective).to(device=device, dtype=dtype).eval()
+    torched = build_model(cfgs[1], 512, objective=objective).to(device=device, dtype=dtype).eval()
     assert set(local.state_dict()) == set(torched.state_dict())  # checkpoints are interchangeable
     torched.load_state_dict(local.state_dict())
     return cfgs[1], local, torched
@@ -137,7 +140,8 @@ def test_forward_step_inputs_land_on_the_model_device(tmp_path, mode, backend):
         "positions": torch.arange(4),
     }
     model = _Recorder("meta")
-    output, loss_func = make_forward_step(cfg, special, step=3)(iter([batch]), model)
+    objective = build_objective(cfg.diffusion, special.ids())
+    output, loss_func = make_forward_step(cfg, special, step=3, objective=objective)(iter([batch]), model)
     expected = (
         {"input_ids", "position_ids", "attention_mask"}
         | ({"t"} if mode != "ar" else set())
@@ -262,7 +266,10 @@ def _step_outputs(cfg, model, documents: str, batch: dict, grad: bool = False):
     from difflm.models.megatron.forward_step import make_forward_step
 
     with torch.set_grad_enabled(grad):
-        out, loss_func = make_forward_step(cfg, _special(), step=2, documents=documents)(iter([batch]), model)
+        step = make_forward_step(
+            cfg, _special(), step=2, documents=documents, objective=build_objective(cfg.diffusion, _special().ids())
+        )
+        out, loss_func = step(iter([batch]), model)
         total, count, _ = loss_func(out)
     b, s = batch["tokens"].shape
     return out, out.reshape(b, s, *out.shape[2:]), total, count
@@ -331,7 +338,10 @@ def test_thd_forward_step_flattens_rows_onto_the_model_device(tmp_path):
     cfg = tiny_config(tmp_path, "model.backend=torch", "model.document_attention=true", *TIME_INPUT)
     batch = _packed_batch()
     model = _Recorder("meta")
-    output, loss_func = make_forward_step(cfg, _special(), step=3, documents="thd")(iter([batch]), model)
+    objective = build_objective(cfg.diffusion, _special().ids())
+    output, loss_func = make_forward_step(cfg, _special(), step=3, documents="thd", objective=objective)(
+        iter([batch]), model
+    )
     assert set(model.devices) == {"input_ids", "position_ids", "labels", "t", "cu_seqlens"}
     assert all(d.type == "meta" for d in model.devices.values()), model.devices
     assert model.shapes == {"input_ids": (1, 72), "labels": (1, 72)}
@@ -401,8 +411,9 @@ def test_cuda_forward_step_runs_on_the_gpu(megatron_single_process, tmp_path):
     from difflm.models.megatron.gpt import build_model
 
     cfg = tiny_config(tmp_path, "model.backend=torch", "diffusion.time_embedding=true")
-    model = build_model(cfg, 512).cuda()
     special = SpecialTokens(mask_id=1, vocab_size=512, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
+    objective = build_objective(cfg.diffusion, special.ids())
+    model = build_model(cfg, 512, objective=objective).cuda()
     x = torch.randint(3, 500, (4, 32))
     batch = {
         "tokens": x,
@@ -410,7 +421,7 @@ def test_cuda_forward_step_runs_on_the_gpu(megatron_single_process, tmp_path):
         "loss_mask": torch.ones_like(x, dtype=torch.float),
         "positions": torch.arange(4),
     }
-    output, loss_func = make_forward_step(cfg, special, step=0)(iter([batch]), model)
+    output, loss_func = make_forward_step(cfg, special, step=0, objective=objective)(iter([batch]), model)
     total, count, _ = loss_func(output)
     assert output.is_cuda and torch.isfinite(total) and count > 0
 
@@ -454,7 +465,7 @@ def test_cuda_te_thd_keeps_documents_apart(megatron_single_process, tmp_path, mo
         "model.document_attention=true",
         "train.precision=bf16",
     )
-    model = build_model(cfg, 512).cuda().eval()
+    model = build_model(cfg, 512, objective=build_objective(cfg.diffusion)).cuda().eval()
     batch = _packed_batch()
     x = batch["tokens"].cuda()
     b, s = x.shape

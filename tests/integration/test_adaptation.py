@@ -132,7 +132,7 @@ def test_the_annealed_model_is_the_ar_model_at_step_0_and_the_bidirectional_one_
     def model(*over):
         cfg = tiny_config(tmp_path, *over)
         torch.manual_seed(0)
-        return cfg, build_model(cfg, vocab_size=512).eval()
+        return cfg, build_model(cfg, vocab_size=512, objective=build_objective(cfg.diffusion)).eval()
 
     cfg, annealed = model("diffusion.model_running_mode=difflm-shift", "diffusion.attention_anneal_steps=8")
     _, causal = model("diffusion.model_running_mode=ar")

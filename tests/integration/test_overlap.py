@@ -20,7 +20,7 @@ from servers import BIN, stop
 from difflm.data_prep.pipeline import data_dir
 from difflm.locks import exclusive
 from difflm.rundir import RunDir, exported_from, lock_file
-from difflm.tasks.runs import export_newest
+from difflm.tasks.latest import export_newest
 from difflm.tracking import tracking_uri
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -141,7 +141,7 @@ def test_two_pipelines_on_one_workdir_train_once_and_latest_checkpoint_reads_onl
         while any(p.poll() is None for p in procs):
             runs = [RunDir(r) for r in (workdir / "runs").glob("*-*-*") if r.is_dir()]
             if runs and runs[0].has_inputs() and runs[0].latest_iteration() is not None:
-                iteration, hf = export_newest(cfg, runs[0].manifest(), runs[0].path)
+                iteration, hf = export_newest(cfg, runs[0].manifest(), runs[0])
                 assert exported_from(hf) == str(runs[0].checkpoint(iteration))  # a whole one, or it would not load
                 exported.append(iteration)
             else:

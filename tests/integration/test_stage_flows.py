@@ -21,7 +21,9 @@ from difflm.flows.convert import convert_checkpoint
 from difflm.flows.evaluate_latest import evaluate_latest
 from difflm.models.evaluation.stages import EvaluationError
 from difflm.models.hf.convert import ConversionError, load_hf, load_megatron_weights
-from difflm.tasks.runs import evaluated_scores, run_manifest, stage_config
+from difflm.rundir import RunDir
+from difflm.tasks.latest import evaluated_scores
+from difflm.tasks.sources import stage_config
 
 # every test here uses trained_run, the shared run trained through torchrun: multi-process, so out of make test-dev
 pytestmark = pytest.mark.slow
@@ -126,10 +128,10 @@ def test_evaluate_latest_scores_each_new_checkpoint_once(trained_run, prefect_ha
     (run / "checkpoints" / "latest").write_text("8")
     newer = evaluate_latest(run_dir=str(run))
     assert newer["iteration"] == 8 and newer["score"] != first["score"]
-    assert sorted(evaluated_scores(run)) == [4, 8]
+    assert sorted(evaluated_scores(RunDir(run))) == [4, 8]
 
     # no training MLflow run records this run directory: one run of its own, a point per checkpoint
-    cfg = stage_config(run)
+    cfg = stage_config(RunDir(run))
     assert Path(cfg.workdir) == tmp_path  # the run's own config, its MLflow store beside the copied run
     mlflow.set_tracking_uri(tracking.tracking_uri(cfg))
     client = MlflowClient()
@@ -143,7 +145,7 @@ def test_evaluate_latest_scores_each_new_checkpoint_once(trained_run, prefect_ha
 
     # while pretrain-difflm trains this run (its MLflow run RUNNING, train.run_dir not tagged yet), the score
     # goes into that run, found through its resolved config
-    manifest = run_manifest(run)
+    manifest = RunDir(run).manifest()
     with tracking.pipeline_run(cfg, "training", {"flow": "pretrain-difflm", "data.hash": manifest.hash}) as train_id:
         forced = evaluate_latest(run_dir=str(run), force=True)
     assert forced["mlflow_run_id"] == train_id
@@ -175,10 +177,10 @@ def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained
 
     def wait_for(iteration: int, timeout: float = 180) -> None:
         deadline = time.time() + timeout
-        while time.time() < deadline and iteration not in evaluated_scores(run):
+        while time.time() < deadline and iteration not in evaluated_scores(RunDir(run)):
             assert serve.poll() is None, log.read_text()[-3000:]
             time.sleep(1)
-        assert iteration in evaluated_scores(run), log.read_text()[-5000:]
+        assert iteration in evaluated_scores(RunDir(run)), log.read_text()[-5000:]
 
     try:
         serve = subprocess.Popen(
@@ -213,7 +215,7 @@ def test_scheduled_evaluate_latest_scores_new_checkpoints_as_they_appear(trained
         if serve:
             stop(serve)
         server.stop()
-    cfg = stage_config(run)
+    cfg = stage_config(RunDir(run))
     mlflow.set_tracking_uri(tracking.tracking_uri(cfg))
     (mine,) = MlflowClient().search_runs(
         [mlflow.get_experiment_by_name(cfg.tracking.experiment).experiment_id], "tags.flow = 'evaluate-latest'"

@@ -12,7 +12,7 @@ import torch
 
 from difflm.config import PipelineConfig, load_config
 from difflm.manifest import DataManifest, SplitStats, TokenizerInfo
-from difflm.models.diffusion.modes import objective_class
+from difflm.models.diffusion.modes import build_objective, objective_class
 from difflm.models.hf.configuration_difflm import DiffLMConfig
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 
@@ -164,7 +164,7 @@ def block_megatron(tmp_path, backend: str, *over: str):
         *over,
     )
     torch.manual_seed(0)
-    model = build_model(cfg, vocab_size=512).eval()
+    model = build_model(cfg, vocab_size=512, objective=build_objective(cfg.diffusion)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.02)

@@ -20,6 +20,7 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from difflm.config import load_config
+from difflm.models.diffusion.modes import build_objective
 from difflm.models.megatron import compat
 from difflm.models.megatron.checkpointing import load_model_weights
 from difflm.models.megatron.gpt import build_model
@@ -73,6 +74,7 @@ def main(cases_file: str, out_dir: str) -> int:
                 case["vocab_size"],
                 pre_process=parallel_state.is_pipeline_first_stage(),
                 post_process=parallel_state.is_pipeline_last_stage(),
+                objective=build_objective(cfg.diffusion),
             ).eval()
             load_model_weights(Path(case["ckpt"][str(tp)]), model)
             got = logits_at_layout(cfg, model, probe["ids"])

@@ -27,7 +27,7 @@ from difflm.models.megatron import checkpointing
 from difflm.rundir import RunDir, TrainResult, Workdir, exported_from, is_export_of, iteration_of, latest_iteration
 from difflm.tasks.adapt import ImportedSource
 from difflm.tasks.cache import eval_done, mark_eval_done
-from difflm.tasks.runs import (
+from difflm.tasks.sources import (
     conversion_source,
     evaluation_source,
     is_other_data,
@@ -249,8 +249,8 @@ def test_a_removed_data_folder_is_prepared_again(own_run, tmp_path):
 
 def test_convert_and_eval_latest_default_to_the_run_config(own_run):
     found = conversion_source(own_run.path)
-    assert found["run_dir"] == own_run.path.resolve() and found["iteration"] == 20
-    assert stage_config(found["run_dir"]).data == own_run.config().data
+    assert found.run == RunDir(own_run.path.resolve()) and found.iteration == 20
+    assert stage_config(found.run).data == own_run.config().data
 
 
 def test_difflm_eval_of_a_run_and_of_its_export_uses_the_recorded_data(own_run, capsys):

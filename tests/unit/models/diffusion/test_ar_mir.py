@@ -143,15 +143,16 @@ def test_megatron_forward_step_runs_both_rows_with_their_documents(megatron_sing
     validation the clean rows alone."""
     cfg = tiny_config(tmp_path, *MIR, "model.backend=local", "model.document_attention=true")
     special = SpecialTokens.from_manifest(tiny_manifest.tokenizer)
-    model, _, _ = build_training(cfg, 512)
+    obj = build_objective(cfg.diffusion, special.ids())
+    model, _, _ = build_training(cfg, 512, objective=obj)
     x0 = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(0))
     x0[0, 7] = special.eos_id  # two documents in row 0
     batch = {"tokens": x0, "labels": torch.cat([x0[:, 1:], x0[:, :1]], 1), "positions": torch.tensor([0, 1])}
-    output, loss_fn = make_forward_step(cfg, special, step=3)(iter([batch]), model)
+    output, loss_fn = make_forward_step(cfg, special, step=3, objective=obj)(iter([batch]), model)
     assert output.shape == (4, 16)
     total, count, _ = loss_fn(output)
     assert torch.isfinite(total) and int(count) == 32
-    output, loss_fn = make_forward_step(cfg, special, step=3, evaluation=True)(iter([batch]), model)
+    output, loss_fn = make_forward_step(cfg, special, step=3, evaluation=True, objective=obj)(iter([batch]), model)
     assert output.shape == (2, 16)
 
 
@@ -167,18 +168,19 @@ def test_ar_with_mir_trains_and_its_loss_falls(megatron_single_process, tmp_path
         "model.dropout=0.1",
     )
     tok = tiny_manifest.tokenizer
-    ddp, opt, sched = build_training(cfg, tok.vocab_size)
-    train_ds, _ = build_datasets(cfg, tiny_manifest, cfg.train.global_batch_size, cfg.train.global_batch_size)
     special = SpecialTokens.from_manifest(tok)
+    obj = build_objective(cfg.diffusion, special.ids())  # once, as the trainer builds it
+    ddp, opt, sched = build_training(cfg, tok.vocab_size, objective=obj)
+    train_ds, _ = build_datasets(cfg, tiny_manifest, cfg.train.global_batch_size, cfg.train.global_batch_size)
     losses = []
     for step in range(6):  # the same batch each step: its loss must fall
         ddp.zero_grad_buffer()
         opt.zero_grad()
-        losses.append(run_global_batch(cfg, ddp, train_ds, special, step=0, noise_step=step))
+        losses.append(run_global_batch(cfg, ddp, train_ds, special, step=0, noise_step=step, objective=obj))
         opt.step()
         sched.step(increment=1)
     assert all(0 < x < 100 for x in losses) and losses[-1] < losses[0] - 0.5, losses
-    valid = run_global_batch(cfg, ddp, train_ds, special, step=0, noise_step=-1, forward_only=True)
+    valid = run_global_batch(cfg, ddp, train_ds, special, step=0, noise_step=-1, forward_only=True, objective=obj)
     assert valid is not None and 0 < valid < losses[0]
 
 
@@ -196,7 +198,7 @@ def test_decay_embeddings_false_spares_the_embedding_and_output_layer(
         "train.schedule.warmup_iters=0",
         f"train.optimizer.decay_embeddings={str(decay_embeddings).lower()}",
     )
-    ddp, opt, sched = build_training(cfg, 512)
+    ddp, opt, sched = build_training(cfg, 512, objective=build_objective(cfg.diffusion))
     model = ddp.module
     weights = {
         "embedding": model.embedding.word_embeddings.weight,

@@ -506,7 +506,7 @@ def test_megatron_forward_step_loss_is_the_objective(megatron_single_process, tm
         "loss_mask": torch.ones(2, 16),
         "positions": torch.tensor([0, 1]),
     }
-    step = make_forward_step(cfg, special, step=3)
+    step = make_forward_step(cfg, special, step=3, objective=build_objective(cfg.diffusion, special.ids()))
     output, loss_fn = step(iter([batch]), model)
     assert output.shape == (2, 32)  # per-token CE of both halves
     total, count, report = loss_fn(output)

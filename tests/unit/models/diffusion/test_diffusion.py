@@ -2,12 +2,14 @@
 
 import math
 
+import pytest
 import torch
 from helpers import tiny_config
 
 from difflm.models import diffusion
+from difflm.models.diffusion.modes import build_objective, objective_from_dict
 from difflm.models.diffusion.samplers import sample_masked_diffusion, unmask_schedule
-from difflm.models.megatron.forward_step import SpecialTokens, corrupt, loss_terms, varilen_length
+from difflm.models.megatron.forward_step import SpecialTokens, corrupt, varilen_length
 
 
 def test_sample_t_range_and_antithetic_bins():
@@ -144,26 +146,63 @@ def test_masked_fraction_weighting():
     assert math.isclose(diffusion.masked_diffusion_loss(ce, masked, t, weighting="masked_fraction").item(), 1.0)
 
 
+def test_per_token_weights_are_a_weighting_of_their_own():
+    """Any objective's per-token weights go in as weighting="per_token" (CART's are one kind); weights given with
+    a per-sequence weighting, or a weighting the function does not know, are an error rather than ignored."""
+    ce = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    masked = torch.tensor([[True, False, True, True]])
+    t, weights = torch.tensor([0.5]), torch.tensor([[0.5, 9.0, 2.0, 1.0]])
+    total, count = diffusion.masked_diffusion_loss_terms(ce, masked, t, "per_token", token_weights=weights)
+    assert float(total) == 1.0 * 0.5 + 3.0 * 2.0 + 4.0 * 1.0 and int(count) == 4
+    with pytest.raises(ValueError, match="per_token needs token_weights"):
+        diffusion.masked_diffusion_loss_terms(ce, masked, t, "per_token")
+    with pytest.raises(ValueError, match="token_weights are read with weighting=per_token"):
+        diffusion.masked_diffusion_loss_terms(ce, masked, t, "inverse_t", token_weights=weights)
+    with pytest.raises(ValueError, match="'cart': a per-sequence one of"):  # once the only way in; no silent 1
+        diffusion.masked_diffusion_loss_terms(ce, masked, t, "cart", token_weights=None)
+
+
+def test_a_config_of_cart_weighs_each_token_by_its_cart_weight(tmp_path):
+    """loss_weighting=cart, as configs, run directories and exports of before hold it: the objective loads and
+    trains per token with the CART weights, the same numbers as before the weighting had its own name."""
+    cfg = tiny_config(tmp_path, "diffusion.model_running_mode=difflm-shift", "diffusion.loss_weighting=cart")
+    special = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2))
+    obj = build_objective(cfg.diffusion, special.ids())
+    assert obj.loss_weighting == "cart" and obj.training_weighting() == "per_token"
+    assert objective_from_dict(obj.to_dict(), special.ids()) == obj  # an export's entry reads back
+    x0 = torch.randint(3, 50, (4, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": x0, "labels": torch.roll(x0, -1, 1), "positions": torch.arange(4)}
+    prep = corrupt(batch, cfg, special, step=2, objective=obj)
+    ce = torch.rand(4, 16, generator=torch.Generator().manual_seed(1))
+    total, count = obj.loss_terms(ce, prep, False)
+    assert torch.allclose(total, (ce * prep["scored"] * prep["token_weights"]).sum()) and total > 0
+    assert int(count) == int(prep["valid"].sum())
+
+
 def test_noise_does_not_depend_on_the_micro_batch_split():
     cfg = tiny_config(
         "/tmp/unused", "train.global_batch_size=4", "train.micro_batch_size=2", "diffusion.antithetic_t=true"
     )
     special = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2))
     x0 = torch.randint(3, 50, (4, 16))
-    whole = corrupt({"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=5)
+    obj = build_objective(cfg.diffusion, special.ids())
+    whole = corrupt({"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=5, objective=obj)
     halves = [
         corrupt(
             {"tokens": x0[i : i + 2], "labels": x0[i : i + 2], "positions": torch.arange(i, i + 2)},
             cfg,
             special,
             step=5,
+            objective=obj,
         )
         for i in (0, 2)
     ]
     assert torch.equal(whole["inputs"], torch.cat([h["inputs"] for h in halves]))
     assert torch.equal(whole["t"], torch.cat([h["t"] for h in halves]))
     assert sorted((whole["t"] * 4).floor().long().tolist()) == [0, 1, 2, 3]  # antithetic over the global batch
-    other_step = corrupt({"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=6)
+    other_step = corrupt(
+        {"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=6, objective=obj
+    )
     assert not torch.equal(whole["inputs"], other_step["inputs"])
 
 
@@ -190,12 +229,14 @@ def test_evaluation_noise_masks_exact_counts_and_scores_the_elbo():
     cfg = tiny_config("/tmp/unused", "train.global_batch_size=4", "train.micro_batch_size=4")
     special = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2))
     x0 = torch.randint(3, 50, (4, 32))
-    prep = corrupt({"tokens": x0, "labels": x0, "positions": torch.arange(4)}, cfg, special, step=-1, evaluation=True)
+    obj = build_objective(cfg.diffusion, special.ids())
+    batch = {"tokens": x0, "labels": x0, "positions": torch.arange(4)}
+    prep = corrupt(batch, cfg, special, step=-1, evaluation=True, objective=obj)
     counts = prep["scored"].sum(-1)
     assert torch.equal(counts, (prep["t"] * 32).ceil().long())
     assert sorted((prep["t"] * 4).floor().long().tolist()) == [0, 1, 2, 3]  # always stratified in evaluation
     ce = torch.full((4, 32), 2.0)  # a context-free model with CE 2 everywhere: the ELBO is exactly 2
-    total, count = loss_terms(ce, prep, cfg, evaluation=True)
+    total, count = obj.loss_terms(ce, prep, True)
     assert math.isclose((total / count).item(), 2.0, rel_tol=1e-6)
 
 

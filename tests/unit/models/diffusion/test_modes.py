@@ -20,10 +20,10 @@ from difflm.config import PipelineConfig
 from difflm.models.diffusion import MaskedSampler, sample_masked_diffusion
 from difflm.models.diffusion.conditional import conditional_masked_nll
 from difflm.models.diffusion.documents import document_ids
-from difflm.models.diffusion.modes import MODES, Objective, objective_class
+from difflm.models.diffusion.modes import MODES, Objective, build_objective, objective_class
 from difflm.models.evaluation.scoring import Scorer
 from difflm.models.evaluation.tasks import score_cloze
-from difflm.models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
+from difflm.models.megatron.forward_step import SpecialTokens, corrupt
 
 ROOT = Path(__file__).resolve().parents[4]
 SPECIAL = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
@@ -120,11 +120,12 @@ def test_shift_training_never_scores_the_first_padding_token():
     loss_mask = torch.ones(64, 32, dtype=torch.bool)
     loss_mask[:, 20:] = False  # labels 20.. (tokens 21..) are padding
     x0[:, 21:] = 0  # what GPTDataset puts there
-    prep = corrupt(_batch(x0, loss_mask), cfg, SPECIAL, step=5)
+    obj = build_objective(cfg.diffusion, SPECIAL.ids())
+    prep = corrupt(_batch(x0, loss_mask), cfg, SPECIAL, step=5, objective=obj)
     assert prep["scored"][:, :20].any() and not prep["scored"][:, 20:].any()
     ce = torch.full((64, 32), 2.0)
     ce[:, 20:] = 1000.0  # the CE of predicting padding: it must not leak into the loss
-    total, count = loss_terms(ce, prep, cfg)
+    total, count = obj.loss_terms(ce, prep, False)
     assert int(count) == 64 * 20 and float(total / count) < 10
 
 
@@ -140,12 +141,13 @@ def test_shift_validation_conditions_on_token_zero():
         f"train.seq_length={length}",
     )
     x0 = torch.randint(3, 3 + k, (b, 1), generator=torch.Generator().manual_seed(0)).expand(b, length).clone()
+    obj = build_objective(cfg.diffusion, SPECIAL.ids())
     for step in (-1, -2, -3):
-        prep = corrupt(_batch(x0), cfg, SPECIAL, step=step, evaluation=True)
+        prep = corrupt(_batch(x0), cfg, SPECIAL, step=step, evaluation=True, objective=obj)
         assert not (prep["inputs"][:, 0] == SPECIAL.mask_id).any()
         seen = (prep["inputs"] != SPECIAL.mask_id).any(-1, keepdim=True)
         ce = torch.where(seen, 0.0, math.log(k)).expand(b, length)
-        total, count = loss_terms(ce, prep, cfg, evaluation=True)
+        total, count = obj.loss_terms(ce, prep, True)
         assert int(count) == b * (length - 1) and float(total) == 0.0
 
 
@@ -170,11 +172,11 @@ def test_uniform_validation_includes_the_last_step_and_bounds_the_nll():
     states = objective_class("difflm-noshift-uniform")(mask_id=1, vocab_size=vocab, pad_id=2).states()
     n = len(states)
     x0 = states[torch.randint(n, (b, length), generator=torch.Generator().manual_seed(0))]
-    values = []
+    values, obj = [], build_objective(cfg.diffusion, special.ids())
     for step in (-1, -2, -3, -4):
-        prep = corrupt(_batch(x0), cfg, special, step=step, evaluation=True)
+        prep = corrupt(_batch(x0), cfg, special, step=step, evaluation=True, objective=obj)
         assert int(prep["last_step"].sum()) == 1  # one sequence per global batch scores the last step
-        total, count = loss_terms(torch.zeros(b, length, vocab), prep, cfg, special, evaluation=True)
+        total, count = obj.loss_terms(torch.zeros(b, length, vocab), prep, True)
         values.append(float(total / count))
     mean = sum(values) / len(values)
     assert abs(mean - math.log(n)) < 0.1, (values, math.log(n))  # the integral alone is ~0.54 below
@@ -189,7 +191,8 @@ def test_uniform_training_loss_has_no_last_step_term():
         "train.micro_batch_size=16",
     )
     special = SpecialTokens(mask_id=1, vocab_size=50, special_ids=(0, 1, 2), eos_id=0, pad_id=2)
-    prep = corrupt(_batch(torch.randint(3, 50, (16, 32))), cfg, special, step=3)
+    obj = build_objective(cfg.diffusion, special.ids())
+    prep = corrupt(_batch(torch.randint(3, 50, (16, 32))), cfg, special, step=3, objective=obj)
     assert not prep["last_step"].any() and (prep["t"] >= cfg.diffusion.eps).all()
 
 

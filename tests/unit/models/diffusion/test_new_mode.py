@@ -22,7 +22,7 @@ from difflm.models.diffusion.modes import (
 )
 from difflm.models.diffusion.objectives import masked_diffusion_loss_terms
 from difflm.models.megatron.flops import training_flops
-from difflm.models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
+from difflm.models.megatron.forward_step import SpecialTokens, corrupt
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,8 @@ class LinearMaskedDiffusion(MaskedDiffusion):
             return super().loss_terms(output, prepared, evaluation)
         weights = (self.slope * (1 - prepared["t"]) + 1)[:, None].expand_as(prepared["scored"])
         scored, t, valid = prepared["scored"], prepared["t"], prepared["valid"]
-        # "cart" is the formula's per-token weighting: here the linear weight of each row's t
-        return masked_diffusion_loss_terms(output.float(), scored, t, "cart", "all_tokens", valid, weights)
+        # each token weighted by its own weight: here the linear weight of its row's t
+        return masked_diffusion_loss_terms(output.float(), scored, t, "per_token", "all_tokens", valid, weights)
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_a_new_mode_trains_counts_and_exports_through_the_shared_code(toy, tmp_p
     batch = {"tokens": x0, "labels": x0, "positions": torch.arange(4)}
     prepared = corrupt(batch, cfg, special, step=3, objective=objective)
     ce = torch.ones_like(x0, dtype=torch.float)
-    total, count = loss_terms(ce, prepared, cfg, special, objective=objective)
+    total, count = objective.loss_terms(ce, prepared, False)
     expected = ((2.0 * (1 - prepared["t"]) + 1)[:, None] * prepared["scored"]).sum()
     assert torch.allclose(total, expected) and int(count) == x0.numel()
 

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from difflm.config import load_config
 from difflm.data_prep.pipeline import prepare_data
 from difflm.models.diffusion.arch import ModelArch
+from difflm.models.diffusion.modes import build_objective
 from difflm.models.evaluation.stages import convert_checkpoint, export_stock_class
 from difflm.models.hf import importer
 from difflm.models.hf.architectures import Shape, architecture_of, stock_problem, stock_to_ours
@@ -220,7 +221,7 @@ def test_an_ar_run_exports_the_stock_class_that_lm_eval_scores(megatron_single_p
 
     cfg = tiny_config(tmp_path, "diffusion.model_running_mode=ar", "model.num_query_groups=1")
     torch.manual_seed(0)
-    model = build_model(cfg, tiny_manifest.tokenizer.vocab_size)
+    model = build_model(cfg, tiny_manifest.tokenizer.vocab_size, objective=build_objective(cfg.diffusion))
     ckpt = tmp_path / "run" / "checkpoints" / "iter_0000001"
     ckpt.mkdir(parents=True)
     dist_checkpointing.save(model.sharded_state_dict(prefix=""), str(ckpt))

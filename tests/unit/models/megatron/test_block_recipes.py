@@ -232,9 +232,10 @@ def test_megatron_forward_step_with_both_options(megatron_single_process, tmp_pa
         "diffusion.block_shift=true",
         "diffusion.complementary_masks=true",
     )
-    torch.manual_seed(0)
-    model = build_model(cfg, vocab_size=512).eval()
     special = SpecialTokens.from_manifest(tiny_manifest.tokenizer)
+    obj = build_objective(cfg.diffusion, special.ids())
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab_size=512, objective=obj).eval()
     x0 = torch.randint(3, 500, (2, 16))
     batch = {
         "tokens": x0,
@@ -242,11 +243,11 @@ def test_megatron_forward_step_with_both_options(megatron_single_process, tmp_pa
         "loss_mask": torch.ones(2, 16),
         "positions": torch.tensor([0, 1]),
     }
-    output, loss_fn = make_forward_step(cfg, special, step=3)(iter([batch]), model)
+    output, loss_fn = make_forward_step(cfg, special, step=3, objective=obj)(iter([batch]), model)
     assert output.shape == (4, 32)  # the pair of each sequence, both halves
     total, count, _ = loss_fn(output)
     assert torch.isfinite(total) and total > 0 and int(count) == 2 * 2 * 15  # tokens 1.. of both copies
-    output, loss_fn = make_forward_step(cfg, special, step=3, evaluation=True)(iter([batch]), model)
+    output, loss_fn = make_forward_step(cfg, special, step=3, evaluation=True, objective=obj)(iter([batch]), model)
     assert output.shape == (2, 32)  # validation: one mask per sequence (the block ELBO)
 
 
@@ -282,11 +283,14 @@ def test_a_megatron_global_batch_trains_and_validates_with_both_options(
         "diffusion.complementary_masks=true",
     )
     t, tok = cfg.train, tiny_manifest.tokenizer
-    ddp, _, _ = build_training(cfg, tok.vocab_size)
-    train_ds, _ = build_datasets(cfg, tiny_manifest, 4 * t.global_batch_size, t.global_batch_size)
     special = SpecialTokens.from_manifest(tok)
+    obj = build_objective(cfg.diffusion, special.ids())
+    ddp, _, _ = build_training(cfg, tok.vocab_size, objective=obj)
+    train_ds, _ = build_datasets(cfg, tiny_manifest, 4 * t.global_batch_size, t.global_batch_size)
     for forward_only in (False, True):
-        loss = run_global_batch(cfg, ddp, train_ds, special, step=0, noise_step=0, forward_only=forward_only)
+        loss = run_global_batch(
+            cfg, ddp, train_ds, special, step=0, noise_step=0, forward_only=forward_only, objective=obj
+        )
         assert loss is not None and 0 < loss < 100, (forward_only, loss)
 
 

@@ -133,7 +133,7 @@ def test_causal_counts_half_the_attention_a_counter_sees_in_full():
 def test_training_is_three_forwards_of_the_megatron_model(megatron_single_process):
     """Forward + backward of the model training builds (megatron-core, local spec), counted."""
     cfg = _cfg(*SHAPE, "model.backend=local")
-    model = build_model(cfg, TOKENIZER["vocab_size"])
+    model = build_model(cfg, TOKENIZER["vocab_size"], objective=build_objective(cfg.diffusion))
     device = next(model.parameters()).device
     b, s = 2, 64
     tokens = torch.randint(3, TOKENIZER["vocab_size"], (b, s), device=device)
@@ -221,7 +221,9 @@ def test_a_training_step_counts_the_document_pairs_of_its_batches(megatron_singl
     """The trainer hands the FLOPs count each micro-batch's pairs within its documents (fewer than s^2 a row)."""
     cfg = tiny_config(tmp_path, "model.document_attention=true", "train.seq_length=512")
     t, tok = cfg.train, tiny_manifest.tokenizer
-    ddp, _, _ = build_training(cfg, tok.vocab_size)
+    special = SpecialTokens.from_manifest(tok)
+    obj = build_objective(cfg.diffusion, special.ids())
+    ddp, _, _ = build_training(cfg, tok.vocab_size, objective=obj)
     train_ds, _ = build_datasets(cfg, tiny_manifest, 64 * t.global_batch_size, t.global_batch_size)
     n_micro = t.global_batch_size // t.micro_batch_size
 
@@ -235,11 +237,12 @@ def test_a_training_step_counts_the_document_pairs_of_its_batches(megatron_singl
         cfg,
         ddp,
         train_ds,
-        SpecialTokens.from_manifest(tok),
+        special,
         step=step,
         noise_step=step,
         forward_only=True,
         attention_pairs=pairs,
+        objective=obj,
     )
     assert pairs == [document_pairs(document_ids(x, tok.eos_id)) for x in micro(step)]
     assert all(p <= t.micro_batch_size * t.seq_length**2 for p in pairs)

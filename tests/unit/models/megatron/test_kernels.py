@@ -12,6 +12,7 @@ from helpers import tiny_config
 
 from difflm.config import MODEL_PRESETS, ConfigError, ModelConfig
 from difflm.errors import UserError
+from difflm.models.diffusion.modes import build_objective
 from difflm.models.megatron import gpt, kernels
 from difflm.models.megatron.gpt import build_model
 from difflm.models.megatron.train import step_vector
@@ -173,9 +174,10 @@ def test_compiled_swiglu_and_fused_cross_entropy_match_the_reference(
         tmp_path, f"train.precision={precision}", "model.backend=torch", "diffusion.model_running_mode=ar"
     )
     torch.manual_seed(0)
-    ref = gpt.build_model(cfg, 512)
+    obj = build_objective(cfg.diffusion)
+    ref = gpt.build_model(cfg, 512, objective=obj)
     monkeypatch.setattr(gpt, "kernel_settings", lambda c: kernels.kernel_settings(c, cuda=True, compiler_ok=True))
-    fused = gpt.build_model(cfg, 512)
+    fused = gpt.build_model(cfg, 512, objective=obj)
     assert fused.config.bias_activation_fusion and fused.config.cross_entropy_loss_fusion == (precision == "bf16")
     fused.load_state_dict(ref.state_dict())
     x = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -197,7 +199,8 @@ def test_compiled_swiglu_and_fused_cross_entropy_match_the_reference(
 def test_rope_table_is_cached_per_length(megatron_single_process, tmp_path):
     """What megatron-core offers for RoPE without Transformer Engine: its cos/sin angle table, computed once per
     sequence length (an lru_cache on RotaryEmbedding.forward), so each forward pays only the rotation itself."""
-    model = build_model(tiny_config(tmp_path, "model.backend=torch"), 512)
+    cfg = tiny_config(tmp_path, "model.backend=torch")
+    model = build_model(cfg, 512, objective=build_objective(cfg.diffusion))
     assert not model.config.apply_rope_fusion  # Transformer Engine's kernel: not available here
     assert model.rotary_pos_emb(24) is model.rotary_pos_emb(24)
 
@@ -207,9 +210,10 @@ def test_activation_recompute_trains_as_without(megatron_single_process, tmp_pat
     """model.recompute (megatron's activation recompute, for larger micro-batches in the same memory): the same
     loss and gradients as without it, in training mode, where megatron checkpoints."""
     base = ("model.backend=torch", "diffusion.model_running_mode=ar")
+    plain, cfg = tiny_config(tmp_path, *base), tiny_config(tmp_path, *base, f"model.recompute={recompute}")
     torch.manual_seed(0)
-    ref = gpt.build_model(tiny_config(tmp_path, *base), 512)
-    again = gpt.build_model(tiny_config(tmp_path, *base, f"model.recompute={recompute}"), 512)
+    ref = gpt.build_model(plain, 512, objective=build_objective(plain.diffusion))
+    again = gpt.build_model(cfg, 512, objective=build_objective(cfg.diffusion))
     assert again.config.recompute_granularity == recompute and ref.config.recompute_granularity is None
     again.load_state_dict(ref.state_dict())
     x = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(1))
@@ -236,10 +240,11 @@ def test_compiled_rope_and_layers_train_as_without(megatron_single_process, tmp_
     ~20-60 s of compiles): the same loss and gradients as off, to fp32 rounding; the kernels line says so."""
     base = ("model.backend=torch", "diffusion.model_running_mode=ar")
     torch._dynamo.utils.counters.clear()
+    plain = tiny_config(tmp_path, *base)
     torch.manual_seed(0)
-    ref = gpt.build_model(tiny_config(tmp_path, *base), 512)
+    ref = gpt.build_model(plain, 512, objective=build_objective(plain.diffusion))
     cfg = tiny_config(tmp_path, *base, f"model.compile={setting}")
-    again = gpt.build_model(cfg, 512)
+    again = gpt.build_model(cfg, 512, objective=build_objective(cfg.diffusion))
     assert kernels.kernel_settings(cfg).describe()["compile"] == setting
     again.load_state_dict(ref.state_dict())
     x = torch.randint(3, 500, (2, 24), generator=torch.Generator().manual_seed(1))

@@ -10,6 +10,7 @@ from megatron.core import dist_checkpointing
 from difflm.config import load_config
 from difflm.models import diffusion
 from difflm.models.diffusion.arch import ModelArch
+from difflm.models.diffusion.modes import build_objective
 from difflm.models.hf.convert import ConversionError, export_hf, import_hf, load_hf
 from difflm.models.hf.export import Export
 from difflm.models.megatron.gpt import build_model
@@ -19,7 +20,7 @@ def _model(mode: str, tmp_path, **over):
     extra = [f"{k}={v}" for k, v in over.items()]
     cfg = tiny_config(tmp_path, f"diffusion.model_running_mode={mode}", *extra)
     torch.manual_seed(0)
-    return cfg, build_model(cfg, vocab_size=512).eval()
+    return cfg, build_model(cfg, vocab_size=512, objective=build_objective(cfg.diffusion)).eval()
 
 
 def _logits(model, x, t=None):
@@ -178,7 +179,7 @@ def test_sequence_parallel_on_the_local_spec_says_what_to_do(megatron_single_pro
         ],
     )
     with pytest.raises(RuntimeError, match="model.backend=torch"):
-        build_model(cfg, 512)
+        build_model(cfg, 512, objective=build_objective(cfg.diffusion))
 
 
 @pytest.mark.parametrize("extra", [[], ["diffusion.time_embedding=true"]], ids=["plain", "adaln"])
@@ -188,7 +189,7 @@ def test_import_repads_the_vocabulary_for_the_target_layout(megatron_single_proc
     tok = {**tiny_manifest.tokenizer.to_dict(), "vocab_size": 3871}
     cfg = tiny_config(tmp_path, *extra)
     torch.manual_seed(0)
-    model = build_model(cfg, vocab_size=3871)
+    model = build_model(cfg, vocab_size=3871, objective=build_objective(cfg.diffusion))
     _save_model_only(model, tmp_path / "ckpt")
     hf = export_hf(cfg, tok, tmp_path / "ckpt", tmp_path / "hf").folder
     source = model.embedding.word_embeddings.weight.detach()
@@ -230,12 +231,12 @@ def test_ar_keeps_the_padding_rows_out_of_its_loss(megatron_single_process, tmp_
     for mode in ("ar", "difflm-noshift"):
         cfg = tiny_config(tmp_path, f"diffusion.model_running_mode={mode}")
         torch.manual_seed(0)
-        model = build_model(cfg, vocab_size=500)
+        model = build_model(cfg, vocab_size=500, objective=build_objective(cfg.diffusion))
         logits = model(x, pos, None)
         assert torch.isinf(logits[..., 500:]).all() == (mode == "ar") and torch.isfinite(logits[..., :500]).all()
     cfg = tiny_config(tmp_path, "diffusion.model_running_mode=ar")
     torch.manual_seed(0)
-    model = build_model(cfg, vocab_size=500)
+    model = build_model(cfg, vocab_size=500, objective=build_objective(cfg.diffusion))
     loss = model(x, pos, None, labels=x).float()
     want = torch.nn.functional.cross_entropy(
         model(x, pos, None)[..., :500].flatten(0, 1), x.flatten(), reduction="none"
@@ -243,3 +244,27 @@ def test_ar_keeps_the_padding_rows_out_of_its_loss(megatron_single_process, tmp_
     assert torch.allclose(loss.flatten(), want, atol=1e-5)
     loss.mean().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_an_output_transform_runs_before_the_padding_rows_go_to_minus_inf(megatron_single_process, tmp_path):
+    """A transform of the logits (here Gemma 2's soft cap, cap * tanh(x / cap), which maps -inf to -cap) runs
+    before the `ar` padding rows are set to -inf, whatever order it was added in: they stay -inf, the token rows
+    are the transform's. A forward hook registered on the output layer after the model's own is refused."""
+    x = torch.randint(3, 500, (2, 16))
+    pos = torch.arange(16)[None].expand(2, 16)
+    cfg = tiny_config(tmp_path, "diffusion.model_running_mode=ar")
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab_size=500, objective=build_objective(cfg.diffusion))
+    plain = model(x, pos, None).detach()
+    cap = 2.0
+    model.add_output_transform(lambda logits: cap * torch.tanh(logits / cap))
+    model.add_output_transform(lambda logits: logits / 0.5)  # a temperature, after the cap
+    capped = model(x, pos, None).detach()
+    assert torch.isinf(capped[..., 500:]).all() and (capped[..., 500:] < 0).all()
+    assert torch.allclose(capped[..., :500], cap * torch.tanh(plain[..., :500] / cap) / 0.5, atol=1e-6)
+
+    handle = model.output_layer.register_forward_hook(lambda _m, _a, out: out)
+    with pytest.raises(RuntimeError, match="add it with add_output_transform"):
+        model(x, pos, None)
+    handle.remove()
+    assert torch.equal(model(x, pos, None), capped)

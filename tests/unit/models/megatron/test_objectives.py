@@ -8,7 +8,8 @@ import pytest
 import torch
 from helpers import tiny_config
 
-from difflm.models.megatron.forward_step import SpecialTokens, corrupt, loss_terms
+from difflm.models.diffusion.modes import build_objective
+from difflm.models.megatron.forward_step import SpecialTokens, corrupt
 from difflm.models.megatron.hooks import IntervalMeter
 from difflm.models.megatron.train import micro_lengths
 
@@ -20,6 +21,11 @@ def _batch(x0: torch.Tensor, first: int = 0, loss_mask: torch.Tensor | None = No
     if loss_mask is not None:
         batch["loss_mask"] = loss_mask
     return batch
+
+
+def _objective(cfg):
+    """`cfg`'s objective, built once per test as the trainer builds it once per run."""
+    return build_objective(cfg.diffusion, SPECIAL.ids())
 
 
 def test_masked_tokens_normalisation_does_not_depend_on_the_split():
@@ -34,10 +40,11 @@ def test_masked_tokens_normalisation_does_not_depend_on_the_split():
     )
     x0 = torch.randint(3, 50, (4, 32), generator=torch.Generator().manual_seed(0))
     ce = torch.rand(4, 32, generator=torch.Generator().manual_seed(1)) * 5
+    obj = _objective(cfg)
 
     def terms(rows):
-        prep = corrupt(_batch(x0[rows], rows[0]), cfg, SPECIAL, step=3)
-        return loss_terms(ce[rows], prep, cfg)
+        prep = corrupt(_batch(x0[rows], rows[0]), cfg, SPECIAL, step=3, objective=obj)
+        return obj.loss_terms(ce[rows], prep, False)
 
     whole_sum, whole_count = terms([0, 1, 2, 3])
     (s1, c1), (s2, c2) = terms([0, 1]), terms([2, 3])
@@ -57,8 +64,9 @@ def test_masked_fraction_weighting_is_an_unbiased_elbo(length):
         "diffusion.loss_weighting=masked_fraction",
     )
     x0 = torch.randint(3, 50, (64, length), generator=torch.Generator().manual_seed(0))
-    prep = corrupt(_batch(x0), cfg, SPECIAL, step=11)
-    total, count = loss_terms(torch.full((64, length), 2.0), prep, cfg)
+    obj = _objective(cfg)
+    prep = corrupt(_batch(x0), cfg, SPECIAL, step=11, objective=obj)
+    total, count = obj.loss_terms(torch.full((64, length), 2.0), prep, False)
     assert (prep["scored"].sum(-1) >= 1).all()
     assert math.isclose(float(total / count), 2.0, rel_tol=1e-6)
 
@@ -77,8 +85,9 @@ def test_the_datasets_loss_mask_is_never_scored_nor_counted(evaluation):
     loss_mask[:, 20:] = False  # megatron's mask is on labels = x[1:]: tokens 21.. are padding, token 20 is data
     ce = torch.full((8, 32), 2.0)
     ce[:, 21:] = 1000.0
-    prep = corrupt(_batch(x0, loss_mask=loss_mask), cfg, SPECIAL, step=5, evaluation=evaluation)
-    total, count = loss_terms(ce, prep, cfg, evaluation=evaluation)
+    obj = _objective(cfg)
+    prep = corrupt(_batch(x0, loss_mask=loss_mask), cfg, SPECIAL, step=5, evaluation=evaluation, objective=obj)
+    total, count = obj.loss_terms(ce, prep, evaluation)
     assert int(count) == 8 * 21 and not prep["scored"][:, 21:].any()
     assert math.isclose(float(total / count), 2.0, rel_tol=1e-6)
 
@@ -87,19 +96,21 @@ def test_ar_loss_honours_the_loss_mask():
     cfg = tiny_config("/tmp/unused", "diffusion.model_running_mode=ar")
     x0 = torch.randint(3, 50, (2, 8))
     loss_mask = torch.tensor([[1] * 8, [1] * 4 + [0] * 4], dtype=torch.bool)
-    prep = corrupt(_batch(x0, loss_mask=loss_mask), cfg, SPECIAL, step=0)
-    total, count = loss_terms(torch.where(loss_mask, 3.0, 99.0), prep, cfg)
+    obj = _objective(cfg)
+    prep = corrupt(_batch(x0, loss_mask=loss_mask), cfg, SPECIAL, step=0, objective=obj)
+    total, count = obj.loss_terms(torch.where(loss_mask, 3.0, 99.0), prep, False)
     assert int(count) == 12 and math.isclose(float(total / count), 3.0)
 
 
 def test_varilen_draws_a_length_per_micro_batch_for_diffusion_modes_only():
     """One length per micro-batch (as MegaDLMs), full windows for ar, one per step under PP."""
     cfg = tiny_config("/tmp/unused", "diffusion.varilen_prob=1.0", "train.seq_length=64")
-    per_step = [micro_lengths(cfg, step, 4) for step in range(20)]
-    assert per_step == [micro_lengths(cfg, step, 4) for step in range(20)]  # reproducible (resume)
+    obj = _objective(cfg)
+    per_step = [micro_lengths(cfg, step, 4, objective=obj) for step in range(20)]
+    assert per_step == [micro_lengths(cfg, step, 4, objective=obj) for step in range(20)]  # reproducible (resume)
     assert any(len(set(lengths)) > 1 for lengths in per_step) and all(2 <= n <= 64 for s in per_step for n in s)
     ar = tiny_config("/tmp/unused", "diffusion.varilen_prob=1.0", "diffusion.model_running_mode=ar")
-    assert micro_lengths(ar, 3, 4) == [ar.train.seq_length] * 4
+    assert micro_lengths(ar, 3, 4, objective=_objective(ar)) == [ar.train.seq_length] * 4
     pp = tiny_config(
         "/tmp/unused",
         "diffusion.varilen_prob=1.0",
@@ -107,7 +118,7 @@ def test_varilen_draws_a_length_per_micro_batch_for_diffusion_modes_only():
         "train.launch.nproc_per_node=2",
         "parallel.pipeline_model_parallel_size=2",
     )
-    assert all(len(set(micro_lengths(pp, step, 4))) == 1 for step in range(20))
+    assert all(len(set(micro_lengths(pp, step, 4, objective=_objective(pp)))) == 1 for step in range(20))
 
 
 def test_logged_loss_is_the_interval_mean_and_throughput_counts_real_tokens():

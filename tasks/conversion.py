@@ -1,0 +1,86 @@
+"""Converting what `tasks/sources.py` found: a megatron checkpoint to a Hugging Face export (once per output folder,
+reused when it already holds that checkpoint's export), an export back to a megatron checkpoint, a stock HF folder
+imported. `difflm convert` calls `convert_source` without Prefect; `tasks/stages.py` wraps it as a task."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from difflm.config import PipelineConfig
+from difflm.data_prep.pipeline import prepare_data
+from difflm.data_prep.tokenizer import describe
+from difflm.locks import exclusive
+from difflm.manifest import DataManifest
+from difflm.models.hf.convert import ConversionError, export_hf, import_hf
+from difflm.models.hf.importer import import_record, tokenizer_overrides
+from difflm.rundir import is_export_of, lock_file
+from difflm.tasks import adapt
+from difflm.tasks.sources import ConversionSource
+
+
+def export_checkpoint(
+    cfg: PipelineConfig, manifest: DataManifest, ckpt: Path, out: Path, iteration: int | None
+) -> bool:
+    """Export `ckpt` to `out` unless `out` already holds its export; True when reused. A checkpoint pruned by the
+    trainer while being read (checkpoint.keep_last) gives FileNotFoundError, so callers can take the newer one.
+    One writer per folder: a second export to `out` waits for the first, then reuses it (`pipeline.on_busy`)."""
+    with exclusive(lock_file(out), f"export {out}", cfg.pipeline.on_busy):
+        if is_export_of(out, ckpt):
+            return True
+        _export(cfg, manifest, ckpt, out, iteration)
+    return False
+
+
+def _export(cfg: PipelineConfig, manifest: DataManifest, ckpt: Path, out: Path, iteration: int | None) -> None:
+    provenance = {"data_hash": manifest.hash, "mode": cfg.diffusion.model_running_mode, "iteration": iteration}
+    try:
+        export_hf(cfg, manifest.tokenizer.to_dict(), ckpt, out, provenance)
+    except Exception as err:
+        if not ckpt.exists():
+            raise FileNotFoundError(
+                f"{ckpt} was removed while being read (the trainer keeps only "
+                f"checkpoint.keep_last checkpoints): run again for the newer one"
+            ) from err
+        if isinstance(err, RuntimeError) and "size mismatch" in str(err):
+            raise ConversionError(
+                f"{ckpt} does not fit the model of this config ({cfg.name}: hidden "
+                f"{cfg.model.hidden_size}, {cfg.model.num_layers} layers): pass the preset and "
+                f"overrides it was trained with"
+            ) from err
+        raise
+
+
+def convert_source(cfg: PipelineConfig, found: ConversionSource, out_dir: str | Path | None = None) -> dict:
+    """Convert what `conversion_source` found; the output goes to `out_dir`, else <run>/exports/iter_XXXXXXX for a
+    run's checkpoint, else next to the source (<name>-hf, <name>-megatron). Returns where and what."""
+    src, run = found.path, found.run
+    info = {
+        "to": found.to,
+        "source": str(src),
+        "run_dir": str(run.path) if run else None,
+        "iteration": found.iteration,
+    }
+    # e.g. the run's own hf/ of its final checkpoint: no second copy of the same weights
+    done = run.export_of(src) if run is not None and found.to == "hf" and not out_dir else None
+    if done is not None:
+        return {**info, "out_dir": str(done), "reused": True}
+    if out_dir:
+        out = Path(out_dir).expanduser().resolve()
+    elif found.to == "hf" and run is not None and found.iteration is not None:
+        out = run.export_dir(src)
+    else:
+        out = src.with_name(f"{src.name}-{found.to}")
+    info = {**info, "out_dir": str(out), "reused": False}
+    if found.stock:  # the model fields follow the source, parallel.* sets the vocabulary padding
+        imported = adapt.import_source(adapt.with_source(cfg, src), src, out)
+        # what trains from it, printed for the user: `difflm train` takes these overrides
+        info["use"] = [f"train.init_from={out}", *tokenizer_overrides(imported.tokenizer), *adapt.source_overrides(src)]
+        info["parity"] = (import_record(out) or {}).get("parity")  # the logit check the import passed
+        return info
+    if found.to == "megatron":
+        with exclusive(lock_file(out), f"conversion output {out}", cfg.pipeline.on_busy):
+            import_hf(cfg, src, out, describe(src, cfg.tokenizer).to_dict())
+        return info
+    manifest = run.manifest() if run else prepare_data(cfg)  # the tokenizer it was trained with
+    info["reused"] = export_checkpoint(cfg, manifest, src, out, found.iteration)
+    return info
