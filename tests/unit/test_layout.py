@@ -108,6 +108,7 @@ RULES = {
             "difflm.credentials",
             "difflm.errors",
             "difflm.locks",
+            "difflm.manifest",  # the data manifest a launch writes beside the run's config
             "difflm.rundir",
             "difflm.tracking.plots",
             "difflm.models.launch",
