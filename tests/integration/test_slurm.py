@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from fault_injection import fault_launch
 from helpers import SHORT_RUN as SHORT
-from helpers import assert_same_weights, tiny_config
+from helpers import assert_same_weights, manifest_record, tiny_config
 from prep_gate import Gate
 from scenarios import SCENARIOS
 from servers import BIN, stop
@@ -37,7 +37,7 @@ from difflm.tasks.stages import train_task
 SLURM = ["train.launch.launcher=slurm", "train.launch.slurm.gpus_per_node=0", "train.launch.wait.poll_seconds=0.3"]
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = SCENARIOS["slurm"]  # the pipeline through prefect.yaml's Slurm deployment
-MANIFEST = {"hash": "0123456789abcdef", "dir": "/nowhere", "splits": {}}  # a run that is never trained here
+MANIFEST = manifest_record("0123456789abcdef", "/nowhere")  # a run that is never trained here
 
 
 def _slurm(*args: str) -> str:

@@ -116,6 +116,7 @@ RULES = {
             "difflm.credentials",
             "difflm.errors",
             "difflm.locks",
+            "difflm.manifest",  # the data manifest a launch writes beside the run's config
             "difflm.rundir",
             "difflm.tracking.plots",
             "difflm.models.launch",

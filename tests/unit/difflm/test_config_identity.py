@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import yaml
+from helpers import manifest_record
 from pydantic import BaseModel
 
 from difflm.config import (
@@ -150,7 +151,7 @@ def test_the_run_directory_name_is_what_torchrun_names_it():
 
     cfg = validate(copy.deepcopy(TEST_TINY))
     assert used == TRAIN_SECTIONS
-    assert run_dir(cfg, {"hash": cfg.stage_hash("data", "tokenizer")}).name == OLD_RUN_NAMES[2][2]
+    assert run_dir(cfg, manifest_record(cfg.stage_hash("data", "tokenizer"))).name == OLD_RUN_NAMES[2][2]
 
 
 def _identity_fields(model: type, prefix: str = "") -> set[str]:

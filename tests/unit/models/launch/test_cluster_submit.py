@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 from helpers import SHORT_RUN as SHORT
-from helpers import tiny_config
+from helpers import manifest_record, tiny_config
 
 from difflm.config import load_config
 from difflm.flows.cli import main
@@ -206,7 +206,7 @@ def test_kubernetes_launcher_trains_the_same_run_as_a_local_launch(
 
 # ---- without training: problems, timeouts ------------------------------------------
 
-MANIFEST = {"hash": "0123456789abcdef", "dir": "/nowhere", "splits": {}}  # a run that is never trained here
+MANIFEST = manifest_record("0123456789abcdef", "/nowhere")  # a run that is never trained here
 
 
 def test_kubernetes_problems_are_cluster_errors(tmp_path, cluster):
