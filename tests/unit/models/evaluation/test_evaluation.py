@@ -16,12 +16,12 @@ from helpers import ROOT
 
 from benchmarks.gpu.decoding import AR, other_decoders, samplers
 from difflm.config import load_config, save_config
-from difflm.rundir import Workdir
 from difflm.models.diffusion import MaskedSampler
 from difflm.models.evaluation.progress import Progress
 from difflm.models.evaluation.scoring import Scorer
 from difflm.models.evaluation.stages import load_model, load_tokenizer
 from difflm.models.evaluation.tasks import build_items, heldout_documents, score_tasks, write_lm_eval_tasks
+from difflm.rundir import Workdir
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,23 @@ from megatron.core import dist_checkpointing
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from difflm.data_prep.pipeline import prepare_data
 from difflm.config import load_config
-from difflm.rundir import RunDir, TrainResult
+from difflm.data_prep.pipeline import prepare_data
 from difflm.models.diffusion.arch import ModelArch
 from difflm.models.evaluation.stages import convert_checkpoint, export_stock_class
 from difflm.models.hf import importer
 from difflm.models.hf.architectures import Shape, architecture_of, stock_problem, stock_to_ours
 from difflm.models.hf.convert import ConversionError, _local_key, export_hf, load_hf, repad_vocab
-from difflm.models.hf.importer import export_stock, import_pretrained, import_record, prepare_tokenizer, source_overrides
+from difflm.models.hf.importer import (
+    export_stock,
+    import_pretrained,
+    import_record,
+    prepare_tokenizer,
+    source_overrides,
+)
 from difflm.models.launch.torchrun import free_port, launch_training, read_metrics
 from difflm.models.megatron.gpt import build_model, padded_vocab_size
+from difflm.rundir import RunDir, TrainResult
 
 ROOT = Path(__file__).resolve().parents[4]
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny ops: one thread is faster (tests/conftest.py)
