@@ -92,7 +92,15 @@ RULES = {
     "hf: no orchestration": (
         "models/hf/*.py",
         None,
-        ("difflm.models.evaluation", "difflm.models.launch", "prefect", "mlflow", "difflm.flows", "difflm.tasks", "difflm.data_prep"),
+        (
+            "difflm.models.evaluation",
+            "difflm.models.launch",
+            "prefect",
+            "mlflow",
+            "difflm.flows",
+            "difflm.tasks",
+            "difflm.data_prep",
+        ),
     ),
     "evaluation scores the export, not megatron": (
         "models/evaluation/*.py",
@@ -119,14 +127,27 @@ RULES = {
     "difflm stands on difflm.models.diffusion only (the objectives' settings are its diffusion section)": (
         "difflm/**/*.py",
         None,
-        ("difflm.models.megatron", "difflm.models.hf", "difflm.models.evaluation", "difflm.models.launch", "difflm.flows", "difflm.tasks", "difflm.data_prep", "deploy"),
+        (
+            "difflm.models.megatron",
+            "difflm.models.hf",
+            "difflm.models.evaluation",
+            "difflm.models.launch",
+            "difflm.flows",
+            "difflm.tasks",
+            "difflm.data_prep",
+            "deploy",
+        ),
     ),
     "the config package: pydantic, yaml, difflm's base and the objectives' settings": (
         "difflm/config/*.py",
         ("pydantic", "yaml", "difflm.config", "difflm.errors", "difflm.models.diffusion"),
         (),
     ),
-    "data_prep stands on difflm only": ("data_prep/*.py", None, ("difflm.models", "difflm.flows", "difflm.tasks", "deploy")),
+    "data_prep stands on difflm only": (
+        "data_prep/*.py",
+        None,
+        ("difflm.models", "difflm.flows", "difflm.tasks", "deploy"),
+    ),
     "tasks never import flows": ("tasks/*.py", None, ("difflm.flows", "deploy")),
     "flows (and the CLI, the top floor) never import ops tooling": ("flows/**/*.py", None, ("deploy", "benchmarks")),
 }
@@ -183,7 +204,9 @@ def test_no_import_runs_back_up_a_floor():
 
 def test_the_floor_check_sees_an_arrow_up():
     assert floor_of("difflm.config.model") == 1 and floor_of("difflm.models.diffusion.modes") == 0
-    assert floor_of("difflm.models.megatron.gpt") == 2 and floor_of("difflm.flows.cli") == 4 and floor_of("torch") is None
+    assert (
+        floor_of("difflm.models.megatron.gpt") == 2 and floor_of("difflm.flows.cli") == 4 and floor_of("torch") is None
+    )
 
 
 def _tracked_python() -> list[Path]:
@@ -197,7 +220,9 @@ def test_nothing_imports_a_folder_by_its_checkout_name():
     """`import models` would load a second copy of every module beside difflm.models (two registries, two configs),
     and works only from a checkout: every import, and every module path in a string (`-m ...`, a patch target),
     names the installed package."""
-    subs = {d: {p.stem for p in (ROOT / d).iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()} for d in FOLDERS}
+    subs = {
+        d: {p.stem for p in (ROOT / d).iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()} for d in FOLDERS
+    }
     bad = []
     for path in _tracked_python():
         for name in imports_of(path):
@@ -206,7 +231,11 @@ def test_nothing_imports_a_folder_by_its_checkout_name():
         for line_no, line in enumerate(path.read_text().splitlines(), 1):
             for quote in ("'", '"', "-m "):
                 for d, names in subs.items():
-                    bad += [f"{path.relative_to(ROOT)}:{line_no}: {line.strip()}" for s in names if f"{quote}{d}.{s}" in line]
+                    bad += [
+                        f"{path.relative_to(ROOT)}:{line_no}: {line.strip()}"
+                        for s in names
+                        if f"{quote}{d}.{s}" in line
+                    ]
     assert not bad, "old module names:\n" + "\n".join(sorted(set(bad)))
 
 
