@@ -13,13 +13,13 @@ import copy
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from difflm.errors import UserError
 
-# pretraining: documents to pack; instruction: prompt/response pairs (the SFT stage's data)
+# pretraining: documents to pack (all data prep writes today); instruction: prompt/response pairs, for fine-tuning
 DataKind = Literal["pretraining", "instruction"]
-KINDS: tuple[str, ...] = ("pretraining", "instruction")
+KINDS: tuple[str, ...] = get_args(DataKind)
 
 
 class ManifestError(UserError, ValueError):
