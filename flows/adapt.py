@@ -77,7 +77,7 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
 
 
 def _imports(run: PipelineRun) -> ImportDir:
-    return Workdir.of(run.cfg).import_for(run.cfg, run.lineage["sha256"])
+    return Workdir.of(run.cfg).import_for(run.cfg, run.source_lineage()["sha256"])
 
 
 def _source_key(run: PipelineRun, out) -> str:

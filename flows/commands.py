@@ -18,6 +18,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -367,6 +368,7 @@ def generate(
         held_out = heldout_documents(prepare_data(cfg), tok)
         prompts = default_prompts(held_out, cfg.eval.num_samples or 3, cfg.eval.prompt_words)
     scorer = Scorer(model, tok, seed=cfg.eval.seed)
+    assert scorer.max_length is not None  # the scorer sets it from the model when not given
     length = _new_tokens(hf_dir, scorer.max_length, max_new_tokens, cfg.eval.sample_length)
     records = scorer.generate(prompts, length, sampler_settings(cfg.eval))
     if as_json:
@@ -420,7 +422,8 @@ def serve(
 
     # flow runs load the flow by module (difflm.flows.pretrain), not by file: a file puts flows/ first on sys.path,
     # where flows/data_prep.py would shadow the data_prep package
-    schedule = {"cron": cron} if cron else {"interval": interval} if interval else {}
+    params: dict[str, Any]  # the flow's parameters (each flow its own)
+    schedule: dict[str, Any] = {"cron": cron} if cron else {"interval": interval} if interval else {}
     schedule["entrypoint_type"] = EntrypointType.MODULE_PATH
     if served == "pretrain-difflm":
         from difflm.flows.pretrain import pretrain_difflm

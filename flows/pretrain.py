@@ -136,12 +136,11 @@ def _register(run: PipelineRun, logger) -> dict:
 
 def _import_output(run: PipelineRun) -> Path:
     """<workdir>/imports/<source>/megatron: the source's weights, imported once (the lineage is read here once)."""
-    run.lineage = run.lineage or adapt.source_lineage(adapt.source_folder(run.cfg))
-    return Workdir.of(run.cfg).import_for(run.cfg, run.lineage["sha256"]).checkpoint
+    return Workdir.of(run.cfg).import_for(run.cfg, run.source_lineage()["sha256"]).checkpoint
 
 
 def _source_tags(run: PipelineRun) -> dict:
-    return {f"source.{k}": v for k, v in run.lineage.items()}
+    return {f"source.{k}": v for k, v in run.source_lineage().items()}
 
 
 def _imported(run: PipelineRun, out: Outcome) -> None:

@@ -33,7 +33,7 @@ from difflm.models.evaluation.record import EvalRecord
 from difflm.models.hf.export import Export
 from difflm.rundir import TrainResult, lock_file
 from difflm.tasks import artifacts
-from difflm.tasks.adapt import ImportedSource
+from difflm.tasks.adapt import ImportedSource, source_folder, source_lineage
 from difflm.tasks.cache import cache_key, run_stage
 
 T = TypeVar("T")
@@ -110,6 +110,13 @@ class PipelineRun:
     def declares(cls, slot: str) -> bool:
         """Whether `slot` names a result attribute of this class or of one of its subclasses."""
         return isinstance(getattr(cls, slot, None), Slot) or any(sub.declares(slot) for sub in cls.__subclasses__())
+
+    def source_lineage(self) -> dict:
+        """The HF source's lineage (path, sha256, architecture: `adapt.source_lineage` of train.init_from_hf), read
+        once per execution (hashing the source's weights is not free) unless the caller passed it in."""
+        if self.lineage is None:
+            self.lineage = source_lineage(source_folder(self.cfg))
+        return self.lineage
 
     def has(self, slot: str) -> bool:
         """Whether the stage setting `slot` has run."""

@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 
 from difflm.config import PipelineConfig, is_hf_folder, load_config, with_mode
 from difflm.data_prep.tokenizer import describe
+from difflm.errors import UserError
 from difflm.locks import exclusive
 from difflm.manifest import TokenizerInfo
 from difflm.models.diffusion.arch import ModelArch
@@ -131,6 +132,10 @@ def with_source(cfg: PipelineConfig, folder: Path | None = None) -> PipelineConf
 
 def source_folder(cfg: PipelineConfig) -> Path:
     """The HF folder the config starts from (`train.init_from_hf`), resolved."""
+    if not cfg.train.init_from_hf:
+        raise UserError(
+            "this config adapts no HF model: set train.init_from_hf=<HF folder> (or run `difflm adapt SOURCE`)"
+        )
     return Path(cfg.train.init_from_hf).expanduser().resolve()
 
 

@@ -98,7 +98,7 @@ def run_stage(task, key: str, done: bool, *args, **kwargs):
 
 def eval_key(cfg: PipelineConfig, manifest: DataManifest, hf_dir: str | Path) -> str:
     """What an evaluation result depends on: the eval settings, the data and the exported checkpoint."""
-    source = exported_from(hf_dir) or str(hf_dir)
+    source = exported_from(Path(hf_dir)) or str(hf_dir)
     return cache_key("evaluate", _eval_settings(cfg), manifest.hash, source, str(hf_dir))
 
 

@@ -5,6 +5,7 @@ imported. `difflm convert` calls `convert_source` without Prefect; `tasks/stages
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from difflm.config import PipelineConfig
 from difflm.data_prep.pipeline import prepare_data
@@ -54,7 +55,7 @@ def convert_source(cfg: PipelineConfig, found: ConversionSource, out_dir: str | 
     """Convert what `conversion_source` found; the output goes to `out_dir`, else <run>/exports/iter_XXXXXXX for a
     run's checkpoint, else next to the source (<name>-hf, <name>-megatron). Returns where and what."""
     src, run = found.path, found.run
-    info = {
+    info: dict[str, Any] = {
         "to": found.to,
         "source": str(src),
         "run_dir": str(run.path) if run else None,
@@ -74,7 +75,8 @@ def convert_source(cfg: PipelineConfig, found: ConversionSource, out_dir: str | 
     if found.stock:  # the model fields follow the source, parallel.* sets the vocabulary padding
         imported = adapt.import_source(adapt.with_source(cfg, src), src, out)
         # what trains from it, printed for the user: `difflm train` takes these overrides
-        info["use"] = [f"train.init_from={out}", *tokenizer_overrides(imported.tokenizer), *adapt.source_overrides(src)]
+        tokens = tokenizer_overrides(imported.tokenizer) if imported.tokenizer else []  # a stock import prepares one
+        info["use"] = [f"train.init_from={out}", *tokens, *adapt.source_overrides(src)]
         info["parity"] = (import_record(out) or {}).get("parity")  # the logit check the import passed
         return info
     if found.to == "megatron":
