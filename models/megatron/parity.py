@@ -106,22 +106,22 @@ def main(argv: list[str] | None = None) -> int:
         p.error("give --out (one run) or --runs (several)")
     runs = json.loads(Path(args.runs).read_text()) if args.runs else [{"out": args.out, "save": args.save}]
     for key in ("config", "weights"):
-        if getattr(args, key) is None and any(key not in run for run in runs):
+        if getattr(args, key) is None and any(key not in spec for spec in runs):
             p.error(f"give --{key}, or a {key!r} in every run of --runs")
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     manifest = DataManifest.read(args.manifest)
-    for i, run in enumerate(runs):
-        overrides = [*args.overrides, *run.get("overrides", []), f"train.launch.nproc_per_node={world}"]
-        cfg = load_config(run.get("config", args.config), overrides)
+    for i, spec in enumerate(runs):
+        overrides = [*args.overrides, *spec.get("overrides", []), f"train.launch.nproc_per_node={world}"]
+        cfg = load_config(spec.get("config", args.config), overrides)
         if i == 0:
             init_distributed(cfg)
         else:
             reinit_model_parallel(cfg)
-        weights = Path(run.get("weights", args.weights))
-        result = run_layout(cfg, manifest, weights, bool(run.get("save")), args.steps)
+        weights = Path(spec.get("weights", args.weights))
+        result = run_layout(cfg, manifest, weights, bool(spec.get("save")), args.steps)
         if result is not None:
-            Path(run["out"]).write_text(json.dumps(result))
+            Path(spec["out"]).write_text(json.dumps(result))
         dist.barrier()
     dist.destroy_process_group()
     return 0

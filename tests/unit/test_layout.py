@@ -7,6 +7,7 @@ read every import statement (lazy ones inside functions included) and fail on an
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -354,3 +355,16 @@ def test_train_step_benchmark_still_runs():
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "difflm-noshift" in out.stdout and "tokens/s" in out.stdout
+
+
+def test_what_stages_hand_over_is_read_as_records_not_string_keys():
+    """The data manifest and the pipeline's results are typed records (difflm.manifest, flows/stages.py's
+    PipelineRun): no production module reads them by string key (`manifest["hash"]`, `run["trained"]`)."""
+    pattern = re.compile(r"""\b(manifest|run)(\(\))?\[["']|\bmanifest\.get\(""")
+    bad = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in [*_our_files(), *_files("benchmarks/**/*.py")]
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert not bad, "string-keyed reads of a record:\n" + "\n".join(bad)
