@@ -129,6 +129,9 @@ def test_a_user_granted_edit_on_the_pipelines_model_is_refused(two_users, tmp_pa
     _as(monkeypatch, ADMIN, pw[ADMIN])
     ours = _plant(MlflowClient(base), name, tmp_path / "ours", create=True)  # the pipeline's own name and version
     assert tracking.download_model_version(f"models:/{name}@champion", base) and len(downloads) == 1
+    mine = MlflowClient(base).get_model_version(name, ours)  # the pipeline registers into its own name
+    again = registry.register_version(cfg, name, source=mine.source, run_id=mine.run_id, checkpoint="ckpt", uri=base)
+    assert again["version"] != ours and again["registered_by"] == ADMIN
 
     _grant(base, pw, OTHER, name, "EDIT")
     _as(monkeypatch, OTHER, pw[OTHER])
@@ -140,7 +143,5 @@ def test_a_user_granted_edit_on_the_pipelines_model_is_refused(two_users, tmp_pa
     assert f"registered model '{name}'" in line and f"{OTHER} (EDIT) may also write to it" in line, line
     assert "tracking.trusted_registrants" in line and len(downloads) == 1
     with pytest.raises(registry.UntrustedModel, match="registering into"):
-        registry.register_version(
-            cfg, name, source="file:///nowhere", run_id="0" * 32, checkpoint="ckpt", uri=base, hf_dir=None
-        )
-    assert len(MlflowClient(base).search_model_versions(f"name='{name}'")) == 2
+        registry.register_version(cfg, name, source=mine.source, run_id=mine.run_id, checkpoint="ckpt2", uri=base)
+    assert len(MlflowClient(base).search_model_versions(f"name='{name}'")) == 3
