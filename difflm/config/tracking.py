@@ -38,13 +38,15 @@ class TrackingConfig(_Section):
     )
     pipeline_user: str | None = Field(
         None,
-        description="The MLflow user the pipeline registers versions as: every version is tagged with who "
-        "registered it, and a registered version (models:/...) is loaded only when that is this user or one of "
-        "trusted_registrants (None: MLFLOW_TRACKING_USERNAME of this process, else the local user name).",
+        description="The MLflow user the pipeline registers versions as. On a server with accounts a registered "
+        "model is trusted (loaded, promoted, registered into) only when this user holds MANAGE on it and nobody "
+        "outside it and trusted_registrants may write to it (the server's permissions); on a store without "
+        "accounts a version is loaded only when its registrant tag names this user or one of trusted_registrants "
+        "(None: the user this process authenticates as, MLFLOW_TRACKING_USERNAME, else the local user name).",
     )
     trusted_registrants: list[str] = Field(
         default_factory=list,
-        description="Other MLflow users whose registered versions are loaded (evaluated, served); by default only "
-        "the pipeline user's are. Another user who can write to the registry could otherwise put her weights "
-        "(and code) behind the pipeline's model name and aliases.",
+        description="Other MLflow users who may write to the pipeline's registered model (EDIT, MANAGE, admin) "
+        "without its versions being refused; by default only the pipeline user may. Another user who can write "
+        "to it could otherwise put her weights (and code) behind the pipeline's model name and aliases.",
     )

@@ -508,6 +508,8 @@ def log_and_register_model(
     from mlflow.tracking import MlflowClient
 
     name = registry.registered_model_name(cfg)
+    if name:  # refused before anything is uploaded when the name is not the pipeline's alone
+        registry.claim_model(MlflowClient(), name, tracking_uri(cfg), cfg.tracking)
     known = registry.version_of_checkpoint(MlflowClient(), name, checkpoint) if name else None
     if known is not None and registry.TAG_PROMOTION in known.tags:
         # a rerun of the same checkpoint (stages cached): point at the version, do not upload the weights again
@@ -536,8 +538,10 @@ def log_and_register_model(
 def download_model_version(uri: str, store: str, tracking: TrackingConfig | None = None) -> Path:
     """The folder of a registered version, `models:/<name>/<version>` or `models:/<name>@<alias>`, downloaded
     from the MLflow store (a local artifact store is read in place). LookupError when it does not exist;
-    registry.UntrustedVersion, before anything is downloaded, when neither the pipeline user nor a user of
-    `tracking.trusted_registrants` registered it; registry.ExportMismatch when its files are not the ones
+    registry.UntrustedModel, before anything is downloaded, when the server records that someone outside the
+    pipeline user and `tracking.trusted_registrants` may write to the model, or that the pipeline user does not
+    manage it (registry.UntrustedVersion on a store without accounts: when its registrant tag names neither);
+    registry.ExportMismatch when its files are not the ones
     registered (their SHA-256 in the version's tags)."""
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -556,7 +560,9 @@ def download_model_version(uri: str, store: str, tracking: TrackingConfig | None
         raise LookupError(f"{uri}: no such registered model version in {store} ({err})") from err
     what = f"{uri} (version {mv.version}, {mv.source})"
     registry.recorded_digests(mv.tags, what)  # tags only: checked before anything is downloaded
-    registry.check_owner(mv.tags, tracking or TrackingConfig(), what)
+    trust = tracking or TrackingConfig()
+    if not registry.check_model(store, name, trust, what):  # no accounts: only the registrant's tag to go by
+        registry.check_owner(mv.tags, trust, what)
     folder = Path(mlflow.artifacts.download_artifacts(artifact_uri=mv.source))
     registry.verify_export(folder, mv.tags, f"{uri} (version {mv.version}, {mv.source})")
     return folder

@@ -18,6 +18,8 @@ from pathlib import Path
 from difflm.config import PipelineConfig, TrackingConfig
 from difflm.errors import UserError
 from difflm.manifest import DataManifest
+from difflm.tracking.model_access import UntrustedModel as UntrustedModel  # re-exported: the registry's refusals
+from difflm.tracking.model_access import check_model
 
 CANDIDATE, CHAMPION = "candidate", "champion"
 TAG_DATA = "data.hash"  # the prepared data (sources, cleaning, split, tokenizer) a version was scored on
@@ -30,7 +32,9 @@ TAG_CHECKPOINT, TAG_METRIC, TAG_VALUE, TAG_PROMOTION = (
 )
 
 
-# who registered the version (the MLflow user of the registering process), checked before a version is loaded
+# who registered the version (the MLflow user of the registering process): shown, and checked before a version is
+# loaded only where the store records no permissions (a local store, a server without accounts); on a server with
+# accounts the tag proves nothing (the registrant writes it) and model_access.check_model decides
 TAG_OWNER = "difflm.registered_by"
 
 
@@ -122,6 +126,14 @@ def ensure_model(client, name: str) -> None:
             description="Diffusion LMs trained by difflm-pipeline (HF folders). "
             "Alias `candidate`: the newest version; `champion`: the best evaluated one.",
         )
+
+
+def claim_model(client, name: str, uri: str, t: TrackingConfig) -> None:
+    """`name` created when missing (its creator gets MANAGE on a server with accounts), then UntrustedModel unless
+    the server records it as the pipeline's: registering into a name someone else created or may write to would
+    put the pipeline's versions next to theirs, and promote against them."""
+    ensure_model(client, name)
+    check_model(uri, name, t, f"registering into registered model {name!r}")
 
 
 def version_of_checkpoint(client, name: str, checkpoint: str):
@@ -223,7 +235,7 @@ def register_version(
     from mlflow.tracking import MlflowClient  # mlflow takes seconds to import: loaded only when a version is registered
 
     client = MlflowClient(uri)
-    ensure_model(client, name)
+    claim_model(client, name, uri, cfg.tracking)
     out = {"registered_model": name}
     mv = version_of_checkpoint(client, name, checkpoint)
     if mv is not None and TAG_PROMOTION in mv.tags:

@@ -20,8 +20,8 @@ def resolve_export(source: str, tracking_uri: str | None = None, tracking: Track
     - a folder with config.json (an export, e.g. <run dir>/hf);
     - a run directory (<workdir>/runs/<run>): its `hf` export;
     - `models:/<name>/<version>` or `models:/<name>@<alias>`: the registered version, downloaded from MLflow
-      (`tracking_uri`, else $MLFLOW_TRACKING_URI), when the pipeline user or one of `tracking`'s
-      trusted_registrants registered it."""
+      (`tracking_uri`, else $MLFLOW_TRACKING_URI), when the server records the model as the pipeline user's
+      and `tracking`'s trusted_registrants' alone (on a store without accounts: when its registrant tag names one)."""
     if source.startswith("models:/"):
         return _download(source, tracking_uri, tracking)
     path = Path(source).expanduser()
