@@ -3,7 +3,7 @@ and a job that merges their stats, submitted without this process's credentials.
 
 datatrove submits with `sbatch --export=ALL` (and the stats job with sbatch's default, the same), so Slurm would
 store every variable of this process's environment with the job, passwords and keys included (difflm/credentials.py).
-Here sbatch gets the environment less its credentials; the credentials (an S3 key or a hub token a reader may
+Here sbatch gets the allow-list of the environment that jobs need (difflm.credentials.job_environment); the credentials (an S3 key or a hub token a reader may
 need) go to `<prep>/.credentials/slurm-prep.env`, 0600, which each job's shell reads before it starts datatrove.
 The file is removed when the prep is complete; a prep left unfinished keeps it for its rerun.
 """
@@ -22,16 +22,16 @@ from datatrove.executor import SlurmPipelineExecutor
 from datatrove.executor import slurm as datatrove_slurm
 
 from difflm.config import PARTITION, PipelineConfig
-from difflm.credentials import read_credentials, split_credentials, write_credentials_file
+from difflm.credentials import job_environment, read_credentials, write_credentials_file
 from difflm.data_prep.errors import DataPrepError
 
 CREDENTIALS = Path(".credentials") / "slurm-prep.env"  # under the prep's output folder
 
 
 def submit_batch(launch_file_contents: str, job_id_retriever: Callable[[str], str], *args: str) -> str:
-    """datatrove's `launch_slurm_job`, with sbatch given this process's environment less its credentials: the
-    script goes to a temporary file, sbatch submits it with `args`; the job id from sbatch's output."""
-    clean, _ = split_credentials(os.environ)
+    """datatrove's `launch_slurm_job`, with sbatch given the allow-list of this process's environment, without its
+    credentials: the script goes to a temporary file, sbatch submits it with `args`; the job id from sbatch's output."""
+    clean, _ = job_environment(os.environ)
     with tempfile.NamedTemporaryFile("w", suffix=".slurm") as script:
         script.write(launch_file_contents)
         script.flush()
@@ -75,7 +75,7 @@ def slurm_executor(cfg: PipelineConfig, pipeline: list, out: Path) -> SlurmPipel
     """The executor of the prep writing `out` (its logs in `out`/logs). Writes the credentials of this process's
     environment to the prep's file first; a rerun without any leaves the file of the jobs it may still have queued."""
     credentials = out / CREDENTIALS
-    secret = split_credentials(os.environ)[1]
+    secret = job_environment(os.environ)[1]
     if secret:
         write_credentials_file(credentials, secret)
     d = cfg.data

@@ -53,6 +53,9 @@ def study(spec: str, preset: str | None = None, overrides: list[str] | None = No
 def run_study(spec: StudySpec, say) -> dict:
     """The flow's body, as a plain function: `say` prints one progress line per point."""
     points = spec.points()  # every point's config checked before anything runs
+    for point in points:  # and the server each tracks to: one the credentials are not for is refused now
+        if point.cfg.tracking.enabled:
+            tracking.tracking_uri(point.cfg)
     out_dir = spec.output_dir(points[0].cfg)
     say(f"study {spec.name}: {len(points)} points, {spec.parallel} at a time; results in {out_dir}")
     torchrun.STOP.clear()

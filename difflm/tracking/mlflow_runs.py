@@ -17,6 +17,7 @@ import numpy as np
 
 from difflm.config import PipelineConfig, TrackingConfig
 from difflm.config.train import epochs_seen
+from difflm.credentials import check_tracking_uri, same_server
 from difflm.locks import exclusive
 from difflm.manifest import DataManifest
 from difflm.rundir import TrainResult, Workdir, lock_file
@@ -35,13 +36,21 @@ CHOSEN_VAR = "DIFFLM_TRACKING_URI_CHOSEN"
 
 def tracking_uri(cfg: PipelineConfig) -> str:
     """The configured URI, else $MLFLOW_TRACKING_URI (a server, e.g. in docker compose) unless the pipeline set
-    it, else the workdir's local sqlite store."""
-    if cfg.tracking.tracking_uri:
-        return cfg.tracking.tracking_uri
+    it, else the workdir's local sqlite store. A configured server other than $MLFLOW_TRACKING_URI's, while
+    MLflow credentials are set, is refused (difflm.credentials.ForeignTrackingServer): they would go there."""
+    env = users_uri()
+    configured = cfg.tracking.tracking_uri
+    if configured:
+        check_tracking_uri(configured, env)
+        # the user's own spelling of the same server: use_store then keeps it the user's choice, not ours
+        return env if env and same_server(configured, env) else configured
+    return env or f"{SQLITE}{Workdir.of(cfg).mlflow_store}"
+
+
+def users_uri() -> str | None:
+    """$MLFLOW_TRACKING_URI when the user set it (not the pipeline's own use_store)."""
     env = os.environ.get("MLFLOW_TRACKING_URI")
-    if env and env != os.environ.get(CHOSEN_VAR):
-        return env
-    return f"{SQLITE}{Workdir.of(cfg).mlflow_store}"
+    return env if env and env != os.environ.get(CHOSEN_VAR) else None
 
 
 def use_store(uri: str) -> None:
@@ -137,8 +146,9 @@ def _start_pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]
     Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
     for key, val in {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}.items():
         os.environ.setdefault(key, val)  # an unreachable server costs seconds, not MLflow's default minutes
+    uri = tracking_uri(cfg)  # a server the credentials are not for: refused (a UserError), not degraded
     try:
-        use_store(tracking_uri(cfg))
+        use_store(uri)
         run = mlflow.start_run(
             experiment_id=experiment_id(cfg),
             run_name=run_name,
@@ -150,7 +160,7 @@ def _start_pipeline_run(cfg: PipelineConfig, run_name: str, tags: dict[str, str]
         mlflow.log_dict(cfg.model_dump(mode="json"), "config/resolved.yaml")
         return run
     except Exception as err:  # the pipeline runs without tracking rather than not at all
-        degrade(f"could not start an MLflow run at {tracking_uri(cfg)}", err)
+        degrade(f"could not start an MLflow run at {uri}", err)
         return None
 
 
@@ -162,13 +172,14 @@ def study_run(cfg: PipelineConfig, name: str, spec: dict) -> Iterator[str | None
 
     run = None
     if cfg.tracking.enabled:
+        uri = tracking_uri(cfg)  # refused, not degraded, as in _start_pipeline_run
         try:
-            use_store(tracking_uri(cfg))
+            use_store(uri)
             tags = {**lineage_tags(), "flow": "study", "study": name}
             run = mlflow.start_run(experiment_id=experiment_id(cfg), run_name=f"study-{name}", tags=tags)
             mlflow.log_dict(spec, "study/spec.yaml")
         except Exception as err:
-            degrade(f"could not start the MLflow run of study {name} at {tracking_uri(cfg)}", err)
+            degrade(f"could not start the MLflow run of study {name} at {uri}", err)
             run = None
     if run is None:
         yield None

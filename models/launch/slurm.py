@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from difflm.config import ConfigError, PipelineConfig, SlurmBase
-from difflm.credentials import ENV_KEY, is_credential, read_credentials, split_credentials, write_credentials_file
+from difflm.credentials import ENV_KEY, is_secret, job_environment, read_credentials, write_credentials_file
 from difflm.manifest import DataManifest
 from difflm.models.launch.jobs import (
     ClusterError,
@@ -42,7 +42,7 @@ RDZV_PORT_BASE = 20000  # + job id % 10000: a rendezvous port per job (jobs may 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the project: `-m difflm.models.megatron.train` resolves here
 SLURM_RECORD = "slurm-job.json"  # <run>/slurm-job.json: the job submitted for this run (reattached to)
 LAUNCH_FILE = "launch.sbatch"
-# Credentials never go into the job's environment (difflm/credentials.py): they go into a file only this user
+# Jobs get an allow-list of the environment, and credentials never go into it (difflm/credentials.py): they go into a file only this user
 # reads, in a private folder of the run, named to the job by path, read by the batch shell at start and removed
 # when the job ends (not at a requeue: the requeued job reads it again).
 CREDENTIALS_DIR, CREDENTIALS_FILE = ".credentials", "slurm-job.env"
@@ -159,7 +159,7 @@ def slurm_script(
         # which nodes met where: the first thing to read in the log of a multi-node job that does not start
         'echo "difflm: job $SLURM_JOB_ID on $SLURM_NNODES node(s) $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"',
         "export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1",
-        *(f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items() if not is_credential(k)),
+        *(f"export {k}={shlex.quote(v)}" for k, v in (env or {}).items() if not is_secret(k, v)),
         # credentials: from the file the submitter wrote (mode 0600), never from the job's stored environment
         f'if [ -n "${{{CREDENTIALS_VAR}:-}}" ]; then',
         f"  {read_credentials(CREDENTIALS_VAR)}",
@@ -220,9 +220,10 @@ def credentials_file(run: RunDir) -> Path:
 
 def write_credentials(run: RunDir, env: dict[str, str] | None) -> dict[str, str]:
     """Move the credentials of this process's environment and `env` into the run's credentials file; the
-    environment for `sbatch`: this process's without them, naming the file. No credentials: no file."""
-    clean, _ = split_credentials(os.environ)
-    _, secret = split_credentials({**os.environ, **(env or {})})
+    environment for `sbatch`: the allow-list of this process's (difflm.credentials.job_environment), naming the
+    file. No credentials: no file."""
+    clean, secret = job_environment(os.environ)
+    secret.update({k: v for k, v in (env or {}).items() if is_secret(k, v)})  # `env`'s others: the script's exports
     path = credentials_file(run)
     return {**clean, CREDENTIALS_VAR: str(path)} if write_credentials_file(path, secret) else clean
 

@@ -245,6 +245,7 @@ def test_run_and_model_version_pages_show_metrics_aliases_and_lineage(tmp_path, 
     password = secrets.token_urlsafe(16)
     _isolate_tracking_state(monkeypatch, password)
     base, browser = mlflow_server(admin_password=password).url, None
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", base)  # the server the credentials are for (difflm.credentials)
     try:
         for path in ("/", "/ajax-api/2.0/mlflow/experiments/search?max_results=1"):
             assert _anonymous_status(base + path) == 401, f"{path} open without credentials"
