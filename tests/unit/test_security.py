@@ -37,6 +37,7 @@ from difflm.models.evaluation.stages import load_model
 from difflm.models.hf.convert import check_replaceable, hf_config, import_hf, load_megatron_weights, save_export
 from difflm.models.hf.export import Export
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
+from difflm.models.launch import slurm as slurm_launch
 from difflm.models.launch.cluster import sbatch_command, sbatch_options, slurm_script
 from difflm.models.launch.slurm import write_credentials
 from difflm.models.launch.torchrun import launch_training, run_dir
@@ -123,6 +124,33 @@ def test_the_jobs_python_must_be_an_executable_file(tmp_path):
             slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
     cfg = load_config("test-tiny", [f"train.launch.slurm.python={sys.executable}"])
     assert sys.executable in slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
+
+
+@pytest.mark.integration  # runs each candidate once with -c, as the check does
+def test_the_jobs_python_must_be_a_python_interpreter(tmp_path, monkeypatch):
+    # issue 50 item 6a: /bin/sh (or any executable) was accepted as the job's python
+    monkeypatch.setattr(slurm_launch, "PYTHON_PROBE_TIMEOUT", 2)
+    hangs = tmp_path / "hangs"
+    hangs.write_text("#!/bin/sh\nsleep 30\n")
+    old = tmp_path / "python3.8"
+    old.write_text("#!/bin/sh\necho '(3, 8)'\n")
+    for fake in (hangs, old):
+        fake.chmod(0o755)
+    for python, why in (
+        ("/bin/sh", "is not a Python interpreter"),
+        (hangs, "did not answer"),
+        (old, "is Python 3.8, not 3.11"),
+    ):
+        cfg = load_config("test-tiny", [f"train.launch.slurm.python={python}"])
+        with pytest.raises(ConfigError) as err:
+            slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
+        line = str(err.value)
+        assert "\n" not in line and f"train.launch.slurm.python={str(python)!r}" in line and why in line
+    wrapper = tmp_path / "python"  # another path to a real python (a venv's link, a module's wrapper) is accepted
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    cfg = load_config("test-tiny", [f"train.launch.slurm.python={wrapper}"])
+    assert str(wrapper) in slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
 
 
 @pytest.mark.parametrize("time", ["30", "00:30", "04:00:00", "2-00", "2-12:00", "1-00:00:00", "UNLIMITED"])
