@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ from prefect.serializers import PickleSerializer
 from prefect.settings import get_current_settings
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from deploy import stack
+from deploy import mlflow_auth, stack
 from difflm.config import ConfigError, load_config
 from difflm.data_prep import pipeline
 from difflm.data_prep import slurm as prep_slurm
@@ -501,6 +502,35 @@ def test_the_stack_starts_its_services_with_a_private_umask(monkeypatch, tmp_pat
         assert (tmp_path / ".env").stat().st_mode & 0o777 == 0o600
     finally:
         os.umask(before)
+
+
+def test_stack_down_removes_the_mlflow_auth_ini_it_wrote(monkeypatch, tmp_path):
+    # issue 50 item 6c: the auth app's ini (0600, the auth database's password in its URI) stayed in /tmp after down
+    started = {}
+    monkeypatch.setattr(stack, "_start", lambda name, argv, env, state, cwd: started.setdefault(name, env))
+    monkeypatch.setattr(stack, "_wait", lambda *_: None)
+    state = tmp_path / "state"
+    (state / "logs").mkdir(parents=True)
+    (state / "logs" / "mlflow.log").write_text("kept")
+    stack.start_servers(stack.Stack({k: "pw" + k.lower() for k in stack.SECRETS}), state, timeout=1)
+
+    def exec_(*_):
+        raise SystemExit("the server would start here")
+
+    for key, value in started["mlflow"].items():  # deploy.mlflow_auth as the native start runs it
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(mlflow_auth.os, "execv", exec_)
+    monkeypatch.setattr(mlflow_auth.os, "execvp", exec_)
+    with pytest.raises(SystemExit, match="would start"):
+        mlflow_auth.main(["mlflow", "server"])
+    ini = Path(os.environ["MLFLOW_AUTH_CONFIG_PATH"])
+    try:
+        assert "pwmlflow_db_password" in ini.read_text() and ini.stat().st_mode & 0o777 == 0o600
+        stack.down(state)
+        assert not ini.exists() and (state / "logs" / "mlflow.log").read_text() == "kept"
+    finally:
+        if tmp_path not in ini.parents:  # written elsewhere (the temp folder): not left behind by this test
+            shutil.rmtree(ini.parent, ignore_errors=True)
 
 
 def test_the_cli_writes_with_a_private_umask(monkeypatch):
