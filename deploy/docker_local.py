@@ -126,7 +126,7 @@ def start(root: Path, data_root: Path | None = None, timeout: float = 60) -> Dae
     (root / "client").mkdir(parents=True, exist_ok=True)
     data_root.mkdir(parents=True, exist_ok=True)
     # one daemon per data root: a second test session waits here for the first one's daemon to stop
-    lock = os.open(data_root.parent / f"{data_root.name}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+    lock = os.open(data_root.parent / f"{data_root.name}.lock", os.O_CREAT | os.O_RDWR | os.O_NOFOLLOW, 0o600)
     fcntl.flock(lock, fcntl.LOCK_EX)
     d = Daemon(root, data_root, lock)
     argv = [

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import json
 import os
 import pwd
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
+from deploy import mlflow_auth
 from deploy.env_file import MLFLOW_ADMIN, SECRETS, ensure_secrets, read_env_file, write_private
 from difflm import OFFLINE_ENV
 from difflm.data_prep import corpus
@@ -40,6 +42,7 @@ from difflm.outputs import private_umask
 ROOT = Path(__file__).resolve().parent.parent
 INIT_SCRIPT = ROOT / "deploy" / "postgres-init.sh"
 WORK_POOL = "difflm"
+AUTH_DIR = "mlflow-auth"  # <state>/mlflow-auth/basic_auth.ini: the MLflow auth app's ini, 0600, removed by `down`
 IMAGE_ENV = OFFLINE_ENV  # the Dockerfile's ENV: what a native start gives every service too
 
 
@@ -395,6 +398,8 @@ def start_servers(stack: Stack, state: Path, timeout: float) -> None:
         s = svc[name]
         argv = [str(Path(sys.executable).parent / s.argv[0]), *s.argv[1:]]
         env = {**s.env, "PREFECT_HOME": str(state / f"{name}-home"), "PYTHONPATH": str(ROOT)}  # deploy.mlflow_auth
+        if name == "mlflow":  # its auth ini (the auth database's password) where `down` removes it
+            env[mlflow_auth.DIR_VAR] = str(state / AUTH_DIR)
         runs[name] = _start(name, argv, env, state, state)
     for name, url in health.items():
         _wait(_http_ok(url), name, runs[name], state / "logs" / f"{name}.log", timeout)
@@ -470,6 +475,9 @@ def down(state: Path, grace: float = 20) -> list[str]:
             left = [p for p in left if _alive(p) and not _zombie(p)]
             time.sleep(0.1)
     (state / "pids.json").unlink(missing_ok=True)
+    (state / AUTH_DIR / mlflow_auth.INI).unlink(missing_ok=True)  # the file deploy.mlflow_auth wrote, only it
+    with contextlib.suppress(OSError):  # kept if something else was put there
+        (state / AUTH_DIR).rmdir()
     return stopped
 
 

@@ -26,6 +26,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,10 +46,11 @@ class OutputBusy(UserError):
     exit_code = 75  # EX_TEMPFAIL: the same command succeeds once the other process is done
 
 
-def holder(lock_file: Path) -> str:
-    """Who holds `lock_file`, in words: 'pid 12 on node1 since 2026-12-05 15:50:03 UTC'."""
+def holder(fd: int) -> str:
+    """Who holds the lock file open as `fd`, in words: 'pid 12 on node1 since 2026-12-05 15:50:03 UTC'. Read
+    through the descriptor that was checked, not the name (which another user could swap for a link meanwhile)."""
     try:
-        info = json.loads(Path(lock_file).read_text())
+        info = json.loads(os.pread(fd, 4096, 0))
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(info["since"]))
         return f"pid {info['pid']} on {info['host']} since {since}"
     except (OSError, ValueError, KeyError, TypeError):  # taken a moment ago: its holder has not written yet
@@ -74,10 +76,10 @@ def exclusive(
         finally:
             depth[key] -= 1
         return
-    fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = _open(lock_file)
     try:
         if not _try_lock(fd, lock_file):
-            line = f"{what} is being written by {holder(lock_file)} (lock {lock_file})"
+            line = f"{what} is being written by {holder(fd)} (lock {lock_file})"
             if on_busy == "fail":
                 raise OutputBusy(f"{line}: run again when it has finished, or set pipeline.on_busy=wait to wait")
             echo(f"{line}: waiting for it, then reusing what it wrote")
@@ -92,6 +94,35 @@ def exclusive(
             depth.pop(key, None)
     finally:
         os.close(fd)  # releases the lock
+
+
+def _open(lock_file: Path) -> int:
+    """Open (or create) the lock file as a plain file of ours only. Its holder's pid is written into it, so a
+    planted link (`O_NOFOLLOW`), a hard link to another file, a fifo or device, or another user's file would have
+    that write land somewhere it must not: each is refused in one line naming what to remove. O_NONBLOCK and
+    O_NOCTTY so that opening a planted fifo or terminal returns at once instead of hanging or taking it over."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+    fix = f"remove {lock_file} if no difflm process is running for it (a lock file is made anew when missing)"
+    try:
+        fd = os.open(lock_file, flags, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise UserError(
+                f"refusing the lock file {lock_file}: it is a symlink, not a file difflm made: {fix}"
+            ) from err
+        raise
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = "it is not a regular file"
+    elif st.st_uid != os.geteuid():
+        why = f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    elif st.st_nlink != 1:
+        why = f"it has {st.st_nlink} hard links (another name points at the same file)"
+    if why:
+        os.close(fd)
+        raise UserError(f"refusing the lock file {lock_file}: {why}: {fix}")
+    return fd
 
 
 def _try_lock(fd: int, lock_file: Path) -> bool:

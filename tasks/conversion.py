@@ -12,7 +12,7 @@ from difflm.data_prep.pipeline import prepare_data
 from difflm.data_prep.tokenizer import describe
 from difflm.locks import exclusive
 from difflm.manifest import DataManifest
-from difflm.models.hf.convert import ConversionError, export_hf, import_hf
+from difflm.models.hf.convert import ConversionError, check_replaceable, export_hf, import_hf
 from difflm.models.hf.importer import import_record, tokenizer_overrides
 from difflm.rundir import is_export_of, lock_file
 from difflm.tasks import adapt
@@ -72,6 +72,9 @@ def convert_source(cfg: PipelineConfig, found: ConversionSource, out_dir: str | 
     else:
         out = src.with_name(f"{src.name}-{found.to}")
     info = {**info, "out_dir": str(out), "reused": False}
+    # before any lock or write: a folder difflm did not write (someone's megatron checkpoint, a folder of files) is
+    # neither taken for an earlier output nor replaced, and gets no lock file beside it in the user's folder
+    check_replaceable(out, found.to)
     if found.stock:  # the model fields follow the source, parallel.* sets the vocabulary padding
         imported = adapt.import_source(adapt.with_source(cfg, src), src, out)
         # what trains from it, printed for the user: `difflm train` takes these overrides

@@ -41,7 +41,9 @@ from difflm.config.loading import (
     parse_override,
     read_yaml,
     resolve_preset,
+    safe_load,
     save_config,
+    short_repr,
     validate,
 )
 from difflm.config.model import GEMM_TILE, GPU_WIDTH, MODEL_PRESETS, ModelConfig
@@ -100,6 +102,8 @@ __all__ = [
     "parse_override",
     "read_yaml",
     "resolve_preset",
+    "safe_load",
+    "short_repr",
     "Point",
     "StudySpec",
     "load_study",

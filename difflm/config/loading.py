@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -25,6 +26,68 @@ CONFIG_DIR = (
 )  # difflm/configs: a link to the checkout's configs/, a folder once installed
 
 
+# A config, preset or study spec has a few hundred values; aliases (`*name`) may not make it expand past this: a
+# 314-byte "billion laughs" file of nested aliases is 387 million strings once validated, echoed or printed.
+MAX_YAML_VALUES = 100_000
+_ECHO = reprlib.Repr()  # what an error shows of a value the user gave: enough to recognise it, never all of it
+_ECHO.maxstring, _ECHO.maxother, _ECHO.maxlist, _ECHO.maxdict, _ECHO.maxlevel = 120, 120, 8, 8, 3
+
+
+def short_repr(value: Any, limit: int = 300) -> str:
+    """`repr(value)` as an error line echoes it: long strings, lists and nested values shortened (`...`)."""
+    text = _ECHO.repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
+class BoundedLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a document whose aliases expand past MAX_YAML_VALUES values, or refer to
+    themselves, before anything is built from it (counted on the composed nodes: an alias is one node shared by
+    every place that names it, so the count is of what it expands to, each node counted once per use)."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        if node is not None:
+            _count_values(node, {}, set())
+        return node
+
+
+def _count_values(node: yaml.Node, counted: dict[int, int], open_: set[int]) -> int:
+    key = id(node)
+    if key in counted:
+        return counted[key]
+    if key in open_:
+        raise yaml.composer.ComposerError(
+            None,
+            None,
+            "an alias refers to the value that contains it (a recursive value): write it out",
+            node.start_mark,
+        )
+    open_.add(key)
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [part for pair in node.value for part in pair]
+    else:
+        children = []
+    total = 1 + sum(_count_values(child, counted, open_) for child in children)
+    open_.discard(key)
+    if total > MAX_YAML_VALUES:
+        raise yaml.composer.ComposerError(
+            None,
+            None,
+            f"its aliases expand to more than {MAX_YAML_VALUES} values (an alias bomb?): a configuration has a few "
+            "hundred; write the values out",
+            node.start_mark,
+        )
+    counted[key] = total
+    return total
+
+
+def safe_load(text: str) -> Any:
+    """yaml.safe_load with aliases bounded (`BoundedLoader`): for every YAML a user or another user can hand us."""
+    return yaml.load(text, Loader=BoundedLoader)  # a SafeLoader
+
+
 def _format_validation_error(err: ValidationError) -> str:
     lines = ["invalid configuration:"]
     for e in err.errors():
@@ -36,7 +99,7 @@ def _format_validation_error(err: ValidationError) -> str:
             hint = f"did you mean {'.'.join([*map(str, e['loc'][:-1]), fields[close[0]]])}? " if close else ""
             msg = f"unknown field ({hint}`difflm config show` lists every field)"
         got = e.get("input")
-        lines.append(f"  {loc}: {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})"))
+        lines.append(f"  {loc}: {msg}" + ("" if isinstance(got, dict) else f" (got {short_repr(got)})"))
     return "\n".join(lines)
 
 
@@ -67,7 +130,7 @@ def _fields_at(loc: tuple) -> dict[str, str]:
 def read_yaml(path: Path) -> dict[str, Any]:
     """A preset or a run's config.yaml as a mapping; a YAML mistake is one line, `file:line:column: problem`."""
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        data = safe_load(Path(path).read_text())
     except yaml.MarkedYAMLError as err:
         mark = err.problem_mark or err.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -90,17 +153,17 @@ def read_yaml(path: Path) -> dict[str, Any]:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`a.b=value` -> (['a','b'], parsed value); values parse as YAML scalars (3, 1e-3, true, null, [a, b])."""
     if "=" not in text:
-        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
+        raise ConfigError(f"override {short_repr(text)} is not of the form key.sub=value")
     key, _, raw = text.partition("=")
     keys = [k for k in key.strip().split(".") if k]
     if not keys:
-        raise ConfigError(f"override {text!r} has an empty key")
+        raise ConfigError(f"override {short_repr(text)} has an empty key")
     try:
-        return keys, yaml.safe_load(raw) if raw.strip() else ""
+        return keys, safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as err:
         problem = str(err).splitlines()[0]
         raise ConfigError(
-            f"override {text!r}: the value is not valid YAML ({problem}). Quote the whole override for the shell, "
+            f"override {short_repr(text)}: the value is not valid YAML ({problem}). Quote the whole override for the shell, "
             f'e.g. "data.sources=[{{path: a.jsonl}}, b/]"'
         ) from None
 
@@ -128,7 +191,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         for k in keys[:-1]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {text!r}: {k!r} is not a section")
+                raise ConfigError(f"override {short_repr(text)}: {k!r} is not a section")
         node[keys[-1]] = value
     if len(lengths) == 1 and isinstance(data.get("train"), dict):  # the command line's length replaces the preset's
         data["train"].pop(({"train_iters", "epochs"} - lengths).pop(), None)

@@ -4,9 +4,7 @@ per run directory. MLflow is imported inside the functions, as everywhere in dif
 
 from __future__ import annotations
 
-import yaml
-
-from difflm.config import PipelineConfig
+from difflm.config import PipelineConfig, safe_load
 from difflm.manifest import DataManifest
 from difflm.rundir import RunDir, run_name
 from difflm.tracking.degraded import tolerant
@@ -45,7 +43,7 @@ def training_mlflow_run(cfg: PipelineConfig, run: RunDir) -> str | None:
     ):
         try:
             their = PipelineConfig.model_validate(
-                yaml.safe_load(mlflow.artifacts.load_text(f"{candidate.info.artifact_uri}/config/resolved.yaml"))
+                safe_load(mlflow.artifacts.load_text(f"{candidate.info.artifact_uri}/config/resolved.yaml"))
             ).with_unique_tokens(data.unique_tokens)  # logged before a length in epochs had its steps
         except Exception:  # no config artifact (tracking degraded then): not provably this run
             continue

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +44,8 @@ RDZV_PORT_BASE = 20000  # + job id % 10000: a rendezvous port per job (jobs may 
 ROOT = Path(__file__).resolve().parent.parent.parent  # the project: `-m difflm.models.megatron.train` resolves here
 SLURM_RECORD = "slurm-job.json"  # <run>/slurm-job.json: the job submitted for this run (reattached to)
 LAUNCH_FILE = "launch.sbatch"
+# what `train.launch.slurm.python` must answer to: only an interpreter prints `(3, 11)`
+PYTHON_PROBE, PYTHON_PROBE_TIMEOUT = "import sys; print(sys.version_info[:2])", 30
 # Jobs get an allow-list of the environment, and credentials never go into it (difflm/credentials.py): they go into a file only this user
 # reads, in a private folder of the run, named to the job by path, read by the batch shell at start and removed
 # when the job ends (not at a requeue: the requeued job reads it again).
@@ -91,14 +95,31 @@ def _check_script_values(run_dir: Path, env: dict[str, str] | None) -> None:
 
 
 def _check_python(python: str) -> None:
-    """The job's python is an executable file here (the nodes see the same shared filesystem): a typo or a path to
-    something else is refused before anything is submitted."""
+    """The job's python is a Python interpreter of this submitter's version, here (the nodes see the same
+    shared filesystem): a typo, a path to something else (`/bin/sh` runs `-m torch.distributed.run` as a shell
+    would) or an interpreter too old or too new is refused before anything is submitted. Checked by running it
+    once with `-c` (this interpreter itself is known, and not run again)."""
     path = Path(python)
+    field, fix = f"train.launch.slurm.python={python!r}", "give the absolute path of the python (with this project "
+    fix += "installed) on the filesystem the nodes share"
     if not (path.is_absolute() and path.is_file() and os.access(path, os.X_OK)):
-        raise ConfigError(
-            f"train.launch.slurm.python={python!r} is not an executable file: give the absolute path of the python "
-            f"(with this project installed) on the filesystem the nodes share"
+        raise ConfigError(f"{field} is not an executable file: {fix}")
+    if os.path.realpath(path) == os.path.realpath(sys.executable):
+        return
+    try:
+        done = subprocess.run(
+            [python, "-c", PYTHON_PROBE], capture_output=True, text=True, timeout=PYTHON_PROBE_TIMEOUT, check=False
         )
+    except subprocess.TimeoutExpired:
+        raise ConfigError(f"{field} did not answer `-c` within {PYTHON_PROBE_TIMEOUT} s: {fix}") from None
+    except OSError as err:
+        raise ConfigError(f"{field} cannot be run ({err.strerror}): {fix}") from None
+    found = re.fullmatch(r"\((\d+), (\d+)\)\n?", done.stdout) if done.returncode == 0 else None
+    if not found:
+        raise ConfigError(f"{field} is not a Python interpreter (`-c` did not print its version): {fix}")
+    here = "{}.{}".format(*sys.version_info[:2])
+    if f"{found[1]}.{found[2]}" != here:  # the job runs this project's code and reads what this python wrote
+        raise ConfigError(f"{field} is Python {found[1]}.{found[2]}, not {here} as this submitter's python: {fix}")
 
 
 def sbatch_options(cfg: PipelineConfig, partition: str | None = None, time: str | None = None) -> list[str]:

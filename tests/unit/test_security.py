@@ -10,6 +10,7 @@ import json
 import os
 import pickle
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +27,7 @@ from prefect.serializers import PickleSerializer
 from prefect.settings import get_current_settings
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from deploy import stack
+from deploy import mlflow_auth, stack
 from difflm.config import ConfigError, load_config
 from difflm.data_prep import pipeline
 from difflm.data_prep import slurm as prep_slurm
@@ -37,6 +38,7 @@ from difflm.models.evaluation.stages import load_model
 from difflm.models.hf.convert import check_replaceable, hf_config, import_hf, load_megatron_weights, save_export
 from difflm.models.hf.export import Export
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
+from difflm.models.launch import slurm as slurm_launch
 from difflm.models.launch.cluster import sbatch_command, sbatch_options, slurm_script
 from difflm.models.launch.slurm import write_credentials
 from difflm.models.launch.torchrun import launch_training, run_dir
@@ -123,6 +125,33 @@ def test_the_jobs_python_must_be_an_executable_file(tmp_path):
             slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
     cfg = load_config("test-tiny", [f"train.launch.slurm.python={sys.executable}"])
     assert sys.executable in slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
+
+
+@pytest.mark.integration  # runs each candidate once with -c, as the check does
+def test_the_jobs_python_must_be_a_python_interpreter(tmp_path, monkeypatch):
+    # issue 50 item 6a: /bin/sh (or any executable) was accepted as the job's python
+    monkeypatch.setattr(slurm_launch, "PYTHON_PROBE_TIMEOUT", 2)
+    hangs = tmp_path / "hangs"
+    hangs.write_text("#!/bin/sh\nsleep 30\n")
+    old = tmp_path / "python3.8"
+    old.write_text("#!/bin/sh\necho '(3, 8)'\n")
+    for fake in (hangs, old):
+        fake.chmod(0o755)
+    for python, why in (
+        ("/bin/sh", "is not a Python interpreter"),
+        (hangs, "did not answer"),
+        (old, "is Python 3.8, not 3.11"),
+    ):
+        cfg = load_config("test-tiny", [f"train.launch.slurm.python={python}"])
+        with pytest.raises(ConfigError) as err:
+            slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
+        line = str(err.value)
+        assert "\n" not in line and f"train.launch.slurm.python={str(python)!r}" in line and why in line
+    wrapper = tmp_path / "python"  # another path to a real python (a venv's link, a module's wrapper) is accepted
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    wrapper.chmod(0o755)
+    cfg = load_config("test-tiny", [f"train.launch.slurm.python={wrapper}"])
+    assert str(wrapper) in slurm_script(cfg, RUN / "config.yaml", RUN / "data_manifest.json", RUN)
 
 
 @pytest.mark.parametrize("time", ["30", "00:30", "04:00:00", "2-00", "2-12:00", "1-00:00:00", "UNLIMITED"])
@@ -473,6 +502,35 @@ def test_the_stack_starts_its_services_with_a_private_umask(monkeypatch, tmp_pat
         assert (tmp_path / ".env").stat().st_mode & 0o777 == 0o600
     finally:
         os.umask(before)
+
+
+def test_stack_down_removes_the_mlflow_auth_ini_it_wrote(monkeypatch, tmp_path):
+    # issue 50 item 6c: the auth app's ini (0600, the auth database's password in its URI) stayed in /tmp after down
+    started = {}
+    monkeypatch.setattr(stack, "_start", lambda name, argv, env, state, cwd: started.setdefault(name, env))
+    monkeypatch.setattr(stack, "_wait", lambda *_: None)
+    state = tmp_path / "state"
+    (state / "logs").mkdir(parents=True)
+    (state / "logs" / "mlflow.log").write_text("kept")
+    stack.start_servers(stack.Stack({k: "pw" + k.lower() for k in stack.SECRETS}), state, timeout=1)
+
+    def exec_(*_):
+        raise SystemExit("the server would start here")
+
+    for key, value in started["mlflow"].items():  # deploy.mlflow_auth as the native start runs it
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(mlflow_auth.os, "execv", exec_)
+    monkeypatch.setattr(mlflow_auth.os, "execvp", exec_)
+    with pytest.raises(SystemExit, match="would start"):
+        mlflow_auth.main(["mlflow", "server"])
+    ini = Path(os.environ["MLFLOW_AUTH_CONFIG_PATH"])
+    try:
+        assert "pwmlflow_db_password" in ini.read_text() and ini.stat().st_mode & 0o777 == 0o600
+        stack.down(state)
+        assert not ini.exists() and (state / "logs" / "mlflow.log").read_text() == "kept"
+    finally:
+        if tmp_path not in ini.parents:  # written elsewhere (the temp folder): not left behind by this test
+            shutil.rmtree(ini.parent, ignore_errors=True)
 
 
 def test_the_cli_writes_with_a_private_umask(monkeypatch):

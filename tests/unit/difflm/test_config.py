@@ -205,3 +205,46 @@ def test_a_shorter_run_says_which_warmup_to_set():
     with pytest.raises(ConfigError, match=r"set train.schedule.warmup_iters too, e.g. train.schedule.warmup_iters=5"):
         load_config("tiny-cpu", ["train.train_iters=50"])
     assert load_config("tiny-cpu", ["train.train_iters=50", "train.schedule.warmup_iters=5"]).train.train_iters == 50
+
+
+def _alias_bomb(levels: int) -> str:
+    """'Billion laughs': each level a list of nine aliases of the one before, 9**levels strings from a few hundred
+    bytes (levels=9: 314 bytes, 387 million strings)."""
+    lines = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for prev, name in zip("abcdefghi", "bcdefghij"[: levels - 1], strict=False):
+        lines.append(f"{name}: &{name} [{','.join([f'*{prev}'] * 9)}]")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_yaml_alias_bomb_is_refused_in_one_short_line(tmp_path):
+    # issue 50 item 6b: 314 bytes of aliases made `difflm config show` print 580 MB (the error echoed the value)
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(_alias_bomb(7))  # 4.8 million strings: big enough to show the echo, small enough to fail fast
+    with pytest.raises(ConfigError) as err:
+        load_config(str(bomb))
+    line = str(err.value)
+    assert "\n" not in line and len(line) < 500 and "alias" in line and str(bomb) in line, line[:500]
+
+
+def test_an_error_echoes_at_most_a_few_hundred_characters_of_a_value(tmp_path):
+    preset = tmp_path / "long.yaml"
+    preset.write_text(f"model: {{num_layers: {'x' * 100_000}}}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(str(preset))
+    assert len(str(err.value)) < 1000 and "model.num_layers" in str(err.value)
+
+
+@pytest.mark.integration  # the CLI in a process of its own
+def test_config_show_refuses_a_314_byte_alias_bomb_in_one_line(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(_alias_bomb(9))
+    assert len(bomb.read_bytes()) < 400
+    proc = subprocess.run(
+        [sys.executable, "-m", "difflm.flows.cli", "config", "show", "--preset", str(bomb)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and len(proc.stderr) < 500 and not proc.stdout
+    assert "alias" in proc.stderr

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from difflm.errors import UserError
 from difflm.locks import OutputBusy, exclusive
 from difflm.rundir import lock_file
 
@@ -127,3 +128,48 @@ def test_another_thread_of_the_process_waits_as_another_process_does(tmp_path):
         events.append("first out")
     thread.join(timeout=10)
     assert events == ["waits", "first out", "second in"]
+
+
+# issue 50 item 5: a lock file planted by someone else (a link to a file of ours, a fifo, a file of another
+# user) is refused in one line naming what to remove; the file a link points to is never opened for writing
+
+
+def test_a_planted_symlink_lock_is_refused_and_its_target_untouched(tmp_path):
+    out = tmp_path / "runs" / "run-a"
+    out.parent.mkdir()
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    lock_file(out).symlink_to(target)
+    with pytest.raises(UserError) as err, exclusive(lock_file(out), f"train output {out}", "fail"):
+        pytest.fail("the lock was taken through a symlink")
+    assert target.read_text() == "keep me"
+    line = str(err.value)
+    assert "\n" not in line and "symlink" in line and f"remove {lock_file(out)}" in line
+
+
+def test_a_lock_that_is_not_a_regular_file_is_refused(tmp_path):
+    out = tmp_path / "run-a"
+    os.mkfifo(lock_file(out))
+    with pytest.raises(UserError) as err, exclusive(lock_file(out), f"train output {out}", "fail"):
+        pytest.fail("a fifo was taken as the lock")
+    assert "not a regular file" in str(err.value) and f"remove {lock_file(out)}" in str(err.value)
+
+
+def test_a_hard_linked_lock_is_refused_and_its_other_name_untouched(tmp_path):
+    out = tmp_path / "run-a"
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    os.link(target, lock_file(out))
+    with pytest.raises(UserError) as err, exclusive(lock_file(out), f"train output {out}", "fail"):
+        pytest.fail("a hard link was taken as the lock")
+    assert target.read_text() == "keep me" and f"remove {lock_file(out)}" in str(err.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root can give a file to another user")
+def test_a_lock_owned_by_another_user_is_refused(tmp_path):
+    out = tmp_path / "run-a"
+    lock_file(out).write_text("")
+    os.chown(lock_file(out), 65534, 65534)
+    with pytest.raises(UserError) as err, exclusive(lock_file(out), f"train output {out}", "fail"):
+        pytest.fail("another user's lock file was taken")
+    assert "owned by uid 65534" in str(err.value) and f"remove {lock_file(out)}" in str(err.value)

@@ -211,6 +211,32 @@ def test_difflm_convert_imports_a_stock_folder(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.integration  # the CLI in a subprocess
+def test_difflm_convert_refuses_a_folder_it_did_not_write_and_leaves_no_lock_there(tmp_path):
+    """issue 50 item 6d: `--out` a folder difflm did not write (a megatron checkpoint of someone else's: its
+    metadata.json; a folder of files) was taken as the import (a TypeError before) or refused with a `.NAME.lock`
+    left in the user's folder. Refused in one line before anything is written, the user's folder as it was."""
+    src = tiny_stock("qwen3-qknorm-hd", tmp_path / "src")
+    user = tmp_path / "user"
+    (user / "theirs").mkdir(parents=True)
+    (user / "theirs" / "metadata.json").write_text("{}")
+    (user / "mine").mkdir()
+    (user / "mine" / "thesis.tex").write_text("precious")
+    for name in ("theirs", "mine"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "difflm.flows.cli", "convert", str(src), "--out", str(user / name)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert len(proc.stderr.strip().splitlines()) == 1 and "nothing was written" in proc.stderr, proc.stderr
+        assert "start training from it" not in proc.stdout
+    assert sorted(p.name for p in user.iterdir()) == ["mine", "theirs"]  # no .mine.lock, no .theirs.lock
+    assert [f.name for f in (user / "theirs").iterdir()] == ["metadata.json"]
+    assert (user / "mine" / "thesis.tex").read_text() == "precious" and len(list((user / "mine").iterdir())) == 1
+
+
 def test_an_ar_run_exports_the_stock_class_that_lm_eval_scores(megatron_single_process, tmp_path, tiny_manifest):
     """The pipeline's export stage of an `ar` run also writes <run>/hf-stock: a Llama (trained here, so no recorded
     architecture) that AutoModelForCausalLM loads without remote code, giving the megatron model's logits (checked
