@@ -135,22 +135,29 @@ class ParquetSource(_ColumnarMixin, BaseDiskReader):
                 return
             row = 0
             for g in range(meta.num_row_groups):
-                group = meta.row_group(g)
-                chunks = [group.column(j) for j in range(group.num_columns)]
-                chunks = [c for c in chunks if c.path_in_schema == key or c.path_in_schema.startswith(f"{key}.")]
-                found = [p for c in chunks for p in pages(headers, c)]
-                rows, size = group.num_rows, sum(c.total_uncompressed_size for c in chunks)
-                page = max((p for p, _ in found), default=0)
-                if problem := _page_problem(found):
-                    detail = f"({problem}: the row group of rows {row}-{row + rows - 1} is not read)"
-                    self._skip("oversize_record", f"{filepath} row {row}", detail, n=rows)
+                rows = meta.row_group(g).num_rows
+                batch = self._batch_rows(headers, meta.row_group(g), f"{filepath} row {row}", row)
+                if not batch:
                     row += rows
                     continue
-                batch = max(1, min(_BATCH_TARGET * rows // max(size, 1), _BATCH_BYTES // max(page, 1)))
                 for part in pqf.iter_batches(batch_size=batch, row_groups=[g], columns=[key]):
                     for where, text in self._texts(part.column(0), filepath, row):
                         yield Document(text=text, id=f"{self.source}:{where}", metadata={"source": self.source})
                     row += part.num_rows
+
+    def _batch_rows(self, headers, group, where: str, row: int) -> int:
+        """The rows of one record batch of row `group` (its metadata), from the pages of its text column in the
+        open file `headers`; 0 when the group cannot be read in bounded memory (then its rows are counted)."""
+        key, rows = self.text_key, group.num_rows
+        chunks = [group.column(j) for j in range(group.num_columns)]
+        chunks = [c for c in chunks if c.path_in_schema == key or c.path_in_schema.startswith(f"{key}.")]
+        found = [p for c in chunks for p in pages(headers, c)]
+        if problem := _page_problem(found):
+            detail = f"({problem}: the row group of rows {row}-{row + rows - 1} is not read)"
+            self._skip("oversize_record", where, detail, n=rows)
+            return 0
+        size, page = sum(c.total_uncompressed_size for c in chunks), max((p for p, _ in found), default=0)
+        return max(1, min(_BATCH_TARGET * rows // max(size, 1), _BATCH_BYTES // max(page, 1)))
 
 
 class ArrowSource(_ColumnarMixin, BaseDiskReader):

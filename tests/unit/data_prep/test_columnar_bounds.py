@@ -10,7 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+
+from difflm.data_prep.parquet_pages import pages
+from difflm.data_prep.readers import make_reader
 
 ROOT = Path(__file__).resolve().parents[3]
 HUGE = 512 << 20
@@ -85,7 +90,9 @@ def _read(path: Path, fmt: str, cap: int = 0) -> tuple[dict, str]:
         timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    print("peak RSS MiB", result["peak_mb"])
+    return result, out.stderr
 
 
 def _write(shape: str, path: Path) -> Path:
@@ -118,7 +125,7 @@ def test_a_huge_text_in_a_nested_list_column_is_skipped_in_bounded_memory(tmp_pa
 @pytest.mark.integration
 def test_a_repeated_dictionary_value_is_read_one_copy_at_a_time(tmp_path):
     """1.4 KiB of Parquet, one 30 MiB text repeated 100 times: 3 GB of text, each a document within the limit,
-    read one at a time (it held 26 copies at once, twice over: 1.6 GB)."""
+    read one at a time (it held 26 copies at once, twice over: 3.5 GB)."""
     path = _write("dictionary_100", tmp_path / "dict.parquet")
     assert path.stat().st_size < 4 << 10
     result, _ = _read(path, "parquet")
@@ -149,3 +156,36 @@ def test_a_huge_document_in_a_saved_hf_dataset_is_skipped_in_bounded_memory(tmp_
     assert result["skipped"] == {"skipped_oversize_record": 1}, result
     assert result["peak_mb"] < 400, result
     assert "data-00000-of-00001.arrow row 1: oversize record" in err
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"use_dictionary": False, "compression": "zstd", "write_statistics": True, "write_page_index": True},
+        {"use_dictionary": False, "data_page_version": "2.0", "column_encoding": {"text": "DELTA_BYTE_ARRAY"}},
+    ],
+    ids=["dictionary", "statistics", "v2-delta"],
+)
+def test_page_headers_give_every_pages_size_and_values(tmp_path, options):
+    texts = [f"document {i} " * (i % 50) for i in range(20000)]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "a.parquet", data_page_size=64 << 10, **options)
+    chunk = pq.ParquetFile(tmp_path / "a.parquet").metadata.row_group(0).column(0)
+    with open(tmp_path / "a.parquet", "rb") as f:
+        found = pages(f, chunk)
+    data = found[1:] if chunk.has_dictionary_page else found
+    assert len(data) > 3 and sum(values for _, values in data) == 20000, found
+    assert max(size for size, _ in found) < chunk.total_uncompressed_size
+
+
+def test_long_documents_in_pyarrows_large_pages_read_as_ever(tmp_path):
+    """pyarrow writes 1024 values to a page whatever their size: 70 documents of 1 MiB make one 70 MiB page,
+    which holds no value over the limit and is read whole, as before."""
+    texts = [f"{i:02d}" * (1 << 19) for i in range(70)] + ["short"]  # distinct: no dictionary
+    pq.write_table(pa.table({"text": texts}), tmp_path / "long.parquet")
+    chunk = pq.ParquetFile(tmp_path / "long.parquet").metadata.row_group(0).column(0)
+    with open(tmp_path / "long.parquet", "rb") as f:
+        assert max(size for size, _ in pages(f, chunk)) > 70 << 20
+    reader = make_reader(tmp_path / "long.parquet", "parquet", "text", "p")
+    assert [d.text for d in reader.run()] == texts
+    assert not [k for k in reader.stats.stats if k.startswith("skipped_")]
