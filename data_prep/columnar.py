@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -54,6 +55,9 @@ def _lengths(values: pa.Array) -> list[int | None]:
     """The byte length of each value (None for a null), from the offsets: nothing is copied."""
     if pa.types.is_dictionary(values.type):
         return pc.binary_length(values.dictionary).take(values.indices).to_pylist()
+    if pa.types.is_string_view(values.type):  # no binary_length kernel: a view's first 4 bytes are its length
+        views = np.frombuffer(values.buffers()[1], np.int32)[values.offset * 4 :: 4][: len(values)]
+        return [None if null else int(n) for n, null in zip(views, values.is_null().to_pylist())]
     return pc.binary_length(values).to_pylist()
 
 

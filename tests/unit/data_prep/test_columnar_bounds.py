@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from difflm.data_prep.columnar import _lengths
 from difflm.data_prep.parquet_pages import pages
 from difflm.data_prep.readers import make_reader
 
@@ -189,3 +190,11 @@ def test_long_documents_in_pyarrows_large_pages_read_as_ever(tmp_path):
     reader = make_reader(tmp_path / "long.parquet", "parquet", "text", "p")
     assert [d.text for d in reader.run()] == texts
     assert not [k for k in reader.stats.stats if k.startswith("skipped_")]
+
+
+def test_value_lengths_come_from_the_offsets_for_every_string_layout():
+    values = ["ab", None, "c" * 20, "d"]
+    dictionary = pa.DictionaryArray.from_arrays(pa.array([0, None, 1, 2]), pa.array(["ab", "c" * 20, "d"]))
+    for array in (pa.array(values), pa.array(values, pa.large_string()), pa.array(values, pa.string_view())):
+        assert _lengths(array) == [2, None, 20, 1] and _lengths(array.slice(1)) == [None, 20, 1], array.type
+    assert _lengths(dictionary) == [2, None, 20, 1]  # a dictionary value counts for every row that repeats it
