@@ -10,8 +10,8 @@ one 30 MiB dictionary value that 1000 rows repeat (30 GB once expanded). So, bef
   pyarrow decompresses a page whole to read any of its values, and writes 1024 values to a page whatever their
   size, so a file of legitimate long documents has pages of hundreds of MiB: the page cap is set for them, and
   reading such a file costs about twice its largest page;
-- the others are read in record batches of the text column alone, sized so that a batch holds at most
-  `_BATCH_BYTES` of text even if every row is as large as the largest page (no value can be larger than its
+- the others are read in record batches of the text column alone, sized so that a batch takes at most
+  `_BATCH_BYTES` of memory even if every row is as large as the largest page (no value can be larger than its
   page, a dictionary value than the dictionary page); an Arrow stream is memory-mapped, so a batch's text is
   not read until it is used;
 - each value's length is read from the Arrow offsets (a dictionary value counts for every row that repeats it):
@@ -41,7 +41,8 @@ from difflm.data_prep.tolerant import MAX_FILE_BYTES, MAX_RECORD_BYTES, _Oversiz
 # page is not read. pyarrow writes 1024 values to a page, so this admits documents of 1 MiB on average.
 MAX_PAGE_BYTES = 1 << 30
 _LEVELS = 64  # what a value may add to a page beside its text: its length, its repetition and definition levels
-_BATCH_BYTES = 64 << 20  # the most text one record batch may hold, whatever its rows hold
+_BATCH_BYTES = 64 << 20  # the most memory one record batch may take, whatever its rows hold
+_BUILDER_GROWTH = 2  # Arrow's builders double their buffers: a batch of text takes up to twice its bytes
 _BATCH_TARGET = 8 << 20  # what a batch aims at, from the group's average row
 
 
@@ -161,7 +162,7 @@ class ParquetSource(_ColumnarMixin, BaseDiskReader):
             self._skip("oversize_record", where, detail, n=rows)
             return 0
         size, page = sum(c.total_uncompressed_size for c in chunks), max((p for p, _ in found), default=0)
-        return max(1, min(_BATCH_TARGET * rows // max(size, 1), _BATCH_BYTES // max(page, 1)))
+        return max(1, min(_BATCH_TARGET * rows // max(size, 1), _BATCH_BYTES // max(_BUILDER_GROWTH * page, 1)))
 
 
 class ArrowSource(_ColumnarMixin, BaseDiskReader):
