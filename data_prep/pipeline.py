@@ -35,11 +35,12 @@ from difflm.data_prep.budget import document_order, select, write_subset
 from difflm.data_prep.corpus import SOURCES, demo_corpus
 from difflm.data_prep.errors import DataPrepError, SubmittedToCluster
 from difflm.data_prep.quiet import QuietLocalExecutor  # per-file and per-task INFO to the task logs only
-from difflm.data_prep.readers import DamagedFileError, detect_format, load_faults, make_reader, unknown_files
+from difflm.data_prep.readers import detect_format, make_reader, unknown_files
 from difflm.data_prep.slurm import forget_credentials, slurm_executor
 from difflm.data_prep.split import SPLITS, split_of
 from difflm.data_prep.steps import ExactDedup, HashShard, LengthFilter, SplitSourceWriter, UnicodeNormalizer
 from difflm.data_prep.tokenizer import TokenizerError, TokenizerInfo, describe, load_tokenizer, train_bpe
+from difflm.data_prep.tolerant import DamagedFileError, load_faults
 from difflm.data_prep.verify import read_index, verify
 from difflm.errors import disk_full, is_disk_full
 from difflm.locks import exclusive

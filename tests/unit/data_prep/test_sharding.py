@@ -13,7 +13,7 @@ from datatrove.utils.logging import setup_default_logger
 from helpers import tiny_config
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-import difflm.data_prep.readers as readers
+import difflm.data_prep.columnar as columnar
 from difflm.data_prep.pipeline import prepare_data
 from difflm.data_prep.readers import make_reader
 from difflm.data_prep.sharding import InputFile, plan
@@ -143,12 +143,12 @@ def test_four_tasks_read_a_quarter_each_and_write_the_one_task_documents(tmp_pat
 
 
 def test_a_parquet_text_over_the_limits_is_a_counted_skip(tmp_path, monkeypatch):
-    monkeypatch.setattr(readers, "MAX_RECORD_BYTES", 100)
-    monkeypatch.setattr(readers, "MAX_ROW_GROUP_TEXT_BYTES", 1000)
+    monkeypatch.setattr(columnar, "MAX_RECORD_BYTES", 200)  # a.parquet's page is read: its values could fit
+    monkeypatch.setattr(columnar, "_BATCH_TARGET", 1000)  # c.parquet's group is read in batches of 18 rows
     pq.write_table(pa.table({"text": ["short one", "x" * 500, "short two"]}), tmp_path / "a.parquet")
-    pq.write_table(pa.table({"text": ["y" * 5000]}), tmp_path / "b.parquet")  # one row over the group bound
+    pq.write_table(pa.table({"text": ["y" * 5000]}), tmp_path / "b.parquet")  # a page over its one value
     pq.write_table(pa.table({"text": ["z" * 50] * 100}), tmp_path / "c.parquet", row_group_size=100)
     reader = make_reader(tmp_path, "parquet", "text", "p")
     texts = [d.text for d in reader.run()]
-    assert texts == ["short one", "short two"] + ["z" * 50] * 100  # a many-row group over the bound, in batches
+    assert texts == ["short one", "short two"] + ["z" * 50] * 100  # a many-row group, in batches
     assert reader.stats["skipped_oversize_record"].total == 2
