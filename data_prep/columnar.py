@@ -162,7 +162,16 @@ class ParquetSource(_ColumnarMixin, BaseDiskReader):
             self._skip("oversize_record", where, detail, n=rows)
             return 0
         size, page = sum(c.total_uncompressed_size for c in chunks), max((p for p, _ in found), default=0)
-        return max(1, min(_BATCH_TARGET * rows // max(size, 1), _BATCH_BYTES // max(_BUILDER_GROWTH * page, 1)))
+        target = _BATCH_TARGET * rows // max(size, 1)  # rows of an average batch
+        whole_pages = _BATCH_BYTES // max(_BUILDER_GROWTH * page, 1)  # pages' worth of text a batch may hold
+        if any(c.has_dictionary_page for c in chunks) or whole_pages <= 2:
+            # a dictionary value may repeat in every row: any row may expand to the largest page
+            return max(1, min(target, whole_pages))
+        # plain pages hold their values' bytes: k rows span at most k / (fewest values a page holds) + 2 pages, so
+        # a batch of small documents is not cut to a few rows because the pages are large (1024 values each)
+        counts = [v for _, v in found if v] or [1]
+        fewest = min(counts[:-1] or counts)  # the chunk's last page may hold a few rows: it is one of the + 2
+        return max(1, min(target, (whole_pages - 2) * fewest))
 
 
 class ArrowSource(_ColumnarMixin, BaseDiskReader):
