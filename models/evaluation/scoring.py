@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from difflm.models.diffusion import MaskedSampler, rolling_windows
+from difflm.models.evaluation.efficiency import ModelCalls
 
 
 def request_generator(seed: int, *token_lists: list[int]) -> torch.Generator:
@@ -159,7 +160,9 @@ class Scorer:
         self, prompts: list[str], max_new_tokens: int, settings: MaskedSampler, until: list[str] | None = None
     ) -> list[dict]:
         """A completion per prompt (batched, left-padded), cut at EOS and at the first `until` string.
-        Each record carries the sampler settings, the model calls and the wall time of its batch.
+        Each record carries the sampler settings, the wall time of its batch (its share: seconds), the time to the
+        first model call's end (`ttft_s`), its valid tokens (`tokens`: up to the first EOS) and its batch's model
+        calls: `nfe` every forward (counted by a hook: efficiency.py), `model_calls` the sampler's denoising calls.
 
         Prompt and completion fit in max_length: `max_new_tokens` is capped at max_length - 1 (with a warning) and
         each prompt keeps its newest max_length - max_new_tokens tokens. Each row draws from a generator seeded
@@ -180,11 +183,16 @@ class Scorer:
             attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=self.device)
             gens = [request_generator(self.seed, e) for e in encoded]  # noise is drawn on the CPU, per row
             stats: dict = {}
-            t0 = time.perf_counter()
-            seq = self.model.generate_continuation(
-                ids, max_new_tokens, settings, gens, attention_mask=attn, forbidden_ids=(self.pad,), stats=stats
-            )
-            seconds = time.perf_counter() - t0
+            counter = ModelCalls(self.model)
+            with counter.counting():
+                _sync(self.device)
+                t0 = time.perf_counter()
+                seq = self.model.generate_continuation(
+                    ids, max_new_tokens, settings, gens, attention_mask=attn, forbidden_ids=(self.pad,), stats=stats
+                )
+                _sync(self.device)
+                seconds = time.perf_counter() - t0
+            ttft = (counter.first_end - t0) if counter.first_end is not None else None
             for row, prompt in enumerate(batch):
                 new = seq[row, width:].tolist()
                 tokens = new[: new.index(self.eos)] if self.eos in new else new
@@ -198,7 +206,11 @@ class Scorer:
                         "completion": text,
                         "tokens": len(tokens),
                         "model_calls": stats.get("nfe"),
+                        "nfe": counter.calls,  # this sample rode every call of its batch
                         "seconds": seconds / len(batch),
+                        "batch_seconds": seconds,
+                        "batch_size": len(batch),
+                        "ttft_s": ttft,
                         "sampler": {
                             **asdict(settings),
                             **stats.get("settings", {}),  # what the model's own decoder adds (block diffusion)
@@ -209,3 +221,9 @@ class Scorer:
                     }
                 )
         return out
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the GPU's queued work, so that the clock measures it (a no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
