@@ -54,7 +54,7 @@ def adapt_difflm(source: str = "smollm2", preset: str = "adapt-dream", overrides
         table = adapt.comparison_markdown(lineage, adapted, source_ar)
         (run.trained.run.path / "adaptation.md").write_text(table)
         if run_id:
-            tracking.log_evaluation(source_ar.to_dict(), prefix="source_ar")
+            tracking.log_evaluation(source_ar.tracked(), prefix="source_ar")
             tracking.log_text(table, "adaptation.md")
             tracking.set_tags({f"stage.{k}": v for k, v in stages.items()})
     logger.info("\n" + table)
@@ -111,7 +111,7 @@ EVALUATE_SOURCE_AR = Stage(
     key=_source_key,
     args=lambda run, out, key: (adapt.ar_config(run.cfg), run.manifest, str(run.source_hf.folder), str(out), False),
     read=EvalRecord.of,  # an EvalRecord, or the dict a stage cached before it was typed stored
-    log=lambda run, out: tracking.log_evaluation(out.result.to_dict(), prefix="source_ar"),
+    log=lambda run, out: tracking.log_evaluation(out.result.tracked(), prefix="source_ar"),
     after=lambda run, out: mark_eval_done(out.output, out.key),
     status=ran_or_cached,
 )

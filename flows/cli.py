@@ -137,11 +137,19 @@ def _run_of_run_dir(args) -> RunDir | None:
 def _run_of_sources(args) -> RunDir | None:
     """The run the first SOURCE (eval, generate) belongs to, when it recorded its config and data; for a models:/
     source, the last `difflm run` of the workdir used last (whose MLflow store it is read from)."""
-    for source in getattr(args, "sources", None) or [args.source]:
+    reproduce = getattr(args, "reproduce", None)
+    for source in getattr(args, "sources", None) or ([_record_export(reproduce)] if reproduce else [args.source]):
         run = _last_run() if source.startswith("models:/") else RunDir.holding(Path(source).expanduser())
         if run is not None and run.has_inputs():
             return run
     return None
+
+
+def _record_export(record: str) -> str:
+    """The export an evaluation record scored (`eval --reproduce`): its run's config is the rerun's."""
+    from difflm.models.evaluation.record import EvalRecord
+
+    return EvalRecord.read(record).export
 
 
 def _last_run() -> RunDir | None:
@@ -250,14 +258,38 @@ COMMANDS = (
         "For each SOURCE: the likelihood bound on held-out windows, the tasks built from the held-out split and "
         "samples, on the data and config its run recorded; one table. data.* overrides score other data, into "
         "<run>/eval-<data hash>.",
-        lambda cfg, a: commands.evaluate(cfg, a.sources, a.preset, a.overrides, a.out, a.tracking_uri, a.flow),
+        lambda cfg, a: (
+            commands.reproduce(a.reproduce, a.overrides, a.out)
+            if a.reproduce
+            else commands.evaluate(cfg, a.sources, a.preset, a.overrides, a.out, a.tracking_uri, a.flow, a.force)
+        ),
         (
-            arg("sources", nargs="+", metavar="SOURCE", help=SOURCE_HELP),
+            arg("sources", nargs="*", metavar="SOURCE", help=SOURCE_HELP),
             arg("--out", default=None, help="results folder (default: <run>/eval, or <workdir>/evals/<source>)"),
             arg("--tracking-uri", default=None, help="MLflow store for models:/ sources (default: the config's)"),
+            arg("--force", action="store_true", help="evaluate again even where a record of the same settings exists"),
+            arg(
+                "--reproduce",
+                metavar="RECORD",
+                default=None,
+                help="rerun an evaluation record (results.json or its folder) with its model, data and settings, "
+                "and say whether each score is within its standard error",
+            ),
             flow_flag("evaluate"),
         ),
         run_of=_run_of_sources,
+    ),
+    Command(
+        "compare",
+        "evaluation records side by side: a table and accuracy against TPF and tokens/s",
+        "One point per decoding setting of each RECORD (results.json or an evaluation folder: its own decoding, its "
+        "sweep, its AR baseline): compare.md, compare.json and compare.png in --out, and an MLflow run. Records "
+        "from different machines compare by TPF, NFE and AUP (tokens/s left out).",
+        lambda cfg, a: commands.compare(cfg, a.records, a.out),
+        (
+            arg("records", nargs="+", metavar="RECORD", help="results.json files or evaluation folders"),
+            arg("--out", default=None, help="output folder (default: <workdir>/reports/compare-<time>)"),
+        ),
     ),
     Command(
         "eval-latest",
@@ -425,8 +457,13 @@ def _parse(argv: list[str] | None):
     if getattr(args, "sources", None):  # nargs="+" also swallows the key=value overrides that follow
         args.overrides += [x for x in args.sources if _is_override(x)]
         args.sources = [x for x in args.sources if not _is_override(x)]
-        if not args.sources:
-            parser.error("eval needs at least one SOURCE (export folder, run directory or models:/name/version)")
+    if args.command == "eval" and not args.sources and not args.reproduce:
+        parser.error(
+            "eval needs at least one SOURCE (export folder, run directory or models:/name/version), or "
+            "--reproduce RECORD"
+        )
+    if args.command == "eval" and args.sources and args.reproduce:
+        parser.error("eval --reproduce RECORD reruns the record's own model: give no SOURCE beside it")
     return args
 
 

@@ -303,12 +303,15 @@ def evaluate(
     out: str | None,
     tracking_uri: str | None,
     flow: bool,
+    force: bool = False,
 ) -> int:
     """Each SOURCE on its own run's recorded config and data (difflm.tasks.sources.evaluation_source), unless
-    --preset or data overrides say otherwise; results on other data go to <run>/eval-<data hash>. Prints one table."""
+    --preset or data overrides say otherwise; results on other data go to <run>/eval-<data hash>. A record of the
+    same export, data and settings already there (the pipeline's own evaluation) is reused, unless --force; when
+    one exists with other settings, the line says which. Prints one table."""
     from difflm.models.evaluation.record import EvalRecord
     from difflm.models.evaluation.report import comparison_table
-    from difflm.models.evaluation.stages import evaluate_export, sweep_export
+    from difflm.models.evaluation.stages import evaluate_export, reuse_check, sweep_export
     from difflm.tasks.sources import evaluation_source
     from difflm.tracking import tracking_uri as config_tracking_uri
 
@@ -323,23 +326,82 @@ def evaluate(
             continue
         plan = evaluation_source(source, preset, overrides, tracking_uri or config_tracking_uri(cfg), out)
         c, manifest, hf_dir, out_dir = plan["config"], plan["manifest"], plan["hf_dir"], plan["out_dir"]
+        reused, why = (None, "--force") if force else reuse_check(c, manifest, hf_dir, out_dir)
+        if reused is not None:
+            print(f"{source}: reused {out_dir}/results.json (the same export, data and settings; --force recomputes)")
+            found[source] = reused
+            continue
+        if why:
+            print(f"{source}: evaluating again: {why}")
         results = evaluate_export(c, manifest, hf_dir, out_dir, untrained=False)
-        found[source] = results.replace(sweep=sweep_export(c, manifest, hf_dir, out_dir))
+        sweep = sweep_export(c, manifest, hf_dir, out_dir)
+        found[source] = EvalRecord.read(out_dir).replace(report=results.report) if sweep else results
         other = f" (data {manifest.hash}: not the data its run was trained on)" if plan["other_data"] else ""
         print(f"{source}: results in {out_dir}{other}")
     print(comparison_table(found))
     for source, res in found.items():
         for row in res.sweep or []:
             print(
-                f"{source} steps {row['steps']:>3}: cloze accuracy {row['accuracy']:.3f}, "
-                f"{row['tokens_per_s']:.1f} tokens/s"
+                f"{source} {row.get('setting', 'steps ' + str(row['steps']))}: exact match {row['accuracy']:.3f}, "
+                f"TPF {row.get('tpf') or 0:.2f}, {row['tokens_per_s'] or 0:.1f} tokens/s"
             )
         if res.samples:
             s = res.samples[0]
             print(f"{source} sample: {s['prompt']!r} -> {s['completion'][:160]!r}")
-    report = next(iter(found.values())).report
+    report = next((r.report for r in found.values() if r.report), None)
     if report:
         print(f"report of every run on this data: {report}")
+    return 0
+
+
+def reproduce(record_path: str, overrides: list[str], out: str | None) -> int:
+    """`difflm eval --reproduce RECORD`: the record's export, data and settings evaluated again into a folder of
+    their own (default: <record folder>/reproduced-<UTC time>); one line per score; exit 1 when one is not
+    within its standard error. Overrides change a setting on purpose (the lines then name it)."""
+    import datetime
+
+    from difflm.models.evaluation.record import EvalRecord
+    from difflm.models.evaluation.reproduce import check_export, reproduction, rerun_overrides
+    from difflm.models.evaluation.stages import evaluate_export
+    from difflm.tasks.sources import evaluation_source
+
+    path = Path(record_path)
+    old = EvalRecord.read(path)
+    folder = check_export(old)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
+    out_dir = Path(out) if out else (path if path.is_dir() else path.parent) / f"reproduced-{stamp}"
+    plan = evaluation_source(str(folder), None, [*rerun_overrides(old), *overrides], None, out_dir)
+    if plan["manifest"].hash != old.data_hash:
+        print(f"difflm: the rerun's data {plan['manifest'].hash} is not the record's {old.data_hash}", file=sys.stderr)
+    new = evaluate_export(plan["config"], plan["manifest"], plan["hf_dir"], out_dir, untrained=False)
+    ok, lines = reproduction(old, new)
+    for line in lines:
+        print(line)
+    print(f"{'reproduced' if ok else 'NOT reproduced'}: {path} (the rerun's record: {out_dir / 'results.json'})")
+    return 0 if ok else 1
+
+
+def compare(cfg: PipelineConfig, records: list[str], out: str | None) -> int:
+    """`difflm compare RECORD...`: the table, points and picture in --out (default <workdir>/reports/compare-<time>),
+    and the same as an MLflow run of the config's experiment."""
+    import datetime
+
+    from difflm import tracking
+    from difflm.models.evaluation.reproduce import compare as compare_records
+    from difflm.models.evaluation.reproduce import read_records
+
+    found = read_records(records)
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S")
+    out_dir = Path(out) if out else Workdir.of(cfg).reports / f"compare-{stamp}"
+    files = compare_records(found, out_dir)
+    print(files["table"].read_text())
+    with tracking.pipeline_run(cfg, f"compare-{stamp}", {"flow": "compare"}) as run_id:
+        if run_id:
+            tracking.log_files(list(files.values()), "compare")
+    for kind, f in files.items():
+        print(f"{kind}: {f}")
+    if run_id:
+        print(f"mlflow run: {run_id}")
     return 0
 
 

@@ -52,7 +52,7 @@ def evaluate(
         results = evaluate_task(cfg, manifest, str(hf_dir), str(out), untrained=False)
         results = results.replace(sweep=sweep_task(cfg, manifest, str(hf_dir), str(out)))
         if run_id:
-            tracking.log_evaluation(results.to_dict())
+            tracking.log_evaluation(results.tracked())
             tracking.log_sweep(results.sweep or [], out / "sweep.png")
             tracking.log_data_stats(manifest, context="evaluation")
         link = artifacts.mlflow_run_url(tracking.tracking_uri(cfg), tracking.experiment_of(run_id), run_id)

@@ -59,7 +59,8 @@ def _score_newest(cfg: PipelineConfig, run: RunDir, max_sequences: int, force: b
         return {**done[newest], "skipped": "already evaluated"}
     manifest = run.manifest()
     iteration, hf_dir = export_newest_task(cfg, manifest, run)
-    score = score_bound_task(cfg, manifest, hf_dir, max_sequences)
+    # the evaluation record of this checkpoint's score, beside scores.json
+    score = score_bound_task(cfg, manifest, hf_dir, max_sequences, str(run.eval_latest / f"iter_{iteration:07d}"))
     run_id = log_latest_score(cfg, run, iteration, score)
     record = {
         "iteration": iteration,

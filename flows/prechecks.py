@@ -125,9 +125,17 @@ def _convert(cfg: PipelineConfig, args: argparse.Namespace) -> None:
 
 
 def _sources(args: argparse.Namespace) -> None:
+    if getattr(args, "reproduce", None):
+        _must_exist(args.reproduce, "RECORD", "pass an evaluation's results.json or its folder (<run>/eval)")
+        return
     for source in getattr(args, "sources", None) or [args.source]:
         if not source.startswith("models:/"):
             _must_exist(source, "SOURCE", EXPORT_HINT)
+
+
+def _records(args: argparse.Namespace) -> None:
+    for record in args.records:
+        _must_exist(record, "RECORD", "pass evaluations' results.json files or their folders (<run>/eval)")
 
 
 def _run_dir(args: argparse.Namespace) -> None:
@@ -142,6 +150,7 @@ ARGUMENT_CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
     "eval": _sources,
     "generate": _sources,
     "eval-latest": _run_dir,
+    "compare": _records,
     "serve": _run_dir,
 }
 

@@ -110,7 +110,7 @@ def run_pipeline(
 
 def _register(run: PipelineRun, logger) -> dict:
     """The evaluation and stage statuses into the pipeline's MLflow run; the export registered (and promoted)."""
-    tracking.log_evaluation(run.results.to_dict())
+    tracking.log_evaluation(run.results.tracked())
     tracking.set_tags({f"stage.{k}": v for k, v in run.stages.items()})
     registered = (
         tracking.log_and_register_model(
@@ -253,7 +253,7 @@ EVALUATE = Stage(
     key=lambda run, out: eval_key(run.cfg, run.manifest, run.export.folder),
     args=lambda run, out, key: (run.cfg, run.manifest, str(run.export.folder), str(out), True, key),
     read=EvalRecord.of,  # an EvalRecord, or the dict a stage cached before it was typed stored
-    log=lambda run, out: tracking.log_evaluation(out.result.to_dict()),
+    log=lambda run, out: tracking.log_evaluation(out.result.tracked()),
     after=_evaluated,
     summary=lambda run, out: artifacts.evaluation_markdown(out.result, out.cached),
     title="evaluation",

@@ -10,7 +10,9 @@ from pathlib import Path
 from difflm.config import PipelineConfig
 from difflm.manifest import DataManifest
 from difflm.models.evaluation.likelihood import likelihood_bound, validation_windows
-from difflm.models.evaluation.stages import check_tokenizer, eval_device, load_model, placement
+from difflm.models.evaluation.protocol import environment, model_identity
+from difflm.models.evaluation.record import EvalRecord
+from difflm.models.evaluation.stages import check_tokenizer, eval_device, load_model, load_tokenizer, placement
 from difflm.rundir import HF, RunDir
 from difflm.tasks.conversion import export_checkpoint
 
@@ -51,14 +53,28 @@ def export_newest(cfg: PipelineConfig, manifest: DataManifest, run: RunDir, atte
     raise FileNotFoundError(f"{run.path}: checkpoints were pruned faster than they could be read; run again")
 
 
-def score_export_bound(cfg: PipelineConfig, manifest: DataManifest, hf_dir: Path, max_sequences: int) -> dict:
+def score_export_bound(
+    cfg: PipelineConfig, manifest: DataManifest, hf_dir: Path, max_sequences: int, out_dir: Path | None = None
+) -> dict:
     """The held-out likelihood bound (ELBO; exact NLL for ar) of an export on at most `max_sequences` windows:
-    the cheap score of evaluate-latest (the same estimator as the full evaluation, a smaller budget)."""
-    model = load_model(hf_dir, *eval_device(cfg.eval))
+    the cheap score of evaluate-latest (the same estimator as the full evaluation, a smaller budget). With
+    `out_dir`, also its evaluation record there (results.json: the bound, the model's identity, the software)."""
+    model, tok = load_model(hf_dir, *eval_device(cfg.eval)), load_tokenizer(hf_dir)
     check_tokenizer(model, manifest, hf_dir)
     windows = validation_windows(
         manifest,
         min(cfg.train.seq_length, model.config.max_position_embeddings),
         min(cfg.eval.max_sequences, max_sequences),
     )
-    return {**likelihood_bound(model, windows, cfg).to_dict(), **placement(model)}
+    bound = likelihood_bound(model, windows, cfg, tokenizer=tok).to_dict()
+    if out_dir is not None:
+        EvalRecord(
+            mode=model.config.model_running_mode,
+            data_hash=manifest.hash,
+            export=str(hf_dir),
+            **placement(model),
+            bounds={"trained": bound},
+            model=model_identity(model, hf_dir),
+            environment=environment(),
+        ).write(out_dir)
+    return {**bound, **placement(model)}

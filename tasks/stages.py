@@ -143,8 +143,10 @@ def export_newest_task(cfg: PipelineConfig, manifest: DataManifest, run: RunDir)
 
 
 @task(name="score-bound", cache_policy=NO_CACHE)
-def score_bound_task(cfg: PipelineConfig, manifest: DataManifest, hf_dir: str, max_sequences: int) -> dict:
-    score = score_export_bound(cfg, manifest, Path(hf_dir), max_sequences)
+def score_bound_task(
+    cfg: PipelineConfig, manifest: DataManifest, hf_dir: str, max_sequences: int, out_dir: str | None = None
+) -> dict:
+    score = score_export_bound(cfg, manifest, Path(hf_dir), max_sequences, Path(out_dir) if out_dir else None)
     get_run_logger().info(
         f"validation {KIND_LABELS[score['kind']]}: {score['ppl']:.2f} ({score['nll_per_token']:.4f} "
         f"nats/token, {score['sequences']} windows, on {score['device']})"

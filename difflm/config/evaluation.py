@@ -118,6 +118,26 @@ class EvalConfig(_Section):
         default_factory=list,
         description="Sampler steps to sweep in the evaluate flow (quality and speed against steps); empty: none.",
     )
+    threshold_sweep: list[float] = Field(
+        default_factory=list,
+        description="Confidence thresholds (Fast-dLLM) to sweep after the steps: with steps_sweep, the points of "
+        "accuracy under parallelism (AUP) in the evaluation record; empty: none.",
+    )
+    gen_length: int = Field(
+        8,
+        ge=1,
+        description="Tokens generated per item of the generative task (cloze_gen), whose outputs give the record's "
+        "exact match, NFE and TPF.",
+    )
+    speed_batch: int = Field(8, ge=1, description="The stated batch of the record's batched tokens/s.")
+    speed_repeats: int = Field(
+        5, ge=5, description="Single-prompt runs whose median is the record's tokens/s at batch 1 (at least 5)."
+    )
+    baseline: str | None = Field(
+        None,
+        description="An AR model (export folder, run directory or models:/name/version) decoded on the same items "
+        "and hardware in the same evaluation: its row goes into the record beside this model's.",
+    )
     seed: int = 0
     device: str = Field(
         "auto",

@@ -470,6 +470,7 @@ def log_evaluation(results: dict, prefix: str = "eval") -> None:
                 if isinstance(v, (int, float)) and k not in ("items", "chance")
             }
         )
+    _log_protocol(results, prefix)
     mlflow.log_dict(results, f"{prefix}/results.json")
     samples = results.get("samples", [])
     if samples:
@@ -489,14 +490,48 @@ def log_evaluation(results: dict, prefix: str = "eval") -> None:
         mlflow.log_artifact(results["report"], prefix)
 
 
-@tolerant
-def log_sweep(rows: list[dict], plot: Path) -> None:
-    """Sampler sweep: accuracy and tokens/s with the steps as the x axis, and the plot."""
+def _log_protocol(results: dict, prefix: str) -> None:
+    """The evaluation record's protocol (models/evaluation/protocol.py, efficiency.py): the decoding and the model's
+    identity as params, the efficiency, AUP and the AR baseline's row as metrics, the record's table row as text."""
     import mlflow
 
-    for r in rows:
+    params = {f"{prefix}.decoding.{k}": v for k, v in (results.get("decoding") or {}).items()}
+    model = results.get("model") or {}
+    params.update(
+        {f"{prefix}.model.{k}": model[k] for k in ("weights_sha256", "tokenizer_sha256", "checkpoint") if k in model}
+    )
+    params.update({f"{prefix}.env.{k}": v for k, v in (results.get("environment") or {}).items() if k != "date"})
+    if params:
+        mlflow.log_params({k: str(v)[:500] for k, v in params.items()})
+    metrics = {f"{prefix}.{k}": float(v) for k, v in (results.get("efficiency") or {}).items() if _number(v)}
+    if (results.get("aup") or {}).get("value") is not None:
+        metrics[f"{prefix}.aup"] = float(results["aup"]["value"])
+    metrics.update(
+        {f"{prefix}.baseline.{k}": float(v) for k, v in (results.get("baseline") or {}).items() if _number(v)}
+    )
+    if metrics:
+        mlflow.log_metrics(metrics)
+    if results.get("table_row"):
+        mlflow.log_text(results["table_row"], f"{prefix}/record_row.md")
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+@tolerant
+def log_sweep(rows: list[dict], plot: Path) -> None:
+    """Sampler sweep: exact match, TPF and tokens/s of each setting (its index as the step), and the plot."""
+    import mlflow
+
+    for i, r in enumerate(rows):
         mlflow.log_metrics(
-            {"sweep.cloze_gen_accuracy": r["accuracy"], "sweep.tokens_per_s": r["tokens_per_s"]}, step=int(r["steps"])
+            {
+                f"sweep.{k}": float(r[k])
+                for k in ("accuracy", "tpf", "nfe", "tokens_per_s", "steps")
+                if r.get(k) is not None
+            },
+            step=i,
         )
     if rows and plot.exists():
         mlflow.log_artifact(str(plot), "eval")

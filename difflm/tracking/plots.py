@@ -35,26 +35,55 @@ def plot_curves(records: list[dict], path: Path, title: str = "") -> Path | None
 
 
 def plot_sweep(rows: list[dict], path: Path, title: str = "") -> Path | None:
-    """Cloze accuracy and tokens/s against sampler steps (rows from difflm.models.evaluation.sweep.sweep_steps)."""
+    """Exact match of the generated word and tokens/s against tokens per forward (TPF), one point per decoding
+    setting (rows from difflm.models.evaluation.sweep.sweep_steps)."""
     if not rows:
+        return None
+    points = [
+        {
+            "label": r.get("setting", f"steps {r['steps']}"),
+            "accuracy": r["accuracy"],
+            "tpf": r.get("tpf"),
+            "tokens_per_s": r.get("tokens_per_s"),
+            "ar": False,
+        }
+        for r in rows
+    ]
+    return plot_parallelism(points, path, title)
+
+
+def plot_parallelism(points: list[dict], path: Path, title: str = "", speed: bool = True) -> Path | None:
+    """Accuracy against TPF and (`speed`) against tokens/s: one point per decoding setting ({label, accuracy, tpf,
+    tokens_per_s, ar}), the AR rows marked apart. Without `speed` (records from different machines: tokens/s
+    do not compare) the TPF panel alone."""
+    pts = [p for p in points if p.get("accuracy") is not None and p.get("tpf")]
+    if not pts:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["steps"] for r in rows]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6), dpi=110)
-    a1.plot(steps, [r["accuracy"] for r in rows], "o-")
-    a1.set_xlabel("sampler steps")
-    a1.set_ylabel("cloze accuracy (generated word)")
-    a2.plot(steps, [r["tokens_per_s"] for r in rows], "o-", color="tab:orange")
-    a2.set_xlabel("sampler steps")
-    a2.set_ylabel("generated tokens / s")
-    for ax in (a1, a2):
-        ax.set_xscale("log", base=2)
+    panels = [("tpf", "tokens per forward (TPF)")] + ([("tokens_per_s", "valid tokens / s")] if speed else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 3.8), dpi=110, squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        for ar in (False, True):
+            sel = [p for p in pts if bool(p.get("ar")) == ar and p.get(key)]
+            if sel:
+                ax.scatter(
+                    [p[key] for p in sel],
+                    [p["accuracy"] for p in sel],
+                    marker="s" if ar else "o",
+                    color="tab:red" if ar else "tab:blue",
+                    label="AR (KV cache)" if ar else "diffusion",
+                )
+            for p in sel:
+                ax.annotate(p["label"], (p[key], p["accuracy"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel(label)
+        ax.set_ylabel("exact match (generated word)")
         ax.grid(alpha=0.3)
-    fig.suptitle(title)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -39,6 +39,13 @@ class EvalResult:
     bound: bool  # True: an ELBO (every diffusion mode); False: the exact likelihood (ar)
     kind: str  # "elbo" (masked: LLaDA's discrete form; uniform: UDLM's continuous-time ELBO) or "exact" (ar)
     scored: str = "tokens 1..L-1 of each window, given token 0"
+    # how far to trust it: the standard error of the mean over windows (the windows' spread and, for diffusion,
+    # the Monte-Carlo noise of the bound together), the noise draws per window and the seed they came from
+    stderr: float | None = None
+    mc_samples: int | None = None  # t draws per window (eval.t_samples); None for the exact ar likelihood
+    seed: int | None = None
+    bits_per_byte: float | None = None  # the same nats over the UTF-8 bytes of the scored text
+    stderr_bits_per_byte: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -62,9 +69,15 @@ def validation_windows(manifest: DataManifest, seq_length: int, max_sequences: i
 
 @torch.no_grad()
 def likelihood_bound(
-    model, windows: torch.Tensor, cfg: PipelineConfig, batch_size: int = 8, progress: Progress | None = None
+    model,
+    windows: torch.Tensor,
+    cfg: PipelineConfig,
+    batch_size: int = 8,
+    progress: Progress | None = None,
+    tokenizer=None,
 ) -> EvalResult:
-    """NLL per token of the held-out windows: an upper bound (ELBO) for diffusion modes, exact for ar.
+    """NLL per token of the held-out windows: an upper bound (ELBO) for diffusion modes, exact for ar, with its
+    standard error over the windows, and in bits per byte when `tokenizer` is given (the scored tokens decoded).
     The windows go to the model's device a batch at a time; the noise comes from a CPU generator, so the
     bound is the same number on every device (up to the model's arithmetic)."""
     gen = torch.Generator(device="cpu").manual_seed(cfg.eval.seed)
@@ -82,13 +95,28 @@ def likelihood_bound(
         )
         if progress is not None:
             progress(len(x0))
-    nll = float(torch.cat(nlls).mean())
+    per_window = torch.cat(nlls).double().cpu()
+    nll = float(per_window.mean())
+    se = float(per_window.std() / math.sqrt(len(per_window))) if len(per_window) > 1 else None
+    n_bytes = scored_bytes(windows, tokenizer) if tokenizer is not None else 0
+    tokens = int(windows.shape[0] * (windows.shape[1] - 1))
+    bpb = nll * tokens / math.log(2) / n_bytes if n_bytes else None
     return EvalResult(
         nll_per_token=nll,
         ppl=diffusion.perplexity(nll),
         bits_per_token=nll / math.log(2),
         sequences=len(windows),
-        tokens=int(windows.shape[0] * (windows.shape[1] - 1)),
+        tokens=tokens,
         bound=kind == "elbo",
         kind=kind,
+        stderr=se,
+        mc_samples=None if kind == "exact" else cfg.eval.t_samples,
+        seed=cfg.eval.seed,
+        bits_per_byte=bpb,
+        stderr_bits_per_byte=(se * tokens / math.log(2) / n_bytes) if (se is not None and n_bytes) else None,
     )
+
+
+def scored_bytes(windows: torch.Tensor, tokenizer) -> int:
+    """UTF-8 bytes of the scored tokens (1.. of each window) as text, special tokens dropped."""
+    return sum(len(tokenizer.decode(w[1:].tolist(), skip_special_tokens=True).encode()) for w in windows)

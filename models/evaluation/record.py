@@ -53,15 +53,36 @@ class EvalRecord:
     task_settings: dict[str, Any] | None = None  # items, mc_samples, seed
     sampler: dict[str, Any] | None = None  # the sampler settings the samples were drawn with
     samples: list[dict[str, Any]] = dataclasses.field(default_factory=list)  # prompt, completion, tokens, ...
-    # not in results.json: what the evaluation did besides
-    report: str | None = None  # the per-dataset comparison report it updated (models/evaluation/report.py)
+    # the protocol (protocol.py): what a reproduction must match, and the cost of decoding (efficiency.py)
+    model: dict[str, Any] | None = None  # weight and tokenizer digests, checkpoint, objective, mask id, block size
+    decoding: dict[str, Any] | None = None  # the sampler settings every generation used, fixed before scoring
+    efficiency: dict[str, Any] | None = None  # nfe, valid_tokens, tpf, tokens/s (batch 1, batched), TTFT, memory
+    aup: dict[str, Any] | None = None  # accuracy under parallelism over the sweep's settings
+    baseline: dict[str, Any] | None = None  # the AR model's row: same items, engine and hardware
+    environment: dict[str, Any] | None = None  # versions, commit, host, date
+    # what the evaluation did besides: the sweep is written with the record when one ran, the report never
     sweep: list[dict[str, Any]] | None = None  # the sampler sweep's rows (the evaluate flow, `difflm eval`)
+    report: str | None = None  # the per-dataset comparison report it updated (models/evaluation/report.py)
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)  # keys this version does not name
+
+    @property
+    def nfe(self) -> int | None:
+        return (self.efficiency or {}).get("nfe")
+
+    @property
+    def tpf(self) -> float | None:
+        return (self.efficiency or {}).get("tpf")
 
     @property
     def trained(self) -> dict[str, Any]:
         """The trained model's bound (every evaluation has one)."""
         return self.bounds["trained"]
+
+    def tracked(self, name: str | None = None) -> dict[str, Any]:
+        """What MLflow is handed (difflm.tracking.log_evaluation, a floor below this room): the JSON and the
+        record's row of the comparison table."""
+        row = record_row(name or Path(self.export).parent.name or self.export, self)
+        return {**self.to_dict(), "table_row": f"{TABLE_HEAD}\n|{'---|' * (len(COLUMNS) + 4)}\n{row}\n"}
 
     def replace(self, **changes: Any) -> EvalRecord:
         return dataclasses.replace(self, **changes)
@@ -113,3 +134,53 @@ class EvalRecord:
         """The evaluate stage's result as Prefect stored it: the record, or (a stage cached before it was typed)
         its dict."""
         return value if isinstance(value, EvalRecord) else cls.from_dict(value)
+
+
+# ---- the record as a row of a markdown table (the per-dataset report, `difflm compare`, MLflow) ----------
+
+COLUMNS = [  # (header, path into the record: a field, then keys, format)
+    ("bound nats/token", ("bounds", "trained", "nll_per_token"), "{:.3f}"),
+    ("cloze acc", ("tasks", "cloze", "acc"), "{:.3f}"),
+    ("cloze NLL", ("tasks", "cloze", "nll"), "{:.2f}"),
+    ("choice acc", ("tasks", "choice", "acc"), "{:.3f}"),
+    ("choice acc_norm", ("tasks", "choice", "acc_norm"), "{:.3f}"),
+    ("docs bits/byte", ("tasks", "documents", "bits_per_byte"), "{:.3f}"),
+    ("gen exact match", ("tasks", "cloze_gen", "exact_match_flexible"), "{:.3f}"),
+    ("NFE", ("efficiency", "nfe"), "{:d}"),
+    ("TPF", ("efficiency", "tpf"), "{:.2f}"),
+    ("tokens/s (batch 1)", ("efficiency", "tokens_per_s_batch1"), "{:.1f}"),
+    ("AUP", ("aup", "value"), "{:.1f}"),
+]
+
+
+def _get(record: EvalRecord, path: tuple[str, ...]):
+    d = getattr(record, path[0])
+    for key in path[1:]:
+        if not isinstance(d, dict) or key not in d:
+            return None
+        d = d[key]
+    return d
+
+
+TABLE_HEAD = "| run | mode | " + " | ".join(c[0] for c in COLUMNS) + " | items / MC samples | device / dtype |"
+
+
+def record_row(name: str, res: EvalRecord) -> str:
+    """The record as one row of the comparison table (TABLE_HEAD's columns)."""
+    cells = [("-" if (v := _get(res, path)) is None else fmt.format(v)) for _, path, fmt in COLUMNS]
+    ts = res.task_settings or {}
+    return (
+        f"| {name} | {res.mode} | "
+        + " | ".join(cells)
+        + f" | {ts.get('items', '-')} / {ts.get('mc_samples', '-')} | "
+        + f"{placement_label(res.device, res.dtype, res.device_name)} |"
+    )
+
+
+def placement_label(device: str | None, dtype: str | None, device_name: str | None = None) -> str:
+    """'cuda:0 (NVIDIA H100) / bfloat16', 'cpu / float32' (an evaluation's `device`, `dtype`, `device_name`, or
+    `stages.placement(model)`); '-' for results written before this was recorded."""
+    if device is None:
+        return "-"
+    dev = device if not device_name or device_name == "cpu" else f"{device} ({device_name})"
+    return f"{dev} / {dtype or '?'}"

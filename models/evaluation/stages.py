@@ -16,21 +16,39 @@ from transformers.utils import logging as hf_logging
 from difflm.config import EvalConfig, PipelineConfig
 from difflm.errors import UserError
 from difflm.manifest import DataManifest
-from difflm.models.diffusion.modes import build_objective
+from difflm.models.diffusion.modes import build_objective, objective_class
+from difflm.models.evaluation.efficiency import decode_counts, speed
 from difflm.models.evaluation.generation import default_prompts, generate_samples, sampler_settings
 from difflm.models.evaluation.likelihood import likelihood_bound, validation_windows
 from difflm.models.evaluation.progress import Progress
-from difflm.models.evaluation.record import EvalRecord
+from difflm.models.evaluation.protocol import (
+    WEIGHTS,
+    decoding,
+    environment,
+    files_digest,
+    model_identity,
+    task_protocol,
+)
+from difflm.models.evaluation.record import RESULTS, EvalRecord, EvalRecordError
 from difflm.models.evaluation.report import write_comparison
 from difflm.models.evaluation.scoring import Scorer
-from difflm.models.evaluation.sweep import sweep_steps
-from difflm.models.evaluation.tasks import build_items, heldout_documents, score_tasks, write_lm_eval_tasks
+from difflm.models.evaluation.sources import resolve_export
+from difflm.models.evaluation.sweep import FILTERS, STOP, score_generation, sweep_aup, sweep_steps
+from difflm.models.evaluation.tasks import (
+    SCORER_NAMES,
+    build_items,
+    heldout_documents,
+    lm_eval_task_config,
+    score_tasks,
+    write_lm_eval_tasks,
+)
 from difflm.models.hf.architectures import stock_problem
 from difflm.models.hf.convert import ConversionError, export_hf
 from difflm.models.hf.export import Export
 from difflm.models.hf.importer import export_stock
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
 from difflm.rundir import EVAL_KEY, RunDir, TrainResult, Workdir, is_export_of
+from difflm.tracking import tracking_uri
 from difflm.tracking.plots import plot_sweep
 
 
@@ -158,13 +176,17 @@ def evaluate_export(
     say = echo or (lambda line: print(line, file=sys.stderr))  # stdout may be a JSON result
     part = _timed(say)
     part(f"bound of the trained model: {len(windows)} held-out windows, {e.mc_samples} noise draws each")
-    bounds = {"trained": likelihood_bound(model, windows, cfg, progress=Progress("bound", "windows", say)).to_dict()}
+    bounds = {
+        "trained": likelihood_bound(
+            model, windows, cfg, progress=Progress("bound", "windows", say), tokenizer=tok
+        ).to_dict()
+    }
     if untrained and e.untrained_baseline:
         part("bound of an untrained model (the baseline)")
         torch.manual_seed(cfg.train.seed)  # the same init distribution as training, weights never updated
         # initialised in fp32 on the CPU, then cast: the same weights whatever eval.device and eval.dtype are
         untrained_model = DiffLMForMaskedLM(model.config).to(device=device, dtype=dtype).eval()
-        bounds["untrained"] = likelihood_bound(untrained_model, windows, cfg).to_dict()
+        bounds["untrained"] = likelihood_bound(untrained_model, windows, cfg, tokenizer=tok).to_dict()
     docs = heldout_documents(manifest, tok)
     scorer = Scorer(model, tok, mc_samples=e.mc_samples, seed=e.seed)
     items = build_items(docs, e.task_items, e.seed) if e.task_items else {}
@@ -175,19 +197,51 @@ def evaluate_export(
         scorer.progress = Progress(f"task {name}", "requests", say)
         tasks.update(score_tasks(scorer, {name: task_items}))
     scorer.progress = None
+    identity = model_identity(model, Path(hf_dir))
+    settings = sampler_settings(e)  # fixed here, before any generation is scored
+    decode = decoding(settings, e.gen_length, e.seed, identity["mode"], identity["block_size"])
+    for name in tasks:
+        tasks[name]["protocol"] = task_protocol(
+            name, items[name], lm_eval_task_config(name), SCORER_NAMES[name], stop_sequences=[]
+        )
+    efficiency: dict | None = None
+    if items.get("cloze"):
+        part(f"generation: cloze_gen ({len(items['cloze'])} items, {e.gen_length} tokens each), then the speed")
+        gen = score_generation(scorer, items["cloze"], settings, e.gen_length)
+        gen["protocol"] = task_protocol(
+            "cloze_gen",
+            items["cloze"],
+            lm_eval_task_config("cloze_gen"),
+            "exact match of the generated word",
+            stop_sequences=STOP,
+            filters=FILTERS,
+        )
+        tasks["cloze_gen"] = gen
+        prompts = [it["context"] for it in items["cloze"]]
+        efficiency = {
+            **decode_counts(gen["samples"]),
+            **speed(scorer, prompts, e.gen_length, settings, e.speed_batch, e.speed_repeats),
+        }
     part(f"{e.num_samples} samples, {e.sampler.steps} sampler steps")
     samples = generate_samples(scorer, e, e.prompts or default_prompts(docs, e.num_samples, e.prompt_words))
+    where = placement(model)  # bf16 scores differ from fp32 ones by the model's arithmetic: say which these are
+    baseline = baseline_row(cfg, items.get("cloze") or [], manifest, say) if e.baseline else None
     part("done: writing results")
     record = EvalRecord(
         mode=model.config.model_running_mode,
         data_hash=manifest.hash,
         export=str(hf_dir),
-        **placement(model),  # bf16 scores differ from fp32 ones by the model's arithmetic: say which these are
+        **where,
         bounds=bounds,
         tasks=tasks,
-        task_settings={"items": e.task_items, "mc_samples": e.mc_samples, "seed": e.seed},
-        sampler=asdict(sampler_settings(e)),
+        task_settings=task_settings(e),
+        sampler=asdict(settings),
         samples=samples,
+        model=identity,
+        decoding=decode,
+        efficiency=None if efficiency is None else {**efficiency, **where},
+        baseline=baseline,
+        environment=environment(),
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / EVAL_KEY).unlink(missing_ok=True)  # the pipeline's key named other results: it evaluates again
@@ -195,6 +249,92 @@ def evaluate_export(
     if items:
         write_lm_eval_tasks(items, out_dir / "lm_eval_tasks")
     return record.replace(report=str(write_comparison(Path(cfg.workdir).resolve(), manifest.hash)))
+
+
+def task_settings(e: EvalConfig) -> dict:
+    """The record's task settings: items per task, draws per request and per window, windows, seed."""
+    return {
+        "items": e.task_items,
+        "mc_samples": e.mc_samples,
+        "seed": e.seed,
+        "t_samples": e.t_samples,
+        "max_sequences": e.max_sequences,
+    }
+
+
+def reuse_check(
+    cfg: PipelineConfig, manifest: DataManifest, hf_dir: Path, out_dir: Path
+) -> tuple[EvalRecord | None, str]:
+    """(the record in out_dir, "") when it evaluated these weights on this data with these settings (nothing to
+    recompute), else (None, what differs; "" when there is no record)."""
+    if not (out_dir / RESULTS).is_file():
+        return None, ""
+    try:
+        old = EvalRecord.read(out_dir)
+    except EvalRecordError as err:
+        return None, str(err)
+    if old.decoding is None:
+        return None, "the record there was written before records held their decoding settings"
+    e = cfg.eval
+    sampler = asdict(sampler_settings(e))
+    want = {
+        "weights": files_digest(Path(hf_dir), WEIGHTS),
+        "data": manifest.hash,
+        "dtype": str(resolve_device(e.device, e.dtype)[1]).removeprefix("torch."),
+        **{f"task_settings.{k}": v for k, v in task_settings(e).items()},
+        **{f"eval.sampler.{k}": v for k, v in sampler.items()},
+        "eval.gen_length": e.gen_length,
+        "eval.baseline": e.baseline,
+        "sweep": [*sorted(e.steps_sweep), *sorted(e.threshold_sweep, reverse=True)],
+    }
+    have = {
+        "weights": (old.model or {}).get("weights_sha256"),
+        "data": old.data_hash,
+        "dtype": old.dtype,
+        **{f"task_settings.{k}": (old.task_settings or {}).get(k) for k in task_settings(e)},
+        **{f"eval.sampler.{k}": old.decoding.get(k) for k in sampler},
+        "eval.gen_length": old.decoding.get("gen_length"),
+        "eval.baseline": (old.baseline or {}).get("source"),
+        "sweep": [
+            r["steps"] if r.get("setting", "steps").startswith("steps") else float(r["setting"].split()[1])
+            for r in old.sweep or []
+        ],  # fmt: skip
+    }
+    if not objective_class(old.mode).unmasks:  # no sweep for these (sweep_export)
+        want.pop("sweep"), have.pop("sweep")
+    diff = [f"{k} {have[k]} -> {want[k]}" for k in want if have.get(k) != want[k]]
+    return (old if not diff else None), "; ".join(diff)
+
+
+def baseline_row(cfg: PipelineConfig, items: list[dict], manifest: DataManifest, say) -> dict:
+    """eval.baseline (an AR model) decoded on the same items, with the same engine, on the same device: its
+    exact match, NFE, TPF and tokens/s for the record's baseline row."""
+    e = cfg.eval
+    hf_dir = resolve_export(str(e.baseline), tracking_uri(cfg), cfg.tracking)
+    model, tok = load_model(hf_dir, *eval_device(e)), load_tokenizer(hf_dir)
+    if model.objective.bidirectional:
+        raise EvaluationError(
+            f"eval.baseline={e.baseline} is a {model.config.model_running_mode} model: the baseline row is an AR "
+            "model's (train one with diffusion.model_running_mode=ar), or unset eval.baseline"
+        )
+    check_tokenizer(model, manifest, hf_dir)
+    say(f"[eval] the AR baseline {e.baseline}: the same {len(items)} items")
+    scorer = Scorer(model, tok, seed=e.seed)
+    settings = sampler_settings(e)
+    gen = score_generation(scorer, items, settings, e.gen_length)
+    prompts = [it["context"] for it in items]
+    return {
+        "source": str(e.baseline),
+        "export": str(hf_dir),
+        "mode": model.config.model_running_mode,
+        "model": model_identity(model, hf_dir),
+        "exact_match_strict": gen["exact_match_strict"],
+        "exact_match_flexible": gen["exact_match_flexible"],
+        "items": gen["items"],
+        **decode_counts(gen["samples"]),
+        **speed(scorer, prompts, e.gen_length, settings, e.speed_batch, e.speed_repeats),
+        **placement(model),
+    }
 
 
 def _timed(echo: Callable[[str], None]) -> Callable[[str], None]:
@@ -222,11 +362,12 @@ def default_out_dir(cfg: PipelineConfig, source: str, hf_dir: Path, data_hash: s
 
 
 def sweep_export(cfg: PipelineConfig, manifest: DataManifest, hf_dir: Path, out_dir: Path) -> list[dict]:
-    """Cloze accuracy of generated words and tokens/s at each of eval.steps_sweep (masked modes only);
-    sweep.json and sweep.png in out_dir."""
+    """Exact match of generated words, TPF and tokens/s at each of eval.steps_sweep, then each of
+    eval.threshold_sweep (masked modes only); sweep.json and sweep.png in out_dir, and the rows with their AUP
+    added to the evaluation record there (results.json), when there is one."""
     e = cfg.eval
     model, tok = load_model(hf_dir, *eval_device(e)), load_tokenizer(hf_dir)
-    if not e.steps_sweep or not model.objective.unmasks:
+    if not (e.steps_sweep or e.threshold_sweep) or not model.objective.unmasks:
         return []
     items = build_items(heldout_documents(manifest, tok), e.task_items or 32, e.seed)["cloze"]
     rows = sweep_steps(
@@ -234,8 +375,9 @@ def sweep_export(cfg: PipelineConfig, manifest: DataManifest, hf_dir: Path, out_
         items,
         sampler_settings(e),
         sorted(e.steps_sweep),
-        new_tokens=max(e.steps_sweep),
+        new_tokens=e.gen_length,
         echo=lambda line: print(line, file=sys.stderr),
+        thresholds=sorted(e.threshold_sweep, reverse=True),
     )
     where = placement(model)
     rows = [{**r, **where} for r in rows]  # tokens/s means nothing without the hardware and precision
@@ -245,6 +387,20 @@ def sweep_export(cfg: PipelineConfig, manifest: DataManifest, hf_dir: Path, out_
         rows,
         out_dir / "sweep.png",
         f"{model.config.model_running_mode} on {where['device_name']} "
-        f"({where['dtype']}): quality and speed against steps",
+        f"({where['dtype']}): quality and speed against parallelism",
     )
+    if (out_dir / RESULTS).is_file():  # the record of this evaluation gains its sweep and AUP
+        record = EvalRecord.read(out_dir)
+        value = sweep_aup(rows)
+        record.replace(
+            sweep=rows,
+            aup={
+                "value": value,
+                "points": len(rows),
+                "x": "tpf",
+                "y": "cloze_gen exact_match_flexible (percent)",
+                "alpha": 3.0,
+                "definition": "d3LLM: area under accuracy x min(exp(-3 (1 - y / y_max)), 1) against TPF",
+            },
+        ).write(out_dir)
     return rows

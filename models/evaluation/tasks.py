@@ -127,13 +127,30 @@ def build_items(docs: list[str], n_items: int, seed: int) -> dict[str, list[dict
 # ---- scoring ------------------------------------------------------------------------------------------
 
 
+def stderr_of_mean(values: list[float]) -> float | None:
+    """The standard error of the mean (lm-eval's: sample standard deviation / sqrt(n)); None below 2 values."""
+    if len(values) < 2:
+        return None
+    return float(np.std(values, ddof=1) / math.sqrt(len(values)))
+
+
 def score_cloze(scorer, items: list[dict]) -> dict:
     res = scorer.loglikelihood([(it["context"], " " + it["target"]) for it in items])
     nll = [-ll for ll, _ in res]
     hits = [g for _, g in res]
     # None: the mode has no greedy order (uniform noise): the accuracy is not measured, not 0
     acc = None if any(g is None for g in hits) else float(np.mean(hits))
-    return {"acc": acc, "nll": float(np.mean(nll)), "items": len(items)}
+    return {
+        "acc": acc,
+        "acc_stderr": None if acc is None else stderr_of_mean([float(h) for h in hits]),
+        "nll": float(np.mean(nll)),
+        "nll_stderr": stderr_of_mean(nll),
+        "items": len(items),
+        "samples": [
+            {"prompt": it["context"], "target": it["target"], "loglikelihood": -n, "is_greedy": g}
+            for it, n, g in zip(items, nll, hits)
+        ],
+    }
 
 
 def score_choice(scorer, items: list[dict]) -> dict:
@@ -143,7 +160,7 @@ def score_choice(scorer, items: list[dict]) -> dict:
         lls = [ll for ll, _ in scorer.loglikelihood(pairs)]
     finally:
         scorer.greedy = saved
-    acc, acc_norm, nll, i = [], [], [], 0
+    acc, acc_norm, nll, samples, i = [], [], [], [], 0
     for it in items:
         ll = lls[i : i + len(it["choices"])]
         i += len(it["choices"])
@@ -151,12 +168,17 @@ def score_choice(scorer, items: list[dict]) -> dict:
         acc.append(int(np.argmax(ll)) == it["gold"])
         acc_norm.append(int(np.argmax(per_byte)) == it["gold"])
         nll.append(-ll[it["gold"]])
+        samples.append({"prompt": it["context"], "choices": it["choices"], "gold": it["gold"], "loglikelihoods": ll})
     return {
         "acc": float(np.mean(acc)),
+        "acc_stderr": stderr_of_mean([float(a) for a in acc]),
         "acc_norm": float(np.mean(acc_norm)),
+        "acc_norm_stderr": stderr_of_mean([float(a) for a in acc_norm]),
         "nll": float(np.mean(nll)),
+        "nll_stderr": stderr_of_mean(nll),
         "items": len(items),
         "chance": 1.0 / len(items[0]["choices"]) if items else math.nan,
+        "samples": samples,
     }
 
 
@@ -164,16 +186,24 @@ def score_documents(scorer, items: list[dict]) -> dict:
     """Rolling log-likelihood of whole documents: bits per byte and nats per token (bounds for diffusion)."""
     texts = [it["text"] for it in items]
     lls = scorer.loglikelihood_rolling(texts)
-    n_bytes = sum(len(t.encode()) for t in texts)
+    n_bytes = [len(t.encode()) for t in texts]
     n_tokens = sum(len(scorer.encode(t)) for t in texts)
     return {
-        "bits_per_byte": -sum(lls) / math.log(2) / n_bytes,
+        "bits_per_byte": -sum(lls) / math.log(2) / sum(n_bytes),
+        # the spread of the documents' own bits/byte: how far the pooled number moves with other documents
+        "bits_per_byte_stderr": stderr_of_mean([-ll / math.log(2) / b for ll, b in zip(lls, n_bytes) if b]),
         "nll_per_token": -sum(lls) / n_tokens,
         "items": len(items),
+        "samples": [{"prompt": t, "loglikelihood": ll, "bytes": b} for t, ll, b in zip(texts, lls, n_bytes)],
     }
 
 
 SCORERS = {"cloze": score_cloze, "choice": score_choice, "documents": score_documents}
+SCORER_NAMES = {  # what each scorer computes, for the record's task protocol
+    "cloze": "greedy match of the target word (is_greedy) and its conditional NLL",
+    "choice": "highest log-likelihood of 4 continuations (acc) and per byte (acc_norm)",
+    "documents": "rolling log-likelihood: bits per byte, nats per token",
+}
 
 
 def score_tasks(scorer, tasks: dict[str, list[dict]]) -> dict[str, dict]:
@@ -233,6 +263,12 @@ def _task_yaml(task: str, data: Path) -> dict:
         "doc_to_target": "gold",
         "metric_list": [acc, {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}],
     }
+
+
+def lm_eval_task_config(task: str) -> dict:
+    """The lm-eval YAML of `task` as `write_lm_eval_tasks` writes it (the items' path aside): hashed into the
+    evaluation record, so a changed task definition shows as a changed config digest."""
+    return _task_yaml(task, Path(f"{task if task != 'cloze_gen' else 'cloze'}.jsonl"))
 
 
 def write_lm_eval_tasks(tasks: dict[str, list[dict]], out_dir: Path) -> Path:
