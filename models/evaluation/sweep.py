@@ -32,9 +32,7 @@ def first_word(text: str) -> str:
     return m.group().lower() if m else ""
 
 
-def score_generation(
-    scorer, items: list[dict], settings: MaskedSampler, new_tokens: int, batch_size: int = 1
-) -> dict:
+def score_generation(scorer, items: list[dict], settings: MaskedSampler, new_tokens: int, batch_size: int = 1) -> dict:
     """exact_match (strict and flexible) of generated continuations of the cloze items, with standard errors,
     NFE and TPF, and every sample. At batch 1 (the default) each sample's NFE is its own: a row batched with
     others rides their calls after it finished, which would charge it for theirs."""
