@@ -95,11 +95,13 @@ def section(check, state: dict) -> dict:
     spec = out / "decode-models.json"
     spec.write_text(json.dumps({"folders": folders}))
     try:
-        rows = worker(check, "decode", manifest_path, name="decode", tag="decode", models=spec)["rows"]
+        got = worker(check, "decode", manifest_path, name="decode", tag="decode", models=spec)
+        rows, records = got["rows"], got.get("records", [])
     except Exception as exc:  # a timeout included: the rows measured so far are in the rows file
         errors["decoding"] = f"{type(exc).__name__}: {exc}"[:400]
-        rows = read_jsonl(out / "decode-rows.jsonl")
+        rows, records = read_jsonl(out / "decode-rows.jsonl"), []
     result = {"rows": rows, "goal": goal(rows), "dominant": d["dominant"], "trained": trained, "errors": errors}
+    result["records"] = records  # evaluation records (difflm compare reads them), one per model and batch size
     if not rows:
         raise SectionFailed(f"no decoding rows: {errors}", result)
     return result
@@ -159,7 +161,50 @@ def worker_decode(args, p: dict) -> dict:
         del model
         if cuda:
             torch.cuda.empty_cache()
-    return {"rows": rows}
+    records = write_records(rows, Path(args.rows).parent / "decode-records", manifest.hash, spec["folders"])
+    return {"rows": rows, "records": [str(r) for r in records]}
+
+
+def write_records(rows: list[dict], out: Path, data_hash: str, folders: dict[str, str]) -> list[Path]:
+    """One evaluation record (models/evaluation/record.py, as `difflm eval` writes) per model and batch size: its
+    decoders as the sweep (accuracy: the share of generated pairs that follow the chain's dominant successor), the
+    baseline decoder's counters as its efficiency, the AUP over the decoders; `difflm compare` reads them."""
+    from difflm.models.evaluation.protocol import environment
+    from difflm.models.evaluation.record import EvalRecord
+    from difflm.models.evaluation.sweep import sweep_aup
+
+    written = []
+    groups: dict[tuple[str, str, int], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["model"], r["mode"], r["batch_size"]), []).append(r)
+    for (label, mode, batch), group in groups.items():
+        sweep = [
+            {"setting": r["sampler"], "steps": r["settings"].get("steps"), "accuracy": r.get("dominant_share"),
+             "tpf": r.get("tpf"), "nfe": r.get("nfe"), "tokens_per_s": r["tokens_per_s"]}
+            for r in group
+        ]  # fmt: skip
+        base = group[0]
+        scored = [row for row in sweep if row["accuracy"] is not None]
+        record = EvalRecord(
+            mode=mode,
+            data_hash=data_hash,
+            export=folders.get(mode, "random weights") if label.startswith(CONFIDENT) else f"random weights ({label})",
+            device=str(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
+            dtype="bfloat16" if torch.cuda.is_available() else "float32",
+            device_name=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            bounds={},
+            decoding={**base["settings"], "gen_length": base["new_tokens"], "decoder": base["sampler"]},
+            efficiency={k: base.get(k) for k in ("nfe", "valid_tokens", "tpf", "tokens_per_s", "peak_memory_gb")}
+            | {"batch_size": batch, "timing": "benchmarks/gpu/decoding.measure: one call per batch, synchronised"},
+            sweep=sweep,
+            aup={"value": sweep_aup(scored), "points": len(scored), "x": "tpf", "y": "dominant-successor share"}
+            if scored
+            else None,
+            environment=environment(),
+        )
+        folder = out / f"{'confident' if label.startswith(CONFIDENT) else 'random'}-{mode}-batch{batch}"
+        written.append(record.write(folder))
+    return written
 
 
 def _speedup(row: dict, base: dict | None) -> float | None:

@@ -15,6 +15,7 @@ import torch
 
 from difflm.models.diffusion import MaskedSampler
 from difflm.models.diffusion.modes import objective_class
+from difflm.models.evaluation.efficiency import decode_counts
 from difflm.models.evaluation.scoring import Scorer
 from difflm.models.hf.configuration_difflm import DiffLMConfig
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
@@ -131,6 +132,8 @@ def measure(
         "model_calls_per_batch": calls / n_batches,
         "model_calls_per_token": calls / n_batches / n,
         "agreement": agree / total,
+        # the evaluation record's counters (efficiency.py): every forward a row rode, valid tokens up to EOS
+        **decode_counts(recs),
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "settings": {**fields, **{k: v for k, v in recs[0]["sampler"].items() if k in ("block_size", "kv_cache")}},
     }

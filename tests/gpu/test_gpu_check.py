@@ -167,6 +167,11 @@ def _assert_decoded(decoded: dict) -> None:
     assert kinds == {(k, m, b) for k in ("tiny-shaped, random", "confident (tiny)") for m in modes for b in (1, 4)}
     assert all(r["tokens_per_s"] > 0 and r["model_calls_per_token"] > 0 for r in decoded["rows"])
     assert set(decoded["goal"]) == {"batch 1", "batch 4"}
+    # the same evaluation record as `difflm eval` writes: one per model and batch size, the decoders as its sweep
+    from difflm.models.evaluation.record import EvalRecord
+
+    records = [EvalRecord.read(p) for p in decoded["records"]]
+    assert len(records) == len(kinds) and all(r.tpf and r.nfe and r.sweep and r.environment for r in records)
 
 
 def _kill_leftovers(marker: str) -> None:
