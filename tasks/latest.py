@@ -67,14 +67,17 @@ def score_export_bound(
         min(cfg.eval.max_sequences, max_sequences),
     )
     bound = likelihood_bound(model, windows, cfg, tokenizer=tok).to_dict()
+    where = placement(model)
     if out_dir is not None:
         EvalRecord(
             mode=model.config.model_running_mode,
             data_hash=manifest.hash,
             export=str(hf_dir),
-            **placement(model),
+            device=where["device"],
+            dtype=where["dtype"],
+            device_name=where["device_name"],
             bounds={"trained": bound},
             model=model_identity(model, hf_dir),
             environment=environment(),
         ).write(out_dir)
-    return {**bound, **placement(model)}
+    return {**bound, **where}
