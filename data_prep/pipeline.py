@@ -31,7 +31,7 @@ from pathlib import Path
 from datatrove.utils.logging import logger
 
 from difflm.config import PipelineConfig, SourceConfig
-from difflm.data_prep.budget import document_order, select, write_subset
+from difflm.data_prep.budget import document_order, select, subset_tokens, write_subset
 from difflm.data_prep.corpus import SOURCES, demo_corpus
 from difflm.data_prep.errors import DataPrepError, SubmittedToCluster
 from difflm.data_prep.quiet import QuietLocalExecutor  # per-file and per-task INFO to the task logs only
@@ -436,11 +436,7 @@ def budget_data(cfg: PipelineConfig, full: DataManifest) -> DataManifest:
         return DataManifest.read(manifest_path)
     budget, seed, split = cfg.data.unique_tokens, cfg.data.subset_seed, full.split("train")
     assert budget is not None
-    if budget > split.tokens:
-        raise DataPrepError(
-            f"data.unique_tokens={budget:,} is more than the training split holds ({split.tokens:,} tokens in "
-            f"{split.documents:,} documents): lower it, or set data.unique_tokens=null for the whole split"
-        )
+    _check_budget(budget, full)
     chosen = select(document_order(list(split.prefixes), seed), budget)
     out.mkdir(parents=True, exist_ok=True)
     write_subset(list(split.prefixes), chosen, out, full.token_bytes)
@@ -468,6 +464,33 @@ def budget_data(cfg: PipelineConfig, full: DataManifest) -> DataManifest:
         flush=True,
     )
     return manifest
+
+
+def _check_budget(budget: int, full: DataManifest) -> None:
+    split = full.split("train")
+    if budget > split.tokens:
+        raise DataPrepError(
+            f"data.unique_tokens={budget:,} is more than the training split holds ({split.tokens:,} tokens in "
+            f"{split.documents:,} documents): lower it, or set data.unique_tokens=null for the whole split"
+        )
+
+
+def budget_tokens(cfg: PipelineConfig, full: DataManifest, orders: dict | None = None) -> int:
+    """The unique training tokens `cfg` will train on, counted without writing its subset: `budget_data`'s
+    (whole documents, so at least data.unique_tokens), refused as it refuses; the whole split's without a budget.
+    `orders` caches the document order per seed across calls on the same `full`."""
+    budget = cfg.data.unique_tokens
+    if budget is None:
+        return full.unique_tokens
+    written = data_dir(cfg) / MANIFEST
+    if written.exists():
+        return DataManifest.read(written).unique_tokens
+    _check_budget(budget, full)
+    orders = {} if orders is None else orders
+    seed = cfg.data.subset_seed
+    if seed not in orders:
+        orders[seed] = document_order(list(full.split("train").prefixes), seed)
+    return subset_tokens(orders[seed], budget)
 
 
 def _read_inputs(cfg: PipelineConfig, resolved, out: Path) -> TokenizerInfo:
