@@ -109,3 +109,15 @@ def test_the_study_pages_half_life_lines_follow_from_its_own_table():
         quoted = "not identified by these points" if family == "masked" else "absent (the validation loss does"
         assert line.startswith(f"data-reuse half-life: {quoted}"), (family, line)
         assert f"`{quoted}" in text, f"docs/study.md no longer quotes {quoted!r}"
+
+
+def test_the_configuration_pages_bad_value_message_is_what_difflm_prints(capsys):
+    """docs/configuration.md quotes the lines a wrong value and an unknown field give: the command it names prints
+    them (`difflm config show` validates the same config as `difflm run`, before any work)."""
+    from difflm.flows import cli
+
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    command = re.search(r"\(`difflm run ([^`]+)`\):\n\n```\n(.*?)```", text, re.S)
+    assert command, "docs/configuration.md: the quoted bad-value command and its output are gone"
+    assert cli.main(["config", "show", *command.group(1).split()]) == 2
+    assert capsys.readouterr().err == command.group(2)
