@@ -26,6 +26,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from datatrove.utils.logging import logger
@@ -128,16 +129,29 @@ def refuse_empty_sources(cfg: PipelineConfig, resolved) -> None:
             )
 
 
-def _first_record(reader):
-    """One record of a reader, its per-file INFO lines off: outside the executor's quiet task logger they would
-    reach the terminal (datatrove's default sink), before the prep has even started."""
-    for module in ("datatrove", "data_prep"):
+# The loggers of the readers' per-file INFO lines ("Reading input file ..."): datatrove's and ours (tolerant.py)
+READER_LOGGERS = ("datatrove.pipeline.readers", "difflm.data_prep.tolerant")
+
+
+@contextmanager
+def _readers_silent(modules: tuple[str, ...] = READER_LOGGERS):
+    """The readers' log lines off while a pass runs in this process: outside the executor's quiet task logger they
+    would reach the terminal (datatrove's default sink), where docs/data.md promises the task logs only. The
+    passes that use it (the first record of each source, the tokenizer's texts) are extra: the tokenized pass,
+    in the executor, reads every file again and reports its skips and damage."""
+    for module in modules:
         logger.disable(module)
     try:
-        return next(iter(reader.run(None, rank=0, world_size=1)), None)
+        yield
     finally:
-        for module in ("datatrove", "data_prep"):
+        for module in modules:
             logger.enable(module)
+
+
+def _first_record(reader):
+    """One record of a reader, its log lines off (`_readers_silent`), before the prep has even started."""
+    with _readers_silent(("datatrove", *READER_LOGGERS)):
+        return next(iter(reader.run(None, rank=0, world_size=1)), None)
 
 
 def ignored_files(resolved) -> list[dict]:
@@ -196,8 +210,9 @@ def iter_texts(cfg: PipelineConfig, resolved) -> Iterator[str]:
     data = None
     for step in [*readers, *cleaning_steps(cfg)]:
         data = step.run(data, rank=0, world_size=1)
-    for doc in data:
-        yield doc.text
+    with _readers_silent():  # in this process: the per-file lines would reach the terminal
+        for doc in data:
+            yield doc.text
 
 
 def prepare_tokenizer(cfg: PipelineConfig, resolved, folder: Path) -> TokenizerInfo:
