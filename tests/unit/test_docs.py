@@ -121,3 +121,22 @@ def test_the_configuration_pages_bad_value_message_is_what_difflm_prints(capsys)
     assert command, "docs/configuration.md: the quoted bad-value command and its output are gone"
     assert cli.main(["config", "show", *command.group(1).split()]) == 2
     assert capsys.readouterr().err == command.group(2)
+
+
+@pytest.mark.parametrize("doc", [README, ROOT / "docs" / "demo.md"], ids=["README.md", "docs/demo.md"])
+def test_the_quoted_end_of_a_run_has_every_line_difflm_run_prints(doc):
+    """The README and the demo page quote the end of `difflm run`'s output: a line per summary field a run with a
+    local MLflow store prints (flows/commands.py SUMMARY_KEYS; the two URL fields need a tracking server), in that
+    order, and the last line naming the workdir of the preset quoted (test-tiny's)."""
+    from difflm.config import load_config
+    from difflm.flows.commands import SUMMARY_KEYS
+
+    text = doc.read_text()
+    start = text.index("=== pretrain-difflm done ===")
+    block = text[start : text.index("```", start)].splitlines()
+    fields = [line.split(":")[0].strip() for line in block if re.match(r"^ *\w+: ", line)]
+    local = [k for k in SUMMARY_KEYS if k not in ("mlflow_run_url", "mlflow_curves_url")]
+    assert [f for f in fields if f in SUMMARY_KEYS] == local, fields
+    workdir = load_config("test-tiny").workdir
+    assert block[-1].startswith(f"{'workdir':>16}: .../{workdir}  (named in "), block[-1]
+    assert all(f".../{workdir}/" in line for line in block if "_dir: " in line)
