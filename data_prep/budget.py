@@ -45,16 +45,26 @@ def document_order(prefixes: list[str], seed: int) -> list[tuple[bytes, int, int
     return docs
 
 
+def _taken(order: list[tuple[bytes, int, int, int]], unique_tokens: int) -> list[tuple[bytes, int, int, int]]:
+    """The first documents of `order` while the subset holds fewer tokens than the budget."""
+    chosen, total = [], 0
+    for entry in order:
+        if total >= unique_tokens:
+            break
+        chosen.append(entry)
+        total += entry[3]
+    return chosen
+
+
 def select(order: list[tuple[bytes, int, int, int]], unique_tokens: int) -> list[tuple[int, int]]:
     """(shard, document) of the documents a budget of `unique_tokens` takes: the first ones of `order` while the
     subset holds fewer tokens than the budget."""
-    chosen, total = [], 0
-    for _, shard, doc, n in order:
-        if total >= unique_tokens:
-            break
-        chosen.append((shard, doc))
-        total += n
-    return chosen
+    return [(shard, doc) for _, shard, doc, _ in _taken(order, unique_tokens)]
+
+
+def subset_tokens(order: list[tuple[bytes, int, int, int]], unique_tokens: int) -> int:
+    """The tokens of the subset `select` takes, without writing it: the budget rounded up to whole documents."""
+    return sum(n for *_, n in _taken(order, unique_tokens))
 
 
 def write_subset(prefixes: list[str], chosen: list[tuple[int, int]], out: Path, token_bytes: int) -> None:

@@ -26,12 +26,13 @@ import os
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from datatrove.utils.logging import logger
 
 from difflm.config import PipelineConfig, SourceConfig
-from difflm.data_prep.budget import document_order, select, write_subset
+from difflm.data_prep.budget import document_order, select, subset_tokens, write_subset
 from difflm.data_prep.corpus import SOURCES, demo_corpus
 from difflm.data_prep.errors import DataPrepError, SubmittedToCluster
 from difflm.data_prep.quiet import QuietLocalExecutor  # per-file and per-task INFO to the task logs only
@@ -128,16 +129,29 @@ def refuse_empty_sources(cfg: PipelineConfig, resolved) -> None:
             )
 
 
-def _first_record(reader):
-    """One record of a reader, its per-file INFO lines off: outside the executor's quiet task logger they would
-    reach the terminal (datatrove's default sink), before the prep has even started."""
-    for module in ("datatrove", "data_prep"):
+# The loggers of the readers' per-file INFO lines ("Reading input file ..."): datatrove's and ours (tolerant.py)
+READER_LOGGERS = ("datatrove.pipeline.readers", "difflm.data_prep.tolerant")
+
+
+@contextmanager
+def _readers_silent(modules: tuple[str, ...] = READER_LOGGERS):
+    """The readers' log lines off while a pass runs in this process: outside the executor's quiet task logger they
+    would reach the terminal (datatrove's default sink), where docs/data.md promises the task logs only. The
+    passes that use it (the first record of each source, the tokenizer's texts) are extra: the tokenized pass,
+    in the executor, reads every file again and reports its skips and damage."""
+    for module in modules:
         logger.disable(module)
     try:
-        return next(iter(reader.run(None, rank=0, world_size=1)), None)
+        yield
     finally:
-        for module in ("datatrove", "data_prep"):
+        for module in modules:
             logger.enable(module)
+
+
+def _first_record(reader):
+    """One record of a reader, its log lines off (`_readers_silent`), before the prep has even started."""
+    with _readers_silent(("datatrove", *READER_LOGGERS)):
+        return next(iter(reader.run(None, rank=0, world_size=1)), None)
 
 
 def ignored_files(resolved) -> list[dict]:
@@ -196,8 +210,9 @@ def iter_texts(cfg: PipelineConfig, resolved) -> Iterator[str]:
     data = None
     for step in [*readers, *cleaning_steps(cfg)]:
         data = step.run(data, rank=0, world_size=1)
-    for doc in data:
-        yield doc.text
+    with _readers_silent():  # in this process: the per-file lines would reach the terminal
+        for doc in data:
+            yield doc.text
 
 
 def prepare_tokenizer(cfg: PipelineConfig, resolved, folder: Path) -> TokenizerInfo:
@@ -436,11 +451,7 @@ def budget_data(cfg: PipelineConfig, full: DataManifest) -> DataManifest:
         return DataManifest.read(manifest_path)
     budget, seed, split = cfg.data.unique_tokens, cfg.data.subset_seed, full.split("train")
     assert budget is not None
-    if budget > split.tokens:
-        raise DataPrepError(
-            f"data.unique_tokens={budget:,} is more than the training split holds ({split.tokens:,} tokens in "
-            f"{split.documents:,} documents): lower it, or set data.unique_tokens=null for the whole split"
-        )
+    _check_budget(budget, full)
     chosen = select(document_order(list(split.prefixes), seed), budget)
     out.mkdir(parents=True, exist_ok=True)
     write_subset(list(split.prefixes), chosen, out, full.token_bytes)
@@ -468,6 +479,33 @@ def budget_data(cfg: PipelineConfig, full: DataManifest) -> DataManifest:
         flush=True,
     )
     return manifest
+
+
+def _check_budget(budget: int, full: DataManifest) -> None:
+    split = full.split("train")
+    if budget > split.tokens:
+        raise DataPrepError(
+            f"data.unique_tokens={budget:,} is more than the training split holds ({split.tokens:,} tokens in "
+            f"{split.documents:,} documents): lower it, or set data.unique_tokens=null for the whole split"
+        )
+
+
+def budget_tokens(cfg: PipelineConfig, full: DataManifest, orders: dict | None = None) -> int:
+    """The unique training tokens `cfg` will train on, counted without writing its subset: `budget_data`'s
+    (whole documents, so at least data.unique_tokens), refused as it refuses; the whole split's without a budget.
+    `orders` caches the document order per seed across calls on the same `full`."""
+    budget = cfg.data.unique_tokens
+    if budget is None:
+        return full.unique_tokens
+    written = data_dir(cfg) / MANIFEST
+    if written.exists():
+        return DataManifest.read(written).unique_tokens
+    _check_budget(budget, full)
+    orders = {} if orders is None else orders
+    seed = cfg.data.subset_seed
+    if seed not in orders:
+        orders[seed] = document_order(list(full.split("train").prefixes), seed)
+    return subset_tokens(orders[seed], budget)
 
 
 def _read_inputs(cfg: PipelineConfig, resolved, out: Path) -> TokenizerInfo:

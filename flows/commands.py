@@ -104,16 +104,29 @@ def study(cfg: PipelineConfig, spec: str, preset: str | None, overrides: list[st
 
 
 def study_plan(spec: str, preset: str | None, overrides: list[str], device: str, mfu: float) -> int:
-    """`difflm study SPEC --plan`: the study's cost, point by point, without running it."""
-    from difflm.tasks.study_plan import plan, plan_table
+    """`difflm study SPEC --plan`: the study's cost, point by point, and the points its run would refuse, without
+    training (the data is prepared first if missing: the steps are those of each budget's whole documents)."""
+    from difflm.tasks.study_plan import count_tokens, device_peak, plan, plan_table, short_of_warmup
 
     if not 0 < mfu <= 1:
         raise UserError(f"--mfu {mfu:g} is a share of the device's peak: give one in (0, 1], e.g. 0.4")
-    try:
-        rows = plan(study_spec(spec, preset, overrides).points(), device, mfu)
-    except ValueError as err:
-        raise UserError(str(err)) from None
-    print(plan_table(rows, device, mfu))
+    device_peak(device)  # an unknown device is one line before any data is prepared
+    the_study = study_spec(spec, preset, overrides)
+    points = the_study.points()
+    counts = count_tokens(points)
+    rows = plan(points, device, mfu, counts)
+    print(plan_table(rows, device, mfu, counts))
+    for label in short_of_warmup(points, counts):
+        print(
+            f"warning: {label}: its nominal steps are within its warm-up: its run fails unless whole documents add "
+            "the steps it lacks; prepare the data for the verdict, or lower train.schedule.warmup_iters"
+        )
+    if counts.refused:
+        first, line = next(iter(counts.refused.items()))
+        raise UserError(
+            f"study {the_study.name}: {len(counts.refused)} of {len(points)} points would fail "
+            f"({', '.join(counts.refused)}); {first}: {line}"
+        )
     return 0
 
 

@@ -17,7 +17,7 @@ import types
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from difflm.errors import UserError
+from difflm.errors import Interrupted, UserError
 from difflm.locks import exclusive
 from difflm.rundir import lock_file
 
@@ -39,6 +39,23 @@ class _NoTracebackForUserErrors(logging.Filter):
         return True
 
 
+class _InterruptOnce(logging.Filter):
+    """On the console, Ctrl-C (or SIGTERM) is the command's one last line (`difflm: interrupted at iteration N
+    ...`): Prefect's ERROR records that repeat it (the task's and the flow's `Finished in state Failed(... Interrupted:
+    ...)`, `Encountered exception during execution: Interrupted(...)`, a study's `Crash detected! Execution was
+    aborted by an interrupt signal.`) are left out there. The Prefect API still gets them: the UI shows how the run
+    ended."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or not record.name.startswith("prefect"):
+            return True
+        if record.exc_info and isinstance(record.exc_info[1], (Interrupted, KeyboardInterrupt)):
+            return False
+        text = record.getMessage()
+        repeated = ("Interrupted: ", "Interrupted(", "aborted by an interrupt signal")
+        return not any(r in text for r in repeated)
+
+
 @contextmanager
 def prefect_api(needed: bool) -> Iterator[None]:
     """Within: a reachable Prefect API when `needed` (a flow will run), and tracebacks of user errors kept off
@@ -48,15 +65,17 @@ def prefect_api(needed: bool) -> Iterator[None]:
         return
     import prefect.main  # noqa: F401 - configures logging, whose console handler gets the filter
 
-    quiet = _NoTracebackForUserErrors()
+    filters = (_NoTracebackForUserErrors(), _InterruptOnce())
     for handler in logging.getLogger().handlers:
-        handler.addFilter(quiet)
+        for quiet in filters:
+            handler.addFilter(quiet)
     try:
         with _temporary_server_unless_configured():
             yield
     finally:
         for handler in logging.getLogger().handlers:
-            handler.removeFilter(quiet)
+            for quiet in filters:
+                handler.removeFilter(quiet)
 
 
 @contextmanager

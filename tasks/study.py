@@ -163,34 +163,71 @@ def write_curves(rows: list[dict], out_dir: Path) -> Path:
 ALPHA = 0.3
 MIN_EPOCHS = 3  # distinct epochs above 1: R*, E_inf and A are three unknowns
 R_STAR_GRID = np.logspace(-1, 4, 501)  # 0.1 to 10,000 repetitions, log-spaced
+# The interval's noise: the residuals' own variance, but never below NOISE_FLOOR (nats/token), the spread of a small
+# model's held-out NLL between runs (docs/study.md: 0.02 nats up to 20 epochs), so that a few points that happen to
+# lie on a curve do not pin R* down more than a rerun would
+NOISE_FLOOR = 0.01
+# t quantiles at 0.975 by degrees of freedom: F(1, d) at 0.95 is their square; past 30 the normal's 1.96
+_T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+_T975 |= {11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 20: 2.086, 25: 2.060, 30: 2.042}
+
+
+def _f95(dof: int) -> float:
+    """F(1, dof)'s 95% quantile (dof 0: the noise is the floor alone, known: the chi-squared's 3.84)."""
+    if dof <= 0 or dof > 30:
+        return 1.96**2
+    return _T975[max(d for d in _T975 if d <= dof)] ** 2
 
 
 @dataclass(frozen=True)
 class HalfLife:
-    """A family's fitted R* (None when absent: `reason` says why); `above` is set instead when the best fit lies
-    beyond the largest repetitions tried, where the points cannot tell R* from infinity."""
+    """A family's R*: the best fit and its 95% profile interval [low, high] (None: unbounded on that side, the
+    points fit any R* past the grid's end); absent (`reason` says why) where there is nothing to fit."""
 
     label: str
     points: int
     r_star: float | None = None
-    above: float | None = None
+    low: float | None = None
+    high: float | None = None
     reason: str = ""
 
+    @property
+    def identified(self) -> bool:
+        return self.r_star is not None and (self.low is not None or self.high is not None)
+
     def line(self) -> str:
-        if self.r_star is not None:
-            return f"data-reuse half-life: R* = {self.r_star:.3g} epochs (fit on {self.points} points)"
-        if self.above is not None:
+        n = f"fit on {self.points} points"
+        if self.r_star is None:
+            return f"data-reuse half-life: absent ({self.reason})"
+        if self.low is not None and self.high is not None:
             return (
-                f"data-reuse half-life: R* greater than the largest epochs tried ({self.above:g}; fit on "
-                f"{self.points} points): repeated data kept nearly its full value"
+                f"data-reuse half-life: R* = {self.r_star:.3g} epochs (95% interval {self.low:.3g} to "
+                f"{self.high:.3g}; {n})"
             )
-        return f"data-reuse half-life: absent ({self.reason})"
+        if self.low is not None:
+            return (
+                f"data-reuse half-life: R* above {self.low:.3g} epochs (95% interval; no upper bound: the points "
+                f"fit any larger R*; {n})"
+            )
+        if self.high is not None:
+            return (
+                f"data-reuse half-life: R* below {self.high:.3g} epochs (95% interval; no lower bound: the points "
+                f"fit any smaller R*; {n})"
+            )
+        return (
+            f"data-reuse half-life: not identified by these points (any R* from {R_STAR_GRID[0]:g} to "
+            f"{R_STAR_GRID[-1]:,.0f} epochs fits them within the noise; {n})"
+        )
 
     def tag(self) -> str:
         """The value of the parent run's tag `study.half_life.<label>`."""
-        if self.r_star is not None:
-            return f"{self.r_star:.4g}"
-        return f">{self.above:g}" if self.above is not None else f"absent: {self.reason}"
+        if self.r_star is None:
+            return f"absent: {self.reason}"
+        if self.low is not None and self.high is not None:
+            return f"{self.r_star:.4g} [{self.low:.3g}, {self.high:.3g}]"
+        if self.low is not None:
+            return f">{self.low:.3g}"
+        return f"<{self.high:.3g}" if self.high is not None else "not identified"
 
 
 def effective_tokens(unique: float, epochs: float, r_star: float) -> float:
@@ -219,12 +256,17 @@ def fit_half_life(rows: list[dict], label: str) -> HalfLife:
     """Fit R* to one family's points: L = E_inf + A_U / D'(U, E)^ALPHA with E_inf and R* shared and A_U one per
     budget (it absorbs U^ALPHA); R* by a log-spaced grid, E_inf and A_U by least squares at each (an R* that needs
     a negative A_U is no fit). Epochs are those the steps made over the subset (`epochs_seen`) when the row has
-    them. A budget with a single number of repeats tells nothing of R* (its A_U fits it exactly): left out."""
+    them. A budget with a single number of repeats tells nothing of R* (its A_U fits it exactly): left out.
+
+    The interval is the profile's: every R* of the grid whose residual sum of squares is within F(1, n - p) x the
+    noise variance of the best (n points, p = 2 + budgets unknowns; the noise the residuals' variance, at least
+    NOISE_FLOOR squared). Where it reaches an end of the grid the points set no bound on that side; where it
+    reaches both, they say nothing of R* (a free E_inf absorbs any curve through a few noisy points)."""
     repeats: dict[int, set[float]] = {}
     for r in rows:
         repeats.setdefault(r["unique_tokens"], set()).add(max(_epochs(r) - 1.0, 0.0))
     rows = [r for r in rows if len(repeats[r["unique_tokens"]]) > 1]
-    above_one = {float(r["epochs"]) for r in rows if float(r["epochs"]) > 1}
+    above_one = {_epochs(r) for r in rows if _epochs(r) > 1}
     if len(above_one) < MIN_EPOCHS:
         return HalfLife(label, len(rows), reason=f"needs {MIN_EPOCHS} epochs above 1; has {len(above_one)}")
     loss = np.array([float(r["validation_nll"]) for r in rows])
@@ -243,14 +285,17 @@ def fit_half_life(rows: list[dict], label: str) -> HalfLife:
             return None
         return float(((design @ coef - loss) ** 2).sum())
 
-    fits = [(s, float(r)) for r in R_STAR_GRID if (s := sse(float(r))) is not None]
+    profile = [(float(r), sse(float(r))) for r in R_STAR_GRID]
+    fits = [(s, r) for r, s in profile if s is not None]
     if not fits:
         return HalfLife(label, len(rows), reason="the validation loss does not fall as the data grows")
-    _, best = min(fits)
-    most = max(e for _, e in seen) - 1.0
-    if best > most:  # the decay would begin past the points: they only say that R* is large
-        return HalfLife(label, len(rows), above=max(float(r["epochs"]) for r in rows))
-    return HalfLife(label, len(rows), r_star=best)
+    least, best = min(fits)
+    dof = len(rows) - (2 + len(budgets))
+    noise = max(least / dof if dof > 0 else 0.0, NOISE_FLOOR**2)
+    inside = [r for r, s in profile if s is not None and s <= least + _f95(dof) * noise]
+    low = None if inside[0] == profile[0][0] else inside[0]
+    high = None if inside[-1] == profile[-1][0] else inside[-1]
+    return HalfLife(label, len(rows), r_star=best, low=low, high=high)
 
 
 def _epochs(row: dict) -> float:

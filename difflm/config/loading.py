@@ -99,6 +99,11 @@ def _format_validation_error(err: ValidationError) -> str:
             hint = f"did you mean {'.'.join([*map(str, e['loc'][:-1]), fields[close[0]]])}? " if close else ""
             msg = f"unknown field ({hint}`difflm config show` lists every field)"
         got = e.get("input")
+        if e["type"] == "value_error":  # a check of ours: its message is the line, less pydantic's prefix
+            msg = msg.removeprefix("Value error, ")
+            if msg.startswith(f"{loc}.") and " " in msg:  # it names the field within the section: that is the line
+                lines.append(f"  {msg}")
+                continue
         lines.append(f"  {loc}: {msg}" + ("" if isinstance(got, dict) else f" (got {short_repr(got)})"))
     return "\n".join(lines)
 

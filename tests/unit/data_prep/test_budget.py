@@ -8,7 +8,7 @@ import pytest
 from datatrove.pipeline.tokens.megatron_tokenizer import MegatronTokenizedFile
 from helpers import tiny_config
 
-from difflm.data_prep.budget import document_order, select, write_subset
+from difflm.data_prep.budget import document_order, select, subset_tokens, write_subset
 from difflm.data_prep.pipeline import DataPrepError, data_dir, prepare_data
 from difflm.data_prep.verify import read_index, verify_shard
 from difflm.manifest import DataManifest
@@ -62,6 +62,7 @@ def test_a_budget_is_within_one_document_of_n_deterministic_and_nested(tmp_path)
         chosen = select(order, n)
         total = sum(len(t) // 2 for t in _chosen_tokens(prefixes, chosen))
         assert n <= total < n + longest
+        assert subset_tokens(order, n) == total  # the count `difflm study --plan` uses, without writing the subset
         taken[n] = chosen
     assert taken[50] == taken[200][: len(taken[50])] and taken[200] == taken[400][: len(taken[200])]
     assert select(order, 10**9) == [(s, d) for _, s, d, _ in order]  # more than the split: all of it

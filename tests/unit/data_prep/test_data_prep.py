@@ -301,10 +301,11 @@ prepare_data(load_config("test-tiny", sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("workers", [1, 2])
-def test_terminal_shows_no_per_file_lines_and_the_stats_once(tmp_path, tiny_manifest, workers):
+@pytest.mark.parametrize("workers, tokenizer", [(1, "given"), (2, "given"), (1, "trained")])
+def test_terminal_shows_no_per_file_lines_and_the_stats_once(tmp_path, tiny_manifest, workers, tokenizer):
     """datatrove's per-file "Reading input file" lines and each task's stats go to the task logs only; the merged
-    stats print once; a bad record's warning and the progress stay on the terminal."""
+    stats print once; a bad record's warning and the progress stay on the terminal. Also when a tokenizer is
+    trained first, on a pass over the inputs in this process (outside the executor's task logs)."""
     src = tmp_path / "txt"
     src.mkdir()
     for i, t in enumerate(_docs(12, "quiet")):
@@ -313,7 +314,7 @@ def test_terminal_shows_no_per_file_lines_and_the_stats_once(tmp_path, tiny_mani
     bad.write_text(json.dumps({"text": _docs(1, "ok")[0]}) + "\n{not json\n")
     overrides = [
         f"workdir={tmp_path}",
-        f"tokenizer.path={tiny_manifest.tokenizer.path}",
+        f"tokenizer.path={tiny_manifest.tokenizer.path}" if tokenizer == "given" else "tokenizer.vocab_size=300",
         "data.min_chars=0",
         "data.valid_fraction=0.25",
         f"data.sources=[{src}, {bad}]",

@@ -151,3 +151,18 @@ def test_points_scored_on_other_heldout_tokens_are_refused(tmp_path):
     )
     with pytest.raises(ConfigError, match=r"points masked-tiny-u1000-e1 and ar-mir-tiny-u1000-e1 differ in eval, so"):
         spec.points()
+
+
+def test_the_gpu_studys_strong_arms_shrink_weights_as_xu_et_al_do():
+    """AdamW shrinks every decayed weight by lr x weight decay a step: Xu et al.'s strong AR arm does 4e-3, 2.4e-3
+    and 1.6e-3 a step at 72M, 140M and 257M, under a WSD schedule that holds the lr at its peak. The GPU study's
+    strong arms are within 2x of those at every size, on the same kind of schedule (a cosine one would take the
+    shrink to a tenth by the end)."""
+    spec = load_study(Path(__file__).parents[3] / "configs" / "studies" / "gpu.yaml")
+    xu = {"70m": 4e-3, "125m": 2.4e-3, "250m": 1.6e-3}
+    strong = [p for p in spec.points() if p.family in ("ar-strong", "ar-mir")]
+    assert {p.size for p in strong} == set(xu)
+    for p in strong:
+        o, s = p.cfg.train.optimizer, p.cfg.train.schedule
+        assert 0.5 < o.lr * o.weight_decay / xu[p.size] < 2, (p.label, o.lr * o.weight_decay)
+        assert s.lr_schedule == "wsd" and not o.decay_embeddings and p.cfg.model.dropout == 0.1

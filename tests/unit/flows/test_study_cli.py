@@ -21,6 +21,7 @@ def test_a_bad_study_is_one_line(tmp_path, capsys, text, says):
     assert cli.main(["study", str(spec)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
+    assert not (tmp_path / "data").exists()  # refused before any data is prepared
 
 
 def test_a_missing_spec_is_one_line(tmp_path, capsys):
@@ -43,18 +44,21 @@ epochs: [4, 16]
 
 
 def test_the_plan_is_each_points_cost_and_the_total(tmp_path, capsys):
-    """--plan runs nothing (no server, no data): per point its steps, tokens and training FLOPs, the trainer's own
-    count, and the device-hours at the MFU given; the total last."""
+    """--plan trains nothing: per point its steps, tokens and training FLOPs, the trainer's own count, and the
+    device-hours at the MFU given; the total last. Data that cannot be read here (a corpus on a cluster) leaves
+    the nominal budgets, and the plan says so (tests/integration/test_study_plan.py: the counts from real data)."""
     from difflm.config import load_study
     from difflm.models.diffusion.modes import build_objective
     from difflm.models.megatron.flops import forward_flops_per_sequence
     from difflm.tasks.study_plan import plan
 
     spec = tmp_path / "s.yaml"
-    spec.write_text(SPEC)
+    spec.write_text(SPEC.replace("base: [", f"base: [workdir={tmp_path}, data.sources={tmp_path}/corpus.jsonl, "))
     assert cli.main(["study", str(spec), "--plan", "--device", "H100", "--mfu", "0.5"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("| point | params | steps | tokens | training FLOPs | device-hours |"), out
+    assert out.startswith("| point | unique tokens | params | steps | tokens | training FLOPs | device-hours |"), out
+    assert "| masked-u8192-e4 | 8,192 | " in out and "unique tokens: the nominal budgets (the data cannot be" in out
+    assert "corpus.jsonl' does not exist" in out and not (tmp_path / "data").exists()  # nothing prepared
     points = load_study(spec).points()
     assert [p.label for p in points] == ["masked-u8192-e4", "masked-u8192-e16", "ar-mir-u8192-e4"]
     rows = plan(points, "H100", 0.5)
@@ -77,7 +81,20 @@ def test_the_plan_is_each_points_cost_and_the_total(tmp_path, capsys):
 )
 def test_a_plan_for_an_unknown_device_or_mfu_is_one_line(tmp_path, capsys, flags, says):
     spec = tmp_path / "s.yaml"
-    spec.write_text(SPEC)
+    spec.write_text(SPEC.replace("base: [", f"base: [workdir={tmp_path}, "))
     assert cli.main(["study", str(spec), "--plan", *flags]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err, err
+    assert not (tmp_path / "data").exists()  # refused before any data is prepared
+
+
+def test_a_nominal_plan_flags_the_points_within_their_warm_up(tmp_path, capsys):
+    """Without the data the plan cannot say whether whole documents lift a short point past its warm-up: it
+    warns, and refuses nothing (the run may accept it)."""
+    spec = tmp_path / "s.yaml"
+    base = f"base: [workdir={tmp_path}, data.sources={tmp_path}/corpus.jsonl, train.schedule.warmup_iters=256]"
+    spec.write_text(SPEC.replace("base: [train.schedule.warmup_iters=1]", base))
+    assert cli.main(["study", str(spec), "--plan"]) == 0
+    out = capsys.readouterr().out
+    warned = [line.split(":")[1].strip() for line in out.splitlines() if line.startswith("warning:")]
+    assert warned == ["masked-u8192-e4", "ar-mir-u8192-e4"], out  # 256 steps each, not below 256
