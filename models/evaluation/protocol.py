@@ -22,6 +22,7 @@ from difflm.models.diffusion import MaskedSampler
 from difflm.models.hf.export import Export
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+CONFIG = ("config.json",)
 TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
 TASK_SUITE = "difflm-heldout/1"  # the built-in tasks' definition (tasks.py): bump when items or scoring change
 
@@ -55,6 +56,7 @@ def model_identity(model, hf_dir: Path) -> dict[str, Any]:
     export = Export.read(hf_dir) if (Path(hf_dir) / "difflm_export.json").is_file() else None
     return {
         "weights_sha256": files_digest(Path(hf_dir), WEIGHTS),
+        "config_sha256": files_digest(Path(hf_dir), CONFIG),  # the same weights under another mode differ here
         "tokenizer_sha256": files_digest(Path(hf_dir), TOKENIZER),
         "checkpoint": str(export.checkpoint) if export and export.checkpoint else None,
         "mode": cfg.model_running_mode,
@@ -139,7 +141,7 @@ def _version(dist: str) -> str | None:
 
 # (section, keys): settings that must match for a reproduction; None: the whole section
 REPRODUCED_BY = {
-    "model": ("weights_sha256", "tokenizer_sha256", "mode", "objective", "mask_id", "block_size"),
+    "model": ("weights_sha256", "config_sha256", "tokenizer_sha256", "mode", "objective", "mask_id", "block_size"),
     "decoding": None,
     "task_settings": None,
     "data_hash": None,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from difflm.errors import UserError
-from difflm.models.evaluation.protocol import WEIGHTS, differences, files_digest
+from difflm.models.evaluation.protocol import CONFIG, WEIGHTS, differences, files_digest
 from difflm.models.evaluation.record import EvalRecord, placement_label
 from difflm.tracking.plots import plot_parallelism
 
@@ -75,7 +75,8 @@ def check_export(record: EvalRecord) -> Path:
         )
     want = (record.model or {}).get("weights_sha256")
     have = files_digest(folder, WEIGHTS)
-    if want and have != want:
+    config_changed = (record.model or {}).get("config_sha256") not in (None, files_digest(folder, CONFIG))
+    if (want and have != want) or config_changed:
         raise ReproduceError(
             f"{folder} no longer holds the weights the record scored (sha256 {have[:12] if have else None}... "
             f"!= {want[:12]}...): it was exported again from another checkpoint; reproduce a newer record"

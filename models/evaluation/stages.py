@@ -22,6 +22,7 @@ from difflm.models.evaluation.generation import default_prompts, generate_sample
 from difflm.models.evaluation.likelihood import likelihood_bound, validation_windows
 from difflm.models.evaluation.progress import Progress
 from difflm.models.evaluation.protocol import (
+    CONFIG,
     WEIGHTS,
     decoding,
     environment,
@@ -279,6 +280,7 @@ def reuse_check(
     sampler = asdict(sampler_settings(e))
     want = {
         "weights": files_digest(Path(hf_dir), WEIGHTS),
+        "config": files_digest(Path(hf_dir), CONFIG),
         "data": manifest.hash,
         "dtype": str(resolve_device(e.device, e.dtype)[1]).removeprefix("torch."),
         **{f"task_settings.{k}": v for k, v in task_settings(e).items()},
@@ -289,6 +291,7 @@ def reuse_check(
     }
     have = {
         "weights": (old.model or {}).get("weights_sha256"),
+        "config": (old.model or {}).get("config_sha256"),
         "data": old.data_hash,
         "dtype": old.dtype,
         **{f"task_settings.{k}": (old.task_settings or {}).get(k) for k in task_settings(e)},

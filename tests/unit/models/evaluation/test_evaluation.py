@@ -102,7 +102,7 @@ def test_difflm_eval_and_generate_commands(exports, session_dir, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "| difflm-noshift |" in out.stdout and "| ar |" in out.stdout and "cloze acc" in out.stdout
-    assert "steps   2: cloze accuracy" in out.stdout
+    assert "steps 2: exact match" in out.stdout and "TPF" in out.stdout
     res = json.loads((tmp_path / "ev" / "results.json").read_text())  # the last source's results
     assert res["mode"] == "ar" and res["task_settings"]["mc_samples"] == 2
     assert (tmp_path / "ev" / "lm_eval_tasks" / "difflm_choice.yaml").exists()
