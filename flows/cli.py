@@ -345,8 +345,8 @@ COMMANDS = (
             arg(
                 "--plan",
                 action="store_true",
-                help="print each point's parameters, steps, tokens, training FLOPs and device-hours, and the total; "
-                "run nothing",
+                help="print each point's parameters, real steps, tokens, training FLOPs and device-hours, the total, "
+                "and the points the run would refuse; trains nothing (prepares the data if missing)",
             ),
             arg("--device", default="H200", help="--plan: the device the hours are of (H100, H200, B200, A100...)"),
             arg(
