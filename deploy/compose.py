@@ -104,7 +104,8 @@ def check_engine(env: Mapping[str, str]) -> None:
         return
     if not (env.get("DIFFLM_COMPOSE") or shutil.which("docker") or shutil.which("docker-compose")):
         raise ComposeError(
-            "Docker is not installed: as root, `make docker` (Debian's docker.io and docker-compose); then " + START_ENGINE
+            "Docker is not installed: as root, `make docker` (Debian's docker.io and docker-compose); then "
+            + START_ENGINE
         )
     raise ComposeError(f"no Docker engine answers at {host}: {START_ENGINE}")
 
