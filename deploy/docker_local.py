@@ -24,6 +24,7 @@ import argparse
 import fcntl
 import hashlib
 import http.server
+import json
 import os
 import re
 import shutil
@@ -314,10 +315,40 @@ def local_torch_wheels() -> list[Path]:
     return found
 
 
+# how the stages are built: part of their tag, so that stages built another way (the docker CLI's context, whose
+# layers Compose's build could not reuse) are replaced
+STAGES_BUILT_BY = b"docker-compose build"
+
+
 def stages_tag() -> str:
-    """What the cached stages are built from: pyproject.toml (the dependencies) and the Dockerfile."""
-    h = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "Dockerfile").read_bytes())
+    """What the cached stages are built from: pyproject.toml (the dependencies), the Dockerfile, and how."""
+    h = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "Dockerfile").read_bytes() + STAGES_BUILT_BY)
     return h.hexdigest()[:12]
+
+
+def compose_build_stage(d: Daemon, target: str, tag: str, build_args: dict[str, str]) -> None:
+    """The Dockerfile's stage `target` built as `tag` by Compose (Debian's docker-compose), not the docker CLI.
+    The classic builder keys a COPY layer by the context's tar headers, and the two clients write them differently
+    (the CLI leaves the owner's name out, docker-compose's docker-py writes it): stages the CLI built were rebuilt
+    by `make stack-docker`'s build, which then asked an index this host cannot reach (issue 51). Built by the same
+    client, docker-compose.yml's build finds every layer of these stages."""
+    spec = {
+        "services": {
+            "stage": {
+                "image": tag,
+                "build": {"context": str(ROOT), "target": target, "network": "host", "args": build_args},
+            }
+        }
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "stage.yml"
+        file.write_text(json.dumps(spec))  # JSON is YAML
+        argv = [COMPOSE, "-f", str(file), "-p", "difflmstages", "build", "--force-rm", "stage"]
+        done = subprocess.run(argv, env=d.env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"docker-compose build of the {target} stage failed: {done.stdout[-1500:]}{done.stderr[-1500:]}"
+        )
 
 
 def build_pipeline(d: Daemon, tag: str | None = "difflm-pipeline:latest", echo=print) -> None:
@@ -330,15 +361,19 @@ def build_pipeline(d: Daemon, tag: str | None = "difflm-pipeline:latest", echo=p
     args = ["--network", "host", "--build-arg", f"BASE_IMAGE={PYTHON_BASE}"]
     if index:
         args += ["--build-arg", f"TORCH_INDEX_URL={index.url}"]
+    build_args = {"BASE_IMAGE": PYTHON_BASE, "TORCH_INDEX_URL": index.url if index else DEFAULT_TORCH_INDEX}
     if not d.has_image(f"{DEPS}:{cached}"):  # what `engine` sets in .env, so Compose's build finds this layer
-        (cache_dir() / "build-args.env").write_text(f"TORCH_INDEX_URL={index.url if index else DEFAULT_TORCH_INDEX}\n")
+        (cache_dir() / "build-args.env").write_text(f"TORCH_INDEX_URL={build_args['TORCH_INDEX_URL']}\n")
     builds = [("deps", f"{DEPS}:{cached}"), ("runtime", f"{RUNTIME}:{cached}")] + ([(None, tag)] if tag else [])
     try:
         for target, name in builds:
             if target and d.has_image(name):
                 continue
             t = time.monotonic()
-            d.docker("build", *args, *(["--target", target] if target else []), "-t", name, str(ROOT))
+            if target:
+                compose_build_stage(d, target, name, build_args)
+            else:
+                d.docker("build", *args, "-t", name, str(ROOT))
             echo(f"built {name}: {time.monotonic() - t:.0f} s")
     finally:
         if index:
