@@ -91,6 +91,10 @@ def engine_answers(socket_path: str, timeout: float = 10) -> bool:
             s.connect(socket_path)
             s.sendall(b"GET /_ping HTTP/1.1\r\nHost: docker\r\nConnection: close\r\n\r\n")
             status = s.recv(64).split(b"\r\n", 1)[0].split()
+        except PermissionError:
+            raise ComposeError(
+                f"no permission on the Docker engine's socket {socket_path}: run as root or join the group `docker`"
+            ) from None
         except OSError:
             return False
     return len(status) >= 2 and status[0].startswith(b"HTTP/") and status[1] == b"200"
