@@ -9,7 +9,7 @@ ARGS ?=
 # the offline environment (no telemetry, no hub) is difflm.OFFLINE_ENV: the CLI and tests/conftest.py set it
 OFFLINE_ENV = $(shell $(BIN)/python -c "import difflm; print(*(f'{k}={v}' for k, v in difflm.OFFLINE_ENV.items()))" 2>/dev/null)
 
-.PHONY: help demo test test-fast test-dev docs lint env clean mlflow-ui browser slurm slurm-up slurm-down docker stack-docker
+.PHONY: help demo test test-fast test-dev docs lint env clean mlflow-ui browser slurm slurm-up slurm-down docker stack-docker docker-engine
 .DEFAULT_GOAL := help
 
 # every target with its `## ` comment (tests/integration/test_tiers.py checks that none is missing)
@@ -82,7 +82,7 @@ slurm: $(STAMP)  ## Slurm (slurm-wlm + munge) for the Slurm tests
 	else echo "slurm missing: tests/integration/test_slurm.py will be skipped (fails under CI);" \
 	  "install it as root: make slurm, or apt-get install slurm-wlm munge"; fi
 
-# Docker (Debian's docker.io, docker-compose, debootstrap) for tests/integration/test_docker_compose.py, which starts a
+# Docker (Debian's docker.io, docker-compose, debootstrap) for make docker-engine and tests/integration/test_docker_compose.py, which starts a
 # private dockerd of its own (deploy/docker_local.py; its images are cached in ~/.cache/difflm/docker, about 6 min to
 # build on a fresh host, in the background while other tests run). An install that fails only warns, as for chromium.
 docker: $(STAMP)  ## Docker (docker.io, docker-compose, debootstrap) for the Compose test, when root
@@ -96,9 +96,17 @@ docker: $(STAMP)  ## Docker (docker.io, docker-compose, debootstrap) for the Com
 	  "install it as root: make docker, or apt-get install docker.io docker-compose debootstrap"; fi
 
 # the production stack on Docker (docker-compose.yml): secrets into .env (0600), build, up, wait until healthy, register
-# the deployments; prints the two URLs and where the credentials are. `docker compose down` stops it (volumes stay).
+# the deployments (schedules paused); prints the two URLs and where the credentials are. `python3 -m deploy.compose
+# down` stops it (volumes stay). ARGS=--no-build starts the images there are. docs/production-stack.md is the path.
+ENV_FILE ?= .env
 stack-docker:  ## the production stack on Docker Compose: secrets, build, up, healthy; prints the URLs
-	python3 -m deploy.compose up
+	python3 -m deploy.compose up --env-file $(ENV_FILE) $(ARGS)
+
+# a Docker engine for a host without a registry (or without a running engine): a private dockerd on the images cached in
+# ~/.cache/difflm/docker (built when missing: debootstrap, Debian's Python and PostgreSQL, the pipeline's dependency
+# stage; ~6 min the first time), their names set in .env; prints the `export DOCKER_HOST=...` to run next (root)
+docker-engine:  ## a private Docker engine on the cached images (root): prints the DOCKER_HOST to export
+	python3 -m deploy.docker_local engine --env-file $(ENV_FILE)
 
 # a local Slurm cluster to try train.launch.launcher=slurm by hand (docs/slurm.md); state in SLURM_DIR
 SLURM_DIR ?= .difflm-slurm

@@ -1,10 +1,16 @@
 """A private Docker engine on this host, and image bases built without a registry, for the slow Docker test
 (tests/integration/test_docker_compose.py) and for trying docker-compose.yml on a host that reaches no registry:
 
-    python -m deploy.docker_local install        # apt-get install docker.io docker-compose debootstrap (root)
-    python -m deploy.docker_local bases          # start a private dockerd, build the cached images, stop it
+    python3 -m deploy.docker_local install       # apt-get install docker.io docker-compose debootstrap (root)
+    python3 -m deploy.docker_local bases         # build the cached images (in the engine below when it runs,
+                                                 # else in a private dockerd of its own, stopped after)
+    python3 -m deploy.docker_local engine [--env-file .env]   # `make docker-engine`: a private dockerd on the
+                                                 # cached images, left running; the bases built when missing, their
+                                                 # names and build arguments set in .env; prints `export DOCKER_HOST=...`
+    python3 -m deploy.docker_local stop          # stops that engine (its containers with it)
 
-The daemon has its own socket, exec root and pid file in a temporary folder, and a data root in a cache folder
+A temporary daemon has its own socket, exec root and pid file in a temporary folder, the engine in
+<cache>/engine; both have their data root in a cache folder
 (DIFFLM_DOCKER_CACHE, default ~/.cache/difflm/docker) so that the bases survive it: a Debian bookworm root
 filesystem (`debootstrap --variant=minbase` from the host's Debian mirror, `docker import`ed), a Python 3.11 image
 and a PostgreSQL 15 image on it (deploy/docker/*.Dockerfile), and the pipeline image's dependency and runtime stages
@@ -18,6 +24,7 @@ import argparse
 import fcntl
 import hashlib
 import http.server
+import json
 import os
 import re
 import shutil
@@ -29,6 +36,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from deploy.env_file import set_values
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = "/usr/bin/docker"
@@ -46,6 +55,7 @@ RUNTIME = "local/difflm-runtime"
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 DEFAULT_MIRROR = "http://deb.debian.org/debian"
 TORCH_INDEX_PORT = 38953  # where a build on this host finds the torch wheel (see _TorchIndex)
+DEFAULT_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"  # the Dockerfile's TORCH_INDEX_URL
 
 
 class DockerUnavailable(RuntimeError):
@@ -119,10 +129,13 @@ class Daemon:
         return self.docker("image", "inspect", ref, check=False).returncode == 0
 
 
-def start(root: Path, data_root: Path | None = None, timeout: float = 60) -> Daemon:
+def start(root: Path, data_root: Path | None = None, timeout: float = 60, detach: bool = False) -> Daemon:
     """Start dockerd with its socket, exec root and pid file under `root` (short: a socket path has 107 bytes at
-    most) and its images under `data_root` (default: the cache folder's data-root)."""
+    most) and its images under `data_root` (default: the cache folder's data-root). `detach`: the daemon outlives
+    this process and holds the data root's lock itself (it inherits the locked file)."""
     root, data_root = Path(root), Path(data_root or cache_dir() / "data-root")
+    if len(str(root / "docker.sock")) > 100:
+        raise DockerUnavailable(f"{root}: too long a path for the engine's socket; set DIFFLM_DOCKER_CACHE shorter")
     (root / "client").mkdir(parents=True, exist_ok=True)
     data_root.mkdir(parents=True, exist_ok=True)
     # one daemon per data root: a second test session waits here for the first one's daemon to stop
@@ -143,13 +156,18 @@ def start(root: Path, data_root: Path | None = None, timeout: float = 60) -> Dae
         "overlay2",
     ]
     log = (root / "dockerd.log").open("ab")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, pass_fds=(lock,) if detach else ()
+    )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = (root / "dockerd.log").read_text(errors="replace")[-1500:]
             raise DockerUnavailable(f"dockerd exited with {proc.returncode}: {tail}")
         if d.docker("version", check=False).returncode == 0:
+            if detach:  # the daemon's copy of the locked file keeps the lock until it exits
+                os.close(lock)
+                d.lock = None
             return d
         time.sleep(0.5)
     stop(d)
@@ -297,10 +315,40 @@ def local_torch_wheels() -> list[Path]:
     return found
 
 
+# how the stages are built: part of their tag, so that stages built another way (the docker CLI's context, whose
+# layers Compose's build could not reuse) are replaced
+STAGES_BUILT_BY = b"docker-compose build"
+
+
 def stages_tag() -> str:
-    """What the cached stages are built from: pyproject.toml (the dependencies) and the Dockerfile."""
-    h = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "Dockerfile").read_bytes())
+    """What the cached stages are built from: pyproject.toml (the dependencies), the Dockerfile, and how."""
+    h = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + (ROOT / "Dockerfile").read_bytes() + STAGES_BUILT_BY)
     return h.hexdigest()[:12]
+
+
+def compose_build_stage(d: Daemon, target: str, tag: str, build_args: dict[str, str]) -> None:
+    """The Dockerfile's stage `target` built as `tag` by Compose (Debian's docker-compose), not the docker CLI.
+    The classic builder keys a COPY layer by the context's tar headers, and the two clients write them differently
+    (the CLI leaves the owner's name out, docker-compose's docker-py writes it): stages the CLI built were rebuilt
+    by `make stack-docker`'s build, which then asked an index this host cannot reach (issue 51). Built by the same
+    client, docker-compose.yml's build finds every layer of these stages."""
+    spec = {
+        "services": {
+            "stage": {
+                "image": tag,
+                "build": {"context": str(ROOT), "target": target, "network": "host", "args": build_args},
+            }
+        }
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        file = Path(tmp) / "stage.yml"
+        file.write_text(json.dumps(spec))  # JSON is YAML
+        argv = [COMPOSE, "-f", str(file), "-p", "difflmstages", "build", "--force-rm", "stage"]
+        done = subprocess.run(argv, env=d.env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"docker-compose build of the {target} stage failed: {done.stdout[-1500:]}{done.stderr[-1500:]}"
+        )
 
 
 def build_pipeline(d: Daemon, tag: str | None = "difflm-pipeline:latest", echo=print) -> None:
@@ -313,13 +361,19 @@ def build_pipeline(d: Daemon, tag: str | None = "difflm-pipeline:latest", echo=p
     args = ["--network", "host", "--build-arg", f"BASE_IMAGE={PYTHON_BASE}"]
     if index:
         args += ["--build-arg", f"TORCH_INDEX_URL={index.url}"]
+    build_args = {"BASE_IMAGE": PYTHON_BASE, "TORCH_INDEX_URL": index.url if index else DEFAULT_TORCH_INDEX}
+    if not d.has_image(f"{DEPS}:{cached}"):  # what `engine` sets in .env, so Compose's build finds this layer
+        (cache_dir() / "build-args.env").write_text(f"TORCH_INDEX_URL={build_args['TORCH_INDEX_URL']}\n")
     builds = [("deps", f"{DEPS}:{cached}"), ("runtime", f"{RUNTIME}:{cached}")] + ([(None, tag)] if tag else [])
     try:
         for target, name in builds:
             if target and d.has_image(name):
                 continue
             t = time.monotonic()
-            d.docker("build", *args, *(["--target", target] if target else []), "-t", name, str(ROOT))
+            if target:
+                compose_build_stage(d, target, name, build_args)
+            else:
+                d.docker("build", *args, "-t", name, str(ROOT))
             echo(f"built {name}: {time.monotonic() - t:.0f} s")
     finally:
         if index:
@@ -330,29 +384,96 @@ def build_pipeline(d: Daemon, tag: str | None = "difflm-pipeline:latest", echo=p
                 d.docker("rmi", line, check=False)
 
 
+def torch_index_url() -> str:
+    """The TORCH_INDEX_URL the cached dependency stage was built with (recorded by build_pipeline), else the one a
+    build here would use: Compose must pass the same, or it rebuilds that stage from an index it cannot reach."""
+    try:
+        recorded = (cache_dir() / "build-args.env").read_text().strip().removeprefix("TORCH_INDEX_URL=")
+    except OSError:
+        recorded = ""
+    return recorded or (f"http://127.0.0.1:{TORCH_INDEX_PORT}/" if local_torch_wheels() else DEFAULT_TORCH_INDEX)
+
+
+def image_settings() -> dict[str, str]:
+    """What docker-compose.yml needs in .env to build and run on the cached images instead of a registry's."""
+    return {
+        "DIFFLM_BASE_IMAGE": PYTHON_BASE,
+        "DIFFLM_POSTGRES_IMAGE": POSTGRES,
+        "DIFFLM_TORCH_INDEX_URL": torch_index_url(),
+    }
+
+
+def engine_daemon() -> Daemon:
+    """The engine of `engine` (running or not): its folder in the cache, beside the data root."""
+    return Daemon(cache_dir() / "engine", cache_dir() / "data-root")
+
+
+def running_engine() -> Daemon | None:
+    d = engine_daemon()
+    if (d.root / "docker.sock").exists() and d.docker("version", check=False).returncode == 0:
+        return d
+    return None
+
+
+def engine(env_file: Path, echo=print) -> Daemon:
+    """The private engine, started unless it runs, left running; the cached images built in it when missing, and
+    their names and the torch index of the dependency stage set in `env_file`."""
+    d = running_engine()
+    if d is None:
+        d = engine_daemon()
+        d.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        stop(d)  # one left from a daemon killed without its pid file removed: only when that pid is still ours
+        d = start(d.root, d.data_root, detach=True)
+        echo(f"started a Docker engine (dockerd) on {d.data_root}; its log: {d.root / 'dockerd.log'}")
+    ensure_bases(d, echo)
+    build_pipeline(d, tag=None, echo=echo)
+    set_values(env_file, image_settings())
+    echo(f"set {', '.join(image_settings())} in {env_file}; stop the engine: python3 -m deploy.docker_local stop")
+    return d
+
+
 def _terminated(signum, frame):
     raise SystemExit(128 + signum)  # the daemon is stopped by the `finally` below
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m deploy.docker_local", description=__doc__.split("\n\n")[0])
-    p.add_argument("action", choices=["install", "bases"])
+    p = argparse.ArgumentParser(prog="python3 -m deploy.docker_local", description=__doc__.split("\n\n")[0])
+    p.add_argument("action", choices=["install", "bases", "engine", "stop"])
+    p.add_argument("--env-file", type=Path, default=ROOT / ".env", help="engine: where to set the image names")
     a = p.parse_args(argv)
     if a.action == "install":
         return 0 if install() else 1
+    if a.action == "stop":  # by the pid in its pid file, whether it still answers or not
+        d = engine_daemon()
+        stop(d)
+        print(f"stopped the engine of {d.root} (when it ran); the cached images stay in {d.data_root}")
+        return 0
     why = unavailable()
     if why:
         print(why)
         return 1
-    signal.signal(signal.SIGTERM, _terminated)  # a test session that ends early stops this build and its daemon
-    t = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="dkr-", dir="/tmp") as tmp:
-        d = start(Path(tmp))
+    if a.action == "engine":
         try:
-            ensure_bases(d)
-            build_pipeline(d, tag=None)
-        finally:
-            stop(d)
+            d = engine(a.env_file)
+        except (DockerUnavailable, RuntimeError, subprocess.CalledProcessError) as err:
+            print(f"the Docker engine did not come up: {str(err)[-1500:]}", file=sys.stderr)
+            return 1
+        print(f"export DOCKER_HOST={d.host}")  # last: the line to run before make stack-docker and docker-compose
+        return 0
+    t = time.monotonic()
+    running = running_engine()
+    if running:  # its data root is the cache: build there (a second daemon would wait for its lock)
+        ensure_bases(running)
+        build_pipeline(running, tag=None)
+    else:
+        signal.signal(signal.SIGTERM, _terminated)  # a test session that ends early stops this build and its daemon
+        with tempfile.TemporaryDirectory(prefix="dkr-", dir="/tmp") as tmp:
+            d = start(Path(tmp))
+            try:
+                ensure_bases(d)
+                build_pipeline(d, tag=None)
+            finally:
+                stop(d)
     print(
         f"cached in {cache_dir() / 'data-root'} ({time.monotonic() - t:.0f} s): {MINBASE}, {PYTHON_BASE}, "
         f"{POSTGRES}, {DEPS}:{stages_tag()}, {RUNTIME}:{stages_tag()}"

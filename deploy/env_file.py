@@ -65,3 +65,17 @@ def read_env_file(path: Path) -> dict[str, str]:
             k, v = line.split("=", 1)
             out[k.strip()] = v.strip().strip("'\"")
     return out
+
+
+def set_values(env_file: Path, values: dict[str, str]) -> None:
+    """Set KEY=VALUE lines in `env_file` (created if missing): a key already there is replaced in place, the other
+    lines (secrets, ports, comments) are kept; the file is left at mode 0600."""
+    env_file = Path(env_file)
+    lines = env_file.read_text().splitlines() if env_file.exists() else []
+    left = dict(values)
+    for i, line in enumerate(lines):
+        key = line.split("=", 1)[0].strip()
+        if "=" in line and not line.lstrip().startswith("#") and key in left:
+            lines[i] = f"{key}={left.pop(key)}"
+    lines += [f"{k}={v}" for k, v in left.items()]
+    write_private(env_file, "\n".join(lines) + "\n")

@@ -546,7 +546,7 @@ def _run(a: argparse.Namespace) -> int:
     }
     secrets = ensure_secrets(a.env_file, secrets)
     if a.action == "secrets":
-        print(f"{a.env_file}: every secret set (mode 0600); docker compose and `up` read it")
+        print(f"{a.env_file}: every secret set (mode 0600); docker-compose and `up` read it")
         return 0
     try:
         s = up(a.dir, secrets, a.host, a.db_port, a.mlflow_port, a.prefect_port, a.cache, mlflow_bind=a.mlflow_host)

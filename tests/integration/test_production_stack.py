@@ -59,7 +59,12 @@ def test_compose_runs_the_services_of_difflm_stack():
         assert got["command"] == svc.argv, name
         assert {k: str(v) for k, v in got["environment"].items()} == svc.env, name
         assert got["image"] == "difflm-pipeline:latest", name
-        assert got["build"] == {"context": ".", "args": {"BASE_IMAGE": "${DIFFLM_BASE_IMAGE:-python:3.11-slim}"}}
+        # the torch index: the Dockerfile's default unless .env names the one the cached dependency stage used
+        args = {
+            "BASE_IMAGE": "${DIFFLM_BASE_IMAGE:-python:3.11-slim}",
+            "TORCH_INDEX_URL": "${DIFFLM_TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}",
+        }
+        assert got["build"] == {"context": ".", "args": args}
     # the GPU worker (profile gpu) is the worker on another image, with the NVIDIA devices
     gpu = compose["worker-gpu"]
     assert gpu["profiles"] == ["gpu"] and gpu["command"] == want["worker"].argv
