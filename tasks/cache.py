@@ -102,11 +102,19 @@ def eval_key(cfg: PipelineConfig, manifest: DataManifest, hf_dir: str | Path) ->
     return cache_key("evaluate", _eval_settings(cfg), manifest.hash, source, str(hf_dir))
 
 
+# eval settings added with the evaluation record (issue 47), left out of the key at their defaults: the results an
+# older release computed are still found (its record lacks the new sections; `difflm eval --force` writes them)
+RECORD_FIELDS = {"threshold_sweep": [], "gen_length": 8, "speed_batch": 8, "speed_repeats": 5, "baseline": None}
+
+
 def _eval_settings(cfg: PipelineConfig) -> dict:
     """eval.* as keyed before eval.sampler existed (its fields flat, sampler_steps for steps): the results a
     run's pipeline computed then are still found, not computed again."""
     settings = cfg.eval.model_dump(mode="json")
     sampler = settings.pop("sampler")
+    for name, default in RECORD_FIELDS.items():
+        if settings.get(name) == default:
+            settings.pop(name)
     return {**settings, **{old: sampler[new] for old, new in FLAT_SAMPLER_FIELDS.items()}}
 
 
