@@ -14,7 +14,7 @@ Rows, on the same prompts: the masked model one token per step (the baseline), t
 blocks of 8; the block-diffusion model (`--block`) one token per step and threshold 0.9, both with its exact KV
 cache; the AR model with its KV cache. Per row: NFE (model calls counted by a forward hook), valid tokens and TPF
 as `models/evaluation/efficiency.py` defines them (batch 1: each prompt decoded alone), tokens/s at batch 1
-(median of 5) and batched, `same` (the share of completions identical to the masked baseline's) and `score` (the
+(the median of a run per prompt, `efficiency.speed`) and batched, `same` (the share of completions identical to the masked baseline's) and `score` (the
 share of completions that continue the prompt correctly: the task score, comparable across models).
 
 Writes benchmarks/results/confident-decoding-<date>.{md,json} (or --out) and prints the table.
@@ -147,7 +147,7 @@ def measure(scorer: Scorer, items, n: int, fields: dict, batch_size: int, refere
     recs = scorer.generate(texts, n, settings)
     completions = [r["completion"] for r in recs]
     reference = reference or completions
-    rates = speed(scorer, texts, n, settings, batch_size)
+    rates = speed(scorer, texts, n, settings, batch_size, repeats=len(texts))  # median of a run per prompt
     return {
         **decode_counts(recs),
         "same": sum(a == b for a, b in zip(completions, reference)) / len(items),
@@ -224,6 +224,13 @@ def main() -> None:
     p.add_argument("--items", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=24)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads while decoding (1: a model this small runs thousands of "
+        "tiny ops, faster on one thread and steadier on a shared machine)",
+    )
     p.add_argument("--block", action="store_true", help="also train and measure a block-diffusion model")
     p.add_argument("--out", type=Path, help="the table's path, .md (and .json beside it)")
     args = p.parse_args()
@@ -237,6 +244,7 @@ def main() -> None:
         t0 = time.perf_counter()
         exports[mode] = train(args.workdir, mode)
         print(f"[{mode}] export {exports[mode]} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    torch.set_num_threads(args.threads)
     result = run(exports, args.items, args.new_tokens, args.batch_size, args.block)
     out = args.out or ROOT / "benchmarks" / "results" / f"confident-decoding-{result['date']}.md"
     text = (
