@@ -31,6 +31,7 @@ MODULE_SECONDS = {
     "tests/integration/test_parallel.py": 50,  # 142 before its cases shared two torchruns
     "tests/unit/models/hf/test_hf_import.py": 59,
     "tests/unit/models/evaluation/test_evaluation.py": 54,
+    "tests/integration/test_confident_decoding.py": 66,  # 2026-12-07, alone under a load of 7-11: two trainings
     "tests/integration/test_study.py": 37,
     "tests/integration/test_flow.py": 34,
     "tests/unit/test_security.py": 33,
