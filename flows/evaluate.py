@@ -9,6 +9,7 @@ from prefect import flow
 from difflm import tracking
 from difflm.config import PipelineConfig
 from difflm.flows.pretrain import resolve
+from difflm.models.evaluation.record import EvalRecord
 from difflm.models.evaluation.sources import resolve_export
 from difflm.models.evaluation.stages import default_out_dir
 from difflm.rundir import RunDir
@@ -50,7 +51,9 @@ def evaluate(
     name = out.parent.name + out.name.removeprefix("eval") if run and out.parent == run.path else out.name
     with tracking.pipeline_run(cfg, f"evaluate-{name}", tags) as run_id:
         results = evaluate_task(cfg, manifest, str(hf_dir), str(out), untrained=False)
-        results = results.replace(sweep=sweep_task(cfg, manifest, str(hf_dir), str(out)))
+        sweep = sweep_task(cfg, manifest, str(hf_dir), str(out))
+        if sweep:  # the record on disk gained the sweep and its AUP
+            results = EvalRecord.read(out).replace(report=results.report)
         if run_id:
             tracking.log_evaluation(results.tracked())
             tracking.log_sweep(results.sweep or [], out / "sweep.png")
