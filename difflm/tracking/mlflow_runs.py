@@ -12,9 +12,11 @@ import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
+from difflm import live_runs
 from difflm.config import PipelineConfig, TrackingConfig
 from difflm.config.train import epochs_seen
 from difflm.credentials import check_tracking_uri, same_server
@@ -94,6 +96,27 @@ def store_created(cfg: PipelineConfig) -> AbstractContextManager:
     return exclusive(lock_file(db), f"the MLflow store {db}", "wait", lambda line: print(line, flush=True))
 
 
+def note_flow_run() -> None:
+    """Record the Prefect flow run this thread runs in (if any) as this command's: should the command die, the
+    next one marks it failed (difflm.live_runs)."""
+    try:
+        from prefect.runtime import flow_run  # prefect (seconds to import) stays out of difflm's own import
+
+        if flow_run.id:
+            live_runs.note_flow_run(str(flow_run.id))
+    except ImportError:  # no Prefect: no flow run
+        pass
+
+
+def without_userinfo(uri: str) -> str:
+    """`uri` without a `user:password@` part: a record on disk holds no credential (MLflow reads them from the
+    environment)."""
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
 def lineage_tags() -> dict[str, str]:
     """Where this execution comes from: the Prefect flow run (id and UI link) and the code's git commit."""
     tags = {}
@@ -132,6 +155,7 @@ def pipeline_run(
 ) -> Iterator[str | None]:
     """Start the MLflow run of one pipeline execution (or nothing when tracking is off); yields its id.
     `parent`: the run it nests under (a study's), from this thread or another."""
+    note_flow_run()
     run = _start_pipeline_run(cfg, run_name, tags, parent) if cfg.tracking.enabled else None
     if run is None:
         yield None
@@ -171,6 +195,7 @@ def study_run(cfg: PipelineConfig, name: str, spec: dict) -> Iterator[str | None
     import mlflow
 
     run = None
+    note_flow_run()
     if cfg.tracking.enabled:
         uri = tracking_uri(cfg)  # refused, not degraded, as in _start_pipeline_run
         try:
@@ -226,6 +251,8 @@ def _ending(run, what: str) -> Iterator[str]:
     import mlflow
 
     status = "FAILED"
+    # should this process die before the end, the next command marks the run failed (difflm.live_runs)
+    live_runs.note_mlflow_run(run.info.run_id, without_userinfo(mlflow.get_tracking_uri()))
     try:
         yield run.info.run_id
         status = "FINISHED"
