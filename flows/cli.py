@@ -40,6 +40,9 @@ from difflm.rundir import RunDir, Workdir
 
 DEFAULT_PRESET = "tiny-cpu"
 SERVED = ["pretrain-difflm", "adapt-difflm", "evaluate-latest"]  # what `difflm serve` serves
+# besides every command that runs a flow (a Prefect server), these start processes that must not outlive them
+# (torchrun and its ranks, data-prep workers, served flow runs): they run under difflm.reaper
+STARTS_PROCESSES = {"prep", "train", "adapt", "serve"}
 DOCS = "docs/cli.md"  # each verb's page: what it does, in detail, with examples
 
 EPILOG = f"""examples:
@@ -524,7 +527,7 @@ def _main(cmd, args) -> int:
         flows = runs_flow or bool(getattr(args, "flow", False))
         # first the reaper (what this command starts dies with it), then the Prefect server, then the record
         # of this command's runs (kept, should it be killed, for the next command to mark them failed)
-        with reaped() if cmd.name != "config" else nullcontext(), prefect_api(needed=flows):
+        with reaped() if flows or cmd.name in STARTS_PROCESSES else nullcontext(), prefect_api(needed=flows):
             if not flows:
                 return cmd.handler(cfg, args)
             workdir = Path(cfg.workdir).resolve()
