@@ -1,11 +1,39 @@
-"""Ending the MLflow runs of a command that died (kill -9, out of memory) while they were RUNNING: the next
-command on the workdir finds its record (difflm.live_runs) and marks them FAILED, saying why in a tag."""
+"""The runs of a command that dies (kill -9, out of memory) while they are RUNNING: each command notes the MLflow
+runs and the Prefect flow run it starts in its record (difflm.live_runs); the next command on the workdir finds
+the record of a dead one and marks its MLflow runs FAILED, saying why in a tag (its flow runs: flows/dead_runs.py)."""
 
 from __future__ import annotations
 
 import os
+from urllib.parse import urlsplit, urlunsplit
+
+from difflm import live_runs
+from difflm.live_runs import note_mlflow_run
+
+__all__ = ["FAILURE_TAG", "fail_mlflow_runs", "note_flow_run", "note_mlflow_run", "without_userinfo"]
 
 FAILURE_TAG = "difflm.failure"  # why the run was marked failed by another command
+
+
+def note_flow_run() -> None:
+    """Record the Prefect flow run this thread runs in (if any) as this command's: should the command die, the
+    next one marks it failed (difflm.live_runs)."""
+    try:
+        from prefect.runtime import flow_run  # prefect (seconds to import) stays out of difflm's own import
+
+        if flow_run.id:
+            live_runs.note_flow_run(str(flow_run.id))
+    except ImportError:  # no Prefect: no flow run
+        pass
+
+
+def without_userinfo(uri: str) -> str:
+    """`uri` without a `user:password@` part: a record on disk holds no credential (MLflow reads them from the
+    environment)."""
+    parts = urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 def fail_mlflow_runs(runs: dict[str, str], reason: str) -> list[str]:

@@ -12,11 +12,9 @@ import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 
-from difflm import live_runs
 from difflm.config import PipelineConfig, TrackingConfig
 from difflm.config.train import epochs_seen
 from difflm.credentials import check_tracking_uri, same_server
@@ -24,6 +22,7 @@ from difflm.locks import exclusive
 from difflm.manifest import DataManifest
 from difflm.rundir import TrainResult, Workdir, lock_file
 from difflm.tracking import registry
+from difflm.tracking.dead_runs import note_flow_run, note_mlflow_run, without_userinfo
 from difflm.tracking.degraded import degrade, tolerant
 
 SQLITE = "sqlite:///"
@@ -94,27 +93,6 @@ def store_created(cfg: PipelineConfig) -> AbstractContextManager:
         return nullcontext()
     db = Path(uri.removeprefix(SQLITE))
     return exclusive(lock_file(db), f"the MLflow store {db}", "wait", lambda line: print(line, flush=True))
-
-
-def note_flow_run() -> None:
-    """Record the Prefect flow run this thread runs in (if any) as this command's: should the command die, the
-    next one marks it failed (difflm.live_runs)."""
-    try:
-        from prefect.runtime import flow_run  # prefect (seconds to import) stays out of difflm's own import
-
-        if flow_run.id:
-            live_runs.note_flow_run(str(flow_run.id))
-    except ImportError:  # no Prefect: no flow run
-        pass
-
-
-def without_userinfo(uri: str) -> str:
-    """`uri` without a `user:password@` part: a record on disk holds no credential (MLflow reads them from the
-    environment)."""
-    parts = urlsplit(uri)
-    if parts.username is None and parts.password is None:
-        return uri
-    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
 
 
 def lineage_tags() -> dict[str, str]:
@@ -252,7 +230,7 @@ def _ending(run, what: str) -> Iterator[str]:
 
     status = "FAILED"
     # should this process die before the end, the next command marks the run failed (difflm.live_runs)
-    live_runs.note_mlflow_run(run.info.run_id, without_userinfo(mlflow.get_tracking_uri()))
+    note_mlflow_run(run.info.run_id, without_userinfo(mlflow.get_tracking_uri()))
     try:
         yield run.info.run_id
         status = "FINISHED"

@@ -11,6 +11,7 @@ import pytest
 
 from difflm import live_runs
 from difflm.errors import UserError
+from difflm.tracking.dead_runs import without_userinfo
 
 
 def test_a_live_commands_record_is_not_dead_and_is_removed_at_its_end(tmp_path):
@@ -49,3 +50,8 @@ def test_a_planted_link_in_the_records_is_refused(tmp_path):
     (folder / "x.json").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(UserError, match="symlink"), live_runs.dead_records(tmp_path):
         pass
+
+
+def test_a_record_holds_no_credential_of_a_tracking_uri():
+    assert without_userinfo("https://alice:<password>@mlflow.example:5000/x") == "https://mlflow.example:5000/x"
+    assert without_userinfo("sqlite:////w/mlflow.db") == "sqlite:////w/mlflow.db"
