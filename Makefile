@@ -111,8 +111,8 @@ slurm-down: $(STAMP)  ## stop it
 # the workdir of the last `difflm run` (the path in .difflm-last, difflm.rundir.Workdir.last), else .difflm
 WORKDIR ?= $(shell cat .difflm-last 2>/dev/null || echo .difflm)
 # MLflow's job runner (7 huey consumers and a supervisor, for GenAI jobs this pipeline does not use) is off, as in
-# the production stack, and one web worker is enough for one user: it answered in 67 s, now in 17 (on a loaded
-# 2-core machine), and Ctrl-C stops it within seconds (the consumers held it before)
+# the production stack, and one web worker is enough for one user: on a shared 2-core machine it answered in 7.5 s
+# instead of 18.6 (load 2-3), 19 s instead of 109 (load 16); Ctrl-C stops it all (a consumer was left before)
 MLFLOW_PORT ?= 5000
 # non-empty unless $(1) is one word of digits: checked by make itself, the value never reaches a shell first
 not_a_number = $(if $(filter-out 1,$(words $(1))),x,$(subst 0,,$(subst 1,,$(subst 2,,$(subst 3,,$(subst 4,,$(subst 5,,$(subst 6,,$(subst 7,,$(subst 8,,$(subst 9,,$(1))))))))))))
