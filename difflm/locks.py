@@ -76,7 +76,7 @@ def exclusive(
         finally:
             depth[key] -= 1
         return
-    fd = _open(lock_file)
+    fd = open_lock_file(lock_file)
     try:
         if not _try_lock(fd, lock_file):
             line = f"{what} is being written by {holder(fd)} (lock {lock_file})"
@@ -96,7 +96,7 @@ def exclusive(
         os.close(fd)  # releases the lock
 
 
-def _open(lock_file: Path) -> int:
+def open_lock_file(lock_file: Path) -> int:
     """Open (or create) the lock file as a plain file of ours only. Its holder's pid is written into it, so a
     planted link (`O_NOFOLLOW`), a hard link to another file, a fifo or device, or another user's file would have
     that write land somewhere it must not: each is refused in one line naming what to remove. O_NONBLOCK and

@@ -15,7 +15,8 @@
         preempted.json, stopped.json   why the trainer stopped (resume me; non-finite values)
 
 The workdir around the runs is `Workdir`: `runs/` (named by `Workdir.run_for`), `data/<data hash>/`,
-`imports/<source>/` (`ImportDir`), `evals/`, `reports/`, `mlflow.db`, `mlartifacts/` and `last_run.json`; the
+`imports/<source>/` (`ImportDir`), `evals/`, `reports/`, `mlflow.db`, `mlartifacts/`, `last_run.json` and `.live/` (the
+locked records of the commands running on it, difflm.live_runs); the
 workdir used last is named by `.difflm-last` in the current directory (`Workdir.remember`, `Workdir.last`). Every launcher returns a `TrainResult`.
 
 Each stage's output folder has its lock file beside it (`lock_file`: `.<name>.lock`), held by the one process

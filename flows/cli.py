@@ -18,13 +18,14 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from difflm import set_offline_env
+from difflm import live_runs, set_offline_env
 from difflm.config import PipelineConfig, load_config, validate
 from difflm.errors import ConfigWarning, UserError, disk_full, is_disk_full
+from difflm.flows.dead_runs import mark_dead_runs
 from difflm.flows.prechecks import check_arguments, check_before_work
 from difflm.flows.prefect_api import prefect_api
 from difflm.flows.verbs import (  # the table, and what callers read through this module
@@ -38,11 +39,15 @@ from difflm.flows.verbs import (  # the table, and what callers read through thi
     preset_default,
 )
 from difflm.outputs import private_umask
+from difflm.reaper import reaped
 
 # Stages, flows and models are imported inside flows/commands.py's functions, `_run_of_*` and `resolve_config`
 # (difflm.tasks.sources): `difflm --help` then loads argparse and the config only (well under a second), and a
 # command loads only what it runs (torch, megatron, Prefect and MLflow take seconds to import).
 
+# besides every command that runs a flow (a Prefect server), these start processes that must not outlive them
+# (torchrun and its ranks, data-prep workers, served flow runs): they run under difflm.reaper
+STARTS_PROCESSES = {"prep", "train", "adapt", "serve"}
 DOCS = "docs/cli.md"  # each verb's page: what it does, in detail, with examples
 
 EPILOG = f"""examples:
@@ -229,8 +234,16 @@ def _main(cmd, args) -> int:
         check_before_work(cmd.name, cfg, args)  # what needs no server fails before one starts
         _offline_env(cfg)  # Prefect's state beside the config's workdir (a run's own, for a command on a run)
         runs_flow = cmd.name == "run" or (cmd.name == "study" and not args.plan)
-        with prefect_api(needed=runs_flow or bool(getattr(args, "flow", False))):
-            return cmd.handler(cfg, args)
+        flows = runs_flow or bool(getattr(args, "flow", False))
+        # first the reaper (what this command starts dies with it), then the Prefect server, then the record
+        # of this command's runs (kept, should it be killed, for the next command to mark them failed)
+        with reaped() if flows or cmd.name in STARTS_PROCESSES else nullcontext(), prefect_api(needed=flows):
+            if not flows:
+                return cmd.handler(cfg, args)
+            workdir = Path(cfg.workdir).resolve()
+            mark_dead_runs(workdir)
+            with live_runs.recorded(workdir, cmd.name):
+                return cmd.handler(cfg, args)
     except UserError as err:  # the message already says what to do: no traceback
         print(f"difflm: {err}", file=sys.stderr)
         return err.exit_code  # 1; 2 for a bad config; 75 (EX_TEMPFAIL) when rerunning resumes

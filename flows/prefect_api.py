@@ -1,10 +1,13 @@
 """The Prefect API a CLI command talks to: the configured one (PREFECT_API_URL), else a temporary local server
-that this process starts in its own session.
+that this process starts in its own session; and marking the flow runs of a dead command failed.
 
 Why not Prefect's own temporary server: it is a child in the terminal's process group, so Ctrl-C stops it at
 once while the flow still has states to report; the flow then retried a dead API for minutes and printed
 tracebacks (tried as a new user would). In its own session the server outlives the interrupt long enough for
-the flow to record where training stopped, and is stopped when the command ends.
+the flow to record where training stopped, and is stopped when the command ends. A group kill (`kill -9 -- -PGID`)
+cannot reach it there, so it also gets the parent-death signal: it dies with the command however that dies (it
+ran on with parent 1 for good before; issue 51). Its database stays in PREFECT_HOME (the workdir's .prefect/), so
+the next command's server reads the flow runs a killed command left RUNNING, and `fail_flow_runs` ends them.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ import logging
 import os
 import subprocess
 import types
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from difflm.errors import Interrupted, UserError
 from difflm.locks import exclusive
+from difflm.reaper import killed_with_parent
 from difflm.rundir import lock_file
 
 # Prefect is imported inside the functions: the CLI loads this module for every command (`--help` included),
@@ -90,8 +95,11 @@ def _temporary_server_unless_configured() -> Iterator[None]:
 
     class OwnSessionServer(prefect_server.SubprocessASGIServer):
         def _run_uvicorn_command(self) -> subprocess.Popen:
-            # Prefect builds the server's command line and environment; only the session is ours
-            own_session = types.SimpleNamespace(Popen=functools.partial(subprocess.Popen, start_new_session=True))
+            # Prefect builds the server's command line and environment; only the session and the parent-death
+            # signal are ours (started from this thread, which also stops it: the signal fires when it ends)
+            own_session = types.SimpleNamespace(
+                Popen=functools.partial(subprocess.Popen, start_new_session=True, preexec_fn=killed_with_parent())
+            )
             prefect_server.subprocess, saved = own_session, prefect_server.subprocess
             try:
                 return super()._run_uvicorn_command()
@@ -139,3 +147,30 @@ def _start(server) -> None:
             f"the temporary Prefect server did not answer within {timeout} s (a busy machine?): give it longer "
             f"with {START_TIMEOUT_SETTING}=<seconds>, or point PREFECT_API_URL at a running server"
         ) from None
+
+
+def fail_flow_runs(flow_run_ids: list[str], reason: str) -> list[str]:
+    """Set those of the flow runs (and their task runs) that are not finished to Failed with `reason`, on the
+    current Prefect API; the ids set. A flow run that API does not know (a dead command that used another
+    server) is left alone."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.exceptions import ObjectNotFound
+    from prefect.states import Failed
+
+    marked = []
+    with get_client(sync_client=True) as client:
+        for flow_run_id in flow_run_ids:
+            try:
+                flow_run = client.read_flow_run(uuid.UUID(flow_run_id))
+            except (ObjectNotFound, ValueError):
+                continue
+            if flow_run.state is not None and flow_run.state.is_final():
+                continue
+            in_flow_run = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id]))
+            for task_run in client.read_task_runs(flow_run_filter=in_flow_run):
+                if task_run.state is None or not task_run.state.is_final():
+                    client.set_task_run_state(task_run.id, Failed(message=reason), force=True)
+            client.set_flow_run_state(flow_run.id, Failed(message=reason), force=True)
+            marked.append(flow_run_id)
+    return marked

@@ -22,6 +22,7 @@ from difflm.locks import exclusive
 from difflm.manifest import DataManifest
 from difflm.rundir import TrainResult, Workdir, lock_file
 from difflm.tracking import registry
+from difflm.tracking.dead_runs import note_flow_run, note_mlflow_run, without_userinfo
 from difflm.tracking.degraded import degrade, tolerant
 
 SQLITE = "sqlite:///"
@@ -132,6 +133,7 @@ def pipeline_run(
 ) -> Iterator[str | None]:
     """Start the MLflow run of one pipeline execution (or nothing when tracking is off); yields its id.
     `parent`: the run it nests under (a study's), from this thread or another."""
+    note_flow_run()
     run = _start_pipeline_run(cfg, run_name, tags, parent) if cfg.tracking.enabled else None
     if run is None:
         yield None
@@ -171,6 +173,7 @@ def study_run(cfg: PipelineConfig, name: str, spec: dict) -> Iterator[str | None
     import mlflow
 
     run = None
+    note_flow_run()
     if cfg.tracking.enabled:
         uri = tracking_uri(cfg)  # refused, not degraded, as in _start_pipeline_run
         try:
@@ -226,6 +229,8 @@ def _ending(run, what: str) -> Iterator[str]:
     import mlflow
 
     status = "FAILED"
+    # should this process die before the end, the next command marks the run failed (difflm.live_runs)
+    note_mlflow_run(run.info.run_id, without_userinfo(mlflow.get_tracking_uri()))
     try:
         yield run.info.run_id
         status = "FINISHED"
