@@ -341,7 +341,7 @@ def evaluate(
         c, manifest, hf_dir, out_dir = plan["config"], plan["manifest"], plan["hf_dir"], plan["out_dir"]
         reused, why = (None, "--force") if force else reuse_check(c, manifest, hf_dir, out_dir)
         if reused is not None:
-            print(f"{source}: reused {out_dir}/results.json (the same export, data and settings; --force recomputes)")
+            print(f"{source}: results in {out_dir} (reused: the same export, data and settings; --force recomputes)")
             found[source] = reused
             continue
         if why:

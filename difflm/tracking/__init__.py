@@ -1,6 +1,7 @@
 """MLflow tracking, the model registry and plots: what a pipeline execution records.
 
 - `mlflow_runs`: one MLflow run per execution, a nested run per stage, metrics, the model upload;
+- `eval_runs`: an evaluation record and a sampler sweep in the run (params, metrics, samples, artifacts);
 - `registry`: registered models, the `candidate` / `champion` aliases and the promotion rule;
 - `plots`: loss curves and the sampler sweep (matplotlib, imported lazily);
 - `latest`: where evaluate-latest's scores go (the training's MLflow run, else one of its own).
@@ -11,6 +12,7 @@ Patch `DEGRADED` on `difflm.tracking.degraded`, where `degrade` reads it.
 
 from difflm.tracking import registry
 from difflm.tracking.degraded import DEGRADED, degradations, degrade, summary_line, tolerant
+from difflm.tracking.eval_runs import log_evaluation, log_sweep
 from difflm.tracking.latest import log_latest_score, training_mlflow_run
 from difflm.tracking.mlflow_runs import (
     EXPERIMENT_KIND,
@@ -24,11 +26,9 @@ from difflm.tracking.mlflow_runs import (
     lineage_tags,
     log_and_register_model,
     log_data_stats,
-    log_evaluation,
     log_files,
     log_length,
     log_stage,
-    log_sweep,
     log_text,
     log_training,
     pipeline_run,

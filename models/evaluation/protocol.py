@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from difflm.models.diffusion import MaskedSampler
-from difflm.models.hf.export import Export
+from difflm.models.diffusion.modes import objective_class
+from difflm.rundir import exported_from
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 CONFIG = ("config.json",)
@@ -53,12 +54,13 @@ def model_identity(model, hf_dir: Path) -> dict[str, Any]:
     cfg = model.config
     objective = model.objective
     settings = {k: v for k, v in dataclasses.asdict(objective).items() if _plain(v)}
-    export = Export.read(hf_dir) if (Path(hf_dir) / "difflm_export.json").is_file() else None
     return {
         "weights_sha256": files_digest(Path(hf_dir), WEIGHTS),
         "config_sha256": files_digest(Path(hf_dir), CONFIG),  # the same weights under another mode differ here
         "tokenizer_sha256": files_digest(Path(hf_dir), TOKENIZER),
-        "checkpoint": str(export.checkpoint) if export and export.checkpoint else None,
+        "checkpoint": exported_from(
+            Path(hf_dir)
+        ),  # None: not written from a checkpoint (a stock folder, a random init)
         "mode": cfg.model_running_mode,
         "objective": settings,
         "mask_id": cfg.mask_token_id,
@@ -85,9 +87,25 @@ def decoding(settings: MaskedSampler, new_tokens: int, seed: int, mode: str, blo
         "confidence_rule": settings.remasking,
         "eos_rule": "stop at the first EOS with nothing masked before it" if settings.stop_at_eos else "none",
         "model_block_size": block_size,
-        "decoder": "ar + KV cache" if mode == "ar" else ("block diffusion" if block_size else "masked diffusion"),
+        "decoder": decoder_name(mode, block_size),
         "seed": seed,
     }
+
+
+def decoder_name(mode: str, block_size: int | None) -> str:
+    """How a mode's model decodes, for the record: left to right with its cache, block by block, or all at once."""
+    if left_to_right(mode):
+        return "left to right + KV cache"
+    return "block diffusion" if block_size else "diffusion (iterative denoising)"
+
+
+def left_to_right(mode: str) -> bool | None:
+    """Whether the mode decodes token by token (the AR rows of a comparison); None for a mode this version does not
+    know (a record written by another one)."""
+    try:
+        return not objective_class(mode).bidirectional
+    except (KeyError, ValueError):
+        return None
 
 
 def task_protocol(name: str, items: list[dict], lm_eval_yaml: dict | None, scorer: str, **extra: Any) -> dict:

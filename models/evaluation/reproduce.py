@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from difflm.errors import UserError
-from difflm.models.evaluation.protocol import CONFIG, WEIGHTS, differences, files_digest
+from difflm.models.evaluation.protocol import CONFIG, WEIGHTS, differences, files_digest, left_to_right
 from difflm.models.evaluation.record import EvalRecord, placement_label
 from difflm.tracking.plots import plot_parallelism
 
@@ -164,7 +164,7 @@ def points(name: str, record: EvalRecord) -> list[dict]:
             "tpf": eff.get("tpf"),
             "tokens_per_s": eff.get("tokens_per_s_batch1"),
             "aup": (record.aup or {}).get("value"),
-            "ar": record.mode == "ar",
+            "ar": bool(left_to_right(record.mode)),
         }
     ]
     for row in record.sweep or []:
@@ -178,7 +178,7 @@ def points(name: str, record: EvalRecord) -> list[dict]:
                 "tpf": row.get("tpf"),
                 "tokens_per_s": row.get("tokens_per_s"),
                 "aup": None,
-                "ar": record.mode == "ar",
+                "ar": bool(left_to_right(record.mode)),
             }
         )
     if record.baseline:
