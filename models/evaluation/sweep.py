@@ -107,8 +107,9 @@ def sweep_steps(
         row = {"steps": s.steps, "setting": f"{kind} {value}", **measure_sampler(scorer, items, s, new_tokens)}
         rows.append(row)
         if echo:
+            label = f"{value} steps" if kind == "steps" else f"threshold {value}"
             echo(
-                f"[sweep] {i}/{len(settings)}: {kind} {value}, "
+                f"[sweep] {i}/{len(settings)}: {label}, "
                 + ", ".join(f"{m} {row[m]:.3g}" for m in METRICS if row.get(m) is not None)
             )
     return rows
