@@ -115,21 +115,22 @@ class _InstructionMixin(_TolerantMixin):
     def _skip(self, reason: str, where: str, detail: str = "", n: int = 1) -> None:
         super()._skip(reason, where, detail, n)
         if n and self._counting and self.rejects_dir:
-            save_reject(self.rejects_dir, self._rank, reason, where, detail)
+            save_reject(self.rejects_dir, self._rank, reason, where, detail, self.source)
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        self._rank, self._rejected = rank, set()
+        self._rank = rank
         yield from super().run(data, rank, world_size)
 
 
-def save_reject(folder: str, rank: int, kind: str, where: str, detail: str) -> None:
-    """The first record of `kind` this task skipped, written once (atomically: a task can be killed anywhere)."""
+def save_reject(folder: str, rank: int, kind: str, where: str, detail: str, source: str) -> None:
+    """The first record of `kind` this task skipped, written once (atomically: a task can be killed anywhere);
+    `where` is relative to its source's folder."""
     path = os.path.join(folder, f"{rank:05d}-{kind}.json")
     if os.path.exists(path):
         return
     os.makedirs(folder, exist_ok=True)
     with open(path + ".part", "w") as f:
-        json.dump({"kind": kind, "where": where, "detail": detail}, f)
+        json.dump({"kind": kind, "where": where, "detail": detail, "source": source}, f)
     os.replace(path + ".part", path)
 
 
@@ -224,7 +225,7 @@ class InstructionWriter(SplitSourceWriter):
         where = doc.id.split(":", 1)[1] if ":" in doc.id else doc.id
         logger.warning(f"skipping record at {where}: template error ({why})")
         if self.rejects_dir:
-            save_reject(self.rejects_dir, rank, "template_error", where, f"({why})")
+            save_reject(self.rejects_dir, rank, "template_error", where, f"({why})", doc.metadata.get("source", ""))
 
 
 class MaskFile(MegatronTokenizedFile):
@@ -235,8 +236,9 @@ class MaskFile(MegatronTokenizedFile):
         self.token_dtype, self.token_dtype_code = "uint8", 1
 
 
-def reject_lines(rejects_dir, skipped: dict[str, int]) -> list[str]:
-    """One line per kind of skipped record: how many, the first one (file and line or row) and what to do."""
+def reject_lines(rejects_dir, skipped: dict[str, int], folders: dict[str, str]) -> list[str]:
+    """One line per kind of skipped record: how many, the first one (file and line or row, in the source's folder
+    `folders[source]`) and what to do."""
     first: dict[str, dict] = {}
     for path in sorted(rejects_dir.glob("*.json")) if rejects_dir.exists() else ():
         r = json.loads(path.read_text())
@@ -247,7 +249,8 @@ def reject_lines(rejects_dir, skipped: dict[str, int]) -> list[str]:
         if not key.startswith("skipped_") or key.endswith("_file") or not n:
             continue
         r = first.get(kind)
-        at = f", the first at {r['where']} {r['detail']}".rstrip() if r else ""
+        where = r and os.path.join(folders.get(r.get("source", ""), ""), r["where"])
+        at = f", the first at {where} {r['detail']}".rstrip() if r else ""
         advice = ADVICE.get(kind)
         lines.append(
             f"data prep: skipped {n} record(s): {kind.replace('_', ' ')}{at}" + (f"; {advice}" if advice else "")

@@ -469,7 +469,8 @@ def _prepare_data(cfg: PipelineConfig) -> DataManifest:
     manifest.write(manifest_path)
     print(summary_line(manifest), flush=True)
     if template is not None:  # one line per kind of bad instruction record, naming the first
-        for line in reject_lines(out / REJECTS, skipped):
+        folders = {s.label: str(p if p.is_dir() else p.parent) for s, p, _ in resolved}
+        for line in reject_lines(out / REJECTS, skipped, folders):
             print(line, flush=True)
     return manifest
 
