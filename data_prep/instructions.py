@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import unicodedata
+from typing import Literal
 
 import pyarrow.parquet as pq
 from datatrove.data import Document, DocumentsPipeline
@@ -94,7 +95,8 @@ class _InstructionMixin(_TolerantMixin):
     each skipped kind's first record is also written to the rejects folder."""
 
     keys: dict[str, str | None] = {}
-    normalization: str | None = None  # data.unicode_normalization, applied to each turn's content
+    normalization: Literal["NFC", "NFKC"] | None = None  # data.unicode_normalization, applied to each turn's text
+    source = ""  # the source's label (set by the reader's constructor)
     rejects_dir: str | None = None
 
     def _usable_text(self, record: dict, where: str) -> str | None:
