@@ -35,7 +35,7 @@ from datatrove.utils.batching import batched
 from datatrove.utils.logging import logger
 
 from difflm.data_prep.chat import ROLES, ChatFormat, TemplateError, TemplateSpec
-from difflm.data_prep.readers import JsonlSource
+from difflm.data_prep.readers import _SUFFIXES, JsonlSource
 from difflm.data_prep.sharding import Piece
 from difflm.data_prep.split import split_of
 from difflm.data_prep.steps import SplitSourceWriter
@@ -155,13 +155,20 @@ class InstructionParquetSource(_InstructionMixin, BaseDiskReader):
     def _records(self, piece: Piece) -> DocumentsPipeline:
         filepath = piece.path
         with self.data_folder.open(filepath, "rb") as f, pq.ParquetFile(f, buffer_size=1 << 20) as pqf:
-            columns = [k for k in self.keys.values() if k and k in pqf.schema_arrow.names]
+            names = pqf.schema_arrow.names
+            columns = [k for k in self.keys.values() if k and k in names]
+            if not columns:  # every row is the same bad record: one count of them all, no row read
+                detail = (
+                    f"(no field {self.keys['messages']!r}, nor {self.keys['prompt']!r}; fields: {sorted(names)[:8]})"
+                )
+                self._skip("no_conversation", f"{filepath} row 0", detail, n=pqf.metadata.num_rows)
+                return
             row = 0
-            for batch in pqf.iter_batches(batch_size=self.batch_rows, columns=columns or None):
+            for batch in pqf.iter_batches(batch_size=self.batch_rows, columns=columns):
                 for record in batch.to_pylist():
                     where = f"{filepath} row {row}"
                     row += 1
-                    text = self._usable_text(record if columns else {}, where)
+                    text = self._usable_text(record, where)
                     if text is not None:
                         yield Document(text=text, id=f"{self.source}:{where}", metadata={"source": self.source})
 
@@ -171,12 +178,12 @@ def make_instruction_reader(path, fmt: str, source: str, keys: dict, progress: b
     folder, glob = (path, None) if path.is_dir() else (path.parent, path.name)
     if fmt == "jsonl":
         reader = InstructionJsonlSource(str(folder), glob_pattern=glob or "**/*.json*", source=source)
-        reader.patterns = () if glob else ("*.jsonl*", "*.json*")
     elif fmt == "parquet":
         reader = InstructionParquetSource(str(folder), glob_pattern=glob or "**/*.parquet", source=source)
-        reader.patterns = () if glob else ("*.parquet",)
     else:
         raise ValueError(f"instruction data is read from JSONL or Parquet files, not {fmt}")
+    if glob is None:  # a folder: its files of other formats are listed by unknown_files, not read
+        reader.patterns = _SUFFIXES[fmt]
     reader.keys, reader.doc_progress = keys, progress
     return reader
 

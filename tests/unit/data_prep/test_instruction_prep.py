@@ -102,19 +102,24 @@ def test_bad_instruction_records_one_line_per_kind_nothing_lost(tmp_path, tiny_m
         + "{not json\n"
         + "".join(json.dumps(r) + "\n" for r in good[4:])
     )
-    m = prepare_data(_cfg(tmp_path, tiny_manifest, f"data.sources=[{src}]", f"tokenizer.path={tok_dir}"))
+    (tmp_path / "rows").mkdir()  # Parquet: a file without the conversation's columns, a row with an empty answer
+    pq.write_table(pa.table({"text": ["a", "b", "c"]}), tmp_path / "rows" / "a.parquet")
+    pq.write_table(pa.table({"prompt": ["q1", "q2"], "response": ["a1", " "]}), tmp_path / "rows" / "b.parquet")
+    sources = f"data.sources=[{src}, {tmp_path / 'rows'}]"
+    m = prepare_data(_cfg(tmp_path, tiny_manifest, sources, f"tokenizer.path={tok_dir}"))
     assert m.instruction["template"] == "tokenizer" and m.instruction["chat_template"] == template
     assert m.skipped == {
-        "skipped_no_conversation": 1,
+        "skipped_no_conversation": 1 + 3,
         "skipped_no_assistant_turn": 2,
         "skipped_unknown_role": 1,
-        "skipped_empty_content": 1,
+        "skipped_empty_content": 1 + 1,
         "skipped_malformed_messages": 1,
         "skipped_template_error": 1,
         "skipped_malformed_json": 1,
     }
     kept = m.splits["train"].documents + m.splits["valid"].documents
-    assert kept == 8 and kept + sum(m.skipped.values()) == len(src.read_text().splitlines())  # nothing lost
+    records = len(src.read_text().splitlines()) + 3 + 2
+    assert kept == 8 + 1 and kept + sum(m.skipped.values()) == records  # nothing lost
     out = capsys.readouterr().out.splitlines()
     kinds = [line for line in out if line.startswith("data prep: skipped ")]
     assert len(kinds) == len(m.skipped)  # one line per kind, naming the first record of it and what to do
