@@ -4,6 +4,12 @@ Samples are megatron GPTDatasets (packed, shuffled windows of seq_length+1 token
 megatron's BlendedMegatronDatasetBuilder. Sample k of a split is fixed by the seed, so the batch of
 (iteration, micro-batch, data-parallel rank) is too: a resumed run sees exactly the data the
 uninterrupted run would have seen.
+
+Instruction data (`DataManifest.kind == "instruction"`) carries a loss mask beside every token shard
+(`difflm.manifest.loss_mask_prefix`: the same documents, 1 on response tokens). Megatron picks a GPTDataset's
+windows from the document lengths, the split and the seed only, so a GPTDataset built on the mask shards with the
+same config holds, as its sample k, the mask of sample k's tokens: `ResponseDataset` reads both (the batch order
+stays the seed's, deterministic and resumable) and `build_datasets` refuses mask shards whose documents differ.
 """
 
 from __future__ import annotations
@@ -11,12 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from difflm.config import PipelineConfig
-from difflm.manifest import DataManifest
+from difflm.errors import UserError
+from difflm.manifest import DataManifest, loss_mask_prefix
 
 
 @dataclass
@@ -33,19 +41,57 @@ class DatasetTokenizer:
         return {"class": "DatasetTokenizer", "path": self.path, "vocab_size": self.vocab_size}
 
 
+# The mask shards' values are 0/1: their GPTDataset pads a short window with this id (never 0 or 1, so padding
+# reads as "not a response token") and only their cache key reads the rest.
+MASK_TOKENIZER = DatasetTokenizer(vocab_size=256, eod=255, pad=255, path="response-mask")
+
+
+class ResponseDataset:
+    """Instruction data: sample k of the token windows with `response` / `response_labels` [s] (bool), the mask
+    of its tokens and of its labels read from sample k of the mask windows."""
+
+    def __init__(self, tokens, masks):
+        self.tokens, self.masks = tokens, masks
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, idx: int) -> dict:
+        sample, mask = self.tokens[idx], self.masks[idx]
+        return {**sample, "response": mask["tokens"].eq(1), "response_labels": mask["labels"].eq(1)}
+
+
 def build_datasets(cfg: PipelineConfig, manifest: DataManifest, train_samples: int, valid_samples: int):
-    """(train, valid) megatron GPTDatasets over the manifest's shards."""
+    """(train, valid) megatron GPTDatasets over the manifest's shards (`ResponseDataset`s for instruction data)."""
     tok = manifest.tokenizer
+    tokens = _build(
+        cfg,
+        manifest,
+        train_samples,
+        valid_samples,
+        lambda p: p,
+        DatasetTokenizer(tok.vocab_size, tok.eos_id, tok.pad_id, tok.sha256),
+    )
+    if manifest.kind != "instruction":
+        return tokens
+    masks = _build(cfg, manifest, train_samples, valid_samples, loss_mask_prefix, MASK_TOKENIZER)
+    for split, (a, b) in zip(("train", "valid"), zip(tokens, masks)):
+        _check_same_windows(a, b, f"{manifest.dir} ({split})")
+    return tuple(ResponseDataset(a, b) for a, b in zip(tokens, masks))
+
+
+def _build(cfg, manifest, train_samples, valid_samples, prefix, tokenizer):
+    """(train, valid) GPTDatasets over the shards `prefix(p)` of the manifest's prefixes p."""
 
     def blend(name: str) -> tuple[list[str], list[float] | None]:  # the split's shards and their blend weights
         split = manifest.split(name)
-        return list(split.prefixes), list(split.weights) or None
+        return [prefix(p) for p in split.prefixes], list(split.weights) or None
 
     ds_cfg = GPTDatasetConfig(
         random_seed=cfg.train.seed,
         sequence_length=cfg.train.seq_length,
         blend_per_split=[blend("train"), blend("valid"), None],
-        tokenizer=DatasetTokenizer(tok.vocab_size, tok.eos_id, tok.pad_id, tok.sha256),
+        tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
@@ -57,6 +103,29 @@ def build_datasets(cfg: PipelineConfig, manifest: DataManifest, train_samples: i
         GPTDataset, [train_samples, valid_samples, 0], lambda: True, ds_cfg
     ).build()
     return train, valid
+
+
+def _low_level(dataset) -> list:
+    """The GPTDatasets of a (blended) megatron dataset, in blend order."""
+    if not hasattr(dataset, "datasets"):
+        return [dataset]
+    return [x for d in dataset.datasets for x in _low_level(d)]
+
+
+def _check_same_windows(tokens, masks, where: str) -> None:
+    """The mask windows are the token windows: the same number of samples and, per shard, the same documents of
+    the same lengths (megatron draws the windows from these and the seed alone)."""
+    a, b = _low_level(tokens), _low_level(masks)
+    same = len(tokens) == len(masks) and len(a) == len(b)
+    for x, y in zip(a, b) if same else ():
+        same = same and numpy.array_equal(x.dataset.sequence_lengths, y.dataset.sequence_lengths)
+        same = same and numpy.array_equal(x.dataset.document_indices, y.dataset.document_indices)
+        same = same and numpy.array_equal(x.indices, y.indices)
+    if not same:
+        raise UserError(
+            f"the loss-mask shards of the instruction data at {where} do not match its token shards (other "
+            "documents or lengths): prepare the data again (difflm prep) rather than mixing shards of two preps"
+        )
 
 
 def micro_batch(

@@ -80,22 +80,32 @@ def corrupt(
 ) -> dict:
     """Model inputs, targets, scored positions and t for one micro-batch of `cfg`'s objective (`Objective.prepare`).
 
-    The dataset's loss_mask (False at padding megatron may add) is never scored, never counted. Evaluation uses
+    The dataset's loss_mask (False at padding megatron may add) is never scored, never counted; a batch of
+    instruction data (`response`, `response_labels`: data prep's loss mask) is scored on its responses only. Evaluation uses
     the objective's bound (for masked modes the low-variance discrete ELBO: t stratified over the batch, exactly
     ceil(t*L) tokens masked, weight L/#masked; see diffusion.elbo_nll_per_token). `objective`: the one the
     caller built where its run started (`build_objective`)."""
-    x0 = batch["tokens"]
+    x0, labels = batch["tokens"], batch["labels"]
     label_ok = batch.get("loss_mask", torch.ones_like(x0)).bool()  # megatron's: labels[i] = x[i + 1] is data
-    return objective.prepare(
+    response = None
+    if "response" in batch:  # instruction data: noise and loss on the response tokens only (`modes.prepare`)
+        x0, labels, label_ok, response = objective.response_view(
+            x0, labels, label_ok, batch["response"], batch["response_labels"]
+        )
+    prepared = objective.prepare(
         x0,
-        batch["labels"],
+        labels,
         label_ok,
         batch["positions"].tolist(),
         lambda pos: noise_generator(cfg.train.seed, step, pos),
         cfg.train.global_batch_size,
         cfg.diffusion.antithetic_t,
         evaluation,
+        response=response,
     )
+    if response is not None:  # the clean rows the documents come from (the EOS fill may have changed them)
+        prepared.setdefault("row_tokens", x0)
+    return prepared
 
 
 def _loss_func(prepared: dict, objective: Objective, evaluation: bool, output_tensor: torch.Tensor):
