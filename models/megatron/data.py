@@ -131,7 +131,8 @@ def _check_same_windows(tokens, masks, where: str) -> None:
 def micro_batch(
     dataset, iteration: int, micro: int, dp_rank: int, cfg: PipelineConfig, dp_size: int, length: int | None = None
 ) -> dict:
-    """The micro-batch `micro` of `iteration` for data-parallel rank `dp_rank`: tokens/labels [b, s].
+    """The micro-batch `micro` of `iteration` for data-parallel rank `dp_rank`: tokens/labels [b, s] (and
+    `response` / `response_labels` [b, s] of instruction data).
 
     `positions` [b] are the sequences' places in the global batch (they key the noise); `length`
     truncates the sequences (variable-length training)."""
@@ -140,10 +141,13 @@ def micro_batch(
     start = iteration * t.global_batch_size + first
     samples = [dataset[(start + j) % len(dataset)] for j in range(t.micro_batch_size)]
     length = length or t.seq_length
-    return {
+    batch = {
         "tokens": torch.stack([s["tokens"][:length] for s in samples]),  # [b, s] the clean sequence x0
         "labels": torch.stack([s["labels"][:length] for s in samples]),  # [b, s] next tokens (ar mode)
         # [b, s] 0 where megatron padded a sample: never scored (its token id there is not data)
         "loss_mask": torch.stack([s["loss_mask"][:length] for s in samples]).bool(),
         "positions": torch.arange(first, first + t.micro_batch_size),
     }
+    if "response" in samples[0]:  # instruction data: [b, s] bool, the response tokens among tokens / labels
+        batch.update({k: torch.stack([s[k][:length] for s in samples]) for k in ("response", "response_labels")})
+    return batch
