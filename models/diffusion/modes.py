@@ -208,18 +208,10 @@ class Objective(ABC):
         return (masks * real).sum(-1) / real.sum(-1).clamp(min=1)
 
     # ---- training and validation -----------------------------------------------------------------------
-    def response_view(
-        self,
-        tokens: torch.Tensor,
-        labels: torch.Tensor,
-        label_ok: torch.Tensor,
-        response: torch.Tensor,
-        response_labels: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(tokens, labels, label_ok, response) of a micro-batch of instruction data, for `prepare(...,
-        response=)`: `response` / `response_labels` [b, s] mark the response tokens among tokens / labels (data
-        prep's loss mask); `label_ok` comes back restricted to response labels; `sft_eos` applies (`sft`)."""
-        return response_view(tokens, labels, label_ok, response, response_labels, self.eos_id, self.sft_eos)
+    def response_view(self, batch: dict) -> dict:
+        """A micro-batch of instruction data as this objective trains on it (`sft.response_view`: `loss_mask`
+        restricted to response labels, `sft_eos` applied); then `prepare(..., response=batch["response"])`."""
+        return response_view(batch, self.eos_id, self.sft_eos)
 
     @abstractmethod
     def prepare(
@@ -241,7 +233,7 @@ class Objective(ABC):
         `batch_size`, which key their noise (`generator_for`) and their stratum of t.
 
         Instruction data (`response` [b, s], and `label_ok` restricted to response labels, as `response_view`
-        gives them): the prompt stays clean and unscored; noise, loss terms and the count (the normaliser of
+        gives them as `response` and `loss_mask`): the prompt stays clean and unscored; noise, loss terms and the count (the normaliser of
         1/t) cover response tokens only, so validation reports the conditional bound of the responses."""
 
     @abstractmethod

@@ -28,43 +28,41 @@ import torch
 SftEos = Literal["turn", "fill"]
 
 
-def response_view(
-    tokens: torch.Tensor,
-    labels: torch.Tensor,
-    label_ok: torch.Tensor,
-    response: torch.Tensor,
-    response_labels: torch.Tensor,
-    eos_id: int | None,
-    eos_policy: SftEos = "turn",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens, labels, label_ok, response) [b, s] of a window of instruction data under `eos_policy`.
+def response_view(batch: dict, eos_id: int | None, eos_policy: SftEos = "turn") -> dict:
+    """The micro-batch `batch` of instruction data as an objective trains on it under `eos_policy`.
 
-    `response` [b, s] marks the response tokens among `tokens`, `response_labels` [b, s] among `labels` (the next
-    tokens); `label_ok` is megatron's loss mask. The `label_ok` returned marks the labels that are data AND
-    response tokens, the `response` returned the tokens an objective may noise and score."""
-    response, response_labels = response.bool(), response_labels.bool()
-    label_ok = label_ok.bool()
+    `batch` holds `tokens`, `labels`, `loss_mask` (megatron's: the label is data), `response` / `response_labels`
+    [b, s] (the response tokens among tokens / labels) and optionally `documents` [b, s] (the conversation each
+    token belongs to). The batch returned has `loss_mask` restricted to response labels and, with `fill`, the
+    window's tail turned into scored EOS of the conversation before it; its other keys are kept."""
+    out = dict(batch)
+    out["response"], out["response_labels"] = batch["response"].bool(), batch["response_labels"].bool()
+    out["loss_mask"] = batch["loss_mask"].bool()
     if eos_policy == "fill":
         if eos_id is None:
             raise ValueError("diffusion.sft_eos=fill pads with EOS: build the objective with the tokenizer's eos_id")
-        tokens, labels, label_ok, response, response_labels = _fill_with_eos(
-            tokens, labels, label_ok, response, response_labels, eos_id
-        )
+        _fill_with_eos(out, eos_id)
     elif eos_policy != "turn":
         raise ValueError(f"diffusion.sft_eos={eos_policy!r}: one of turn, fill")
-    return tokens, labels, label_ok & response_labels, response
+    out["loss_mask"] = out["loss_mask"] & out["response_labels"]
+    return out
 
 
-def _fill_with_eos(tokens, labels, label_ok, response, response_labels, eos_id: int):
-    """LLaDA's EOS padding in a packed window: after the row's last response EOS every token is EOS, scored."""
+def _fill_with_eos(batch: dict, eos_id: int) -> None:
+    """LLaDA's EOS padding in a packed window: after the row's last response EOS every token is EOS, scored, in
+    the document of that EOS (in place on `batch`'s keys)."""
+    tokens, response = batch["tokens"], batch["response"]
     s = tokens.shape[1]
     ends = response & tokens.eq(eos_id)  # [b, s] the EOS that closes a response
     position = torch.arange(s, device=tokens.device)
     last = torch.where(ends, position, torch.full_like(position, -1)).amax(-1, keepdim=True)  # [b, 1]; -1: none
     tail = (position > last) & (last >= 0)  # [b, s] the tokens after it (a row without one is left as it is)
     label_tail = (position >= last) & (last >= 0)  # labels[i] is token i + 1: from the closing EOS's label on
-    eos = torch.full_like(tokens, eos_id)
-    tokens = torch.where(tail, eos, tokens)
-    labels = torch.where(label_tail, eos, labels)
+    batch["tokens"] = torch.where(tail, torch.full_like(tokens, eos_id), tokens)
+    batch["labels"] = torch.where(label_tail, torch.full_like(tokens, eos_id), batch["labels"])
     # the filled labels are data even where megatron padded the window's last label
-    return tokens, labels, label_ok | label_tail, response | tail, response_labels | label_tail
+    batch["loss_mask"] = batch["loss_mask"] | label_tail
+    batch["response"], batch["response_labels"] = response | tail, batch["response_labels"] | label_tail
+    if "documents" in batch:
+        docs = batch["documents"]
+        batch["documents"] = torch.where(tail, docs.gather(1, last.clamp(min=0)), docs)

@@ -10,6 +10,8 @@ Instruction data (`DataManifest.kind == "instruction"`) carries a loss mask besi
 windows from the document lengths, the split and the seed only, so a GPTDataset built on the mask shards with the
 same config holds, as its sample k, the mask of sample k's tokens: `ResponseDataset` reads both (the batch order
 stays the seed's, deterministic and resumable) and `build_datasets` refuses mask shards whose documents differ.
+The mask windows also carry where each document starts (`MaskDocuments`): a conversation is one document for the
+packed-document attention, whatever EOS its template puts between turns.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from difflm.config import PipelineConfig
 from difflm.errors import UserError
@@ -41,14 +44,45 @@ class DatasetTokenizer:
         return {"class": "DatasetTokenizer", "path": self.path, "vocab_size": self.vocab_size}
 
 
-# The mask shards' values are 0/1: their GPTDataset pads a short window with this id (never 0 or 1, so padding
-# reads as "not a response token") and only their cache key reads the rest.
-MASK_TOKENIZER = DatasetTokenizer(vocab_size=256, eod=255, pad=255, path="response-mask")
+# The mask windows' values are mask + 2 * (first token of a document) (`MaskDocuments`); their GPTDataset pads a
+# short window with 0 (no response, no new document), and only their cache key reads the rest.
+MASK_TOKENIZER = DatasetTokenizer(vocab_size=4, eod=0, pad=0, path="response-mask")
+
+
+class MaskDocuments:
+    """A loss-mask shard (IndexedDataset) whose values read as mask + 2 where a document (one conversation) starts:
+    a window of it gives both the response mask and where each of its documents begins (a document's index would
+    not do: at an epoch boundary the same conversation may follow itself). Everything else (the lengths the windows
+    are drawn from) is the shard's own."""
+
+    def __init__(self, indexed: IndexedDataset):
+        self.indexed = indexed
+
+    def __getattr__(self, name: str):
+        return getattr(self.indexed, name)
+
+    def __len__(self) -> int:
+        return len(self.indexed)
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None) -> numpy.ndarray:
+        values = self.indexed.get(idx, offset, length).astype(numpy.int64)
+        if offset == 0 and len(values):  # the part of the window that holds the document's first token
+            values[0] += 2
+        return values
+
+
+class MaskDocumentsGPTDataset(GPTDataset):
+    """Megatron's GPTDataset over `MaskDocuments`: the same windows as the token shards' (same lengths, same seed)."""
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> MaskDocuments:  # type: ignore[override]
+        return MaskDocuments(GPTDataset.build_low_level_dataset(dataset_path, config))
 
 
 class ResponseDataset:
     """Instruction data: sample k of the token windows with `response` / `response_labels` [s] (bool), the mask
-    of its tokens and of its labels read from sample k of the mask windows."""
+    of its tokens and of its labels, and `documents` [s] (its conversations, numbered 0, 1, ... along the window),
+    read from sample k of the mask windows."""
 
     def __init__(self, tokens, masks):
         self.tokens, self.masks = tokens, masks
@@ -58,30 +92,34 @@ class ResponseDataset:
 
     def __getitem__(self, idx: int) -> dict:
         sample, mask = self.tokens[idx], self.masks[idx]
-        return {**sample, "response": mask["tokens"].eq(1), "response_labels": mask["labels"].eq(1)}
+        values, next_values = mask["tokens"], mask["labels"]  # 0 where megatron padded the window
+        starts = values.ge(2).long()
+        starts[0] = 0  # the window's first token opens its first document, numbered 0
+        return {
+            **sample,
+            "response": values.remainder(2).eq(1),
+            "response_labels": next_values.remainder(2).eq(1),
+            "documents": starts.cumsum(0),
+        }
 
 
 def build_datasets(cfg: PipelineConfig, manifest: DataManifest, train_samples: int, valid_samples: int):
     """(train, valid) megatron GPTDatasets over the manifest's shards (`ResponseDataset`s for instruction data)."""
     tok = manifest.tokenizer
-    tokens = _build(
-        cfg,
-        manifest,
-        train_samples,
-        valid_samples,
-        lambda p: p,
-        DatasetTokenizer(tok.vocab_size, tok.eos_id, tok.pad_id, tok.sha256),
-    )
+    tokenizer = DatasetTokenizer(tok.vocab_size, tok.eos_id, tok.pad_id, tok.sha256)
+    tokens = _build(cfg, manifest, train_samples, valid_samples, GPTDataset, lambda p: p, tokenizer)
     if manifest.kind != "instruction":
         return tokens
-    masks = _build(cfg, manifest, train_samples, valid_samples, loss_mask_prefix, MASK_TOKENIZER)
+    masks = _build(
+        cfg, manifest, train_samples, valid_samples, MaskDocumentsGPTDataset, loss_mask_prefix, MASK_TOKENIZER
+    )
     for split, (a, b) in zip(("train", "valid"), zip(tokens, masks)):
         _check_same_windows(a, b, f"{manifest.dir} ({split})")
     return tuple(ResponseDataset(a, b) for a, b in zip(tokens, masks))
 
 
-def _build(cfg, manifest, train_samples, valid_samples, prefix, tokenizer):
-    """(train, valid) GPTDatasets over the shards `prefix(p)` of the manifest's prefixes p."""
+def _build(cfg, manifest, train_samples, valid_samples, dataset_class, prefix, tokenizer):
+    """(train, valid) `dataset_class` datasets over the shards `prefix(p)` of the manifest's prefixes p."""
 
     def blend(name: str) -> tuple[list[str], list[float] | None]:  # the split's shards and their blend weights
         split = manifest.split(name)
@@ -100,7 +138,7 @@ def _build(cfg, manifest, train_samples, valid_samples, prefix, tokenizer):
         mid_level_dataset_surplus=0.005,
     )
     train, valid, _ = BlendedMegatronDatasetBuilder(
-        GPTDataset, [train_samples, valid_samples, 0], lambda: True, ds_cfg
+        dataset_class, [train_samples, valid_samples, 0], lambda: True, ds_cfg
     ).build()
     return train, valid
 
@@ -149,5 +187,6 @@ def micro_batch(
         "positions": torch.arange(first, first + t.micro_batch_size),
     }
     if "response" in samples[0]:  # instruction data: [b, s] bool, the response tokens among tokens / labels
-        batch.update({k: torch.stack([s[k][:length] for s in samples]) for k in ("response", "response_labels")})
+        keys = ("response", "response_labels", "documents")  # [b, s]: bool, bool, each token's conversation
+        batch.update({k: torch.stack([s[k][:length] for s in samples]) for k in keys})
     return batch

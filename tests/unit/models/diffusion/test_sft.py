@@ -49,17 +49,19 @@ def window(seed: int = 0):
 def prepared(objective, evaluation: bool, step: int, seed: int = 0):
     """What the forward step hands the loss (`forward_step.corrupt`, without megatron)."""
     tokens, labels, label_ok, response, response_labels = window(seed)
-    tokens, labels, label_ok, response = objective.response_view(tokens, labels, label_ok, response, response_labels)
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": label_ok}
+    batch = objective.response_view({**batch, "response": response, "response_labels": response_labels})
+    tokens = batch["tokens"]
     out = objective.prepare(
         tokens,
-        labels,
-        label_ok,
+        batch["labels"],
+        batch["loss_mask"],
         [0, 1],
         lambda pos: torch.Generator().manual_seed(1000 * step + pos),
         2,
         False,
         evaluation,
-        response=response,
+        response=batch["response"],
     )
     return tokens, out
 
@@ -166,18 +168,21 @@ def test_eos_fill_pads_the_window_tail_with_scored_eos_in_the_conversations_docu
     """sft_eos=fill (LLaDA): after a row's last response EOS every token is EOS, scored as response, and the run
     stays in the conversation's document; sft_eos=turn leaves the packed tokens as they are."""
     tokens, labels, label_ok, response, response_labels = window()
-    filled = MODES["difflm-noshift"](**TOKENS, sft_eos="fill").response_view(
-        tokens, labels, label_ok, response, response_labels
-    )
-    x, y, ok, resp = filled
+    documents = torch.zeros(2, S, dtype=torch.long)
+    documents[0, 11:] = 1  # row 0: the next conversation starts after the EOS at 10
+    batch = {"tokens": tokens, "labels": labels, "loss_mask": label_ok, "documents": documents}
+    batch.update(response=response, response_labels=response_labels)
+    filled = MODES["difflm-noshift"](**TOKENS, sft_eos="fill").response_view(batch)
+    x, y, ok, resp = (filled[k] for k in ("tokens", "labels", "loss_mask", "response"))
     assert torch.equal(x[0, 11:], torch.full((5,), EOS)) and torch.equal(x[0, :11], tokens[0, :11])
     assert torch.equal(x[1, 15:], torch.full((1,), EOS)) and torch.equal(x[1, :15], tokens[1, :15])
     assert resp[0, 11:].all() and not resp[0, :6].any()
     assert torch.equal(y[:, :-1], x[:, 1:]) and ok[0, 10:].all() and not ok[0, :5].any()
-    assert document_ids(x, EOS)[0].tolist() == [0] * S  # one conversation, its EOS run included
-    kept = MODES["difflm-noshift"](**TOKENS).response_view(tokens, labels, label_ok, response, response_labels)
-    assert torch.equal(kept[0], tokens) and torch.equal(kept[3], response)
-    assert torch.equal(kept[2], response_labels)
+    assert filled["documents"][0].tolist() == [0] * S  # the fill belongs to the conversation it closes
+    assert document_ids(x, EOS)[0].tolist() == [0] * S  # also where documents come from EOS
+    kept = MODES["difflm-noshift"](**TOKENS).response_view(batch)
+    assert torch.equal(kept["tokens"], tokens) and torch.equal(kept["response"], response)
+    assert torch.equal(kept["loss_mask"], response_labels) and torch.equal(kept["documents"], documents)
 
 
 def test_a_run_of_eos_ends_one_document():

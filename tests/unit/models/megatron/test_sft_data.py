@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 from helpers import tiny_config
-from instruction_data import is_response, write_instruction_data
+from instruction_data import conversations, is_response, write_instruction_data
 
 from difflm.errors import UserError
 from difflm.manifest import loss_mask_prefix
@@ -31,8 +31,12 @@ def test_each_window_carries_the_mask_of_its_own_tokens(tmp_path, tiny_manifest)
             data = s["loss_mask"].bool()  # megatron's padding (a short last window) is never a response
             assert torch.equal(s["response"] & data, is_response(s["tokens"], eos) & data), k
             assert torch.equal(s["response_labels"] & data, is_response(s["labels"], eos) & data), k
+            # one conversation, one document: the EOS closing an inner turn does not end it
+            assert torch.equal(s["documents"][data], conversations(s["tokens"][None])[0][data]), k
             responses += int(s["response"].sum())
     assert 0 < responses < (64 + 16) * cfg.train.seq_length  # prompts and responses both occur
+    multi_turn = [k for k in range(64) if (train[k]["tokens"][:-1].eq(eos) & ~train[k]["tokens"][1:].eq(5)).any()]
+    assert multi_turn, "some window holds an EOS inside a conversation"
     # pretraining data (the same manifest read as text) has no response mask: every token is scored
     assert "response" not in build_datasets(cfg, manifest.replace(kind="pretraining"), 8, 8)[0][0]
 
