@@ -75,7 +75,7 @@ class MaskDocumentsGPTDataset(GPTDataset):
     """Megatron's GPTDataset over `MaskDocuments`: the same windows as the token shards' (same lengths, same seed)."""
 
     @staticmethod
-    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> MaskDocuments:  # type: ignore[override]
+    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> MaskDocuments:
         return MaskDocuments(GPTDataset.build_low_level_dataset(dataset_path, config))
 
 
