@@ -223,6 +223,62 @@ def generate(
     return parse_output(done.stdout, done.stderr, steps, argv)
 
 
+def gguf_metadata(gguf: Path) -> dict:
+    """What a GGUF says that decides the tokens llama.cpp generates: architecture, BOS (added before the prompt?),
+    mask id, logit shift (absent: the CLI shifts), vocabulary size."""
+    from gguf import GGUFReader  # a dependency (pyproject.toml); imported here: the build needs none of it
+
+    fields = GGUFReader(str(gguf)).fields
+
+    def get(key: str, default=None):
+        return fields[key].contents() if key in fields else default
+
+    return {
+        "architecture": get("general.architecture"),
+        "add_bos": bool(get("tokenizer.ggml.add_bos_token", False)),
+        "bos_id": get("tokenizer.ggml.bos_token_id"),
+        "mask_id": get("tokenizer.ggml.mask_token_id"),
+        "shift_logits": bool(get("diffusion.shift_logits", True)),
+        "vocab": len(get("tokenizer.ggml.tokens", [])),
+    }
+
+
+def prompt_ids(meta: dict, ids: list[int]) -> list[int]:
+    """The prompt as llama.cpp feeds it: the tokenizer's ids (no special tokens), after BOS when the GGUF adds it."""
+    return ([meta["bos_id"]] if meta["add_bos"] and meta["bos_id"] is not None else []) + list(ids)
+
+
+def matching_sampler(steps: int, block_length: int | None = None, eps: float | None = None):
+    """Our MaskedSampler that gives llama-diffusion-cli's tokens (`generate`: --temp 0 --top-k 1, any confidence
+    algorithm): argmax tokens committed leftmost first, LLaDA's blocks or Dream's eps schedule, no EOS stop (the
+    CLI fills its whole canvas)."""
+    from difflm.models.diffusion import MaskedSampler
+
+    return MaskedSampler(
+        steps=steps,
+        block_length=block_length,
+        eps=eps,
+        remasking="left_to_right",
+        temperature=0.0,
+        stop_at_eos=False,
+    )
+
+
+def check_canvas(prompt: int, length: int, steps: int, block_length: int | None) -> None:
+    """llama.cpp's blocks start at the prompt's end and number length // block_length (the canvas `length` counts
+    the prompt): ours, ceil((length - prompt) / block_length), are the same blocks when the prompt is shorter than
+    a block; its steps are split evenly over them."""
+    if block_length is None:
+        return
+    blocks = length // block_length
+    if length % block_length or steps % blocks or not 0 < prompt < block_length:
+        raise ValueError(
+            f"llama-diffusion-cli's blocks: the canvas ({length}) must be a multiple of the block length "
+            f"({block_length}), the steps ({steps}) of the {blocks} blocks, and the prompt ({prompt} tokens) shorter "
+            "than a block, for its blocks to be ours"
+        )
+
+
 _TOTAL = re.compile(r"total time: ([0-9.]+)ms, time per step: [0-9.]+ms, sampling time per step: [0-9.]+ms\n")
 
 
