@@ -50,7 +50,7 @@ def ours(model, tok, meta: dict, prompt: str, length: int, settings) -> tuple[st
     seq = model.diffusion_generate(torch.tensor([ids]), length - len(ids), settings.steps, settings=settings)
     seconds = time.perf_counter() - t
     new = seq[0, len(ids) :].tolist()
-    return tok.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False), len(new), seconds
+    return llama_cpp.our_text(tok, meta, new), len(new), seconds
 
 
 def measure(export: Path, gguf: Path, prompts: list[str], length: int, steps: int, schedule: dict, threads: int):

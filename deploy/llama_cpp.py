@@ -240,12 +240,64 @@ def gguf_metadata(gguf: Path) -> dict:
         "mask_id": get("tokenizer.ggml.mask_token_id"),
         "shift_logits": bool(get("diffusion.shift_logits", True)),
         "vocab": len(get("tokenizer.ggml.tokens", [])),
+        # llama-vocab.cpp: a BPE vocabulary cleans spaces in its detokenized text unless its pre-tokenizer says
+        # not to; of the two our GGUF writer names (models/hf/gguf_file.py), gpt-2 cleans and smollm does not
+        "clean_spaces": get("tokenizer.ggml.model") == "gpt2" and get("tokenizer.ggml.pre") != "smollm",
     }
+
+
+def clean_spaces(text: str) -> str:
+    """llama.cpp's clean-up of detokenized text (llama_vocab::impl::detokenize with clean_spaces, three passes over
+    the bytes in place, translated literally): no space before ?!., , " ' " to "'", no space before 's 'm 're 've.
+    Our ids decoded by our tokenizer then compare with the CLI's text (which it cleaned)."""
+    t = bytearray(text.encode())
+
+    def one_pass(step) -> None:
+        total, i, n = (1 if len(t) else 0), 1, len(t)
+        while i < n:
+            total, i = step(total, i, n)
+            i += 1
+        del t[total:]
+
+    def punctuation(total: int, i: int, n: int):
+        x = t[i]
+        if t[i - 1] == 0x20 and x in b"?!.,":
+            total -= 1
+        t[total] = x
+        return total + 1, i
+
+    def apostrophe(total: int, i: int, n: int):
+        x = t[i]
+        if x == 0x27 and i + 1 < n and t[i - 1] == 0x20 and t[i + 1] == 0x20:
+            total -= 1
+            i += 1
+            t[i] = 0
+        t[total] = x
+        return total + 1, i
+
+    def contraction(total: int, i: int, n: int):
+        x = t[i]
+        if t[i - 1] == 0x20 and x == 0x27 and i + 1 < n:
+            x1 = t[i + 1]
+            if x1 in b"sm" or (i + 2 < n and bytes(t[i + 1 : i + 3]) in (b"re", b"ve")):
+                total -= 1
+        t[total] = x
+        return total + 1, i
+
+    for step in (punctuation, apostrophe, contraction):
+        one_pass(step)
+    return t.decode(errors="replace")
 
 
 def prompt_ids(meta: dict, ids: list[int]) -> list[int]:
     """The prompt as llama.cpp feeds it: the tokenizer's ids (no special tokens), after BOS when the GGUF adds it."""
     return ([meta["bos_id"]] if meta["add_bos"] and meta["bos_id"] is not None else []) + list(ids)
+
+
+def our_text(tokenizer, meta: dict, ids: list[int]) -> str:
+    """Our generated ids as the CLI prints its own: decoded without special tokens, then its space clean-up."""
+    text = tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return clean_spaces(text) if meta["clean_spaces"] else text
 
 
 def matching_sampler(steps: int, block_length: int | None = None, eps: float | None = None):

@@ -53,14 +53,16 @@ def _engine_export(trained, tiny_manifest, tmp_path_factory, mode: str):
 
 def _ours(folder, gguf, length: int, settings) -> tuple[str, list[int]]:
     """Our model's continuation of PROMPT on llama.cpp's canvas (`length` positions, the prompt's included), as
-    our tokenizer decodes it (special tokens left out, as the CLI prints), and its ids."""
+    the CLI prints text (our tokenizer's decoding without special tokens, then llama.cpp's space clean-up), and its
+    ids."""
     model, tok = load_model(folder), load_tokenizer(folder)
-    ids = llama_cpp.prompt_ids(llama_cpp.gguf_metadata(gguf), tok.encode(PROMPT, add_special_tokens=False))
+    meta = llama_cpp.gguf_metadata(gguf)
+    ids = llama_cpp.prompt_ids(meta, tok.encode(PROMPT, add_special_tokens=False))
     llama_cpp.check_canvas(len(ids), length, settings.steps, settings.block_length)
     seq = model.diffusion_generate(torch.tensor([ids]), length - len(ids), settings.steps, settings=settings)
     new = seq[0, len(ids) :].tolist()
     assert model.config.mask_token_id not in new  # llama.cpp could keep a mask it predicts; ours never does
-    return tok.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False), new
+    return llama_cpp.our_text(tok, meta, new), new
 
 
 @pytest.mark.parametrize(

@@ -52,3 +52,10 @@ def test_the_matching_sampler_commits_leftmost_argmax_tokens_without_an_eos_stop
         1e-3,
         None,
     )
+
+
+def test_our_text_gets_llama_cpps_space_clean_up():
+    """What llama_vocab::impl::detokenize does to a gpt-2 vocabulary's text (smollm's is left alone)."""
+    text = "it 's , he ' d say . we 're here ! don 't ? they 'll"
+    assert llama_cpp.clean_spaces(text) == "it's, he'd say. we're here! don 't? they 'll"
+    assert llama_cpp.clean_spaces("") == "" and llama_cpp.clean_spaces(" .") == "."
