@@ -72,15 +72,16 @@ def layout_for(cfg: PipelineConfig, fmt: str) -> Layout:
         raise ConversionError(f"--format {fmt!r}: one of difflm, {', '.join(ENGINE_FORMATS)}")
     objective = build_objective(cfg.diffusion)
     mode, name = cfg.diffusion.model_running_mode, objective.engine_layout
-    if name is None:
-        instead = (
-            "export it as the stock transformers class instead (hf-stock: <run>/hf-stock, which the pipeline writes "
-            "for an ar run)"
-            if not objective.bidirectional
-            else "export it in difflm's own layout instead (--format difflm: AutoModel with trust_remote_code, "
-            "`difflm generate`)"
+    if name is None and not objective.bidirectional:
+        raise ConversionError(
+            f"{mode} models are autoregressive, and {fmt} takes diffusion models ({_takes()}): export it as the "
+            f"stock transformers class instead (hf-stock: <run>/hf-stock, which the pipeline writes for an ar run)"
         )
-        raise ConversionError(f"no engine layout holds {mode} models yet; {fmt} takes {_takes()}: {instead}")
+    if name is None:
+        raise ConversionError(
+            f"no engine layout holds {mode} models yet; {fmt} takes {_takes()}: export it in difflm's own layout "
+            f"instead (--format difflm: AutoModel with trust_remote_code, `difflm generate`)"
+        )
     if fmt != "gguf" and fmt != name:
         raise ConversionError(f"--format {fmt} holds {_held(fmt)} models, this one is {mode}: use --format {name}")
     layout = LAYOUTS[name]

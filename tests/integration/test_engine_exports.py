@@ -15,7 +15,7 @@ import pytest
 from safetensors.torch import load_file
 
 from difflm.flows import commands
-from difflm.models.evaluation.stages import convert_checkpoint
+from difflm.models.evaluation.stages import EvaluationError, convert_checkpoint, load_model
 from difflm.models.hf.convert import ConversionError
 from difflm.models.hf.engines import GGUF_FILE, export_engine
 from difflm.models.hf.export import Export
@@ -56,6 +56,10 @@ def test_llada_and_gguf_exports_of_the_masked_run(trained, tiny_manifest, tmp_pa
     assert reader.fields["tokenizer.ggml.mask_token_id"].contents() == tiny_manifest.tokenizer.mask_id
     embd = {t.name: np.asarray(t.data) for t in reader.tensors}["token_embd.weight"]
     assert np.array_equal(embd, load_file(str(out / "model.safetensors"))["model.transformer.wte.weight"].numpy())
+
+    # our evaluation and sampler take our own export, and say so for an engine's
+    with pytest.raises(EvaluationError, match="is a llada export for another engine"):
+        load_model(out)
 
     # a layout that cannot hold the mode: one line, nothing written
     with pytest.raises(ConversionError, match=r"--format dream holds difflm-shift models, .*: use --format llada"):
