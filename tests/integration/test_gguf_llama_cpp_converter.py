@@ -63,6 +63,7 @@ def _fields(path: Path) -> dict:
     }
 
 
+@pytest.mark.slow(reason="waits for the background llama.cpp build (about 4 min on 2 cores) when it is not cached")
 @pytest.mark.parametrize("mode, groups, tied", [("difflm-noshift", 1, False), ("difflm-shift", 2, True)])
 def test_our_gguf_equals_what_llama_cpps_converter_writes(converter, tiny_manifest, tmp_path, mode, groups, tied):
     tokens = tiny_manifest.tokenizer.to_dict()
