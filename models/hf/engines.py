@@ -104,8 +104,8 @@ def _arch_problem(cfg: PipelineConfig, layout: Layout, time_conditioned: bool) -
         return "model.kv_channels sets a head width apart from hidden_size / heads, which the layout derives"
     if time_conditioned:
         return "it conditions on the noise level t (diffusion.time_embedding), which the engines never pass"
-    if m.document_attention:
-        return "model.document_attention: the engines attend across the whole input"
+    # model.document_attention is no obstacle: on one document (a prompt and its completion, with no EOS inside:
+    # all an engine runs) the document mask is the whole input's, which is what the layouts compute
     return None
 
 
@@ -282,9 +282,11 @@ def layout_logits(layout: Layout, config: dict, sd: dict[str, torch.Tensor], ids
 
 # ---- the export ----------------------------------------------------------------------------------------------------
 def probe_ids(cfg: PipelineConfig, tokenizer: dict, seed: int = 0) -> torch.Tensor:
-    """Tokens both models run on: random real tokens, as the stock export's check."""
+    """Tokens both models run on: random real tokens (as the stock export's check), EOS left out, so that each row
+    is one document whether or not the model was trained with document masks."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, tokenizer["vocab_size"], (2, min(32, cfg.train.seq_length)), generator=g)
+    ids = torch.randint(0, tokenizer["vocab_size"] - 1, (2, min(32, cfg.train.seq_length)), generator=g)
+    return ids + (ids >= tokenizer["eos_id"]).long()  # every id but EOS
 
 
 def megatron_reference(cfg: PipelineConfig, ours: dict, tokenizer: dict, ids: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,6 @@ def test_llada_and_dream_layouts_compute_our_model(tmp_path, mode, name, groups,
         ("difflm-shift", "dream", ("model.normalization=LayerNorm",), "not those of llama or qwen2"),
         ("difflm-noshift", "llada", ("model.qkv_bias=true",), "LLaDAModelLM layout cannot hold"),
         ("difflm-noshift", "llada", ("diffusion.time_embedding=true",), "conditions on the noise level t"),
-        ("difflm-noshift", "gguf", ("model.document_attention=true",), "attend across the whole input"),
         ("difflm-noshift", "gguf", ("model.kv_channels=8",), "head width"),
     ],
 )
