@@ -34,7 +34,7 @@ from difflm.models.diffusion.modes import MODES, build_objective
 from difflm.models.hf.architectures import ARCHITECTURES, Shape, ours_to_stock, split_qkv
 from difflm.models.hf.convert import ConversionError, check_replaceable, load_megatron_weights, to_hf_state_dict
 from difflm.models.hf.export import Export
-from difflm.models.hf.gguf_file import GGUF_FILE, write_gguf
+from difflm.models.hf.gguf_file import GGUF_FILE, pre_tokenizer, write_gguf
 from difflm.models.hf.importer import _local_key, _single, megatron_logits, megatron_model, parity, single_megatron
 from difflm.rundir import EXPORT_MARKER
 
@@ -49,13 +49,12 @@ class Layout:
     hf_class: str
     model_type: str
     archs: tuple[str, ...]  # rows of models/hf/architectures.py whose models it holds
-    qkv_bias: bool  # the layout always carries Q/K/V biases (Dream's Qwen2 does)
 
 
 LAYOUTS = {
-    "llada": Layout("llada", "LLaDAModelLM", "llada", ("llama",), qkv_bias=False),
+    "llada": Layout("llada", "LLaDAModelLM", "llada", ("llama",)),
     # a Llama is a Qwen2 with zero Q/K/V biases (the same function exactly), so both go into Dream's layout
-    "dream": Layout("dream", "DreamModel", "Dream", ("llama", "qwen2"), qkv_bias=True),
+    "dream": Layout("dream", "DreamModel", "Dream", ("llama", "qwen2")),
 }
 ENGINE_FORMATS = ("llada", "dream", "gguf")
 
@@ -310,6 +309,8 @@ def export_engine(
     layout = layout_for(cfg, fmt)  # every refusal before reading a weight
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     check_replaceable(out_dir, "hf")
+    if fmt == "gguf":
+        pre_tokenizer(Path(tokenizer["path"]))  # a tokenizer the file cannot name: refused before the work
     ours = to_hf_state_dict(load_megatron_weights(ckpt_dir))
     vocab = tokenizer["vocab_size"]
     sd, config = layout_weights(layout, ours, cfg, vocab), layout_config(layout, cfg, tokenizer)
@@ -329,7 +330,8 @@ def export_engine(
     with outputs.staged_output(out_dir, EXPORT_MARKER, "an HF export") as tmp:
         write_layout(tmp, sd, config, Path(tokenizer["path"]), tokenizer)
         if fmt == "gguf":
-            gguf_meta = write_gguf(tmp, layout, config, sd, tmp / GGUF_FILE)
+            name = f"{cfg.name}-{cfg.diffusion.model_running_mode}"  # general.name: the preset and the mode
+            gguf_meta = write_gguf(tmp, layout, config, sd, tmp / GGUF_FILE, name)
             meta = {**meta, **gguf_meta}
             export = Export.from_marker(out_dir, meta)
         export.write(into=tmp)
