@@ -45,7 +45,7 @@ from difflm.models.evaluation.tasks import (
 )
 from difflm.models.hf.architectures import stock_problem
 from difflm.models.hf.convert import ConversionError, export_hf
-from difflm.models.hf.engines import export_engine
+from difflm.models.hf.engines import ENGINE_FORMATS, export_engine
 from difflm.models.hf.export import Export
 from difflm.models.hf.importer import export_stock
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
@@ -148,6 +148,12 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
     users load with trust_remote_code), in `dtype` on `device`: exports written by older versions gain
     today's helpers. The defaults are the CPU in float32; evaluation passes `eval_device(cfg.eval)`."""
     hf_logging.disable_progress_bar()  # one bar per load is noise in eval tables and logs
+    written = Export.find(folder)
+    if written is not None and written.format in ENGINE_FORMATS:  # LLaDA's or Dream's layout: not our class
+        raise EvaluationError(
+            f"{folder} is a {written.format} export for another engine (docs/engines.md), not this project's model: "
+            f"pass the run directory or its hf/ export (`difflm convert RUN` writes one)"
+        )
     # cast while loading (as LLaDA/Dream users pass torch_dtype): a large model is never built in fp32 on the host
     model = DiffLMForMaskedLM.from_pretrained(str(folder), local_files_only=True, dtype=dtype)
     return model.to(device).eval()

@@ -34,7 +34,7 @@ from difflm.models.diffusion.modes import MODES, build_objective
 from difflm.models.hf.architectures import ARCHITECTURES, Shape, ours_to_stock, split_qkv
 from difflm.models.hf.convert import ConversionError, check_replaceable, load_megatron_weights, to_hf_state_dict
 from difflm.models.hf.export import Export
-from difflm.models.hf.gguf_file import GGUF_FILE, write_gguf
+from difflm.models.hf.gguf_file import GGUF_FILE, pre_tokenizer, write_gguf
 from difflm.models.hf.importer import _local_key, _single, megatron_logits, megatron_model, parity, single_megatron
 from difflm.rundir import EXPORT_MARKER
 
@@ -49,13 +49,12 @@ class Layout:
     hf_class: str
     model_type: str
     archs: tuple[str, ...]  # rows of models/hf/architectures.py whose models it holds
-    qkv_bias: bool  # the layout always carries Q/K/V biases (Dream's Qwen2 does)
 
 
 LAYOUTS = {
-    "llada": Layout("llada", "LLaDAModelLM", "llada", ("llama",), qkv_bias=False),
+    "llada": Layout("llada", "LLaDAModelLM", "llada", ("llama",)),
     # a Llama is a Qwen2 with zero Q/K/V biases (the same function exactly), so both go into Dream's layout
-    "dream": Layout("dream", "DreamModel", "Dream", ("llama", "qwen2"), qkv_bias=True),
+    "dream": Layout("dream", "DreamModel", "Dream", ("llama", "qwen2")),
 }
 ENGINE_FORMATS = ("llada", "dream", "gguf")
 
@@ -72,15 +71,16 @@ def layout_for(cfg: PipelineConfig, fmt: str) -> Layout:
         raise ConversionError(f"--format {fmt!r}: one of difflm, {', '.join(ENGINE_FORMATS)}")
     objective = build_objective(cfg.diffusion)
     mode, name = cfg.diffusion.model_running_mode, objective.engine_layout
-    if name is None:
-        instead = (
-            "export it as the stock transformers class instead (hf-stock: <run>/hf-stock, which the pipeline writes "
-            "for an ar run)"
-            if not objective.bidirectional
-            else "export it in difflm's own layout instead (--format difflm: AutoModel with trust_remote_code, "
-            "`difflm generate`)"
+    if name is None and not objective.bidirectional:
+        raise ConversionError(
+            f"{mode} models are autoregressive, and {fmt} takes diffusion models ({_takes()}): export it as the "
+            f"stock transformers class instead (hf-stock: <run>/hf-stock, which the pipeline writes for an ar run)"
         )
-        raise ConversionError(f"no engine layout holds {mode} models yet; {fmt} takes {_takes()}: {instead}")
+    if name is None:
+        raise ConversionError(
+            f"no engine layout holds {mode} models yet; {fmt} takes {_takes()}: export it in difflm's own layout "
+            f"instead (--format difflm: AutoModel with trust_remote_code, `difflm generate`)"
+        )
     if fmt != "gguf" and fmt != name:
         raise ConversionError(f"--format {fmt} holds {_held(fmt)} models, this one is {mode}: use --format {name}")
     layout = LAYOUTS[name]
@@ -103,8 +103,8 @@ def _arch_problem(cfg: PipelineConfig, layout: Layout, time_conditioned: bool) -
         return "model.kv_channels sets a head width apart from hidden_size / heads, which the layout derives"
     if time_conditioned:
         return "it conditions on the noise level t (diffusion.time_embedding), which the engines never pass"
-    if m.document_attention:
-        return "model.document_attention: the engines attend across the whole input"
+    # model.document_attention is no obstacle: on one document (a prompt and its completion, with no EOS inside:
+    # all an engine runs) the document mask is the whole input's, which is what the layouts compute
     return None
 
 
@@ -281,9 +281,11 @@ def layout_logits(layout: Layout, config: dict, sd: dict[str, torch.Tensor], ids
 
 # ---- the export ----------------------------------------------------------------------------------------------------
 def probe_ids(cfg: PipelineConfig, tokenizer: dict, seed: int = 0) -> torch.Tensor:
-    """Tokens both models run on: random real tokens, as the stock export's check."""
+    """Tokens both models run on: random real tokens (as the stock export's check), EOS left out, so that each row
+    is one document whether or not the model was trained with document masks."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, tokenizer["vocab_size"], (2, min(32, cfg.train.seq_length)), generator=g)
+    ids = torch.randint(0, tokenizer["vocab_size"] - 1, (2, min(32, cfg.train.seq_length)), generator=g)
+    return ids + (ids >= tokenizer["eos_id"]).long()  # every id but EOS
 
 
 def megatron_reference(cfg: PipelineConfig, ours: dict, tokenizer: dict, ids: torch.Tensor) -> torch.Tensor:
@@ -307,6 +309,8 @@ def export_engine(
     layout = layout_for(cfg, fmt)  # every refusal before reading a weight
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
     check_replaceable(out_dir, "hf")
+    if fmt == "gguf":
+        pre_tokenizer(Path(tokenizer["path"]))  # a tokenizer the file cannot name: refused before the work
     ours = to_hf_state_dict(load_megatron_weights(ckpt_dir))
     vocab = tokenizer["vocab_size"]
     sd, config = layout_weights(layout, ours, cfg, vocab), layout_config(layout, cfg, tokenizer)
@@ -326,7 +330,8 @@ def export_engine(
     with outputs.staged_output(out_dir, EXPORT_MARKER, "an HF export") as tmp:
         write_layout(tmp, sd, config, Path(tokenizer["path"]), tokenizer)
         if fmt == "gguf":
-            gguf_meta = write_gguf(tmp, layout, config, sd, tmp / GGUF_FILE)
+            name = f"{cfg.name}-{cfg.diffusion.model_running_mode}"  # general.name: the preset and the mode
+            gguf_meta = write_gguf(tmp, layout, config, sd, tmp / GGUF_FILE, name)
             meta = {**meta, **gguf_meta}
             export = Export.from_marker(out_dir, meta)
         export.write(into=tmp)

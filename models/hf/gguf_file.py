@@ -105,9 +105,9 @@ def gguf_tensors(layout, config: dict, sd: dict[str, torch.Tensor]) -> dict[str,
     return out
 
 
-def write_gguf(folder: Path, layout, config: dict, sd: dict[str, torch.Tensor], path: Path) -> dict:
-    """Write the GGUF file of the layout in `folder` (its config, weights `sd` and tokenizer) to `path`, read it
-    back, and return what the export's marker records of it."""
+def write_gguf(folder: Path, layout, config: dict, sd: dict[str, torch.Tensor], path: Path, name: str = "") -> dict:
+    """Write the GGUF file of the layout in `folder` (its config, weights `sd` and tokenizer) to `path` (`name`:
+    its general.name, default the layout's), read it back, and return what the export's marker records of it."""
     arch = layout.name
     pre = pre_tokenizer(folder)
     tensors = gguf_tensors(layout, config, sd)
@@ -118,7 +118,7 @@ def write_gguf(folder: Path, layout, config: dict, sd: dict[str, torch.Tensor], 
     heads = config["n_heads"] if llada else config["num_attention_heads"]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_type(gguf.GGUFType.MODEL)
-    w.add_name(folder.name if folder.name and not folder.name.startswith(".") else arch)
+    w.add_name(name or arch)
     w.add_size_label(gguf.size_label(sum(a.size for a in tensors.values()), 0, 0, 0))
     w.add_block_count(config["n_layers"] if llada else config["num_hidden_layers"])
     w.add_context_length(config["max_sequence_length"] if llada else config["max_position_embeddings"])
