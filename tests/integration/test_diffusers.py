@@ -94,6 +94,10 @@ def difflm_generate(folder: Path, workdir: Path, gen_length: int, *overrides: st
     return record
 
 
+@pytest.mark.slow(
+    reason="pays for the shared difflm-block run when it asks first (data prep, torchrun, 16 steps, export), then "
+    "`difflm generate` in a subprocess"
+)
 def test_llada2_pipeline_generates_our_tokens_from_a_trained_block_export(trained, tiny_manifest, tmp_path):
     run = trained("block")  # the shared difflm-block run (block_size 8)
     folder = convert_checkpoint(run.cfg, tiny_manifest, run.info).folder
@@ -109,7 +113,11 @@ def test_llada2_pipeline_generates_our_tokens_from_a_trained_block_export(traine
     # `difflm generate`'s default keeps the exact KV cache: the same tokens on this model
     cached = pipe.model.generate_continuation(ids, n, dataclasses.replace(settings, kv_cache=True))
     assert cached[0, ids.shape[1] :].tolist() == tokens
-    overrides = [f"eval.sampler.steps={settings.steps}", "eval.sampler.kv_cache=false", "eval.sampler.stop_at_eos=false"]
+    overrides = [
+        f"eval.sampler.steps={settings.steps}",
+        "eval.sampler.kv_cache=false",
+        "eval.sampler.stop_at_eos=false",
+    ]
     record = difflm_generate(folder, tmp_path / "wd", n, *overrides)
     assert record["completion"] == text and record["sampler"]["steps"] == settings.steps
 
