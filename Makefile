@@ -9,7 +9,7 @@ ARGS ?=
 # the offline environment (no telemetry, no hub) is difflm.OFFLINE_ENV: the CLI and tests/conftest.py set it
 OFFLINE_ENV = $(shell $(BIN)/python -c "import difflm; print(*(f'{k}={v}' for k, v in difflm.OFFLINE_ENV.items()))" 2>/dev/null)
 
-.PHONY: help demo test test-fast test-dev docs lint env clean mlflow-ui browser slurm slurm-up slurm-down docker stack-docker docker-engine
+.PHONY: help demo test test-fast test-dev docs lint env clean mlflow-ui browser slurm slurm-up slurm-down docker stack-docker docker-engine llama-cpp
 .DEFAULT_GOAL := help
 
 # every target with its `## ` comment (tests/integration/test_tiers.py checks that none is missing)
@@ -94,6 +94,12 @@ docker: $(STAMP)  ## Docker (docker.io, docker-compose, debootstrap) for the Com
 	    || echo "docker install failed: tests/integration/test_docker_compose.py cannot run"; \
 	else echo "docker missing: tests/integration/test_docker_compose.py cannot run;" \
 	  "install it as root: make docker, or apt-get install docker.io docker-compose debootstrap"; fi
+
+# llama.cpp's llama-diffusion-cli (GGUF exports in the LLaDA and Dream layouts, docs/engines.md): the llama-cpp-python
+# sdist from PyPI (sha256 pinned), only that target built (about 4 min on 2 cores, cmake and g++ installed when root and
+# missing), cached in ~/.cache/difflm/llama.cpp/<version>; prints the binary's path (deploy/llama_cpp.py)
+llama-cpp: $(STAMP)  ## build llama.cpp's llama-diffusion-cli once (cached by version); prints its path
+	$(BIN)/python -m deploy.llama_cpp build
 
 # the production stack on Docker (docker-compose.yml): secrets into .env (0600), build, up, wait until healthy, register
 # the deployments (schedules paused); prints the two URLs and where the credentials are. `python3 -m deploy.compose

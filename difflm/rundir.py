@@ -47,6 +47,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"  # in checkpoints/: the newest complete iteration
 HF = "hf"
 HF_STOCK = "hf-stock"  # an `ar` run's final checkpoint as the stock transformers class (no remote code)
+ENGINES = "engines"  # engines/<format>: the final checkpoint in an engine's layout (config export.formats)
 EXPORTS = "exports"
 EVAL = "eval"
 EVAL_LATEST = "eval_latest"
@@ -164,6 +165,10 @@ class RunDir:
     def hf_stock(self) -> Path:
         """The final checkpoint of an `ar` run as the stock transformers class, written by the pipeline."""
         return self.path / HF_STOCK
+
+    def engine_export(self, fmt: str) -> Path:
+        """The final checkpoint in an engine's layout (`fmt`: llada, dream, gguf; config export.formats)."""
+        return self.path / ENGINES / fmt
 
     @property
     def eval_latest(self) -> Path:

@@ -230,8 +230,9 @@ def launch(cfg: PipelineConfig, target: str) -> int:
     return 0
 
 
-def convert(cfg: PipelineConfig, source: str, out: str | None, flow: bool) -> int:
-    """One conversion, either direction (from the SOURCE), plain or as the flow convert-checkpoint."""
+def convert(cfg: PipelineConfig, source: str, out: str | None, flow: bool, fmt: str = "difflm") -> int:
+    """One conversion, either direction (from the SOURCE), plain or as the flow convert-checkpoint; `fmt`: the
+    export's layout (difflm, or an engine's: llada, dream, gguf)."""
     from difflm.tasks.conversion import convert_source
     from difflm.tasks.sources import conversion_source
 
@@ -239,9 +240,9 @@ def convert(cfg: PipelineConfig, source: str, out: str | None, flow: bool) -> in
     if flow:  # Prefect is imported for --flow only
         from difflm.flows.convert import convert_checkpoint
 
-        info = convert_checkpoint(source=source, out_dir=out, config=cfg)
+        info = convert_checkpoint(source=source, out_dir=out, config=cfg, format=fmt)
     else:
-        info = convert_source(cfg, found, out)
+        info = convert_source(cfg, found, out, fmt)
     if info["to"] == "megatron":
         use = info.get("use") or [f"train.init_from={info['out_dir']}"]
         print(f"megatron checkpoint: {info['out_dir']}\nstart training from it with: {shlex.join(use)}")
@@ -253,7 +254,24 @@ def convert(cfg: PipelineConfig, source: str, out: str | None, flow: bool) -> in
             + (" (reused)" if info["reused"] else "")
             + (f"\n  from iteration {info['iteration']} of {info['run_dir']}" if info["run_dir"] else "")
         )
+        if info.get("export"):
+            print(engine_lines(info["export"], info["out_dir"]))
     return 0
+
+
+def engine_lines(marker: dict, out_dir: str) -> str:
+    """What an engine layout's export recorded, as `difflm convert --format` prints it."""
+    lines = [
+        f"  layout: {marker['layout']} ({marker['format']}); its logits against megatron's: max |difference| / "
+        f"max |logit| = {marker['parity']:.2e} on {' x '.join(map(str, marker['parity_tokens']))} tokens"
+    ]
+    if marker.get("gguf"):
+        g = marker["gguf"]
+        lines.append(
+            f"  GGUF: {Path(out_dir) / g['file']} (llama.cpp architecture {g['architecture']}, pre-tokenizer "
+            f"{g['pre_tokenizer']}; {g['tensors']} tensors read back equal)"
+        )
+    return "\n".join(lines)
 
 
 def parity_line(parity: dict) -> str:

@@ -21,6 +21,7 @@ def convert_checkpoint(
     preset: str | None = None,
     overrides: list[str] | None = None,
     config: PipelineConfig | None = None,
+    format: Literal["difflm", "llada", "dream", "gguf"] = "difflm",
 ) -> dict:
     """Convert a checkpoint between megatron and Hugging Face.
 
@@ -34,10 +35,12 @@ def convert_checkpoint(
             to a run, else tiny-cpu. For HF -> megatron it sets the target layout (parallel.*) and architecture.
         overrides: `section.field=value` overrides applied on top.
         config: a complete configuration (replaces preset and overrides).
+        format: a checkpoint's export layout: difflm (this project's), llada, dream (those engines' published
+            layouts) or gguf (the mode's layout and its GGUF file, for llama.cpp); see docs/engines.md.
     """
     found = conversion_source(source, to)
     if config is None:
         cfg = stage_config(found.run, preset, overrides)
     else:
         cfg = config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
-    return convert_source_task(cfg, found, out_dir)
+    return convert_source_task(cfg, found, out_dir, format)

@@ -184,10 +184,18 @@ COMMANDS = (
         "Convert a run directory or megatron checkpoint to a Hugging Face export, or an HF export or stock HF "
         "folder to a megatron checkpoint; the direction follows from SOURCE. An --out folder holding anything "
         "else is never replaced.",
-        lambda cfg, a: commands.convert(cfg, a.source, a.out, a.flow),
+        lambda cfg, a: commands.convert(cfg, a.source, a.out, a.flow, a.format),
         (
             arg("source", metavar="SOURCE", help="run directory, megatron checkpoint folder, or HF export folder"),
             arg("--out", default=None, help="output folder (default: <run>/exports/iter_XXXXXXX, or beside SOURCE)"),
+            arg(
+                "--format",
+                default="difflm",
+                choices=["difflm", "llada", "dream", "gguf"],
+                help="a checkpoint's export layout: difflm (default: this project's, AutoModel with remote code), "
+                "llada (LLaDAModelLM: difflm-noshift), dream (DreamModel: difflm-shift), gguf (the mode's layout "
+                "plus model.gguf for llama.cpp's llama-diffusion-cli); written to <out> or iter_XXXXXXX-<format>",
+            ),
             flow_flag("convert-checkpoint"),
         ),
         run_of=_run_of_conversion,

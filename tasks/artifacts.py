@@ -102,6 +102,9 @@ def conversion_markdown(export: Export, cached: bool = False) -> str:
     loads = {
         "difflm": "loads with `AutoModel.from_pretrained(..., trust_remote_code=True)`",
         "hf-stock": "loads with `AutoModelForCausalLM.from_pretrained(...)`, no remote code",
+        "llada": "LLaDA's layout (`LLaDAModelLM`)",
+        "dream": "Dream's layout (`DreamModel`)",
+        "gguf": "an engine's layout and its `model.gguf`, which llama.cpp's `llama-diffusion-cli` runs",
     }[export.format]
     lines = [
         "# Hugging Face export",

@@ -127,8 +127,10 @@ def sweep_task(cfg: PipelineConfig, manifest: DataManifest, hf_dir: str, out_dir
 
 
 @task(name="convert-checkpoint", cache_policy=NO_CACHE)
-def convert_source_task(cfg: PipelineConfig, found: ConversionSource, out_dir: str | None = None) -> dict:
-    info = convert_source(cfg, found, out_dir)
+def convert_source_task(
+    cfg: PipelineConfig, found: ConversionSource, out_dir: str | None = None, fmt: str = "difflm"
+) -> dict:
+    info = convert_source(cfg, found, out_dir, fmt)
     get_run_logger().info(
         f"{info['source']} -> {info['to']}: {info['out_dir']}"
         + (" (reused: already exported from this checkpoint)" if info["reused"] else "")

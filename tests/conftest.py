@@ -24,6 +24,7 @@ from difflm.rundir import TrainResult
 set_offline_env()  # before anything imports Prefect, MLflow or transformers
 
 import docker_prebuild  # noqa: E402
+import llama_cpp_prebuild  # noqa: E402
 import parallel  # noqa: E402
 import servers  # noqa: E402
 import timing  # noqa: E402
@@ -54,11 +55,13 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     if not parallel.is_worker(session.config):  # under xdist the controller starts it (below): once, not per worker
         docker_prebuild.start(session.items)  # the Docker test's images, built while the tests before it run
+        llama_cpp_prebuild.start(session.items)  # llama.cpp's diffusion CLI, likewise
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_node_collection_finished(node, ids):
     docker_prebuild.start_for(ids)  # the controller: the workers' collection names the Docker test
+    llama_cpp_prebuild.start_for(ids)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -68,6 +71,7 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_sessionfinish(session):
     docker_prebuild.stop()
+    llama_cpp_prebuild.stop()
     if parallel.is_worker(session.config):  # the unit tests' CPU, for the controller's summary
         session.config.workeroutput["unit_cpu"] = _unit_cpu
 
@@ -267,7 +271,7 @@ class TrainedRun:
 
 @pytest.fixture(scope="session")
 def trained(shared_dir, tiny_manifest) -> Callable[[str], TrainedRun]:
-    """`trained(mode)`: the shared trained run of `mode` ("masked", "ar", "block"; helpers.TRAINED_MODES), trained
+    """`trained(mode)`: the shared trained run of `mode` ("masked", "ar", "block", "shift"; helpers.TRAINED_MODES), trained
     through the real launcher with the canonical short-run settings (helpers.TRAINED) the first time a test asks,
     in a workdir of the whole run: a later ask, from this worker or the other, is the pipeline's own reuse (a
     finished run), and one asked while it trains waits on the run's lock. Its export (`convert_checkpoint`) is

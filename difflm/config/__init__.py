@@ -21,6 +21,7 @@ from difflm.config.diffusion import (
     with_mode,
 )
 from difflm.config.evaluation import FLAT_SAMPLER_FIELDS, EvalConfig, SamplerConfig, nest_sampler_fields
+from difflm.config.export import ExportConfig
 from difflm.config.launch import (
     PARTITION,
     SBATCH_KEY,
@@ -73,6 +74,7 @@ __all__ = [
     "DataConfig",
     "DiffusionConfig",
     "EvalConfig",
+    "ExportConfig",
     "FaultsConfig",
     "JobWaitConfig",
     "KubernetesLaunchConfig",

@@ -36,7 +36,7 @@ class SamplerConfig(_Section):
     block_length: int | None = Field(
         None, ge=1, description="Semi-autoregressive blocks of this many tokens (LLaDA); None: one block."
     )
-    remasking: Literal["low_confidence", "margin", "entropy", "random"] = Field(
+    remasking: Literal["low_confidence", "margin", "entropy", "random", "left_to_right"] = Field(
         "low_confidence", description="Which masked positions each step commits (confidence is untempered)."
     )
     threshold: float | None = Field(
@@ -45,6 +45,13 @@ class SamplerConfig(_Section):
         le=1.0,
         description="Fast-dLLM parallel decoding: commit "
         "every position more confident than this, at least one per step.",
+    )
+    eps: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="Dream's timestep schedule (llama.cpp's --diffusion-eps): step i of n commits int(masked (1 - s/t)) "
+        "tokens, t = 1 - i/n (1 - eps), s = 1 - (i+1)/n (1 - eps); None: equal shares per step.",
     )
     temperature: float = Field(0.0, ge=0.0, description="0: greedy; >0: sample from softmax(logits/T).")
     top_k: int | None = Field(None, ge=1)

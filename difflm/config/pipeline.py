@@ -25,6 +25,7 @@ from difflm.config.diffusion import (
     modes,
 )
 from difflm.config.evaluation import EvalConfig
+from difflm.config.export import ExportConfig
 from difflm.config.model import ModelConfig
 from difflm.config.tracking import TrackingConfig
 from difflm.config.train import TrainConfig, iters_for_epochs
@@ -71,6 +72,7 @@ class PipelineConfig(_Section):
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     pipeline: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig)
 
@@ -105,6 +107,20 @@ class PipelineConfig(_Section):
             raise ValueError(
                 f"data.unique_tokens ({budget}) must exceed train.seq_length ({seq}): a sample is seq_length + 1 tokens"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _engine_formats(self) -> PipelineConfig:
+        """An engine layout the mode has none of is refused before training, not after (the architecture's fit is
+        checked by the export itself: models/hf/engines.py)."""
+        cls = modes().objective_class(self.diffusion.model_running_mode)
+        takes = ", ".join(f"{c.engine_layout} ({c.name})" for c in modes().MODES.values() if c.engine_layout)
+        for fmt in self.export.formats:
+            if cls.engine_layout is None or fmt not in ("gguf", cls.engine_layout):
+                fits = "" if cls.engine_layout is None else f"; this mode's is {cls.engine_layout} (or gguf)"
+                raise ValueError(
+                    f"export.formats: {fmt} cannot hold a {cls.name} model ({takes}{fits}); remove it from export.formats"
+                )
         return self
 
     @model_validator(mode="after")

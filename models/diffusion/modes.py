@@ -11,7 +11,8 @@ Pure torch, shipped flat in every export folder (relative imports only). One cla
    predicts token i + 1), `full_logits` (the loss needs every logit, not megatron's per-token cross-entropy),
    `exact` (its likelihood is exact, not a bound), `has_greedy`, `unmasks` (the masked sampler's settings and
    steps apply), `varilen` (variable-length training applies),
-   `attention_flops_factor` (the share of the s x s attention core a kernel computes); `time_conditioned`
+   `attention_flops_factor` (the share of the s x s attention core a kernel computes), `engine_layout` (the
+   published layout another engine runs a model of this mode in: `difflm convert --format`); `time_conditioned`
    answers whether t reaches the network.
 
 Each class carries its family's settings as frozen dataclass fields (the tokenizer's ids are on the base). A
@@ -129,6 +130,9 @@ class Objective(ABC):
     unmasks: ClassVar[bool] = False  # its sampler unmasks step by step: the masked sampler's settings apply
     varilen: ClassVar[bool] = True
     two_stream: ClassVar[bool] = False  # the model runs on [x_t | x_0] (2L tokens) under `two_stream_keep`
+    # LLaDA's (masked, no shift) or Dream's (shifted) published layout, which llama.cpp runs; None: no engine
+    # layout computes this mode's model (models/hf/engines.py says what to use instead)
+    engine_layout: ClassVar[str | None] = None
 
     @staticmethod
     def _id(value: int | None, name: str) -> int:
@@ -290,6 +294,7 @@ class MaskedDiffusion(Objective):
 
     name = "difflm-noshift"
     unmasks = True
+    engine_layout = "llada"
 
     def __post_init__(self):
         if self.loss_weighting == "cart" and not self.shifted:
@@ -423,6 +428,7 @@ class ShiftedMaskedDiffusion(MaskedDiffusion):
 
     name = "difflm-shift"
     shifted = True
+    engine_layout = "dream"
 
     def _noisable(self, valid):
         noisable = valid.clone()

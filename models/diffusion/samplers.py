@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .bounds import LogitsFn, TimedLogitsFn
@@ -54,7 +55,20 @@ def unmask_schedule(length: int, steps: int) -> list[int]:
     return [base + (1 if i < rem else 0) for i in range(steps)]
 
 
-REMASKING = ("low_confidence", "margin", "entropy", "random")
+def timestep_count(step: int, steps: int, masked: int, eps: float) -> int:
+    """Dream's timestep schedule (its generation_utils, llama.cpp's DIFFUSION_TRANSFER_SCHEDULE_TIMESTEP_BASED): at
+    step i of n, t = 1 - i/n (1 - eps) and s = 1 - (i+1)/n (1 - eps); int(masked (1 - s/t)) of the masked tokens
+    are committed (all of them at the last step). In float32, as llama.cpp computes it, so the counts agree at the
+    integer boundaries."""
+    if step >= steps - 1:
+        return masked
+    one, n, e = np.float32(1.0), np.float32(steps), np.float32(eps)
+    t = one - np.float32(step) / n * (one - e)
+    s = one - np.float32(step + 1) / n * (one - e)
+    return int(np.float32(masked) * (one - s / t))
+
+
+REMASKING = ("low_confidence", "margin", "entropy", "random", "left_to_right")
 
 
 @dataclass(frozen=True)
@@ -67,10 +81,14 @@ class MaskedSampler:
         None decodes all of them as one block.
     remasking: which masked positions to commit: the most confident by the untempered probability of the
         chosen token (low_confidence, LLaDA), by the gap between the two most likely tokens (margin), by
-        lowest entropy (entropy), or at random (random).
+        lowest entropy (entropy), at random (random), or the leftmost masked positions (left_to_right: a
+        semi-autoregressive order within each block; llama.cpp's order at --top-k 1, where its confidences tie).
     threshold: Fast-dLLM's parallel decoding: every masked position of the current block whose confidence
         exceeds it is committed in the same step, at least one per step (the most confident); the number of
         steps then follows the model's confidence.
+    eps: Dream's timestep schedule instead of equal shares: step i of each block's steps commits
+        int(masked (1 - s/t)) tokens, t = 1 - i/steps (1 - eps), s = 1 - (i+1)/steps (1 - eps), all at the last
+        step (`timestep_count`; llama.cpp's --diffusion-eps). None: equal shares (`unmask_schedule`).
     temperature / top_k / top_p: how the token at each position is drawn (0: argmax); confidence is always
         ranked on the untempered distribution, as in LLaDA.
     cfg_scale: classifier-free guidance: logits = u + (1 + w)(c - u), u with the prompt masked (LLaDA).
@@ -91,6 +109,7 @@ class MaskedSampler:
     block_length: int | None = None
     remasking: str = "low_confidence"
     threshold: float | None = None
+    eps: float | None = None
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
@@ -106,6 +125,12 @@ class MaskedSampler:
             raise ValueError("steps and block_length must be >= 1")
         if self.threshold is not None and not 0.0 <= self.threshold <= 1.0:
             raise ValueError(f"threshold is a confidence in [0, 1], got {self.threshold}")
+        if self.threshold is not None and self.remasking == "left_to_right":
+            raise ValueError("threshold needs a confidence: left_to_right remasking has none (pick one or the other)")
+        if self.eps is not None and not 0.0 < self.eps <= 1.0:
+            raise ValueError(f"eps is Dream's final timestep in (0, 1], got {self.eps}")
+        if self.eps is not None and self.threshold is not None:
+            raise ValueError("eps (a step schedule) and threshold (no schedule) exclude each other: set one")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
@@ -137,6 +162,8 @@ def _confidence(probs: torch.Tensor, pred: torch.Tensor, how: str, generator) ->
         return top2[..., 0] - top2[..., 1]
     if how == "entropy":
         return (probs * probs.clamp(min=1e-30).log()).sum(-1)  # minus the entropy: higher is surer
+    if how == "left_to_right":  # the leftmost position ranks first
+        return -torch.arange(pred.shape[-1], device=pred.device, dtype=probs.dtype).expand(pred.shape)
     return draw_rand(tuple(pred.shape), generator).to(pred.device)
 
 
@@ -176,6 +203,7 @@ def sample_masked_diffusion(
         in_block = torch.zeros_like(x, dtype=torch.bool)
         in_block[:, p + a : p + z] = True
         schedule = iter(unmask_schedule(z - a, block_steps))
+        step = 0
         while True:
             masked = (x == mask_id) & in_block & ~done[:, None]
             if not masked.any():
@@ -196,10 +224,13 @@ def sample_masked_diffusion(
                     continue
                 if n_reveal is None:  # threshold: all above it, at least the most confident one
                     k = max(1, int((conf[i] > float(cfg.threshold or 0.0)).sum()))
+                elif cfg.eps is not None:  # Dream's schedule: a share of what is still masked (maybe none)
+                    k = timestep_count(step, block_steps, avail, cfg.eps)
                 else:
                     k = min(n_reveal, avail)
                 idx = conf[i].topk(k).indices
                 x[i, idx] = pred[i, idx]
+            step += 1
             if eos_id is not None and cfg.stop_at_eos:
                 done |= _finish_at_eos(x, p, mask_id, eos_id, fixed)
     if stats is not None:

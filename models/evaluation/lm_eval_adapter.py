@@ -11,7 +11,7 @@ registers the model type (lm-eval has no plugin discovery for models). In Python
 
 model_args: pretrained, mc_samples (32), seed (0), device (cuda when available), dtype (float32 | bfloat16 |
 float16 | auto: bfloat16 on CUDA, float32 on the CPU, as eval.dtype), max_length, greedy (compute is_greedy,
-true) and the sampler of generate_until: steps, block_length, remasking, threshold, temperature, top_k, top_p,
+true) and the sampler of generate_until: steps, block_length, remasking, threshold, eps, temperature, top_k, top_p,
 cfg_scale. `trust_remote_code` (what users pass for LLaDA and Dream) is accepted and ignored: this model type
 loads the folder's weights into the pipeline's own class and never runs code from the folder.
 """
@@ -31,7 +31,7 @@ from difflm.models.evaluation.scoring import Scorer
 from difflm.models.evaluation.sources import resolve_export
 from difflm.models.evaluation.stages import load_model, load_tokenizer, resolve_device
 
-SAMPLER_ARGS = ("steps", "block_length", "remasking", "threshold", "temperature", "top_k", "top_p", "cfg_scale")
+SAMPLER_ARGS = ("steps", "block_length", "remasking", "threshold", "eps", "temperature", "top_k", "top_p", "cfg_scale")
 
 
 @register_model("difflm")

@@ -60,6 +60,7 @@ class EvalRecord:
     aup: dict[str, Any] | None = None  # accuracy under parallelism over the sweep's settings
     baseline: dict[str, Any] | None = None  # the AR model's row: same items, engine and hardware
     environment: dict[str, Any] | None = None  # versions, commit, host, date
+    engines: list[dict[str, Any]] | None = None  # a row per engine on this model: engine, version, tokens/s, settings
     # what the evaluation did besides: the sweep is written with the record when one ran, the report never
     sweep: list[dict[str, Any]] | None = None  # the sampler sweep's rows (the evaluate flow, `difflm eval`)
     report: str | None = None  # the per-dataset comparison report it updated (models/evaluation/report.py)

@@ -40,7 +40,7 @@ def rerun_overrides(record: EvalRecord) -> list[str]:
         )
     out = []
     d = record.decoding
-    for key in ("steps", "block_length", "remasking", "threshold", "temperature", "top_k", "top_p", "cfg_scale",
+    for key in ("steps", "block_length", "remasking", "threshold", "eps", "temperature", "top_k", "top_p", "cfg_scale",
                 "stop_at_eos", "prefix_cache", "kv_cache"):  # fmt: skip
         if key in d:
             out.append(f"eval.sampler.{key}={_yaml(d[key])}")

@@ -45,6 +45,7 @@ from difflm.models.evaluation.tasks import (
 )
 from difflm.models.hf.architectures import stock_problem
 from difflm.models.hf.convert import ConversionError, export_hf
+from difflm.models.hf.engines import ENGINE_FORMATS, export_engine
 from difflm.models.hf.export import Export
 from difflm.models.hf.importer import export_stock
 from difflm.models.hf.modeling_difflm import DiffLMForMaskedLM
@@ -54,13 +55,32 @@ from difflm.tracking.plots import plot_sweep
 
 
 def convert_checkpoint(cfg: PipelineConfig, manifest: DataManifest, trained: TrainResult) -> Export:
-    """The HF export of the run's final checkpoint (reused when it was exported from that checkpoint)."""
+    """The HF export of the run's final checkpoint (reused when it was exported from that checkpoint), and the
+    engine layouts `export.formats` names (`export_engines`)."""
     out = trained.run.hf
     if is_export_of(out, trained.checkpoint):
-        return Export.read(out)
-    provenance = {"data_hash": manifest.hash, "mode": cfg.diffusion.model_running_mode}
-    export_stock_class(cfg, manifest, trained)
-    return export_hf(cfg, manifest.tokenizer.to_dict(), trained.checkpoint, out, provenance)
+        export = Export.read(out)
+    else:
+        provenance = {"data_hash": manifest.hash, "mode": cfg.diffusion.model_running_mode}
+        export_stock_class(cfg, manifest, trained)
+        export = export_hf(cfg, manifest.tokenizer.to_dict(), trained.checkpoint, out, provenance)
+    export_engines(cfg, manifest, trained)
+    return export
+
+
+def export_engines(cfg: PipelineConfig, manifest: DataManifest, trained: TrainResult) -> list[Export]:
+    """The final checkpoint in each engine layout of `export.formats` (<run>/engines/<format>: LLaDA's, Dream's,
+    a GGUF file), each reused when it holds that checkpoint; a layout that cannot hold the model stops the stage
+    with its one line (the config asked for it)."""
+    done = []
+    for fmt in cfg.export.formats:
+        out = trained.run.engine_export(fmt)
+        if is_export_of(out, trained.checkpoint) and Export.read(out).format == fmt:
+            done.append(Export.read(out))
+            continue
+        provenance = {"data_hash": manifest.hash, "mode": cfg.diffusion.model_running_mode}
+        done.append(export_engine(cfg, manifest.tokenizer.to_dict(), trained.checkpoint, out, fmt, provenance))
+    return done
 
 
 def export_stock_class(cfg: PipelineConfig, manifest: DataManifest, trained: TrainResult) -> Export | None:
@@ -128,6 +148,12 @@ def load_model(folder: Path, device: torch.device | str = "cpu", dtype: torch.dt
     users load with trust_remote_code), in `dtype` on `device`: exports written by older versions gain
     today's helpers. The defaults are the CPU in float32; evaluation passes `eval_device(cfg.eval)`."""
     hf_logging.disable_progress_bar()  # one bar per load is noise in eval tables and logs
+    written = Export.find(folder)
+    if written is not None and written.format in ENGINE_FORMATS:  # LLaDA's or Dream's layout: not our class
+        raise EvaluationError(
+            f"{folder} is a {written.format} export for another engine (docs/engines.md), not this project's model: "
+            f"pass the run directory or its hf/ export (`difflm convert RUN` writes one)"
+        )
     # cast while loading (as LLaDA/Dream users pass torch_dtype): a large model is never built in fp32 on the host
     model = DiffLMForMaskedLM.from_pretrained(str(folder), local_files_only=True, dtype=dtype)
     return model.to(device).eval()

@@ -26,8 +26,9 @@ from difflm.rundir import EXPORT_MARKER
 
 # "difflm": this project's model class, its code shipped in the folder (AutoModel with trust_remote_code);
 # "hf-stock": a stock transformers class (`difflm.models.hf.importer.export_stock`), no remote code.
-# Another engine's layout (a GGUF file, say) is one more value here and one more writer calling `Export.write`.
-ExportFormat = Literal["difflm", "hf-stock"]
+# "llada", "dream": LLaDA's or Dream's published layout (`difflm.models.hf.engines.export_engine`), and "gguf":
+# that layout's folder with `model.gguf` beside it, which llama.cpp's `llama-diffusion-cli` runs.
+ExportFormat = Literal["difflm", "hf-stock", "llada", "dream", "gguf"]
 FORMATS: tuple[str, ...] = get_args(ExportFormat)
 MODEL_CODE = "modeling_difflm.py"  # shipped only by a "difflm" export: how a marker without a format is told
 _FIELDS = ("checkpoint", "format", "mode", "data_hash", "parity")  # the marker's keys the record names

@@ -46,6 +46,7 @@ TRAINED_MODES = {  # the shared runs: mode -> its settings on top of TRAINED
     "masked": ("diffusion.model_running_mode=difflm-noshift",),
     "ar": ("diffusion.model_running_mode=ar",),
     "block": ("diffusion.model_running_mode=difflm-block", "diffusion.block_size=8", "diffusion.varilen_prob=0.5"),
+    "shift": ("diffusion.model_running_mode=difflm-shift",),  # Dream's objective (tests/integration/test_llama_cpp.py)
 }
 
 

@@ -8,7 +8,7 @@ from helpers import tiny_config
 
 from difflm.models import diffusion
 from difflm.models.diffusion.modes import build_objective, objective_from_dict
-from difflm.models.diffusion.samplers import sample_masked_diffusion, unmask_schedule
+from difflm.models.diffusion.samplers import MaskedSampler, sample_masked_diffusion, timestep_count, unmask_schedule
 from difflm.models.megatron.forward_step import SpecialTokens, corrupt, varilen_length
 
 
@@ -117,6 +117,43 @@ def test_sampler_commits_most_confident_first():
 
     sample_masked_diffusion(recording, prompt, length=4, mask_id=mask_id, steps=4)
     assert seen[1][0, 3].item() == 7  # committed at the first step
+
+
+def test_left_to_right_remasking_commits_the_leftmost_masks_whatever_the_confidence():
+    """llama.cpp's order at --top-k 1 (its confidences tie): the next `k` masked positions, here 2 a step."""
+    vocab, mask_id = 10, 1
+
+    def logits_fn(x):
+        logits = torch.zeros(*x.shape, vocab)
+        logits[:, -1, 7] = 10.0  # the last position is the surest: low_confidence would commit it first
+        return logits
+
+    seen = []
+    settings = MaskedSampler(steps=3, remasking="left_to_right", stop_at_eos=False)
+    sample_masked_diffusion(lambda x: seen.append(x.clone()) or logits_fn(x), torch.tensor([[4]]), 6, mask_id, 3,
+                            settings=settings)  # fmt: skip
+    assert [int((x[0, 1:] == mask_id).sum()) for x in seen] == [6, 4, 2]
+    assert (seen[1][0, 1:3] != mask_id).all() and (seen[2][0, 1:5] != mask_id).all()
+    with pytest.raises(ValueError, match="left_to_right remasking has none"):
+        MaskedSampler(remasking="left_to_right", threshold=0.9)
+
+
+def test_timestep_schedule_is_dreams_and_commits_everything_by_the_last_step():
+    """Dream's eps schedule (llama.cpp's --diffusion-eps): int(masked (1 - s/t)) of the masked, all at the end."""
+    counts, masked = [], 20
+    for step in range(4):
+        k = timestep_count(step, 4, masked, 1e-3)
+        counts.append(k)
+        masked -= k
+    assert counts == [4, 5, 5, 6] and masked == 0  # t: 1, 0.75, 0.5, 0.25 -> shares 1/4, 1/3, 1/2, all
+    assert timestep_count(0, 8, 3, 1e-3) == 0  # int(3 / 8): a step may commit nothing
+    seen = []
+    settings = MaskedSampler(steps=4, eps=1e-3, stop_at_eos=False)
+    out = sample_masked_diffusion(lambda x: seen.append(x.clone()) or torch.randn(*x.shape, 9), torch.tensor([[4]]),
+                                  20, 1, 4, settings=settings)  # fmt: skip
+    assert [int((x == 1).sum()) for x in seen] == [20, 16, 11, 6] and not (out == 1).any()
+    with pytest.raises(ValueError, match="eps is Dream's final timestep"):
+        MaskedSampler(eps=0.0)
 
 
 def test_uniform_noise_stays_in_the_non_special_vocabulary():
