@@ -30,6 +30,12 @@ from transformers import PreTrainedTokenizerFast
 from difflm.models.hf.convert import ConversionError
 
 GGUF_FILE = "model.gguf"
+# llama-diffusion-cli always formats the prompt with the file's chat template, and with ChatML when the file has none
+# (examples/diffusion/diffusion-cli.cpp, format_input_text; no flag of that example turns it off): a base model
+# would see every prompt wrapped in <|im_start|>user ... <|im_start|>assistant, which it never saw in training.
+# A tokenizer without a chat template of its own gets this one, which renders the prompt as it is: the tokens
+# llama.cpp runs are then the ones `difflm generate` runs (tests/integration/test_llama_cpp.py).
+PLAIN_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 _SMOLLM_FIRST = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # SmolLM/SmolLM2's vocabulary opens with these
 
 
@@ -55,6 +61,14 @@ def pre_tokenizer(folder: Path) -> str:
         f"(byte-level BPE: gpt-2, smollm); export --format llada or dream and convert that folder with llama.cpp's "
         f"convert_hf_to_gguf.py"
     )
+
+
+def chat_template(folder: Path) -> str:
+    """The tokenizer's own chat template (tokenizer_config.json, as llama.cpp's converter copies it), else
+    PLAIN_TEMPLATE."""
+    config = folder / "tokenizer_config.json"
+    found = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    return found if isinstance(found, str) and found else PLAIN_TEMPLATE
 
 
 def tokenizer_vocab(folder: Path, rows: int) -> tuple[list[str], list[int], list[str]]:
@@ -145,6 +159,7 @@ def write_gguf(folder: Path, layout, config: dict, sd: dict[str, torch.Tensor], 
     w.add_pad_token_id(config["pad_token_id"])
     w.add_mask_token_id(config["mask_token_id"])
     w.add_bos_token_id(config["bos_token_id"])
+    w.add_chat_template(chat_template(folder))
     if llada:
         # llama.cpp's LLaDA conversion turns BOS on (LLaDA's tokenizer starts prompts with one); ours starts
         # none (documents are separated by EOS), so the prompt's tokens are those `difflm generate` runs on

@@ -7,8 +7,11 @@ import pytest
 
 from deploy import llama_cpp
 
-# the end of a real run's stdout (llama-diffusion-cli of 0.3.36 on a test-tiny LLaDA GGUF)
-STDOUT = "\ntotal time: 1234.50ms, time per step: 102.88ms, sampling time per step: 0.21ms\n\n the dog ran\n\nto it\n"
+# the end of a real run's stdout (llama-diffusion-cli of 0.3.36 on a test-tiny LLaDA GGUF, --log-jsonl)
+STDOUT = """{"type":"log","time":162581,"level":"info","msg":"\\rdiffusion step: 8/12 [====    ] 66%"}
+{"type":"log","time":162993,"level":"info","msg":"\\ntotal time: 1234.50ms, time per step: 102.88ms, sampling time per step: 0.21ms\\n"}
+{"type":"log","time":163010,"level":"info","msg":"\\n the dog ran\\n\\nto it\\n"}
+"""
 
 
 def test_only_a_finished_build_is_taken(tmp_path, monkeypatch):
@@ -29,7 +32,7 @@ def test_the_generated_text_and_the_loop_time_are_read_from_the_output():
     got = llama_cpp.parse_output(STDOUT, "", 12, ["x"])
     assert got.text == " the dog ran\n\nto it" and got.seconds == pytest.approx(1.2345)
     with pytest.raises(RuntimeError, match="no 'total time' line"):
-        llama_cpp.parse_output("error: failed to load model\n", "", 12, ["x"])
+        llama_cpp.parse_output(STDOUT.splitlines()[0], "error: failed to load model\n", 12, ["x"])
 
 
 def test_settings_llama_cpp_cannot_match_are_refused_before_running():
