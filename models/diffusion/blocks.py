@@ -84,6 +84,14 @@ def decode_keep(
     return keep[None, None]
 
 
+def causal_call_keep(n_keys: int, n_queries: int, block_size: int, token_causal: bool, device=None) -> torch.Tensor:
+    """[1, 1, n_queries, n_keys] bool: the rule of a one-stream call without a rule of its own (the export called as
+    a causal LM is, e.g. by diffusers' LLaDA2Pipeline): the block of the last key is the noisy one being decoded,
+    every earlier block is finished (clean). Under block_causal this is the block-causal mask whatever is noisy."""
+    last_block = (n_keys - 1) // block_size * block_size if n_keys else 0
+    return decode_keep(n_keys, n_queries, last_block, block_size, token_causal, device)
+
+
 @dataclass(frozen=True)
 class DecodeLayout:
     """Where block decoding of a LEFT-padded batch writes: one canvas [b, width] whose grid blocks

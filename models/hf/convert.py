@@ -89,11 +89,13 @@ _HF_DIR = Path(__file__).resolve().parent
 _DIFFUSION_DIR = _HF_DIR.parent / "diffusion"
 HF_CODE_FILES = ("configuration_difflm.py", "modeling_difflm.py")
 # The Auto classes an export answers to with trust_remote_code. AutoModel too: LLaDA and Dream users load
-# with `AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.bfloat16)`.
+# with `AutoModel.from_pretrained(path, trust_remote_code=True, dtype=torch.bfloat16)`; AutoModelForCausalLM as
+# LLaDA2 users and diffusers' LLaDA2Pipeline do (a block-diffusion model then applies its decoding rule itself).
 AUTO_MAP = {
     "AutoConfig": "configuration_difflm.DiffLMConfig",
     "AutoModel": "modeling_difflm.DiffLMForMaskedLM",
     "AutoModelForMaskedLM": "modeling_difflm.DiffLMForMaskedLM",
+    "AutoModelForCausalLM": "modeling_difflm.DiffLMForMaskedLM",
 }
 _PACKAGE_IMPORT = re.compile(r"^from \.\.diffusion\.(\w+) import", re.MULTILINE)
 

@@ -19,7 +19,7 @@ from transformers.modeling_outputs import MaskedLMOutput
 # In an export folder these read `from .bounds import ...` and so on: `convert.export_code` rewrites the
 # `..diffusion.` prefix when it copies this file next to the diffusion modules.
 from ..diffusion.arch import ModelArch
-from ..diffusion.blocks import DecodeLayout, decode_keep
+from ..diffusion.blocks import DecodeLayout, causal_call_keep, decode_keep
 from ..diffusion.documents import document_attention_mask
 from ..diffusion.documents import document_ids as eos_document_ids
 from ..diffusion.modes import Objective, objective_from_dict
@@ -164,6 +164,17 @@ def _with_padding(keep: torch.Tensor, attention_mask: torch.Tensor | None, offse
     own = torch.zeros(s, offset + s, dtype=torch.bool, device=keep.device)
     own[:, offset:] = torch.eye(s, dtype=torch.bool, device=keep.device)
     return keep & (attention_mask.bool()[:, None, None, :] | own)
+
+
+def _check_positions(position_ids: torch.Tensor | None, s: int) -> None:
+    """RoPE here counts positions from the first key: given `position_ids` must say the same up to an offset."""
+    if position_ids is None or s < 2:
+        return
+    if position_ids.shape[-1] != s or not bool((position_ids.diff(dim=-1) == 1).all()):
+        raise ValueError(
+            "position_ids must count up by one along each row (RoPE is relative here): pass torch.arange(seq_len), "
+            "or leave them out"
+        )
 
 
 def _uses_adaln(config: DiffLMConfig) -> bool:
@@ -332,6 +343,7 @@ class DiffLMForMaskedLM(PreTrainedModel):
         clean_ids: torch.Tensor | None = None,
         attention_keep: torch.Tensor | None = None,
         update_cache: bool = True,
+        position_ids: torch.Tensor | None = None,
         **_,
     ) -> MaskedLMOutput:
         """Logits [b, s, v]. `t` [b] is the noise level for time-conditioned models: required in uniform
@@ -344,11 +356,23 @@ class DiffLMForMaskedLM(PreTrainedModel):
         Block diffusion: `clean_ids` [b, L] runs the two-stream forward on [input_ids | clean_ids] (RoPE positions
         0..L-1 in both halves, the block mask; logits [b, 2L, v]); `attention_keep` [b or 1, 1, s, offset + s]
         (True = may attend) replaces the direction of attention (block decoding, `blocks.decode_keep`), and
-        `update_cache=False` reads the cache without appending the new positions to it."""
+        `update_cache=False` reads the cache without appending the new positions to it. Called without either, as
+        a causal LM is (`AutoModelForCausalLM`; diffusers' LLaDA2Pipeline calls `(input_ids, attention_mask,
+        position_ids)` on the finished blocks and the block it decodes), a block-diffusion model applies its
+        decoding rule itself (`blocks.causal_call_keep`: the last block is the noisy one) and returns logits aligned
+        with the tokens they predict, over the tokens generation may commit (`_decoding_logits`).
+
+        `position_ids` [b, s] (optional): must count up by one along each row; RoPE is relative, so where a row
+        starts changes nothing."""
         if clean_ids is not None:
             return self._two_stream(input_ids, clean_ids, attention_mask, document_ids)
         b, s = input_ids.shape
+        _check_positions(position_ids, s)
         offset = past_key_values[0]["k"].shape[1] if past_key_values and "k" in past_key_values[0] else 0
+        decoding_call = attention_keep is None and self.objective.two_stream
+        if decoding_call:
+            size, token_causal = self.objective.block_size, self.objective.token_causal
+            attention_keep = causal_call_keep(offset + s, s, size, token_causal, input_ids.device)
         x = self._embed(input_ids)
         if self.config.time_embedding:
             t = (self._default_t(input_ids, attention_mask) if t is None else t).to(x.device)
@@ -372,7 +396,8 @@ class DiffLMForMaskedLM(PreTrainedModel):
         caches = past_key_values if past_key_values is not None else [None] * len(self.layers)
         for layer, cache in zip(self.layers, caches):
             x = layer(x, cos, sin, mask, t, cache, update_cache)
-        return MaskedLMOutput(logits=self._head(x))
+        logits = self._head(x)
+        return MaskedLMOutput(logits=self._decoding_logits(logits) if decoding_call else logits)
 
     @property
     def _head_dim(self) -> int:
@@ -451,6 +476,17 @@ class DiffLMForMaskedLM(PreTrainedModel):
         if getattr(self.config, "mask_token_added", False):
             out[self.config.mask_token_id] = True
         return logits.masked_fill(out, float("-inf"))
+
+    def _decoding_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits a decoder outside this code reads (diffusers' LLaDA2Pipeline takes the argmax over all rows):
+        aligned with the tokens they predict (a shifted model's logit i is that of i - 1), -inf for what
+        `difflm generate` never commits: the mask, the padding rows past `real_vocab_size` and the pad token."""
+        logits = self.objective.align_logits(logits)
+        never = torch.arange(logits.shape[-1], device=logits.device) >= self.config.real_vocab_size
+        for token in (self.config.mask_token_id, self.config.pad_token_id):
+            if token is not None and token != self.config.eos_token_id and token < logits.shape[-1]:
+                never[token] = True
+        return logits.masked_fill(never, float("-inf"))
 
     def uniform_states(self) -> torch.Tensor:
         """Token ids uniform noise draws from (the same function training uses), on the model's device."""
