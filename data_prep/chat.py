@@ -38,12 +38,14 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from difflm.errors import UserError
+
 ROLES = ("system", "user", "assistant")
 TEMPLATES = ("auto", "tokenizer", "plain")  # data.chat_template: auto = the tokenizer's when it has one, else plain
 PLAIN_MARKERS = {"system": "System: ", "user": "User: ", "assistant": "Assistant:"}
 
 
-class TemplateError(ValueError):
+class TemplateError(UserError, ValueError):
     """A conversation the template cannot render into turns (the message says why): the record is skipped."""
 
 

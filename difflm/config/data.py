@@ -13,9 +13,12 @@ from pydantic import (
 
 from difflm.config.base import IF_SET, _Section
 from difflm.config.launch import SlurmConfig
-from difflm.manifest import DataKind
 
 INSTRUCTION_SOURCES = ("demo:instructions",)  # generated conversations: instruction data only
+
+# the manifest's kinds (difflm.manifest.DataKind): spelt here too, as the config package imports no runtime module;
+# tests/unit/test_manifest.py checks that the two agree
+DataKind = Literal["pretraining", "instruction"]
 
 
 class SourceConfig(_Section):

@@ -202,10 +202,10 @@ def test_packed_documents_cu_seqlens():
             [8, 0, 9, 9, 9, 0],  # EOS as the last token ends its document, nothing empty follows
             [0, 4, 4, 0, 0, 4],
         ]
-    )  # EOS first, two EOS in a row: one-token documents
+    )  # EOS first: a one-token document; two EOS in a row end one document (an SFT EOS fill is its conversation's)
     cu, longest = packed_documents(diffusion.document_ids(x, 0))
     assert cu.dtype == torch.int32
-    assert cu.tolist() == [0, 3, 6, 12, 14, 18, 19, 22, 23, 24]
+    assert cu.tolist() == [0, 3, 6, 12, 14, 18, 19, 23, 24]
     assert longest == 6
     cu, longest = packed_documents(diffusion.document_ids(torch.full((1, 7), 3), 0))
     assert cu.tolist() == [0, 7] and longest == 7  # one row, no EOS: one sequence

@@ -18,7 +18,7 @@ from prefect.results import ResultRecord, ResultRecordMetadata
 from prefect.serializers import JSONSerializer
 
 from difflm.errors import UserError
-from difflm.manifest import DataManifest, ManifestError, SplitStats, TokenizerInfo, loss_mask_prefix
+from difflm.manifest import KINDS, DataManifest, ManifestError, SplitStats, TokenizerInfo, loss_mask_prefix
 from difflm.rundir import RunDir
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "records_before_typing"
@@ -157,3 +157,12 @@ def test_a_split_the_manifest_lacks_is_named():
     assert m.unique_tokens == 10
     with pytest.raises(ManifestError, match=r"no 'valid' split \(it has \['train'\]\)"):
         m.split("valid")
+
+
+def test_the_configs_data_kinds_are_the_manifests():
+    """difflm.config.data spells the manifest's kinds itself (the config package imports no runtime module)."""
+    from typing import get_args
+
+    from difflm.config import data as data_config
+
+    assert get_args(data_config.DataKind) == KINDS
