@@ -47,7 +47,7 @@ from difflm.reaper import reaped
 
 # besides every command that runs a flow (a Prefect server), these start processes that must not outlive them
 # (torchrun and its ranks, data-prep workers, served flow runs): they run under difflm.reaper
-STARTS_PROCESSES = {"prep", "train", "adapt", "serve"}
+STARTS_PROCESSES = {"prep", "train", "adapt", "sft", "serve"}
 DOCS = "docs/cli.md"  # each verb's page: what it does, in detail, with examples
 
 EPILOG = f"""examples:
