@@ -32,9 +32,12 @@ from pathlib import Path
 from datatrove.utils.logging import logger
 
 from difflm.config import PipelineConfig, SourceConfig
+from difflm.data_prep import instruction_tasks
 from difflm.data_prep.budget import document_order, select, subset_tokens, write_subset
+from difflm.data_prep.chat import TemplateError, TemplateSpec, resolve_template
 from difflm.data_prep.corpus import SOURCES, demo_corpus
 from difflm.data_prep.errors import DataPrepError, SubmittedToCluster
+from difflm.data_prep.instructions import REJECTS, InstructionWriter, make_instruction_reader, reject_lines
 from difflm.data_prep.quiet import QuietLocalExecutor  # per-file and per-task INFO to the task logs only
 from difflm.data_prep.readers import detect_format, make_reader, unknown_files
 from difflm.data_prep.slurm import forget_credentials, slurm_executor
@@ -45,7 +48,7 @@ from difflm.data_prep.tolerant import DamagedFileError, load_faults
 from difflm.data_prep.verify import read_index, verify
 from difflm.errors import disk_full, is_disk_full
 from difflm.locks import exclusive
-from difflm.manifest import DataManifest, SplitStats
+from difflm.manifest import LOSS_MASK_SUFFIX, DataManifest, SplitStats
 from difflm.rundir import Workdir, lock_file
 
 MANIFEST = "manifest.json"
@@ -54,6 +57,8 @@ FAULTS = "logs/file_faults"  # one JSON report per damaged or unreadable input f
 
 def resolve_source(src: SourceConfig) -> tuple[Path, str]:
     """(path, format) of a source; clear errors for paths that do not exist or hold no data."""
+    if src.path == f"demo:{instruction_tasks.NAME}":
+        return instruction_tasks.demo_instructions(), "jsonl"
     if src.path.startswith("demo:"):
         return demo_corpus(src.path.split(":", 1)[1]), "jsonl"
     path = Path(src.path).expanduser()
@@ -88,13 +93,27 @@ def reader_steps(
 ):
     steps = []
     for src, path, fmt in resolved:
-        reader = make_reader(path, fmt, src.text_key or cfg.data.text_key, src.label, progress)
+        if cfg.data.kind == "instruction":
+            reader = _instruction_reader(cfg, src, path, fmt, progress, report_dir)
+        else:
+            reader = make_reader(path, fmt, src.text_key or cfg.data.text_key, src.label, progress)
         reader.by_input = reads_by_input(cfg)
         reader.limit = cfg.data.max_documents or -1
         reader.strict = cfg.data.strict
         reader.report_dir = str(report_dir) if report_dir else None
         steps.append(reader)
     return steps
+
+
+def _instruction_reader(cfg: PipelineConfig, src: SourceConfig, path: Path, fmt: str, progress: bool, report_dir):
+    """The reader of instruction records (difflm.data_prep.instructions): conversations as documents."""
+    try:
+        reader = make_instruction_reader(path, fmt, src.label, cfg.data.instruction_keys, progress)
+    except ValueError as err:
+        raise DataPrepError(f"data.sources: {src.path}: {err} (data.kind=instruction)") from None
+    reader.normalization = cfg.data.unicode_normalization
+    reader.rejects_dir = str(Path(report_dir).parent.parent / REJECTS) if report_dir else None
+    return reader
 
 
 def reads_by_input(cfg: PipelineConfig) -> bool:
@@ -194,6 +213,8 @@ def warn_file_faults(faults: list[dict], out: Path) -> None:
 def cleaning_steps(cfg: PipelineConfig) -> list:
     d = cfg.data
     steps: list = []
+    if d.kind == "instruction":  # a conversation's text is JSON: the readers normalise and check each turn instead
+        return [ExactDedup()] if d.dedup else []
     if d.unicode_normalization:
         steps.append(UnicodeNormalizer(d.unicode_normalization))
     steps.append(LengthFilter(d.min_chars, d.max_chars))
@@ -212,7 +233,10 @@ def iter_texts(cfg: PipelineConfig, resolved) -> Iterator[str]:
         data = step.run(data, rank=0, world_size=1)
     with _readers_silent():  # in this process: the per-file lines would reach the terminal
         for doc in data:
-            yield doc.text
+            if cfg.data.kind == "instruction":  # the turns' text, not the conversation's JSON, trains the BPE
+                yield "\n".join(m["content"] for m in json.loads(doc.text))
+            else:
+                yield doc.text
 
 
 def prepare_tokenizer(cfg: PipelineConfig, resolved, folder: Path) -> TokenizerInfo:
@@ -222,6 +246,8 @@ def prepare_tokenizer(cfg: PipelineConfig, resolved, folder: Path) -> TokenizerI
     if cfg.tokenizer.path:
         return load_tokenizer(cfg.tokenizer, folder)
     d = cfg.data
+    if d.kind == "instruction":  # a conversation's split is its JSON's: every one trains the tokenizer
+        return train_bpe(iter_texts(cfg, resolved), cfg.tokenizer, folder)
     texts = (
         t for t in iter_texts(cfg, resolved) if split_of(t, d.valid_fraction, d.split_seed, d.test_fraction) == "train"
     )
@@ -254,22 +280,22 @@ def tokenizer_threads(cfg: PipelineConfig) -> int | None:
     return max(1, len(os.sched_getaffinity(0)) // d.workers)
 
 
-def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path) -> None:
+def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path, template: TemplateSpec | None) -> None:
     d = cfg.data
+    writer_args = (str(out), tok.json_file, cfg.tokenizer.eos_token, d.valid_fraction, d.test_fraction, d.split_seed)
+    writer_kwargs = {"mask_token": cfg.tokenizer.mask_token, "threads": tokenizer_threads(cfg)}
+    writer = (
+        SplitSourceWriter(*writer_args, **writer_kwargs)
+        if template is None
+        else InstructionWriter(
+            *writer_args, **writer_kwargs, template=template.to_dict(), rejects_dir=str(out / REJECTS)
+        )
+    )
     pipeline = [
         *reader_steps(cfg, resolved, progress=d.workers == 1, report_dir=out / FAULTS),
         *([] if reads_by_input(cfg) else [HashShard()]),
         *cleaning_steps(cfg),
-        SplitSourceWriter(
-            str(out),
-            tok.json_file,
-            cfg.tokenizer.eos_token,
-            d.valid_fraction,
-            d.test_fraction,
-            d.split_seed,
-            mask_token=cfg.tokenizer.mask_token,
-            threads=tokenizer_threads(cfg),
-        ),
+        writer,
     ]
     executor = build_executor(cfg, pipeline, out)
     executor.run()
@@ -308,6 +334,8 @@ def shard_stats(out: Path, sources: list[SourceConfig]) -> dict[str, SplitStats]
             docs = toks = 0
             for idx in sorted((out / split / src).glob("*.idx")):
                 prefix = str(idx.with_suffix(""))
+                if prefix.endswith(LOSS_MASK_SUFFIX):  # the loss mask beside a shard (difflm.manifest.loss_mask_prefix)
+                    continue
                 _, lengths, _, _ = read_index(idx)
                 n_tok = int(lengths.sum())
                 prefixes.append(prefix)
@@ -336,6 +364,8 @@ def shard_stats(out: Path, sources: list[SourceConfig]) -> dict[str, SplitStats]
 
 def _provenance(src: SourceConfig) -> dict:
     """Origin, license and checksum of an embedded corpus (user data: nothing to add)."""
+    if src.path == f"demo:{instruction_tasks.NAME}":
+        return dict(instruction_tasks.PROVENANCE)
     if not src.path.startswith("demo:"):
         return {}
     e = SOURCES[src.path.split(":", 1)[1]]
@@ -401,7 +431,8 @@ def _prepare_data(cfg: PipelineConfig) -> DataManifest:
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     ignored = ignored_files(resolved)
-    tok = _read_inputs(cfg, resolved, out)
+    template = _template(cfg)
+    tok = _read_inputs(cfg, resolved, out, template)
     splits = shard_stats(out, cfg.data.sources)
     skipped = skip_counts(out / "logs")
     if ignored:
@@ -418,7 +449,10 @@ def _prepare_data(cfg: PipelineConfig) -> DataManifest:
     manifest = DataManifest(
         dir=str(out),
         hash=out.name,
-        kind="pretraining",  # documents to pack: the only data data prep writes today
+        kind=cfg.data.kind,
+        instruction=None
+        if template is None
+        else {**template.to_dict(), "fields": cfg.data.instruction_keys, "sha256": template.sha256},
         sources=tuple(
             {"name": s.label, "path": str(p), "format": f, "weight": s.weight or "by tokens", **_provenance(s)}
             for s, p, f in resolved
@@ -434,7 +468,20 @@ def _prepare_data(cfg: PipelineConfig) -> DataManifest:
     verify(manifest)
     manifest.write(manifest_path)
     print(summary_line(manifest), flush=True)
+    if template is not None:  # one line per kind of bad instruction record, naming the first
+        for line in reject_lines(out / REJECTS, skipped):
+            print(line, flush=True)
     return manifest
+
+
+def _template(cfg: PipelineConfig) -> TemplateSpec | None:
+    """The chat template of instruction data (None for pretraining data); one DataPrepError line when it has none."""
+    if cfg.data.kind != "instruction":
+        return None
+    try:
+        return resolve_template(cfg.data.chat_template, cfg.tokenizer.path)
+    except TemplateError as err:
+        raise DataPrepError(str(err)) from None
 
 
 def _config_record(cfg: PipelineConfig) -> dict:
@@ -508,14 +555,14 @@ def budget_tokens(cfg: PipelineConfig, full: DataManifest, orders: dict | None =
     return subset_tokens(orders[seed], budget)
 
 
-def _read_inputs(cfg: PipelineConfig, resolved, out: Path) -> TokenizerInfo:
+def _read_inputs(cfg: PipelineConfig, resolved, out: Path, template: TemplateSpec | None) -> TokenizerInfo:
     """The passes over the inputs: strict check, tokenizer training, the tokenizing pipeline. A damaged
     file under data.strict becomes one DataPrepError line, wherever it is found."""
     try:
         if cfg.data.strict:
             check_inputs(cfg, resolved)
         tok = prepare_tokenizer(cfg, resolved, out / "tokenizer")
-        run_pipeline(cfg, resolved, tok, out)
+        run_pipeline(cfg, resolved, tok, out, template)
     except DamagedFileError as err:
         raise DataPrepError(f"data.strict: {err}") from None
     return tok

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 
 from difflm.errors import UserError
-from difflm.manifest import DataManifest
+from difflm.manifest import DataManifest, loss_mask_prefix
 
 _HEADER = b"MMIDIDX\x00\x00"
-_DTYPES = {8: np.uint16, 4: np.int32}  # megatron's dtype codes as datatrove writes them
+_DTYPES = {8: np.uint16, 4: np.int32, 1: np.uint8}  # megatron's dtype codes: tokens as datatrove writes them, masks
 
 
 class DataVerificationError(UserError, RuntimeError):
@@ -73,6 +73,33 @@ def verify_shard(prefix: str, vocab_size: int, mask_id: int | None = None) -> tu
     return len(lengths), n_tokens
 
 
+def verify_mask(prefix: str) -> int:
+    """Check the loss mask beside token shard `prefix`: uint8, the shard's sequence lengths and document indices,
+    only 0 and 1; returns its scored tokens."""
+    mask = loss_mask_prefix(prefix)
+    idx, bin_ = Path(mask + ".idx"), Path(mask + ".bin")
+    if not idx.exists() or not bin_.exists():
+        raise DataVerificationError(f"{mask}: the loss mask of {prefix} is missing (.idx or .bin)")
+    dtype, lengths, _, docs = read_index(idx)
+    _, token_lengths, _, token_docs = read_index(Path(prefix + ".idx"))
+    if dtype != np.uint8:
+        raise DataVerificationError(f"{idx}: a loss mask is uint8, this one is {dtype}")
+    if not np.array_equal(lengths, token_lengths) or not np.array_equal(docs, token_docs):
+        raise DataVerificationError(
+            f"{idx}: the loss mask's {len(lengths)} sequences ({int(lengths.sum())} tokens) do not match the token "
+            f"shard's {len(token_lengths)} ({int(token_lengths.sum())} tokens)"
+        )
+    n = int(lengths.astype(np.int64).sum())
+    if bin_.stat().st_size != n:
+        raise DataVerificationError(
+            f"{bin_}: {bin_.stat().st_size} bytes, the index describes {n}; truncated or corrupt"
+        )
+    values = np.memmap(bin_, dtype=np.uint8, mode="r") if n else np.zeros(0, np.uint8)
+    if n and int(values.max()) > 1:
+        raise DataVerificationError(f"{bin_}: a loss mask holds 0 and 1 only, this one {int(values.max())}")
+    return int(values.sum())
+
+
 def verify(manifest: DataManifest) -> dict:
     """Verify every shard of a manifest; returns {'shards', 'documents', 'tokens'} checked."""
     vocab, mask_id = manifest.tokenizer.vocab_size, manifest.tokenizer.mask_id
@@ -83,6 +110,8 @@ def verify(manifest: DataManifest) -> dict:
             per_source: dict[str, list[int]] = {}
             for prefix in s.prefixes:
                 n_docs, n_tok = verify_shard(prefix, vocab, mask_id)
+                if manifest.loss_masks:
+                    verify_mask(prefix)
                 src = Path(prefix).parent.name
                 acc = per_source.setdefault(src, [0, 0])
                 acc[0] += n_docs

@@ -22,6 +22,16 @@ DataKind = Literal["pretraining", "instruction"]
 KINDS: tuple[str, ...] = get_args(DataKind)
 
 
+LOSS_MASK_SUFFIX = "_loss_mask"
+
+
+def loss_mask_prefix(prefix: str) -> str:
+    """The loss-mask shard beside the token shard `prefix` of instruction data: a Megatron IndexedDataset of uint8
+    with the same sequence lengths and document indices, 1 where a token is scored (assistant turns and the
+    end-of-turn token closing each), 0 elsewhere."""
+    return prefix + LOSS_MASK_SUFFIX
+
+
 class ManifestError(UserError, ValueError):
     """A manifest file that cannot be read as one; the message names the file and what to do."""
 
@@ -107,11 +117,18 @@ class DataManifest:
     config: dict[str, Any] = field(default_factory=dict)  # the data and tokenizer sections that made it
     seconds: float = 0.0
     budget: dict[str, Any] | None = None  # a data.unique_tokens subset: its budget and where it came from
+    # instruction data: the chat template (difflm.data_prep.chat.TemplateSpec.to_dict) and the record's field names
+    instruction: dict[str, Any] | None = None
 
     @property
     def unique_tokens(self) -> int:
         """Tokens in the training split: the unique tokens an epoch sees."""
         return self.splits["train"].tokens
+
+    @property
+    def loss_masks(self) -> bool:
+        """Whether every token shard has a loss-mask shard beside it (`loss_mask_prefix`): instruction data."""
+        return self.kind == "instruction"
 
     def split(self, name: str) -> SplitStats:
         if name not in self.splits:
@@ -146,6 +163,7 @@ class DataManifest:
                 config=dict(d.get("config") or {}),
                 seconds=float(d.get("seconds", 0.0)),
                 budget=d.get("budget"),
+                instruction=d.get("instruction"),
             )
         except KeyError as e:
             raise ManifestError(f"{where} has no {e.args[0]!r}: it is not a complete data manifest; {_REDO}") from None
@@ -171,6 +189,8 @@ class DataManifest:
         }
         if self.budget is not None:
             d["budget"] = self.budget
+        if self.instruction is not None:
+            d["instruction"] = self.instruction
         return copy.deepcopy(d)  # the record's own dicts stay its own: a caller may change what it gets
 
     @classmethod

@@ -13,6 +13,9 @@ from pydantic import (
 
 from difflm.config.base import IF_SET, _Section
 from difflm.config.launch import SlurmConfig
+from difflm.manifest import DataKind
+
+INSTRUCTION_SOURCES = ("demo:instructions",)  # generated conversations: instruction data only
 
 
 class SourceConfig(_Section):
@@ -39,6 +42,26 @@ class SourceConfig(_Section):
 
 
 class DataConfig(_Section):
+    kind: DataKind = Field(
+        "pretraining",
+        json_schema_extra=IF_SET,
+        description="pretraining: documents to pack; instruction: conversations (`messages`, or `prompt` and "
+        "`response`) rendered with a chat template, with a loss mask beside the tokens (docs/sft.md).",
+    )
+    chat_template: Literal["auto", "tokenizer", "plain"] = Field(
+        "auto",
+        json_schema_extra=IF_SET,
+        description="Instruction data: the tokenizer's own chat template (tokenizer), ours (plain: 'User: ...\\n"
+        "Assistant: ...<eos>'), or the tokenizer's when it has one (auto).",
+    )
+    messages_key: str = Field("messages", json_schema_extra=IF_SET, description="Instruction data: the turns' field.")
+    prompt_key: str = Field("prompt", json_schema_extra=IF_SET, description="Instruction data: the prompt's field.")
+    response_key: str = Field(
+        "response", json_schema_extra=IF_SET, description="Instruction data: the response's field."
+    )
+    system_key: str = Field(
+        "system", json_schema_extra=IF_SET, description="Instruction data: an optional system prompt's field."
+    )
     sources: list[SourceConfig] = Field(
         default_factory=lambda: [SourceConfig(path="demo:enwiki")],
         description="Inputs; a plain string is a path with defaults.",
@@ -87,7 +110,22 @@ class DataConfig(_Section):
             raise ValueError(f"data.sources: two sources share a name ({labels}); give each a distinct `name`")
         if not self.sources:
             raise ValueError("data.sources is empty: give at least one input")
+        generated = [s.path for s in self.sources if s.path in INSTRUCTION_SOURCES]
+        if generated and self.kind != "instruction":
+            raise ValueError(f"data.sources: {generated[0]} is instruction data; set data.kind=instruction")
+        if self.kind == "instruction" and self.unique_tokens is not None:
+            raise ValueError("data.unique_tokens cuts pretraining data only; unset it for data.kind=instruction")
         return self
+
+    @property
+    def instruction_keys(self) -> dict[str, str | None]:
+        """The field names of an instruction record."""
+        return {
+            "messages": self.messages_key,
+            "prompt": self.prompt_key,
+            "response": self.response_key,
+            "system": self.system_key,
+        }
 
     @property
     def num_tasks(self) -> int:
