@@ -9,9 +9,14 @@ import torch
 
 
 def document_ids(x0: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Index of the packed document each position belongs to (an EOS ends its own document). [b, s]"""
-    is_eos = (x0 == eos_id).long()
-    return is_eos.cumsum(-1) - is_eos
+    """Index of the packed document each position belongs to (an EOS, or a run of EOS, ends its own document). [b, s]
+
+    A run of EOS stays with the document it ends: instruction data's EOS fill (`sft.response_view`, LLaDA's
+    padding) is the tail of its conversation, not one-token documents of its own."""
+    is_eos = x0 == eos_id
+    starts = torch.zeros_like(is_eos)
+    starts[:, 1:] = is_eos[:, :-1] & ~is_eos[:, 1:]  # a document starts after the EOS that ended the one before
+    return starts.long().cumsum(-1)
 
 
 def document_attention_mask(doc_ids: torch.Tensor, causal: bool) -> torch.Tensor:

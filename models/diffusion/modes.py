@@ -52,6 +52,7 @@ from .conditional import conditional_ar_nll, conditional_masked_nll, masked_gree
 from .noise import mask_exactly, mask_tokens, stratified_t, uniform_corrupt
 from .objectives import Weighting, cart_weights, masked_diffusion_loss_terms, shift_targets, x0_cross_entropy_terms
 from .samplers import MaskedSampler, sample_masked_diffusion, sample_uniform_diffusion
+from .sft import SftEos, response_view
 from .uniform import (
     mixture_t,
     mixture_weight,
@@ -117,6 +118,14 @@ class Objective(ABC):
     vocab_size: int | None = None  # the tokenizer's (real) vocabulary: uniform noise draws among it
     pad_id: int | None = None
     eos_id: int | None = None
+    sft_eos: SftEos = setting(
+        "turn",
+        "Instruction data (SFT) only: turn scores the EOS that closes each response, as data prep packed it "
+        "(nothing padded); fill (LLaDA's SFT) turns the window's tail after its last response EOS into EOS, scored "
+        "as response, so the model learns to fill a generation window with EOS after its answer (the cut start of "
+        "the next conversation is dropped). Pretraining data ignores it.",
+        identity=IF_SET,
+    )
 
     name: ClassVar[str] = ""
     bidirectional: ClassVar[bool] = True
@@ -199,6 +208,11 @@ class Objective(ABC):
         return (masks * real).sum(-1) / real.sum(-1).clamp(min=1)
 
     # ---- training and validation -----------------------------------------------------------------------
+    def response_view(self, batch: dict) -> dict:
+        """A micro-batch of instruction data as this objective trains on it (`sft.response_view`: `loss_mask`
+        restricted to response labels, `sft_eos` applied); then `prepare(..., response=batch["response"])`."""
+        return response_view(batch, self.eos_id, self.sft_eos)
+
     @abstractmethod
     def prepare(
         self,
@@ -210,12 +224,17 @@ class Objective(ABC):
         batch_size: int,
         antithetic: bool,
         evaluation: bool,
+        response: torch.Tensor | None = None,
     ) -> dict:
         """Model inputs, targets, scored positions and t of one micro-batch: {'inputs', 'targets', 'scored',
         'valid', 't'} (and what `loss_terms` needs besides; 'row_tokens', the clean tokens of each model row, where
         `rows_per_sequence` makes several). `label_ok` [b, s] is megatron's loss_mask
         (labels[i] = tokens[i + 1] is data); `positions` are the sequences' places in the global batch of
-        `batch_size`, which key their noise (`generator_for`) and their stratum of t."""
+        `batch_size`, which key their noise (`generator_for`) and their stratum of t.
+
+        Instruction data (`response` [b, s], and `label_ok` restricted to response labels, as `response_view`
+        gives them as `response` and `loss_mask`): the prompt stays clean and unscored; noise, loss terms and the count (the normaliser of
+        1/t) cover response tokens only, so validation reports the conditional bound of the responses."""
 
     @abstractmethod
     def loss_terms(self, output: torch.Tensor, prepared: dict, evaluation: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,9 +292,11 @@ def _exact_noise_rows(tokens, noisable, positions, generator_for, batch_size, ep
     return torch.cat(rows), torch.cat(ts), torch.cat(flags)
 
 
-def _data_positions(label_ok: torch.Tensor) -> torch.Tensor:
-    """tokens[i] is data iff labels[i - 1] is (token 0 always is): the positions a no-shift objective scores."""
-    return torch.cat([torch.ones_like(label_ok[:, :1]), label_ok[:, :-1]], dim=1)
+def _data_positions(label_ok: torch.Tensor, response: torch.Tensor | None = None) -> torch.Tensor:
+    """tokens[i] is data iff labels[i - 1] is (token 0 always is): the positions a no-shift objective scores;
+    with instruction data only the `response` tokens among them."""
+    data = torch.cat([torch.ones_like(label_ok[:, :1]), label_ok[:, :-1]], dim=1).bool()
+    return data if response is None else data & response.bool()
 
 
 @dataclass(frozen=True)
@@ -306,8 +327,10 @@ class MaskedDiffusion(Objective):
         weighting, whose L/#masked weight is unbiased only for counts uniform on {1..L}."""
         return evaluation or self.loss_weighting == "masked_fraction"
 
-    def prepare(self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation):
-        valid = _data_positions(label_ok)
+    def prepare(
+        self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation, response=None
+    ):
+        valid = _data_positions(label_ok, response)
         exact = self._exact_counts(evaluation)
 
         def draw(row, ok, t, g):
@@ -315,7 +338,9 @@ class MaskedDiffusion(Objective):
                 n_valid = int(ok.sum())
                 count = (t * n_valid).ceil().clamp(1, max(n_valid, 1)).long()
                 return (*mask_exactly(row, count, self.mask_id, g, ok), t)
-            return (*mask_tokens(row, t, self.mask_id, g), t)
+            _, masked = mask_tokens(row, t, self.mask_id, g)
+            masked = masked & ok  # only noisable tokens: never a prompt token, nor token 0 of a shifted mode
+            return torch.where(masked, torch.full_like(row, self.mask_id), row), masked, t
 
         xt, t, masked = _exact_noise_rows(
             tokens,
@@ -327,9 +352,9 @@ class MaskedDiffusion(Objective):
             antithetic or evaluation,
             draw,
         )
-        return self._targets(tokens, xt, masked, valid, label_ok, t)
+        return self._targets(tokens, xt, masked, valid, label_ok, t, _data_positions(label_ok))
 
-    def _targets(self, x0, xt, masked, valid, label_ok, t) -> dict:
+    def _targets(self, x0, xt, masked, valid, label_ok, t, context) -> dict:
         return {"inputs": xt, "targets": x0, "scored": masked & valid, "valid": valid, "t": t}
 
     def training_weighting(self) -> Weighting:
@@ -429,7 +454,7 @@ class ShiftedMaskedDiffusion(MaskedDiffusion):
         noisable[:, 0] = False  # no logit predicts token 0: masking it would hide context without scoring it
         return noisable
 
-    def _targets(self, x0, xt, masked, valid, label_ok, t):
+    def _targets(self, x0, xt, masked, valid, label_ok, t, context):
         # scored on the next token: its validity is megatron's own label mask (the first padding token, the
         # target of the last data position, is never scored); the last position has no next token here
         targets, scored = shift_targets(x0, masked)
@@ -437,7 +462,7 @@ class ShiftedMaskedDiffusion(MaskedDiffusion):
         next_ok[:, -1] = False
         out = {"inputs": xt, "targets": targets, "scored": scored & next_ok, "valid": next_ok, "t": t}
         if self.loss_weighting == "cart":  # weights of the masked tokens, moved onto the logits that predict them
-            weights = cart_weights(masked & valid, valid, self.cart_p)
+            weights = cart_weights(masked & valid, context, self.cart_p)  # a clean prompt token is context too
             out["token_weights"] = torch.cat([weights[:, 1:], torch.zeros_like(weights[:, :1])], dim=1)
         return out
 
@@ -488,8 +513,10 @@ class UniformDiffusion(Objective):
             "(elbo_nll and diffusion_generate do)"
         )
 
-    def prepare(self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation):
-        valid = _data_positions(label_ok)
+    def prepare(
+        self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation, response=None
+    ):
+        valid = _data_positions(label_ok, response)
         states = self.states()
         # Validation adds the reconstruction term -log p(x0 | z_eps) as a point mass of the importance distribution
         # over t: the sequences in the first 1/n of the stratified range (one per global batch) are scored at
@@ -503,7 +530,9 @@ class UniformDiffusion(Objective):
             t = torch.full_like(t, self.eps) if last_step else mixture_t((v - share) / (1 - share), self.eps)
             recon.append(last_step)
             weight.append(1.0 / share if last_step else float(mixture_weight(t, self.eps)) / (1 - share))
-            return (*uniform_corrupt(row, t, states, g), t)
+            xt, corrupted = uniform_corrupt(row, t, states, g)
+            corrupted = corrupted & ok  # noise touches the scored tokens only (a prompt stays clean)
+            return torch.where(corrupted, xt, row), corrupted, t
 
         xt, t, corrupted = _exact_noise_rows(
             tokens, valid, positions, generator_for, batch_size, self.eps, antithetic or evaluation, draw
@@ -639,11 +668,14 @@ class Autoregressive(Objective):
     def rows_per_sequence(self, evaluation):
         return 2 if self.mir_mask_share and not evaluation else 1
 
-    def prepare(self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation):
+    def prepare(
+        self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation, response=None
+    ):
+        # instruction data: label_ok marks the response's next tokens only (`response_view`)
         out = {"inputs": tokens, "targets": labels, "scored": label_ok, "valid": label_ok, "t": None}
         if self.rows_per_sequence(evaluation) == 1:
             return out
-        masked = self.mir_masks(_data_positions(label_ok), positions, generator_for).to(tokens.device)
+        masked = self.mir_masks(_data_positions(label_ok, response), positions, generator_for).to(tokens.device)
         noisy = torch.where(masked, torch.full_like(tokens, self._id(self.mask_id, "mask_id")), tokens)
         return {
             **out,
@@ -858,8 +890,10 @@ class BlockDiffusion(Objective):
         per_token = [w.float().repeat_interleave(size)[:length] for w in (weight, complement)]
         return masked, *per_token
 
-    def prepare(self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation):
-        valid = self._noisable(_data_positions(label_ok))
+    def prepare(
+        self, tokens, labels, label_ok, positions, generator_for, batch_size, antithetic, evaluation, response=None
+    ):
+        valid = self._noisable(_data_positions(label_ok, response))  # blocks keep their grid; a prompt stays clean
         rows = [
             self._row_noise(ok, pos, generator_for, batch_size, antithetic, evaluation)
             for ok, pos in zip(valid, positions)

@@ -80,13 +80,16 @@ def corrupt(
 ) -> dict:
     """Model inputs, targets, scored positions and t for one micro-batch of `cfg`'s objective (`Objective.prepare`).
 
-    The dataset's loss_mask (False at padding megatron may add) is never scored, never counted. Evaluation uses
+    The dataset's loss_mask (False at padding megatron may add) is never scored, never counted; a batch of
+    instruction data (`response`, `response_labels`: data prep's loss mask) is scored on its responses only. Evaluation uses
     the objective's bound (for masked modes the low-variance discrete ELBO: t stratified over the batch, exactly
     ceil(t*L) tokens masked, weight L/#masked; see diffusion.elbo_nll_per_token). `objective`: the one the
     caller built where its run started (`build_objective`)."""
-    x0 = batch["tokens"]
+    if "response" in batch:  # instruction data: noise and loss on the response tokens only (`modes.prepare`)
+        batch = objective.response_view({"loss_mask": torch.ones_like(batch["tokens"]), **batch})
+    x0, response = batch["tokens"], batch.get("response")
     label_ok = batch.get("loss_mask", torch.ones_like(x0)).bool()  # megatron's: labels[i] = x[i + 1] is data
-    return objective.prepare(
+    prepared = objective.prepare(
         x0,
         batch["labels"],
         label_ok,
@@ -95,7 +98,14 @@ def corrupt(
         cfg.train.global_batch_size,
         cfg.diffusion.antithetic_t,
         evaluation,
+        response=response,
     )
+    if response is not None:  # the clean rows the documents come from (the EOS fill may have changed them)
+        prepared.setdefault("row_tokens", x0)
+        if "documents" in batch:  # the data's own conversations (a turn's EOS does not end one)
+            rows = len(prepared["row_tokens"]) // len(x0)
+            prepared["row_documents"] = batch["documents"].repeat(rows, 1)
+    return prepared
 
 
 def _loss_func(prepared: dict, objective: Objective, evaluation: bool, output_tensor: torch.Tensor):
@@ -185,23 +195,39 @@ def packed_seq_params(doc_ids: torch.Tensor, device: torch.device):
     )
 
 
-def attention_mask_for(tokens: torch.Tensor, objective: Objective, special: SpecialTokens, form: str | None):
+def attention_mask_for(
+    tokens: torch.Tensor,
+    objective: Objective,
+    special: SpecialTokens,
+    form: str | None,
+    documents: torch.Tensor | None = None,
+):
     """None, or the packed-document mask of `form` ('dense' or 'flex', see `document_form`): document ids in a
-    `DocumentMask` for the torch spec (FlexAttention block mask on GPUs), a dense [b, 1, s, s] mask otherwise."""
+    `DocumentMask` for the torch spec (FlexAttention block mask on GPUs), a dense [b, 1, s, s] mask otherwise.
+    `documents` [b, s]: the data's own document ids (instruction data); else they come from EOS in `tokens`."""
     if form is None:
         return None
     causal = not objective.bidirectional
-    doc = diffusion.document_ids(tokens, special.eos_id)
+    doc = diffusion.document_ids(tokens, special.eos_id) if documents is None else documents
     if form == "flex":
         return DocumentMask(doc, causal)
     return diffusion.document_attention_mask(doc, causal=causal)
 
 
-def two_stream_mask(tokens: torch.Tensor, cfg: PipelineConfig, special: SpecialTokens, objective: Objective):
+def two_stream_mask(
+    tokens: torch.Tensor,
+    cfg: PipelineConfig,
+    special: SpecialTokens,
+    objective: Objective,
+    documents: torch.Tensor | None = None,
+):
     """Block diffusion's attention for the [x_t | x_0] inputs of clean `tokens` [b, L]: a `TwoStreamMask` for the
-    torch spec (FlexAttention on GPUs), megatron's dense mask (True = blocked) [b or 1, 1, 2L, 2L] for local."""
+    torch spec (FlexAttention on GPUs), megatron's dense mask (True = blocked) [b or 1, 1, 2L, 2L] for local.
+    `documents`: the data's own document ids (instruction data), else from EOS in `tokens`."""
     assert isinstance(objective, BlockDiffusion), objective.name  # the only two-stream objective
-    doc = diffusion.document_ids(tokens, special.eos_id) if cfg.model.document_attention else None
+    doc = None
+    if cfg.model.document_attention:
+        doc = diffusion.document_ids(tokens, special.eos_id) if documents is None else documents
     mask = TwoStreamMask(tokens.shape[1], objective.block_size, objective.token_causal, doc, tokens.device)
     if resolve_backend(cfg.model.backend, True) == "torch":
         return mask
@@ -243,6 +269,7 @@ def make_forward_step(
         prepared = corrupt(batch, cfg, special, step, evaluation, objective=objective)
         # the clean tokens of each model row (an objective may run several rows per sequence): their documents
         rows = prepared.get("row_tokens", batch["tokens"])
+        documents = prepared.pop("row_documents", None)  # instruction data: its conversations, one per document
         prepared = to_device(prepared, device)
         inputs = prepared["inputs"]
         position_ids = torch.arange(inputs.shape[1], device=device).unsqueeze(0).expand_as(inputs)
@@ -250,18 +277,20 @@ def make_forward_step(
         if objective.two_stream:  # [x_t | x_0]: positions 0..L-1 twice, the block mask
             tokens = inputs[:, inputs.shape[1] // 2 :]  # the clean half: the batch's rows as the objective made them
             position_ids = position_ids % tokens.shape[1]
-            mask = two_stream_mask(tokens, cfg, special, objective)
+            mask = two_stream_mask(tokens, cfg, special, objective, None if documents is None else documents.to(device))
             output = model(inputs, position_ids, mask, labels=prepared["targets"], two_stream=True, **extra)
             return output, partial(_loss_func, prepared, objective, evaluation)
         # With labels, megatron returns the per-token (vocab-parallel) cross-entropy [b, s]; without, logits.
         labels = None if objective.full_logits else prepared["targets"]
         if form == "thd":  # one row [1, b*s]; RoPE restarts per document, equal to global positions (relative)
-            extra["packed_seq_params"] = packed_seq_params(diffusion.document_ids(rows, special.eos_id), device)
+            doc = diffusion.document_ids(rows, special.eos_id) if documents is None else documents
+            extra["packed_seq_params"] = packed_seq_params(doc, device)
             inputs, position_ids = inputs.reshape(1, -1), position_ids.reshape(1, -1)
             labels = None if labels is None else labels.reshape(1, -1)
             attention_mask = None
         else:
-            attention_mask = attention_mask_for(rows.to(device), objective, special, form)
+            doc = None if documents is None else documents.to(device)
+            attention_mask = attention_mask_for(rows.to(device), objective, special, form, doc)
         if anneal is not None:  # [1, 1, s, s], joined with the packed-document mask where there is one
             s = inputs.shape[1]
             blocked = anneal[:s, :s].to(device)[None, None]

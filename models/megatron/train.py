@@ -212,7 +212,11 @@ def run_global_batch(
     lengths = lengths or [cfg.train.seq_length] * n_micro
     micro = [micro_batch(dataset, step, m, dp_rank, cfg, dp_size, lengths[m]) for m in range(n_micro)]
     if attention_pairs is not None:
-        attention_pairs.extend(document_pairs(document_ids(b["tokens"], special.eos_id)) for b in micro)
+        # instruction data carries its conversations; pretraining's documents end at EOS
+        attention_pairs.extend(
+            document_pairs(b["documents"] if "documents" in b else document_ids(b["tokens"], special.eos_id))
+            for b in micro
+        )
     batches = iter(micro)
     losses = get_forward_backward_func()(
         forward_step_func=make_forward_step(cfg, special, noise_step, evaluation=forward_only, objective=objective),

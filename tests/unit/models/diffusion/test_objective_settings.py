@@ -18,11 +18,12 @@ from difflm.models.hf.modeling_difflm import export_objective
 TOKENS = {"mask_id": 1, "vocab_size": 64, "pad_id": 2, "eos_id": 0}
 
 SETTINGS = {  # each family's own settings, nothing of the others'
-    "difflm-noshift": ("eps", "loss_weighting", "normalize_by"),
-    "difflm-shift": ("eps", "loss_weighting", "normalize_by", "cart_p"),
-    "difflm-noshift-uniform": ("eps", "uniform_loss"),
-    "ar": ("mir_mask_share", "mir_weight", "mir_share_draw"),
+    "difflm-noshift": ("sft_eos", "eps", "loss_weighting", "normalize_by"),
+    "difflm-shift": ("sft_eos", "eps", "loss_weighting", "normalize_by", "cart_p"),
+    "difflm-noshift-uniform": ("sft_eos", "eps", "uniform_loss"),
+    "ar": ("sft_eos", "mir_mask_share", "mir_weight", "mir_share_draw"),
     "difflm-block": (
+        "sft_eos",
         "eps",
         "loss_weighting",
         "normalize_by",
@@ -124,7 +125,7 @@ def test_the_loaded_model_builds_its_objective_once():
 def test_settings_are_fields_a_namespace_can_give():
     """`build_objective` reads attributes: any object with the mode and its settings will do (no pydantic)."""
     ns = types.SimpleNamespace(model_running_mode="difflm-shift", eps=0.1, loss_weighting="cart")
-    ns.normalize_by, ns.cart_p = "all_tokens", 0.5
+    ns.normalize_by, ns.cart_p, ns.sft_eos = "all_tokens", 0.5, "turn"
     obj = build_objective(ns)
     assert (obj.cart_p, obj.loss_weighting, obj.mask_id) == (0.5, "cart", None)
     with pytest.raises(ValueError, match="cart"):
