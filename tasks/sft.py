@@ -15,6 +15,7 @@ from pathlib import Path
 
 from difflm import tracking
 from difflm.config import PipelineConfig, load_config
+from difflm.errors import UserError
 from difflm.manifest import DataManifest
 from difflm.models.evaluation.instructions import (
     NoInstructionItems,
@@ -58,6 +59,11 @@ def sft_config(source: str, preset: str, overrides: list[str] | None) -> tuple[P
     overrides = in_source_workdir(source, list(overrides or []))
     folder = resolve_sft_source(source, load_config(preset, overrides))  # a models:/ source: from this store
     cfg, _ = adapt.adaptation_config(str(folder), preset, overrides)
+    if cfg.data.kind != "instruction":
+        raise UserError(
+            f"difflm sft tunes on instruction data, and preset {preset} reads {cfg.data.kind} data: pass "
+            "data.kind=instruction with instruction sources (e.g. data.sources=[demo:instructions]), or --preset sft-tiny"
+        )
     return cfg, folder, pretrained_lineage(source, folder, cfg)
 
 
