@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import unicodedata
+from typing import Literal
 
 import pyarrow.parquet as pq
 from datatrove.data import Document, DocumentsPipeline
@@ -34,7 +35,7 @@ from datatrove.utils.batching import batched
 from datatrove.utils.logging import logger
 
 from difflm.data_prep.chat import ROLES, ChatFormat, TemplateError, TemplateSpec
-from difflm.data_prep.readers import JsonlSource
+from difflm.data_prep.readers import _SUFFIXES, JsonlSource
 from difflm.data_prep.sharding import Piece
 from difflm.data_prep.split import split_of
 from difflm.data_prep.steps import SplitSourceWriter
@@ -94,7 +95,8 @@ class _InstructionMixin(_TolerantMixin):
     each skipped kind's first record is also written to the rejects folder."""
 
     keys: dict[str, str | None] = {}
-    normalization: str | None = None  # data.unicode_normalization, applied to each turn's content
+    normalization: Literal["NFC", "NFKC"] | None = None  # data.unicode_normalization, applied to each turn's text
+    source = ""  # the source's label (set by the reader's constructor)
     rejects_dir: str | None = None
 
     def _usable_text(self, record: dict, where: str) -> str | None:
@@ -115,21 +117,22 @@ class _InstructionMixin(_TolerantMixin):
     def _skip(self, reason: str, where: str, detail: str = "", n: int = 1) -> None:
         super()._skip(reason, where, detail, n)
         if n and self._counting and self.rejects_dir:
-            save_reject(self.rejects_dir, self._rank, reason, where, detail)
+            save_reject(self.rejects_dir, self._rank, reason, where, detail, self.source)
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        self._rank, self._rejected = rank, set()
+        self._rank = rank
         yield from super().run(data, rank, world_size)
 
 
-def save_reject(folder: str, rank: int, kind: str, where: str, detail: str) -> None:
-    """The first record of `kind` this task skipped, written once (atomically: a task can be killed anywhere)."""
+def save_reject(folder: str, rank: int, kind: str, where: str, detail: str, source: str) -> None:
+    """The first record of `kind` this task skipped, written once (atomically: a task can be killed anywhere);
+    `where` is relative to its source's folder."""
     path = os.path.join(folder, f"{rank:05d}-{kind}.json")
     if os.path.exists(path):
         return
     os.makedirs(folder, exist_ok=True)
     with open(path + ".part", "w") as f:
-        json.dump({"kind": kind, "where": where, "detail": detail}, f)
+        json.dump({"kind": kind, "where": where, "detail": detail, "source": source}, f)
     os.replace(path + ".part", path)
 
 
@@ -152,13 +155,20 @@ class InstructionParquetSource(_InstructionMixin, BaseDiskReader):
     def _records(self, piece: Piece) -> DocumentsPipeline:
         filepath = piece.path
         with self.data_folder.open(filepath, "rb") as f, pq.ParquetFile(f, buffer_size=1 << 20) as pqf:
-            columns = [k for k in self.keys.values() if k and k in pqf.schema_arrow.names]
+            names = pqf.schema_arrow.names
+            columns = [k for k in self.keys.values() if k and k in names]
+            if not columns:  # every row is the same bad record: one count of them all, no row read
+                detail = (
+                    f"(no field {self.keys['messages']!r}, nor {self.keys['prompt']!r}; fields: {sorted(names)[:8]})"
+                )
+                self._skip("no_conversation", f"{filepath} row 0", detail, n=pqf.metadata.num_rows)
+                return
             row = 0
-            for batch in pqf.iter_batches(batch_size=self.batch_rows, columns=columns or None):
+            for batch in pqf.iter_batches(batch_size=self.batch_rows, columns=columns):
                 for record in batch.to_pylist():
                     where = f"{filepath} row {row}"
                     row += 1
-                    text = self._usable_text(record if columns else {}, where)
+                    text = self._usable_text(record, where)
                     if text is not None:
                         yield Document(text=text, id=f"{self.source}:{where}", metadata={"source": self.source})
 
@@ -168,12 +178,12 @@ def make_instruction_reader(path, fmt: str, source: str, keys: dict, progress: b
     folder, glob = (path, None) if path.is_dir() else (path.parent, path.name)
     if fmt == "jsonl":
         reader = InstructionJsonlSource(str(folder), glob_pattern=glob or "**/*.json*", source=source)
-        reader.patterns = () if glob else ("*.jsonl*", "*.json*")
     elif fmt == "parquet":
         reader = InstructionParquetSource(str(folder), glob_pattern=glob or "**/*.parquet", source=source)
-        reader.patterns = () if glob else ("*.parquet",)
     else:
         raise ValueError(f"instruction data is read from JSONL or Parquet files, not {fmt}")
+    if glob is None:  # a folder: its files of other formats are listed by unknown_files, not read
+        reader.patterns = _SUFFIXES[fmt]
     reader.keys, reader.doc_progress = keys, progress
     return reader
 
@@ -224,7 +234,7 @@ class InstructionWriter(SplitSourceWriter):
         where = doc.id.split(":", 1)[1] if ":" in doc.id else doc.id
         logger.warning(f"skipping record at {where}: template error ({why})")
         if self.rejects_dir:
-            save_reject(self.rejects_dir, rank, "template_error", where, f"({why})")
+            save_reject(self.rejects_dir, rank, "template_error", where, f"({why})", doc.metadata.get("source", ""))
 
 
 class MaskFile(MegatronTokenizedFile):
@@ -235,8 +245,9 @@ class MaskFile(MegatronTokenizedFile):
         self.token_dtype, self.token_dtype_code = "uint8", 1
 
 
-def reject_lines(rejects_dir, skipped: dict[str, int]) -> list[str]:
-    """One line per kind of skipped record: how many, the first one (file and line or row) and what to do."""
+def reject_lines(rejects_dir, skipped: dict[str, int], folders: dict[str, str]) -> list[str]:
+    """One line per kind of skipped record: how many, the first one (file and line or row, in the source's folder
+    `folders[source]`) and what to do."""
     first: dict[str, dict] = {}
     for path in sorted(rejects_dir.glob("*.json")) if rejects_dir.exists() else ():
         r = json.loads(path.read_text())
@@ -247,7 +258,8 @@ def reject_lines(rejects_dir, skipped: dict[str, int]) -> list[str]:
         if not key.startswith("skipped_") or key.endswith("_file") or not n:
             continue
         r = first.get(kind)
-        at = f", the first at {r['where']} {r['detail']}".rstrip() if r else ""
+        where = r and os.path.join(folders.get(r.get("source", ""), ""), r["where"])
+        at = f", the first at {where} {r['detail']}".rstrip() if r else ""
         advice = ADVICE.get(kind)
         lines.append(
             f"data prep: skipped {n} record(s): {kind.replace('_', ' ')}{at}" + (f"; {advice}" if advice else "")

@@ -76,6 +76,7 @@ def preflight(cfg: PipelineConfig) -> None:
     path exists. Raises DataPrepError / TokenizerError with what to do."""
     for src in cfg.data.sources:
         resolve_source(src)
+    _template(cfg)  # instruction data: a template the tokenizer does not have is named before any work
     if cfg.tokenizer.path:
         path = Path(cfg.tokenizer.path).expanduser()
         if not (path / "tokenizer.json" if path.is_dir() else path).exists():
@@ -282,13 +283,13 @@ def tokenizer_threads(cfg: PipelineConfig) -> int | None:
 
 def run_pipeline(cfg: PipelineConfig, resolved, tok: TokenizerInfo, out: Path, template: TemplateSpec | None) -> None:
     d = cfg.data
-    writer_args = (str(out), tok.json_file, cfg.tokenizer.eos_token, d.valid_fraction, d.test_fraction, d.split_seed)
-    writer_kwargs = {"mask_token": cfg.tokenizer.mask_token, "threads": tokenizer_threads(cfg)}
-    writer = (
-        SplitSourceWriter(*writer_args, **writer_kwargs)
+    args = (str(out), tok.json_file, cfg.tokenizer.eos_token, d.valid_fraction, d.test_fraction, d.split_seed)
+    mask, threads = cfg.tokenizer.mask_token, tokenizer_threads(cfg)
+    writer: SplitSourceWriter = (
+        SplitSourceWriter(*args, mask_token=mask, threads=threads)
         if template is None
         else InstructionWriter(
-            *writer_args, **writer_kwargs, template=template.to_dict(), rejects_dir=str(out / REJECTS)
+            *args, mask_token=mask, threads=threads, template=template.to_dict(), rejects_dir=str(out / REJECTS)
         )
     )
     pipeline = [
@@ -469,7 +470,8 @@ def _prepare_data(cfg: PipelineConfig) -> DataManifest:
     manifest.write(manifest_path)
     print(summary_line(manifest), flush=True)
     if template is not None:  # one line per kind of bad instruction record, naming the first
-        for line in reject_lines(out / REJECTS, skipped):
+        folders = {s.label: str(p if p.is_dir() else p.parent) for s, p, _ in resolved}
+        for line in reject_lines(out / REJECTS, skipped, folders):
             print(line, flush=True)
     return manifest
 

@@ -51,7 +51,12 @@ def data_markdown(manifest: DataManifest, cached: bool = False) -> str:
         [
             f"# Data `{manifest.hash}`",
             "",
-            f"Stage {_ran(cached)}. Folder: `{manifest.dir}`; tokenizer vocabulary {manifest.tokenizer.vocab_size:,}.",
+            f"Stage {_ran(cached)}. Folder: `{manifest.dir}`; tokenizer vocabulary {manifest.tokenizer.vocab_size:,}."
+            + (
+                f" Instruction data (chat template `{manifest.instruction.get('template')}`), a loss mask beside each shard."
+                if manifest.instruction
+                else ""
+            ),
             "",
             *_table(["split", "source", "documents", "tokens"], rows),
             "",

@@ -46,7 +46,7 @@ class DataConfig(_Section):
         "pretraining",
         json_schema_extra=IF_SET,
         description="pretraining: documents to pack; instruction: conversations (`messages`, or `prompt` and "
-        "`response`) rendered with a chat template, with a loss mask beside the tokens (docs/sft.md).",
+        "`response`) rendered with a chat template, with a loss mask beside the tokens (docs/data.md).",
     )
     chat_template: Literal["auto", "tokenizer", "plain"] = Field(
         "auto",

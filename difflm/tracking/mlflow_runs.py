@@ -413,6 +413,8 @@ def data_counts(manifest: DataManifest) -> dict[str, str]:
         for src, c in s.sources.items():
             counts.update({f"{split}.{src}.documents": str(c["documents"]), f"{split}.{src}.tokens": str(c["tokens"])})
     counts.update({f"skipped.{k}": str(n) for k, n in manifest.skipped.items()})
+    if manifest.instruction is not None:  # instruction data: which chat template made its tokens and masks
+        counts.update({"kind": manifest.kind, "chat_template": str(manifest.instruction.get("template"))})
     return counts
 
 

@@ -18,7 +18,7 @@ from prefect.results import ResultRecord, ResultRecordMetadata
 from prefect.serializers import JSONSerializer
 
 from difflm.errors import UserError
-from difflm.manifest import DataManifest, ManifestError, SplitStats, TokenizerInfo
+from difflm.manifest import DataManifest, ManifestError, SplitStats, TokenizerInfo, loss_mask_prefix
 from difflm.rundir import RunDir
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "records_before_typing"
@@ -83,9 +83,14 @@ def test_write_then_read_gives_the_same_record(tmp_path):
     assert not list(tmp_path.glob("*.part"))  # written whole, then moved in place
 
     budget = {"unique_tokens": 1000, "subset_seed": 0, "tokens": 1010, "from": old.dir}
-    other = old.replace(kind="instruction", hash="b" * 12, budget=budget, skipped={"dropped_short": 3})
+    template = {"template": "plain", "chat_template": None, "special_tokens": {}, "fields": {"messages": "messages"}}
+    other = old.replace(
+        kind="instruction", hash="b" * 12, budget=budget, skipped={"dropped_short": 3}, instruction=template
+    )
     back = DataManifest.read(other.write(tmp_path / "other.json"))
-    assert back == other and back.kind == "instruction" and back.budget == budget
+    assert back == other and back.kind == "instruction" and back.budget == budget and back.instruction == template
+    assert back.loss_masks and not old.loss_masks and "instruction" not in old.to_dict()
+    assert loss_mask_prefix("/d/train/src/00000_tokens") == "/d/train/src/00000_tokens_loss_mask"
     assert back.to_dict() == other.to_dict()
 
 

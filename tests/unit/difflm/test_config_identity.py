@@ -172,6 +172,12 @@ def _identity_fields(model: type, prefix: str = "") -> set[str]:
 # list only when the new field does change what the stage computes.
 IDENTITY = {
     "data": {
+        "kind",  # IF_SET, as the instruction format below: pretraining data (the default) keeps its folders
+        "chat_template",
+        "messages_key",
+        "prompt_key",
+        "response_key",
+        "system_key",
         "sources",
         "text_key",
         "max_documents",

@@ -33,6 +33,9 @@ def test_sparkline_follows_the_curve_and_resamples():
 def test_summaries_show_what_a_user_checks_first():
     data = artifacts.data_markdown(MANIFEST)
     assert "| train | enwiki | 1,200 | 345,678 |" in data and "empty 3" in data and "too_short" not in data
+    assert "Instruction data" not in data
+    sft = artifacts.data_markdown(MANIFEST.replace(kind="instruction", instruction={"template": "plain"}))
+    assert "Instruction data (chat template `plain`), a loss mask beside each shard" in sft
     records = [
         {"step": s, "loss": 6.0 - s / 10, **({"val_loss": 6.1 - s / 10} if s % 5 == 0 else {})} for s in range(1, 21)
     ]
