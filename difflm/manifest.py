@@ -242,8 +242,3 @@ _REDO = (
     "data prep writes manifest.json last: delete that data folder and run data prep again (a run's "
     "data_manifest.json is a copy of its data's manifest.json: copy it again)"
 )
-
-
-def loss_mask_prefix(prefix: str) -> str:
-    """The prefix of the loss-mask shard beside token shard `prefix` (instruction data: 1 on response tokens)."""
-    return f"{prefix}_loss_mask"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from difflm.config import PipelineConfig
 from difflm.manifest import DataManifest
-from difflm.models.evaluation.likelihood import likelihood_bound, validation_windows
+from difflm.models.evaluation.likelihood import instruction_windows, likelihood_bound, validation_windows
 from difflm.models.evaluation.protocol import environment, model_identity
 from difflm.models.evaluation.record import EvalRecord
 from difflm.models.evaluation.stages import check_tokenizer, eval_device, load_model, load_tokenizer, placement
@@ -66,7 +66,9 @@ def score_export_bound(
         min(cfg.train.seq_length, model.config.max_position_embeddings),
         min(cfg.eval.max_sequences, max_sequences),
     )
-    bound = likelihood_bound(model, windows, cfg, tokenizer=tok).to_dict()
+    bound = likelihood_bound(
+        model, windows, cfg, tokenizer=tok, instruction=instruction_windows(manifest, windows)
+    ).to_dict()
     where = placement(model)
     if out_dir is not None:
         EvalRecord(

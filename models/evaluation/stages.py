@@ -19,7 +19,7 @@ from difflm.manifest import DataManifest
 from difflm.models.diffusion.modes import build_objective, objective_class
 from difflm.models.evaluation.efficiency import decode_counts, speed
 from difflm.models.evaluation.generation import default_prompts, generate_samples, sampler_settings
-from difflm.models.evaluation.likelihood import likelihood_bound, validation_windows
+from difflm.models.evaluation.likelihood import instruction_windows, likelihood_bound, validation_windows
 from difflm.models.evaluation.progress import Progress
 from difflm.models.evaluation.protocol import (
     CONFIG,
@@ -174,12 +174,13 @@ def evaluate_export(
     windows = validation_windows(
         manifest, min(cfg.train.seq_length, model.config.max_position_embeddings), e.max_sequences
     )
+    instruction = instruction_windows(manifest, windows)  # instruction data: the responses' bound
     say = echo or (lambda line: print(line, file=sys.stderr))  # stdout may be a JSON result
     part = _timed(say)
     part(f"bound of the trained model: {len(windows)} held-out windows, {e.mc_samples} noise draws each")
     bounds = {
         "trained": likelihood_bound(
-            model, windows, cfg, progress=Progress("bound", "windows", say), tokenizer=tok
+            model, windows, cfg, progress=Progress("bound", "windows", say), tokenizer=tok, instruction=instruction
         ).to_dict()
     }
     if untrained and e.untrained_baseline:
@@ -187,7 +188,9 @@ def evaluate_export(
         torch.manual_seed(cfg.train.seed)  # the same init distribution as training, weights never updated
         # initialised in fp32 on the CPU, then cast: the same weights whatever eval.device and eval.dtype are
         untrained_model = DiffLMForMaskedLM(model.config).to(device=device, dtype=dtype).eval()
-        bounds["untrained"] = likelihood_bound(untrained_model, windows, cfg, tokenizer=tok).to_dict()
+        bounds["untrained"] = likelihood_bound(
+            untrained_model, windows, cfg, tokenizer=tok, instruction=instruction
+        ).to_dict()
     docs = heldout_documents(manifest, tok)
     scorer = Scorer(model, tok, mc_samples=e.mc_samples, seed=e.seed)
     items = build_items(docs, e.task_items, e.seed) if e.task_items else {}

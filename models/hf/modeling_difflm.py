@@ -802,10 +802,14 @@ class DiffLMForMaskedLM(PreTrainedModel):
         prefix_len: int = 0,
         document_ids: torch.Tensor | None = None,
         eps: float | None = None,
+        scored: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The likelihood of this model's mode per scored token [b]: exact for ar (tokens 1..), the ELBO otherwise."""
+        """The likelihood of this model's mode per scored token [b]: exact for ar (tokens 1..), the ELBO otherwise.
+        `scored` [b, s]: only these tokens are scored (instruction data: the response), the others kept clean."""
         input_ids, attention_mask, document_ids = self._on_device(input_ids, attention_mask, document_ids)
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        if scored is not None:
+            valid = valid & scored.to(valid.device).bool()
         objective = self.objective
         if eps is not None and "eps" in objective.settings():
             objective = dataclasses.replace(objective, eps=eps)

@@ -75,7 +75,7 @@ class MaskDocumentsGPTDataset(GPTDataset):
     """Megatron's GPTDataset over `MaskDocuments`: the same windows as the token shards' (same lengths, same seed)."""
 
     @staticmethod
-    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> MaskDocuments:  # type: ignore[override]
+    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> MaskDocuments:
         return MaskDocuments(GPTDataset.build_low_level_dataset(dataset_path, config))
 
 
@@ -108,7 +108,7 @@ def build_datasets(cfg: PipelineConfig, manifest: DataManifest, train_samples: i
     tok = manifest.tokenizer
     tokenizer = DatasetTokenizer(tok.vocab_size, tok.eos_id, tok.pad_id, tok.sha256)
     tokens = _build(cfg, manifest, train_samples, valid_samples, GPTDataset, lambda p: p, tokenizer)
-    if manifest.kind != "instruction":
+    if not manifest.loss_masks:  # pretraining data: every token scored
         return tokens
     masks = _build(
         cfg, manifest, train_samples, valid_samples, MaskDocumentsGPTDataset, loss_mask_prefix, MASK_TOKENIZER

@@ -244,6 +244,7 @@ IDENTITY = {
         "mir_mask_share",  # IF_SET: MIR (ar) names a run only when on
         "mir_weight",
         "mir_share_draw",  # IF_SET: fixed (the default) draws as before
+        "sft_eos",  # IF_SET: every mode's EOS policy on instruction data names a run only when not the default
     },
     "train": {
         "seq_length",
@@ -517,6 +518,7 @@ def test_a_run_config_of_the_flat_section_loads():
         "mir_mask_share": 0.0,  # ar's own settings (MIR), at their defaults: off
         "mir_weight": 1.0,
         "mir_share_draw": "fixed",
+        "sft_eos": "turn",  # every mode's (instruction data only), at its default
     }
     assert cfg.stage_hash("diffusion") == validate(
         {**copy.deepcopy(TEST_TINY), "diffusion": {"model_running_mode": "ar"}}

@@ -112,7 +112,13 @@ def test_a_uniform_draw_gives_each_sequence_its_own_share_in_twice_the_mean():
 def test_settings_round_trip_count_flops_and_refuse_bad_input_with_one_line(tmp_path):
     cfg = tiny_config(tmp_path, *MIR)
     obj = build_objective(cfg.diffusion, TOKENS)
-    assert obj.to_dict() == {"mode": "ar", "mir_mask_share": 0.5, "mir_weight": 0.4, "mir_share_draw": "fixed"}
+    assert obj.to_dict() == {
+        "mode": "ar",
+        "mir_mask_share": 0.5,
+        "mir_weight": 0.4,
+        "mir_share_draw": "fixed",
+        "sft_eos": "turn",
+    }
     assert objective_from_dict(obj.to_dict(), TOKENS) == obj
     plain = tiny_config(tmp_path, "diffusion.model_running_mode=ar")
     assert plain.stage_hash("diffusion") != cfg.stage_hash("diffusion")  # MIR names its runs
