@@ -233,7 +233,7 @@ def _main(cmd, args) -> int:
         cfg = resolve_config(cmd, args)
         check_before_work(cmd.name, cfg, args)  # what needs no server fails before one starts
         _offline_env(cfg)  # Prefect's state beside the config's workdir (a run's own, for a command on a run)
-        runs_flow = cmd.name == "run" or (cmd.name == "study" and not args.plan)
+        runs_flow = cmd.name in ("run", "sft") or (cmd.name == "study" and not args.plan)
         flows = runs_flow or bool(getattr(args, "flow", False))
         # first the reaper (what this command starts dies with it), then the Prefect server, then the record
         # of this command's runs (kept, should it be killed, for the next command to mark them failed)
