@@ -110,7 +110,10 @@ def _trained_by(run: RunDir | None) -> dict[str, str] | None:
         return None
     from mlflow.tracking import MlflowClient  # as above
 
-    tracking.use_store(tracking.tracking_uri(cfg))
+    uri = tracking.tracking_uri(cfg)
+    if uri.startswith("sqlite:///") and not Path(uri.removeprefix("sqlite:///")).is_file():
+        return None  # no store there (a run trained without the pipeline): none is created by looking
+    tracking.use_store(uri)
     run_id = tracking.training_mlflow_run(cfg, run)
     if not run_id:
         return None
