@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from difflm.config import EvalConfig
+from difflm.errors import UserError
 from difflm.manifest import DataManifest, loss_mask_prefix
 from difflm.models.evaluation.generation import sampler_settings
 from difflm.models.evaluation.scoring import Scorer
@@ -31,7 +32,7 @@ from difflm.models.evaluation.tasks import stderr_of_mean
 SPLIT = "valid"  # the held-out split data prep writes
 
 
-class NoInstructionItems(ValueError):
+class NoInstructionItems(UserError, ValueError):
     """The data has no held-out instruction items (not instruction data, or no mask files beside its shards)."""
 
 
