@@ -272,6 +272,15 @@ class RunDir:
         return None
 
 
+def in_source_workdir(source: str, overrides: list[str]) -> list[str]:
+    """`overrides` led by `workdir=<the workdir holding source>` when `source` lies in a run (a run directory or its
+    export) and they name no workdir: a command on a run (`difflm sft`) writes beside it, one MLflow store for both."""
+    run = None if source.startswith("models:/") else RunDir.holding(Path(source).expanduser().resolve())
+    if run is None or any(o.split("=", 1)[0].strip() == "workdir" for o in overrides):
+        return list(overrides)
+    return [f"workdir={run.path.parent.parent}", *overrides]
+
+
 @dataclass(frozen=True)
 class TrainResult:
     """What every launcher (torchrun, Slurm, Kubernetes) returns for a finished run: the run directory, its final

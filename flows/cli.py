@@ -47,7 +47,7 @@ from difflm.reaper import reaped
 
 # besides every command that runs a flow (a Prefect server), these start processes that must not outlive them
 # (torchrun and its ranks, data-prep workers, served flow runs): they run under difflm.reaper
-STARTS_PROCESSES = {"prep", "train", "adapt", "serve"}
+STARTS_PROCESSES = {"prep", "train", "adapt", "sft", "serve"}
 DOCS = "docs/cli.md"  # each verb's page: what it does, in detail, with examples
 
 EPILOG = f"""examples:
@@ -233,7 +233,7 @@ def _main(cmd, args) -> int:
         cfg = resolve_config(cmd, args)
         check_before_work(cmd.name, cfg, args)  # what needs no server fails before one starts
         _offline_env(cfg)  # Prefect's state beside the config's workdir (a run's own, for a command on a run)
-        runs_flow = cmd.name == "run" or (cmd.name == "study" and not args.plan)
+        runs_flow = cmd.name in ("run", "sft") or (cmd.name == "study" and not args.plan)
         flows = runs_flow or bool(getattr(args, "flow", False))
         # first the reaper (what this command starts dies with it), then the Prefect server, then the record
         # of this command's runs (kept, should it be killed, for the next command to mark them failed)

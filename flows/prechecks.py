@@ -99,10 +99,20 @@ def _prep(cfg: PipelineConfig, args: argparse.Namespace) -> None:
     _data(cfg)
 
 
+HF_HINT = "or a Hugging Face model folder (Llama/Qwen2/Qwen3/Mistral)"
+
+
 def _adapt_source(args: argparse.Namespace) -> None:
     if args.source not in EXAMPLE_SOURCES:
         names = ", ".join(EXAMPLE_SOURCES)
         _must_exist(args.source, "SOURCE", f"pass a Hugging Face model folder (Llama/Qwen2/Qwen3/Mistral) or {names}")
+
+
+def _sft_source(args: argparse.Namespace) -> None:
+    if args.source not in EXAMPLE_SOURCES and not args.source.startswith("models:/"):
+        _must_exist(
+            args.source, "SOURCE", f"pass a run directory, an export folder, models:/<name>/<version>, {HF_HINT}"
+        )
 
 
 def _adapt(cfg: PipelineConfig, args: argparse.Namespace) -> None:
@@ -146,6 +156,7 @@ def _run_dir(args: argparse.Namespace) -> None:
 # the paths a command's arguments name: checked before its configuration is built (that imports torch, about 2.5 s)
 ARGUMENT_CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
     "adapt": _adapt_source,
+    "sft": _sft_source,
     "convert": _convert_source,
     "eval": _sources,
     "generate": _sources,

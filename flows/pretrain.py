@@ -120,6 +120,7 @@ def _register(run: PipelineRun, logger) -> dict:
             str(run.trained.checkpoint),
             manifest=run.manifest,
             results=run.results.to_dict(),
+            lineage=run.lineage,  # the source trained from (adapt, sft): its tags and description name it
         )
         or {}
     )

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from difflm.config import PipelineConfig, study_spec
+from difflm.config import PipelineConfig, load_config, study_spec
 from difflm.flows import commands
-from difflm.rundir import RunDir, Workdir
+from difflm.rundir import RunDir, Workdir, in_source_workdir
 
 DEFAULT_PRESET = "tiny-cpu"
 SERVED = ["pretrain-difflm", "adapt-difflm", "evaluate-latest"]  # what `difflm serve` serves
@@ -109,6 +109,19 @@ def _study_config(args) -> PipelineConfig:
 
 SOURCE_HELP = "export folder, run directory, or models:/<name>/<version> | models:/<name>@<alias>"
 ADAPT_SOURCE_HELP = "an HF folder (Llama/Qwen2/Qwen3/Mistral or an ar export), or smollm2"
+SFT_SOURCE_HELP = "run directory, export folder, models:/<name>/<version> | models:/<name>@<alias>, or an HF folder"
+
+
+def _sft_config(args) -> PipelineConfig:
+    """The preset, in the workdir of a SOURCE that lies in a run (its Prefect state and MLflow store)."""
+    return load_config(args.preset or "sft-tiny", in_source_workdir(args.source, args.overrides))
+
+
+def _sft(cfg: PipelineConfig, a: argparse.Namespace) -> int:
+    from difflm.flows.sft import sft_command  # Prefect: imported once the CLI has set PREFECT_HOME (commands.py)
+
+    return sft_command(cfg, a.source, a.preset or "sft-tiny", a.overrides)
+
 
 COMMANDS = (
     Command(
@@ -275,6 +288,17 @@ COMMANDS = (
         lambda cfg, a: commands.adapt(cfg, a.source, a.preset or "adapt-dream", a.overrides),
         (arg("source", metavar="SOURCE", help=ADAPT_SOURCE_HELP),),
         default_preset="adapt-dream",
+    ),
+    Command(
+        "sft",
+        "instruction-tune a pretrained model (run, export, models:/ or HF folder): flow sft-difflm",
+        "Run the Prefect flow sft-difflm: import SOURCE's weights, prepare the preset's instruction data through its "
+        "tokenizer, fine-tune on the responses, export, score the held-out instructions before and after (exact "
+        "match, the responses' NLL) and register the tuned model with the pretrained run as its lineage.",
+        lambda cfg, a: _sft(cfg, a),
+        (arg("source", metavar="SOURCE", help=SFT_SOURCE_HELP),),
+        default_preset="sft-tiny",
+        config_of=_sft_config,
     ),
     Command(
         "study",

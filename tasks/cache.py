@@ -104,7 +104,14 @@ def eval_key(cfg: PipelineConfig, manifest: DataManifest, hf_dir: str | Path) ->
 
 # eval settings added with the evaluation record (issue 47), left out of the key at their defaults: the results an
 # older release computed are still found (its record lacks the new sections; `difflm eval --force` writes them)
-RECORD_FIELDS = {"threshold_sweep": [], "gen_length": 8, "speed_batch": 8, "speed_repeats": 5, "baseline": None}
+RECORD_FIELDS = {
+    "threshold_sweep": [],
+    "gen_length": 8,
+    "speed_batch": 8,
+    "speed_repeats": 5,
+    "baseline": None,
+    "instruction_items": 64,  # issue 49: read by SFT's evaluation only
+}
 
 
 def _eval_settings(cfg: PipelineConfig) -> dict:

@@ -26,7 +26,7 @@ from difflm.models.launch.kubernetes import submit_kubernetes
 from difflm.models.launch.slurm import submit_slurm
 from difflm.models.launch.torchrun import launch_training
 from difflm.rundir import RunDir, TrainResult
-from difflm.tasks import adapt
+from difflm.tasks import adapt, sft
 from difflm.tasks.cache import eval_done
 from difflm.tasks.conversion import convert_source
 from difflm.tasks.latest import export_newest, score_export_bound
@@ -119,6 +119,26 @@ def evaluate_task(
             f"task {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items() if isinstance(v, float))
         )
     return results
+
+
+@task(name="evaluate-sft", cache_policy=NO_CACHE)
+def evaluate_sft_task(
+    cfg: PipelineConfig, manifest: DataManifest, hf_dir: str, before_dir: str, out_dir: str, reuse_key: str
+) -> EvalRecord:
+    """The tuned export evaluated as `evaluate_task` does, then the held-out instructions scored for it and for the
+    model before tuning (`before_dir`), into one record (`difflm.tasks.sft.evaluate_sft`); reused as evaluate's."""
+    if eval_done(Path(out_dir), reuse_key):
+        get_run_logger().info(f"reusing the evaluation in {out_dir} (same export, source, data and eval settings)")
+        return EvalRecord.read(out_dir).replace(
+            report=str(write_comparison(Path(cfg.workdir).resolve(), manifest.hash))
+        )
+    record = evaluate_task.fn(cfg, manifest, hf_dir, out_dir, False)
+    logger = get_run_logger()
+    record = sft.evaluate_sft(cfg, manifest, record, Path(hf_dir), Path(before_dir), Path(out_dir), logger.info)
+    before, after = sft.instruction_scores(record)
+    if after:
+        logger.info(" / ".join(sft.before_after_lines(before, after)))
+    return record
 
 
 @task(name="sampler-sweep", cache_policy=NO_CACHE)

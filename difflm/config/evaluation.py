@@ -121,6 +121,12 @@ class EvalConfig(_Section):
         64, ge=0, description="Items per task (cloze, choice) built from the held-out split; 0: no tasks."
     )
     mc_samples: int = Field(32, ge=1, description="Monte-Carlo draws of the conditional ELBO per task request.")
+    instruction_items: int = Field(
+        64,
+        ge=1,
+        description="Held-out instruction items (one per assistant turn) that `difflm sft` scores before and after "
+        "tuning: the responses' conditional likelihood and their exact match when generated (instruction data).",
+    )
     steps_sweep: list[int] = Field(
         default_factory=list,
         description="Sampler steps to sweep in the evaluate flow (quality and speed against steps); empty: none.",

@@ -467,6 +467,7 @@ def log_and_register_model(
     checkpoint: str,
     manifest: DataManifest | None = None,
     results: dict | None = None,
+    lineage: dict | None = None,
 ) -> dict:
     """Upload the HF folder as an artifact and register it (see difflm.tracking.registry): one model version per
     trained checkpoint (a rerun that reuses the checkpoint points at the existing version instead of adding a
@@ -497,6 +498,7 @@ def log_and_register_model(
                 hf_dir=hf_dir,
                 manifest=manifest,
                 results=results,
+                lineage=lineage,
             )
         )
         mlflow.set_tag("registered_model_version", f"{name}/{out['version']}")

@@ -228,9 +228,11 @@ def register_version(
     hf_dir: Path | None = None,
     manifest: DataManifest | None = None,
     results: dict | None = None,
+    lineage: dict | None = None,
 ) -> dict:
     """A version of `name` for `source` (logged by run `run_id` in the store at `uri`), described and promoted;
     or the version already registered from `checkpoint`, left as it is once its promotion was decided.
+    `lineage`: the model it was trained from (adaptation, SFT: `source.*` tags and a line of the description).
     Returns {registered_model, version, promotion, promoted, champion_version, aliases}."""
     from mlflow.tracking import MlflowClient  # mlflow takes seconds to import: loaded only when a version is registered
 
@@ -261,6 +263,7 @@ def register_version(
             manifest=manifest,
             results=results,
             params=parameter_count(hf_dir) if hf_dir else None,
+            lineage=lineage,
         )
         tags = {
             TAG_CHECKPOINT: checkpoint,
@@ -269,6 +272,7 @@ def register_version(
             "preset": cfg.name,
             **({TAG_DATA: manifest.hash} if manifest else {}),
             **({TAG_FILES: json.dumps(export_digests(hf_dir), sort_keys=True)} if hf_dir else {}),
+            **{f"source.{k}": str(v) for k, v in (lineage or {}).items()},
         }
         mv = client.create_model_version(name, source=source, run_id=run_id, tags=tags, description=description)
     t = cfg.tracking
@@ -320,6 +324,7 @@ def describe(
     manifest: DataManifest | None = None,
     results: dict | None = None,
     params: int | None = None,
+    lineage: dict | None = None,
 ) -> str:
     """The version's markdown description: what was trained on what, how well it did, where it all lives."""
     m, t = cfg.model, cfg.train
@@ -337,6 +342,8 @@ def describe(
         f"- training: {t.train_iters} steps x {t.global_batch_size} x {t.seq_length} tokens"
         + (f"; final val_loss {metrics['val_loss']:.4f}" if "val_loss" in metrics else "")
     )
+    if lineage:
+        lines.append(f"- trained from: {lineage_line(lineage)}")
     bound = (results or {}).get("bounds", {}).get("trained")
     if bound:
         what = "ELBO (upper bound)" if bound.get("bound") else "exact NLL"
@@ -359,3 +366,19 @@ def describe(
         lines.append(f"- dataset: `{links['run']}/data/manifest.json`, on disk `{manifest.dir}`")
     lines += [f"- checkpoint: `{checkpoint}`", f"- model files: `{source}`"]
     return "\n".join(lines)
+
+
+def lineage_line(lineage: dict) -> str:
+    """The source a model was trained from (adapt, sft), as its version's description names it: the pretrained
+    run, its MLflow run and registered version where known, and the folder's sha256."""
+    parts = [f"{what} `{lineage[k]}`" for k, what in LINEAGE_PARTS if lineage.get(k)]
+    sha = str(lineage.get("sha256", ""))[:16]
+    return ", ".join(parts) + (f" (sha256 {sha}...)" if sha else "")
+
+
+LINEAGE_PARTS = (
+    ("run_dir", "run"),
+    ("mlflow_run_id", "MLflow run"),
+    ("registered_version", "registered version"),
+    ("path", "files"),
+)

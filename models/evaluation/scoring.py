@@ -157,7 +157,12 @@ class Scorer:
 
     # ---- generation ----------------------------------------------------------------------------------
     def generate(
-        self, prompts: list[str], max_new_tokens: int, settings: MaskedSampler, until: list[str] | None = None
+        self,
+        prompts: list[str],
+        max_new_tokens: int,
+        settings: MaskedSampler,
+        until: list[str] | None = None,
+        prompt_ids: list[list[int]] | None = None,
     ) -> list[dict]:
         """A completion per prompt (batched, left-padded), cut at EOS and at the first `until` string.
         Each record carries the sampler settings, the wall time of its batch (its share: seconds), the time to the
@@ -166,7 +171,9 @@ class Scorer:
 
         Prompt and completion fit in max_length: `max_new_tokens` is capped at max_length - 1 (with a warning) and
         each prompt keeps its newest max_length - max_new_tokens tokens. Each row draws from a generator seeded
-        by (seed, its prompt tokens), so a sampled completion does not depend on the prompts batched with it."""
+        by (seed, its prompt tokens), so a sampled completion does not depend on the prompts batched with it.
+        `prompt_ids`: the prompts' tokens as given (an instruction's chat template, special tokens included, which
+        decoding then encoding the text would not give back); `prompts` then only label the records."""
         if max_new_tokens >= self.max_length:
             warnings.warn(
                 f"max_new_tokens={max_new_tokens} does not fit the model's max_length {self.max_length} "
@@ -177,7 +184,8 @@ class Scorer:
         out = []
         for a in range(0, len(prompts), self.batch_size):
             batch = prompts[a : a + self.batch_size]
-            encoded = [self.encode(p)[-(self.max_length - max_new_tokens) :] or [self.eos] for p in batch]
+            given = prompt_ids[a : a + self.batch_size] if prompt_ids is not None else [self.encode(p) for p in batch]
+            encoded = [e[-(self.max_length - max_new_tokens) :] or [self.eos] for e in given]
             width = max(map(len, encoded))
             ids = torch.tensor([[self.pad] * (width - len(e)) + e for e in encoded], device=self.device)
             attn = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded], device=self.device)

@@ -137,6 +137,7 @@ def test_prefect_yaml_deployments_load_and_validate():
         "pretrain-difflm/kubernetes",
         "convert-checkpoint/convert",
         "evaluate-latest/every-10-minutes",
+        "sft-difflm/sft-tiny",
     } <= flows.keys()
     (every,) = flows["evaluate-latest/every-10-minutes"]
     assert isinstance(every["schedule"], IntervalSchedule) and every["schedule"].interval.total_seconds() == 600
