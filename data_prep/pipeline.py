@@ -57,8 +57,8 @@ FAULTS = "logs/file_faults"  # one JSON report per damaged or unreadable input f
 
 def resolve_source(src: SourceConfig) -> tuple[Path, str]:
     """(path, format) of a source; clear errors for paths that do not exist or hold no data."""
-    if src.path == f"demo:{instruction_tasks.NAME}":
-        return instruction_tasks.demo_instructions(), "jsonl"
+    if src.path in instruction_tasks.SOURCES:
+        return instruction_tasks.demo_instructions(src.path), "jsonl"
     if src.path.startswith("demo:"):
         return demo_corpus(src.path.split(":", 1)[1]), "jsonl"
     path = Path(src.path).expanduser()
@@ -365,7 +365,7 @@ def shard_stats(out: Path, sources: list[SourceConfig]) -> dict[str, SplitStats]
 
 def _provenance(src: SourceConfig) -> dict:
     """Origin, license and checksum of an embedded corpus (user data: nothing to add)."""
-    if src.path == f"demo:{instruction_tasks.NAME}":
+    if src.path in instruction_tasks.SOURCES:
         return dict(instruction_tasks.PROVENANCE)
     if not src.path.startswith("demo:"):
         return {}

@@ -14,7 +14,12 @@ from pydantic import (
 from difflm.config.base import IF_SET, _Section
 from difflm.config.launch import SlurmConfig
 
-INSTRUCTION_SOURCES = ("demo:instructions",)  # generated conversations: instruction data only
+# generated conversations, instruction data only: the mix and each task alone (data_prep.instruction_tasks.SOURCES,
+# spelt here as the config imports no data prep; tests/unit/data_prep/test_chat.py checks that they agree)
+INSTRUCTION_SOURCES = (
+    "demo:instructions",
+    *(f"demo:instructions-{t}" for t in ("copy", "reverse", "last", "add")),
+)
 
 # the manifest's kinds (difflm.manifest.DataKind): spelt here too, as the config package imports no runtime module;
 # tests/unit/test_manifest.py checks that the two agree

@@ -174,3 +174,13 @@ def test_the_shipped_tasks_are_seeded_distinct_and_exact():
         task, words = prompt.split(": ", 1)
         assert answer == item["messages"][-1]["content"] == _expected(task, words.split())
     assert instruction_tasks.exact_match(" c b a ", "c b a") and not instruction_tasks.exact_match("c b", "c b a")
+
+
+def test_a_single_task_source_holds_that_task_alone_and_the_config_knows_every_source():
+    from difflm.config.data import INSTRUCTION_SOURCES
+
+    assert set(INSTRUCTION_SOURCES) == set(instruction_tasks.SOURCES)
+    items = instruction_tasks.generate(seed=0, n=instruction_tasks.SINGLE_TASK_ITEMS, tasks=("copy",))
+    assert len(items) == instruction_tasks.SINGLE_TASK_ITEMS and {i["task"] for i in items} == {"copy", "copy+copy"}
+    letters = {w for i in items for w in i["answer"].split()}
+    assert letters == set(instruction_tasks.LETTERS)
