@@ -8,7 +8,8 @@ Two things are given to the converter, each the reason we write the file ourselv
 not among its hashes: we pass the name our writer chose), and no SentencePiece model (Dream's conversion tries one
 first and only falls back when the file is missing; sentencepiece is not installed here). Two values differ on
 purpose: `general.name` (the converter's is made from the folder's name) and LLaDA's
-`tokenizer.ggml.add_bos_token` (our tokenizers start no prompt with a BOS; docs/engines.md)."""
+`tokenizer.ggml.add_bos_token` (our tokenizers start no prompt with a BOS; docs/engines.md); and ours has a chat
+template where the tokenizer has none (one that renders the prompt as it is)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from helpers import tiny_config, tiny_hf_model
 
 from deploy import llama_cpp
 from difflm.models.hf import engines
-from difflm.models.hf.gguf_file import GGUF_FILE, write_gguf
+from difflm.models.hf.gguf_file import GGUF_FILE, PLAIN_TEMPLATE, write_gguf
 
 pytestmark = pytest.mark.integration
 
@@ -43,6 +44,7 @@ sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", out, "--outtype", "f32
 runpy.run_path(base.__file__.rsplit("/conversion/", 1)[0] + "/convert_hf_to_gguf.py", run_name="__main__")
 """
 ON_PURPOSE = {"general.name", "tokenizer.ggml.add_bos_token"}
+TEMPLATE = "tokenizer.chat_template"
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +94,9 @@ def test_our_gguf_equals_what_llama_cpps_converter_writes(converter, tiny_manife
     assert done.returncode == 0, done.stderr[-2000:]
 
     a, b = _fields(tmp_path / GGUF_FILE), _fields(theirs)
+    # a tokenizer without a chat template gets one that renders the prompt as it is (the CLI would wrap it in
+    # ChatML): the converter writes none then
+    assert a.pop(TEMPLATE)[1] == PLAIN_TEMPLATE and TEMPLATE not in b
     assert set(a) == set(b), f"keys only ours: {set(a) - set(b)}, only the converter's: {set(b) - set(a)}"
     assert {k for k in a if a[k] != b[k]} <= ON_PURPOSE, {k: (a[k], b[k]) for k in a if a[k] != b[k]}
     ta, tb = gguf.GGUFReader(str(tmp_path / GGUF_FILE)).tensors, gguf.GGUFReader(str(theirs)).tensors

@@ -64,8 +64,8 @@ def test_what_is_not_an_export_is_refused_with_what_to_do(tmp_path):
     assert Export.find(tmp_path) is None
     with pytest.raises(ExportError, match="not an HF export written by difflm.*difflm convert"):
         Export.read(tmp_path)
-    (tmp_path / "difflm_export.json").write_text(json.dumps({"checkpoint": "/c", "format": "gguf"}))
-    with pytest.raises(ExportError, match="'gguf' layout, which this version does not know"):
+    (tmp_path / "difflm_export.json").write_text(json.dumps({"checkpoint": "/c", "format": "onnx"}))
+    with pytest.raises(ExportError, match="'onnx' layout, which this version does not know"):
         Export.read(tmp_path)
 
 
