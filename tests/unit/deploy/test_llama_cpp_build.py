@@ -62,3 +62,14 @@ def test_our_text_gets_llama_cpps_space_clean_up():
     text = "it 's , he ' d say . we 're here ! don 't ? they 'll"
     assert llama_cpp.clean_spaces(text) == "it's, he'd say. we're here! don 't? they 'll"
     assert llama_cpp.clean_spaces("") == "" and llama_cpp.clean_spaces(" .") == "."
+
+
+def test_the_evaluation_record_keeps_a_row_per_engine(tmp_path):
+    """benchmarks/engines.py --record: the rows go into results.json's `engines` and read back."""
+    from difflm.models.evaluation.record import EvalRecord
+
+    record = EvalRecord(mode="difflm-noshift", data_hash="d" * 12, export="x", bounds={"trained": {}})
+    rows = [{"engine": "llama.cpp", "version": llama_cpp.VERSION, "tokens_per_s": 1359.0, "settings": {"steps": 12}}]
+    record.replace(engines=rows).write(tmp_path)
+    assert EvalRecord.read(tmp_path).engines == rows
+    assert "engines" not in record.to_dict()  # absent until an engine was measured
