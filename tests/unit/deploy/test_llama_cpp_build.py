@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deploy import llama_cpp
+from difflm.models.evaluation.record import EvalRecord
 
 # the end of a real run's stdout (llama-diffusion-cli of 0.3.36 on a test-tiny LLaDA GGUF, --log-jsonl)
 STDOUT = """{"type":"log","time":162581,"level":"info","msg":"\\rdiffusion step: 8/12 [====    ] 66%"}
@@ -66,8 +67,6 @@ def test_our_text_gets_llama_cpps_space_clean_up():
 
 def test_the_evaluation_record_keeps_a_row_per_engine(tmp_path):
     """benchmarks/engines.py --record: the rows go into results.json's `engines` and read back."""
-    from difflm.models.evaluation.record import EvalRecord
-
     record = EvalRecord(mode="difflm-noshift", data_hash="d" * 12, export="x", bounds={"trained": {}})
     rows = [{"engine": "llama.cpp", "version": llama_cpp.VERSION, "tokens_per_s": 1359.0, "settings": {"steps": 12}}]
     record.replace(engines=rows).write(tmp_path)
