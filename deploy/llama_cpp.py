@@ -154,6 +154,20 @@ def patch(source: Path) -> None:
     (source / name).write_text(text.replace(old, new))
 
 
+def install_build(work: Path, source: Path) -> None:
+    """The binary, the converter and the build's log from a finished build in `work` into <cache>/<VERSION>,
+    staged in `work` and renamed into place: atomic, the folder appears complete or not at all."""
+    stage = work / VERSION
+    (stage / "bin").mkdir(parents=True)
+    (stage / "src").mkdir()
+    shutil.copy2(work / "build" / "bin" / BINARY, stage / "bin" / BINARY)
+    for name in KEPT:
+        src = source / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, stage / "src" / name)
+    shutil.copy2(work / "build.log", stage / "build.log")
+    os.rename(stage, version_dir())
+
+
 def build(jobs: int = 2, echo=print) -> Path:
     """The cached binary, built first when missing (LlamaCppUnavailable says why it could not be)."""
     if built():
@@ -179,14 +193,7 @@ def build(jobs: int = 2, echo=print) -> Path:
                 echo(f"llama.cpp {VERSION}: downloaded and unpacked in {time.monotonic() - t:.0f} s; building {BINARY}")
                 _run(["cmake", "-S", str(source), "-B", str(work / "build"), *CMAKE_FLAGS], log)
                 _run(["cmake", "--build", str(work / "build"), "--target", BINARY, "-j", str(jobs)], log)
-            stage = work / VERSION
-            (stage / "bin").mkdir(parents=True)
-            shutil.copy2(work / "build" / "bin" / BINARY, stage / "bin" / BINARY)
-            for name in KEPT:
-                src = source / name
-                (shutil.copytree if src.is_dir() else shutil.copy2)(src, stage / "src" / name)
-            shutil.copy2(work / "build.log", stage / "build.log")
-            os.rename(stage, version_dir())  # atomic: the folder appears complete or not at all
+            install_build(work, source)
         except BaseException:
             echo(f"llama.cpp build failed; its log: {work / 'build.log'}")
             raise
