@@ -72,3 +72,19 @@ def test_the_evaluation_record_keeps_a_row_per_engine(tmp_path):
     record.replace(engines=rows).write(tmp_path)
     assert EvalRecord.read(tmp_path).engines == rows
     assert "engines" not in record.to_dict()  # absent until an engine was measured
+
+
+def test_a_finished_build_is_moved_into_the_cache_whole(tmp_path, monkeypatch):
+    """install_build: the binary, the converter with gguf-py and the log, renamed into <cache>/<version> at once."""
+    monkeypatch.setenv("DIFFLM_LLAMA_CPP_CACHE", str(tmp_path / "cache"))
+    work, source = tmp_path / "cache" / f".{llama_cpp.VERSION}-building-x", tmp_path / "llama.cpp"
+    (work / "build" / "bin").mkdir(parents=True)
+    (work / "build" / "bin" / llama_cpp.BINARY).write_text("")
+    (work / "build" / "bin" / llama_cpp.BINARY).chmod(0o755)
+    (work / "build.log").write_text("built")
+    for name in ("conversion", "gguf-py/gguf"):
+        (source / name).mkdir(parents=True)
+    (source / "convert_hf_to_gguf.py").write_text("")
+    llama_cpp.install_build(work, source)
+    assert llama_cpp.built() == llama_cpp.binary() and llama_cpp.converter().is_file()
+    assert (llama_cpp.version_dir() / "src" / "gguf-py" / "gguf").is_dir() and not (work / llama_cpp.VERSION).exists()
