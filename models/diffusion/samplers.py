@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .bounds import LogitsFn, TimedLogitsFn
@@ -62,10 +61,11 @@ def timestep_count(step: int, steps: int, masked: int, eps: float) -> int:
     integer boundaries."""
     if step >= steps - 1:
         return masked
-    one, n, e = np.float32(1.0), np.float32(steps), np.float32(eps)
-    t = one - np.float32(step) / n * (one - e)
-    s = one - np.float32(step + 1) / n * (one - e)
-    return int(np.float32(masked) * (one - s / t))
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731 (each operation rounded to float32, as in C)
+    one, n, e = f32(1.0), f32(steps), f32(eps)
+    t = one - f32(step) / n * (one - e)
+    s = one - f32(step + 1) / n * (one - e)
+    return int(f32(masked) * (one - s / t))
 
 
 REMASKING = ("low_confidence", "margin", "entropy", "random", "left_to_right")
