@@ -68,6 +68,10 @@ def _ours(folder, gguf, length: int, settings) -> tuple[str, list[int]]:
     return llama_cpp.our_text(tok, meta, new), new
 
 
+@pytest.mark.slow(
+    reason="waits for the background llama.cpp build (about 4 min on 2 idle cores from collection, seconds when "
+    "cached) and trains a shared untied test-tiny run (about 40 s) when no test before it has"
+)
 @pytest.mark.parametrize(
     ("mode", "layout", "schedule"),
     [
