@@ -12,9 +12,10 @@ the Docker images' ~/.cache/difflm/docker). The build happens in a temporary fol
 to <VERSION> when complete, under a lock: a half-finished build is never taken for a finished one, and two builds at
 once (the test suite's background build and `make llama-cpp`) do the work once.
 
-Measured on this project's 2-core machine (cmake 3.25, g++ 12, 2026-12-07): download 12 s, configure 15 s, build of
-the one target with -j2 about 4 min (230 s on 2 idle cores before the switches below; the switches cut what
-cmake configures, not the ~150 objects the CLI needs: ggml, llama with its ~120 model graphs, common)."""
+Measured on this project's 2-core machine (cmake 3.25, g++ 12, 2026-12-07), shared with other sessions at a load
+of 17-22: download and unpack 92 s (12 s idle), the one target with -j2 at nice 10 9.5 CPU-minutes (534 s user, 37 s
+system), 39 min of wall time (about 4 min on 2 idle cores: 230 s before the switches below, which cut what cmake
+configures, not the ~150 objects the CLI needs: ggml, llama with its model graphs, common)."""
 
 from __future__ import annotations
 
