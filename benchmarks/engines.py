@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script: the repository's packages
     sys.path.insert(0, str(ROOT))
 
-import difflm  # noqa: E402
 from deploy import llama_cpp  # noqa: E402
+from difflm.models.evaluation.protocol import environment  # noqa: E402
 from difflm.models.evaluation.record import EvalRecord  # noqa: E402
 from difflm.models.evaluation.stages import load_model, load_tokenizer  # noqa: E402
 
@@ -72,7 +72,9 @@ def measure(export: Path, gguf: Path, prompts: list[str], length: int, steps: in
         rows["llama.cpp"][1] += got.seconds
         same += got.text == text
     config = {"length": length, "steps": steps, **schedule, "threads": threads, "prompts": len(prompts)}
-    versions = {"llama.cpp": f"llama-cpp-python {llama_cpp.VERSION} (vendor/llama.cpp)", "difflm": difflm.__version__}
+    env = environment()
+    ours_version = f"{env['difflm']} ({(env['commit'] or '?')[:7]}), torch {env['torch']}"
+    versions = {"llama.cpp": f"llama-cpp-python {llama_cpp.VERSION} (vendor/llama.cpp)", "difflm": ours_version}
     settings_of = {
         "llama.cpp": "--temp 0 --top-k 1 --diffusion-algorithm 4 (confidence)",
         "difflm": "remasking=left_to_right, temperature 0",

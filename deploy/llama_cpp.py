@@ -12,9 +12,10 @@ the Docker images' ~/.cache/difflm/docker). The build happens in a temporary fol
 to <VERSION> when complete, under a lock: a half-finished build is never taken for a finished one, and two builds at
 once (the test suite's background build and `make llama-cpp`) do the work once.
 
-Measured on this project's 2-core machine (cmake 3.25, g++ 12, 2026-12-07): download 12 s, configure 15 s, build of
-the one target with -j2 about 4 min (230 s on 2 idle cores before the switches below; the switches cut what
-cmake configures, not the ~150 objects the CLI needs: ggml, llama with its ~120 model graphs, common)."""
+Measured on this project's 2-core machine (cmake 3.25, g++ 12, 2026-12-07), shared with other sessions at a load
+of 17-22: download and unpack 92 s (12 s idle), the one target with -j2 at nice 10 9.5 CPU-minutes (534 s user, 37 s
+system), 39 min of wall time (about 4 min on 2 idle cores: 230 s before the switches below, which cut what cmake
+configures, not the ~150 objects the CLI needs: ggml, llama with its model graphs, common)."""
 
 from __future__ import annotations
 
@@ -154,6 +155,20 @@ def patch(source: Path) -> None:
     (source / name).write_text(text.replace(old, new))
 
 
+def install_build(work: Path, source: Path) -> None:
+    """The binary, the converter and the build's log from a finished build in `work` into <cache>/<VERSION>,
+    staged in `work` and renamed into place: atomic, the folder appears complete or not at all."""
+    stage = work / VERSION
+    (stage / "bin").mkdir(parents=True)
+    (stage / "src").mkdir()
+    shutil.copy2(work / "build" / "bin" / BINARY, stage / "bin" / BINARY)
+    for name in KEPT:
+        src = source / name
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, stage / "src" / name)
+    shutil.copy2(work / "build.log", stage / "build.log")
+    os.rename(stage, version_dir())
+
+
 def build(jobs: int = 2, echo=print) -> Path:
     """The cached binary, built first when missing (LlamaCppUnavailable says why it could not be)."""
     if built():
@@ -179,14 +194,7 @@ def build(jobs: int = 2, echo=print) -> Path:
                 echo(f"llama.cpp {VERSION}: downloaded and unpacked in {time.monotonic() - t:.0f} s; building {BINARY}")
                 _run(["cmake", "-S", str(source), "-B", str(work / "build"), *CMAKE_FLAGS], log)
                 _run(["cmake", "--build", str(work / "build"), "--target", BINARY, "-j", str(jobs)], log)
-            stage = work / VERSION
-            (stage / "bin").mkdir(parents=True)
-            shutil.copy2(work / "build" / "bin" / BINARY, stage / "bin" / BINARY)
-            for name in KEPT:
-                src = source / name
-                (shutil.copytree if src.is_dir() else shutil.copy2)(src, stage / "src" / name)
-            shutil.copy2(work / "build.log", stage / "build.log")
-            os.rename(stage, version_dir())  # atomic: the folder appears complete or not at all
+            install_build(work, source)
         except BaseException:
             echo(f"llama.cpp build failed; its log: {work / 'build.log'}")
             raise

@@ -271,7 +271,7 @@ class TrainedRun:
 
 @pytest.fixture(scope="session")
 def trained(shared_dir, tiny_manifest) -> Callable[[str], TrainedRun]:
-    """`trained(mode)`: the shared trained run of `mode` ("masked", "ar", "block", "shift"; helpers.TRAINED_MODES), trained
+    """`trained(mode)`: the shared trained run of `mode` ("masked", "ar", "block", "shift", ...; helpers.TRAINED_MODES), trained
     through the real launcher with the canonical short-run settings (helpers.TRAINED) the first time a test asks,
     in a workdir of the whole run: a later ask, from this worker or the other, is the pipeline's own reuse (a
     finished run), and one asked while it trains waits on the run's lock. Its export (`convert_checkpoint`) is

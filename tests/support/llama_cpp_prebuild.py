@@ -1,6 +1,7 @@
 """llama.cpp's diffusion CLI for the tests that run it (tests/integration/test_llama_cpp.py), built in the background
 from the moment such a test is collected: `python -m deploy.llama_cpp build` (download 12 s, then about 4 min of
-compiling on 2 cores at nice 10, about 7 CPU-minutes; seconds when cached in ~/.cache/difflm/llama.cpp/<version>).
+compiling on 2 idle cores at nice 10, 9.5 CPU-minutes measured; seconds when cached in
+~/.cache/difflm/llama.cpp/<version>).
 The tests before it run meanwhile; the `llama_cpp` fixture waits for it.
 
 conftest.py calls `start` after collection (under xdist the controller calls `start_for`, once for the run; the

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from deploy import llama_cpp
+from difflm.models.evaluation.record import EvalRecord
 
 # the end of a real run's stdout (llama-diffusion-cli of 0.3.36 on a test-tiny LLaDA GGUF, --log-jsonl)
 STDOUT = """{"type":"log","time":162581,"level":"info","msg":"\\rdiffusion step: 8/12 [====    ] 66%"}
@@ -62,3 +63,28 @@ def test_our_text_gets_llama_cpps_space_clean_up():
     text = "it 's , he ' d say . we 're here ! don 't ? they 'll"
     assert llama_cpp.clean_spaces(text) == "it's, he'd say. we're here! don 't? they 'll"
     assert llama_cpp.clean_spaces("") == "" and llama_cpp.clean_spaces(" .") == "."
+
+
+def test_the_evaluation_record_keeps_a_row_per_engine(tmp_path):
+    """benchmarks/engines.py --record: the rows go into results.json's `engines` and read back."""
+    record = EvalRecord(mode="difflm-noshift", data_hash="d" * 12, export="x", bounds={"trained": {}})
+    rows = [{"engine": "llama.cpp", "version": llama_cpp.VERSION, "tokens_per_s": 1359.0, "settings": {"steps": 12}}]
+    record.replace(engines=rows).write(tmp_path)
+    assert EvalRecord.read(tmp_path).engines == rows
+    assert "engines" not in record.to_dict()  # absent until an engine was measured
+
+
+def test_a_finished_build_is_moved_into_the_cache_whole(tmp_path, monkeypatch):
+    """install_build: the binary, the converter with gguf-py and the log, renamed into <cache>/<version> at once."""
+    monkeypatch.setenv("DIFFLM_LLAMA_CPP_CACHE", str(tmp_path / "cache"))
+    work, source = tmp_path / "cache" / f".{llama_cpp.VERSION}-building-x", tmp_path / "llama.cpp"
+    (work / "build" / "bin").mkdir(parents=True)
+    (work / "build" / "bin" / llama_cpp.BINARY).write_text("")
+    (work / "build" / "bin" / llama_cpp.BINARY).chmod(0o755)
+    (work / "build.log").write_text("built")
+    for name in ("conversion", "gguf-py/gguf"):
+        (source / name).mkdir(parents=True)
+    (source / "convert_hf_to_gguf.py").write_text("")
+    llama_cpp.install_build(work, source)
+    assert llama_cpp.built() == llama_cpp.binary() and llama_cpp.converter().is_file()
+    assert (llama_cpp.version_dir() / "src" / "gguf-py" / "gguf").is_dir() and not (work / llama_cpp.VERSION).exists()
