@@ -2,7 +2,7 @@
 user runs it: the command line, the preset sft-tiny on the seeded instruction tasks, masked diffusion and AR. The
 held-out responses' NLL falls by nats and the exact match does not fall (see the test's note on the majority the
 issue asks for), both models' figures are in the evaluation record, and the registered version's lineage names
-the pretrained run. The parts that need no training: tests/unit/tasks/test_sft.py."""
+the pretrained run. The parts that need no training: tests/unit/tasks/test_sft_command.py."""
 
 from __future__ import annotations
 
