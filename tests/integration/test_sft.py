@@ -1,7 +1,6 @@
 """`difflm sft` from a pretrained test-tiny run (the suite's shared trained runs, tests/conftest.py `trained`), as a
 user runs it: the command line, the preset sft-tiny on the seeded instruction tasks, masked diffusion and AR. The
-held-out responses' NLL falls by nats and the exact match does not fall (see the test's note on the majority the
-issue asks for), both models' figures are in the evaluation record, and the registered version's lineage names
+held-out exact match rises from near 0 to a majority and the responses' NLL falls by nats, both models' figures are in the evaluation record, and the registered version's lineage names
 the pretrained run. The parts that need no training: tests/unit/tasks/test_sft_command.py."""
 
 from __future__ import annotations
@@ -55,10 +54,8 @@ def test_sft_raises_held_out_exact_match_and_registers_with_the_pretrained_run_a
     found = re.search(r"held-out exact match: before ([\d.]+)  after ([\d.]+)  \((\d+) items\)", out)
     assert found, out[-3000:]
     before, after = float(found.group(1)), float(found.group(2))
-    # test-tiny (2 layers, hidden 32) does not learn the shipped task mix to a majority in a CPU test budget (200
-    # steps: 0.000 -> 0.000 in both modes; 3,000 AR steps of 32: 0.125, `last` alone 0.67; docs/sft.md): what the
-    # test holds is the tuned model never below the source, and the responses' NLL falling by nats
-    assert before <= 0.1 and after >= before, (before, after)
+    # the issue's bar: from near 0 to a clear majority (sft-tiny: the copy task, document attention; docs/sft.md)
+    assert before <= 0.1 and after > 0.5, (before, after)
     nll = re.search(r"held-out response NLL: before ([\d.]+)  after ([\d.]+) nats/token", out)
     assert nll and float(nll.group(1)) > float(nll.group(2)) + 2.0, out[-3000:]
     name = re.search(r"registered_model: (\S+)", out).group(1)
