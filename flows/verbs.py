@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from difflm.config import PipelineConfig, load_config, study_spec
-from difflm.flows import commands
+from difflm.flows import commands, eval_commands
 from difflm.rundir import RunDir, Workdir, in_source_workdir
 
 DEFAULT_PRESET = "tiny-cpu"
@@ -220,9 +220,9 @@ COMMANDS = (
         "samples, on the data and config its run recorded; one table. data.* overrides score other data, into "
         "<run>/eval-<data hash>.",
         lambda cfg, a: (
-            commands.reproduce(a.reproduce, a.overrides, a.out)
+            eval_commands.reproduce(a.reproduce, a.overrides, a.out)
             if a.reproduce
-            else commands.evaluate(cfg, a.sources, a.preset, a.overrides, a.out, a.tracking_uri, a.flow, a.force)
+            else eval_commands.evaluate(cfg, a.sources, a.preset, a.overrides, a.out, a.tracking_uri, a.flow, a.force)
         ),
         (
             arg("sources", nargs="*", metavar="SOURCE", help=SOURCE_HELP),
@@ -246,7 +246,7 @@ COMMANDS = (
         "One point per decoding setting of each RECORD (results.json or an evaluation folder: its own decoding, its "
         "sweep, its AR baseline): compare.md, compare.json and compare.png in --out, and an MLflow run. Records "
         "from different machines compare by TPF, NFE and AUP (tokens/s left out).",
-        lambda cfg, a: commands.compare(cfg, a.records, a.out),
+        lambda cfg, a: eval_commands.compare(cfg, a.records, a.out),
         (
             arg("records", nargs="+", metavar="RECORD", help="results.json files or evaluation folders"),
             arg("--out", default=None, help="output folder (default: <workdir>/reports/compare-<time>)"),
@@ -257,7 +257,7 @@ COMMANDS = (
         "score a training run's newest checkpoint, while it trains, into MLflow",
         "Run the Prefect flow evaluate-latest once: export the newest complete checkpoint of RUN_DIR, score its "
         "held-out likelihood bound and log it to MLflow at that iteration; a checkpoint scored before is skipped.",
-        lambda cfg, a: commands.eval_latest(a.run_dir, a.preset, a.overrides, a.max_sequences, a.force),
+        lambda cfg, a: eval_commands.eval_latest(a.run_dir, a.preset, a.overrides, a.max_sequences, a.force),
         (
             arg("run_dir", metavar="RUN_DIR", help="training run directory (<workdir>/runs/<run>)"),
             arg("--max-sequences", type=int, default=16, help="held-out windows to score (default: 16)"),
@@ -270,7 +270,7 @@ COMMANDS = (
         "sample from an export with the configured sampler",
         "Generate after each --prompt (default: the first words of held-out documents) with the sampler "
         "eval.sampler.*.",
-        lambda cfg, a: commands.generate(cfg, a.source, a.prompt, a.max_new_tokens, a.json, a.tracking_uri),
+        lambda cfg, a: eval_commands.generate(cfg, a.source, a.prompt, a.max_new_tokens, a.json, a.tracking_uri),
         (
             arg("source", metavar="SOURCE", help=SOURCE_HELP),
             arg("--prompt", action="append", help="a prompt (repeat for a batch)"),
